@@ -1,0 +1,39 @@
+# `make test` and `make demo` set themselves up: a .venv with torch (the CPU
+# build on a CPU machine; an existing CUDA torch is kept), then this package
+# editable with its test extra. Re-running is a no-op unless setup.py changed.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.hybridcomm-setup
+TORCH_CPU := torch==2.13.0
+
+.PHONY: setup test demo bench clean
+setup: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	@if [ ! -x $(PY) ]; then \
+	  if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
+	    echo "[setup] keeping the CUDA torch of $(PYTHON) (venv with system site-packages)"; \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else \
+	    $(PYTHON) -m venv $(VENV); \
+	  fi; \
+	fi
+	@if ! $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "[setup] installing $(TORCH_CPU) (CPU build)"; \
+	  $(PY) -m pip install -q $(TORCH_CPU) numpy 2>&1 | grep -v "is ignored" || true; \
+	fi
+	@$(PY) -c "import torch" || { echo "[setup] torch failed to install"; exit 1; }
+	@echo "[setup] installing hybridcomm (editable, [test])"
+	@$(PY) -m pip install -q -e ".[test]" 2>&1 | grep -v "is ignored" || true
+	@$(PY) -c "import hybridcomm, hybridcomm.kernels" || { echo "[setup] hybridcomm failed to install"; exit 1; }
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+demo: setup
+	$(PY) -m hybridcomm.demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

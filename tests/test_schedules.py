@@ -1,0 +1,145 @@
+"""Schedules as pure data: exact sums through the simulator, and their structure."""
+import math
+import random
+
+import pytest
+
+from hybridcomm.algorithms import ALGORITHMS, ScheduleError, get_schedule, simulate
+from hybridcomm.algorithms.schedule import Recv, Schedule, Send, Step
+
+WORLD_SIZES = range(1, 18)
+
+
+def lengths(p):
+    return sorted({0, 1, max(p - 1, 0), p, p + 1, 2 * p + 1, 13, 101, 1009})
+
+
+def all_schedules(algo, p, n):
+    return [get_schedule(algo, r, p, n) for r in range(p)]
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+@pytest.mark.parametrize("p", WORLD_SIZES)
+def test_simulated_sum_is_exact_on_every_rank(algo, p):
+    rng = random.Random(p)
+    for n in lengths(p):
+        inputs = [[rng.randint(-1000, 1000) for _ in range(n)] for _ in range(p)]
+        expected = [sum(col) for col in zip(*inputs)] if n else []
+        out = simulate(all_schedules(algo, p, n), inputs)
+        assert out == [expected] * p, (algo, p, n)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8, 16])
+def test_step_counts_at_powers_of_two(p):
+    n = 10 * p
+    log = int(math.log2(p))
+    for r in range(p):
+        assert len(get_schedule("ring", r, p, n).steps) == 2 * (p - 1)
+        assert len(get_schedule("butterfly", r, p, n).steps) == log
+        assert len(get_schedule("halving_doubling", r, p, n).steps) == 2 * log
+
+
+@pytest.mark.parametrize("p", [3, 5, 6, 7, 12])
+def test_non_power_of_two_folds_two_extra_steps(p):
+    core = 1 << (p.bit_length() - 1)
+    log = int(math.log2(core))
+    for r in range(p):
+        steps = len(get_schedule("butterfly", r, p, 100).steps)
+        if r >= core:
+            assert steps == 2  # hand in, get the result back
+        elif r < p - core:
+            assert steps == log + 2
+        else:
+            assert steps == log
+    assert all(len(get_schedule("ring", r, p, 100).steps) == 2 * (p - 1) for r in range(p))
+
+
+@pytest.mark.parametrize("algo", ALGORITHMS)
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8, 11])
+def test_every_send_has_its_receive(algo, p):
+    n = 3 * p + 2
+    sends, recvs = {}, {}
+    for r in range(p):
+        for st in get_schedule(algo, r, p, n).steps:
+            for s in st.sends:
+                sends.setdefault((r, s.peer), []).append(s.stop - s.start)
+            for v in st.recvs:
+                recvs.setdefault((v.peer, r), []).append(v.stop - v.start)
+    assert sends == recvs  # same pairs, same sizes, same order
+
+
+@pytest.mark.parametrize("p", [2, 3, 5, 8])
+def test_ring_traffic_forms_a_ring(p):
+    n = 10 * p
+    total = 0
+    for r in range(p):
+        s = get_schedule("ring", r, p, n)
+        for st in s.steps:
+            assert [x.peer for x in st.sends] == [(r + 1) % p]
+            assert [x.peer for x in st.recvs] == [(r - 1) % p]
+            total += sum(x.stop - x.start for x in st.sends)
+    # each rank sends 2(P-1)/P of the buffer: bandwidth-optimal
+    assert total == p * 2 * (p - 1) * n // p
+
+
+def test_butterfly_partners_are_xor_pairs():
+    for r in range(8):
+        peers = [st.sends[0].peer for st in get_schedule("butterfly", r, 8, 64).steps]
+        assert peers == [r ^ 1, r ^ 2, r ^ 4]
+
+
+def test_final_reduction_once_per_element():
+    # each element is finalized (scaled, for avg) by exactly one reduction per
+    # rank or copied from one: the simulator checks this, so a schedule that
+    # forgets `final` fails here.
+    p, n = 4, 8
+    bad = []
+    for r in range(p):
+        s = get_schedule("ring", r, p, n)
+        steps = tuple(Step(st.sends, tuple(Recv(v.peer, v.start, v.stop, v.reduce, False)
+                                            for v in st.recvs)) for st in s.steps)
+        bad.append(Schedule(s.algorithm, r, p, n, steps))
+    with pytest.raises(ScheduleError, match="final"):
+        simulate(bad, [[1] * n] * p)
+
+
+def test_simulator_catches_order_mismatch_without_tags():
+    # rank 0 sends two differently sized messages; rank 1 posts its receives
+    # in the other order: NCCL would mismatch, so must the simulator.
+    s0 = Schedule("x", 0, 2, 3, (Step((Send(1, 0, 1),), ()), Step((Send(1, 1, 3),), ())))
+    s1 = Schedule("x", 1, 2, 3, (Step((), (Recv(0, 1, 3, reduce=False),)),
+                                 Step((), (Recv(0, 0, 1, reduce=False),))))
+    with pytest.raises(ScheduleError, match="expects 2 elements"):
+        simulate([s0, s1], [[1, 2, 3], [0, 0, 0]])
+
+
+def test_simulator_catches_deadlock_and_unmatched_sends():
+    s0 = Schedule("x", 0, 2, 1, (Step((), (Recv(1, 0, 1, reduce=True),)),))
+    s1 = Schedule("x", 1, 2, 1, (Step((), (Recv(0, 0, 1, reduce=True),)),))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate([s0, s1], [[1], [1]])
+    s0 = Schedule("x", 0, 2, 1, (Step((Send(1, 0, 1),), ()),))
+    s1 = Schedule("x", 1, 2, 1, ())
+    with pytest.raises(ScheduleError, match="never received"):
+        simulate([s0, s1], [[1], [1]])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        get_schedule("tree", 0, 2, 4)
+    with pytest.raises(ValueError, match="rank"):
+        get_schedule("ring", 2, 2, 4)
+    with pytest.raises(ValueError, match="numel"):
+        get_schedule("butterfly", 0, 2, -1)
+    with pytest.raises(ValueError, match="world_size"):
+        get_schedule("halving_doubling", 0, 0, 4)
+
+
+def test_scratch_is_bounded_by_the_buffer():
+    for algo in ALGORITHMS:
+        for p in (2, 3, 8):
+            for r in range(p):
+                s = get_schedule(algo, r, p, 1000)
+                folded_out = r >= 1 << (p.bit_length() - 1) and algo != "ring"
+                assert s.scratch_numel == 0 if folded_out else 0 < s.scratch_numel <= 1000
+    assert get_schedule("ring", 0, 4, 1000).scratch_numel == 250
