@@ -1,0 +1,145 @@
+"""pack: many tensors -> one flat buffer, with optional scale and cast."""
+import torch
+
+from ._triton import (
+    check_dtype,
+    check_same_device,
+    check_scale,
+    check_tensor,
+    device_guard,
+    launch_geometry,
+    tl,
+    triton,
+    triton_available,
+    use_triton,
+)
+
+if triton_available:
+
+    @triton.jit
+    def _pack_kernel(
+        src_ptr,
+        out_ptr,
+        numel,
+        offset,
+        scale,
+        HAS_SCALE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        x = tl.load(src_ptr + offs, mask=mask)
+        if HAS_SCALE:
+            # fp32 math (the interpreter gets bf16 arithmetic wrong, too).
+            x = x.to(tl.float32) * scale
+        tl.store(out_ptr + offset + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+else:
+    _pack_kernel = None
+
+
+def _prepare(tensors, out, dtype):
+    """Validate; return (tensors as a list, out as a flat view, allocated if None)."""
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        check_tensor(t, f"tensors[{i}]")
+    total = sum(t.numel() for t in tensors)
+    if out is None:
+        if dtype is None:
+            dtypes = {t.dtype for t in tensors}
+            if len(dtypes) > 1:
+                raise TypeError(
+                    f"tensors have mixed dtypes {sorted(map(str, dtypes))}; pass dtype= or out="
+                )
+            dtype = dtypes.pop() if dtypes else torch.float32
+        check_dtype(dtype, "dtype")
+        device = tensors[0].device if tensors else torch.device("cpu")
+        out = torch.empty(total, dtype=dtype, device=device)
+    else:
+        check_tensor(out, "out")
+        if dtype is not None and dtype != out.dtype:
+            raise TypeError(f"dtype={dtype} but out has dtype {out.dtype}")
+        if out.numel() != total:
+            raise ValueError(f"out has {out.numel()} elements but the tensors hold {total}")
+    for i, t in enumerate(tensors):
+        check_same_device(t, out, f"tensors[{i}]", "out")
+    return tensors, out
+
+
+def pack(tensors, out=None, *, scale=None, dtype=None, backend=None, _block=None):
+    """Concatenate the flattened ``tensors``, in order, into one flat 1-D buffer.
+
+    Each element is multiplied by ``scale`` (in fp32) if given and cast to the
+    buffer's dtype (e.g. fp32 gradients -> a bf16 wire buffer). ``out`` must
+    be contiguous with exactly as many elements as the tensors hold; if None
+    it is allocated with ``dtype``, or the tensors' common dtype. Inputs must
+    be contiguous and on ``out``'s device. CUDA runs the Triton kernel, other
+    devices :func:`pack_ref`; ``backend`` ("triton" or "torch") forces one.
+    ``_block`` overrides elements per program (tests only).
+
+    Example::
+
+        >>> flat = pack([torch.ones(2, 2), torch.full((3,), 2.0)], dtype=torch.bfloat16)
+        >>> flat
+        tensor([1., 1., 1., 1., 2., 2., 2.], dtype=torch.bfloat16)
+
+    Returns ``out`` (the 1-D buffer).
+    """
+    tensors, out = _prepare(tensors, out, dtype)
+    scale = check_scale(scale)
+    if not use_triton(out, backend):
+        return _pack_torch(tensors, out, scale)
+    # One launch per tensor, its offset a plain argument: a single launch would
+    # need a device-side table of pointers and sizes, built and copied for every
+    # bucket, to save a few launches (a layer's bucket holds a handful of tensors).
+    offset = 0
+    with device_guard(out):
+        for t in tensors:
+            numel = t.numel()
+            if numel == 0:
+                continue
+            grid, block = launch_geometry(numel, _block)
+            _pack_kernel[grid](
+                t,
+                out,
+                numel,
+                offset,
+                1.0 if scale is None else scale,
+                HAS_SCALE=scale is not None,
+                BLOCK=block,
+            )
+            offset += numel
+    return out
+
+
+def pack_ref(tensors, out=None, *, scale=None, dtype=None):
+    """Plain-torch :func:`pack` (the CPU production path and the test oracle).
+
+    Example::
+
+        >>> pack_ref([torch.tensor([1.0, 3.0]), torch.tensor([5.0])], scale=0.5)
+        tensor([0.5000, 1.5000, 2.5000])
+
+    Returns ``out`` (the 1-D buffer).
+    """
+    tensors, out = _prepare(tensors, out, dtype)
+    return _pack_torch(tensors, out, check_scale(scale))
+
+
+def _pack_torch(tensors, out, scale):
+    flat = out.view(-1)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        dst = flat[offset : offset + n]
+        offset += n
+        if scale is None:
+            dst.copy_(t.view(-1))  # casts with one rounding
+        elif t.dtype == torch.float32:
+            # fp32 multiply, one rounding into dst's dtype, no temporary.
+            torch.mul(t.view(-1), scale, out=dst)
+        else:
+            # fp16/bf16: multiply in fp32 like the kernel, then round once.
+            dst.copy_(t.view(-1).to(torch.float32).mul_(scale))
+    return out

@@ -1,0 +1,136 @@
+"""reduce: ``dst = (dst + src) * scale`` with fp32 accumulation, optional copy-out."""
+import torch
+
+from ._triton import (
+    check_same_device,
+    check_scale,
+    check_tensor,
+    device_guard,
+    launch_geometry,
+    tl,
+    triton,
+    triton_available,
+    use_triton,
+)
+
+if triton_available:
+
+    @triton.jit
+    def _reduce_kernel(
+        dst_ptr,
+        src_ptr,
+        out_ptr,
+        numel,
+        scale,
+        HAS_SCALE: tl.constexpr,
+        HAS_OUT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        # int64 so buffers past 2**31 elements index correctly.
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        # Upcast before any math: fp16/bf16 sums must not round (or overflow)
+        # per step, and the interpreter gets bf16 arithmetic wrong.
+        r = tl.load(dst_ptr + offs, mask=mask).to(tl.float32)
+        r += tl.load(src_ptr + offs, mask=mask).to(tl.float32)
+        if HAS_SCALE:
+            r *= scale
+        tl.store(dst_ptr + offs, r.to(dst_ptr.dtype.element_ty), mask=mask)
+        if HAS_OUT:
+            tl.store(out_ptr + offs, r.to(out_ptr.dtype.element_ty), mask=mask)
+
+else:
+    _reduce_kernel = None
+
+
+def _check(dst, src, out):
+    check_tensor(dst, "dst")
+    check_tensor(src, "src")
+    check_same_device(src, dst, "src", "dst")
+    if src.numel() != dst.numel():
+        raise ValueError(f"src has {src.numel()} elements but dst has {dst.numel()}")
+    if out is not None:
+        check_tensor(out, "out")
+        check_same_device(out, dst, "out", "dst")
+        if out.numel() != dst.numel():
+            raise ValueError(f"out has {out.numel()} elements but dst has {dst.numel()}")
+
+
+def reduce(dst, src, *, scale=None, out=None, backend=None, _block=None):
+    """Reduce ``src`` into ``dst`` in place: ``dst[:] = (dst + src) * scale``.
+
+    The sum and the scale are computed in fp32 whatever the dtypes (fp16/bf16
+    round once, at the end), then cast to ``dst.dtype``; ``src`` may have
+    another float dtype (fp16 wire data into an fp32 buffer). If ``out`` is
+    given (the last reduce-scatter step's copy-out), the same fp32 result is
+    also written there, cast to ``out.dtype``. All tensors are contiguous, on
+    one device, with equal numel. CUDA tensors run the Triton kernel, others
+    :func:`reduce_ref`; ``backend`` ("triton" or "torch") forces one.
+    ``_block`` overrides elements per program (tests only).
+
+    Example::
+
+        >>> acc = torch.zeros(4)
+        >>> reduce(acc, torch.ones(4, dtype=torch.float16), scale=0.5)
+        tensor([0.5000, 0.5000, 0.5000, 0.5000])
+
+    Returns ``dst``.
+    """
+    _check(dst, src, out)
+    scale = check_scale(scale)
+    if not use_triton(dst, backend):
+        return _reduce_torch(dst, src, scale, out)
+    numel = dst.numel()
+    if numel == 0:
+        return dst
+    grid, block = launch_geometry(numel, _block)
+    with device_guard(dst):
+        _reduce_kernel[grid](
+            dst,
+            src,
+            dst if out is None else out,  # never written when HAS_OUT is False
+            numel,
+            1.0 if scale is None else scale,
+            HAS_SCALE=scale is not None,
+            HAS_OUT=out is not None,
+            BLOCK=block,
+        )
+    return dst
+
+
+def reduce_ref(dst, src, *, scale=None, out=None):
+    """Plain-torch :func:`reduce` (the CPU production path and the test oracle).
+
+    Example::
+
+        >>> acc = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+        >>> wire = torch.empty(2, dtype=torch.float16)
+        >>> reduce_ref(acc, torch.tensor([3.0, 4.0], dtype=torch.bfloat16), out=wire)
+        tensor([4., 6.], dtype=torch.bfloat16)
+        >>> wire
+        tensor([4., 6.], dtype=torch.float16)
+
+    Returns ``dst``.
+    """
+    _check(dst, src, out)
+    return _reduce_torch(dst, src, check_scale(scale), out)
+
+
+def _reduce_torch(dst, src, scale, out):
+    d = dst.view(-1)
+    s = src.view(-1)
+    if dst.dtype == torch.float32:
+        # Accumulate in dst itself: no temporary (src upcasts exactly).
+        r = d.add_(s)
+    else:
+        # One fp32 temporary, so fp16/bf16 round once, after add and scale.
+        r = d.to(torch.float32)
+        r.add_(s)
+    if scale is not None:
+        r.mul_(scale)
+    if r is not d:
+        d.copy_(r)
+    if out is not None:
+        out.view(-1).copy_(r)
+    return dst

@@ -1,0 +1,127 @@
+"""unpack: one flat buffer -> many tensors, with optional scale and cast."""
+import torch
+
+from ._triton import (
+    check_same_device,
+    check_scale,
+    check_tensor,
+    device_guard,
+    launch_geometry,
+    tl,
+    triton,
+    triton_available,
+    use_triton,
+)
+
+if triton_available:
+
+    @triton.jit
+    def _unpack_kernel(
+        flat_ptr,
+        dst_ptr,
+        numel,
+        offset,
+        scale,
+        HAS_SCALE: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        x = tl.load(flat_ptr + offset + offs, mask=mask)
+        if HAS_SCALE:
+            # fp32 math (the interpreter gets bf16 arithmetic wrong, too).
+            x = x.to(tl.float32) * scale
+        tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+else:
+    _unpack_kernel = None
+
+
+def _check(flat, tensors):
+    check_tensor(flat, "flat")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        check_tensor(t, f"tensors[{i}]")
+        check_same_device(t, flat, f"tensors[{i}]", "flat")
+    total = sum(t.numel() for t in tensors)
+    if flat.numel() != total:
+        raise ValueError(f"flat has {flat.numel()} elements but the tensors hold {total}")
+    return tensors
+
+
+def unpack(flat, tensors, *, scale=None, backend=None, _block=None):
+    """Scatter consecutive slices of ``flat`` into ``tensors``, in order (inverse of pack).
+
+    Each element is multiplied by ``scale`` (in fp32) if given and cast to its
+    tensor's dtype (e.g. a bf16 wire buffer back into fp32 gradients).
+    ``flat.numel()`` must equal the tensors' total; all are contiguous and on
+    one device. CUDA runs the Triton kernel, other devices :func:`unpack_ref`;
+    ``backend`` ("triton" or "torch") forces one. ``_block`` overrides elements
+    per program (tests only).
+
+    Example::
+
+        >>> grads = [torch.empty(2, 2), torch.empty(3)]
+        >>> unpack(torch.arange(7, dtype=torch.float16), grads, scale=0.5)[1]
+        tensor([2.0000, 2.5000, 3.0000])
+
+    Returns ``tensors`` (as a list).
+    """
+    tensors = _check(flat, tensors)
+    scale = check_scale(scale)
+    if not use_triton(flat, backend):
+        return _unpack_torch(flat, tensors, scale)
+    # One launch per tensor, its offset an argument (why: see pack.py).
+    offset = 0
+    with device_guard(flat):
+        for t in tensors:
+            numel = t.numel()
+            if numel == 0:
+                continue
+            grid, block = launch_geometry(numel, _block)
+            _unpack_kernel[grid](
+                flat,
+                t,
+                numel,
+                offset,
+                1.0 if scale is None else scale,
+                HAS_SCALE=scale is not None,
+                BLOCK=block,
+            )
+            offset += numel
+    return tensors
+
+
+def unpack_ref(flat, tensors, *, scale=None):
+    """Plain-torch :func:`unpack` (the CPU production path and the test oracle).
+
+    Example::
+
+        >>> a, b = torch.empty(1), torch.empty(2, dtype=torch.bfloat16)
+        >>> unpack_ref(torch.tensor([1.0, 2.0, 3.0]), [a, b])
+        [tensor([1.]), tensor([2., 3.], dtype=torch.bfloat16)]
+
+    Returns ``tensors`` (as a list).
+    """
+    tensors = _check(flat, tensors)
+    return _unpack_torch(flat, tensors, check_scale(scale))
+
+
+def _unpack_torch(flat, tensors, scale):
+    flat = flat.view(-1)
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        src = flat[offset : offset + n]
+        offset += n
+        dst = t.view(-1)
+        if scale is None:
+            dst.copy_(src)  # casts with one rounding
+        elif flat.dtype == torch.float32:
+            # fp32 multiply, one rounding into t's dtype, no temporary.
+            torch.mul(src, scale, out=dst)
+        else:
+            # fp16/bf16: multiply in fp32 like the kernel, then round once.
+            dst.copy_(src.to(torch.float32).mul_(scale))
+    return tensors

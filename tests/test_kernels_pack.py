@@ -1,0 +1,245 @@
+"""pack / unpack: the Triton kernels (under TRITON_INTERPRET) against the torch references.
+
+Tolerances: integer-valued data is exact in every dtype, so it must match
+bitwise. Random data: fp32 and fp16 outputs come from the same math as the
+reference (fp32 scale, one rounding), so they must match bitwise too. bf16
+outputs may be 1 bf16 ulp off, and only under the interpreter: its casts to
+bf16 truncate where torch (and the GPU) round to nearest even.
+"""
+import importlib.util
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+
+def _load_kernels():
+    try:
+        from hybridcomm import kernels
+    except ImportError:
+        # Not installed yet: load the folder under its installed name, so its
+        # relative imports resolve exactly as they do in the installed package.
+        if "hybridcomm.kernels" in sys.modules:
+            return sys.modules["hybridcomm.kernels"]
+        root = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+        spec = importlib.util.spec_from_file_location(
+            "hybridcomm.kernels", root / "__init__.py", submodule_search_locations=[str(root)]
+        )
+        kernels = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = kernels
+        spec.loader.exec_module(kernels)
+    return kernels
+
+
+K = _load_kernels()
+
+pytestmark = pytest.mark.skipif(not K.triton_available, reason="triton is not installed")
+
+SIZES = [0, 1, 2, 7, 127, 1000, 4099]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# None: the launcher's block (one program per tensor here in the interpreter);
+# 128: many programs plus a masked tail (4099 = 32 * 128 + 3).
+BLOCKS = [None, 128]
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _ulps(dtype):
+    """Allowed distance from the reference, in ulps of ``dtype`` (see module doc)."""
+    return 1 if dtype == torch.bfloat16 and INTERPRETED else 0
+
+
+def _ulp(x, dtype):
+    # ulp(x) = eps * 2**floor(log2|x|); frexp gives |x| = m * 2**exp, m in [0.5, 1).
+    _, exp = torch.frexp(x)
+    return torch.finfo(dtype).eps * torch.ldexp(torch.ones_like(x), exp - 1)
+
+
+def assert_within_ulps(actual, expected, ulps):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if ulps == 0:
+        assert torch.equal(actual, expected), f"{(actual != expected).sum()} elements differ"
+        return
+    a, e = actual.float(), expected.float()
+    # The smaller ulp of the two, so a step across a power of two counts as one.
+    ulp = torch.minimum(_ulp(a, expected.dtype), _ulp(e, expected.dtype))
+    bad = (a - e).abs() > ulps * ulp
+    assert not bad.any(), (
+        f"{bad.sum()} elements more than {ulps} ulp off, "
+        f"e.g. {actual[bad][:4]} vs {expected[bad][:4]}"
+    )
+
+
+def _shapes(n):
+    # A 1-D, a 2-D, an empty and an n-dependent 2-D tensor: offsets that are
+    # not multiples of anything, and zero-numel tensors when n == 0.
+    return [(n,), (3, 5), (0,), (n, 2)]
+
+
+def _tensors(n, dtype, gen, integer):
+    if integer:
+        return [torch.randint(-8, 8, s, generator=gen).to(dtype) for s in _shapes(n)]
+    return [torch.randn(s, generator=gen).to(dtype) for s in _shapes(n)]
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_unpack_integer_valued_are_bitwise_exact(n, dtype, out_dtype, block):
+    gen = torch.Generator().manual_seed(n)
+    tensors = _tensors(n, dtype, gen, integer=True)
+    exact = torch.cat([t.reshape(-1).double() * 0.5 for t in tensors]).to(out_dtype)
+    flat = K.pack(tensors, scale=0.5, dtype=out_dtype, backend="triton", _block=block)
+    assert flat.shape == (sum(t.numel() for t in tensors),)
+    assert torch.equal(flat, exact)
+    assert torch.equal(K.pack_ref(tensors, scale=0.5, dtype=out_dtype), exact)
+
+    got = [torch.empty_like(t) for t in tensors]
+    ref = [torch.empty_like(t) for t in tensors]
+    assert K.unpack(flat, got, scale=2.0, backend="triton", _block=block) == got
+    K.unpack_ref(flat, ref, scale=2.0)
+    for g, r, t in zip(got, ref, tensors):
+        assert torch.equal(g, t) and torch.equal(r, t)
+
+
+@pytest.mark.parametrize("scale", [None, 1 / 3])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_fp32_grads_to_wire_dtype_matches_ref(n, dtype, block, scale):
+    gen = torch.Generator().manual_seed(1000 + n)
+    tensors = _tensors(n, torch.float32, gen, integer=False)
+    got = K.pack(tensors, scale=scale, dtype=dtype, backend="triton", _block=block)
+    ref = K.pack_ref(tensors, scale=scale, dtype=dtype)
+    assert_within_ulps(got, ref, _ulps(dtype))
+
+
+@pytest.mark.parametrize("scale", [None, 1 / 3])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_unpack_wire_dtype_to_fp32_and_own_dtype_matches_ref(n, dtype, block, scale):
+    gen = torch.Generator().manual_seed(2000 + n)
+    shapes = _shapes(n)
+    flat = torch.randn(sum(torch.Size(s).numel() for s in shapes), generator=gen).to(dtype)
+    # Alternate fp32 and the wire dtype among the destinations.
+    dtypes = [torch.float32 if i % 2 else dtype for i in range(len(shapes))]
+    got = [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
+    ref = [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
+    K.unpack(flat, got, scale=scale, backend="triton", _block=block)
+    K.unpack_ref(flat, ref, scale=scale)
+    for g, r in zip(got, ref):
+        assert_within_ulps(g, r, _ulps(g.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_round_trip_same_dtype_is_identity(backend, dtype):
+    gen = torch.Generator().manual_seed(5)
+    tensors = _tensors(1000, dtype, gen, integer=False)
+    # Power-of-two scales change only exponents: still bitwise.
+    flat = K.pack(tensors, scale=4.0, backend=backend)
+    back = K.unpack(flat, [torch.empty_like(t) for t in tensors], scale=0.25, backend=backend)
+    for b, t in zip(back, tensors):
+        assert torch.equal(b, t)
+
+
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_round_trip_through_wire_dtype_rounds_once(backend, wire):
+    gen = torch.Generator().manual_seed(6)
+    tensors = _tensors(1000, torch.float32, gen, integer=False)
+    out = torch.empty(sum(t.numel() for t in tensors), dtype=wire)
+    assert K.pack(tensors, out, backend=backend) is out
+    back = K.unpack(out, [torch.empty_like(t) for t in tensors], backend=backend)
+    ulps = _ulps(wire) if backend == "triton" else 0
+    for b, t in zip(back, tensors):
+        assert_within_ulps(b.to(wire), t.to(wire), ulps)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fp16_source_is_scaled_in_fp32(backend):
+    # 60000 * 2 overflows fp16 (max 65504) but not the fp32 destination: the
+    # scale must be applied after the upcast, not in the source dtype.
+    x = torch.full((9,), 60000.0, dtype=torch.float16)
+    assert torch.isinf(x * 2.0).all()  # what fp16 arithmetic gives
+    expected = torch.full((9,), 120000.0)
+    assert torch.equal(K.pack([x], scale=2.0, dtype=torch.float32, backend=backend), expected)
+    y = torch.empty(9)
+    K.unpack(x, [y], scale=2.0, backend=backend)
+    assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_empty_inputs(backend):
+    flat = K.pack([], backend=backend)
+    assert flat.shape == (0,) and flat.dtype == torch.float32
+    assert K.pack([], dtype=torch.bfloat16, backend=backend).dtype == torch.bfloat16
+    zeros = [torch.empty(0, 3), torch.empty(0)]
+    assert K.pack(zeros, backend=backend).shape == (0,)
+    assert K.unpack(torch.empty(0), [], backend=backend) == []
+    assert K.unpack(torch.empty(0), zeros, backend=backend) == zeros
+
+
+@pytest.mark.parametrize("fn", ["triton", "torch", "ref"])
+def test_pack_rejects_bad_arguments(fn):
+    if fn == "ref":
+        call = K.pack_ref
+    else:
+        def call(*args, **kwargs):
+            return K.pack(*args, backend=fn, **kwargs)
+
+    a, b = torch.zeros(3), torch.zeros(4)
+    with pytest.raises(ValueError, match=r"tensors\[1\] is not contiguous"):
+        call([a, torch.zeros(4, 2).t(), b])
+    with pytest.raises(TypeError, match=r"tensors\[0\] has dtype torch\.int32; supported dtypes"):
+        call([torch.zeros(3, dtype=torch.int32)])
+    with pytest.raises(TypeError, match=r"dtype is torch\.float64; supported dtypes are"):
+        call([a], dtype=torch.float64)
+    with pytest.raises(TypeError, match="mixed dtypes"):
+        call([a, b.half()])
+    with pytest.raises(ValueError, match="out has 6 elements but the tensors hold 7"):
+        call([a, b], torch.empty(6))
+    with pytest.raises(ValueError, match="out has 8 elements but the tensors hold 7"):
+        call([a, b], torch.empty(8))
+    with pytest.raises(ValueError, match="out is not contiguous"):
+        call([a, b], torch.empty(14)[::2])
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on meta but out is on cpu"):
+        call([a, torch.zeros(4, device="meta")], torch.empty(7))
+
+
+@pytest.mark.parametrize("fn", ["triton", "torch", "ref"])
+def test_unpack_rejects_bad_arguments(fn):
+    if fn == "ref":
+        call = K.unpack_ref
+    else:
+        def call(*args, **kwargs):
+            return K.unpack(*args, backend=fn, **kwargs)
+
+    a, b = torch.zeros(3), torch.zeros(4)
+    with pytest.raises(ValueError, match="flat has 8 elements but the tensors hold 7"):
+        call(torch.zeros(8), [a, b])
+    with pytest.raises(ValueError, match=r"tensors\[1\] is not contiguous"):
+        call(torch.zeros(11), [a, torch.zeros(4, 2).t()])
+    with pytest.raises(ValueError, match="flat is not contiguous"):
+        call(torch.zeros(14)[::2], [a, b])
+    with pytest.raises(TypeError, match=r"flat has dtype torch\.float64"):
+        call(torch.zeros(7, dtype=torch.float64), [a, b])
+    with pytest.raises(TypeError, match=r"tensors\[0\] has dtype torch\.int32"):
+        call(torch.zeros(7), [torch.zeros(3, dtype=torch.int32), b])
+    with pytest.raises(ValueError, match=r"tensors\[0\] is on meta but flat is on cpu"):
+        call(torch.zeros(7), [torch.zeros(3, device="meta"), b])
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_pack_and_unpack_through_a_chunk_of_a_larger_buffer(backend):
+    # A bucket's slot in a bigger flat buffer: a view with a storage offset.
+    buf = torch.zeros(100, dtype=torch.bfloat16)
+    tensors = [torch.arange(1.0, 11.0), torch.arange(11.0, 31.0).view(4, 5)]
+    K.pack(tensors, buf[40:70], backend=backend, _block=16)
+    assert torch.equal(buf[40:70], torch.arange(1.0, 31.0, dtype=torch.bfloat16))
+    assert not buf[:40].any() and not buf[70:].any()
+    back = K.unpack(buf[40:70], [torch.empty(10), torch.empty(4, 5)], backend=backend, _block=16)
+    assert all(torch.equal(b, t) for b, t in zip(back, tensors))

@@ -1,0 +1,209 @@
+"""reduce: the Triton kernel (under TRITON_INTERPRET) against the torch reference.
+
+Tolerances: integer-valued data is exact in every dtype, so it must match
+bitwise. Random data: fp32 and fp16 do the same math as the reference (fp32
+add and scale, one rounding), so they must match bitwise too. bf16 outputs may
+be 1 bf16 ulp off, and only under the interpreter: its fp32->bf16 cast
+truncates where torch (and the GPU) round to nearest even.
+"""
+import importlib.util
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+
+
+def _load_kernels():
+    try:
+        from hybridcomm import kernels
+    except ImportError:
+        # Not installed yet: load the folder under its installed name, so its
+        # relative imports resolve exactly as they do in the installed package.
+        if "hybridcomm.kernels" in sys.modules:
+            return sys.modules["hybridcomm.kernels"]
+        root = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+        spec = importlib.util.spec_from_file_location(
+            "hybridcomm.kernels", root / "__init__.py", submodule_search_locations=[str(root)]
+        )
+        kernels = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = kernels
+        spec.loader.exec_module(kernels)
+    return kernels
+
+
+K = _load_kernels()
+use_triton = sys.modules["hybridcomm.kernels._triton"].use_triton
+
+pytestmark = pytest.mark.skipif(not K.triton_available, reason="triton is not installed")
+
+SIZES = [0, 1, 2, 7, 127, 1000, 4099]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# None: the launcher's block (one program for these sizes in the interpreter);
+# 128: many programs plus a masked tail (4099 = 32 * 128 + 3).
+BLOCKS = [None, 128]
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _ulps(dtype):
+    """Allowed distance from the reference, in ulps of ``dtype`` (see module doc)."""
+    return 1 if dtype == torch.bfloat16 and INTERPRETED else 0
+
+
+def _ulp(x, dtype):
+    # ulp(x) = eps * 2**floor(log2|x|); frexp gives |x| = m * 2**exp, m in [0.5, 1).
+    _, exp = torch.frexp(x)
+    return torch.finfo(dtype).eps * torch.ldexp(torch.ones_like(x), exp - 1)
+
+
+def assert_within_ulps(actual, expected, ulps):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if ulps == 0:
+        assert torch.equal(actual, expected), f"{(actual != expected).sum()} elements differ"
+        return
+    a, e = actual.float(), expected.float()
+    # The smaller ulp of the two, so a step across a power of two counts as one.
+    ulp = torch.minimum(_ulp(a, expected.dtype), _ulp(e, expected.dtype))
+    bad = (a - e).abs() > ulps * ulp
+    assert not bad.any(), (
+        f"{bad.sum()} elements more than {ulps} ulp off, "
+        f"e.g. {actual[bad][:4]} vs {expected[bad][:4]}"
+    )
+
+
+def _ints(n, dtype, gen):
+    return torch.randint(-8, 8, (n,), generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("scale", [None, 0.5])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_reduce_integer_valued_is_bitwise_exact(n, dtype, block, scale):
+    gen = torch.Generator().manual_seed(n)
+    dst, src = _ints(n, dtype, gen), _ints(n, dtype, gen)
+    exact = dst.double() + src.double()
+    if scale is not None:
+        exact = exact * scale
+    got, ref = dst.clone(), dst.clone()
+    assert K.reduce(got, src, scale=scale, backend="triton", _block=block) is got
+    assert K.reduce_ref(ref, src, scale=scale) is ref
+    assert torch.equal(got, exact.to(dtype))
+    assert torch.equal(ref, exact.to(dtype))
+
+
+@pytest.mark.parametrize("scale", [None, 1 / 3])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_reduce_random_matches_ref(n, dtype, block, scale):
+    gen = torch.Generator().manual_seed(1000 + n)
+    dst = torch.randn(n, generator=gen).to(dtype)
+    src = torch.randn(n, generator=gen).to(dtype)
+    got, ref = dst.clone(), dst.clone()
+    K.reduce(got, src, scale=scale, backend="triton", _block=block)
+    K.reduce_ref(ref, src, scale=scale)
+    assert_within_ulps(got, ref, _ulps(dtype))
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("src_dtype", DTYPES)
+@pytest.mark.parametrize("dst_dtype", DTYPES)
+def test_reduce_mixed_dtypes_and_copy_out_match_ref(dst_dtype, src_dtype, out_dtype):
+    gen = torch.Generator().manual_seed(7)
+    n = 4099
+    dst = torch.randn(n, generator=gen).to(dst_dtype)
+    src = torch.randn(n, generator=gen).to(src_dtype)
+    got, ref = dst.clone(), dst.clone()
+    got_out = torch.empty(n, dtype=out_dtype)
+    ref_out = torch.empty(n, dtype=out_dtype)
+    K.reduce(got, src, scale=0.1, out=got_out, backend="triton", _block=1024)
+    K.reduce_ref(ref, src, scale=0.1, out=ref_out)
+    assert_within_ulps(got, ref, _ulps(dst_dtype))
+    assert_within_ulps(got_out, ref_out, _ulps(out_dtype))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_reduce_fp16_wire_into_fp32_buffer_with_fp16_copy_out(backend):
+    gen = torch.Generator().manual_seed(3)
+    dst = torch.randn(1000, generator=gen)
+    src = torch.randn(1000, generator=gen).half()
+    out = torch.empty(1000, dtype=torch.float16)
+    expected = dst + src.float()  # fp16 -> fp32 is exact, so this is the fp32 sum
+    got = dst.clone()
+    K.reduce(got, src, out=out, backend=backend)
+    assert torch.equal(got, expected)
+    assert torch.equal(out, expected.half())  # fp16 casts round to nearest even
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_reduce_fp16_accumulates_in_fp32(backend):
+    # 60000 + 60000 overflows fp16 (max 65504); in fp32 it is fine, and the
+    # scaled result 60000 is representable again.
+    dst = torch.full((37,), 60000.0, dtype=torch.float16)
+    src = dst.clone()
+    assert torch.isinf((dst + src) * 0.5).all()  # what step-by-step fp16 gives
+    out = torch.empty(37, dtype=torch.float16)
+    K.reduce(dst, src, scale=0.5, out=out, backend=backend)
+    assert torch.equal(dst, src)
+    assert torch.equal(out, src)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_reduce_src_aliasing_dst_doubles(backend):
+    x = torch.arange(100, dtype=torch.bfloat16)
+    K.reduce(x, x, backend=backend)
+    assert torch.equal(x, 2 * torch.arange(100, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("fn", ["triton", "torch", "ref"])
+def test_reduce_rejects_bad_arguments(fn):
+    if fn == "ref":
+        call = K.reduce_ref
+    else:
+        def call(*args, **kwargs):
+            return K.reduce(*args, backend=fn, **kwargs)
+
+    x = torch.zeros(8)
+    with pytest.raises(ValueError, match="dst is not contiguous"):
+        call(torch.zeros(4, 4).t(), torch.zeros(16))
+    with pytest.raises(ValueError, match="src is not contiguous"):
+        call(torch.zeros(8), torch.zeros(16)[::2])
+    with pytest.raises(TypeError, match=r"dst has dtype torch\.int32; supported dtypes are torch"):
+        call(torch.zeros(8, dtype=torch.int32), x)
+    with pytest.raises(TypeError, match=r"src has dtype torch\.float64"):
+        call(x, torch.zeros(8, dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"out has dtype torch\.int64"):
+        call(x, x, out=torch.zeros(8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="src has 7 elements but dst has 8"):
+        call(x, torch.zeros(7))
+    with pytest.raises(ValueError, match="out has 9 elements but dst has 8"):
+        call(x, x, out=torch.zeros(9))
+    with pytest.raises(ValueError, match="src is on meta but dst is on cpu"):
+        call(x, torch.zeros(8, device="meta"))
+    assert torch.equal(x, torch.zeros(8))  # nothing was written
+
+
+def test_backend_choice():
+    cpu = torch.zeros(1)
+    assert use_triton(cpu, None) is False  # auto: Triton only for CUDA tensors
+    assert use_triton(cpu, "torch") is False
+    assert use_triton(cpu, "triton") is True  # forced (runs in the interpreter)
+    with pytest.raises(ValueError, match="backend must be"):
+        use_triton(cpu, "cuda")
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_reduce_into_a_chunk_of_a_larger_buffer(backend):
+    # The executor reduces into slices of one flat buffer: a contiguous view
+    # with a storage offset must be handled, and its neighbours left alone.
+    buf = torch.arange(1000, dtype=torch.float16)
+    src = torch.ones(300, dtype=torch.float16)
+    out = torch.zeros(500, dtype=torch.float32)
+    K.reduce(buf[101:401], src, out=out[7:307], backend=backend, _block=128)
+    expected = torch.arange(1000, dtype=torch.float16)
+    expected[101:401] += 1
+    assert torch.equal(buf, expected)
+    assert torch.equal(out[7:307], expected[101:401].float())
+    assert not out[:7].any() and not out[307:].any()
