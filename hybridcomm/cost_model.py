@@ -1,28 +1,326 @@
-"""Which algorithm an all-reduce of a given size uses when asked for "auto".
+"""The alpha-beta-gamma cost model: predicted all-reduce time, calibration, choice.
 
-For now a plain size rule (a calibrated alpha-beta-gamma model replaces it):
-the butterfly sends the whole buffer log2 P times, so it only pays for small
-buffers, where the number of messages dominates; halving-doubling sends the
-ring's bytes in 2 log2 P messages; the ring sends the least in 2(P-1).
-The rule depends on (bytes, P) only, which every rank agrees on, so every
-rank picks the same algorithm.
+Each algorithm's time for ``n`` bytes over ``P`` ranks is a sum of three terms:
+``alpha`` seconds per message (latency, per step), ``beta`` seconds per byte
+sent (inverse bandwidth), ``gamma`` seconds per byte reduced. With
+``q = 2**floor(log2 P)`` and ``e = P - q`` (the ranks folded in and out)::
+
+    ring              2(P-1) a  +  2(P-1)/P n b  +  (P-1)/P n g
+    butterfly         log2(q) (a + n b + n g)                       + fold
+    halving_doubling  2 log2(q) a  +  2(q-1)/q n b  +  (q-1)/q n g  + fold
+    fold (e > 0)      2 a  +  2 n b  +  n g      (hand in + reduce, hand back)
+
+(Thakur, Rabenseifner & Gropp 2005; the same formulas, with how to read them,
+are in docs/PERFORMANCE.md.) The butterfly sends the whole buffer every step
+but in the fewest steps, so it wins while ``alpha`` dominates; ring and
+halving-doubling send the least. ``a``, ``b``, ``g`` are fitted by least
+squares from a benchmark sweep (``hybridcomm-bench --calibrate``), saved as
+JSON in the user's cache dir, and loaded from there by ``auto`` and the
+planner.
+
+Every rank must choose the same algorithm for the same call. The choice
+depends only on (bytes, P) and the model's three numbers, so ranks agree as
+long as they load the same model: a shared cache dir, the same
+``HYBRIDCOMM_COST_MODEL`` file, or :func:`agree` (rank 0's model for all).
+``all_reduce``'s pre-call check turns any disagreement into an error.
+
+Example::
+
+    >>> m = CostModel(alpha=20e-6, beta=1 / 10e9, gamma=1 / 20e9)
+    >>> m.choose(4096, 8), m.choose(256 << 20, 8)
+    ('butterfly', 'halving_doubling')
+    >>> round(m.predict("ring", 1 << 20, 8) * 1e6)
+    509
 """
 from __future__ import annotations
 
-BUTTERFLY_MAX_BYTES = 64 * 1024
-HALVING_DOUBLING_MAX_BYTES = 1024 * 1024
+import itertools
+import json
+import logging
+import math
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+log = logging.getLogger("hybridcomm")
+
+MODELED = ("ring", "butterfly", "halving_doubling")
+FORMAT_VERSION = 1
+ENV_PATH = "HYBRIDCOMM_COST_MODEL"
 
 
-def choose_algorithm(nbytes: int, world_size: int) -> str:
-    """The algorithm "auto" uses for ``nbytes`` over ``world_size`` ranks.
+def coefficients(algorithm: str, nbytes: float, world_size: int) -> Tuple[float, float, float]:
+    """(messages, bytes sent, bytes reduced) on the critical path: the
+    multipliers of alpha, beta and gamma for one all-reduce."""
+    p, n = world_size, float(nbytes)
+    if p <= 1:
+        return 0.0, 0.0, 0.0
+    if algorithm == "ring":
+        return 2.0 * (p - 1), 2.0 * (p - 1) / p * n, (p - 1) / p * n
+    if algorithm not in ("butterfly", "halving_doubling"):
+        raise ValueError(f"no cost formula for {algorithm!r}; modeled: {MODELED}")
+    q = 1 << (p.bit_length() - 1)
+    k = q.bit_length() - 1  # log2 q
+    if algorithm == "butterfly":
+        a, b, g = float(k), k * n, k * n
+    else:
+        a, b, g = 2.0 * k, 2.0 * (q - 1) / q * n, (q - 1) / q * n
+    if p > q:  # fold the extra ranks in (send + reduce) and out (send)
+        a, b, g = a + 2, b + 2 * n, g + n
+    return a, b, g
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """alpha (s per message), beta (s per byte sent), gamma (s per byte reduced)."""
+
+    alpha: float
+    beta: float
+    gamma: float
+    source: str = field(default="built-in defaults", compare=False)
+    meta: Dict = field(default_factory=dict, compare=False, repr=False)
+
+    def predict(self, algorithm: str, nbytes: int, world_size: int) -> float:
+        """Predicted seconds for one all-reduce of ``nbytes`` over ``world_size`` ranks."""
+        a, b, g = coefficients(algorithm, nbytes, world_size)
+        return a * self.alpha + b * self.beta + g * self.gamma
+
+    def predict_all(self, nbytes: int, world_size: int) -> Dict[str, float]:
+        return {algo: self.predict(algo, nbytes, world_size) for algo in MODELED}
+
+    def choose(self, nbytes: int, world_size: int, window: Optional[float] = None) -> str:
+        """The algorithm for ``nbytes`` over ``world_size`` ranks.
+
+        Without ``window``: the fastest predicted. With ``window`` (seconds
+        until the result is needed): among the algorithms predicted to finish
+        within it, the one that sends the fewest bytes (it leaves the most
+        bandwidth to the other buckets), then the fastest; if none fits, the
+        fastest. Ties go to the earlier name in :data:`MODELED`.
+        """
+        times = self.predict_all(nbytes, world_size)
+        fastest = min(MODELED, key=lambda a: (times[a], MODELED.index(a)))
+        if window is None:
+            return fastest
+        fits = [a for a in MODELED if times[a] <= window]
+        if not fits:
+            return fastest
+        return min(fits, key=lambda a: (coefficients(a, nbytes, world_size)[1], times[a],
+                                        MODELED.index(a)))
+
+    def with_latency(self, seconds: float) -> "CostModel":
+        """This model with ``seconds`` more per message (an emulated slower network)."""
+        return CostModel(self.alpha + seconds, self.beta, self.gamma,
+                         source=f"{self.source} + {seconds * 1e6:g} us/message", meta=self.meta)
+
+    def crossover(self, world_size: int, a: str = "butterfly", b: str = "ring",
+                  lo: int = 1, hi: int = 1 << 40) -> Optional[int]:
+        """Smallest byte count at which ``b`` is predicted no slower than ``a``
+        (None if it never is up to ``hi``); the times are linear in n."""
+        diff = lambda n: self.predict(a, n, world_size) - self.predict(b, n, world_size)  # noqa: E731
+        if diff(lo) >= 0:
+            return lo
+        if diff(hi) < 0:
+            return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if diff(mid) >= 0 else (mid, hi)
+        return hi
+
+    def to_json(self) -> Dict:
+        return {"version": FORMAT_VERSION, "alpha_s": self.alpha, "beta_s_per_byte": self.beta,
+                "gamma_s_per_byte": self.gamma, **self.meta}
+
+    @classmethod
+    def from_json(cls, data: Dict, source: str = "json") -> "CostModel":
+        if data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"cost model format {data.get('version')!r}, expected {FORMAT_VERSION}")
+        meta = {k: v for k, v in data.items()
+                if k not in ("version", "alpha_s", "beta_s_per_byte", "gamma_s_per_byte")}
+        return cls(float(data["alpha_s"]), float(data["beta_s_per_byte"]),
+                   float(data["gamma_s_per_byte"]), source=source, meta=meta)
+
+
+# Uncalibrated defaults: a 25 us message, 2.5 GB/s links, 10 GB/s reduction
+# (a commodity cluster). They put the butterfly/halving-doubling crossover
+# near 150 KB at P=4. Calibrate for anything that matters.
+DEFAULT_MODEL = CostModel(alpha=25e-6, beta=1 / 2.5e9, gamma=1 / 10e9)
+
+
+# --- calibration ---------------------------------------------------------------------------
+
+Sample = Tuple[str, int, int, float]  # (algorithm, bytes, world_size, seconds)
+
+
+@dataclass(frozen=True)
+class FitReport:
+    n_points: int
+    rms_rel_err: float  # root mean square of (predicted - measured) / measured
+    max_rel_err: float
+    residuals: Tuple[Tuple[str, int, int, float, float], ...]  # (algo, bytes, P, measured, predicted)
+
+
+def fit(samples: Iterable[Sample]) -> Tuple[CostModel, FitReport]:
+    """Least-squares alpha, beta, gamma >= 0 from measured times.
+
+    Each sample ``(algorithm, bytes, P, seconds)`` is one equation
+    ``a*alpha + b*beta + g*gamma = seconds`` (see :func:`coefficients`),
+    weighted by ``1/seconds`` so that a 4 KiB and a 64 MiB point count alike
+    (relative error). Non-negativity by trying every subset of the three
+    parameters (an exact NNLS for three unknowns). beta and gamma are only
+    told apart when the sweep holds the butterfly beside ring or
+    halving-doubling (their bytes-sent to bytes-reduced ratios differ).
 
     Example::
 
-        >>> choose_algorithm(4096, 4), choose_algorithm(64 << 20, 4)
-        ('butterfly', 'ring')
+        >>> true = CostModel(50e-6, 1e-9, 2e-10)
+        >>> pts = [(a, n, 4, true.predict(a, n, 4)) for a in MODELED for n in (4096, 1 << 20)]
+        >>> m, rep = fit(pts)
+        >>> round(m.alpha * 1e6, 3), rep.max_rel_err < 1e-9
+        (50.0, True)
     """
-    if world_size <= 2 or nbytes <= BUTTERFLY_MAX_BYTES:
-        return "butterfly"  # at P=2 all three send the same bytes; butterfly in one step
-    if nbytes <= HALVING_DOUBLING_MAX_BYTES:
-        return "halving_doubling"
-    return "ring"
+    import numpy as np
+
+    rows = [(algo, int(n), int(p), float(t)) for algo, n, p, t in samples
+            if algo in MODELED and p > 1 and t > 0]
+    if not rows:
+        raise ValueError("no usable samples to fit (need ring/butterfly/halving_doubling at P > 1)")
+    A = np.array([coefficients(algo, n, p) for algo, n, p, _ in rows], dtype=np.float64)
+    y = np.array([t for *_, t in rows], dtype=np.float64)
+    w = 1.0 / y
+    Aw, yw = A * w[:, None], y * w
+    scale = np.maximum(np.abs(Aw).max(axis=0), 1e-300)  # condition: columns differ by ~1e9
+    best = None
+    for k in range(3, 0, -1):
+        for cols in itertools.combinations(range(3), k):
+            sol, *_ = np.linalg.lstsq(Aw[:, cols] / scale[list(cols)], yw, rcond=None)
+            x = np.zeros(3)
+            x[list(cols)] = sol / scale[list(cols)]
+            if (x < 0).any():
+                continue
+            err = float(np.sum((Aw @ x - yw) ** 2))
+            if best is None or err < best[0] - 1e-15:
+                best = (err, x)
+    x = best[1]
+    model = CostModel(float(x[0]), float(x[1]), float(x[2]), source="fit")
+    pred = A @ x
+    rel = (pred - y) / y
+    report = FitReport(len(rows), float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel))),
+                       tuple((algo, n, p, t, float(q)) for (algo, n, p, t), q in zip(rows, pred)))
+    return model, report
+
+
+# --- where calibrations live ----------------------------------------------------------------
+
+def default_path() -> str:
+    """``$HYBRIDCOMM_COST_MODEL``, else ``$XDG_CACHE_HOME/hybridcomm/cost_model.json``
+    (``~/.cache/hybridcomm/cost_model.json``)."""
+    env = os.environ.get(ENV_PATH)
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "hybridcomm", "cost_model.json")
+
+
+def save(model: CostModel, path: Optional[str] = None, report: Optional[FitReport] = None,
+         **meta) -> str:
+    """Write ``model`` (plus ``meta``: world size, backend, ... and the fit error) as JSON."""
+    path = path or default_path()
+    data = model.to_json()
+    data.update(meta)
+    data.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    data.setdefault("host", platform.node())
+    if report is not None:
+        data["fit"] = {"n_points": report.n_points, "rms_rel_err": report.rms_rel_err,
+                       "max_rel_err": report.max_rel_err}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)  # atomic: a rank reading it never sees half a file
+    return path
+
+
+def load(path: Optional[str] = None) -> Optional[CostModel]:
+    """The calibrated model at ``path`` (default :func:`default_path`), or None if
+    there is none. A file that exists but does not parse raises ValueError."""
+    path = path or default_path()
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return CostModel.from_json(json.load(f), source=path)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the cost model at {path}: {e}") from e
+
+
+_active: Optional[CostModel] = None
+_loaded: Dict[str, Tuple[float, Optional[CostModel]]] = {}  # path -> (mtime, model)
+
+
+def set_active(model: Optional[CostModel]) -> None:
+    """Use ``model`` for ``auto`` in this process (None: back to the file / defaults)."""
+    global _active
+    _active = model
+
+
+def active_model() -> CostModel:
+    """The model ``auto`` uses: :func:`set_active`'s, else the calibration file
+    (:func:`default_path`, re-read when it changes), else :data:`DEFAULT_MODEL`."""
+    if _active is not None:
+        return _active
+    path = default_path()
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        return DEFAULT_MODEL
+    hit = _loaded.get(path)
+    if hit is None or hit[0] != mtime:
+        try:
+            model = load(path)
+        except ValueError as e:
+            log.warning("%s; using the built-in cost model", e)
+            model = None
+        hit = _loaded[path] = (mtime, model)
+    return hit[1] or DEFAULT_MODEL
+
+
+def agree(model: Optional[CostModel] = None, group=None) -> CostModel:
+    """Rank 0's model (default: its :func:`active_model`) on every rank of ``group``,
+    made active: a collective, so call it on every rank."""
+    import torch.distributed as dist
+
+    mine = model or active_model()
+    box = [(mine.alpha, mine.beta, mine.gamma, mine.source)]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    a, b, g, src = box[0]
+    agreed = CostModel(a, b, g, source=f"{src} (from rank 0)")
+    set_active(agreed)
+    return agreed
+
+
+def choose_algorithm(nbytes: int, world_size: int) -> str:
+    """The algorithm ``"auto"`` uses for ``nbytes`` over ``world_size`` ranks:
+    the fastest under :func:`active_model`.
+
+    Example::
+
+        >>> set_active(DEFAULT_MODEL)
+        >>> choose_algorithm(4096, 4), choose_algorithm(64 << 20, 4), choose_algorithm(64 << 20, 6)
+        ('butterfly', 'halving_doubling', 'ring')
+    """
+    if world_size <= 2:
+        return "butterfly"  # at P <= 2 all three send the same bytes; butterfly in one step
+    return active_model().choose(nbytes, world_size)
+
+
+def table(model: CostModel, world_size: int, sizes: Sequence[int]) -> List[str]:
+    """Predicted time per algorithm per size, as printable lines (the plan's evidence)."""
+    lines = [f"{'size':>12} " + " ".join(f"{a:>17}" for a in MODELED) + "  choice"]
+    for n in sizes:
+        t = model.predict_all(n, world_size)
+        lines.append(f"{n:>12} " + " ".join(f"{t[a] * 1e6:>15.1f}us" for a in MODELED)
+                     + f"  {model.choose(n, world_size)}")
+    return lines

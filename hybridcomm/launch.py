@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -44,7 +45,14 @@ def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_
         status, payload = "ok", fn(rank, world_size, *args)
     except BaseException:
         payload = traceback.format_exc()
-    results.put((rank, status, payload))
+    try:
+        # Plain pickle: torch's queue pickler would share tensors through file
+        # descriptors that die with this process.
+        blob = pickle.dumps(payload)
+    except Exception:
+        status, blob = "error", pickle.dumps(f"rank {rank}: result not picklable:\n"
+                                             + traceback.format_exc())
+    results.put((rank, status, blob))
     # Leave without tearing gloo down: a peer may have died on purpose, and a
     # teardown would wait for it.
     results.close()
@@ -97,7 +105,7 @@ def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
                                                "without reporting")
                         dead_once.add(r)
                     continue
-                out[rank] = (status, payload)
+                out[rank] = (status, pickle.loads(payload))
         finally:  # also on Ctrl-C: no orphans
             for p in procs:
                 p.join(timeout=5 if len(out) == nprocs else 0.1)

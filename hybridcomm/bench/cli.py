@@ -1,0 +1,294 @@
+"""``hybridcomm-bench``: all-reduce latency and bandwidth, every algorithm beside
+``torch.distributed.all_reduce``, in the spirit of nccl-tests.
+
+    hybridcomm-bench --nprocs 4 -b 4K -e 64M -f 4 --algo ring,butterfly,auto,torch
+    torchrun --nproc-per-node 8 -m hybridcomm.bench -b 8 -e 1G -f 2
+    hybridcomm-bench --nprocs 4 --shape "rate 1gbit" -b 4K -e 16M     # root: namespaces + tbf
+    hybridcomm-bench --nprocs 4 --latency 500us -b 4K -e 1M           # emulated latency
+    hybridcomm-bench --nprocs 4 --calibrate                           # fit alpha, beta, gamma
+
+Under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) every process runs
+its rank; otherwise the command starts ``--nprocs`` local ranks itself (gloo
+on CPU, NCCL with one GPU per rank where there are GPUs).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import List, Optional
+
+from ..algorithms import ALGORITHMS
+from .harness import BASELINE, DTYPES, Config, run_rank
+from . import report
+
+ALGO_CHOICES = ALGORITHMS + ("auto", BASELINE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4096``, ``4K``, ``4k``, ``4KB``, ``4KiB``, ``16M``, ``1G``, ``1.5M``
+    (K, M, G, T are powers of 1024, as in nccl-tests).
+
+    Example::
+
+        >>> parse_size("4K"), parse_size("16M"), parse_size("1G"), parse_size("100")
+        (4096, 16777216, 1073741824, 100)
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (try 4096, 4K, 16M, 1G)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value != int(value):
+        raise ValueError(f"not a whole number of bytes: {text!r}")
+    return int(value)
+
+
+def parse_time(text: str) -> float:
+    """Seconds from ``200us``, ``0.5ms``, ``1s``, ``50ns`` (a bare number is microseconds).
+
+    Example::
+
+        >>> parse_time("200us"), parse_time("0.5ms"), parse_time("250")
+        (0.0002, 0.0005, 0.00025)
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ns|us|µs|ms|s)?\s*", str(text))
+    if not m:
+        raise ValueError(f"not a time: {text!r} (try 200us, 0.5ms)")
+    return float(m.group(1)) * _TIME_UNITS[m.group(2) or "us"]
+
+
+def sweep_sizes(minbytes: int, maxbytes: int, factor: float) -> List[int]:
+    """minbytes, minbytes*f, ... up to maxbytes (inclusive)."""
+    if minbytes < 1 or maxbytes < minbytes:
+        raise ValueError(f"need 1 <= minbytes <= maxbytes, got {minbytes} and {maxbytes}")
+    if factor <= 1 and minbytes != maxbytes:
+        raise ValueError(f"stepfactor must be > 1, got {factor}")
+    sizes, n = [], float(minbytes)
+    while n <= maxbytes * (1 + 1e-12):
+        sizes.append(int(round(n)))
+        if factor <= 1:
+            break
+        n *= factor
+    return sorted(set(sizes))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="hybridcomm-bench", description=__doc__.split("\n\n")[0].replace("\n", " "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Columns: size count type redop algo time(us) algbw(GB/s) busbw(GB/s) #wrong; "
+               "docs/PERFORMANCE.md explains them.")
+    ap.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"))
+    ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
+    ap.add_argument("-f", "--stepfactor", type=float, default=4.0)
+    ap.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per point")
+    ap.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per point")
+    ap.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("-o", "--op", choices=("sum", "avg"), default="sum")
+    ap.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
+                    help="check the results after timing (#wrong)")
+    ap.add_argument("--algo", default="ring,butterfly,halving_doubling,auto,torch",
+                    help=f"comma list of {','.join(ALGO_CHOICES)} (torch: torch.distributed."
+                         "all_reduce, the baseline)")
+    ap.add_argument("--nprocs", type=int, default=None,
+                    help="start this many local ranks (default: one per GPU, else 4); "
+                         "ignored under torchrun")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                    help="default: nccl where there are GPUs, else gloo")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--plot", metavar="PATH.png", help="plot busbw and time against size")
+    ap.add_argument("--shape", metavar="SPEC", default=None,
+                    help="tbf spec, e.g. 'rate 1gbit': one network namespace per rank on a "
+                         "bridge, each link shaped (root only)")
+    ap.add_argument("--latency", type=parse_time, default=0.0, metavar="T",
+                    help="emulate T of latency per message in hybridcomm's transport "
+                         "(e.g. 200us; not applied to torch)")
+    ap.add_argument("--calibrate", nargs="?", const="", default=None, metavar="PATH",
+                    help="fit the cost model's alpha, beta, gamma to this sweep and save them "
+                         "(default: the user's cache dir, where auto and the planner load them)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a peer")
+    return ap
+
+
+def config_from(args) -> Config:
+    algos = [a.strip() for a in args.algo.split(",") if a.strip()]
+    bad = [a for a in algos if a not in ALGO_CHOICES]
+    if bad or not algos:
+        raise SystemExit(f"--algo: unknown {bad}; choose from {','.join(ALGO_CHOICES)}")
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    try:
+        sizes = sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor)
+    except ValueError as e:
+        raise SystemExit(f"sizes: {e}")
+    return Config(sizes=sizes, algos=list(dict.fromkeys(algos)), iters=args.iters,
+                  warmup=args.warmup, dtype=args.dtype, op=args.op, check=bool(args.check),
+                  latency_s=args.latency, timeout_s=args.timeout)
+
+
+def _under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def _torchrun_rank(cfg: Config, backend: str) -> Optional[dict]:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=max(cfg.timeout_s, 60)))
+    try:
+        return run_rank(dist.get_rank(), dist.get_world_size(), cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def _local(cfg: Config, nprocs: int, backend: str, shape: Optional[str]) -> dict:
+    from ..launch import launch
+
+    start = "fork" if backend == "gloo" else "spawn"
+    kwargs = dict(backend=backend, timeout=7 * 24 * 3600, pg_timeout=max(cfg.timeout_s, 60),
+                  start_method=start)
+    if shape is None:
+        return launch(run_rank, nprocs, cfg, **kwargs)[0]
+    from ..netns import NetnsError, ShapedNetwork
+
+    try:
+        net = ShapedNetwork(nprocs, shape).open()
+    except NetnsError as e:
+        raise SystemExit(f"hybridcomm-bench: --shape: {e}")
+    try:
+        return launch(run_rank, nprocs, cfg, setup=net.setup, **kwargs)[0]
+    finally:
+        net.close()
+
+
+def calibrate(doc: dict, path: Optional[str]) -> dict:
+    """Fit alpha, beta, gamma to the sweep's ring/butterfly/halving_doubling rows,
+    save them, and return the JSON ``calibration`` entry."""
+    from .. import cost_model
+
+    samples = [(r["algo"], r["bytes"], doc["world_size"], r["time_us"] * 1e-6)
+               for r in doc["results"] if r["algo"] in cost_model.MODELED]
+    model, rep = cost_model.fit(samples)
+    saved = cost_model.save(model, path or None, report=rep, world_size=doc["world_size"],
+                            backend=doc["backend"], device=doc["device"], dtype=doc["dtype"],
+                            shape=doc["shape"], latency_emulated_s=doc["latency"],
+                            sizes=[min(s[1] for s in samples), max(s[1] for s in samples)])
+    return {"alpha_s": model.alpha, "beta_s_per_byte": model.beta,
+            "gamma_s_per_byte": model.gamma, "n_points": rep.n_points,
+            "rms_rel_err": rep.rms_rel_err, "max_rel_err": rep.max_rel_err, "path": saved,
+            "points": [{"algo": a, "bytes": n, "measured_us": t * 1e6, "predicted_us": p * 1e6}
+                       for a, n, _, t, p in rep.residuals]}
+
+
+def calibration_lines(cal: dict, world: int) -> List[str]:
+    from .. import cost_model
+
+    m = cost_model.CostModel(cal["alpha_s"], cal["beta_s_per_byte"], cal["gamma_s_per_byte"])
+    bw = (lambda x: f"{1 / x / 1e9:.3g} GB/s" if x > 0 else "inf")
+    lines = ["#", "# Calibration (least squares, relative error, over "
+             f"{cal['n_points']} points):",
+             f"#   alpha {report.fmt_seconds(m.alpha)} per message, "
+             f"beta {report.fmt_seconds(m.beta)} per byte ({bw(m.beta)}), "
+             f"gamma {report.fmt_seconds(m.gamma)} per byte reduced ({bw(m.gamma)})",
+             f"#   fit error: rms {cal['rms_rel_err'] * 100:.1f}%, max {cal['max_rel_err'] * 100:.1f}%",
+             f"#   saved to {cal['path']}"]
+    c = m.crossover(world)
+    lines.append(f"#   predicted butterfly/ring crossover at P={world}: "
+                 + (report.human(c) if c else "none"))
+    return lines
+
+
+def latency_check(doc: dict) -> Optional[dict]:
+    """Under --latency: the butterfly's lead over ring at small sizes, measured vs
+    the cost model auto used (which includes the emulated latency)."""
+    from .. import cost_model
+
+    if not doc["latency"]:
+        return None
+    am = doc["auto_model"]
+    model = cost_model.CostModel(am["alpha_s"], am["beta_s_per_byte"], am["gamma_s_per_byte"])
+    t = {(r["algo"], r["bytes"]): r["time_us"] * 1e-6 for r in doc["results"]}
+    rows = []
+    for (algo, n), tb in sorted(t.items(), key=lambda kv: kv[0][1]):
+        if algo != "butterfly" or ("ring", n) not in t or n > 64 << 10:
+            continue
+        measured = t[("ring", n)] - tb
+        predicted = model.predict("ring", n, doc["world_size"]) - model.predict(
+            "butterfly", n, doc["world_size"])
+        rows.append({"bytes": n, "measured_lead_us": measured * 1e6,
+                     "predicted_lead_us": predicted * 1e6,
+                     "rel_err": (measured - predicted) / predicted if predicted else None})
+    return {"model": am["source"], "rows": rows} if rows else None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfg = config_from(args)
+    import torch
+
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if _under_torchrun():
+        if args.shape:
+            raise SystemExit("hybridcomm-bench: --shape needs --nprocs (it starts the ranks "
+                             "inside their namespaces); it cannot run under torchrun")
+        doc = _torchrun_rank(cfg, backend)
+        if doc is None:
+            return 0
+    else:
+        nprocs = args.nprocs or (torch.cuda.device_count() if backend == "nccl" else 4)
+        if nprocs < 1:
+            raise SystemExit("--nprocs must be >= 1")
+        if args.shape:
+            from ..netns import NetnsError, parse_shape
+            try:
+                parse_shape(args.shape)
+            except NetnsError as e:
+                raise SystemExit(f"hybridcomm-bench: {e}")
+        doc = _local(cfg, nprocs, backend, args.shape)
+    world = doc["world_size"]
+    doc = {"world_size": world, "backend": doc["backend"], "device": doc["device"],
+           "dtype": cfg.dtype, "op": cfg.op,
+           "shape": " ".join(__import__("hybridcomm.netns", fromlist=["x"]).parse_shape(args.shape))
+           if args.shape else None,
+           "latency": cfg.latency_s, "iters": cfg.iters, "warmup": cfg.warmup, "check": cfg.check,
+           "auto_model": doc["auto_model"],
+           "results": report.result_rows(doc["results"], world, cfg.latency_s),
+           "calibration": None, "latency_check": None, "env": report.dict_env()}
+    out = sys.stdout
+    for line in report.header(doc):
+        print(line, file=out)
+    for r in doc["results"]:
+        print(report.row_line(r, doc), file=out)
+    for line in report.summary(doc):
+        print(line, file=out)
+    if args.calibrate is not None:
+        doc["calibration"] = calibrate(doc, args.calibrate)
+        for line in calibration_lines(doc["calibration"], world):
+            print(line, file=out)
+    doc["latency_check"] = latency_check(doc)
+    if doc["latency_check"]:
+        print(f"#\n# Butterfly lead over ring under the emulated latency "
+              f"(model: {doc['latency_check']['model']}):", file=out)
+        for r in doc["latency_check"]["rows"]:
+            err = "" if r["rel_err"] is None else f"{r['rel_err'] * 100:+.0f}%"
+            print(f"#   {report.human(r['bytes']):>6}: measured {r['measured_lead_us']:.0f} us, "
+                  f"predicted {r['predicted_lead_us']:.0f} us ({err})", file=out)
+    if args.json:
+        report.write_json(args.json, doc)
+        print(f"# wrote {args.json}", file=out)
+    if args.plot:
+        report.plot(args.plot, doc)
+        print(f"# wrote {args.plot}", file=out)
+    wrong = sum(max(r["wrong"], 0) for r in doc["results"])
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""What each rank runs: buffers, warm-up, timing, the data check, and gathering.
+
+One harness for every algorithm, ``torch.distributed.all_reduce`` included (the
+baseline, in the same process group and the same run). Per (size, algorithm):
+``warmup`` untimed calls, then ``iters`` timed ones, each from a barrier, on
+a buffer refilled from the input outside the timed region; the rank keeps the
+median. After timing, one more call checks the data: inputs are small
+integers, so the sum is exact in any order and in any dtype, and ``#wrong`` is
+the number of elements that differ from it (for ``avg``, more than the one
+rounding the scale allows). Rank 0 gathers every rank's medians; the reported
+time is their mean.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BASELINE = "torch"
+
+
+@dataclass
+class Config:
+    sizes: List[int]                  # bytes
+    algos: List[str]                  # ours, "auto" and/or "torch"
+    iters: int = 20
+    warmup: int = 5
+    dtype: str = "float32"
+    op: str = "sum"
+    check: bool = True
+    latency_s: float = 0.0            # emulated, per step, ours only
+    timeout_s: float = 300.0
+    progress: bool = True
+
+
+def integer_input(rank: int, count: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Small integers in [-5, 5]: every partial sum over P <= 50 ranks is exact
+    even in bf16, in any order."""
+    i = torch.arange(count, device=device, dtype=torch.int64)
+    return ((i * 7 + rank * 3) % 11 - 5).to(dtype)
+
+
+def expected_sum(world: int, count: int, device) -> torch.Tensor:
+    i = torch.arange(count, device=device, dtype=torch.int64)
+    return sum(((i * 7 + r * 3) % 11 - 5) for r in range(world)).to(torch.float64)
+
+
+def count_wrong(got: torch.Tensor, total: torch.Tensor, op: str, world: int) -> int:
+    g = got.to(torch.float64)
+    if op == "sum":
+        return int((g != total).sum())
+    want = total / world
+    # avg: the scale 1/P rounds once (exact when P is a power of two).
+    tol = 2 * torch.finfo(got.dtype).eps * want.abs()
+    return int(((g - want).abs() > tol).sum())
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Runners:
+    """Callables that all-reduce ``buf`` in place with one algorithm."""
+
+    def __init__(self, world: int, rank: int, cfg: Config, device):
+        from ..executor import Workspace
+        from ..transport import TorchDistTransport
+        from ..transport.latency import LatencyTransport
+
+        self.world, self.rank, self.cfg, self.device = world, rank, cfg, device
+        base = TorchDistTransport()
+        self.transport = LatencyTransport(base, cfg.latency_s) if cfg.latency_s > 0 else base
+        self.workspace = Workspace()
+        self.scale = 1.0 / world if cfg.op == "avg" else None
+        self.torch_op = dist.ReduceOp.SUM if cfg.op == "sum" else dist.ReduceOp.AVG
+
+    def resolve(self, algo: str, nbytes: int) -> str:
+        from ..collectives import resolve_algorithm
+
+        return algo if algo == BASELINE else resolve_algorithm(algo, nbytes, self.world)
+
+    def make(self, algo: str, buf: torch.Tensor):
+        if algo == BASELINE:
+            op = self.torch_op
+            return lambda: dist.all_reduce(buf, op=op)
+        from ..algorithms import get_schedule
+        from ..executor import execute
+
+        schedule = get_schedule(algo, self.rank, self.world, buf.numel())
+        scratch = self.workspace.get(schedule.scratch_numel, buf.dtype, buf.device)
+        transport, scale, timeout = self.transport, self.scale, self.cfg.timeout_s
+        return lambda: execute(schedule, buf, transport, scale=scale, scratch=scratch,
+                               timeout=timeout)
+
+
+def _time_one(run, buf, inp, cfg: Config, device) -> float:
+    for _ in range(cfg.warmup):
+        buf.copy_(inp)
+        run()
+    times = []
+    for _ in range(cfg.iters):
+        buf.copy_(inp)
+        _sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
+    """The sweep on this rank; rank 0 returns the gathered results, others None."""
+    from .. import cost_model
+
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    dtype = DTYPES[cfg.dtype]
+    esize = torch.empty((), dtype=dtype).element_size()
+    # auto must choose the same on every rank: rank 0's model for all.
+    model = cost_model.agree()
+    if cfg.latency_s > 0:
+        cost_model.set_active(model.with_latency(cfg.latency_s))
+    runners = _Runners(world, rank, cfg, device)
+
+    rows = []
+    start = time.perf_counter()
+    # Warm-up at the largest and the smallest size first (connections, caches).
+    for nbytes in sorted({max(cfg.sizes), min(cfg.sizes)}, reverse=True):
+        n = max(nbytes // esize, 1)
+        buf = integer_input(rank, n, dtype, device)
+        for algo in cfg.algos:
+            runners.make(runners.resolve(algo, n * esize), buf)()
+    for k, nbytes in enumerate(cfg.sizes):
+        count = max(nbytes // esize, 1)
+        inp = integer_input(rank, count, dtype, device)
+        total = expected_sum(world, count, device) if cfg.check else None
+        buf = torch.empty_like(inp)
+        for algo in cfg.algos:
+            chosen = runners.resolve(algo, count * esize)
+            run = runners.make(chosen, buf)
+            t = _time_one(run, buf, inp, cfg, device)
+            wrong = -1
+            if cfg.check:
+                buf.copy_(inp)
+                run()
+                _sync(device)
+                wrong = count_wrong(buf, total, cfg.op, world)
+            rows.append({"algo": algo, "chosen": chosen, "bytes": count * esize, "count": count,
+                         "time_s": t, "wrong": wrong})
+        if cfg.progress and rank == 0 and len(cfg.sizes) > 3:
+            print(f"# progress: {k + 1}/{len(cfg.sizes)} sizes, up to {count * esize} bytes, "
+                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank != 0:
+        return None
+    results = []
+    for i, row in enumerate(rows):
+        per_rank = [g[i] for g in gathered]
+        t = statistics.mean(r["time_s"] for r in per_rank)
+        wrong = -1 if row["wrong"] < 0 else sum(r["wrong"] for r in per_rank)
+        results.append({**row, "time_s": t, "wrong": wrong,
+                        "time_s_per_rank": [r["time_s"] for r in per_rank]})
+    return {"world_size": world, "backend": str(dist.get_backend()), "device": device.type,
+            "results": results, "auto_model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta,
+                                               "gamma_s_per_byte": model.gamma,
+                                               "source": model.source}}
