@@ -31,6 +31,7 @@ reduction order differs between algorithms, so small, not zero).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -58,7 +59,9 @@ CONFIGS = {
     "hybrid-forward": ("hybrid", "forward"),
 }
 LR, MOMENTUM, SEED, DATA_BATCHES = 0.01, 0.9, 1234, 4
-QUICK = {"batch_sizes": [8, 32], "iters": 5, "warmup": 2}
+# Warm-up covers DistributedOptimizer's re-plan (after measure_iters=3 steps by default).
+QUICK = {"batch_sizes": [8, 32], "iters": 6, "warmup": 4, "rounds": 2}
+FULL = {"batch_sizes": [8, 16, 32, 64], "iters": 20, "warmup": 5, "rounds": 4}
 
 
 def optimizer_available() -> bool:
@@ -73,12 +76,29 @@ def unavailable_reason(config: str):
     return None
 
 
-def shape_setup(shape: str):
-    """A ``launch(setup=...)`` callable that puts each rank in its own shaped namespace."""
-    # Waiting on the namespace helper (hybridcomm/netns.py or hybridcomm/bench/) that the
-    # microbenchmark CLI will use; it is reused here through launch(setup=...) once it lands.
-    raise SystemExit(f"--shape {shape!r}: not available yet: no network-namespace helper in "
-                     "hybridcomm (hybridcomm/netns.py or hybridcomm/bench/) to reuse")
+def shaped_network(nprocs: int, shape: str):
+    """One network namespace per rank, each link shaped by ``tbf <shape>`` (hybridcomm.netns).
+
+    Returns a context manager whose ``setup`` goes to launch(setup=...).
+    """
+    try:
+        from hybridcomm.netns import NetnsError, ShapedNetwork
+    except ImportError:
+        raise SystemExit(f"--shape {shape!r}: not available yet: hybridcomm.netns.ShapedNetwork "
+                         "does not exist") from None
+
+    @contextlib.contextmanager
+    def opened():
+        try:
+            net = ShapedNetwork(nprocs, shape).open()
+        except NetnsError as e:  # not root, no iproute2, a bad spec
+            raise SystemExit(f"error: {e}") from None
+        try:
+            yield net
+        finally:
+            net.close()
+
+    return opened()
 
 
 # ---------------------------------------------------------------- per rank
@@ -99,14 +119,13 @@ class _Trainer:
         self.model = vgg_small(SEED)
         self.params = list(self.model.parameters())
         base = torch.optim.SGD(self.params, lr=LR, momentum=MOMENTUM)
-        self.net, self.opt, self.plan = self.model, base, None
+        self.net, self.opt = self.model, base
         if config == "ddp":
             self.net = torch.nn.parallel.DistributedDataParallel(self.model)
         elif CONFIGS.get(config) is not None:
             strategy, overlap = CONFIGS[config]
             self.opt = hybridcomm.DistributedOptimizer(base, model=self.model, strategy=strategy,
                                                        overlap=overlap, op="avg")
-            self.plan = str(getattr(self.opt, "plan", ""))
 
     def step(self, x, y):
         self.opt.zero_grad()
@@ -118,9 +137,15 @@ class _Trainer:
                     p.grad.div_(self.world)
         self.opt.step()
 
-    def library_exposed_s(self):
+    def plan(self):
+        """hybridcomm's plan table as it stands now, or None."""
+        plan = getattr(self.opt, "plan", None) if CONFIGS.get(self.config) else None
+        return None if plan is None else str(plan)
+
+    def library_stats(self):
+        """(exposed_comm_s, comm_busy_s) from hybridcomm's last step, None where absent."""
         stats = getattr(self.opt, "last_step_stats", None) or {}
-        return stats.get("exposed_comm_s")
+        return stats.get("exposed_comm_s"), stats.get("comm_busy_s")
 
     def finish(self):
         """Complete all communication and pending updates (outside the timed steps)."""
@@ -143,51 +168,76 @@ def _checksum(flat: torch.Tensor) -> torch.Tensor:
     return (bits * weights).sum().reshape(1)
 
 
-def _run_config(config, rank, world, batch_size, data, warmup, iters):
-    trainer = _Trainer(config, world)
-    times, lib_exposed = [], []
+def _median_or_none(xs):
+    """Median, or None unless every step reported a value (stats may be absent early on)."""
+    return statistics.median(xs) if xs and None not in xs else None
+
+
+def _run_steps(trainer, data, first, untimed, timed, record):
+    """``untimed + timed`` steps; each timed one goes to ``record(seconds, stats)``."""
+    for i in range(untimed + timed):
+        x, y = data[(first + i) % len(data)]
+        t0 = time.perf_counter()
+        trainer.step(x, y)
+        dt = time.perf_counter() - t0
+        if i >= untimed:
+            record(dt, trainer.library_stats())
+    return first + untimed + timed
+
+
+def _same_across_ranks(flat, world) -> bool:
+    mine = _checksum(flat)
+    gathered = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds):
+    """Every config on this batch size, interleaved in ``rounds`` so slow drift in the
+    machine's load (shared cores) hits all configs alike. Each config runs the same
+    number of steps on the same data from the same initial model."""
+    data = _shard(rank, batch_size)
+    names = ["compute"] + configs
+    trainers, rows = {}, []
+    per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
     try:
-        dist.barrier()  # start together; no barrier inside the timed loop
-        for i in range(warmup + iters):
-            x, y = data[i % len(data)]
-            t0 = time.perf_counter()
-            trainer.step(x, y)
-            dt = time.perf_counter() - t0
-            if i >= warmup:
-                times.append(dt)
-                lib_exposed.append(trainer.library_exposed_s())
-        trainer.finish()
-        flat = _flat_params(trainer.model)
-        mine = _checksum(flat)
-        if config == "compute":  # no communication: replicas differ by design
-            same = None
-        else:
-            gathered = [torch.zeros_like(mine) for _ in range(world)]
-            dist.all_gather(gathered, mine)
-            same = all(torch.equal(g, gathered[0]) for g in gathered)
+        for c in names:
+            trainers[c] = _Trainer(c, world)
+        samples = {c: [] for c in names}
+        steps_done = dict.fromkeys(names, 0)
+        for r, timed in enumerate(per_round):
+            for c in names:
+                dist.barrier()  # start together; no barrier inside the timed steps
+                # Round 0 warms up; later rounds drop one step to refill the pipeline.
+                steps_done[c] = _run_steps(trainers[c], data, steps_done[c],
+                                           warmup if r == 0 else 1, timed,
+                                           lambda dt, st, c=c: samples[c].append((dt, *st)))
+                trainers[c].finish()  # its communication done before the next config runs
+        stock_flat = None
+        for c in names:
+            flat = _flat_params(trainers[c].model)
+            if c == "stock":
+                stock_flat = flat
+            times, lib_exposed, lib_busy = zip(*samples[c])
+            rows.append({
+                "config": c, "batch_size": batch_size, "step_s": statistics.median(times),
+                "lib_exposed_s": _median_or_none(lib_exposed), "lib_busy_s": _median_or_none(lib_busy),
+                # compute has no communication: its replicas differ by design
+                "same": None if c == "compute" else _same_across_ranks(flat, world),
+                "max_abs_diff_vs_stock": (None if stock_flat is None or c == "compute"
+                                          else float((flat - stock_flat).abs().max())),
+                "plan": trainers[c].plan() if rank == 0 else None,
+            })
     finally:
-        trainer.close()
-    lib = [v for v in lib_exposed if v is not None]
-    return {"config": config, "batch_size": batch_size, "step_s": statistics.median(times),
-            "lib_exposed_s": statistics.median(lib) if len(lib) == len(lib_exposed) and lib else None,
-            "same": same, "plan": trainer.plan, "flat": flat}
+        for t in trainers.values():
+            t.close()
+    return rows
 
 
-def _rank(rank, world, batch_sizes, configs, warmup, iters):
+def _rank(rank, world, batch_sizes, configs, warmup, iters, rounds):
     rows = []
     for bs in batch_sizes:
-        data = _shard(rank, bs)
-        stock_flat = None
-        for config in ["compute"] + configs:
-            row = _run_config(config, rank, world, bs, data, warmup, iters)
-            flat = row.pop("flat")
-            if config == "stock":
-                stock_flat = flat
-            row["max_abs_diff_vs_stock"] = (None if stock_flat is None or config == "compute"
-                                            else float((flat - stock_flat).abs().max()))
-            if rank != 0 or bs != batch_sizes[0]:
-                row["plan"] = None
-            rows.append(row)
+        rows += _run_batch_size(rank, world, bs, configs, warmup, iters, rounds)
     return rows
 
 
@@ -204,11 +254,13 @@ def aggregate(per_rank, configs, batch_sizes):
         ranks = [r[i] for r in per_rank]
         assert all(r["config"] == row["config"] and r["batch_size"] == row["batch_size"] for r in ranks)
         lib = [r["lib_exposed_s"] for r in ranks]
+        busy = [r["lib_busy_s"] for r in ranks]
         diffs = [r["max_abs_diff_vs_stock"] for r in ranks if r["max_abs_diff_vs_stock"] is not None]
         out[(row["config"], row["batch_size"])] = {
             "step_ms": _mean([r["step_s"] * 1e3 for r in ranks]),
             "step_ms_per_rank": [round(r["step_s"] * 1e3, 3) for r in ranks],
             "lib_exposed_comm_ms": _mean([v * 1e3 for v in lib]) if None not in lib else None,
+            "lib_comm_busy_ms": _mean([v * 1e3 for v in busy]) if None not in busy else None,
             "same": None if row["same"] is None else all(r["same"] for r in ranks),
             "max_abs_diff_vs_stock": max(diffs) if diffs else None,
         }
@@ -225,7 +277,8 @@ def aggregate(per_rank, configs, batch_sizes):
                 "exposed_comm_ms": step - compute,
                 "speedup_vs_stock": stock / step if stock else None,
                 "speedup_vs_ddp": ddp / step if ddp else None,
-                "lib_exposed_comm_ms": r["lib_exposed_comm_ms"], "same": r["same"],
+                "lib_exposed_comm_ms": r["lib_exposed_comm_ms"],
+                "lib_comm_busy_ms": r["lib_comm_busy_ms"], "same": r["same"],
                 "max_abs_diff_vs_stock": r["max_abs_diff_vs_stock"],
                 "step_ms_per_rank": r["step_ms_per_rank"],
             })
@@ -307,7 +360,11 @@ def parse_args(argv=None):
     ap.add_argument("--batch-sizes", default=None, help="per rank, comma-separated (default 8,16,32,64)")
     ap.add_argument("--configs", default="all", help=f"comma-separated from {','.join(CONFIGS)} or all")
     ap.add_argument("--iters", type=int, default=None, help="timed steps per config (default 20)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; "
+                    "keep it above DistributedOptimizer's measure_iters=3, when it re-plans)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="interleave the configs in this many rounds of iters/rounds timed "
+                         "steps each, so drift in machine load hits all alike (default 4)")
     ap.add_argument("--shape", default=None, help='e.g. "rate 1gbit": each rank in its own network '
                                                   "namespace, egress shaped with tbf")
     ap.add_argument("--json", default=None, metavar="PATH")
@@ -318,13 +375,14 @@ def parse_args(argv=None):
     ap.add_argument("--show-plan", action="store_true", help="print hybridcomm's plan per config")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole launch")
     args = ap.parse_args(argv)
-    defaults = QUICK if args.quick else {"batch_sizes": [8, 16, 32, 64], "iters": 20, "warmup": 5}
+    defaults = QUICK if args.quick else FULL
     args.batch_sizes = ([int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes
                         else defaults["batch_sizes"])
     args.iters = defaults["iters"] if args.iters is None else args.iters
     args.warmup = defaults["warmup"] if args.warmup is None else args.warmup
-    if args.iters < 1 or args.warmup < 0 or args.nprocs < 1 or min(args.batch_sizes) < 1:
-        ap.error("--iters, --nprocs and batch sizes must be >= 1, --warmup >= 0")
+    args.rounds = min(defaults["rounds"] if args.rounds is None else args.rounds, args.iters)
+    if min(args.iters, args.rounds, args.nprocs, *args.batch_sizes) < 1 or args.warmup < 0:
+        ap.error("--iters, --rounds, --nprocs and batch sizes must be >= 1, --warmup >= 0")
     explicit = args.configs != "all"
     names = list(CONFIGS) if not explicit else [c.strip() for c in args.configs.split(",") if c.strip()]
     bad = [c for c in names if c not in CONFIGS]
@@ -340,29 +398,35 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    setup = shape_setup(args.shape) if args.shape else None
     command = " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv)
     model = param_counts(vgg_small(SEED))
+    network = contextlib.nullcontext() if not args.shape else shaped_network(args.nprocs, args.shape)
     t0 = time.perf_counter()
-    per_rank = launch(_rank, args.nprocs, args.batch_sizes, args.configs, args.warmup, args.iters,
-                      backend="gloo", setup=setup, timeout=args.timeout)
+    with network as net:
+        per_rank = launch(_rank, args.nprocs, args.batch_sizes, args.configs, args.warmup,
+                          args.iters, args.rounds, backend="gloo", setup=net and net.setup, timeout=args.timeout)
+        network = f"tbf {net.spec} on each rank's link (a namespace per rank)" if net else "loopback"
     wall = time.perf_counter() - t0
     results = aggregate(per_rank, args.configs, args.batch_sizes)
-    plans = {r["config"]: r["plan"] for r in per_rank[0] if r["plan"]}
+    # hybridcomm's plan after its re-plan from measured windows, per config and batch size
+    plans = {f"{r['config']} batch {r['batch_size']}": r["plan"] for r in per_rank[0] if r["plan"]}
     header = (f"training step, {model['name']} ({model['params'] / 1e6:.2f}M params, "
               f"{model['fc_params'] / model['params']:.1%} in FC layers), {args.nprocs} ranks on CPU "
-              f"(gloo), network {args.shape or 'unshaped loopback'}; median of {args.iters} steps "
-              f"after {args.warmup} warm-up, per rank, averaged across ranks; "
+              f"(gloo), network: {network}; median of {args.iters} steps (configs interleaved "
+              f"in {args.rounds} rounds, {args.warmup} warm-up) per rank, averaged across ranks; "
               f"exposed = step - compute; lib_exp = the library's own exposed_comm_s")
     if args.show_plan:
         for config, plan in plans.items():
             print(f"plan for {config}:\n{plan}\n")
     print_table(results, args.unavailable, header)
-    print(f"({wall:.0f} s wall)")
+    load = os.getloadavg()[0]
+    print(f"({wall:.0f} s wall; load average {load:.1f} on {os.cpu_count()} cores"
+          + (": the machine was busy, expect noise)" if load > args.nprocs + 1 else ")"))
     if args.json:
         doc = {"results": results, "nprocs": args.nprocs, "shape": args.shape, "model": model,
                "machine": machine_info(), "command": command,
-               "iters": args.iters, "warmup": args.warmup,
+               "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
+               "loadavg_after": os.getloadavg(),
                "unavailable": args.unavailable, "plans": plans}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
