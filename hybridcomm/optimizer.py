@@ -44,6 +44,17 @@ COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.b
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
 
 
+def _describe_difference(ours, theirs, rank) -> str:
+    """What differs between rank 0's and ``rank``'s (name, shape, dtype) lists."""
+    only0 = [n for n, *_ in ours if n not in {t[0] for t in theirs}]
+    only_r = [n for n, *_ in theirs if n not in {t[0] for t in ours}]
+    parts = [f"only rank 0 has {only0}"] if only0 else []
+    parts += [f"only rank {rank} has {only_r}"] if only_r else []
+    parts += [f"{a[0]}: rank 0 has {a[1:]}, rank {rank} has {b[1:]}"
+              for a, b in zip(ours, theirs) if a[0] == b[0] and a != b]
+    return "; ".join(parts) or f"the order differs between rank 0 and rank {rank}"
+
+
 class _DistributedOptimizer:
     """Mixin placed in front of the user's optimizer class; see DistributedOptimizer()."""
 
@@ -142,10 +153,8 @@ class _DistributedOptimizer:
         dist.all_gather_object(everyone, mine, group=self._hc_group)
         for r, theirs in enumerate(everyone):
             if theirs != everyone[0]:
-                diff = next((f"#{i}: rank 0 has {a}, rank {r} has {b}"
-                             for i, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b),
-                            f"rank 0 has {len(everyone[0])} parameters, rank {r} has {len(theirs)}")
-                raise HybridCommError(f"the trainable parameters differ across ranks: {diff}")
+                raise HybridCommError("the trainable parameters differ across ranks: "
+                                      + _describe_difference(everyone[0], theirs, r))
 
     def _hc_make_layers(self, model, names) -> List[Layer]:
         """Layers (a module's own parameters), last module first: backward's order."""

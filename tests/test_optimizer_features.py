@@ -1,0 +1,272 @@
+"""What a serious wrapper handles: unused, frozen and tied parameters, accumulation,
+no_sync, state_dict, GradScaler, mismatched models, misuse, the plan."""
+import copy
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hybridcomm
+from multiproc import run_ranks
+from optim_models import GLOBAL_BATCH, batch, flat, make_model, shard
+
+TOL = dict(rtol=64 * torch.finfo(torch.float32).eps, atol=64 * torch.finfo(torch.float32).eps)
+
+
+class Branchy(nn.Module):
+    """`a` is used only by the first shard, `never` by nobody, `frozen` is frozen,
+    and `tied_*` share one weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.a = nn.Linear(4, 4)
+        self.never = nn.Linear(4, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.tied_1 = nn.Linear(4, 4, bias=False)
+        self.tied_2 = nn.Linear(4, 4, bias=False)
+        self.tied_2.weight = self.tied_1.weight
+
+    def forward(self, x, use_a):
+        h = torch.tanh(self.body(x))
+        if use_a:
+            h = h + self.a(h)
+        return self.tied_2(torch.tanh(self.tied_1(self.frozen(h))))
+
+
+def branchy_data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(GLOBAL_BATCH, 4, generator=g), torch.randn(GLOBAL_BATCH, 4, generator=g)
+
+
+def branchy_loss(model, x, y, shard_index):
+    return nn.functional.mse_loss(model(x, use_a=shard_index == 0), y)
+
+
+def branchy_reference(world, steps):
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    for s in range(steps):
+        x, y = branchy_data(s)
+        opt.zero_grad()
+        # the average of the per-shard losses: what P ranks compute together
+        loss = sum(branchy_loss(model, shard(x, r, world), shard(y, r, world), r)
+                   for r in range(world)) / world
+        loss.backward()
+        opt.step()
+    return model
+
+
+def _branchy(rank, world, overlap, steps):
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+        model=model, overlap=overlap, timeout=60)
+    plan_params = sum(len(b.params) for b in opt.plan.buckets)
+    for s in range(steps):
+        x, y = branchy_data(s)
+        opt.zero_grad()
+        branchy_loss(model, shard(x, rank, world), shard(y, rank, world), rank).backward()
+        opt.step()
+    opt.synchronize()
+    opt.close()
+    return {k: v.clone() for k, v in model.state_dict().items()}, plan_params, model.never.weight.grad
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
+def test_unused_frozen_and_tied_parameters(overlap):
+    world, steps = 3, 3
+    results = run_ranks(world, _branchy, overlap, steps)
+    ref = branchy_reference(world, steps).state_dict()
+    torch.manual_seed(0)
+    init = Branchy().state_dict()
+    for rank, (state, plan_params, never_grad) in enumerate(results):
+        # trainable: body (2), a (2), never (2), tied (1, reduced once): frozen left out
+        assert plan_params == 7
+        assert never_grad is None  # no rank produced one: left as one process leaves it
+        for k in state:
+            assert torch.allclose(state[k], ref[k], **TOL), f"rank {rank}: {k}"
+            assert torch.equal(state[k], results[0][0][k]), f"rank {rank} differs: {k}"
+        # unused everywhere: not even weight decay touched it
+        assert torch.equal(state["never.weight"], init["never.weight"])
+        assert torch.equal(state["frozen.weight"], init["frozen.weight"])
+        assert not torch.equal(state["a.weight"], init["a.weight"])  # used on one rank only
+
+
+def _accumulate(rank, world, how):
+    model = make_model()
+    kwargs = {"backward_passes_per_step": 2} if how == "passes" else {}
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                          model=model, overlap="backward", timeout=60, **kwargs)
+    for s in range(2):
+        x, y = batch(s)
+        x, y = shard(x, rank, world), shard(y, rank, world)
+        half = x.shape[0] // 2
+        opt.zero_grad()
+        for i, sl in enumerate((slice(0, half), slice(half, None))):
+            loss = nn.functional.mse_loss(model(x[sl]), y[sl]) / 2
+            if how == "no_sync" and i == 0:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+    opt.close()
+    return flat(model.parameters())
+
+
+@pytest.mark.parametrize("how", ["passes", "no_sync"])
+def test_gradient_accumulation_syncs_once(how):
+    world = 2
+    results = run_ranks(world, _accumulate, how)
+    # reference: one process, whole batch, plain SGD with momentum
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for s in range(2):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    want = flat(model.parameters())
+    for r in results:
+        assert torch.allclose(r, want, **TOL)
+        assert torch.equal(r, results[0])
+
+
+def _state_roundtrip(rank, world):
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
+                                          model=model, overlap="forward", timeout=60)
+    x, y = batch(0)
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    # forward mode: the second update is still pending; state_dict must include it
+    sd = copy.deepcopy(opt.state_dict())  # as saved to disk: no tensors shared with opt
+    steps = [float(s["step"]) for s in sd["state"].values()]
+    model2 = make_model()
+    model2.load_state_dict(model.state_dict())
+    opt2 = hybridcomm.DistributedOptimizer(torch.optim.Adam(model2.parameters(), lr=1e-2),
+                                           model=model2, overlap="forward", timeout=60)
+    opt2.load_state_dict(sd)
+    for m, o in ((model, opt), (model2, opt2)):
+        o.zero_grad()
+        nn.functional.mse_loss(m(shard(x, rank, world)), shard(y, rank, world)).backward()
+        o.step()
+        o.synchronize()
+        o.close()
+    return steps, flat(model.parameters()), flat(model2.parameters())
+
+
+def test_state_dict_roundtrip_includes_pending_updates():
+    for steps, a, b in run_ranks(2, _state_roundtrip):
+        assert steps and all(s == 2.0 for s in steps)
+        assert torch.equal(a, b)
+
+
+def _grad_scaler(rank, world, overlap):
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model=model, overlap=overlap, timeout=60)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    params, scales = [], []
+    for s in range(3):
+        x, y = batch(s)
+        x = shard(x, rank, world).clone()
+        if s == 1 and rank == 1:
+            x[0, 0, 0, 0] = float("inf")  # only rank 1 overflows
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), shard(y, rank, world))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.synchronize()
+        params.append(flat(model.parameters()))
+        scales.append(scaler.get_scale())
+    opt.close()
+    return params, scales
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
+def test_grad_scaler_skips_the_same_step_on_every_rank(overlap):
+    results = run_ranks(2, _grad_scaler, overlap)
+    (p0, s0), (p1, s1) = results
+    assert s0 == s1 == [2.0 ** 8, 2.0 ** 7, 2.0 ** 7]  # the inf step halved the scale everywhere
+    for a, b in zip(p0, p1):
+        assert torch.equal(a, b)
+    assert torch.equal(p0[1], p0[0])  # step 1 skipped
+    assert not torch.equal(p0[2], p0[1])
+
+
+def _mismatch(rank, world):
+    model = make_model()
+    if rank == 1:
+        model.extra = nn.Linear(2, 2)
+    try:
+        hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    except hybridcomm.HybridCommError as e:
+        return str(e)
+    return "no error"
+
+
+def test_parameter_mismatch_is_a_clear_error():
+    for msg in run_ranks(2, _mismatch):
+        assert "differ across ranks" in msg and "only rank 1 has ['extra.weight', 'extra.bias']" in msg
+
+
+def _misuse_and_plan(rank, world):
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model, overlap="backward", timeout=60)
+    x, y = batch(0)
+    nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+    try:
+        opt.zero_grad()
+        refused = False
+    except hybridcomm.HybridCommError:
+        refused = True
+    opt.step()
+    opt.zero_grad()  # fine after step()
+    table = str(opt.plan)
+    opt.close()
+    os.environ["HYBRIDCOMM_ALGO"] = "halving_doubling"
+    forced = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                             model=model)
+    algos = {b.algorithm for b in forced.plan.buckets}
+    forced.close()
+    return refused, table, algos
+
+
+def test_zero_grad_refuses_pending_and_plan_is_visible_and_overridable():
+    for refused, table, algos in run_ranks(2, _misuse_and_plan):
+        assert refused
+        assert "bucket" in table and "algorithm" in table and "fc1" in table
+        assert algos == {"halving_doubling"}
+
+
+def _forward_mode_defers(rank, world):
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model, overlap="forward", timeout=60)
+    x, y = batch(0)
+    before = flat(model.parameters())
+    nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+    opt.step()
+    opt.zero_grad()  # allowed: the reduced gradients wait in the library's buffers
+    unchanged_after_step = torch.equal(flat(model.parameters()), before)
+    with torch.no_grad():
+        model(shard(x, rank, world))  # the forward pre-hooks apply the updates
+    changed_after_forward = not torch.equal(flat(model.parameters()), before)
+    grads_none = all(p.grad is None for p in model.parameters())
+    opt.close()
+    return unchanged_after_step, changed_after_forward, grads_none
+
+
+def test_forward_mode_applies_updates_in_the_next_forward():
+    for unchanged, changed, grads_none in run_ranks(2, _forward_mode_defers):
+        assert unchanged and changed and grads_none
