@@ -314,7 +314,7 @@ def plot(results, path):
     configs = [c for c in dict.fromkeys(r["config"] for r in results) if c != "compute"]
     by = {(r["config"], r["batch_size"]): r for r in results}
     width = 0.8 / max(len(configs), 1)
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(batch_sizes) * max(len(configs), 1) * 0.35, 4.5))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.5 + 0.45 * len(batch_sizes) * len(configs)), 4.5))
     for j, config in enumerate(configs):
         xs = [i + (j - (len(configs) - 1) / 2) * width for i in range(len(batch_sizes))]
         steps = [by[(config, bs)]["step_ms"] for bs in batch_sizes]
@@ -332,9 +332,10 @@ def plot(results, path):
     ax.set_ylabel("step time (ms), median")
     ax.set_title("training step time per config (hatched: compute with no communication;\n"
                  "labels: speed-up vs stock)", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.margins(y=0.08)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
