@@ -32,7 +32,8 @@ import torch.distributed as dist
 from .collectives import default_timeout
 from .errors import HybridCommError
 from .overlap import BucketState, CommEngine
-from .planner import LANES, Layer, Plan, make_plan, predictor
+from . import cost_model as cm
+from .planner import LANES, Layer, Plan, make_plan
 from .timeline import Timeline
 
 log = logging.getLogger("hybridcomm")
@@ -91,7 +92,7 @@ class _DistributedOptimizer:
         self._hc_scale = 1.0 / self._hc_world if op == "avg" else None
         self._hc_passes = backward_passes_per_step
         self._hc_timeout = default_timeout() if timeout is None else float(timeout)
-        self._hc_predict = predictor(cost_model)
+        self._hc_cost_model = cost_model
         self._hc_fusion_bytes, self._hc_split_bytes = fusion_bytes, split_bytes
         self._hc_measure_iters = measure_iters
         self.timeline = Timeline(enabled=bool(trace))
@@ -186,13 +187,11 @@ class _DistributedOptimizer:
         layers = self._hc_layers
         if order:
             layers = sorted(layers, key=lambda l: order.get(l.name, float("inf")))
-        fusion = self._hc_fusion_bytes
-        if fusion is None:
-            fusion = self._hc_predict.fusion_bytes
         plan = make_plan(layers, world_size=self._hc_world,
                          element_size=torch.empty((), dtype=self._hc_dtype).element_size(),
-                         predict=self._hc_predict, strategy=self._hc_strategy,
-                         fusion_bytes=fusion, split_bytes=self._hc_split_bytes, windows=windows)
+                         model=self._hc_cost_model or cm.active_model(),
+                         strategy=self._hc_strategy, fusion_bytes=self._hc_fusion_bytes,
+                         split_bytes=self._hc_split_bytes, windows=windows)
         box = [plan]
         src = dist.get_global_rank(self._hc_group, 0) if self._hc_group is not None else 0
         dist.broadcast_object_list(box, src=src, group=self._hc_group)

@@ -10,8 +10,12 @@ of each layer (from its gradient being ready to its next forward).
   below which one message costs mostly its latency, so merging saves it).
 - Split: a bucket over ``split_bytes`` is all-reduced in segments, each a
   separate operation in its lane (bounded message size, earlier progress).
-- Algorithm: the one with the least predicted time (``strategy="hybrid"``),
-  or the one named by ``strategy`` / ``HYBRIDCOMM_ALGO`` for every bucket.
+- Algorithm (``strategy="hybrid"``): ``CostModel.choose`` with the bucket's
+  window: among the algorithms predicted to finish within the window, the
+  one that sends the fewest bytes (bandwidth left for the other buckets),
+  else the fastest. So a small bucket with a short window gets the
+  butterfly, a large one with a long window the ring. ``strategy`` naming an
+  algorithm, or ``HYBRIDCOMM_ALGO``, forces it for every bucket.
 - Lane: butterfly buckets (small, latency-bound) go to the ``latency`` lane,
   the rest to the ``bandwidth`` lane. Each lane is its own communicator and
   thread with a fixed order, so a small urgent bucket never waits behind a
@@ -23,11 +27,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from .algorithms import ALGORITHMS
+from .cost_model import CostModel
 
-Predict = Callable[[str, int, int], float]  # (algorithm, nbytes, world_size) -> seconds
 LANES = ("latency", "bandwidth")
 
 
@@ -94,25 +98,26 @@ def forced_algorithm(strategy: str) -> Optional[str]:
     return strategy
 
 
-def make_plan(layers: Sequence[Layer], *, world_size: int, element_size: int, predict: Predict,
-              strategy: str = "hybrid", fusion_bytes: int = 0, split_bytes: Optional[int] = None,
-              windows: Optional[dict] = None) -> Plan:
+def make_plan(layers: Sequence[Layer], *, world_size: int, element_size: int, model: CostModel,
+              strategy: str = "hybrid", fusion_bytes: Optional[int] = None,
+              split_bytes: Optional[int] = None, windows: Optional[dict] = None) -> Plan:
     """Group ``layers`` (in backward order) into buckets and choose for each.
 
     ``windows`` maps a layer name to its measured overlap window in seconds;
     a bucket's window is its first-needed (smallest) layer window.
+    ``fusion_bytes`` defaults to the model's alpha/beta.
 
     Example::
 
-        >>> plan = make_plan([Layer("fc", [0, 1], 1 << 20), Layer("conv", [2], 500)],
-        ...                  world_size=4, element_size=4, fusion_bytes=0,
-        ...                  predict=lambda a, n, p: {"butterfly": 1e-9 * n * 2,
-        ...                                           "ring": 1e-5 + 1e-9 * n,
-        ...                                           "halving_doubling": 2e-5 + 1e-9 * n}[a])
+        >>> model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-10)
+        >>> plan = make_plan([Layer("fc", [0, 1], 1 << 22), Layer("conv", [2], 500)],
+        ...                  world_size=6, element_size=4, model=model)
         >>> [(b.algorithm, b.lane) for b in plan.buckets]
         [('ring', 'bandwidth'), ('butterfly', 'latency')]
     """
     forced = forced_algorithm(strategy)
+    if fusion_bytes is None:
+        fusion_bytes = int(model.alpha / model.beta) if model.beta > 0 else 0
     groups: List[List[Layer]] = []
     for layer in layers:
         if layer.numel == 0:
@@ -127,46 +132,18 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, element_size: int, pr
         params = [p for layer in group for p in layer.params]
         numel = sum(layer.numel for layer in group)
         nbytes = numel * element_size
-        if forced:
-            algorithm = forced
-        else:
-            algorithm = min(ALGORITHMS, key=lambda a: predict(a, nbytes, world_size))
         window = None
         if windows:
             known = [windows[layer.name] for layer in group if layer.name in windows]
             window = min(known) if known else None
+        algorithm = forced or model.choose(nbytes, world_size, window)
         total = numel + len(params)  # gradients, then one usage flag per parameter
         step = total if not split_bytes else max(1, split_bytes // element_size)
         segments = [(s, min(s + step, total)) for s in range(0, total, step)]
         buckets.append(Bucket(i, [layer.name for layer in group], params, numel, nbytes, algorithm,
                               "latency" if algorithm == "butterfly" else "bandwidth",
-                              sum(predict(algorithm, (b - a) * element_size, world_size)
+                              sum(model.predict(algorithm, (b - a) * element_size, world_size)
                                   for a, b in segments),
                               window, segments))
     return Plan(world_size, strategy, buckets)
 
-
-def predictor(cost_model=None) -> Predict:
-    """``predict(algorithm, nbytes, world_size) -> seconds`` from a cost model.
-
-    TEMPORARY built-in alpha-beta-gamma constants until the calibrated model lands.
-    """
-    import math
-
-    alpha, beta, gamma = 5e-4, 1e-9, 3e-10
-
-    def predict(algorithm, nbytes, p):
-        if p == 1:
-            return 0.0
-        core = 1 << (p.bit_length() - 1)
-        fold = 0.0 if core == p else 2 * (alpha + nbytes * beta)
-        steps = int(math.log2(core))
-        share = (p - 1) / p * nbytes
-        if algorithm == "ring":
-            return 2 * (p - 1) * alpha + 2 * share * beta + share * gamma
-        if algorithm == "butterfly":
-            return fold + steps * (alpha + nbytes * (beta + gamma))
-        return fold + 2 * steps * alpha + 2 * share * beta + share * gamma
-
-    predict.fusion_bytes = int(alpha / beta)
-    return predict
