@@ -357,8 +357,13 @@ class _DistributedOptimizer:
         engine = self._hc_engine
         with engine.cond:
             busy, engine.busy_s = engine.busy_s, 0.0
+        # Communication that finished since the last step, and how much of it the
+        # training thread waited for; the rest ran behind compute.
         self.last_step_stats = {"exposed_comm_s": self._hc_exposed_s, "comm_busy_s": busy,
+                                "hidden_comm_s": max(0.0, busy - self._hc_exposed_s),
                                 "step_call_s": time.perf_counter() - t0}
+        log.debug("hybridcomm step %d: comm %.2f ms, exposed %.2f ms", self._hc_iteration,
+                  busy * 1e3, self._hc_exposed_s * 1e3)
         self.timeline.add("step", "compute", t0, time.perf_counter())
         self._hc_exposed_s = 0.0
         self._hc_iteration += 1

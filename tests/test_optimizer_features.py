@@ -270,3 +270,32 @@ def _forward_mode_defers(rank, world):
 def test_forward_mode_applies_updates_in_the_next_forward():
     for unchanged, changed, grads_none in run_ranks(2, _forward_mode_defers):
         assert unchanged and changed and grads_none
+
+
+def _traced(rank, world, path):
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model, overlap="forward", trace=True, timeout=60)
+    x, y = batch(0)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    stats = dict(opt.last_step_stats)
+    opt.synchronize()
+    if rank == 0:
+        opt.export_trace(path)
+    opt.close()
+    return stats
+
+
+def test_trace_and_step_stats(tmp_path):
+    import json
+    path = str(tmp_path / "trace.json")
+    stats = run_ranks(2, _traced, path)[0]
+    assert stats["comm_busy_s"] > 0 and stats["exposed_comm_s"] >= 0
+    assert abs(stats["hidden_comm_s"] - max(0, stats["comm_busy_s"] - stats["exposed_comm_s"])) < 1e-12
+    events = json.load(open(path))["traceEvents"]
+    cats = {e["cat"] for e in events}
+    assert "compute" in cats and any(c.startswith("comm/") for c in cats)
+    assert all(e["dur"] >= 0 for e in events)
