@@ -4,16 +4,41 @@ Receives that are copies land directly in the caller's buffer; receives that
 are reductions land in a scratch buffer, reused across calls (no allocation
 per step), and are then added in with ``kernels.reduce``, which also applies
 the ``avg`` scale on the step that finalizes those elements.
+
+Large buffers are pipelined: the buffer is cut into ``K`` contiguous parts,
+each all-reduced by its own schedule of the same algorithm, and the parts run
+interleaved: all parts' first step is posted, then for each step and each
+part in turn, wait for that part, reduce it, and post its next step at once.
+While one part is being reduced the others' transfers are in flight, and a
+part's next send leaves as soon as its own reduction is done (no step-wide
+barrier). Every rank issues its messages in the same (step, part) order, and
+each part's messages to a peer keep the schedule's order, so pairs match in
+FIFO order without tags (NCCL) as well as with them (gloo). Each part is an
+exact all-reduce of its elements, bitwise identical on every rank.
+
+The index arithmetic of a (schedule, parts) pair is computed once and cached
+(plans hold integer ranges only, never tensors, so no user buffer is kept
+alive by the cache).
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import os
+import threading
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .algorithms import Schedule
+from .algorithms import SCHEDULES, Schedule, get_schedule
 from .kernels import reduce
 from .transport import Transport
+
+# Pipeline parts of at least this many bytes (HYBRIDCOMM_PIPELINE_BYTES; 0 turns
+# pipelining off), at most MAX_PARTS of them. Measured on 4 gloo ranks sharing
+# 2 cores (docs/PERFORMANCE.md): parts of a few MiB hide most of the reduction
+# behind the next part's transfer; smaller parts pay more per-message cost.
+PIPELINE_BYTES = int(os.environ.get("HYBRIDCOMM_PIPELINE_BYTES", 4 << 20))
+MAX_PARTS = 8
 
 
 class Workspace:
@@ -31,14 +56,101 @@ class Workspace:
         return buf[:numel]
 
 
+# One step of one part, as plain integers:
+#   sends  ((peer, start, stop), ...)            ranges of the buffer
+#   recvs  ((peer, start, stop, slot), ...)      slot: scratch offset, or -1 = straight into buf
+#   reds   ((start, stop, slot, final), ...)     add scratch[slot:slot+len] into buf[start:stop]
+_PlanStep = Tuple[tuple, tuple, tuple]
+
+
+class _Plan:
+    __slots__ = ("parts", "scratch_numel")
+
+    def __init__(self, parts: List[List[_PlanStep]], scratch_numel: int):
+        self.parts, self.scratch_numel = parts, scratch_numel
+
+
+def _plan_part(schedule: Schedule, base: int, slot0: int) -> Tuple[List[_PlanStep], int]:
+    steps = []
+    for st in schedule.steps:
+        recvs, reds, off = [], [], 0
+        for r in st.recvs:
+            if r.reduce:
+                slot = slot0 + off
+                off += r.stop - r.start
+                reds.append((base + r.start, base + r.stop, slot, r.final))
+                recvs.append((r.peer, base + r.start, base + r.stop, slot))
+            else:
+                recvs.append((r.peer, base + r.start, base + r.stop, -1))
+        sends = tuple((s.peer, base + s.start, base + s.stop) for s in st.sends)
+        steps.append((sends, tuple(recvs), tuple(reds)))
+    return steps, schedule.scratch_numel
+
+
+def num_parts(schedule: Schedule, element_size: int) -> int:
+    """How many pipelined parts ``execute`` cuts this schedule's buffer into."""
+    if PIPELINE_BYTES <= 0 or schedule.algorithm not in SCHEDULES or schedule.world_size < 2:
+        return 1
+    parts = max(1, min(MAX_PARTS, schedule.numel * element_size // PIPELINE_BYTES))
+    # Every part at least P elements: no empty transfer is dropped from any
+    # part, so all parts have the same steps and the (step, part) order holds.
+    return max(1, min(parts, schedule.numel // schedule.world_size))
+
+
+_plans: "OrderedDict[tuple, Tuple[Schedule, _Plan]]" = OrderedDict()
+_plans_lock = threading.Lock()
+_PLAN_CACHE = 256
+
+
+def _plan(schedule: Schedule, parts: int) -> _Plan:
+    key = (id(schedule), parts)
+    with _plans_lock:
+        hit = _plans.get(key)
+        if hit is not None and hit[0] is schedule:
+            _plans.move_to_end(key)
+            return hit[1]
+    if parts == 1:
+        steps, scratch = _plan_part(schedule, 0, 0)
+        plan = _Plan([steps], scratch)
+    else:
+        out, slot = [], 0
+        for k in range(parts):
+            lo = k * schedule.numel // parts
+            hi = (k + 1) * schedule.numel // parts
+            sub = get_schedule(schedule.algorithm, schedule.rank, schedule.world_size, hi - lo)
+            steps, scratch = _plan_part(sub, lo, slot)
+            out.append(steps)
+            slot += scratch
+        plan = _Plan(out, slot)
+    with _plans_lock:
+        _plans[key] = (schedule, plan)  # holding the schedule keeps its id unique
+        while len(_plans) > _PLAN_CACHE:
+            _plans.popitem(last=False)
+    return plan
+
+
+_local = threading.local()  # per-thread scratch when the caller's is too small
+
+
+def _scratch(numel: int, like: torch.Tensor, given: Optional[torch.Tensor]) -> torch.Tensor:
+    if given is not None and given.numel() >= numel and given.dtype == like.dtype \
+            and given.device == like.device:
+        return given
+    ws = getattr(_local, "workspace", None)
+    if ws is None:
+        ws = _local.workspace = Workspace()
+    return ws.get(numel, like.dtype, like.device)
+
+
 def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
             scale: float | None = None, scratch: torch.Tensor | None = None,
             timeout: float | None = None) -> torch.Tensor:
     """All-reduce the 1-D contiguous ``buf`` in place by running ``schedule``.
 
     ``scale`` multiplies each element once, when its final value is produced
-    (1/P gives an average). ``scratch`` must hold ``schedule.scratch_numel``
-    elements of ``buf``'s dtype (allocated if None).
+    (1/P gives an average). ``scratch`` should hold ``schedule.scratch_numel``
+    elements of ``buf``'s dtype (if None or too small for the pipelined plan,
+    a per-thread workspace is used).
 
     Example::
 
@@ -51,20 +163,34 @@ def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
         if scale is not None and scale != 1:
             buf.mul_(scale)
         return buf
-    if scratch is None:
-        scratch = torch.empty(schedule.scratch_numel, dtype=buf.dtype, device=buf.device)
-    for st in schedule.steps:
-        recvs, reductions, offset = [], [], 0
-        for r in st.recvs:
-            if r.reduce:
-                landing = scratch[offset:offset + r.stop - r.start]
-                offset += r.stop - r.start
-                reductions.append((r, landing))
-            else:
-                landing = buf[r.start:r.stop]
-            recvs.append((r.peer, landing))
-        sends = [(s.peer, buf[s.start:s.stop]) for s in st.sends]
-        transport.exchange(sends, recvs).wait(timeout)
-        for r, landing in reductions:
-            reduce(buf[r.start:r.stop], landing, scale=scale if r.final else None)
+    plan = _plan(schedule, num_parts(schedule, buf.element_size()))
+    scratch = _scratch(plan.scratch_numel, buf, scratch)
+    exchange = transport.exchange
+
+    def post(step: _PlanStep):
+        sends, recvs, _ = step
+        return exchange([(p, buf[a:b]) for p, a, b in sends],
+                        [(p, buf[a:b] if s < 0 else scratch[s:s + b - a]) for p, a, b, s in recvs])
+
+    def finish(step: _PlanStep, pending) -> None:
+        pending.wait(timeout)
+        for a, b, s, final in step[2]:
+            reduce(buf[a:b], scratch[s:s + b - a], scale=scale if final else None)
+
+    parts = plan.parts
+    if len(parts) == 1:
+        for step in parts[0]:
+            finish(step, post(step))
+        return buf
+    # Pipelined: (step, part) order on every rank; a part's next step is posted
+    # as soon as its current one is reduced. Parts of one schedule have equal
+    # step counts (the same algorithm at the same rank and world size).
+    pending = [post(steps[0]) if steps else None for steps in parts]
+    nsteps = max(len(steps) for steps in parts)
+    for i in range(nsteps):
+        for k, steps in enumerate(parts):
+            if i >= len(steps):
+                continue
+            finish(steps[i], pending[k])
+            pending[k] = post(steps[i + 1]) if i + 1 < len(steps) else None
     return buf

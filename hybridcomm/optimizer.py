@@ -219,7 +219,13 @@ class _DistributedOptimizer:
 
     def _hc_on_grad(self, p) -> None:
         if not self._hc_backward_active:
+            if self._hc_passes_done >= self._hc_passes and not self._hc_no_sync:
+                raise HybridCommError(
+                    f"gradients were computed more than backward_passes_per_step="
+                    f"{self._hc_passes} times before step(); to accumulate locally, raise "
+                    "backward_passes_per_step or use no_sync()")
             self._hc_backward_active = True
+            self._hc_counted_pass = not self._hc_no_sync  # no_sync passes are extra
             self._hc_backward_t0 = time.perf_counter()
             self._hc_launching_this_backward = self._hc_launching()
             torch.autograd.Variable._execution_engine.queue_callback(self._hc_on_backward_end)
@@ -239,7 +245,7 @@ class _DistributedOptimizer:
         if self._hc_launching_this_backward:
             self._hc_flush()  # buckets with unused parameters go now, not at step()
         self.timeline.add("backward", "compute", self._hc_backward_t0, time.perf_counter())
-        self._hc_passes_done += 1
+        self._hc_passes_done += self._hc_counted_pass
 
     def _hc_make_pre_hook(self, indices):
         def pre_hook(module, args):

@@ -299,3 +299,25 @@ def test_trace_and_step_stats(tmp_path):
     cats = {e["cat"] for e in events}
     assert "compute" in cats and any(c.startswith("comm/") for c in cats)
     assert all(e["dur"] >= 0 for e in events)
+
+
+def _two_backwards(rank, world):
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model, overlap="backward", timeout=60)
+    x, y = batch(0)
+    loss = nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world))
+    loss.backward(retain_graph=True)
+    try:
+        loss.backward()
+    except hybridcomm.HybridCommError as e:
+        return str(e)
+    finally:
+        opt.step()
+        opt.close()
+    return "no error"
+
+
+def test_backward_twice_without_step_is_an_error():
+    for msg in run_ranks(2, _two_backwards):
+        assert "backward_passes_per_step" in msg
