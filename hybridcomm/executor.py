@@ -35,10 +35,11 @@ from .transport import Transport
 
 # Pipeline parts of at least this many bytes (HYBRIDCOMM_PIPELINE_BYTES; 0 turns
 # pipelining off), at most MAX_PARTS of them. Measured on 4 gloo ranks sharing
-# 2 cores (docs/PERFORMANCE.md): parts of a few MiB hide most of the reduction
-# behind the next part's transfer; smaller parts pay more per-message cost.
-PIPELINE_BYTES = int(os.environ.get("HYBRIDCOMM_PIPELINE_BYTES", 4 << 20))
-MAX_PARTS = 8
+# 2 cores (docs/PERFORMANCE.md): every extra message costs ~0.2 ms of CPU in
+# wake-ups there, so only very large buffers are cut (64 MiB into 2 parts).
+# Where cores are idle (one GPU or host per rank) smaller parts pay off.
+PIPELINE_BYTES = int(os.environ.get("HYBRIDCOMM_PIPELINE_BYTES", 32 << 20))
+MAX_PARTS = 4
 
 
 class Workspace:
