@@ -9,6 +9,7 @@ grouping and stream order the transport issues.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -16,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fakes.executor_gpu_path import execute_async
 from fakes.fake_nccl import TORCH_TO_ENUM, FakeNcclWorld
 from hybridcomm.algorithms import get_schedule
 from hybridcomm.errors import HybridCommError, HybridCommTimeout
 from hybridcomm.executor import execute
-from hybridcomm.kernels import reduce
 from hybridcomm.transport.cupy_nccl import CupyNcclTransport, nccl_dtypes
 
 ALGOS = ("ring", "butterfly", "halving_doubling")
@@ -172,28 +173,6 @@ def test_offset_views_send_by_pointer_no_copy():
     assert send.ptr == big0.data_ptr() + 37 * 4 and send.count == 13
 
 
-def stream_ordered_execute(schedule, buf, transport, scratch, ready_event):
-    """The executor's GPU path as proposed for executor.py: everything on the comm
-    stream, no host wait per step, one done event at the end."""
-    transport.wait_event(ready_event)
-    with transport.stream_context():
-        for i, st in enumerate(schedule.steps):
-            recvs, reductions, offset = [], [], 0
-            for r in st.recvs:
-                if r.reduce:
-                    landing = scratch[offset:offset + r.stop - r.start]
-                    offset += r.stop - r.start
-                    reductions.append((r, landing))
-                else:
-                    landing = buf[r.start:r.stop]
-                recvs.append((r.peer, landing))
-            sends = [(s.peer, buf[s.start:s.stop]) for s in st.sends]
-            transport.exchange(sends, recvs, label=f"{schedule.algorithm} step {i}")
-            for r, landing in reductions:
-                reduce(buf[r.start:r.stop], landing)
-    return transport.record_event()
-
-
 @pytest.mark.parametrize("algorithm", ALGOS)
 @pytest.mark.parametrize("p", [3, 4])
 def test_stream_ordered_path_no_host_wait(algorithm, p):
@@ -202,15 +181,13 @@ def test_stream_ordered_path_no_host_wait(algorithm, p):
     world = FakeNcclWorld(p, blocking=True)  # the stream runs each group to completion
     ts = make_transports(world)
     bufs = inputs(p, n, torch.float32, seed=3)
-    want = torch.stack(bufs).sum(0)
+    want = torch.stack(bufs).sum(0) * 0.25  # exact: small integers times a power of two
     scheds = [get_schedule(algorithm, r, p, n) for r in range(p)]
     scratch = [torch.empty(s.scratch_numel) for s in scheds]
 
     def rank(r):
         streams = ts[r].streams
-        ready = streams.new_event()
-        ready.record(streams.current_stream())
-        done = stream_ordered_execute(scheds[r], bufs[r], ts[r], scratch[r], ready)
+        done = execute_async(scheds[r], bufs[r], ts[r], scratch=scratch[r], scale=0.25)
         streams.current_stream().wait_event(done)
         return done.query()
 
@@ -336,3 +313,35 @@ def test_thread_safety_of_serials():
 
     run_ranks(4, make)
     assert store.num_keys() == 4
+
+
+def test_watchdog_aborts_a_hung_stream_ordered_step():
+    """The stream path never waits on the host: the watchdog turns a hang into an error."""
+    world = FakeNcclWorld(2)  # non-blocking: rank 1 never posts, the step stays pending
+    t0, _ = make_transports(world)
+    t0.WATCHDOG_PERIOD_S = 0.01
+    sched = get_schedule("ring", 0, 2, 8)
+    done = execute_async(sched, torch.ones(8), t0, scratch=torch.empty(sched.scratch_numel),
+                         timeout=0.1)
+    deadline = time.monotonic() + 5
+    while "abort" not in [c.kind for c in world.calls[0]] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "abort" in [c.kind for c in world.calls[0]]
+    assert done.query()  # abort released the pending work
+    with pytest.raises(HybridCommTimeout, match="rank 0: ring all-reduce of 8 did not complete"):
+        t0.exchange([(1, torch.ones(2))], [])
+
+
+def test_watchdog_quiet_when_work_completes():
+    world = FakeNcclWorld(2, blocking=True)
+    ts = make_transports(world)
+    scheds = [get_schedule("butterfly", r, 2, 6) for r in range(2)]
+    bufs = [torch.ones(6), torch.ones(6)]
+    run_ranks(2, lambda r: execute_async(scheds[r], bufs[r], ts[r],
+                                         scratch=torch.empty(scheds[r].scratch_numel),
+                                         timeout=0.2))
+    time.sleep(0.4)
+    assert all("abort" not in [c.kind for c in world.calls[r]] for r in range(2))
+    assert all(torch.equal(b, torch.full((6,), 2.0)) for b in bufs)
+    for t in ts:
+        t.close()

@@ -24,6 +24,7 @@ recording fake on CPU (tests/fakes/fake_nccl.py).
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -225,7 +226,11 @@ class CupyNcclTransport:
         self.device = self.streams.device
         self._dtypes = nccl_dtypes(self.nccl)
         self._aborted = False
+        self._failure: HybridCommError | None = None  # set by the watchdog
         self._steps = 0
+        self._watched: collections.deque = collections.deque()
+        self._watchdog: threading.Thread | None = None
+        self._abort_lock = threading.Lock()
         self.comm = self._make_comm(store, ranks)
         self.stream = self.streams.new_stream(priority)
         self._handle = self.streams.handle(self.stream)
@@ -276,7 +281,7 @@ class CupyNcclTransport:
     # -- data path ----------------------------------------------------------------
 
     def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *,
-                 label: str | None = None) -> CupyNcclPending:
+                 label=None) -> CupyNcclPending:
         """Issue one step's sends and receives as one NCCL group on the comm stream.
 
         Called from another stream, the comm stream first waits for it; called
@@ -284,6 +289,8 @@ class CupyNcclTransport:
         is queued. ``label`` names the step in errors (default: a counter).
         """
         if self._aborted:
+            if self._failure is not None:
+                raise self._failure
             raise HybridCommError(f"rank {self.rank}: the NCCL communicator was aborted after an "
                                   "earlier error; create a new transport")
         self._steps += 1
@@ -338,6 +345,8 @@ class CupyNcclTransport:
     def check_async_error(self, pending: CupyNcclPending | None = None) -> None:
         """Raise HybridCommError (after aborting) if NCCL reported an asynchronous error."""
         if self._aborted:
+            if self._failure is not None:
+                raise self._failure
             raise HybridCommError(f"rank {self.rank}:{_what(pending)} the NCCL communicator was "
                                   "aborted after an earlier error")
         try:
@@ -347,17 +356,65 @@ class CupyNcclTransport:
             raise HybridCommError(f"rank {self.rank}:{_what(pending)} failed with an NCCL error: "
                                   f"{e}; the communicator was aborted") from e
 
+    def watch(self, pending_or_event, timeout: float, label: str = "") -> None:
+        """Have a background thread abort the communicator if this work is not done
+        within ``timeout`` seconds: the stream-ordered path never waits on the host,
+        so without this a dead peer would hang the GPU, not raise. The next
+        :meth:`exchange` (on any thread) then raises the HybridCommTimeout.
+
+        Events are watched in issue order (they are all on the comm stream, so
+        they complete in that order too).
+        """
+        event = getattr(pending_or_event, "event", pending_or_event)
+        if isinstance(pending_or_event, CupyNcclPending) and not label:
+            label = pending_or_event.label
+        self._watched.append((time.monotonic() + timeout, event, label, timeout))
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch_loop, daemon=True,
+                                              name=f"hybridcomm-nccl-watchdog-r{self.rank}")
+            self._watchdog.start()
+
+    WATCHDOG_PERIOD_S = 0.05
+
+    def _watch_loop(self) -> None:
+        while not self._aborted:
+            while self._watched:
+                deadline, event, label, timeout = self._watched[0]
+                if event.query():
+                    self._watched.popleft()
+                    continue
+                if time.monotonic() >= deadline:
+                    self._fail(HybridCommTimeout(
+                        f"rank {self.rank}: {label or 'a step'} did not complete within "
+                        f"{timeout}s (watchdog); the NCCL communicator was aborted (a peer "
+                        "dead, hung, or issuing its steps in another order?)"))
+                    return
+                break
+            try:
+                self.comm.check_async_error()
+            except self.nccl.NcclError as e:
+                self._fail(HybridCommError(f"rank {self.rank}: NCCL reported an error "
+                                           f"(watchdog): {e}; the communicator was aborted"))
+                return
+            time.sleep(self.WATCHDOG_PERIOD_S)
+
+    def _fail(self, error: HybridCommError) -> None:
+        self._failure = error
+        self.abort()
+
     def abort(self) -> None:
         """Abort the communicator: its GPU work is released and it cannot be used again."""
-        if not self._aborted:
-            self._aborted = True
-            self.comm.abort()
+        with self._abort_lock:
+            if not self._aborted:
+                self._aborted = True
+                self.comm.abort()
 
     def close(self) -> None:
         """Free the communicator (collective in NCCL: call it on every rank)."""
-        if not self._aborted:
-            self._aborted = True
-            self.comm.destroy()
+        with self._abort_lock:
+            if not self._aborted:
+                self._aborted = True
+                self.comm.destroy()
 
 
 def _what(pending) -> str:
@@ -365,7 +422,12 @@ def _what(pending) -> str:
 
 
 def _step_name(label) -> str:
-    return label if isinstance(label, str) else f"exchange #{label}"
+    """A step's name from its label: a str, (algorithm, step index), or a counter."""
+    if isinstance(label, str):
+        return label
+    if isinstance(label, tuple):
+        return f"{label[0]} step {label[1]}"
+    return f"exchange #{label}"
 
 
 def _describe(transport: CupyNcclTransport, calls) -> str:
