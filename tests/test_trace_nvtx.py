@@ -67,7 +67,10 @@ def test_on_pushes_nested_ranges(monkeypatch):
 
 
 def test_real_nvtx_is_a_no_op_on_cpu():
-    pytest.importorskip("nvtx")
+    try:
+        import nvtx  # noqa: F401
+    except ImportError:
+        pytest.skip("nvtx not installed")
     assert trace.set_nvtx(True)
     st = get_schedule("butterfly", 0, 2, 4).steps[0]
     for _ in range(3):

@@ -10,7 +10,10 @@ import torch
 from gpu_common import needs_gpus, skip_if_interpreting
 from hybridcomm.launch import launch
 
-pytest.importorskip("cupy.cuda.nccl", reason="CuPy not installed (pip install 'hybridcomm[cuda12]')")
+try:
+    from cupy.cuda import nccl  # noqa: F401
+except ImportError as e:
+    pytest.skip(f"CuPy not usable (pip install 'hybridcomm[cuda12]'): {e}", allow_module_level=True)
 pytestmark = needs_gpus(2)
 
 ALGOS = ("ring", "butterfly", "halving_doubling")
