@@ -126,8 +126,9 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
     esize = torch.empty((), dtype=dtype).element_size()
     # auto must choose the same on every rank: rank 0's model for all.
     model = cost_model.agree()
-    if cfg.latency_s > 0:
-        cost_model.set_active(model.with_latency(cfg.latency_s))
+    if cfg.latency_s > 0:  # the emulated network is slower per message: auto knows it
+        model = model.with_latency(cfg.latency_s)
+        cost_model.set_active(model)
     runners = _Runners(world, rank, cfg, device)
 
     rows = []
