@@ -35,12 +35,17 @@ def run_ranks(p, fn):
         return [f.result(timeout=60) for f in futures]
 
 
-def make_transports(world):
+def make_transports(world, stream_ordered=False):
+    """One transport per simulated rank. ``stream_ordered=False`` keeps the
+    executor on its host-wait path (the fake in non-blocking mode needs it)."""
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=TIMEOUT))
-    return run_ranks(world.world_size, lambda r: CupyNcclTransport(
+    ts = run_ranks(world.world_size, lambda r: CupyNcclTransport(
         nccl=world.module(r), streams=world.streams(r), store=store, rank=r,
         world_size=world.world_size))
+    for t in ts:
+        t.stream_ordered = stream_ordered
+    return ts
 
 
 def inputs(p, n, dtype, seed=0):
@@ -159,6 +164,26 @@ def test_dtypes_and_avg(dtype, algorithm):
     assert sends and all(c.dtype == TORCH_TO_ENUM[dtype] for c in sends)
 
 
+@pytest.mark.parametrize("algorithm", ALGOS)
+def test_pipelined_executor_over_cupy_transport(monkeypatch, algorithm):
+    """The executor's pipelined host path keeps several groups in flight per rank."""
+    from hybridcomm import executor
+
+    monkeypatch.setattr(executor, "PIPELINE_BYTES", 64)
+    p, n = 5, 1000
+    world = FakeNcclWorld(p)
+    ts = make_transports(world)
+    bufs = inputs(p, n, torch.float32, seed=11)
+    want = torch.stack(bufs).sum(0)
+    scheds = [get_schedule(algorithm, r, p, n) for r in range(p)]
+    assert executor.num_parts(scheds[0], 4) > 1
+    run_ranks(p, lambda r: execute(scheds[r], bufs[r], ts[r], timeout=TIMEOUT))
+    assert world.errors == [] and world.unmatched() == {}
+    for r in range(p):
+        assert torch.equal(bufs[r], want)
+        assert group_calls(world.calls[r])[1] == []
+
+
 def test_offset_views_send_by_pointer_no_copy():
     """A view deep inside a bigger tensor is sent from its own address."""
     world = FakeNcclWorld(2)
@@ -179,7 +204,7 @@ def test_stream_ordered_path_no_host_wait(algorithm, p):
     """On the comm stream: no per-step waits at all; the consumer waits on one event."""
     n = 50
     world = FakeNcclWorld(p, blocking=True)  # the stream runs each group to completion
-    ts = make_transports(world)
+    ts = make_transports(world, stream_ordered=True)
     bufs = inputs(p, n, torch.float32, seed=3)
     want = torch.stack(bufs).sum(0) * 0.25  # exact: small integers times a power of two
     scheds = [get_schedule(algorithm, r, p, n) for r in range(p)]

@@ -201,6 +201,10 @@ class CupyNcclTransport:
         >>> p.wait_stream()                            # consumer stream waits, host does not
     """
 
+    # The executor runs whole schedules on ``stream`` (stream_context) with no
+    # host wait per step when this is True; False keeps its host-wait path.
+    stream_ordered = True
+
     def __init__(self, group=None, *, device=None, priority: int = -1, nccl=None, streams=None,
                  store=None, rank: int | None = None, world_size: int | None = None):
         self.nccl = import_nccl() if nccl is None else nccl
