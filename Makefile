@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hybridcomm-setup
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench profile clean
 setup: $(STAMP)
 
 $(STAMP): setup.py Makefile
@@ -32,8 +32,17 @@ $(STAMP): setup.py Makefile
 test: setup
 	$(PY) -m pytest -q tests
 
+# The main job: the thesis experiment, quick (stock vs DDP vs hybridcomm, 4 ranks).
 demo: setup
-	$(PY) -m hybridcomm.demo
+	$(PY) benchmarks/train.py --quick
+
+# The all-reduce microbenchmark: every algorithm next to torch.distributed.
+bench: setup
+	$(PY) -m hybridcomm.bench --nprocs 4 -b 4K -e 16M -f 4 --algo ring,butterfly,halving_doubling,auto,torch
+
+# nsys profiles of both benchmarks (GPU machines with Nsight Systems).
+profile: setup
+	bash benchmarks/profile/nsys_bench.sh && bash benchmarks/profile/nsys_train.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -301,6 +301,48 @@ def agree(model: Optional[CostModel] = None, group=None) -> CostModel:
     return agreed
 
 
+PROBE_SIZES = (4 << 10, 1 << 20)
+
+
+def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 3) -> CostModel:
+    """A quick calibration for when none is saved: time the butterfly and the
+    ring at two sizes over ``group`` (median of ``iters``), fit, and take rank
+    0's fit on every rank. A collective, so call it on every rank; about 30
+    all-reduces (~0.1 s over gloo on a small CPU machine, far less on GPUs).
+
+    Example::
+
+        >>> model = probe()          # inside an initialized process group
+    """
+    import torch
+    import torch.distributed as dist
+
+    from .collectives import all_reduce
+
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    world = dist.get_world_size(group)
+    samples = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes // 4, device=device)
+        for algo in ("butterfly", "ring"):
+            times = []
+            for _ in range(iters + 1):  # the first is a warm-up
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                all_reduce(buf, algorithm=algo, group=group, check=False)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            samples.append((algo, nbytes, world, sorted(times[1:])[len(times[1:]) // 2]))
+    model = fit(samples)[0] if world > 1 else DEFAULT_MODEL
+    model = CostModel(model.alpha, model.beta, model.gamma, source="probe at start-up")
+    box = [model]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return box[0]
+
+
 def choose_algorithm(nbytes: int, world_size: int) -> str:
     """The algorithm ``"auto"`` uses for ``nbytes`` over ``world_size`` ranks:
     the fastest under :func:`active_model`.

@@ -92,7 +92,7 @@ class _DistributedOptimizer:
         self._hc_scale = 1.0 / self._hc_world if op == "avg" else None
         self._hc_passes = backward_passes_per_step
         self._hc_timeout = default_timeout() if timeout is None else float(timeout)
-        self._hc_cost_model = cost_model
+        self._hc_cost_model = self._hc_resolve_cost_model(cost_model)
         self._hc_fusion_bytes, self._hc_split_bytes = fusion_bytes, split_bytes
         self._hc_measure_iters = measure_iters
         self.timeline = Timeline(enabled=bool(trace))
@@ -130,6 +130,29 @@ class _DistributedOptimizer:
             self._hc_hooks += [m.register_forward_pre_hook(self._hc_make_pre_hook(idx))
                                for m, idx in self._hc_owners(model)]
         log.debug("hybridcomm plan:\n%s", self.plan)
+
+    def _hc_resolve_cost_model(self, cost_model) -> cm.CostModel:
+        """A CostModel; None: rank 0's saved calibration, else a quick probe.
+        Rank 0 decides, so every rank takes the same path (the probe is collective)."""
+        if isinstance(cost_model, cm.CostModel):
+            return cost_model
+        if cost_model == "default":
+            return cm.DEFAULT_MODEL
+        if cost_model not in (None, "probe"):
+            raise ValueError(f"cost_model must be a CostModel, None, 'probe' or 'default', "
+                             f"got {cost_model!r}")
+        saved = None
+        if cost_model is None and self._hc_rank == 0:
+            try:
+                saved = cm.load()
+            except ValueError as e:
+                log.warning("%s; probing instead", e)
+        box = [saved]
+        src = dist.get_global_rank(self._hc_group, 0) if self._hc_group is not None else 0
+        dist.broadcast_object_list(box, src=src, group=self._hc_group)
+        model = box[0] or cm.probe(self._hc_group)
+        log.debug("hybridcomm cost model: %s", model)
+        return model
 
     def _hc_collect_params(self, model, named_parameters):
         in_opt = [p for g in self.param_groups for p in g["params"]]
@@ -189,7 +212,7 @@ class _DistributedOptimizer:
             layers = sorted(layers, key=lambda l: order.get(l.name, float("inf")))
         plan = make_plan(layers, world_size=self._hc_world,
                          element_size=torch.empty((), dtype=self._hc_dtype).element_size(),
-                         model=self._hc_cost_model or cm.active_model(),
+                         model=self._hc_cost_model,
                          strategy=self._hc_strategy, fusion_bytes=self._hc_fusion_bytes,
                          split_bytes=self._hc_split_bytes, windows=windows)
         box = [plan]
@@ -483,8 +506,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
             whole batch) or ``"sum"``.
         backward_passes_per_step: backward passes accumulated locally per step.
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the wire dtype.
-        cost_model: a calibrated model (default: the saved calibration, else
-            built-in constants).
+        cost_model: a ``CostModel``; None (default): rank 0's saved calibration
+            (``hybridcomm-bench --calibrate``), else a quick probe (~30 small
+            all-reduces); ``"probe"``: always probe; ``"default"``: built-in
+            constants.
         process_group: torch.distributed group (default: the world).
         timeout: seconds to wait for a peer (default ``HYBRIDCOMM_TIMEOUT``).
         fusion_bytes / split_bytes: bucket fusion and split thresholds.
