@@ -13,11 +13,12 @@ from .cost_model import choose_algorithm
 from .errors import HybridCommError
 from .executor import Workspace, execute
 from .kernels import SUPPORTED_DTYPES
-from .transport import TorchDistTransport
+from .transport.select import select_transport
 
 log = logging.getLogger("hybridcomm")
 
 OPS = ("sum", "avg")
+TRANSPORT_KINDS = ("torch", "cupy")
 DEFAULT_TIMEOUT_S = 300.0
 _workspace = Workspace()
 
@@ -46,16 +47,19 @@ def resolve_algorithm(algorithm: str, nbytes: int, world_size: int) -> str:
     return algorithm
 
 
-def check_same_call(transport: TorchDistTransport, tensor: torch.Tensor, algorithm: str,
+def check_same_call(transport, tensor: torch.Tensor, algorithm: str,
                     op: str, timeout: float) -> None:
-    """Raise on every rank if the ranks disagree on length, dtype, algorithm or op.
+    """Raise on every rank if the ranks disagree on length, dtype, algorithm, op or transport.
 
     One tiny all-gather; without it a mismatch would hang or corrupt data.
     """
     mine = [tensor.numel(), SUPPORTED_DTYPES.index(tensor.dtype), ALGORITHMS.index(algorithm),
-            OPS.index(op)]
-    local = torch.tensor(mine, dtype=torch.int64, device=tensor.device)
-    gathered = torch.empty(transport.world_size * len(mine), dtype=torch.int64, device=tensor.device)
+            OPS.index(op), TRANSPORT_KINDS.index(transport.kind)]
+    # On the process group's own device: a gloo group cannot gather CUDA tensors
+    # even when the data path (CuPy NCCL) runs on the GPU.
+    device = tensor.device if str(dist.get_backend(transport.group)) == "nccl" else "cpu"
+    local = torch.tensor(mine, dtype=torch.int64, device=device)
+    gathered = torch.empty(transport.world_size * len(mine), dtype=torch.int64, device=device)
     work = dist.all_gather_into_tensor(gathered, local, group=transport.group, async_op=True)
     try:
         work.wait(timeout=timedelta(seconds=timeout))
@@ -63,7 +67,8 @@ def check_same_call(transport: TorchDistTransport, tensor: torch.Tensor, algorit
         raise HybridCommError(f"rank {transport.rank}: the pre-call agreement check failed "
                               f"(a peer dead or not calling all_reduce?): {e}") from e
     rows = gathered.view(transport.world_size, len(mine)).tolist()
-    names = [("numel", None), ("dtype", SUPPORTED_DTYPES), ("algorithm", ALGORITHMS), ("op", OPS)]
+    names = [("numel", None), ("dtype", SUPPORTED_DTYPES), ("algorithm", ALGORITHMS), ("op", OPS),
+             ("transport", TRANSPORT_KINDS)]
     problems = []
     for i, (what, table) in enumerate(names):
         by_value = {}
@@ -111,7 +116,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", g
                         f"supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; choose one of {OPS}")
-    transport = TorchDistTransport(group)
+    # CuPy NCCL for CUDA tensors where it imports, else torch.distributed
+    # (HYBRIDCOMM_TRANSPORT=auto|cupy|torch; a name asked for never falls back).
+    transport = select_transport(tensor.device, group)
     timeout = default_timeout() if timeout is None else float(timeout)
     world = transport.world_size
     name = resolve_algorithm(algorithm, tensor.numel() * tensor.element_size(), world)

@@ -37,11 +37,10 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 log = logging.getLogger("hybridcomm")

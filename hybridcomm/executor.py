@@ -29,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import trace
 from .algorithms import SCHEDULES, Schedule, get_schedule
 from .kernels import reduce
 from .transport import Transport
@@ -164,6 +165,13 @@ def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
         if scale is not None and scale != 1:
             buf.mul_(scale)
         return buf
+    if getattr(transport, "stream_ordered", False):
+        # GPU path: queued on the comm stream; the caller's stream (not the
+        # host) waits for the result.
+        done = execute_async(schedule, buf, transport, scale=scale, scratch=scratch,
+                             timeout=timeout)
+        transport.streams.current_stream().wait_event(done)
+        return buf
     plan = _plan(schedule, num_parts(schedule, buf.element_size()))
     scratch = _scratch(plan.scratch_numel, buf, scratch)
     exchange = transport.exchange
@@ -195,3 +203,50 @@ def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
             finish(steps[i], pending[k])
             pending[k] = post(steps[i + 1]) if i + 1 < len(steps) else None
     return buf
+
+
+def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
+                  scale: float | None = None, scratch: torch.Tensor | None = None,
+                  ready=None, timeout: float | None = None):
+    """Queue the whole schedule on a stream-ordered transport's comm stream
+    (``CupyNcclTransport``) and return the event that completes with it.
+
+    The comm stream first waits for ``ready`` (e.g. the gradients' event;
+    default: the caller's current stream as it is now). Each step's NCCL
+    group and then its reductions go on the comm stream, in stream order: no
+    host synchronization anywhere. ``timeout`` arms the transport's watchdog
+    (abort and HybridCommTimeout on the next call instead of a hang). A
+    consumer makes its stream wait: ``stream.wait_event(done)``.
+    """
+    if schedule.numel != buf.numel():
+        raise ValueError(f"schedule is for {schedule.numel} elements, buffer has {buf.numel()}")
+    streams = transport.streams
+    if ready is None:
+        ready = streams.new_event()
+        ready.record(streams.current_stream())
+    transport.wait_event(ready)
+    if schedule.world_size > 1:
+        # One part: steps on one stream run one after another anyway.
+        plan = _plan(schedule, 1)
+        scratch = _scratch(plan.scratch_numel, buf, scratch)
+        if streams.current_stream() != transport.stream:
+            # The allocator must not reuse buf's memory before the comm stream is done.
+            streams.record_stream(buf, transport.stream)
+        nsteps, itemsize, exchange = len(schedule.steps), buf.element_size(), transport.exchange
+        with transport.stream_context():
+            for i, (sends, recvs, reds) in enumerate(plan.parts[0]):
+                with trace.step_range(schedule.algorithm, i, nsteps, schedule.steps[i], itemsize):
+                    exchange([(p, buf[a:b]) for p, a, b in sends],
+                             [(p, buf[a:b] if s < 0 else scratch[s:s + b - a])
+                              for p, a, b, s in recvs],
+                             label=(schedule.algorithm, i))
+                    for a, b, s, final in reds:
+                        reduce(buf[a:b], scratch[s:s + b - a], scale=scale if final else None)
+    elif scale is not None and scale != 1:
+        with transport.stream_context():
+            buf.mul_(scale)
+    done = transport.record_event()
+    if timeout is not None:
+        transport.watch(done, timeout, f"{schedule.algorithm} all-reduce of {buf.numel()} "
+                                       f"x {buf.dtype}")
+    return done

@@ -205,6 +205,8 @@ class CupyNcclTransport:
     # host wait per step when this is True; False keeps its host-wait path.
     stream_ordered = True
 
+    kind = "cupy"
+
     def __init__(self, group=None, *, device=None, priority: int = -1, nccl=None, streams=None,
                  store=None, rank: int | None = None, world_size: int | None = None):
         self.nccl = import_nccl() if nccl is None else nccl

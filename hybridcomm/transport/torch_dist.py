@@ -49,6 +49,8 @@ class TorchDistTransport:
         >>> t.exchange([(1, buf[:4])], [(1, scratch[:4])]).wait(timeout=60)
     """
 
+    kind = "torch"
+
     def __init__(self, group=None, tag: int = 0):
         if not dist.is_available() or not dist.is_initialized():
             raise HybridCommError(

@@ -29,7 +29,7 @@ def _inputs(world, n, dtype):
 def _rank(rank, world, algorithm, n, dtype_name, mode):
     import torch
 
-    from fakes.executor_gpu_path import execute_async
+    from hybridcomm.executor import execute_async
     from hybridcomm.algorithms import get_schedule
     from hybridcomm.executor import execute
     from hybridcomm.transport.cupy_nccl import CupyNcclTransport
