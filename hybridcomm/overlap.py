@@ -7,7 +7,10 @@ issues the same operations in the same order, whatever the local timing),
 and the training thread *waits* on a bucket only where it needs the result.
 On CPU the lanes are Python threads over gloo (which releases the GIL while
 it moves bytes); each lane has its own process group, so the two never
-share a communicator.
+share a communicator. On GPUs with CuPy NCCL (a stream-ordered transport)
+the lane thread only *queues* each bucket on its lane's CUDA stream, after
+the gradients' ready event, and the trainer's stream waits on the bucket's
+done event: no host synchronization on the data path.
 """
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ import torch
 
 from .algorithms import get_schedule
 from .errors import HybridCommError, HybridCommTimeout
-from .executor import Workspace, execute
+from . import trace
+from .executor import Workspace, execute, execute_async
 from .planner import LANES, Bucket, Plan
 from .timeline import Timeline
-from .transport import TorchDistTransport
+from .transport.select import select_transport
 
 
 class BucketState:
@@ -30,7 +34,7 @@ class BucketState:
     iterations; the bucket is in flight while ``completed < launched``."""
 
     __slots__ = ("bucket", "params", "buffer", "views", "flags", "packed", "launched",
-                 "completed", "armed", "pending_update", "hyper", "t_launch")
+                 "completed", "armed", "pending_update", "hyper", "t_launch", "ready", "done")
 
     def __init__(self, bucket: Bucket, params: List[torch.nn.Parameter], dtype, device):
         self.bucket, self.params = bucket, params
@@ -46,6 +50,7 @@ class BucketState:
         self.pending_update = False  # forward mode: reduced, not yet applied
         self.hyper = None  # optimizer hyper-parameters at the step() that deferred the update
         self.t_launch = 0.0
+        self.ready = self.done = None  # CUDA events (stream-ordered transports only)
 
     @property
     def in_flight(self) -> bool:
@@ -85,10 +90,14 @@ class CommEngine:
         self.closed = False
         self.busy_s = 0.0  # comm time of finished operations (read and reset by the trainer)
         self.threads = []
+        self.streams = None  # set when the lanes' transport is stream-ordered
+        device = states[0].buffer.device if states else torch.device("cpu")
         for lane in LANES:
             order = [states[b.index] for b in plan.lane_order(lane)]
             if order:
-                transport = TorchDistTransport(groups[lane])
+                transport = select_transport(device, groups[lane])
+                if getattr(transport, "stream_ordered", False):
+                    self.streams = transport.streams
                 t = threading.Thread(target=self._run_lane, args=(lane, order, transport),
                                      name=f"hybridcomm-{lane}", daemon=True)
                 t.start()
@@ -97,6 +106,9 @@ class CommEngine:
     def launch(self, state: BucketState) -> None:
         state.t_launch = time.perf_counter()
         state.armed = True
+        if self.streams is not None:  # the packed gradients are ready at this point of compute
+            state.ready = self.streams.new_event()
+            state.ready.record(self.streams.current_stream())
         with self.cond:
             state.launched += 1
             self.cond.notify_all()
@@ -117,6 +129,8 @@ class CommEngine:
                         f"bucket {state.bucket.index} ({state.bucket.algorithm}, "
                         f"{state.bucket.nbytes} bytes) not reduced within {self.timeout}s")
                 self.cond.wait(min(left, 1.0))
+        if state.done is not None:  # GPU: the trainer's stream waits, not the host
+            self.streams.current_stream().wait_event(state.done)
         t1 = time.perf_counter()
         self.timeline.add(f"wait bucket {state.bucket.index}", "wait", t0, t1)
         return t1 - t0
@@ -128,8 +142,9 @@ class CommEngine:
         for t in self.threads:
             t.join(timeout=5)
 
-    def _run_lane(self, lane: str, order: List[BucketState], transport: TorchDistTransport):
+    def _run_lane(self, lane: str, order: List[BucketState], transport):
         workspace = Workspace()
+        ordered = getattr(transport, "stream_ordered", False)
         rank, world = transport.rank, transport.world_size
         try:
             while True:
@@ -141,11 +156,18 @@ class CommEngine:
                             return
                     b = state.bucket
                     t0 = time.perf_counter()
-                    for start, stop in b.segments:
-                        seg = state.buffer[start:stop]
-                        schedule = get_schedule(b.algorithm, rank, world, seg.numel())
-                        execute(schedule, seg, transport, scale=self.scale, timeout=self.timeout,
-                                scratch=workspace.get(schedule.scratch_numel, seg.dtype, seg.device))
+                    with trace.bucket_range(b.index, b.algorithm, b.nbytes, world):
+                        for start, stop in b.segments:
+                            seg = state.buffer[start:stop]
+                            schedule = get_schedule(b.algorithm, rank, world, seg.numel())
+                            scratch = workspace.get(schedule.scratch_numel, seg.dtype, seg.device)
+                            if ordered:  # queue on the lane's stream after the gradients
+                                state.done = execute_async(schedule, seg, transport,
+                                                           scale=self.scale, scratch=scratch,
+                                                           ready=state.ready, timeout=self.timeout)
+                            else:
+                                execute(schedule, seg, transport, scale=self.scale,
+                                        scratch=scratch, timeout=self.timeout)
                     t1 = time.perf_counter()
                     self.timeline.add(f"allreduce bucket {b.index}", f"comm/{lane}", t0, t1,
                                       algorithm=b.algorithm, bytes=b.nbytes)
