@@ -64,28 +64,12 @@ QUICK = {"batch_sizes": [8, 32], "iters": 6, "warmup": 4, "rounds": 2}
 FULL = {"batch_sizes": [8, 16, 32, 64], "iters": 20, "warmup": 5, "rounds": 4}
 
 
-def optimizer_available() -> bool:
-    return hasattr(hybridcomm, "DistributedOptimizer")
-
-
-def unavailable_reason(config: str):
-    """Why ``config`` cannot run here, or None."""
-    if CONFIGS[config] is not None and not optimizer_available():
-        return ("not available yet: hybridcomm.DistributedOptimizer does not exist "
-                "(hybridcomm/optimizer.py has not landed)")
-    return None
-
-
 def shaped_network(nprocs: int, shape: str):
     """One network namespace per rank, each link shaped by ``tbf <shape>`` (hybridcomm.netns).
 
     Returns a context manager whose ``setup`` goes to launch(setup=...).
     """
-    try:
-        from hybridcomm.netns import NetnsError, ShapedNetwork
-    except ImportError:
-        raise SystemExit(f"--shape {shape!r}: not available yet: hybridcomm.netns.ShapedNetwork "
-                         "does not exist") from None
+    from hybridcomm.netns import NetnsError, ShapedNetwork
 
     @contextlib.contextmanager
     def opened():
@@ -289,7 +273,7 @@ def _fmt(v, spec, width):
     return f"{'-':>{width}}" if v is None else f"{v:>{width}{spec}}"
 
 
-def print_table(results, unavailable, header):
+def print_table(results, header):
     print(header)
     print(f"{'batch':>5} {'config':>16} {'step(ms)':>9} {'compute':>8} {'exposed':>8} "
           f"{'lib_exp':>8} {'vs stock':>8} {'vs ddp':>7} {'same':>5} {'max|d|':>8}")
@@ -300,8 +284,6 @@ def print_table(results, unavailable, header):
               f"{_fmt(r['speedup_vs_stock'], '.2f', 7)}{'x' if r['speedup_vs_stock'] else ' '} "
               f"{_fmt(r['speedup_vs_ddp'], '.2f', 6)}{'x' if r['speedup_vs_ddp'] else ' '} "
               f"{same:>5} {_fmt(r['max_abs_diff_vs_stock'], '.1e', 8)}")
-    for config, reason in unavailable.items():
-        print(f"{'':>5} {config:>16} {reason}")
 
 
 def plot(results, path):
@@ -349,8 +331,7 @@ def machine_info():
     return {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
             "cpu_count": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "hybridcomm": hybridcomm.__version__,
-            "cuda": torch.cuda.is_available(), "backend": "gloo",
-            "distributed_optimizer": optimizer_available()}
+            "cuda": torch.cuda.is_available(), "backend": "gloo"}
 
 
 def parse_args(argv=None):
@@ -384,16 +365,12 @@ def parse_args(argv=None):
     args.rounds = min(defaults["rounds"] if args.rounds is None else args.rounds, args.iters)
     if min(args.iters, args.rounds, args.nprocs, *args.batch_sizes) < 1 or args.warmup < 0:
         ap.error("--iters, --rounds, --nprocs and batch sizes must be >= 1, --warmup >= 0")
-    explicit = args.configs != "all"
-    names = list(CONFIGS) if not explicit else [c.strip() for c in args.configs.split(",") if c.strip()]
+    names = (list(CONFIGS) if args.configs == "all"
+             else [c.strip() for c in args.configs.split(",") if c.strip()])
     bad = [c for c in names if c not in CONFIGS]
     if bad:
         ap.error(f"unknown config(s) {bad}; choose from {list(CONFIGS)}")
-    args.unavailable = {c: unavailable_reason(c) for c in names if unavailable_reason(c)}
-    if explicit and args.unavailable:
-        raise SystemExit("error: config(s) " + ", ".join(args.unavailable) + " "
-                         + next(iter(args.unavailable.values())))
-    args.configs = [c for c in names if c not in args.unavailable]
+    args.configs = names
     return args
 
 
@@ -419,7 +396,7 @@ def main(argv=None):
     if args.show_plan:
         for config, plan in plans.items():
             print(f"plan for {config}:\n{plan}\n")
-    print_table(results, args.unavailable, header)
+    print_table(results, header)
     load = os.getloadavg()[0]
     print(f"({wall:.0f} s wall; load average {load:.1f} on {os.cpu_count()} cores"
           + (": the machine was busy, expect noise)" if load > args.nprocs + 1 else ")"))
@@ -428,7 +405,7 @@ def main(argv=None):
                "machine": machine_info(), "command": command,
                "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
                "loadavg_after": os.getloadavg(),
-               "unavailable": args.unavailable, "plans": plans}
+               "plans": plans}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
     if args.plot:

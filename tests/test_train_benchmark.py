@@ -7,12 +7,9 @@ import sys
 
 import pytest
 
-import hybridcomm
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "train.py")
 HYBRID = ["ring", "butterfly", "hybrid-backward", "hybrid-forward"]
-HAS_OPTIMIZER = hasattr(hybridcomm, "DistributedOptimizer")
 ROW_KEYS = {"config", "batch_size", "step_ms", "compute_ms", "exposed_comm_ms",
             "speedup_vs_stock", "speedup_vs_ddp"}
 
@@ -53,16 +50,7 @@ def test_stock_and_ddp(tmp_path):
     assert "same" in stdout and "stock" in stdout
 
 
-@pytest.mark.skipif(not HAS_OPTIMIZER, reason="hybridcomm.DistributedOptimizer not available yet "
-                                              "(hybridcomm/optimizer.py has not landed)")
 def test_hybridcomm_configs(tmp_path):
     doc, _ = _run(tmp_path, "--configs", ",".join(["stock"] + HYBRID))
     _check(doc, ["stock"] + HYBRID)
 
-
-@pytest.mark.skipif(HAS_OPTIMIZER, reason="hybridcomm.DistributedOptimizer exists")
-def test_hybridcomm_configs_fail_clearly_until_the_optimizer_lands():
-    proc = subprocess.run([sys.executable, SCRIPT, "--configs", "stock,ring"], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode != 0
-    assert "not available yet" in proc.stderr
