@@ -89,8 +89,9 @@ class CostModel:
     def predict_all(self, nbytes: int, world_size: int) -> Dict[str, float]:
         return {algo: self.predict(algo, nbytes, world_size) for algo in MODELED}
 
-    def choose(self, nbytes: int, world_size: int, window: Optional[float] = None) -> str:
-        """The algorithm for ``nbytes`` over ``world_size`` ranks.
+    def choose(self, nbytes: int, world_size: int, window: Optional[float] = None,
+               candidates: Sequence[str] = MODELED) -> str:
+        """The algorithm for ``nbytes`` over ``world_size`` ranks, among ``candidates``.
 
         Without ``window``: the fastest predicted. With ``window`` (seconds
         until the result is needed): among the algorithms predicted to finish
@@ -98,15 +99,15 @@ class CostModel:
         bandwidth to the other buckets), then the fastest; if none fits, the
         fastest. Ties go to the earlier name in :data:`MODELED`.
         """
-        times = self.predict_all(nbytes, world_size)
-        fastest = min(MODELED, key=lambda a: (times[a], MODELED.index(a)))
+        times = {a: self.predict(a, nbytes, world_size) for a in candidates}
+        order = sorted(candidates, key=MODELED.index)
+        fastest = min(order, key=lambda a: times[a])
         if window is None:
             return fastest
-        fits = [a for a in MODELED if times[a] <= window]
+        fits = [a for a in order if times[a] <= window]
         if not fits:
             return fastest
-        return min(fits, key=lambda a: (coefficients(a, nbytes, world_size)[1], times[a],
-                                        MODELED.index(a)))
+        return min(fits, key=lambda a: (coefficients(a, nbytes, world_size)[1], times[a]))
 
     def with_latency(self, seconds: float) -> "CostModel":
         """This model with ``seconds`` more per message (an emulated slower network)."""
@@ -311,7 +312,7 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 3) -> Cos
 
     Example::
 
-        >>> model = probe()          # inside an initialized process group
+        >>> model = probe()  # inside an initialized process group  # doctest: +SKIP
     """
     import torch
     import torch.distributed as dist

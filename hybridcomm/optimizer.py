@@ -118,8 +118,9 @@ class _DistributedOptimizer:
         self._hc_no_sync = False
         self._hc_skip_sync = False
         self._hc_synchronized = False
-        self._hc_exposed_s = 0.0
-        self._hc_ready_times: Dict[int, float] = {}  # param index -> when packed (for windows)
+        self._hc_exposed_s = 0.0  # waited for communication since the last step
+        self._hc_wait_total = 0.0  # ... ever
+        self._hc_ready_times: Dict[int, tuple] = {}  # param index -> (when packed, wait total)
         self._hc_order_times: Dict[int, float] = {}  # the same, kept for the gradient order
         self._hc_windows: Dict[str, List[float]] = {}
         self.last_step_stats: Dict[str, float] = {}
@@ -259,7 +260,9 @@ class _DistributedOptimizer:
         if st.pending_update:  # last iteration's update never met a forward: apply it first
             self._hc_apply(st)
         st.pack(pos)
-        self._hc_ready_times[i] = self._hc_order_times[i] = time.perf_counter()
+        now = time.perf_counter()
+        self._hc_ready_times[i] = (now, self._hc_wait_total)
+        self._hc_order_times[i] = now
         if len(st.packed) == len(st.params):
             self._hc_engine.launch(st)
 
@@ -276,9 +279,12 @@ class _DistributedOptimizer:
             for i in indices:
                 st, _ = self._hc_where[i]
                 if self._hc_iteration <= self._hc_measure_iters and i in self._hc_ready_times:
-                    ready = self._hc_ready_times.pop(i)
+                    # The window is compute time: time spent waiting for
+                    # communication in between does not count.
+                    ready, waited = self._hc_ready_times.pop(i)
+                    window = now - ready - (self._hc_wait_total - waited)
                     for name in st.bucket.layers:
-                        self._hc_windows.setdefault(name, []).append(now - ready)
+                        self._hc_windows.setdefault(name, []).append(window)
                 if st.pending_update:
                     self._hc_apply(st)
         return pre_hook
@@ -296,7 +302,9 @@ class _DistributedOptimizer:
                 self._hc_engine.launch(st)
 
     def _hc_wait(self, st: BucketState) -> None:
-        self._hc_exposed_s += self._hc_engine.wait(st)
+        waited = self._hc_engine.wait(st)
+        self._hc_exposed_s += waited
+        self._hc_wait_total += waited
 
     def _hc_consume(self, st: BucketState) -> List[int]:
         """Wait for a bucket; start its next iteration; the indices some rank used."""
@@ -499,8 +507,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         model: the module being trained (needed for ``overlap="forward"`` and
             for per-layer buckets; without it each parameter is a layer).
         named_parameters: names for the parameters (default: ``model``'s).
-        strategy: ``"hybrid"`` (per-bucket choice from the cost model) or one
-            algorithm for every bucket; ``HYBRIDCOMM_ALGO`` overrides both.
+        strategy: ``"hybrid"`` (butterfly or ring per bucket, from the cost
+            model and the bucket's window), ``"auto"`` (the same among all
+            three algorithms) or one algorithm for every bucket;
+            ``HYBRIDCOMM_ALGO`` overrides all.
         overlap: ``"forward"``, ``"backward"`` or ``"none"`` (module docstring).
         op: ``"avg"`` (gradients averaged: same numbers as one process on the
             whole batch) or ``"sum"``.

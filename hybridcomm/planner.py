@@ -10,12 +10,15 @@ of each layer (from its gradient being ready to its next forward).
   below which one message costs mostly its latency, so merging saves it).
 - Split: a bucket over ``split_bytes`` is all-reduced in segments, each a
   separate operation in its lane (bounded message size, earlier progress).
-- Algorithm (``strategy="hybrid"``): ``CostModel.choose`` with the bucket's
-  window: among the algorithms predicted to finish within the window, the
-  one that sends the fewest bytes (bandwidth left for the other buckets),
-  else the fastest. So a small bucket with a short window gets the
-  butterfly, a large one with a long window the ring. ``strategy`` naming an
-  algorithm, or ``HYBRIDCOMM_ALGO``, forces it for every bucket.
+- Algorithm (``strategy="hybrid"``, the thesis's pair): butterfly or ring
+  by ``CostModel.choose`` with the bucket's window: of the two, the one that
+  sends fewer bytes if it is predicted to finish within the window, else
+  the faster. So a small bucket with a short window gets the butterfly, a
+  large one with a long window the ring. ``strategy="auto"`` lets
+  halving-doubling compete too (it sends the ring's bytes in fewer messages,
+  but to a different peer each step, which shaped or oversubscribed links
+  punish; measure before you pick it). ``strategy`` naming an algorithm, or
+  ``HYBRIDCOMM_ALGO``, forces it for every bucket.
 - Lane: butterfly buckets (small, latency-bound) go to the ``latency`` lane,
   the rest to the ``bandwidth`` lane. Each lane is its own communicator and
   thread with a fixed order, so a small urgent bucket never waits behind a
@@ -33,6 +36,7 @@ from .algorithms import ALGORITHMS
 from .cost_model import CostModel
 
 LANES = ("latency", "bandwidth")
+STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly"), "auto": ALGORITHMS}
 
 
 @dataclass
@@ -91,10 +95,11 @@ def forced_algorithm(strategy: str) -> Optional[str]:
         if env not in ALGORITHMS:
             raise ValueError(f"HYBRIDCOMM_ALGO={env!r} is not one of {ALGORITHMS}")
         return env
-    if strategy == "hybrid":
+    if strategy in STRATEGY_CANDIDATES:
         return None
     if strategy not in ALGORITHMS:
-        raise ValueError(f"unknown strategy {strategy!r}; choose 'hybrid' or one of {ALGORITHMS}")
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of "
+                         f"{tuple(STRATEGY_CANDIDATES) + ALGORITHMS}")
     return strategy
 
 
@@ -111,9 +116,13 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, element_size: int, mo
 
         >>> model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-10)
         >>> plan = make_plan([Layer("fc", [0, 1], 1 << 22), Layer("conv", [2], 500)],
-        ...                  world_size=6, element_size=4, model=model)
+        ...                  world_size=8, element_size=4, model=model)
         >>> [(b.algorithm, b.lane) for b in plan.buckets]
         [('ring', 'bandwidth'), ('butterfly', 'latency')]
+        >>> make_plan([Layer("fc", [0, 1], 1 << 22)], world_size=8, element_size=4, model=model,
+        ...           strategy="auto").buckets[0].algorithm
+        'halving_doubling'
+
     """
     forced = forced_algorithm(strategy)
     if fusion_bytes is None:
@@ -136,7 +145,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, element_size: int, mo
         if windows:
             known = [windows[layer.name] for layer in group if layer.name in windows]
             window = min(known) if known else None
-        algorithm = forced or model.choose(nbytes, world_size, window)
+        algorithm = forced or model.choose(nbytes, world_size, window,
+                                           STRATEGY_CANDIDATES[strategy])
         total = numel + len(params)  # gradients, then one usage flag per parameter
         step = total if not split_bytes else max(1, split_bytes // element_size)
         segments = [(s, min(s + step, total)) for s in range(0, total, step)]
