@@ -215,7 +215,8 @@ class _DistributedOptimizer:
                          element_size=torch.empty((), dtype=self._hc_dtype).element_size(),
                          model=self._hc_cost_model,
                          strategy=self._hc_strategy, fusion_bytes=self._hc_fusion_bytes,
-                         split_bytes=self._hc_split_bytes, windows=windows)
+                         split_bytes=self._hc_split_bytes, windows=windows,
+                         ready=order)
         box = [plan]
         src = dist.get_global_rank(self._hc_group, 0) if self._hc_group is not None else 0
         dist.broadcast_object_list(box, src=src, group=self._hc_group)
@@ -418,10 +419,11 @@ class _DistributedOptimizer:
         order = None
         if self._hc_order_times:
             order = {}
+            first = min(self._hc_order_times.values())
             for layer in self._hc_layers:
                 times = [self._hc_order_times[i] for i in layer.params if i in self._hc_order_times]
                 if times:
-                    order[layer.name] = max(times)
+                    order[layer.name] = max(times) - first  # seconds into backward
         self._hc_build(self._hc_agree_plan(windows=windows or None, order=order))
         self._hc_ready_times.clear()
         self._hc_order_times.clear()

@@ -19,6 +19,9 @@ of each layer (from its gradient being ready to its next forward).
   but to a different peer each step, which shaped or oversubscribed links
   punish; measure before you pick it). ``strategy`` naming an algorithm, or
   ``HYBRIDCOMM_ALGO``, forces it for every bucket.
+- Queueing: with measured ready times too, each bucket's candidates are
+  judged by when they would *finish* in their lane, after the buckets queued
+  there before it (``queued(us)`` in the table).
 - Lane: butterfly buckets (small, latency-bound) go to the ``latency`` lane,
   the rest to the ``bandwidth`` lane. Each lane is its own communicator and
   thread with a fixed order, so a small urgent bucket never waits behind a
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from .algorithms import ALGORITHMS
-from .cost_model import CostModel
+from .cost_model import CostModel, coefficients
 
 LANES = ("latency", "bandwidth")
 STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly"), "auto": ALGORITHMS}
@@ -60,6 +63,7 @@ class Bucket:
     predicted_s: float
     window_s: Optional[float] = None
     segments: List[Tuple[int, int]] = field(default_factory=list)  # over the whole buffer
+    queued_s: Optional[float] = None  # predicted wait behind its lane's earlier buckets
 
 
 @dataclass
@@ -75,17 +79,27 @@ class Plan:
     def __str__(self) -> str:
         head = (f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
                 f"strategy {self.strategy}\n")
-        cols = f"{'bucket':>6} {'bytes':>10} {'algorithm':>17} {'pred(us)':>9} {'window(us)':>10} " \
-               f"{'lane':>9} {'segs':>4}  layers\n"
+        cols = f"{'bucket':>6} {'bytes':>10} {'algorithm':>17} {'pred(us)':>9} {'queued(us)':>10} " \
+               f"{'window(us)':>10} {'lane':>9} {'segs':>4}  layers\n"
         rows = []
         for b in self.buckets:
             win = "-" if b.window_s is None else f"{b.window_s * 1e6:.0f}"
+            queued = "-" if b.queued_s is None else f"{b.queued_s * 1e6:.0f}"
             layers = ", ".join(b.layers)
             if len(layers) > 60:
                 layers = layers[:57] + "..."
             rows.append(f"{b.index:>6} {b.nbytes:>10} {b.algorithm:>17} {b.predicted_s * 1e6:>9.0f} "
-                        f"{win:>10} {b.lane:>9} {len(b.segments):>4}  {layers}")
+                        f"{queued:>10} {win:>10} {b.lane:>9} {len(b.segments):>4}  {layers}")
         return head + cols + "\n".join(rows)
+
+
+def lane_of(algorithm: str) -> str:
+    return "latency" if algorithm == "butterfly" else "bandwidth"
+
+
+def _least(values: Optional[dict], group: Sequence[Layer]) -> Optional[float]:
+    known = [values[layer.name] for layer in group if values and layer.name in values]
+    return min(known) if known else None
 
 
 def forced_algorithm(strategy: str) -> Optional[str]:
@@ -105,11 +119,15 @@ def forced_algorithm(strategy: str) -> Optional[str]:
 
 def make_plan(layers: Sequence[Layer], *, world_size: int, element_size: int, model: CostModel,
               strategy: str = "hybrid", fusion_bytes: Optional[int] = None,
-              split_bytes: Optional[int] = None, windows: Optional[dict] = None) -> Plan:
+              split_bytes: Optional[int] = None, windows: Optional[dict] = None,
+              ready: Optional[dict] = None) -> Plan:
     """Group ``layers`` (in backward order) into buckets and choose for each.
 
-    ``windows`` maps a layer name to its measured overlap window in seconds;
-    a bucket's window is its first-needed (smallest) layer window.
+    ``windows`` maps a layer name to its measured overlap window in seconds
+    (a bucket's is its smallest layer's); ``ready`` maps it to when its
+    gradient is ready, in seconds from the first one (a bucket's is its last
+    layer's). With both, each bucket's choice accounts for what is queued
+    ahead of it in each lane.
     ``fusion_bytes`` defaults to the model's alpha/beta.
 
     Example::
@@ -136,24 +154,41 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, element_size: int, mo
             last.append(layer)
         else:
             groups.append([layer])
+    candidates = STRATEGY_CANDIDATES.get(strategy, ())
+    lane_free = dict.fromkeys(LANES, 0.0)  # when each lane is next idle (from ``ready``)
     buckets = []
     for i, group in enumerate(groups):
         params = [p for layer in group for p in layer.params]
         numel = sum(layer.numel for layer in group)
         nbytes = numel * element_size
-        window = None
-        if windows:
-            known = [windows[layer.name] for layer in group if layer.name in windows]
-            window = min(known) if known else None
-        algorithm = forced or model.choose(nbytes, world_size, window,
-                                           STRATEGY_CANDIDATES[strategy])
         total = numel + len(params)  # gradients, then one usage flag per parameter
         step = total if not split_bytes else max(1, split_bytes // element_size)
         segments = [(s, min(s + step, total)) for s in range(0, total, step)]
+
+        def predicted(algo):
+            return sum(model.predict(algo, (b - a) * element_size, world_size) for a, b in segments)
+
+        window = _least(windows, group)
+        at = max((ready[layer.name] for layer in group if layer.name in ready), default=None) \
+            if ready else None
+        if forced:
+            algorithm = forced
+        elif window is None or at is None:
+            algorithm = model.choose(nbytes, world_size, window, candidates)
+        else:
+            # Each candidate runs in its lane after what is already queued there:
+            # the ring behind a big bucket may miss a window the butterfly meets.
+            finish = {a: max(lane_free[lane_of(a)], at) + predicted(a) for a in candidates}
+            fits = [a for a in candidates if finish[a] - at <= window]
+            algorithm = (min(fits, key=lambda a: (coefficients(a, nbytes, world_size)[1], finish[a]))
+                         if fits else min(candidates, key=lambda a: finish[a]))
+        pred = predicted(algorithm)
+        queued = None
+        if at is not None:
+            start = max(lane_free[lane_of(algorithm)], at)
+            lane_free[lane_of(algorithm)] = start + pred
+            queued = start - at
         buckets.append(Bucket(i, [layer.name for layer in group], params, numel, nbytes, algorithm,
-                              "latency" if algorithm == "butterfly" else "bandwidth",
-                              sum(model.predict(algorithm, (b - a) * element_size, world_size)
-                                  for a, b in segments),
-                              window, segments))
+                              lane_of(algorithm), pred, window, segments, queued))
     return Plan(world_size, strategy, buckets)
 
