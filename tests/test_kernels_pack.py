@@ -6,34 +6,12 @@ reference (fp32 scale, one rounding), so they must match bitwise too. bf16
 outputs may be 1 bf16 ulp off, and only under the interpreter: its casts to
 bf16 truncate where torch (and the GPU) round to nearest even.
 """
-import importlib.util
 import os
-import pathlib
-import sys
 
 import pytest
 import torch
 
-
-def _load_kernels():
-    try:
-        from hybridcomm import kernels
-    except ImportError:
-        # Not installed yet: load the folder under its installed name, so its
-        # relative imports resolve exactly as they do in the installed package.
-        if "hybridcomm.kernels" in sys.modules:
-            return sys.modules["hybridcomm.kernels"]
-        root = pathlib.Path(__file__).resolve().parents[1] / "kernels"
-        spec = importlib.util.spec_from_file_location(
-            "hybridcomm.kernels", root / "__init__.py", submodule_search_locations=[str(root)]
-        )
-        kernels = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = kernels
-        spec.loader.exec_module(kernels)
-    return kernels
-
-
-K = _load_kernels()
+from hybridcomm import kernels as K
 
 pytestmark = pytest.mark.skipif(not K.triton_available, reason="triton is not installed")
 
