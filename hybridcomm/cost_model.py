@@ -11,7 +11,10 @@ sent (inverse bandwidth), ``gamma`` seconds per byte reduced. With
     fold (e > 0)      2 a  +  2 n b  +  n g      (hand in + reduce, hand back)
 
 (Thakur, Rabenseifner & Gropp 2005; the same formulas, with how to read them,
-are in docs/PERFORMANCE.md.) The butterfly sends the whole buffer every step
+are in docs/PERFORMANCE.md.) Besides, ``native`` (the process group's own
+all_reduce: gloo's or NCCL's, in C++) is modeled as a line ``a_n + n b_n``,
+fitted separately where it was measured (the start-up probe, or the sweep's
+``torch`` rows); an uncalibrated model does not offer it. The butterfly sends the whole buffer every step
 but in the fewest steps, so it wins while ``alpha`` dominates; ring and
 halving-doubling send the least. ``a``, ``b``, ``g`` are fitted by least
 squares from a benchmark sweep (``hybridcomm-bench --calibrate``), saved as
@@ -34,6 +37,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -46,6 +50,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 log = logging.getLogger("hybridcomm")
 
 MODELED = ("ring", "butterfly", "halving_doubling")
+ALL = MODELED + ("native",)
 FORMAT_VERSION = 1
 ENV_PATH = "HYBRIDCOMM_COST_MODEL"
 
@@ -71,18 +76,36 @@ def coefficients(algorithm: str, nbytes: float, world_size: int) -> Tuple[float,
     return a, b, g
 
 
+NATIVE = "native"  # the process group's own all_reduce (gloo / NCCL)
+
+
+def bytes_sent(algorithm: str, nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends; ``native`` counts as a ring (what gloo and NCCL run)."""
+    return coefficients("ring" if algorithm == NATIVE else algorithm, nbytes, world_size)[1]
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """alpha (s per message), beta (s per byte sent), gamma (s per byte reduced)."""
+    """alpha (s per message), beta (s per byte sent), gamma (s per byte reduced);
+    native_alpha (s per call) and native_beta (s per byte) where measured."""
 
     alpha: float
     beta: float
     gamma: float
     source: str = field(default="built-in defaults", compare=False)
     meta: Dict = field(default_factory=dict, compare=False, repr=False)
+    native_alpha: Optional[float] = None
+    native_beta: Optional[float] = None
+
+    def offers(self, algorithm: str) -> bool:
+        return algorithm != NATIVE or self.native_alpha is not None
 
     def predict(self, algorithm: str, nbytes: int, world_size: int) -> float:
         """Predicted seconds for one all-reduce of ``nbytes`` over ``world_size`` ranks."""
+        if algorithm == NATIVE:
+            if not self.offers(NATIVE):
+                raise ValueError("this cost model has no measurement of 'native'")
+            return 0.0 if world_size <= 1 else self.native_alpha + nbytes * self.native_beta
         a, b, g = coefficients(algorithm, nbytes, world_size)
         return a * self.alpha + b * self.beta + g * self.gamma
 
@@ -99,18 +122,19 @@ class CostModel:
         bandwidth to the other buckets), then the fastest; if none fits, the
         fastest. Ties go to the earlier name in :data:`MODELED`.
         """
-        times = {a: self.predict(a, nbytes, world_size) for a in candidates}
-        order = sorted(candidates, key=MODELED.index)
+        order = [a for a in sorted(candidates, key=ALL.index) if self.offers(a)]
+        times = {a: self.predict(a, nbytes, world_size) for a in order}
         fastest = min(order, key=lambda a: times[a])
         if window is None:
             return fastest
         fits = [a for a in order if times[a] <= window]
         if not fits:
             return fastest
-        return min(fits, key=lambda a: (coefficients(a, nbytes, world_size)[1], times[a]))
+        return min(fits, key=lambda a: (bytes_sent(a, nbytes, world_size), times[a]))
 
     def with_latency(self, seconds: float) -> "CostModel":
-        """This model with ``seconds`` more per message (an emulated slower network)."""
+        """This model with ``seconds`` more per message (an emulated slower network;
+        the emulation wraps hybridcomm's transport only, so ``native`` is dropped)."""
         return CostModel(self.alpha + seconds, self.beta, self.gamma,
                          source=f"{self.source} + {seconds * 1e6:g} us/message", meta=self.meta)
 
@@ -129,17 +153,23 @@ class CostModel:
         return hi
 
     def to_json(self) -> Dict:
+        native = {} if not self.offers(NATIVE) else {
+            "native_alpha_s": self.native_alpha, "native_beta_s_per_byte": self.native_beta}
         return {"version": FORMAT_VERSION, "alpha_s": self.alpha, "beta_s_per_byte": self.beta,
-                "gamma_s_per_byte": self.gamma, **self.meta}
+                "gamma_s_per_byte": self.gamma, **native, **self.meta}
 
     @classmethod
     def from_json(cls, data: Dict, source: str = "json") -> "CostModel":
         if data.get("version") != FORMAT_VERSION:
             raise ValueError(f"cost model format {data.get('version')!r}, expected {FORMAT_VERSION}")
-        meta = {k: v for k, v in data.items()
-                if k not in ("version", "alpha_s", "beta_s_per_byte", "gamma_s_per_byte")}
+        known = ("version", "alpha_s", "beta_s_per_byte", "gamma_s_per_byte", "native_alpha_s",
+                 "native_beta_s_per_byte")
+        meta = {k: v for k, v in data.items() if k not in known}
+        native = data.get("native_alpha_s")
         return cls(float(data["alpha_s"]), float(data["beta_s_per_byte"]),
-                   float(data["gamma_s_per_byte"]), source=source, meta=meta)
+                   float(data["gamma_s_per_byte"]), source=source, meta=meta,
+                   native_alpha=None if native is None else float(native),
+                   native_beta=None if native is None else float(data["native_beta_s_per_byte"]))
 
 
 # Uncalibrated defaults: a 25 us message, 2.5 GB/s links, 10 GB/s reduction
@@ -203,12 +233,34 @@ def fit(samples: Iterable[Sample]) -> Tuple[CostModel, FitReport]:
             if best is None or err < best[0] - 1e-15:
                 best = (err, x)
     x = best[1]
-    model = CostModel(float(x[0]), float(x[1]), float(x[2]), source="fit")
+    native = _fit_native([(n, t) for algo, n, p, t in samples
+                          if algo in (NATIVE, "torch") and p > 1 and t > 0])
+    model = CostModel(float(x[0]), float(x[1]), float(x[2]), source="fit",
+                      native_alpha=native[0] if native else None,
+                      native_beta=native[1] if native else None)
     pred = A @ x
     rel = (pred - y) / y
     report = FitReport(len(rows), float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel))),
                        tuple((algo, n, p, t, float(q)) for (algo, n, p, t), q in zip(rows, pred)))
     return model, report
+
+
+def _fit_native(points) -> Optional[Tuple[float, float]]:
+    """(seconds per call, seconds per byte) >= 0 through (bytes, seconds) points,
+    relative error weighted like :func:`fit`; None without two distinct sizes."""
+    import numpy as np
+
+    if len({n for n, _ in points}) < 2:
+        return None
+    n = np.array([p[0] for p in points], dtype=np.float64)
+    t = np.array([p[1] for p in points], dtype=np.float64)
+    A = np.stack([np.ones_like(n), n], axis=1) / t[:, None]
+    (a, b), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    if a < 0:  # clamp, then refit the other
+        a, b = 0.0, float(np.sum(n * t / t ** 2) / np.sum(n ** 2 / t ** 2))
+    if b < 0:
+        a, b = float(np.sum(1 / t) / np.sum(1 / t ** 2)), 0.0
+    return float(a), float(b)
 
 
 # --- where calibrations live ----------------------------------------------------------------
@@ -293,10 +345,9 @@ def agree(model: Optional[CostModel] = None, group=None) -> CostModel:
     import torch.distributed as dist
 
     mine = model or active_model()
-    box = [(mine.alpha, mine.beta, mine.gamma, mine.source)]
+    box = [mine]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    a, b, g, src = box[0]
-    agreed = CostModel(a, b, g, source=f"{src} (from rank 0)")
+    agreed = dataclasses.replace(box[0], source=f"{box[0].source} (from rank 0)")
     set_active(agreed)
     return agreed
 
@@ -305,9 +356,9 @@ PROBE_SIZES = (4 << 10, 1 << 20)
 
 
 def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 3) -> CostModel:
-    """A quick calibration for when none is saved: time the butterfly and the
-    ring at two sizes over ``group`` (median of ``iters``), fit, and take rank
-    0's fit on every rank. A collective, so call it on every rank; about 30
+    """A quick calibration for when none is saved: time the butterfly, the ring
+    and ``native`` at two sizes over ``group`` (median of ``iters``), fit, and
+    take rank 0's fit on every rank. A collective, so call it on every rank; about 30
     all-reduces (~0.1 s over gloo on a small CPU machine, far less on GPUs).
 
     Example::
@@ -325,19 +376,22 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 3) -> Cos
     samples = []
     for nbytes in sizes:
         buf = torch.zeros(nbytes // 4, device=device)
-        for algo in ("butterfly", "ring"):
+        for algo in ("butterfly", "ring", NATIVE):
             times = []
             for _ in range(iters + 1):  # the first is a warm-up
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                all_reduce(buf, algorithm=algo, group=group, check=False)
+                if algo == NATIVE:
+                    dist.all_reduce(buf, group=group)
+                else:
+                    all_reduce(buf, algorithm=algo, group=group, check=False)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             samples.append((algo, nbytes, world, sorted(times[1:])[len(times[1:]) // 2]))
     model = fit(samples)[0] if world > 1 else DEFAULT_MODEL
-    model = CostModel(model.alpha, model.beta, model.gamma, source="probe at start-up")
+    model = dataclasses.replace(model, source="probe at start-up")
     box = [model]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     return box[0]

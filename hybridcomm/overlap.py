@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from .algorithms import get_schedule
+from .cost_model import NATIVE
 from .errors import HybridCommError, HybridCommTimeout
 from . import trace
 from .executor import Workspace, execute, execute_async
@@ -142,6 +145,16 @@ class CommEngine:
         for t in self.threads:
             t.join(timeout=5)
 
+    def _native(self, seg: torch.Tensor, group) -> None:
+        # Every rank gets the same bits back (gloo and NCCL copy each reduced
+        # chunk around), and scales them the same way.
+        work = dist.all_reduce(seg, group=group, async_op=True)
+        if not work.wait(timeout=timedelta(seconds=self.timeout)):
+            raise HybridCommTimeout(f"native all_reduce of {seg.numel()} elements did not "
+                                    f"complete within {self.timeout}s")
+        if self.scale is not None:
+            seg.mul_(self.scale)
+
     def _run_lane(self, lane: str, order: List[BucketState], transport):
         workspace = Workspace()
         ordered = getattr(transport, "stream_ordered", False)
@@ -159,6 +172,9 @@ class CommEngine:
                     with trace.bucket_range(b.index, b.algorithm, b.nbytes, world):
                         for start, stop in b.segments:
                             seg = state.buffer[start:stop]
+                            if b.algorithm == NATIVE:  # the group's own all_reduce
+                                self._native(seg, transport.group)
+                                continue
                             schedule = get_schedule(b.algorithm, rank, world, seg.numel())
                             scratch = workspace.get(schedule.scratch_numel, seg.dtype, seg.device)
                             if ordered:  # queue on the lane's stream after the gradients

@@ -11,14 +11,17 @@ of each layer (from its gradient being ready to its next forward).
 - Split: a bucket over ``split_bytes`` is all-reduced in segments, each a
   separate operation in its lane (bounded message size, earlier progress).
 - Algorithm (``strategy="hybrid"``, the thesis's pair): butterfly or ring
-  by ``CostModel.choose`` with the bucket's window: of the two, the one that
-  sends fewer bytes if it is predicted to finish within the window, else
-  the faster. So a small bucket with a short window gets the butterfly, a
-  large one with a long window the ring. ``strategy="auto"`` lets
-  halving-doubling compete too (it sends the ring's bytes in fewer messages,
-  but to a different peer each step, which shaped or oversubscribed links
-  punish; measure before you pick it). ``strategy`` naming an algorithm, or
-  ``HYBRIDCOMM_ALGO``, forces it for every bucket.
+  by ``CostModel.choose`` with the bucket's window: the one that sends fewer
+  bytes if it is predicted to finish within the window, else the faster. So
+  a small bucket with a short window gets the butterfly, a large one with a
+  long window the ring. The ring may be hybridcomm's own or ``native`` (the
+  process group's all_reduce, gloo's or NCCL's ring in C++), whichever the
+  measured model predicts faster; an uncalibrated model offers no
+  ``native``. ``strategy="auto"`` lets halving-doubling compete too (it
+  sends the ring's bytes in fewer messages, but to a different peer each
+  step, which shaped or oversubscribed links punish; measure before you pick
+  it). ``strategy`` naming an algorithm, or ``HYBRIDCOMM_ALGO``, forces it
+  for every bucket.
 - Queueing: with measured ready times too, each bucket's candidates are
   judged by when they would *finish* in their lane, after the buckets queued
   there before it (``queued(us)`` in the table).
@@ -36,10 +39,11 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from .algorithms import ALGORITHMS
-from .cost_model import CostModel, coefficients
+from .cost_model import NATIVE, CostModel, bytes_sent
 
 LANES = ("latency", "bandwidth")
-STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly"), "auto": ALGORITHMS}
+BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE,)
+STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS}
 
 
 @dataclass
@@ -94,7 +98,7 @@ class Plan:
 
 
 def lane_of(algorithm: str) -> str:
-    return "latency" if algorithm == "butterfly" else "bandwidth"
+    return "latency" if algorithm == "butterfly" else "bandwidth"  # native: a ring
 
 
 def _least(values: Optional[dict], group: Sequence[Layer]) -> Optional[float]:
@@ -106,14 +110,14 @@ def forced_algorithm(strategy: str) -> Optional[str]:
     """The algorithm every bucket must use, or None for a per-bucket choice."""
     env = os.environ.get("HYBRIDCOMM_ALGO")
     if env:
-        if env not in ALGORITHMS:
-            raise ValueError(f"HYBRIDCOMM_ALGO={env!r} is not one of {ALGORITHMS}")
+        if env not in BUCKET_ALGORITHMS:
+            raise ValueError(f"HYBRIDCOMM_ALGO={env!r} is not one of {BUCKET_ALGORITHMS}")
         return env
     if strategy in STRATEGY_CANDIDATES:
         return None
-    if strategy not in ALGORITHMS:
+    if strategy not in BUCKET_ALGORITHMS:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of "
-                         f"{tuple(STRATEGY_CANDIDATES) + ALGORITHMS}")
+                         f"{tuple(STRATEGY_CANDIDATES) + BUCKET_ALGORITHMS}")
     return strategy
 
 
@@ -154,7 +158,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, element_size: int, mo
             last.append(layer)
         else:
             groups.append([layer])
-    candidates = STRATEGY_CANDIDATES.get(strategy, ())
+    candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)]
     lane_free = dict.fromkeys(LANES, 0.0)  # when each lane is next idle (from ``ready``)
     buckets = []
     for i, group in enumerate(groups):
@@ -180,7 +184,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, element_size: int, mo
             # the ring behind a big bucket may miss a window the butterfly meets.
             finish = {a: max(lane_free[lane_of(a)], at) + predicted(a) for a in candidates}
             fits = [a for a in candidates if finish[a] - at <= window]
-            algorithm = (min(fits, key=lambda a: (coefficients(a, nbytes, world_size)[1], finish[a]))
+            algorithm = (min(fits, key=lambda a: (bytes_sent(a, nbytes, world_size), finish[a]))
                          if fits else min(candidates, key=lambda a: finish[a]))
         pred = predicted(algorithm)
         queued = None

@@ -96,3 +96,29 @@ def test_choose_algorithm_is_total():
     for p in (1, 2, 3, 4, 5, 8):
         for n in (0, 1, 4096, 1 << 30):
             assert cost_model.choose_algorithm(n, p) in MODELED
+
+
+def test_native_is_fitted_offered_and_round_trips():
+    true = CostModel(1e-3, 1e-9, 1e-10, native_alpha=2e-4, native_beta=5e-10)
+    pts = [(a, n, 4, true.predict(a, n, 4)) for a in MODELED for n in (4096, 1 << 20)]
+    assert fit(pts)[0].offers("native") is False  # never measured: not offered
+    pts += [("torch", n, 4, true.predict("native", n, 4)) for n in (4096, 1 << 20, 1 << 24)]
+    m, _ = fit(pts)
+    assert m.native_alpha == pytest.approx(2e-4, rel=1e-9)
+    assert m.native_beta == pytest.approx(5e-10, rel=1e-9)
+    back = CostModel.from_json(m.to_json())
+    assert (back.native_alpha, back.native_beta) == (m.native_alpha, m.native_beta)
+    # uncalibrated: choose() skips it even when asked
+    assert CostModel(1e-3, 1e-9, 1e-10).choose(1 << 24, 4, candidates=("ring", "native")) == "ring"
+    assert m.choose(1 << 24, 4, candidates=("ring", "native")) == "native"
+
+
+def test_planner_puts_the_big_bucket_on_native_and_small_on_butterfly():
+    from hybridcomm.planner import Layer, make_plan
+    m = CostModel(1e-3, 1e-9, 1e-10, native_alpha=2e-3, native_beta=5e-10)
+    plan = make_plan([Layer("fc", [0], 1 << 22), Layer("conv", [1], 1000)], world_size=4,
+                     element_size=4, model=m, fusion_bytes=0,
+                     windows={"fc": 1.0, "conv": 1e-3}, ready={"fc": 0.0, "conv": 0.001})
+    assert [(b.algorithm, b.lane) for b in plan.buckets] == [("native", "bandwidth"),
+                                                            ("butterfly", "latency")]
+    assert "native" in str(plan)

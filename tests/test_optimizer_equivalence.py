@@ -37,7 +37,7 @@ def _train(rank, world, combos):
 
 
 COMBOS = [(o, m, s) for o in ("sgd", "adam", "adamw") for m in ("forward", "backward", "none")
-          for s in ("hybrid",) + hybridcomm.ALGORITHMS
+          for s in ("hybrid", "native") + hybridcomm.ALGORITHMS
           if s == "hybrid" or m == "backward"]
 
 
