@@ -355,11 +355,11 @@ def agree(model: Optional[CostModel] = None, group=None) -> CostModel:
 PROBE_SIZES = (4 << 10, 1 << 20)
 
 
-def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 3) -> CostModel:
+def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5) -> CostModel:
     """A quick calibration for when none is saved: time the butterfly, the ring
     and ``native`` at two sizes over ``group`` (median of ``iters``), fit, and
-    take rank 0's fit on every rank. A collective, so call it on every rank; about 30
-    all-reduces (~0.1 s over gloo on a small CPU machine, far less on GPUs).
+    take rank 0's fit on every rank. A collective, so call it on every rank; about 36
+    all-reduces (~0.2 s over gloo on a small CPU machine, far less on GPUs).
 
     Example::
 
@@ -389,7 +389,7 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 3) -> Cos
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            samples.append((algo, nbytes, world, sorted(times[1:])[len(times[1:]) // 2]))
+            samples.append((algo, nbytes, world, min(times[1:])))
     model = fit(samples)[0] if world > 1 else DEFAULT_MODEL
     model = dataclasses.replace(model, source="probe at start-up")
     box = [model]

@@ -519,7 +519,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         backward_passes_per_step: backward passes accumulated locally per step.
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the wire dtype.
         cost_model: a ``CostModel``; None (default): rank 0's saved calibration
-            (``hybridcomm-bench --calibrate``), else a quick probe (~30 small
+            (``hybridcomm-bench --calibrate``), else a quick probe (~36 small
             all-reduces); ``"probe"``: always probe; ``"default"``: built-in
             constants.
         process_group: torch.distributed group (default: the world).
