@@ -357,7 +357,7 @@ PROBE_SIZES = (4 << 10, 1 << 20)
 
 def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5) -> CostModel:
     """A quick calibration for when none is saved: time the butterfly, the ring
-    and ``native`` at two sizes over ``group`` (median of ``iters``), fit, and
+    and ``native`` at two sizes over ``group`` (the fastest of ``iters``, the least disturbed), fit, and
     take rank 0's fit on every rank. A collective, so call it on every rank; about 36
     all-reduces (~0.2 s over gloo on a small CPU machine, far less on GPUs).
 
