@@ -339,15 +339,33 @@ def active_model() -> CostModel:
     return hit[1] or DEFAULT_MODEL
 
 
-def agree(model: Optional[CostModel] = None, group=None) -> CostModel:
-    """Rank 0's model (default: its :func:`active_model`) on every rank of ``group``,
-    made active: a collective, so call it on every rank."""
+def agree(model: Optional[CostModel] = None, group=None, probe_if_uncalibrated: bool = True
+          ) -> CostModel:
+    """The model every rank of ``group`` uses, made active (for ``auto``): rank
+    0's ``model`` if given, else its :func:`set_active` model or saved
+    calibration, else a :func:`probe` (or, with ``probe_if_uncalibrated=False``,
+    the built-in defaults). Rank 0 decides, so every rank takes the same path.
+    A collective: call it on every rank.
+
+    Example::
+
+        >>> dist.init_process_group("gloo"); cost_model.agree()   # doctest: +SKIP
+    """
     import torch.distributed as dist
 
-    mine = model or active_model()
+    mine = model or _active
+    if mine is None and dist.get_rank(group) == 0:
+        try:
+            mine = load()
+        except ValueError as e:
+            log.warning("%s; not using it", e)
     box = [mine]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    agreed = dataclasses.replace(box[0], source=f"{box[0].source} (from rank 0)")
+    if box[0] is not None:
+        agreed = dataclasses.replace(box[0], source=f"{box[0].source} (from rank 0)")
+    else:
+        agreed = probe(group) if probe_if_uncalibrated else DEFAULT_MODEL
+    log.debug("hybridcomm cost model: %s", agreed)
     set_active(agreed)
     return agreed
 

@@ -133,27 +133,17 @@ class _DistributedOptimizer:
         log.debug("hybridcomm plan:\n%s", self.plan)
 
     def _hc_resolve_cost_model(self, cost_model) -> cm.CostModel:
-        """A CostModel; None: rank 0's saved calibration, else a quick probe.
-        Rank 0 decides, so every rank takes the same path (the probe is collective)."""
+        """A CostModel; None: rank 0's calibration, else a probe (``cost_model.agree``)."""
         if isinstance(cost_model, cm.CostModel):
             return cost_model
         if cost_model == "default":
             return cm.DEFAULT_MODEL
-        if cost_model not in (None, "probe"):
-            raise ValueError(f"cost_model must be a CostModel, None, 'probe' or 'default', "
-                             f"got {cost_model!r}")
-        saved = None
-        if cost_model is None and self._hc_rank == 0:
-            try:
-                saved = cm.load()
-            except ValueError as e:
-                log.warning("%s; probing instead", e)
-        box = [saved]
-        src = dist.get_global_rank(self._hc_group, 0) if self._hc_group is not None else 0
-        dist.broadcast_object_list(box, src=src, group=self._hc_group)
-        model = box[0] or cm.probe(self._hc_group)
-        log.debug("hybridcomm cost model: %s", model)
-        return model
+        if cost_model == "probe":
+            return cm.probe(self._hc_group)
+        if cost_model is None:
+            return cm.agree(group=self._hc_group)
+        raise ValueError(f"cost_model must be a CostModel, None, 'probe' or 'default', "
+                         f"got {cost_model!r}")
 
     def _hc_collect_params(self, model, named_parameters):
         in_opt = [p for g in self.param_groups for p in g["params"]]

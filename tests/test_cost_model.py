@@ -122,3 +122,26 @@ def test_planner_puts_the_big_bucket_on_native_and_small_on_butterfly():
     assert [(b.algorithm, b.lane) for b in plan.buckets] == [("native", "bandwidth"),
                                                             ("butterfly", "latency")]
     assert "native" in str(plan)
+
+
+def _agree(rank, world, tmp):
+    import os
+    # only rank 0 has a calibration file; every rank must end up with rank 0's model
+    path = os.path.join(tmp, f"model{rank}.json")
+    if rank == 0:
+        cost_model.save(CostModel(3e-3, 2e-9, 1e-10), path)
+    os.environ["HYBRIDCOMM_COST_MODEL"] = path
+    cost_model.set_active(None)
+    saved = cost_model.agree()
+    os.environ["HYBRIDCOMM_COST_MODEL"] = os.path.join(tmp, "nowhere.json")
+    cost_model.set_active(None)
+    probed = cost_model.agree()  # nobody has one: all probe, rank 0's fit for all
+    return (saved.alpha, saved.beta), (probed.alpha, probed.native_alpha), probed.source
+
+
+def test_agree_takes_rank_0s_calibration_else_probes(tmp_path):
+    from multiproc import run_ranks
+    results = run_ranks(2, _agree, str(tmp_path))
+    assert all(r[0] == (3e-3, 2e-9) for r in results)
+    assert results[0][1] == results[1][1] and results[0][1][1] is not None  # native measured
+    assert "probe" in results[0][2]
