@@ -308,9 +308,9 @@ class _DistributedOptimizer:
         for pos in self._hc_consume(st):
             p = st.params[pos]
             if p.grad is None:
-                p.grad = st.views[pos].clone()
+                p.grad = st.views[pos].to(p.dtype, copy=True)
             else:
-                p.grad.copy_(st.views[pos])
+                p.grad.copy_(st.views[pos])  # casts back from a compressed wire dtype
 
     def _hc_apply(self, st: BucketState) -> None:
         """Forward mode: apply a bucket's deferred update with its reduced gradients."""
@@ -322,7 +322,7 @@ class _DistributedOptimizer:
         params = [st.params[pos] for pos in used]
         saved_grads = [p.grad for p in params]
         for pos, p in zip(used, params):
-            p.grad = st.views[pos]
+            p.grad = st.views[pos].to(p.dtype)  # a view, unless compressed
         chosen = {id(p) for p in params}
         saved_groups = self.param_groups
         self.param_groups = [dict(hyper, params=[p for p in g["params"] if id(p) in chosen])

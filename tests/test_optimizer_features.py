@@ -321,3 +321,50 @@ def _two_backwards(rank, world):
 def test_backward_twice_without_step_is_an_error():
     for msg in run_ranks(2, _two_backwards):
         assert "backward_passes_per_step" in msg
+
+
+def _compressed(rank, world, overlap):
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model=model, overlap=overlap, compression="fp16",
+                                          timeout=60)
+    grads = []
+    for s in range(3):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        if overlap == "backward":
+            opt.synchronize()
+            grads.append(flat(p.grad for p in model.parameters()))
+        opt.step()
+    opt.synchronize()
+    wire = {st.buffer.dtype for st in opt._hc_states}
+    opt.close()
+    return flat(model.parameters()), grads, wire
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
+def test_fp16_compression(overlap):
+    world = 2
+    results = run_ranks(world, _compressed, overlap)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_grads = []
+    for s in range(3):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        ref_grads.append(flat(p.grad for p in model.parameters()))
+        opt.step()
+    want = flat(model.parameters())
+    got, grads, wire = results[0]
+    assert wire == {torch.float16}
+    assert torch.equal(got, results[1][0])  # identical on every rank
+    eps16 = torch.finfo(torch.float16).eps
+    if overlap == "backward":
+        # each gradient went over the wire in fp16: a few fp16 roundings, relative
+        for g, ref in zip(grads, ref_grads):
+            assert torch.allclose(g, ref, rtol=4 * eps16, atol=4 * eps16 * ref.abs().max())
+    # three updates of lr * grad, each off by at most the bound above
+    bound = 3 * 0.05 * 4 * eps16 * max(r.abs().max() for r in ref_grads)
+    assert (got - want).abs().max() <= bound + 64 * torch.finfo(torch.float32).eps
