@@ -128,8 +128,8 @@ class _DistributedOptimizer:
         self._hc_hooks = [p.register_post_accumulate_grad_hook(self._hc_on_grad)
                           for p in self._hc_params]
         if model is not None:
-            self._hc_hooks += [m.register_forward_pre_hook(self._hc_make_pre_hook(idx))
-                               for m, idx in self._hc_owners(model)]
+            self._hc_hooks += [m.register_forward_pre_hook(self._hc_make_pre_hook(name, idx))
+                               for name, m, idx in self._hc_owners(model)]
         log.debug("hybridcomm plan:\n%s", self.plan)
 
     def _hc_resolve_cost_model(self, cost_model) -> cm.CostModel:
@@ -189,12 +189,13 @@ class _DistributedOptimizer:
         return layers[::-1]
 
     def _hc_owners(self, model):
-        """(module, parameter indices) for every module that owns trainable parameters."""
-        index = {id(p): i for i, p in enumerate(self._hc_params)}
-        for _, m in model.named_modules():
-            own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
+        """(layer name, module, parameter indices) for every module that owns
+        trainable parameters (a tied parameter: under each of its modules)."""
+        for name, m in model.named_modules():
+            own = [self._hc_index[id(p)] for p in m.parameters(recurse=False)
+                   if id(p) in self._hc_index]
             if own:
-                yield m, own
+                yield name or "<root>", m, own
 
     def _hc_agree_plan(self, windows, order) -> Plan:
         """Rank 0 makes the plan (from its cost model and measurements); all follow it."""
@@ -264,7 +265,7 @@ class _DistributedOptimizer:
         self.timeline.add("backward", "compute", self._hc_backward_t0, time.perf_counter())
         self._hc_passes_done += self._hc_counted_pass
 
-    def _hc_make_pre_hook(self, indices):
+    def _hc_make_pre_hook(self, layer, indices):
         def pre_hook(module, args):
             now = time.perf_counter()
             for i in indices:
@@ -274,8 +275,7 @@ class _DistributedOptimizer:
                     # communication in between does not count.
                     ready, waited = self._hc_ready_times.pop(i)
                     window = now - ready - (self._hc_wait_total - waited)
-                    for name in st.bucket.layers:
-                        self._hc_windows.setdefault(name, []).append(window)
+                    self._hc_windows.setdefault(layer, []).append(window)
                 if st.pending_update:
                     self._hc_apply(st)
         return pre_hook
