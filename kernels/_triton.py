@@ -106,3 +106,22 @@ def check_scale(scale):
     if isinstance(scale, torch.Tensor):
         raise TypeError("scale must be a Python number, not a tensor")
     return float(scale)
+
+
+def launch_each(kernel, flat: torch.Tensor, tensors, scale, block, flat_is_src: bool) -> None:
+    """Launch ``kernel`` once per non-empty tensor, moving it to or from its
+    slice of ``flat`` (offset passed as a plain argument). One launch per
+    tensor: a single launch would need a device-side table of pointers and
+    sizes, built and copied for every bucket, to save a few launches (a
+    layer's bucket holds a handful of tensors)."""
+    offset = 0
+    with device_guard(flat):
+        for t in tensors:
+            numel = t.numel()
+            if numel == 0:
+                continue
+            grid, blk = launch_geometry(numel, block)
+            src, dst = (flat, t) if flat_is_src else (t, flat)
+            kernel[grid](src, dst, numel, offset, 1.0 if scale is None else scale,
+                         HAS_SCALE=scale is not None, BLOCK=blk)
+            offset += numel

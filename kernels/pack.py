@@ -6,8 +6,7 @@ from ._triton import (
     check_same_device,
     check_scale,
     check_tensor,
-    device_guard,
-    launch_geometry,
+    launch_each,
     tl,
     triton,
     triton_available,
@@ -90,26 +89,7 @@ def pack(tensors, out=None, *, scale=None, dtype=None, backend=None, _block=None
     scale = check_scale(scale)
     if not use_triton(out, backend):
         return _pack_torch(tensors, out, scale)
-    # One launch per tensor, its offset a plain argument: a single launch would
-    # need a device-side table of pointers and sizes, built and copied for every
-    # bucket, to save a few launches (a layer's bucket holds a handful of tensors).
-    offset = 0
-    with device_guard(out):
-        for t in tensors:
-            numel = t.numel()
-            if numel == 0:
-                continue
-            grid, block = launch_geometry(numel, _block)
-            _pack_kernel[grid](
-                t,
-                out,
-                numel,
-                offset,
-                1.0 if scale is None else scale,
-                HAS_SCALE=scale is not None,
-                BLOCK=block,
-            )
-            offset += numel
+    launch_each(_pack_kernel, out, tensors, scale, _block, flat_is_src=False)
     return out
 
 

@@ -5,8 +5,7 @@ from ._triton import (
     check_same_device,
     check_scale,
     check_tensor,
-    device_guard,
-    launch_geometry,
+    launch_each,
     tl,
     triton,
     triton_available,
@@ -72,24 +71,7 @@ def unpack(flat, tensors, *, scale=None, backend=None, _block=None):
     scale = check_scale(scale)
     if not use_triton(flat, backend):
         return _unpack_torch(flat, tensors, scale)
-    # One launch per tensor, its offset an argument (why: see pack.py).
-    offset = 0
-    with device_guard(flat):
-        for t in tensors:
-            numel = t.numel()
-            if numel == 0:
-                continue
-            grid, block = launch_geometry(numel, _block)
-            _unpack_kernel[grid](
-                flat,
-                t,
-                numel,
-                offset,
-                1.0 if scale is None else scale,
-                HAS_SCALE=scale is not None,
-                BLOCK=block,
-            )
-            offset += numel
+    launch_each(_unpack_kernel, flat, tensors, scale, _block, flat_is_src=True)
     return tensors
 
 

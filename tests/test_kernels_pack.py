@@ -6,47 +6,15 @@ reference (fp32 scale, one rounding), so they must match bitwise too. bf16
 outputs may be 1 bf16 ulp off, and only under the interpreter: its casts to
 bf16 truncate where torch (and the GPU) round to nearest even.
 """
-import os
 
 import pytest
 import torch
 
+from kernel_checks import BLOCKS, DTYPES, SIZES, allowed_ulps, assert_within_ulps
+
 from hybridcomm import kernels as K
 
 pytestmark = pytest.mark.skipif(not K.triton_available, reason="triton is not installed")
-
-SIZES = [0, 1, 2, 7, 127, 1000, 4099]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# None: the launcher's block (one program per tensor here in the interpreter);
-# 128: many programs plus a masked tail (4099 = 32 * 128 + 3).
-BLOCKS = [None, 128]
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _ulps(dtype):
-    """Allowed distance from the reference, in ulps of ``dtype`` (see module doc)."""
-    return 1 if dtype == torch.bfloat16 and INTERPRETED else 0
-
-
-def _ulp(x, dtype):
-    # ulp(x) = eps * 2**floor(log2|x|); frexp gives |x| = m * 2**exp, m in [0.5, 1).
-    _, exp = torch.frexp(x)
-    return torch.finfo(dtype).eps * torch.ldexp(torch.ones_like(x), exp - 1)
-
-
-def assert_within_ulps(actual, expected, ulps):
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    if ulps == 0:
-        assert torch.equal(actual, expected), f"{(actual != expected).sum()} elements differ"
-        return
-    a, e = actual.float(), expected.float()
-    # The smaller ulp of the two, so a step across a power of two counts as one.
-    ulp = torch.minimum(_ulp(a, expected.dtype), _ulp(e, expected.dtype))
-    bad = (a - e).abs() > ulps * ulp
-    assert not bad.any(), (
-        f"{bad.sum()} elements more than {ulps} ulp off, "
-        f"e.g. {actual[bad][:4]} vs {expected[bad][:4]}"
-    )
 
 
 def _shapes(n):
@@ -91,7 +59,7 @@ def test_pack_fp32_grads_to_wire_dtype_matches_ref(n, dtype, block, scale):
     tensors = _tensors(n, torch.float32, gen, integer=False)
     got = K.pack(tensors, scale=scale, dtype=dtype, backend="triton", _block=block)
     ref = K.pack_ref(tensors, scale=scale, dtype=dtype)
-    assert_within_ulps(got, ref, _ulps(dtype))
+    assert_within_ulps(got, ref, allowed_ulps(dtype))
 
 
 @pytest.mark.parametrize("scale", [None, 1 / 3])
@@ -109,7 +77,7 @@ def test_unpack_wire_dtype_to_fp32_and_own_dtype_matches_ref(n, dtype, block, sc
     K.unpack(flat, got, scale=scale, backend="triton", _block=block)
     K.unpack_ref(flat, ref, scale=scale)
     for g, r in zip(got, ref):
-        assert_within_ulps(g, r, _ulps(g.dtype))
+        assert_within_ulps(g, r, allowed_ulps(g.dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -132,7 +100,7 @@ def test_round_trip_through_wire_dtype_rounds_once(backend, wire):
     out = torch.empty(sum(t.numel() for t in tensors), dtype=wire)
     assert K.pack(tensors, out, backend=backend) is out
     back = K.unpack(out, [torch.empty_like(t) for t in tensors], backend=backend)
-    ulps = _ulps(wire) if backend == "triton" else 0
+    ulps = allowed_ulps(wire) if backend == "triton" else 0
     for b, t in zip(back, tensors):
         assert_within_ulps(b.to(wire), t.to(wire), ulps)
 

@@ -6,48 +6,16 @@ add and scale, one rounding), so they must match bitwise too. bf16 outputs may
 be 1 bf16 ulp off, and only under the interpreter: its fp32->bf16 cast
 truncates where torch (and the GPU) round to nearest even.
 """
-import os
 
 import pytest
 import torch
+
+from kernel_checks import BLOCKS, DTYPES, SIZES, allowed_ulps, assert_within_ulps
 
 from hybridcomm import kernels as K
 from hybridcomm.kernels._triton import use_triton
 
 pytestmark = pytest.mark.skipif(not K.triton_available, reason="triton is not installed")
-
-SIZES = [0, 1, 2, 7, 127, 1000, 4099]
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# None: the launcher's block (one program for these sizes in the interpreter);
-# 128: many programs plus a masked tail (4099 = 32 * 128 + 3).
-BLOCKS = [None, 128]
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _ulps(dtype):
-    """Allowed distance from the reference, in ulps of ``dtype`` (see module doc)."""
-    return 1 if dtype == torch.bfloat16 and INTERPRETED else 0
-
-
-def _ulp(x, dtype):
-    # ulp(x) = eps * 2**floor(log2|x|); frexp gives |x| = m * 2**exp, m in [0.5, 1).
-    _, exp = torch.frexp(x)
-    return torch.finfo(dtype).eps * torch.ldexp(torch.ones_like(x), exp - 1)
-
-
-def assert_within_ulps(actual, expected, ulps):
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    if ulps == 0:
-        assert torch.equal(actual, expected), f"{(actual != expected).sum()} elements differ"
-        return
-    a, e = actual.float(), expected.float()
-    # The smaller ulp of the two, so a step across a power of two counts as one.
-    ulp = torch.minimum(_ulp(a, expected.dtype), _ulp(e, expected.dtype))
-    bad = (a - e).abs() > ulps * ulp
-    assert not bad.any(), (
-        f"{bad.sum()} elements more than {ulps} ulp off, "
-        f"e.g. {actual[bad][:4]} vs {expected[bad][:4]}"
-    )
 
 
 def _ints(n, dtype, gen):
@@ -82,7 +50,7 @@ def test_reduce_random_matches_ref(n, dtype, block, scale):
     got, ref = dst.clone(), dst.clone()
     K.reduce(got, src, scale=scale, backend="triton", _block=block)
     K.reduce_ref(ref, src, scale=scale)
-    assert_within_ulps(got, ref, _ulps(dtype))
+    assert_within_ulps(got, ref, allowed_ulps(dtype))
 
 
 @pytest.mark.parametrize("out_dtype", DTYPES)
@@ -98,8 +66,8 @@ def test_reduce_mixed_dtypes_and_copy_out_match_ref(dst_dtype, src_dtype, out_dt
     ref_out = torch.empty(n, dtype=out_dtype)
     K.reduce(got, src, scale=0.1, out=got_out, backend="triton", _block=1024)
     K.reduce_ref(ref, src, scale=0.1, out=ref_out)
-    assert_within_ulps(got, ref, _ulps(dst_dtype))
-    assert_within_ulps(got_out, ref_out, _ulps(out_dtype))
+    assert_within_ulps(got, ref, allowed_ulps(dst_dtype))
+    assert_within_ulps(got_out, ref_out, allowed_ulps(out_dtype))
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
