@@ -3,14 +3,15 @@
 Example::
 
     >>> import hybridcomm
+    >>> opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+    ...                                       model=model)
     >>> hybridcomm.all_reduce(grad, op="avg", algorithm="auto")
 """
 from .algorithms import ALGORITHMS
 from .collectives import all_reduce
 from .errors import HybridCommError, HybridCommTimeout
-
-__version__ = "0.1.0"
-__all__ = ["ALGORITHMS", "all_reduce", "HybridCommError", "HybridCommTimeout", "__version__"]
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
-__all__ += ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]
+__version__ = "0.1.0"
+__all__ = ["ALGORITHMS", "all_reduce", "DistributedOptimizer", "broadcast_parameters",
+           "broadcast_optimizer_state", "HybridCommError", "HybridCommTimeout", "__version__"]

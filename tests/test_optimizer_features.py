@@ -368,3 +368,23 @@ def test_fp16_compression(overlap):
     # three updates of lr * grad, each off by at most the bound above
     bound = 3 * 0.05 * 4 * eps16 * max(r.abs().max() for r in ref_grads)
     assert (got - want).abs().max() <= bound + 64 * torch.finfo(torch.float32).eps
+
+
+def _broadcasts(rank, world):
+    model = make_model(seed=rank)  # different on every rank
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if rank == 0:  # only rank 0 has optimizer state
+        x, y = batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0)
+    hybridcomm.broadcast_optimizer_state(opt, root_rank=0)
+    momentum = flat(opt.state[p]["momentum_buffer"] for p in model.parameters())
+    return flat(model.parameters()), momentum
+
+
+def test_broadcast_parameters_and_optimizer_state():
+    results = run_ranks(3, _broadcasts)
+    for params, momentum in results[1:]:
+        assert torch.equal(params, results[0][0])
+        assert torch.equal(momentum, results[0][1])
