@@ -45,6 +45,10 @@ COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.b
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
 
 
+def _decisions(plan: Plan):
+    return [(b.layers, b.algorithm, b.segments) for b in plan.buckets]
+
+
 def _describe_difference(ours, theirs, rank) -> str:
     """What differs between rank 0's and ``rank``'s (name, shape, dtype) lists."""
     only0 = [n for n, *_ in ours if n not in {t[0] for t in theirs}]
@@ -65,7 +69,7 @@ class _DistributedOptimizer:
     # ---- set-up -------------------------------------------------------------------------
     def _hc_init(self, model, named_parameters, strategy, overlap, op, backward_passes_per_step,
                  compression, cost_model, process_group, timeout, fusion_bytes, split_bytes,
-                 measure_iters, trace):
+                 measure_iters, replan_every, trace):
         if not dist.is_available() or not dist.is_initialized():
             raise HybridCommError("torch.distributed is not initialized: call "
                                   "torch.distributed.init_process_group(...) first")
@@ -95,6 +99,10 @@ class _DistributedOptimizer:
         self._hc_cost_model = self._hc_resolve_cost_model(cost_model)
         self._hc_fusion_bytes, self._hc_split_bytes = fusion_bytes, split_bytes
         self._hc_measure_iters = measure_iters
+        if replan_every and replan_every <= measure_iters:
+            raise ValueError(f"replan_every ({replan_every}) must exceed measure_iters "
+                             f"({measure_iters}), or be 0")
+        self._hc_replan_every = replan_every
         self.timeline = Timeline(enabled=bool(trace))
 
         self._hc_params, names = self._hc_collect_params(model, named_parameters)
@@ -197,21 +205,32 @@ class _DistributedOptimizer:
             if own:
                 yield name or "<root>", m, own
 
-    def _hc_agree_plan(self, windows, order) -> Plan:
-        """Rank 0 makes the plan (from its cost model and measurements); all follow it."""
-        layers = self._hc_layers
-        if order:
-            layers = sorted(layers, key=lambda l: order.get(l.name, float("inf")))
-        plan = make_plan(layers, world_size=self._hc_world,
-                         element_size=torch.empty((), dtype=self._hc_dtype).element_size(),
-                         model=self._hc_cost_model,
-                         strategy=self._hc_strategy, fusion_bytes=self._hc_fusion_bytes,
-                         split_bytes=self._hc_split_bytes, windows=windows,
-                         ready=order)
+    def _hc_agree_plan(self, windows, order, keep: Optional[Plan] = None) -> Optional[Plan]:
+        """Rank 0 makes the plan (from its cost model and measurements); all follow it.
+        With ``keep``, None when rank 0's new plan decides nothing differently."""
+        plan = None
+        if self._hc_rank == 0:
+            layers = self._hc_layers
+            if order:
+                layers = sorted(layers, key=lambda l: order.get(l.name, float("inf")))
+            plan = make_plan(layers, world_size=self._hc_world,
+                             element_size=torch.empty((), dtype=self._hc_dtype).element_size(),
+                             model=self._hc_cost_model, strategy=self._hc_strategy,
+                             fusion_bytes=self._hc_fusion_bytes, split_bytes=self._hc_split_bytes,
+                             windows=windows, ready=order)
+            if keep is not None and _decisions(plan) == _decisions(keep):
+                plan = None
         box = [plan]
         src = dist.get_global_rank(self._hc_group, 0) if self._hc_group is not None else 0
         dist.broadcast_object_list(box, src=src, group=self._hc_group)
         return box[0]
+
+    def _hc_phase(self) -> int:
+        """Position in the measuring cycle: steps 1..measure_iters of every
+        ``replan_every`` are measured (only the first cycle when it is 0)."""
+        if self._hc_replan_every:
+            return self._hc_iteration % self._hc_replan_every
+        return self._hc_iteration
 
     def _hc_build(self, plan: Plan) -> None:
         if self._hc_engine is not None:
@@ -270,7 +289,7 @@ class _DistributedOptimizer:
             now = time.perf_counter()
             for i in indices:
                 st, _ = self._hc_where[i]
-                if self._hc_iteration <= self._hc_measure_iters and i in self._hc_ready_times:
+                if 0 < self._hc_phase() <= self._hc_measure_iters and i in self._hc_ready_times:
                     # The window is compute time: time spent waiting for
                     # communication in between does not count.
                     ready, waited = self._hc_ready_times.pop(i)
@@ -395,28 +414,33 @@ class _DistributedOptimizer:
         self.timeline.add("step", "compute", t0, time.perf_counter())
         self._hc_exposed_s = 0.0
         self._hc_iteration += 1
-        if self._hc_iteration == self._hc_measure_iters and self._hc_measure_iters > 0:
-            self._hc_replan()
+        if self._hc_measure_iters > 0 and self._hc_phase() == self._hc_measure_iters:
+            self._hc_replan(first=self._hc_iteration == self._hc_measure_iters)
 
-    def _hc_replan(self) -> None:
-        """Re-plan once from rank 0's measured order and windows (all ranks in step)."""
-        for st in self._hc_states:
-            if st.pending_update:
-                self._hc_apply(st)
-            elif st.armed:
-                self._hc_consume(st)
+    def _hc_replan(self, first: bool) -> None:
+        """Re-plan from rank 0's measured order, ready times and windows: always
+        the first time, later only if the measurements change a decision."""
         windows = {k: sorted(v)[len(v) // 2] for k, v in self._hc_windows.items()}
         order = None
         if self._hc_order_times:
             order = {}
-            first = min(self._hc_order_times.values())
+            first_ready = min(self._hc_order_times.values())
             for layer in self._hc_layers:
                 times = [self._hc_order_times[i] for i in layer.params if i in self._hc_order_times]
                 if times:
-                    order[layer.name] = max(times) - first  # seconds into backward
-        self._hc_build(self._hc_agree_plan(windows=windows or None, order=order))
+                    order[layer.name] = max(times) - first_ready  # seconds into backward
+        self._hc_windows.clear()
         self._hc_ready_times.clear()
         self._hc_order_times.clear()
+        plan = self._hc_agree_plan(windows or None, order, keep=None if first else self.plan)
+        if plan is None:
+            return
+        for st in self._hc_states:  # quiesce: the buffers are about to be replaced
+            if st.pending_update:
+                self._hc_apply(st)
+            elif st.armed:
+                self._hc_consume(st)
+        self._hc_build(plan)
         log.debug("hybridcomm re-plan after %d iterations:\n%s", self._hc_iteration, self.plan)
 
     def synchronize(self) -> None:
@@ -490,7 +514,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
                          op: str = "avg", backward_passes_per_step: int = 1, compression=None,
                          cost_model=None, process_group=None, timeout: Optional[float] = None,
                          fusion_bytes: Optional[int] = None, split_bytes: Optional[int] = None,
-                         measure_iters: int = 3, trace: bool = False):
+                         measure_iters: int = 3, replan_every: int = 200, trace: bool = False):
     """Wrap ``optimizer`` so each step's gradients are all-reduced across ranks.
 
     Args:
@@ -515,8 +539,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         process_group: torch.distributed group (default: the world).
         timeout: seconds to wait for a peer (default ``HYBRIDCOMM_TIMEOUT``).
         fusion_bytes / split_bytes: bucket fusion and split thresholds.
-        measure_iters: re-plan once after this many steps, from measured
-            gradient order and overlap windows (0: never).
+        measure_iters: re-plan after this many steps, from the measured
+            gradient order, ready times and overlap windows (0: never).
+        replan_every: measure again every this many steps and re-plan if the
+            measurements change a decision (drift); 0: only once.
         trace: record a timeline; ``opt.export_trace("trace.json")``.
 
     ``print(opt.plan)`` shows every bucket's algorithm, lane and window.
@@ -538,7 +564,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     opt.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     opt._hc_init(model, named_parameters, strategy, overlap, op, backward_passes_per_step,
                  compression, cost_model, process_group, timeout, fusion_bytes, split_bytes,
-                 measure_iters, trace)
+                 measure_iters, replan_every, trace)
     return opt
 
 

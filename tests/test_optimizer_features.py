@@ -388,3 +388,45 @@ def test_broadcast_parameters_and_optimizer_state():
     for params, momentum in results[1:]:
         assert torch.equal(params, results[0][0])
         assert torch.equal(momentum, results[0][1])
+
+
+def _drift(rank, world, change):
+    from hybridcomm.cost_model import CostModel
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
+        overlap="forward", cost_model=CostModel(1e-3, 1e-9, 1e-10), measure_iters=2,
+        replan_every=5, timeout=60)
+    plans = []
+    for s in range(9):
+        if s == 4 and change:  # the network got faster for the group's own all_reduce
+            opt._hc_cost_model = CostModel(1e-3, 1e-9, 1e-10, native_alpha=1e-7, native_beta=1e-13)
+        x, y = batch(s % 4)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+        plans.append(opt.plan)
+    opt.synchronize()
+    opt.close()
+    algos = [sorted({b.algorithm for b in p.buckets}) for p in plans]
+    rebuilt = [plans[i] is not plans[i - 1] for i in range(1, len(plans))]
+    return algos, rebuilt, flat(model.parameters())
+
+
+@pytest.mark.parametrize("change", [False, True])
+def test_replans_only_when_measurements_change_a_decision(change):
+    results = run_ranks(2, _drift, change)
+    algos, rebuilt, params = results[0]
+    # step index i has run i + 1 steps: first re-plan after step 2 (i=1), check after step 7 (i=6)
+    assert rebuilt == [True] + [False] * 4 + [change] + [False] * 2
+    assert ("native" in algos[-1]) == change and "native" not in algos[0]
+    assert torch.equal(params, results[1][2])
+    # the same numbers as one process, across the re-plans
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for s in range(9):
+        x, y = batch(s % 4)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert torch.allclose(params, flat(model.parameters()), **TOL)
