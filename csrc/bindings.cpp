@@ -59,14 +59,20 @@ at::Tensor reduce(at::Tensor dst, const at::Tensor& src, std::optional<double> s
   return dst;
 }
 
+// Every tensor checked against ``ref`` (device, dtype, layout); their element count.
+int64_t checked_total(const std::vector<at::Tensor>& tensors, const at::Tensor& ref) {
+  int64_t total = 0;
+  for (const auto& t : tensors) {
+    check(t, ref, "tensors[i]");
+    total += t.numel();
+  }
+  return total;
+}
+
 at::Tensor pack(const std::vector<at::Tensor>& tensors, at::Tensor out,
                 std::optional<double> scale) {
   check(out, out, "out");
-  int64_t total = 0;
-  for (const auto& t : tensors) {
-    check(t, out, "tensors[i]");
-    total += t.numel();
-  }
+  const int64_t total = checked_total(tensors, out);
   TORCH_CHECK(out.numel() == total, "out has ", out.numel(), " elements but the tensors hold ",
               total);
   const c10::cuda::CUDAGuard guard(out.device());
@@ -85,11 +91,7 @@ at::Tensor pack(const std::vector<at::Tensor>& tensors, at::Tensor out,
 std::vector<at::Tensor> unpack(const at::Tensor& flat, std::vector<at::Tensor> tensors,
                                std::optional<double> scale) {
   check(flat, flat, "flat");
-  int64_t total = 0;
-  for (const auto& t : tensors) {
-    check(t, flat, "tensors[i]");
-    total += t.numel();
-  }
+  const int64_t total = checked_total(tensors, flat);
   TORCH_CHECK(flat.numel() == total, "flat has ", flat.numel(),
               " elements but the tensors hold ", total);
   const c10::cuda::CUDAGuard guard(flat.device());

@@ -37,7 +37,7 @@ class BucketState:
     iterations; the bucket is in flight while ``completed < launched``."""
 
     __slots__ = ("bucket", "params", "buffer", "views", "flags", "packed", "launched",
-                 "completed", "armed", "pending_update", "hyper", "t_launch", "ready", "done")
+                 "completed", "armed", "pending_update", "hyper", "ready", "done")
 
     def __init__(self, bucket: Bucket, params: List[torch.nn.Parameter], dtype, device):
         self.bucket, self.params = bucket, params
@@ -52,7 +52,6 @@ class BucketState:
         self.armed = False  # launched this iteration, result not yet consumed
         self.pending_update = False  # forward mode: reduced, not yet applied
         self.hyper = None  # optimizer hyper-parameters at the step() that deferred the update
-        self.t_launch = 0.0
         self.ready = self.done = None  # CUDA events (stream-ordered transports only)
 
     @property
@@ -107,7 +106,6 @@ class CommEngine:
                 self.threads.append(t)
 
     def launch(self, state: BucketState) -> None:
-        state.t_launch = time.perf_counter()
         state.armed = True
         if self.streams is not None:  # the packed gradients are ready at this point of compute
             state.ready = self.streams.new_event()
