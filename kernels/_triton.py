@@ -1,5 +1,6 @@
 """What the three launchers share: the Triton import, the backend choice, the
-block size, and the argument checks (so each rule lives in one place)."""
+block size, the argument checks, the multi-tensor launch and the simulator's
+launch seam (so each rule lives in one place)."""
 import contextlib
 import os
 
@@ -15,7 +16,10 @@ except ImportError:  # CPU-only installs: the torch references still work
     tl = None
     triton_available = False
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# fp64 values bound for bf16 are rounded through fp32 in every kernel (the
+# interpreter's direct fp64 -> bf16 cast is wrong): at most one bf16 ulp from
+# rounding directly, and only for an fp64 model reduced over a bf16 wire.
 
 _BACKENDS = (None, "triton", "torch")
 _GPU_BLOCK = 1024
@@ -108,20 +112,74 @@ def check_scale(scale):
     return float(scale)
 
 
-def launch_each(kernel, flat: torch.Tensor, tensors, scale, block, flat_is_src: bool) -> None:
-    """Launch ``kernel`` once per non-empty tensor, moving it to or from its
-    slice of ``flat`` (offset passed as a plain argument). One launch per
-    tensor: a single launch would need a device-side table of pointers and
-    sizes, built and copied for every bucket, to save a few launches (a
-    layer's bucket holds a handful of tensors)."""
+# -- the simulated GPU's seam ----------------------------------------------------
+# hybridcomm.testing.simgpu registers a hook here: a launch on CPU tensors then
+# enqueues the op's reference on the current simulated stream (declaring what it
+# reads and writes), exactly where a CUDA launch would enqueue the kernel.
+_launch_hook = None
+
+
+def set_launch_hook(hook) -> None:
+    global _launch_hook
+    _launch_hook = hook
+
+
+def simulated(name: str, tensor: torch.Tensor, backend, ref, args: tuple, *, reads, writes) -> bool:
+    """True if the simulator took this launch (it then runs ``ref(*args)`` later)."""
+    if _launch_hook is None or backend is not None or tensor.is_cuda:
+        return False
+    return _launch_hook(name, ref, args, {}, list(reads), list(writes))
+
+
+# -- one launch for many tensors ---------------------------------------------------
+if triton_available:
+    _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
+                  torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
+# Per (device, stream, pointers): the device copy of a table, so a bucket whose
+# gradients keep their addresses (the common case) builds it once.
+_tables: dict = {}
+_TABLES_MAX = 256
+
+
+def tensor_table(rows, device: torch.device) -> torch.Tensor:
+    """The rows (address, numel, offset in the flat buffer) as int64 on ``device``.
+
+    On CUDA the rows go through pinned memory with a non-blocking copy on the
+    current stream (the pinned allocator keeps the staging buffer until the
+    copy is done), so building a table never blocks the host.
+    """
+    if device.type != "cuda":
+        return torch.tensor(rows, dtype=torch.int64).view(-1)
+    key = (device, torch.cuda.current_stream(device).cuda_stream, tuple(rows))
+    table = _tables.get(key)
+    if table is None:
+        host = torch.tensor(rows, dtype=torch.int64, pin_memory=True).view(-1)
+        table = host.to(device, non_blocking=True)
+        if len(_tables) >= _TABLES_MAX:
+            _tables.clear()
+        _tables[key] = table
+    return table
+
+
+def launch_table(kernel, flat: torch.Tensor, tensors, scale, block) -> None:
+    """Move every tensor to or from its slice of ``flat`` with ONE launch per dtype
+    (one in practice: a bucket holds one dtype). The kernel reads each tensor's
+    address, size and offset from a device table; grid = (blocks of the largest
+    tensor, tensors); programs past their tensor's end do nothing."""
+    groups: dict = {}
     offset = 0
+    for t in tensors:
+        if t.numel():
+            groups.setdefault(t.dtype, []).append((t, offset))
+        offset += t.numel()
     with device_guard(flat):
-        for t in tensors:
-            numel = t.numel()
-            if numel == 0:
-                continue
-            grid, blk = launch_geometry(numel, block)
-            src, dst = (flat, t) if flat_is_src else (t, flat)
-            kernel[grid](src, dst, numel, offset, 1.0 if scale is None else scale,
+        for dtype, members in groups.items():
+            biggest = max(t.numel() for t, _ in members)
+            blk = block_size(biggest) if block is None else block
+            if blk <= 0 or blk & (blk - 1):
+                raise ValueError(f"block must be a positive power of two, got {blk}")
+            rows = [(t.data_ptr(), t.numel(), off) for t, off in members]
+            table = tensor_table(rows, flat.device)
+            grid = (triton.cdiv(biggest, blk), len(members))
+            kernel[grid](table, flat, 1.0 if scale is None else scale, TENSOR=_TL_DTYPES[dtype],
                          HAS_SCALE=scale is not None, BLOCK=blk)
-            offset += numel

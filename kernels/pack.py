@@ -6,7 +6,8 @@ from ._triton import (
     check_same_device,
     check_scale,
     check_tensor,
-    launch_each,
+    launch_table,
+    simulated,
     tl,
     triton,
     triton_available,
@@ -17,21 +18,27 @@ if triton_available:
 
     @triton.jit
     def _pack_kernel(
-        src_ptr,
+        table_ptr,
         out_ptr,
-        numel,
-        offset,
         scale,
+        TENSOR: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        # Program (j, t): block j of tensor t, whose (address, numel, offset)
+        # is row t of the table.
+        t = tl.program_id(1)
+        src_ptr = tl.load(table_ptr + 3 * t).to(tl.pointer_type(TENSOR))
+        numel = tl.load(table_ptr + 3 * t + 1)
+        offset = tl.load(table_ptr + 3 * t + 2)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         x = tl.load(src_ptr + offs, mask=mask)
         if HAS_SCALE:
-            # fp32 math (the interpreter gets bf16 arithmetic wrong, too).
-            x = x.to(tl.float32) * scale
+            # fp32 math (the interpreter gets bf16 arithmetic wrong, too); fp64 stays fp64.
+            x = x.to(tl.float64) * scale if TENSOR == tl.float64 else x.to(tl.float32) * scale
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            x = x.to(tl.float32)  # fp64 -> bf16 through fp32 (see _triton.py)
         tl.store(out_ptr + offset + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 else:
@@ -87,9 +94,12 @@ def pack(tensors, out=None, *, scale=None, dtype=None, backend=None, _block=None
     """
     tensors, out = _prepare(tensors, out, dtype)
     scale = check_scale(scale)
+    if simulated("pack", out, backend, _pack_torch, (tensors, out, scale), reads=tensors,
+                 writes=[out]):
+        return out
     if not use_triton(out, backend):
         return _pack_torch(tensors, out, scale)
-    launch_each(_pack_kernel, out, tensors, scale, _block, flat_is_src=False)
+    launch_table(_pack_kernel, out, tensors, scale, _block)  # one launch for the bucket
     return out
 
 
@@ -116,7 +126,7 @@ def _pack_torch(tensors, out, scale):
         offset += n
         if scale is None:
             dst.copy_(t.view(-1))  # casts with one rounding
-        elif t.dtype == torch.float32:
+        elif t.dtype in (torch.float32, torch.float64):
             # fp32 multiply, one rounding into dst's dtype, no temporary.
             torch.mul(t.view(-1), scale, out=dst)
         else:

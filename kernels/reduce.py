@@ -10,6 +10,7 @@ from ._triton import (
     tl,
     triton,
     triton_available,
+    simulated,
     use_triton,
 )
 
@@ -22,6 +23,7 @@ if triton_available:
         out_ptr,
         numel,
         scale,
+        ACC: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         HAS_OUT: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -30,14 +32,17 @@ if triton_available:
         # int64 so buffers past 2**31 elements index correctly.
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
-        # Upcast before any math: fp16/bf16 sums must not round (or overflow)
-        # per step, and the interpreter gets bf16 arithmetic wrong.
-        r = tl.load(dst_ptr + offs, mask=mask).to(tl.float32)
-        r += tl.load(src_ptr + offs, mask=mask).to(tl.float32)
+        # Upcast before any math (ACC: fp32, or fp64 for fp64): fp16/bf16 sums
+        # must not round (or overflow) per step, and the interpreter gets bf16
+        # arithmetic wrong.
+        r = tl.load(dst_ptr + offs, mask=mask).to(ACC)
+        r += tl.load(src_ptr + offs, mask=mask).to(ACC)
         if HAS_SCALE:
             r *= scale
         tl.store(dst_ptr + offs, r.to(dst_ptr.dtype.element_ty), mask=mask)
         if HAS_OUT:
+            if out_ptr.dtype.element_ty == tl.bfloat16:
+                r = r.to(tl.float32)  # fp64 -> bf16 through fp32 (see _triton.py)
             tl.store(out_ptr + offs, r.to(out_ptr.dtype.element_ty), mask=mask)
 
 else:
@@ -60,8 +65,8 @@ def _check(dst, src, out):
 def reduce(dst, src, *, scale=None, out=None, backend=None, _block=None):
     """Reduce ``src`` into ``dst`` in place: ``dst[:] = (dst + src) * scale``.
 
-    The sum and the scale are computed in fp32 whatever the dtypes (fp16/bf16
-    round once, at the end), then cast to ``dst.dtype``; ``src`` may have
+    The sum and the scale are computed in fp32 (fp64 for an fp64 ``dst``)
+    whatever the dtypes (fp16/bf16 round once, at the end), then cast to ``dst.dtype``; ``src`` may have
     another float dtype (fp16 wire data into an fp32 buffer). If ``out`` is
     given (the last reduce-scatter step's copy-out), the same fp32 result is
     also written there, cast to ``out.dtype``. All tensors are contiguous, on
@@ -79,6 +84,9 @@ def reduce(dst, src, *, scale=None, out=None, backend=None, _block=None):
     """
     _check(dst, src, out)
     scale = check_scale(scale)
+    if simulated("reduce", dst, backend, _reduce_torch, (dst, src, scale, out), reads=[src],
+                 writes=[dst] if out is None else [dst, out]):
+        return dst
     if not use_triton(dst, backend):
         return _reduce_torch(dst, src, scale, out)
     numel = dst.numel()
@@ -92,6 +100,7 @@ def reduce(dst, src, *, scale=None, out=None, backend=None, _block=None):
             dst if out is None else out,  # never written when HAS_OUT is False
             numel,
             1.0 if scale is None else scale,
+            ACC=tl.float64 if dst.dtype == torch.float64 else tl.float32,
             HAS_SCALE=scale is not None,
             HAS_OUT=out is not None,
             BLOCK=block,
@@ -120,7 +129,7 @@ def reduce_ref(dst, src, *, scale=None, out=None):
 def _reduce_torch(dst, src, scale, out):
     d = dst.view(-1)
     s = src.view(-1)
-    if dst.dtype == torch.float32:
+    if dst.dtype in (torch.float32, torch.float64):
         # Accumulate in dst itself: no temporary (src upcasts exactly).
         r = d.add_(s)
     else:

@@ -5,7 +5,8 @@ from ._triton import (
     check_same_device,
     check_scale,
     check_tensor,
-    launch_each,
+    launch_table,
+    simulated,
     tl,
     triton,
     triton_available,
@@ -16,22 +17,28 @@ if triton_available:
 
     @triton.jit
     def _unpack_kernel(
+        table_ptr,
         flat_ptr,
-        dst_ptr,
-        numel,
-        offset,
         scale,
+        TENSOR: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        # Program (j, t): block j of tensor t, whose (address, numel, offset)
+        # is row t of the table.
+        t = tl.program_id(1)
+        dst_ptr = tl.load(table_ptr + 3 * t).to(tl.pointer_type(TENSOR))
+        numel = tl.load(table_ptr + 3 * t + 1)
+        offset = tl.load(table_ptr + 3 * t + 2)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         x = tl.load(flat_ptr + offset + offs, mask=mask)
         if HAS_SCALE:
-            # fp32 math (the interpreter gets bf16 arithmetic wrong, too).
-            x = x.to(tl.float32) * scale
-        tl.store(dst_ptr + offs, x.to(dst_ptr.dtype.element_ty), mask=mask)
+            # fp32 math (the interpreter gets bf16 arithmetic wrong, too); fp64 stays fp64.
+            x = x.to(tl.float64) * scale if flat_ptr.dtype.element_ty == tl.float64 or TENSOR == tl.float64 else x.to(tl.float32) * scale
+        if TENSOR == tl.bfloat16:
+            x = x.to(tl.float32)  # fp64 -> bf16 through fp32 (see _triton.py)
+        tl.store(dst_ptr + offs, x.to(TENSOR), mask=mask)
 
 else:
     _unpack_kernel = None
@@ -69,9 +76,12 @@ def unpack(flat, tensors, *, scale=None, backend=None, _block=None):
     """
     tensors = _check(flat, tensors)
     scale = check_scale(scale)
+    if simulated("unpack", flat, backend, _unpack_torch, (flat, tensors, scale), reads=[flat],
+                 writes=tensors):
+        return tensors
     if not use_triton(flat, backend):
         return _unpack_torch(flat, tensors, scale)
-    launch_each(_unpack_kernel, flat, tensors, scale, _block, flat_is_src=True)
+    launch_table(_unpack_kernel, flat, tensors, scale, _block)  # one launch for the bucket
     return tensors
 
 
@@ -100,7 +110,7 @@ def _unpack_torch(flat, tensors, scale):
         dst = t.view(-1)
         if scale is None:
             dst.copy_(src)  # casts with one rounding
-        elif flat.dtype == torch.float32:
+        elif flat.dtype in (torch.float32, torch.float64):
             # fp32 multiply, one rounding into t's dtype, no temporary.
             torch.mul(src, scale, out=dst)
         else:
