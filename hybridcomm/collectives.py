@@ -2,105 +2,90 @@
 from __future__ import annotations
 
 import logging
-import os
-from datetime import timedelta
+import threading
+from typing import Set, Tuple
 
 import torch
-import torch.distributed as dist
 
+from . import control, env
 from .algorithms import ALGORITHMS, get_schedule
-from .cost_model import choose_algorithm
+from .calibration import choose_algorithm
+from .cost_model import NATIVE
 from .errors import HybridCommError
-from .executor import Workspace, execute
+from .executor import execute, execute_native
 from .kernels import SUPPORTED_DTYPES
 from .transport.select import select_transport
 
 log = logging.getLogger("hybridcomm")
 
 OPS = ("sum", "avg")
-TRANSPORT_KINDS = ("torch", "cupy")
-DEFAULT_TIMEOUT_S = 300.0
-_workspace = Workspace()
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
-
-
-def default_timeout() -> float:
-    """Seconds to wait for a peer: ``HYBRIDCOMM_TIMEOUT`` or 300."""
-    return float(os.environ.get("HYBRIDCOMM_TIMEOUT", DEFAULT_TIMEOUT_S))
+CHECK_MODES = ("always", "first", "off")
+_agreed: Set[Tuple] = set()  # (group, call signature) pairs every rank has agreed on
+_agreed_lock = threading.Lock()
 
 
 def resolve_algorithm(algorithm: str, nbytes: int, world_size: int) -> str:
     """The concrete algorithm for a request ("auto" honours ``HYBRIDCOMM_ALGO``)."""
     if algorithm == "auto":
-        forced = os.environ.get("HYBRIDCOMM_ALGO")
-        if forced:
-            if forced not in ALGORITHMS:
-                raise HybridCommError(f"HYBRIDCOMM_ALGO={forced!r} is not one of {ALGORITHMS}")
-            return forced
-        return choose_algorithm(nbytes, world_size)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS + ('auto',)}")
+        forced = env.get("HYBRIDCOMM_ALGO")
+        return forced or choose_algorithm(nbytes, world_size)
+    if algorithm not in ALGORITHMS + (NATIVE,):
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
+                         f"{ALGORITHMS + (NATIVE, 'auto')}")
     return algorithm
 
 
-def check_same_call(transport, tensor: torch.Tensor, algorithm: str,
-                    op: str, timeout: float) -> None:
-    """Raise on every rank if the ranks disagree on length, dtype, algorithm, op or transport.
+def check_mode(check) -> str:
+    """``check`` as one of :data:`CHECK_MODES` (None: ``HYBRIDCOMM_CHECK``)."""
+    if check is None:
+        check = env.get("HYBRIDCOMM_CHECK")
+    if check is True or check in ("1", "true", "yes", "on"):
+        return "always"
+    if check is False or check in ("0", "false", "no", "off"):
+        return "off"
+    if check not in CHECK_MODES:
+        raise ValueError(f"check must be True, False or one of {CHECK_MODES}, got {check!r}")
+    return check
 
-    One tiny all-gather; without it a mismatch would hang or corrupt data.
-    """
-    mine = [tensor.numel(), SUPPORTED_DTYPES.index(tensor.dtype), ALGORITHMS.index(algorithm),
-            OPS.index(op), TRANSPORT_KINDS.index(transport.kind)]
-    # On the process group's own device: a gloo group cannot gather CUDA tensors
-    # even when the data path (CuPy NCCL) runs on the GPU.
-    device = tensor.device if str(dist.get_backend(transport.group)) == "nccl" else "cpu"
-    local = torch.tensor(mine, dtype=torch.int64, device=device)
-    gathered = torch.empty(transport.world_size * len(mine), dtype=torch.int64, device=device)
-    work = dist.all_gather_into_tensor(gathered, local, group=transport.group, async_op=True)
-    try:
-        work.wait(timeout=timedelta(seconds=timeout))
-    except Exception as e:
-        raise HybridCommError(f"rank {transport.rank}: the pre-call agreement check failed "
-                              f"(a peer dead or not calling all_reduce?): {e}") from e
-    rows = gathered.view(transport.world_size, len(mine)).tolist()
-    names = [("numel", None), ("dtype", SUPPORTED_DTYPES), ("algorithm", ALGORITHMS), ("op", OPS),
-             ("transport", TRANSPORT_KINDS)]
+
+def check_same_call(group, signature: Tuple, timeout: float) -> None:
+    """Raise on every rank if the ranks' call signatures (numel, dtype, algorithm,
+    op, transport) differ: without this a mismatch would hang or corrupt data."""
+    rows = control.all_gather_object(signature, group=group, timeout=timeout,
+                                     what="all_reduce's arguments")
+    names = ("numel", "dtype", "algorithm", "op", "transport")
     problems = []
-    for i, (what, table) in enumerate(names):
-        by_value = {}
-        for rank, row in enumerate(rows):
-            by_value.setdefault(row[i] if table is None else str(table[row[i]]), []).append(rank)
-        if len(by_value) > 1:
-            problems.append(f"{what} differs: " + ", ".join(
-                f"ranks {ranks} have {value}" for value, ranks in by_value.items()))
+    for i, what in enumerate(names):
+        values = [row[i] for row in rows]
+        if len(set(values)) > 1:
+            problems.append(f"{what} differs: " + control.describe_difference(values, str))
     if problems:
         raise HybridCommError("all_reduce called with mismatched arguments across ranks: "
                               + "; ".join(problems))
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", group=None, *,
-               timeout: float | None = None, check: bool | None = None) -> torch.Tensor:
+               timeout: float | None = None, check=None) -> torch.Tensor:
     """All-reduce ``tensor`` in place across the ranks of ``group`` and return it.
 
     Args:
-        tensor: fp32, fp16 or bf16, any shape, on CPU (gloo) or CUDA (nccl).
+        tensor: fp32, fp16, bf16 or fp64, any shape, on CPU (gloo) or CUDA.
             A non-contiguous tensor is reduced through a contiguous copy.
         op: ``"sum"`` or ``"avg"`` (sum divided by the world size).
-        algorithm: one of :data:`hybridcomm.ALGORITHMS` or ``"auto"`` (a size
-            rule, overridable with ``HYBRIDCOMM_ALGO``; logged at DEBUG).
+        algorithm: one of :data:`hybridcomm.ALGORITHMS`, ``"native"`` (the
+            process group's own all-reduce), or ``"auto"`` (the cost model's
+            choice, overridable with ``HYBRIDCOMM_ALGO``; logged at DEBUG).
         group: a torch.distributed process group (None: the default group).
         timeout: seconds to wait for a peer before raising
             :class:`HybridCommTimeout` (default ``HYBRIDCOMM_TIMEOUT`` or 300).
-        check: first agree across ranks on length, dtype, algorithm and op,
-            naming the ranks that differ (one tiny all-gather; default on,
-            ``HYBRIDCOMM_CHECK=0`` turns it off).
+        check: agree across ranks on length, dtype, algorithm and op first,
+            naming the ranks that differ: ``"first"`` (default: once per
+            distinct call, so a steady loop pays nothing), ``"always"``/True,
+            or ``"off"``/False; ``HYBRIDCOMM_CHECK`` sets the default.
 
     fp16/bf16 partial sums are accumulated in fp32 at each step. Every rank
-    ends with bitwise identical values.
+    ends with bitwise identical values. On CUDA the call returns once the work
+    is queued; the current stream waits for it (no host synchronization).
 
     Example::
 
@@ -114,24 +99,42 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", g
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"all_reduce does not support dtype {tensor.dtype}; "
                         f"supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
+    if tensor.is_sparse:
+        raise TypeError("all_reduce takes dense tensors; for sparse ones use "
+                        "torch.distributed.all_gather of indices and values")
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; choose one of {OPS}")
-    # CuPy NCCL for CUDA tensors where it imports, else torch.distributed
-    # (HYBRIDCOMM_TRANSPORT=auto|cupy|torch; a name asked for never falls back).
-    transport = select_transport(tensor.device, group)
-    timeout = default_timeout() if timeout is None else float(timeout)
+    mode = check_mode(check)
+    timeout = env.timeout(timeout)
+    transport = select_transport(tensor.device, group, timeout=timeout)
     world = transport.world_size
-    name = resolve_algorithm(algorithm, tensor.numel() * tensor.element_size(), world)
+    nbytes = tensor.numel() * tensor.element_size()
+    name = resolve_algorithm(algorithm, nbytes, world)
     if algorithm == "auto":
-        log.debug("all_reduce: %d bytes over %d ranks -> %s", tensor.numel() * tensor.element_size(),
-                  world, name)
-    if (_env_flag("HYBRIDCOMM_CHECK", True) if check is None else check) and world > 1:
-        check_same_call(transport, tensor, name, op, timeout)
+        log.debug("all_reduce: %d bytes over %d ranks -> %s", nbytes, world, name)
+    if world > 1 and mode != "off":
+        signature = (tensor.numel(), str(tensor.dtype), name, op, transport.kind)
+        key = (id(group), signature)
+        with _agreed_lock:
+            known = key in _agreed
+        if mode == "always" or not known:
+            check_same_call(group, signature, timeout)
+            with _agreed_lock:
+                _agreed.add(key)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    schedule = get_schedule(name, transport.rank, world, flat.numel())
-    scratch = _workspace.get(schedule.scratch_numel, flat.dtype, flat.device)
-    execute(schedule, flat, transport, scale=1.0 / world if op == "avg" else None,
-            scratch=scratch, timeout=timeout)
+    if name == NATIVE:
+        done = execute_native(flat, transport, average=op == "avg", timeout=timeout)
+        if done is not None:
+            transport.runtime.current_stream().wait_event(done)
+    else:
+        schedule = get_schedule(name, transport.rank, world, flat.numel())
+        execute(schedule, flat, transport, scale=1.0 / world if op == "avg" else None,
+                timeout=timeout)
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return tensor
+
+
+def default_timeout() -> float:
+    """Seconds to wait for a peer: ``HYBRIDCOMM_TIMEOUT`` or 300."""
+    return env.get("HYBRIDCOMM_TIMEOUT")

@@ -17,15 +17,9 @@ fitted separately where it was measured (the start-up probe, or the sweep's
 ``torch`` rows); an uncalibrated model does not offer it. The butterfly sends the whole buffer every step
 but in the fewest steps, so it wins while ``alpha`` dominates; ring and
 halving-doubling send the least. ``a``, ``b``, ``g`` are fitted by least
-squares from a benchmark sweep (``hybridcomm-bench --calibrate``), saved as
-JSON in the user's cache dir, and loaded from there by ``auto`` and the
-planner.
-
-Every rank must choose the same algorithm for the same call. The choice
-depends only on (bytes, P) and the model's three numbers, so ranks agree as
-long as they load the same model: a shared cache dir, the same
-``HYBRIDCOMM_COST_MODEL`` file, or :func:`agree` (rank 0's model for all).
-``all_reduce``'s pre-call check turns any disagreement into an error.
+squares (:func:`fit`) from a benchmark sweep or the start-up probe; where
+calibrations are saved, loaded and agreed across ranks is calibration.py.
+This module is formulas and fitting only: no I/O, no collectives.
 
 Example::
 
@@ -39,20 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
-import logging
-import os
-import platform
-import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
-
-log = logging.getLogger("hybridcomm")
 
 MODELED = ("ring", "butterfly", "halving_doubling")
 ALL = MODELED + ("native",)
 FORMAT_VERSION = 1
-ENV_PATH = "HYBRIDCOMM_COST_MODEL"
 
 
 def coefficients(algorithm: str, nbytes: float, world_size: int) -> Tuple[float, float, float]:
@@ -189,60 +175,113 @@ class FitReport:
     rms_rel_err: float  # root mean square of (predicted - measured) / measured
     max_rel_err: float
     residuals: Tuple[Tuple[str, int, int, float, float], ...]  # (algo, bytes, P, measured, predicted)
+    dropped: int = 0  # outliers left out of the fit
+    confidence: str = "high"  # high (rms < 15%), medium (< 35%), low
+    degenerate: bool = False  # alpha or beta came out 0: the planner uses safe defaults
 
 
-def fit(samples: Iterable[Sample]) -> Tuple[CostModel, FitReport]:
-    """Least-squares alpha, beta, gamma >= 0 from measured times.
+MIN_SAMPLES = 4
+
+
+def _nnls3(A, y, fixed):
+    """Least squares for (alpha, beta, gamma) >= 0, ``fixed`` columns held at their value:
+    an exact NNLS by trying every subset of the free columns."""
+    import numpy as np
+
+    free = [c for c in range(3) if c not in fixed]
+    rest = y - sum(A[:, c] * v for c, v in fixed.items())
+    scale = np.maximum(np.abs(A).max(axis=0), 1e-300)  # columns differ by ~1e9
+    best = None
+    for k in range(len(free), 0, -1):
+        for cols in itertools.combinations(free, k):
+            sol, *_ = np.linalg.lstsq(A[:, cols] / scale[list(cols)], rest, rcond=None)
+            x = np.zeros(3)
+            x[list(cols)] = sol / scale[list(cols)]
+            if (x < 0).any():
+                continue
+            for c, v in fixed.items():
+                x[c] = v
+            err = float(np.sum((A @ x - y) ** 2))
+            if best is None or err < best[0] - 1e-15:
+                best = (err, x)
+    if best is None:
+        x = np.zeros(3)
+        for c, v in fixed.items():
+            x[c] = v
+        return x
+    return best[1]
+
+
+def fit(samples: Iterable[Sample], gamma: Optional[float] = None) -> Tuple[CostModel, FitReport]:
+    """Least-squares alpha, beta, gamma >= 0 from measured times, robustly.
 
     Each sample ``(algorithm, bytes, P, seconds)`` is one equation
     ``a*alpha + b*beta + g*gamma = seconds`` (see :func:`coefficients`),
     weighted by ``1/seconds`` so that a 4 KiB and a 64 MiB point count alike
-    (relative error). Non-negativity by trying every subset of the three
-    parameters (an exact NNLS for three unknowns). beta and gamma are only
-    told apart when the sweep holds the butterfly beside ring or
-    halving-doubling (their bytes-sent to bytes-reduced ratios differ).
+    (relative error). Non-negative (an exact NNLS for three unknowns).
+    ``gamma``, when measured on its own (the probe times the reduction
+    kernel), is held fixed: beta and gamma are otherwise told apart only by
+    the butterfly's and the ring's different bytes-sent to bytes-reduced
+    ratios, which noise easily swamps. Points more than 3x the median
+    relative residual off (and over 25%) are dropped as outliers, once.
+    The report gives the error, a confidence, and ``degenerate`` when alpha
+    or beta is 0 (the planner then uses safe defaults).
 
     Example::
 
         >>> true = CostModel(50e-6, 1e-9, 2e-10)
         >>> pts = [(a, n, 4, true.predict(a, n, 4)) for a in MODELED for n in (4096, 1 << 20)]
         >>> m, rep = fit(pts)
-        >>> round(m.alpha * 1e6, 3), rep.max_rel_err < 1e-9
-        (50.0, True)
+        >>> round(m.alpha * 1e6, 3), rep.max_rel_err < 1e-9, rep.confidence
+        (50.0, True, 'high')
     """
     import numpy as np
 
+    samples = list(samples)
     rows = [(algo, int(n), int(p), float(t)) for algo, n, p, t in samples
             if algo in MODELED and p > 1 and t > 0]
-    if not rows:
-        raise ValueError("no usable samples to fit (need ring/butterfly/halving_doubling at P > 1)")
-    A = np.array([coefficients(algo, n, p) for algo, n, p, _ in rows], dtype=np.float64)
-    y = np.array([t for *_, t in rows], dtype=np.float64)
-    w = 1.0 / y
-    Aw, yw = A * w[:, None], y * w
-    scale = np.maximum(np.abs(Aw).max(axis=0), 1e-300)  # condition: columns differ by ~1e9
-    best = None
-    for k in range(3, 0, -1):
-        for cols in itertools.combinations(range(3), k):
-            sol, *_ = np.linalg.lstsq(Aw[:, cols] / scale[list(cols)], yw, rcond=None)
-            x = np.zeros(3)
-            x[list(cols)] = sol / scale[list(cols)]
-            if (x < 0).any():
-                continue
-            err = float(np.sum((Aw @ x - yw) ** 2))
-            if best is None or err < best[0] - 1e-15:
-                best = (err, x)
-    x = best[1]
+    if len(rows) < MIN_SAMPLES or len({n for _, n, _, _ in rows}) < 2:
+        raise ValueError(f"too few usable samples to fit ({len(rows)}; need {MIN_SAMPLES} at two "
+                         "or more sizes, of ring/butterfly/halving_doubling at P > 1)")
+    fixed = {} if gamma is None else {2: float(gamma)}
+
+    def solve(rs):
+        A = np.array([coefficients(algo, n, p) for algo, n, p, _ in rs], dtype=np.float64)
+        y = np.array([t for *_, t in rs], dtype=np.float64)
+        w = 1.0 / y
+        x = _nnls3(A * w[:, None], y * w, fixed)
+        return x, (A @ x - y) / y
+
+    x, rel = solve(rows)
+    dropped = 0
+    bound = max(3 * float(np.median(np.abs(rel))), 0.25)
+    keep = [r for r, e in zip(rows, rel) if abs(e) <= bound]
+    if MIN_SAMPLES <= len(keep) < len(rows):
+        dropped = len(rows) - len(keep)
+        rows = keep
+        x, rel = solve(rows)
     native = _fit_native([(n, t) for algo, n, p, t in samples
                           if algo in (NATIVE, "torch") and p > 1 and t > 0])
     model = CostModel(float(x[0]), float(x[1]), float(x[2]), source="fit",
                       native_alpha=native[0] if native else None,
                       native_beta=native[1] if native else None)
-    pred = A @ x
-    rel = (pred - y) / y
-    report = FitReport(len(rows), float(np.sqrt(np.mean(rel ** 2))), float(np.max(np.abs(rel))),
-                       tuple((algo, n, p, t, float(q)) for (algo, n, p, t), q in zip(rows, pred)))
+    rms = float(np.sqrt(np.mean(rel ** 2)))
+    report = FitReport(len(rows), rms, float(np.max(np.abs(rel))),
+                       tuple((algo, n, p, t, t * (1 + e)) for (algo, n, p, t), e in zip(rows, rel)),
+                       dropped, "high" if rms < 0.15 else "medium" if rms < 0.35 else "low",
+                       model.alpha <= 0 or model.beta <= 0)
     return model, report
+
+
+def rounded(model: CostModel, digits: int = 2) -> CostModel:
+    """``model`` with every coefficient rounded to ``digits`` significant digits, so
+    that repeated measurements of one machine give the same model (and plan)."""
+    def r(v):
+        return None if v is None else float(f"{v:.{digits - 1}e}")
+
+    return dataclasses.replace(model, alpha=r(model.alpha), beta=r(model.beta),
+                               gamma=r(model.gamma), native_alpha=r(model.native_alpha),
+                               native_beta=r(model.native_beta))
 
 
 def _fit_native(points) -> Optional[Tuple[float, float]]:
@@ -261,173 +300,6 @@ def _fit_native(points) -> Optional[Tuple[float, float]]:
     if b < 0:
         a, b = float(np.sum(1 / t) / np.sum(1 / t ** 2)), 0.0
     return float(a), float(b)
-
-
-# --- where calibrations live ----------------------------------------------------------------
-
-def default_path() -> str:
-    """``$HYBRIDCOMM_COST_MODEL``, else ``$XDG_CACHE_HOME/hybridcomm/cost_model.json``
-    (``~/.cache/hybridcomm/cost_model.json``)."""
-    env = os.environ.get(ENV_PATH)
-    if env:
-        return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "hybridcomm", "cost_model.json")
-
-
-def save(model: CostModel, path: Optional[str] = None, report: Optional[FitReport] = None,
-         **meta) -> str:
-    """Write ``model`` (plus ``meta``: world size, backend, ... and the fit error) as JSON."""
-    path = path or default_path()
-    data = model.to_json()
-    data.update(meta)
-    data.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    data.setdefault("host", platform.node())
-    if report is not None:
-        data["fit"] = {"n_points": report.n_points, "rms_rel_err": report.rms_rel_err,
-                       "max_rel_err": report.max_rel_err}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)  # atomic: a rank reading it never sees half a file
-    return path
-
-
-def load(path: Optional[str] = None) -> Optional[CostModel]:
-    """The calibrated model at ``path`` (default :func:`default_path`), or None if
-    there is none. A file that exists but does not parse raises ValueError."""
-    path = path or default_path()
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            return CostModel.from_json(json.load(f), source=path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"cannot read the cost model at {path}: {e}") from e
-
-
-_active: Optional[CostModel] = None
-_loaded: Dict[str, Tuple[float, Optional[CostModel]]] = {}  # path -> (mtime, model)
-
-
-def set_active(model: Optional[CostModel]) -> None:
-    """Use ``model`` for ``auto`` in this process (None: back to the file / defaults)."""
-    global _active
-    _active = model
-
-
-def active_model() -> CostModel:
-    """The model ``auto`` uses: :func:`set_active`'s, else the calibration file
-    (:func:`default_path`, re-read when it changes), else :data:`DEFAULT_MODEL`."""
-    if _active is not None:
-        return _active
-    path = default_path()
-    try:
-        mtime = os.stat(path).st_mtime
-    except OSError:
-        return DEFAULT_MODEL
-    hit = _loaded.get(path)
-    if hit is None or hit[0] != mtime:
-        try:
-            model = load(path)
-        except ValueError as e:
-            log.warning("%s; using the built-in cost model", e)
-            model = None
-        hit = _loaded[path] = (mtime, model)
-    return hit[1] or DEFAULT_MODEL
-
-
-def agree(model: Optional[CostModel] = None, group=None, probe_if_uncalibrated: bool = True
-          ) -> CostModel:
-    """The model every rank of ``group`` uses, made active (for ``auto``): rank
-    0's ``model`` if given, else its :func:`set_active` model or saved
-    calibration, else a :func:`probe` (or, with ``probe_if_uncalibrated=False``,
-    the built-in defaults). Rank 0 decides, so every rank takes the same path.
-    A collective: call it on every rank.
-
-    Example::
-
-        >>> dist.init_process_group("gloo"); cost_model.agree()   # doctest: +SKIP
-    """
-    import torch.distributed as dist
-
-    mine = model or _active
-    if mine is None and dist.get_rank(group) == 0:
-        try:
-            mine = load()
-        except ValueError as e:
-            log.warning("%s; not using it", e)
-    box = [mine]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    if box[0] is not None:
-        agreed = dataclasses.replace(box[0], source=f"{box[0].source} (from rank 0)")
-    else:
-        agreed = probe(group) if probe_if_uncalibrated else DEFAULT_MODEL
-    log.debug("hybridcomm cost model: %s", agreed)
-    set_active(agreed)
-    return agreed
-
-
-PROBE_SIZES = (4 << 10, 1 << 20)
-
-
-def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5) -> CostModel:
-    """A quick calibration for when none is saved: time the butterfly, the ring
-    and ``native`` at two sizes over ``group`` (the fastest of ``iters``, the least disturbed), fit, and
-    take rank 0's fit on every rank. A collective, so call it on every rank; about 36
-    all-reduces (~0.2 s over gloo on a small CPU machine, far less on GPUs).
-
-    Example::
-
-        >>> model = probe()  # inside an initialized process group  # doctest: +SKIP
-    """
-    import torch
-    import torch.distributed as dist
-
-    from .collectives import all_reduce
-
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    world = dist.get_world_size(group)
-    samples = []
-    for nbytes in sizes:
-        buf = torch.zeros(nbytes // 4, device=device)
-        for algo in ("butterfly", "ring", NATIVE):
-            times = []
-            for _ in range(iters + 1):  # the first is a warm-up
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                if algo == NATIVE:
-                    dist.all_reduce(buf, group=group)
-                else:
-                    all_reduce(buf, algorithm=algo, group=group, check=False)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            samples.append((algo, nbytes, world, min(times[1:])))
-    model = fit(samples)[0] if world > 1 else DEFAULT_MODEL
-    model = dataclasses.replace(model, source="probe at start-up")
-    box = [model]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return box[0]
-
-
-def choose_algorithm(nbytes: int, world_size: int) -> str:
-    """The algorithm ``"auto"`` uses for ``nbytes`` over ``world_size`` ranks:
-    the fastest under :func:`active_model`.
-
-    Example::
-
-        >>> set_active(DEFAULT_MODEL)
-        >>> choose_algorithm(4096, 4), choose_algorithm(64 << 20, 4), choose_algorithm(64 << 20, 6)
-        ('butterfly', 'halving_doubling', 'ring')
-    """
-    if world_size <= 2:
-        return "butterfly"  # at P <= 2 all three send the same bytes; butterfly in one step
-    return active_model().choose(nbytes, world_size)
 
 
 def table(model: CostModel, world_size: int, sizes: Sequence[int]) -> List[str]:

@@ -22,40 +22,59 @@ alive by the cache).
 """
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import trace
+from . import env, trace
 from .algorithms import SCHEDULES, Schedule, get_schedule
 from .kernels import reduce
 from .transport import Transport
 
-# Pipeline parts of at least this many bytes (HYBRIDCOMM_PIPELINE_BYTES; 0 turns
+# Pipeline parts of at least HYBRIDCOMM_PIPELINE_BYTES (default 32 MiB; 0 turns
 # pipelining off), at most MAX_PARTS of them. Measured on 4 gloo ranks sharing
 # 2 cores (docs/PERFORMANCE.md): every extra message costs ~0.2 ms of CPU in
 # wake-ups there, so only very large buffers are cut (64 MiB into 2 parts).
 # Where cores are idle (one GPU or host per rank) smaller parts pay off.
-PIPELINE_BYTES = int(os.environ.get("HYBRIDCOMM_PIPELINE_BYTES", 32 << 20))
 MAX_PARTS = 4
 
 
 class Workspace:
-    """Scratch buffers kept per (device, dtype), grown on demand, never shrunk."""
+    """Scratch buffers kept per (device, dtype), grown on demand, never shrunk.
 
-    def __init__(self):
+    ``alloc(numel, dtype, device)`` makes a buffer (default ``torch.empty``);
+    stream-ordered transports pass one that allocates on their comm stream.
+    """
+
+    def __init__(self, alloc=None):
+        self._alloc = alloc or (lambda n, dt, dev: torch.empty(n, dtype=dt, device=dev))
         self._buffers: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (device, dtype)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
+            buf = self._alloc(numel, dtype, device)
             self._buffers[key] = buf
         return buf[:numel]
+
+
+def comm_scratch(transport, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Scratch of a stream-ordered transport, allocated on (and only ever used on)
+    its comm stream, so the caching allocator never hands it to another stream
+    while communication still targets it."""
+    ws = getattr(transport, "_scratch", None)
+    if ws is None:
+        rt = transport.runtime
+
+        def alloc(n, dt, _device):
+            with rt.use(transport.stream):
+                return rt.empty(n, dt)
+
+        ws = transport._scratch = Workspace(alloc)
+    return ws.get(numel, dtype, transport.device)
 
 
 # One step of one part, as plain integers:
@@ -91,9 +110,10 @@ def _plan_part(schedule: Schedule, base: int, slot0: int) -> Tuple[List[_PlanSte
 
 def num_parts(schedule: Schedule, element_size: int) -> int:
     """How many pipelined parts ``execute`` cuts this schedule's buffer into."""
-    if PIPELINE_BYTES <= 0 or schedule.algorithm not in SCHEDULES or schedule.world_size < 2:
+    part_bytes = env.get("HYBRIDCOMM_PIPELINE_BYTES")
+    if part_bytes <= 0 or schedule.algorithm not in SCHEDULES or schedule.world_size < 2:
         return 1
-    parts = max(1, min(MAX_PARTS, schedule.numel * element_size // PIPELINE_BYTES))
+    parts = max(1, min(MAX_PARTS, schedule.numel * element_size // part_bytes))
     # Every part at least P elements: no empty transfer is dropped from any
     # part, so all parts have the same steps and the (step, part) order holds.
     return max(1, min(parts, schedule.numel // schedule.world_size))
@@ -150,9 +170,11 @@ def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
     """All-reduce the 1-D contiguous ``buf`` in place by running ``schedule``.
 
     ``scale`` multiplies each element once, when its final value is produced
-    (1/P gives an average). ``scratch`` should hold ``schedule.scratch_numel``
-    elements of ``buf``'s dtype (if None or too small for the pipelined plan,
-    a per-thread workspace is used).
+    (1/P gives an average). Host-ordered transports: blocks until done;
+    ``scratch`` should hold ``schedule.scratch_numel`` elements of ``buf``'s
+    dtype (if None or too small, a per-thread workspace is used).
+    Stream-ordered transports: queued (:func:`execute_async`), and the
+    caller's current stream waits for the result; the host goes on.
 
     Example::
 
@@ -161,16 +183,13 @@ def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
     """
     if schedule.numel != buf.numel():
         raise ValueError(f"schedule is for {schedule.numel} elements, buffer has {buf.numel()}")
+    if transport.stream_ordered:
+        done = execute_async(schedule, buf, transport, scale=scale, timeout=timeout)
+        transport.runtime.current_stream().wait_event(done)
+        return buf
     if schedule.world_size == 1:
         if scale is not None and scale != 1:
             buf.mul_(scale)
-        return buf
-    if getattr(transport, "stream_ordered", False):
-        # GPU path: queued on the comm stream; the caller's stream (not the
-        # host) waits for the result.
-        done = execute_async(schedule, buf, transport, scale=scale, scratch=scratch,
-                             timeout=timeout)
-        transport.streams.current_stream().wait_event(done)
         return buf
     plan = _plan(schedule, num_parts(schedule, buf.element_size()))
     scratch = _scratch(plan.scratch_numel, buf, scratch)
@@ -205,35 +224,58 @@ def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
     return buf
 
 
+def _enter(transport, buf: torch.Tensor, ready, timed: bool):
+    """The comm stream waits for ``ready`` (default: the caller's stream as it is
+    now), and ``buf``'s memory stays reserved until the comm stream is done. With
+    ``timed``, a timing event marks where the work itself starts."""
+    rt = transport.runtime
+    if ready is None:
+        ready = rt.new_event()
+        ready.record(rt.current_stream())
+    transport.wait_event(ready)
+    rt.record_stream(buf, transport.stream)
+    if timed:
+        start = rt.new_event(timing=True)
+        start.record(transport.stream)
+        return start
+    return None
+
+
+def _leave(transport, start, what: str, timeout: float | None):
+    if start is None:
+        done = transport.record_event()
+    else:
+        done = transport.runtime.new_event(timing=True)
+        done.record(transport.stream)
+    if timeout is not None:
+        transport.watch(done, timeout, what)
+    return done if start is None else (start, done)
+
+
 def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
-                  scale: float | None = None, scratch: torch.Tensor | None = None,
-                  ready=None, timeout: float | None = None):
-    """Queue the whole schedule on a stream-ordered transport's comm stream
-    (``CupyNcclTransport``) and return the event that completes with it.
+                  scale: float | None = None, ready=None, timeout: float | None = None,
+                  label: str | None = None, timed: bool = False):
+    """Queue the whole schedule on a stream-ordered transport's comm stream and
+    return the event that completes with it.
 
     The comm stream first waits for ``ready`` (e.g. the gradients' event;
-    default: the caller's current stream as it is now). Each step's NCCL
-    group and then its reductions go on the comm stream, in stream order: no
-    host synchronization anywhere. ``timeout`` arms the transport's watchdog
-    (abort and HybridCommTimeout on the next call instead of a hang). A
-    consumer makes its stream wait: ``stream.wait_event(done)``.
+    default: the caller's current stream as it is now). Each step's NCCL group
+    and then its reductions go on the comm stream, in stream order, with
+    scratch the transport owns on that stream: no host synchronization
+    anywhere. ``timeout`` arms the transport's watchdog (abort, then
+    HybridCommTimeout on the next call, instead of a hang). A consumer makes
+    its stream wait: ``stream.wait_event(done)``. With ``timed``, returns
+    ``(start, done)`` timing events instead (``start.elapsed_time(done)`` once
+    both completed: the communication's own time, without the wait for ready).
     """
     if schedule.numel != buf.numel():
         raise ValueError(f"schedule is for {schedule.numel} elements, buffer has {buf.numel()}")
-    streams = transport.streams
-    if ready is None:
-        ready = streams.new_event()
-        ready.record(streams.current_stream())
-    transport.wait_event(ready)
-    if schedule.world_size > 1:
-        # One part: steps on one stream run one after another anyway.
-        plan = _plan(schedule, 1)
-        scratch = _scratch(plan.scratch_numel, buf, scratch)
-        if streams.current_stream() != transport.stream:
-            # The allocator must not reuse buf's memory before the comm stream is done.
-            streams.record_stream(buf, transport.stream)
-        nsteps, itemsize, exchange = len(schedule.steps), buf.element_size(), transport.exchange
-        with transport.stream_context():
+    start = _enter(transport, buf, ready, timed)
+    with transport.stream_context():
+        if schedule.world_size > 1:
+            plan = _plan(schedule, 1)  # one part: steps on one stream run in turn anyway
+            scratch = comm_scratch(transport, plan.scratch_numel, buf.dtype)
+            nsteps, itemsize, exchange = len(schedule.steps), buf.element_size(), transport.exchange
             for i, (sends, recvs, reds) in enumerate(plan.parts[0]):
                 with trace.step_range(schedule.algorithm, i, nsteps, schedule.steps[i], itemsize):
                     exchange([(p, buf[a:b]) for p, a, b in sends],
@@ -242,11 +284,24 @@ def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
                              label=(schedule.algorithm, i))
                     for a, b, s, final in reds:
                         reduce(buf[a:b], scratch[s:s + b - a], scale=scale if final else None)
-    elif scale is not None and scale != 1:
-        with transport.stream_context():
+        elif scale is not None and scale != 1:
             buf.mul_(scale)
-    done = transport.record_event()
-    if timeout is not None:
-        transport.watch(done, timeout, f"{schedule.algorithm} all-reduce of {buf.numel()} "
-                                       f"x {buf.dtype}")
-    return done
+    return _leave(transport, start, label or f"{schedule.algorithm} all-reduce of "
+                  f"{buf.numel()} x {buf.dtype}", timeout)
+
+
+def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
+                   timeout: float | None = None, label: str | None = None, timed: bool = False):
+    """The transport's own all-reduce (``native``: gloo's or NCCL's) of ``buf``.
+
+    Host-ordered: blocks (with ``timeout``) and returns None. Stream-ordered:
+    queued on the comm stream after ``ready``, like :func:`execute_async`, and
+    returns its done event (``(start, done)`` with ``timed``).
+    """
+    if not transport.stream_ordered:
+        transport.all_reduce(buf, average=average, timeout=timeout)
+        return None
+    start = _enter(transport, buf, ready, timed)
+    transport.all_reduce(buf, average=average)
+    return _leave(transport, start, label or f"native all-reduce of {buf.numel()} x "
+                  f"{buf.dtype}", timeout)

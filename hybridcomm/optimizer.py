@@ -2,21 +2,32 @@
 
 It subclasses the wrapped optimizer's class on the fly (``isinstance`` and LR
 schedulers keep working) and shares its state. Gradients are packed into
-per-layer buckets as backward produces them and all-reduced on comm threads,
-one lane for small latency-bound buckets and one for the bulk, with the
-algorithm per bucket from the cost model (see planner.py).
+per-layer buckets as backward produces them and all-reduced through one
+ordered channel, with the algorithm per bucket from the cost model
+(planner.py); the bucket lifecycle and the channel are overlap.py.
 
 Overlap modes:
 
-- ``"backward"``: ``step()`` waits for every bucket, writes the reduced
-  gradients into ``p.grad`` and updates (as DDP does).
+- ``"backward"``: ``step()`` waits for every bucket, points ``p.grad`` at the
+  reduced gradients and updates (as DDP does).
 - ``"forward"`` (the thesis's layer overlapping): ``step()`` returns at
-  once; each layer's update is applied in a forward pre-hook of the next
-  iteration, after waiting for that layer's buckets only. The reduced
-  gradient waits in the library's buffer, so the usual
+  once; each bucket's update is applied just before the first use of one of
+  its parameters in the next iteration, after waiting for that bucket only.
+  The reduced gradient waits in the library's buffer, so the usual
   ``zero_grad(); loss = model(x); loss.backward(); opt.step()`` loop is
-  unchanged. The hyper-parameters (lr, ...) are those at ``step()``.
+  unchanged. Hyper-parameters (lr, ...) are those at ``step()``.
 - ``"none"``: nothing overlaps; all buckets are reduced in ``step()``.
+
+Where forward mode applies an update: during the measured steps a
+``TorchFunctionMode`` watches, from ``step()`` to the end of the next
+forward, which module's forward first touches each parameter (also
+``F.linear(x, self.head.weight)`` in a parent, or a read between ``step()``
+and the forward, e.g. an EMA). Afterwards each bucket is applied in the
+pre-hook of those modules (and of its owners); anything still pending when
+the root module's forward returns is applied then (a parameter read only by
+the loss); ``model.state_dict()`` and ``opt.state_dict()`` apply first. A
+bucket read between ``step()`` and the next forward is applied in ``step()``
+(logged once).
 """
 from __future__ import annotations
 
@@ -28,13 +39,19 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
-from .collectives import default_timeout
-from .errors import HybridCommError
-from .overlap import BucketState, CommEngine
+from . import calibration, control, env
 from . import cost_model as cm
-from .planner import LANES, Layer, Plan, make_plan
+from .errors import HybridCommError
+from .kernels import SUPPORTED_DTYPES, unpack
+from .overlap import BucketState, CommEngine, HostChannel, Phase, StreamChannel
+from .planner import Layer, Plan, make_plan
+from .runtime import runtime_for
+from .tensor_access import collect, reads_data
 from .timeline import Timeline
+from .transport.select import select_transport
+from .transport.torch_dist import TorchDistTransport
 
 log = logging.getLogger("hybridcomm")
 
@@ -45,19 +62,23 @@ COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.b
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
 
 
-def _decisions(plan: Plan):
-    return [(b.layers, b.algorithm, b.segments) for b in plan.buckets]
+class _FirstUse(TorchFunctionMode):
+    """Watches which parameters torch calls read, so a pending update is applied
+    just before the first one (and where it happened is learned)."""
 
+    def __init__(self, opt):
+        super().__init__()
+        self.opt = opt
 
-def _describe_difference(ours, theirs, rank) -> str:
-    """What differs between rank 0's and ``rank``'s (name, shape, dtype) lists."""
-    only0 = [n for n, *_ in ours if n not in {t[0] for t in theirs}]
-    only_r = [n for n, *_ in theirs if n not in {t[0] for t in ours}]
-    parts = [f"only rank 0 has {only0}"] if only0 else []
-    parts += [f"only rank {rank} has {only_r}"] if only_r else []
-    parts += [f"{a[0]}: rank 0 has {a[1:]}, rank {rank} has {b[1:]}"
-              for a, b in zip(ours, theirs) if a[0] == b[0] and a != b]
-    return "; ".join(parts) or f"the order differs between rank 0 and rank {rank}"
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if reads_data(getattr(func, "__name__", ""), args):
+            index = self.opt._hc_index
+            for t in collect(kwargs, collect(args, [])):
+                i = index.get(id(t))
+                if i is not None:
+                    self.opt._hc_first_use(i)
+        return func(*args, **kwargs)
 
 
 class _DistributedOptimizer:
@@ -81,6 +102,9 @@ class _DistributedOptimizer:
             raise ValueError("backward_passes_per_step must be >= 1")
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of None, 'fp16', 'bf16', got {compression!r}")
+        if replan_every and replan_every <= measure_iters:
+            raise ValueError(f"replan_every ({replan_every}) must exceed measure_iters "
+                             f"({measure_iters}), or be 0")
         if overlap == "forward" and model is None:
             warnings.warn("hybridcomm: overlap='forward' needs model= to hook its forward; "
                           "using overlap='backward'", stacklevel=3)
@@ -95,61 +119,63 @@ class _DistributedOptimizer:
         self._hc_overlap, self._hc_strategy = overlap, strategy
         self._hc_scale = 1.0 / self._hc_world if op == "avg" else None
         self._hc_passes = backward_passes_per_step
-        self._hc_timeout = default_timeout() if timeout is None else float(timeout)
-        self._hc_cost_model = self._hc_resolve_cost_model(cost_model)
+        self._hc_timeout = env.timeout(timeout)
+        self._hc_wire = COMPRESSIONS[compression]
         self._hc_fusion_bytes, self._hc_split_bytes = fusion_bytes, split_bytes
-        self._hc_measure_iters = measure_iters
-        if replan_every and replan_every <= measure_iters:
-            raise ValueError(f"replan_every ({replan_every}) must exceed measure_iters "
-                             f"({measure_iters}), or be 0")
-        self._hc_replan_every = replan_every
+        self._hc_measure_iters, self._hc_replan_every = measure_iters, replan_every
         self.timeline = Timeline(enabled=bool(trace))
+        self._hc_model = model
 
         self._hc_params, names = self._hc_collect_params(model, named_parameters)
+        self._hc_names = names
         self._hc_index = {id(p): i for i, p in enumerate(self._hc_params)}
-        self._hc_check_same_params(names)
-        dtypes = {p.dtype for p in self._hc_params}
-        self._hc_dtype = COMPRESSIONS[compression] or (dtypes.pop() if len(dtypes) == 1 else None)
-        if self._hc_dtype is None:
-            raise HybridCommError(f"parameters have several dtypes {sorted(map(str, dtypes))}; "
-                                  "pass compression='fp16' or 'bf16' to reduce them in one")
+        self._hc_check_params(model, names)
+        device = self._hc_params[0].device if self._hc_params else torch.device("cpu")
+        self._hc_runtime = runtime_for(device)
+        if self._hc_runtime is not None:  # CUDA, or the simulated GPU: the comm stream
+            self._hc_transport = select_transport(device, process_group, timeout=self._hc_timeout)
+            self._hc_channel = StreamChannel(self._hc_transport, self.timeline)
+        else:  # CPU: a gloo group of its own, so the user's collectives never interleave
+            self._hc_transport = TorchDistTransport(control.new_group_like(process_group,
+                                                                           self._hc_timeout))
+            self._hc_channel = HostChannel(self._hc_timeout, self.timeline)
+        self._hc_cost_model = self._hc_resolve_cost_model(cost_model)
         self._hc_layers = self._hc_make_layers(model, names)
-        # Each lane gets its own communicator: made here, in the same order on every rank.
-        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        self._hc_lane_groups = {lane: dist.new_group(ranks) for lane in LANES}
 
         self._hc_engine: Optional[CommEngine] = None
         self._hc_iteration = 0
         self._hc_passes_done = 0
         self._hc_backward_active = False
         self._hc_launching_this_backward = False
-        self._hc_no_sync = False
-        self._hc_skip_sync = False
-        self._hc_synchronized = False
+        self._hc_no_sync = self._hc_skip_sync = self._hc_synchronized = False
         self._hc_exposed_s = 0.0  # waited for communication since the last step
         self._hc_wait_total = 0.0  # ... ever
-        self._hc_ready_times: Dict[int, tuple] = {}  # param index -> (when packed, wait total)
-        self._hc_order_times: Dict[int, float] = {}  # the same, kept for the gradient order
+        self._hc_ready_times: Dict[int, float] = {}  # param index -> when its gradient was ready
         self._hc_windows: Dict[str, List[float]] = {}
+        self._hc_need: Dict[str, int] = {}  # layer -> order the next forward needed it in
+        self._hc_first_users: Dict[int, set] = {}  # bucket -> ids of modules that used it first
+        self._hc_eager: set = set()  # buckets applied in step() (read before the next forward)
+        self._hc_mode: Optional[_FirstUse] = None
+        self._hc_module_stack: List[torch.nn.Module] = []
+        self._hc_appliers: Dict[int, list] = {}  # id(module) -> bucket states it applies
         self.last_step_stats: Dict[str, float] = {}
-        self._hc_build(self._hc_agree_plan(windows=None, order=None))
+        self._hc_build(self._hc_agree_plan(windows=None, ready=None, need=None))
         self._hc_hooks = [p.register_post_accumulate_grad_hook(self._hc_on_grad)
                           for p in self._hc_params]
-        if model is not None:
-            self._hc_hooks += [m.register_forward_pre_hook(self._hc_make_pre_hook(name, idx))
-                               for name, m, idx in self._hc_owners(model)]
-        log.debug("hybridcomm plan:\n%s", self.plan)
+        if model is not None and overlap == "forward":
+            self._hc_hook_model(model)
+        log.info("hybridcomm plan:\n%s", self.plan)
 
     def _hc_resolve_cost_model(self, cost_model) -> cm.CostModel:
-        """A CostModel; None: rank 0's calibration, else a probe (``cost_model.agree``)."""
+        """A CostModel; None: rank 0's calibration, else a probe (``calibration.agree``)."""
         if isinstance(cost_model, cm.CostModel):
             return cost_model
         if cost_model == "default":
             return cm.DEFAULT_MODEL
         if cost_model == "probe":
-            return cm.probe(self._hc_group)
+            return calibration.probe(self._hc_group, timeout=self._hc_timeout)
         if cost_model is None:
-            return cm.agree(group=self._hc_group)
+            return calibration.agree(group=self._hc_group, timeout=self._hc_timeout)
         raise ValueError(f"cost_model must be a CostModel, None, 'probe' or 'default', "
                          f"got {cost_model!r}")
 
@@ -161,7 +187,7 @@ class _DistributedOptimizer:
         params, names, seen = [], [], set()
         for i, p in enumerate(in_opt):
             if id(p) in seen or not p.requires_grad:
-                continue  # tied (listed twice) or frozen
+                continue  # tied (listed twice) or frozen (integer parameters are frozen too)
             seen.add(id(p))
             if by_id and id(p) not in by_id:
                 raise HybridCommError(f"optimizer parameter #{i} (shape {tuple(p.shape)}) is not "
@@ -170,60 +196,89 @@ class _DistributedOptimizer:
             names.append(by_id.get(id(p), f"param{i}"))
         return params, names
 
-    def _hc_check_same_params(self, names):
+    def _hc_check_params(self, model, names) -> None:
+        """Every rank: the same parameters, and none we cannot reduce; else the same
+        HybridCommError on every rank, naming the parameters and what to do."""
+        sparse_owned = set()
+        if model is not None:
+            for mname, m in model.named_modules():
+                if getattr(m, "sparse", False) is True:
+                    sparse_owned.update(id(p) for p in m.parameters(recurse=False))
+        problems = []
+        devices = {p.device for p in self._hc_params}
+        for n, p in zip(names, self._hc_params):
+            if p.is_complex():
+                problems.append(f"{n!r} is complex ({p.dtype}): not supported; keep it as a "
+                                "real parameter of twice the size (torch.view_as_real) and "
+                                "build the complex tensor in forward")
+            elif p.dtype not in SUPPORTED_DTYPES:
+                problems.append(f"{n!r} has dtype {p.dtype}; supported: "
+                                f"{', '.join(map(str, SUPPORTED_DTYPES))}")
+            if id(p) in sparse_owned:
+                problems.append(f"{n!r} belongs to a module with sparse=True, whose gradients "
+                                "are sparse; hybridcomm reduces dense gradients: use sparse=False")
+            if p.is_sparse:
+                problems.append(f"{n!r} is a sparse tensor: not supported")
+        if len(devices) > 1:
+            where = {str(d): [n for n, p in zip(names, self._hc_params) if p.device == d][:3]
+                     for d in devices}
+            problems.append(f"parameters are on several devices {where}: one DistributedOptimizer "
+                            "per device (data parallelism keeps a whole replica on each)")
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(names, self._hc_params)]
-        everyone = [None] * self._hc_world
-        dist.all_gather_object(everyone, mine, group=self._hc_group)
-        for r, theirs in enumerate(everyone):
-            if theirs != everyone[0]:
+        everyone = control.all_gather_object((mine, problems), group=self._hc_group,
+                                             timeout=self._hc_timeout,
+                                             what="the trainable parameters")
+        bad = [f"rank {r}: {msg}" for r, (_, probs) in enumerate(everyone) for msg in probs]
+        if bad:
+            raise HybridCommError("hybridcomm cannot reduce these parameters: " + "; ".join(bad))
+        for r, (theirs, _) in enumerate(everyone):
+            if theirs != everyone[0][0]:
                 raise HybridCommError("the trainable parameters differ across ranks: "
-                                      + _describe_difference(everyone[0], theirs, r))
+                                      + describe_param_difference(everyone[0][0], theirs, r))
+
+    def _hc_wire_dtype(self, p) -> torch.dtype:
+        return self._hc_wire or p.dtype
 
     def _hc_make_layers(self, model, names) -> List[Layer]:
-        """Layers (a module's own parameters), last module first: backward's order."""
-        index = {id(p): i for i, p in enumerate(self._hc_params)}
-        layers, placed = [], set()
+        """Layers (a module's own parameters, one dtype each), last module first:
+        backward's order."""
+        index = self._hc_index
+        groups, placed = [], set()
         if model is not None:
             for mname, m in model.named_modules():
                 own = [index[id(p)] for p in m.parameters(recurse=False)
                        if id(p) in index and id(p) not in placed]
-                if own:
-                    placed.update(id(self._hc_params[i]) for i in own)
-                    layers.append(Layer(mname or "<root>", own,
-                                        sum(self._hc_params[i].numel() for i in own)))
+                placed.update(id(self._hc_params[i]) for i in own)
+                by_dtype: Dict[torch.dtype, list] = {}
+                for i in own:
+                    by_dtype.setdefault(self._hc_wire_dtype(self._hc_params[i]), []).append(i)
+                for k, (dt, idx) in enumerate(by_dtype.items()):
+                    suffix = f"[{str(dt).replace('torch.', '')}]" if len(by_dtype) > 1 else ""
+                    groups.append((f"{mname or '<root>'}{suffix}", idx, dt))
         for i, p in enumerate(self._hc_params):
             if id(p) not in placed:
-                layers.append(Layer(names[i], [i], p.numel()))
+                groups.append((names[i], [i], self._hc_wire_dtype(p)))
+        layers = [Layer(n, idx, sum(self._hc_params[i].numel() for i in idx),
+                        torch.empty((), dtype=dt).element_size(), str(dt))
+                  for n, idx, dt in groups]
         return layers[::-1]
 
-    def _hc_owners(self, model):
-        """(layer name, module, parameter indices) for every module that owns
-        trainable parameters (a tied parameter: under each of its modules)."""
-        for name, m in model.named_modules():
-            own = [self._hc_index[id(p)] for p in m.parameters(recurse=False)
-                   if id(p) in self._hc_index]
-            if own:
-                yield name or "<root>", m, own
-
-    def _hc_agree_plan(self, windows, order, keep: Optional[Plan] = None) -> Optional[Plan]:
+    def _hc_agree_plan(self, windows, ready, need, keep: Optional[Plan] = None) -> Optional[Plan]:
         """Rank 0 makes the plan (from its cost model and measurements); all follow it.
         With ``keep``, None when rank 0's new plan decides nothing differently."""
         plan = None
         if self._hc_rank == 0:
             layers = self._hc_layers
-            if order:
-                layers = sorted(layers, key=lambda l: order.get(l.name, float("inf")))
-            plan = make_plan(layers, world_size=self._hc_world,
-                             element_size=torch.empty((), dtype=self._hc_dtype).element_size(),
-                             model=self._hc_cost_model, strategy=self._hc_strategy,
-                             fusion_bytes=self._hc_fusion_bytes, split_bytes=self._hc_split_bytes,
-                             windows=windows, ready=order)
-            if keep is not None and _decisions(plan) == _decisions(keep):
+            if ready:
+                layers = sorted(layers, key=lambda l: ready.get(l.name, float("inf")))
+            plan = make_plan(layers, world_size=self._hc_world, model=self._hc_cost_model,
+                             strategy=self._hc_strategy, fusion_bytes=self._hc_fusion_bytes,
+                             split_bytes=self._hc_split_bytes, windows=windows, ready=ready,
+                             need=need)
+            if keep is not None and plan.decisions() == keep.decisions():
                 plan = None
-        box = [plan]
-        src = dist.get_global_rank(self._hc_group, 0) if self._hc_group is not None else 0
-        dist.broadcast_object_list(box, src=src, group=self._hc_group)
-        return box[0]
+        return control.broadcast_object(plan, group=self._hc_group, timeout=self._hc_timeout,
+                                        what="the bucket plan")
 
     def _hc_phase(self) -> int:
         """Position in the measuring cycle: steps 1..measure_iters of every
@@ -232,20 +287,101 @@ class _DistributedOptimizer:
             return self._hc_iteration % self._hc_replan_every
         return self._hc_iteration
 
+    def _hc_measuring(self) -> bool:
+        return 0 < self._hc_phase() <= self._hc_measure_iters
+
     def _hc_build(self, plan: Plan) -> None:
-        if self._hc_engine is not None:
-            self._hc_engine.close()
         self.plan = plan
-        device = self._hc_params[0].device if self._hc_params else torch.device("cpu")
-        self._hc_states = [BucketState(b, [self._hc_params[i] for i in b.params], self._hc_dtype,
-                                       device) for b in plan.buckets]
+        rt = self._hc_runtime
+        if rt is not None:
+            def alloc(n, dt):
+                buf = rt.empty(n, dt)  # on the trainer's stream; the comm stream records its use
+                rt.record_stream(buf, self._hc_transport.stream)
+                return buf
+        else:
+            def alloc(n, dt):
+                return torch.zeros(n, dtype=dt)
+        self._hc_states = [BucketState(b, [self._hc_params[i] for i in b.params],
+                                       getattr(torch, b.dtype.replace("torch.", "")), alloc)
+                           for b in plan.buckets]
         self._hc_where = {}  # param index -> (state, position in bucket)
         for st in self._hc_states:
             for pos, i in enumerate(st.bucket.params):
                 self._hc_where[i] = (st, pos)
-        self._hc_engine = CommEngine(plan, self._hc_states, self._hc_lane_groups,
-                                     scale=self._hc_scale, timeout=self._hc_timeout,
-                                     timeline=self.timeline)
+        self._hc_engine = CommEngine(plan, self._hc_states, self._hc_channel, self._hc_transport,
+                                     scale=self._hc_scale, timeout=self._hc_timeout)
+        self._hc_set_appliers()
+
+    # ---- forward mode: where updates are applied ---------------------------------------
+    def _hc_hook_model(self, model) -> None:
+        self._hc_modules = {id(m): m for m in model.modules()}
+        self._hc_root = model
+        for m in model.modules():
+            self._hc_hooks.append(m.register_forward_pre_hook(self._hc_module_pre))
+            self._hc_hooks.append(m.register_forward_hook(self._hc_module_post))
+        self._hc_hooks.append(model.register_state_dict_pre_hook(
+            lambda *args, **kwargs: self._hc_apply_all_pending()))
+
+    def _hc_set_appliers(self) -> None:
+        """Each bucket is applied in the pre-hook of its parameters' owners and of the
+        modules seen using them first (learned in the measured steps)."""
+        model = getattr(self, "_hc_model", None)
+        self._hc_appliers = {}
+        if model is None or self._hc_overlap != "forward":
+            return
+        owner = {}
+        for m in model.modules():
+            for p in m.parameters(recurse=False):
+                owner.setdefault(id(p), []).append(m)
+        for st in self._hc_states:
+            mods = {id(m) for p in st.params for m in owner.get(id(p), ())}
+            mods |= self._hc_first_users.get(st.bucket.index, set())
+            for mid in mods:
+                self._hc_appliers.setdefault(mid, []).append(st)
+
+    def _hc_module_pre(self, module, args) -> None:
+        if self._hc_mode is not None:
+            if module is self._hc_root:
+                self._hc_module_stack.clear()
+            self._hc_module_stack.append(module)
+        for st in self._hc_appliers.get(id(module), ()):
+            if st.phase is Phase.PENDING:
+                self._hc_apply(st)
+
+    def _hc_module_post(self, module, args, output) -> None:
+        if self._hc_mode is not None and self._hc_module_stack:
+            self._hc_module_stack.pop()
+        if module is self._hc_root:
+            # A parameter read only by the loss (or by nothing) is current now too.
+            self._hc_apply_all_pending()
+            self._hc_stop_watching()
+
+    def _hc_first_use(self, i: int) -> None:
+        """The watched code is about to read parameter ``i``: its update goes first."""
+        st, _ = self._hc_where[i]
+        if st.phase is not Phase.PENDING:
+            return
+        if self._hc_module_stack:
+            user = self._hc_module_stack[-1]
+            self._hc_first_users.setdefault(st.bucket.index, set()).add(id(user))
+        elif st.bucket.index not in self._hc_eager:  # read between step() and the forward
+            self._hc_eager.add(st.bucket.index)
+            log.info("hybridcomm: bucket %d (%s) is read between step() and the next forward "
+                     "(parameter %r); its update is applied in step() from now on",
+                     st.bucket.index, ", ".join(st.bucket.layers), self._hc_names[i])
+        self._hc_apply(st)
+
+    def _hc_watch(self) -> None:
+        if self._hc_mode is None and getattr(self, "_hc_model", None) is not None:
+            self._hc_mode = _FirstUse(self)
+            self._hc_module_stack = []
+            self._hc_mode.__enter__()
+
+    def _hc_stop_watching(self) -> None:
+        mode, self._hc_mode = self._hc_mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            self._hc_set_appliers()
 
     # ---- hooks --------------------------------------------------------------------------
     def _hc_launching(self) -> bool:
@@ -264,18 +400,25 @@ class _DistributedOptimizer:
             self._hc_backward_t0 = time.perf_counter()
             self._hc_launching_this_backward = self._hc_launching()
             torch.autograd.Variable._execution_engine.queue_callback(self._hc_on_backward_end)
+        if p.grad is not None and p.grad.is_sparse:
+            raise HybridCommError(f"parameter {self._hc_names[self._hc_index[id(p)]]!r} got a "
+                                  "sparse gradient; hybridcomm reduces dense gradients")
         if not self._hc_launching_this_backward:
             return
         i = self._hc_index[id(p)]
         st, pos = self._hc_where[i]
-        if st.pending_update:  # last iteration's update never met a forward: apply it first
+        if st.phase is Phase.PENDING:  # last iteration's update never met a forward
             self._hc_apply(st)
-        st.pack(pos)
-        now = time.perf_counter()
-        self._hc_ready_times[i] = (now, self._hc_wait_total)
-        self._hc_order_times[i] = now
-        if len(st.packed) == len(st.params):
-            self._hc_engine.launch(st)
+        elif st.phase is Phase.IN_FLIGHT:
+            raise HybridCommError(f"parameter {self._hc_names[i]!r} got a gradient while its "
+                                  "bucket is still being reduced: call step() between backward "
+                                  "passes (or use backward_passes_per_step / no_sync())")
+        st.phase = Phase.FILLING
+        st.ready.add(pos)
+        if self._hc_measuring():
+            self._hc_ready_times[i] = time.perf_counter()
+        if st.all_ready:
+            self._hc_launch(st)
 
     def _hc_on_backward_end(self) -> None:
         self._hc_backward_active = False
@@ -284,32 +427,17 @@ class _DistributedOptimizer:
         self.timeline.add("backward", "compute", self._hc_backward_t0, time.perf_counter())
         self._hc_passes_done += self._hc_counted_pass
 
-    def _hc_make_pre_hook(self, layer, indices):
-        def pre_hook(module, args):
-            now = time.perf_counter()
-            for i in indices:
-                st, _ = self._hc_where[i]
-                if 0 < self._hc_phase() <= self._hc_measure_iters and i in self._hc_ready_times:
-                    # The window is compute time: time spent waiting for
-                    # communication in between does not count.
-                    ready, waited = self._hc_ready_times.pop(i)
-                    window = now - ready - (self._hc_wait_total - waited)
-                    self._hc_windows.setdefault(layer, []).append(window)
-                if st.pending_update:
-                    self._hc_apply(st)
-        return pre_hook
+    def _hc_launch(self, st: BucketState) -> None:
+        self._hc_engine.launch(st)
 
     # ---- the data path ------------------------------------------------------------------
     def _hc_flush(self) -> None:
         """Launch every bucket not yet launched this iteration (missing gradients: zeros)."""
         for st in self._hc_states:
-            if st.pending_update:
+            if st.phase is Phase.PENDING:
                 self._hc_apply(st)
-            if not st.armed:
-                for pos in range(len(st.params)):
-                    if pos not in st.packed:
-                        st.pack(pos)
-                self._hc_engine.launch(st)
+            if st.phase in (Phase.IDLE, Phase.FILLING):
+                self._hc_launch(st)
 
     def _hc_wait(self, st: BucketState) -> None:
         waited = self._hc_engine.wait(st)
@@ -317,31 +445,46 @@ class _DistributedOptimizer:
         self._hc_wait_total += waited
 
     def _hc_consume(self, st: BucketState) -> List[int]:
-        """Wait for a bucket; start its next iteration; the indices some rank used."""
+        """Wait for a bucket; free it for the next iteration; the positions some rank used."""
         self._hc_wait(st)
-        st.packed.clear()
-        st.armed = False
-        return st.used()
+        used = st.used()
+        st.phase = Phase.IDLE
+        st.ready.clear()
+        return used
 
     def _hc_write_grads(self, st: BucketState) -> None:
-        for pos in self._hc_consume(st):
-            p = st.params[pos]
-            if p.grad is None:
-                p.grad = st.views[pos].to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(st.views[pos])  # casts back from a compressed wire dtype
+        """Backward mode: p.grad <- the reduced gradients (views into the bucket, or
+        one unpack launch back to the parameters' dtype under compression)."""
+        used = self._hc_consume(st)
+        params = [st.params[pos] for pos in used]
+        if not params:
+            return
+        if all(st.views[pos].dtype == p.dtype for pos, p in zip(used, params)):
+            for pos, p in zip(used, params):
+                p.grad = st.views[pos]
+            return
+        if len(used) == len(st.params) and all(p.grad is not None and p.grad.is_contiguous()
+                                               for p in params):
+            unpack(st.buffer[:st.bucket.numel], [p.grad for p in params])
+            return
+        for pos, p in zip(used, params):
+            p.grad = st.views[pos].to(p.dtype)
 
     def _hc_apply(self, st: BucketState) -> None:
         """Forward mode: apply a bucket's deferred update with its reduced gradients."""
         t0 = time.perf_counter()
-        st.pending_update = False
+        if self._hc_measuring() and st.launched_at:
+            window = t0 - st.launched_at
+            for layer in st.bucket.layers:
+                self._hc_windows.setdefault(layer, []).append(window)
+                self._hc_need.setdefault(layer, len(self._hc_need))
         used = self._hc_consume(st)
         if not used:
             return
         params = [st.params[pos] for pos in used]
         saved_grads = [p.grad for p in params]
         for pos, p in zip(used, params):
-            p.grad = st.views[pos].to(p.dtype)  # a view, unless compressed
+            p.grad = st.views[pos] if st.views[pos].dtype == p.dtype else st.views[pos].to(p.dtype)
         chosen = {id(p) for p in params}
         saved_groups = self.param_groups
         self.param_groups = [dict(hyper, params=[p for p in g["params"] if id(p) in chosen])
@@ -357,7 +500,7 @@ class _DistributedOptimizer:
 
     def _hc_apply_all_pending(self) -> None:
         for st in self._hc_states:
-            if st.pending_update:
+            if st.phase is Phase.PENDING:
                 self._hc_apply(st)
 
     # ---- the optimizer API --------------------------------------------------------------
@@ -380,7 +523,12 @@ class _DistributedOptimizer:
             if deferred:
                 hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
                 for st in self._hc_states:
-                    st.hyper, st.pending_update = hyper, True
+                    st.hyper, st.phase = hyper, Phase.PENDING
+                for st in self._hc_states:
+                    if st.bucket.index in self._hc_eager:
+                        self._hc_apply(st)
+                if self._hc_phase() < self._hc_measure_iters:  # watch the next forward
+                    self._hc_watch()
             else:
                 for st in self._hc_states:
                     self._hc_write_grads(st)
@@ -401,16 +549,15 @@ class _DistributedOptimizer:
         return super().step(closure) if closure is not None else super().step()
 
     def _hc_end_iteration(self, t0: float) -> None:
-        engine = self._hc_engine
-        with engine.cond:
-            busy, engine.busy_s = engine.busy_s, 0.0
+        busy = self._hc_channel.take_busy()
+        sent, self._hc_engine.bytes_sent = self._hc_engine.bytes_sent, 0
         # Communication that finished since the last step, and how much of it the
         # training thread waited for; the rest ran behind compute.
         self.last_step_stats = {"exposed_comm_s": self._hc_exposed_s, "comm_busy_s": busy,
                                 "hidden_comm_s": max(0.0, busy - self._hc_exposed_s),
-                                "step_call_s": time.perf_counter() - t0}
-        log.debug("hybridcomm step %d: comm %.2f ms, exposed %.2f ms", self._hc_iteration,
-                  busy * 1e3, self._hc_exposed_s * 1e3)
+                                "step_call_s": time.perf_counter() - t0, "bytes_sent": sent}
+        log.debug("hybridcomm step %d: comm %.2f ms, exposed %.2f ms, %d bytes sent",
+                  self._hc_iteration, busy * 1e3, self._hc_exposed_s * 1e3, sent)
         self.timeline.add("step", "compute", t0, time.perf_counter())
         self._hc_exposed_s = 0.0
         self._hc_iteration += 1
@@ -418,37 +565,52 @@ class _DistributedOptimizer:
             self._hc_replan(first=self._hc_iteration == self._hc_measure_iters)
 
     def _hc_replan(self, first: bool) -> None:
-        """Re-plan from rank 0's measured order, ready times and windows: always
-        the first time, later only if the measurements change a decision."""
-        windows = {k: sorted(v)[len(v) // 2] for k, v in self._hc_windows.items()}
-        order = None
-        if self._hc_order_times:
-            order = {}
-            first_ready = min(self._hc_order_times.values())
+        """Re-plan from rank 0's measured order, ready times, windows and need order:
+        always the first time, later only if the measurements change a decision."""
+        windows = {k: _quantize(sorted(v)[len(v) // 2]) for k, v in self._hc_windows.items()}
+        ready = None
+        if self._hc_ready_times:
+            first_ready = min(self._hc_ready_times.values())
+            ready = {}
             for layer in self._hc_layers:
-                times = [self._hc_order_times[i] for i in layer.params if i in self._hc_order_times]
+                times = [self._hc_ready_times[i] for i in layer.params if i in self._hc_ready_times]
                 if times:
-                    order[layer.name] = max(times) - first_ready  # seconds into backward
+                    ready[layer.name] = _quantize(max(times) - first_ready)
+        need = dict(self._hc_need) or None
         self._hc_windows.clear()
         self._hc_ready_times.clear()
-        self._hc_order_times.clear()
-        plan = self._hc_agree_plan(windows or None, order, keep=None if first else self.plan)
+        self._hc_need.clear()
+        plan = self._hc_agree_plan(windows or None, ready, need, keep=None if first else self.plan)
         if plan is None:
             return
-        for st in self._hc_states:  # quiesce: the buffers are about to be replaced
-            if st.pending_update:
-                self._hc_apply(st)
-            elif st.armed:
-                self._hc_consume(st)
+        self._hc_quiesce()
+        old_first_users = self._hc_first_users
+        # Learned first users are per bucket: map them through the layers to the new plan.
+        by_layer = {layer: users for st in self._hc_states for layer in st.bucket.layers
+                    for users in [old_first_users.get(st.bucket.index, set())]}
+        eager_layers = {layer for st in self._hc_states if st.bucket.index in self._hc_eager
+                        for layer in st.bucket.layers}
+        self._hc_first_users = {b.index: set().union(*(by_layer.get(l, set()) for l in b.layers))
+                                for b in plan.buckets}
+        self._hc_eager = {b.index for b in plan.buckets if eager_layers & set(b.layers)}
         self._hc_build(plan)
-        log.debug("hybridcomm re-plan after %d iterations:\n%s", self._hc_iteration, self.plan)
+        log.info("hybridcomm re-plan after %d iterations:\n%s", self._hc_iteration, self.plan)
+
+    def _hc_quiesce(self) -> None:
+        """Consume everything in flight: buffers are about to change."""
+        for st in self._hc_states:
+            if st.phase is Phase.PENDING:
+                self._hc_apply(st)
+            elif st.phase is Phase.IN_FLIGHT:
+                self._hc_write_grads(st)
 
     def synchronize(self) -> None:
         """Finish all communication and every pending update; p.grad then holds
         the reduced gradients (e.g. to clip them), and the next step() uses p.grad
         as it is. Parameters are current afterwards."""
+        self._hc_stop_watching()
         self._hc_apply_all_pending()
-        started = any(st.armed or st.packed for st in self._hc_states)
+        started = any(st.phase is not Phase.IDLE for st in self._hc_states)
         if started:
             self._hc_flush()
             for st in self._hc_states:
@@ -474,7 +636,7 @@ class _DistributedOptimizer:
             self._hc_no_sync = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if any(st.armed and not st.pending_update for st in self._hc_states):
+        if any(st.phase is Phase.IN_FLIGHT for st in self._hc_states):
             raise HybridCommError("zero_grad() while this iteration's gradients are being "
                                   "all-reduced would lose them: call step() or synchronize() first")
         super().zero_grad(set_to_none=set_to_none)
@@ -485,10 +647,10 @@ class _DistributedOptimizer:
 
     def load_state_dict(self, state_dict) -> None:
         for st in self._hc_states:
-            if st.armed:
-                self._hc_consume(st)
-            st.pending_update = False  # superseded by the loaded state
-            st.packed.clear()
+            if st.phase in (Phase.IN_FLIGHT, Phase.PENDING):
+                self._hc_consume(st)  # superseded by the loaded state
+            st.phase = Phase.IDLE
+            st.ready.clear()
         super().load_state_dict(state_dict)
 
     def export_trace(self, path: str) -> None:
@@ -496,17 +658,34 @@ class _DistributedOptimizer:
         self.timeline.write(path)
 
     def close(self) -> None:
-        """Finish pending work, stop the comm threads and remove the hooks."""
+        """Finish pending work, stop the channel and remove the hooks."""
         if self._hc_engine is None:
             return
+        self._hc_stop_watching()
         self._hc_apply_all_pending()
         for st in self._hc_states:
-            if st.armed:
+            if st.phase is Phase.IN_FLIGHT:
                 self._hc_consume(st)
         self._hc_engine.close()
         self._hc_engine = None
         for h in self._hc_hooks:
             h.remove()
+
+
+def _quantize(seconds: float) -> float:
+    """A measured time rounded to 2 significant digits, so that plans repeat."""
+    return float(f"{seconds:.1e}")
+
+
+def describe_param_difference(ours, theirs, rank) -> str:
+    """What differs between rank 0's and ``rank``'s (name, shape, dtype) lists."""
+    only0 = [n for n, *_ in ours if n not in {t[0] for t in theirs}]
+    only_r = [n for n, *_ in theirs if n not in {t[0] for t in ours}]
+    parts = [f"only rank 0 has {only0}"] if only0 else []
+    parts += [f"only rank {rank} has {only_r}"] if only_r else []
+    parts += [f"{a[0]}: rank 0 has {a[1:]}, rank {rank} has {b[1:]}"
+              for a, b in zip(ours, theirs) if a[0] == b[0] and a != b]
+    return "; ".join(parts) or f"the order differs between rank 0 and rank {rank}"
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None,
@@ -525,27 +704,34 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         named_parameters: names for the parameters (default: ``model``'s).
         strategy: ``"hybrid"`` (butterfly or ring per bucket, from the cost
             model and the bucket's window), ``"auto"`` (the same among all
-            three algorithms) or one algorithm for every bucket;
-            ``HYBRIDCOMM_ALGO`` overrides all.
+            algorithms) or one algorithm for every bucket (``"native"``: the
+            process group's own); ``HYBRIDCOMM_ALGO`` overrides all.
         overlap: ``"forward"``, ``"backward"`` or ``"none"`` (module docstring).
         op: ``"avg"`` (gradients averaged: same numbers as one process on the
             whole batch) or ``"sum"``.
         backward_passes_per_step: backward passes accumulated locally per step.
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the wire dtype.
         cost_model: a ``CostModel``; None (default): rank 0's saved calibration
-            (``hybridcomm-bench --calibrate``), else a quick probe (~36 small
-            all-reduces); ``"probe"``: always probe; ``"default"``: built-in
-            constants.
+            (``hybridcomm-bench --calibrate``), else a quick probe; ``"probe"``:
+            always probe; ``"default"``: built-in constants.
         process_group: torch.distributed group (default: the world).
-        timeout: seconds to wait for a peer (default ``HYBRIDCOMM_TIMEOUT``).
-        fusion_bytes / split_bytes: bucket fusion and split thresholds.
-        measure_iters: re-plan after this many steps, from the measured
-            gradient order, ready times and overlap windows (0: never).
+        timeout: seconds any blocking call waits for a peer (default
+            ``HYBRIDCOMM_TIMEOUT``, 300): agreement, re-plans, waits, close.
+        fusion_bytes / split_bytes: bucket fusion and split thresholds
+            (default: from the cost model, see planner.py).
+        measure_iters: steps measured (gradient order, windows, first uses)
+            before the plan is re-made (0: never).
         replan_every: measure again every this many steps and re-plan if the
             measurements change a decision (drift); 0: only once.
         trace: record a timeline; ``opt.export_trace("trace.json")``.
 
-    ``print(opt.plan)`` shows every bucket's algorithm, lane and window.
+    Raises:
+        HybridCommError: on every rank, naming the parameters, if the ranks'
+            parameters differ or one cannot be reduced (complex, sparse
+            gradients, unsupported dtype, several devices).
+
+    ``print(opt.plan)`` shows every bucket's algorithm, window and the issue
+    order; the plan is logged at INFO (``HYBRIDCOMM_LOG_LEVEL``).
 
     Example::
 
@@ -568,28 +754,76 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     return opt
 
 
-def broadcast_parameters(params, root_rank: int = 0, process_group=None) -> None:
+def _signature(items):
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in items]
+
+
+def broadcast_parameters(params, root_rank: int = 0, process_group=None,
+                         timeout: Optional[float] = None) -> None:
     """Copy ``root_rank``'s parameters (a state_dict or (name, tensor) pairs) to every rank.
+
+    The ranks first agree that they hold the same names, shapes and dtypes; a
+    difference is a HybridCommError on every rank naming it (never a crash or
+    a partial copy). Every wait honours ``timeout``.
 
     Example::
 
         >>> hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0)
     """
+    timeout = env.timeout(timeout)
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
-    for _, t in items:
-        if isinstance(t, torch.Tensor):
-            dist.broadcast(t.data, src=root_rank, group=process_group)
+    items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
+    sigs = control.all_gather_object(_signature(items), group=process_group, timeout=timeout,
+                                     what="the parameters to broadcast")
+    root = sigs[root_rank]
+    for r, theirs in enumerate(sigs):
+        if theirs != root:
+            raise HybridCommError(f"broadcast_parameters: the tensors differ between rank "
+                                  f"{root_rank} and rank {r}: "
+                                  + describe_param_difference(root, theirs, r).replace(
+                                      "rank 0", f"rank {root_rank}"))
+    src = dist.get_global_rank(process_group, root_rank) if process_group is not None else root_rank
+    for name, t in items:
+        work = dist.broadcast(t.data, src=src, group=process_group, async_op=True)
+        control.wait_work(work, timeout, f"broadcasting {name!r}")
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              process_group=None) -> None:
+                              process_group=None, timeout: Optional[float] = None) -> None:
     """Make every rank's optimizer state (and hyper-parameters) equal ``root_rank``'s.
+
+    The ranks first agree on the optimizer's parameter groups (sizes, shapes,
+    dtypes); a difference is a HybridCommError on every rank naming it.
 
     Example::
 
         >>> hybridcomm.broadcast_optimizer_state(opt, root_rank=0)
     """
-    box = [optimizer.state_dict() if dist.get_rank() == root_rank else None]
-    dist.broadcast_object_list(box, src=root_rank, group=process_group)
-    if dist.get_rank() != root_rank:
-        optimizer.load_state_dict(box[0])
+    timeout = env.timeout(timeout)
+    mine = [[(tuple(p.shape), str(p.dtype)) for p in g["params"]] for g in optimizer.param_groups]
+    groups = control.all_gather_object(mine, group=process_group, timeout=timeout,
+                                       what="the optimizer's parameter groups")
+    for r, theirs in enumerate(groups):
+        if theirs != groups[root_rank]:
+            raise HybridCommError(
+                f"broadcast_optimizer_state: rank {r}'s parameter groups differ from rank "
+                f"{root_rank}'s: {len(theirs)} groups of sizes {[len(g) for g in theirs]} vs "
+                f"{len(groups[root_rank])} of sizes {[len(g) for g in groups[root_rank]]}"
+                + ("" if [len(g) for g in theirs] != [len(g) for g in groups[root_rank]]
+                   else " (same sizes, different shapes or dtypes)"))
+    rank = dist.get_rank(process_group)
+    state = control.broadcast_object(_to_cpu(optimizer.state_dict()) if rank == root_rank else None,
+                                     group=process_group, root=root_rank, timeout=timeout,
+                                     what="the optimizer state")
+    if rank != root_rank:
+        optimizer.load_state_dict(state)

@@ -1,49 +1,52 @@
-"""Layers -> buckets -> (algorithm, lane, window): the plan every rank follows.
+"""Layers -> buckets -> (algorithm, issue order): the plan every rank follows.
 
-Inputs, all agreed across ranks: the trainable parameters grouped into
-layers (a module's own parameters), in the order backward produces them; the
-cost model's prediction per algorithm; optionally the measured overlap window
-of each layer (from its gradient being ready to its next forward).
+Inputs, all agreed across ranks (rank 0 plans, every rank follows): the
+trainable parameters grouped into layers (a module's own parameters), in
+the order backward produces them; the cost model; optionally measurements:
+each layer's overlap window (gradient ready -> needed by the next forward),
+when its gradient is ready, and the order the next forward needs the layers.
 
-- Fusion: consecutive small layers share one bucket while the bucket stays
-  under ``fusion_bytes`` (default: the cost model's alpha/beta, the size
-  below which one message costs mostly its latency, so merging saves it).
-- Split: a bucket over ``split_bytes`` is all-reduced in segments, each a
-  separate operation in its lane (bounded message size, earlier progress).
-- Algorithm (``strategy="hybrid"``, the thesis's pair): butterfly or ring
-  by ``CostModel.choose`` with the bucket's window: the one that sends fewer
-  bytes if it is predicted to finish within the window, else the faster. So
-  a small bucket with a short window gets the butterfly, a large one with a
-  long window the ring. The ring may be hybridcomm's own or ``native`` (the
-  process group's all_reduce, gloo's or NCCL's ring in C++), whichever the
-  measured model predicts faster; an uncalibrated model offers no
-  ``native``. ``strategy="auto"`` lets halving-doubling compete too (it
-  sends the ring's bytes in fewer messages, but to a different peer each
-  step, which shaped or oversubscribed links punish; measure before you pick
-  it). ``strategy`` naming an algorithm, or ``HYBRIDCOMM_ALGO``, forces it
-  for every bucket.
-- Queueing: with measured ready times too, each bucket's candidates are
-  judged by when they would *finish* in their lane, after the buckets queued
-  there before it (``queued(us)`` in the table).
-- Lane: butterfly buckets (small, latency-bound) go to the ``latency`` lane,
-  the rest to the ``bandwidth`` lane. Each lane is its own communicator and
-  thread with a fixed order, so a small urgent bucket never waits behind a
-  big one, and every rank issues each lane's operations in the same order.
+- **Fusion**: consecutive layers of one dtype share a bucket while it stays
+  under ``fusion_bytes``: by default alpha/beta (the size below which a
+  message costs mostly its latency), clamped to [64 KiB, 32 MiB]. A fit
+  with beta = 0 ("bytes are free") fuses up to the cap; alpha = 0 fuses to
+  the floor: a degenerate probe never makes hundreds of tiny buckets.
+- **Split**: a bucket over ``split_bytes`` is all-reduced in segments, so
+  an urgent small bucket can go between them. Default: where a segment's
+  extra messages cost under 10% of its transfer (10 P alpha/beta), at least
+  1 MiB; no split when beta = 0.
+- **Algorithm** (``strategy="hybrid"``, the thesis's pair): per bucket,
+  ``CostModel.choose`` with the bucket's window: among the candidates
+  predicted to finish within it, the one that sends the fewest bytes, else
+  the fastest. Small buckets with short windows get the butterfly, large
+  ones with long windows a ring (hybridcomm's, or ``native``, the process
+  group's own in C++, where the measured model offers and predicts it
+  faster). ``"auto"`` lets halving-doubling compete too. ``strategy`` naming
+  an algorithm, or ``HYBRIDCOMM_ALGO``, forces it for every bucket.
+- **Issue order**: every rank issues all of a step's communication through
+  one ordered channel (one communicator, one stream), in ``Plan.order``: a
+  fixed sequence of (bucket, segment). Without measurements it is backward
+  order. With them, it is what a priority queue would do under the model's
+  timings (ByteScheduler's idea, fixed ahead so that every rank issues the
+  same sequence whatever its local timing): whenever the channel is free,
+  the ready segment of the bucket the next forward needs first goes next.
 
-``print(plan)`` shows the table.
+``print(plan)`` shows the table and the order; every default it chose is in
+``plan.notes``.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from . import env
 from .algorithms import ALGORITHMS
-from .cost_model import NATIVE, CostModel, bytes_sent
+from .cost_model import NATIVE, CostModel
 
-LANES = ("latency", "bandwidth")
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE,)
 STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS}
+MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
+MIN_SPLIT, MAX_SPLIT = 1 << 20, 64 << 20
 
 
 @dataclass
@@ -53,6 +56,8 @@ class Layer:
     name: str
     params: List[int]
     numel: int
+    element_size: int = 4  # of the dtype its bucket carries on the wire
+    dtype: str = "torch.float32"
 
 
 @dataclass
@@ -63,11 +68,11 @@ class Bucket:
     numel: int  # gradient elements (the buffer also holds one flag per parameter)
     nbytes: int
     algorithm: str
-    lane: str
     predicted_s: float
+    dtype: str = "torch.float32"
     window_s: Optional[float] = None
     segments: List[Tuple[int, int]] = field(default_factory=list)  # over the whole buffer
-    queued_s: Optional[float] = None  # predicted wait behind its lane's earlier buckets
+    need: Optional[int] = None  # position in the next forward's order of need
 
 
 @dataclass
@@ -75,44 +80,45 @@ class Plan:
     world_size: int
     strategy: str
     buckets: List[Bucket]
+    order: List[Tuple[int, int]]  # (bucket, segment): the one issue order of a step
+    fusion_bytes: int = 0
+    split_bytes: int = 0
+    notes: List[str] = field(default_factory=list)
 
-    def lane_order(self, lane: str) -> List[Bucket]:
-        """Buckets of a lane in the fixed order every rank issues them."""
-        return [b for b in self.buckets if b.lane == lane]
+    def decisions(self):
+        """What the ranks must agree on (a re-plan that changes none of it is skipped)."""
+        return [(b.layers, b.algorithm, b.segments) for b in self.buckets], self.order
 
     def __str__(self) -> str:
         head = (f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
-                f"strategy {self.strategy}\n")
-        cols = f"{'bucket':>6} {'bytes':>10} {'algorithm':>17} {'pred(us)':>9} {'queued(us)':>10} " \
-               f"{'window(us)':>10} {'lane':>9} {'segs':>4}  layers\n"
+                f"strategy {self.strategy}, fusion {self.fusion_bytes} B, split "
+                f"{self.split_bytes or '-'} B\n")
+        cols = (f"{'bucket':>6} {'bytes':>10} {'dtype':>8} {'algorithm':>17} {'pred(us)':>9} "
+                f"{'window(us)':>10} {'need':>4} {'segs':>4}  layers\n")
         rows = []
         for b in self.buckets:
             win = "-" if b.window_s is None else f"{b.window_s * 1e6:.0f}"
-            queued = "-" if b.queued_s is None else f"{b.queued_s * 1e6:.0f}"
+            need = "-" if b.need is None else str(b.need)
             layers = ", ".join(b.layers)
             if len(layers) > 60:
                 layers = layers[:57] + "..."
-            rows.append(f"{b.index:>6} {b.nbytes:>10} {b.algorithm:>17} {b.predicted_s * 1e6:>9.0f} "
-                        f"{queued:>10} {win:>10} {b.lane:>9} {len(b.segments):>4}  {layers}")
-        return head + cols + "\n".join(rows)
-
-
-def lane_of(algorithm: str) -> str:
-    return "latency" if algorithm == "butterfly" else "bandwidth"  # native: a ring
-
-
-def _least(values: Optional[dict], group: Sequence[Layer]) -> Optional[float]:
-    known = [values[layer.name] for layer in group if values and layer.name in values]
-    return min(known) if known else None
+            rows.append(f"{b.index:>6} {b.nbytes:>10} {b.dtype.replace('torch.', ''):>8} "
+                        f"{b.algorithm:>17} {b.predicted_s * 1e6:>9.0f} {win:>10} {need:>4} "
+                        f"{len(b.segments):>4}  {layers}")
+        order = " ".join(f"{b}.{s}" for b, s in self.order[:40])
+        if len(self.order) > 40:
+            order += f" ... ({len(self.order)} in all)"
+        tail = f"\nissue order (bucket.segment): {order}"
+        if self.notes:
+            tail += "\nnotes: " + "; ".join(self.notes)
+        return head + cols + "\n".join(rows) + tail
 
 
 def forced_algorithm(strategy: str) -> Optional[str]:
     """The algorithm every bucket must use, or None for a per-bucket choice."""
-    env = os.environ.get("HYBRIDCOMM_ALGO")
-    if env:
-        if env not in BUCKET_ALGORITHMS:
-            raise ValueError(f"HYBRIDCOMM_ALGO={env!r} is not one of {BUCKET_ALGORITHMS}")
-        return env
+    forced = env.get("HYBRIDCOMM_ALGO")
+    if forced:
+        return forced
     if strategy in STRATEGY_CANDIDATES:
         return None
     if strategy not in BUCKET_ALGORITHMS:
@@ -121,78 +127,122 @@ def forced_algorithm(strategy: str) -> Optional[str]:
     return strategy
 
 
-def make_plan(layers: Sequence[Layer], *, world_size: int, element_size: int, model: CostModel,
-              strategy: str = "hybrid", fusion_bytes: Optional[int] = None,
-              split_bytes: Optional[int] = None, windows: Optional[dict] = None,
-              ready: Optional[dict] = None) -> Plan:
-    """Group ``layers`` (in backward order) into buckets and choose for each.
+def default_fusion(model: CostModel, notes: List[str]) -> int:
+    """alpha/beta clamped to [MIN_FUSION, MAX_FUSION]; a degenerate fit takes a bound."""
+    if model.beta <= 0:
+        notes.append(f"cost model has beta = 0: fusing up to {MAX_FUSION} B")
+        return MAX_FUSION
+    if model.alpha <= 0:
+        notes.append(f"cost model has alpha = 0: fusing up to {MIN_FUSION} B")
+        return MIN_FUSION
+    return int(min(MAX_FUSION, max(MIN_FUSION, model.alpha / model.beta)))
 
-    ``windows`` maps a layer name to its measured overlap window in seconds
-    (a bucket's is its smallest layer's); ``ready`` maps it to when its
-    gradient is ready, in seconds from the first one (a bucket's is its last
-    layer's). With both, each bucket's choice accounts for what is queued
-    ahead of it in each lane.
-    ``fusion_bytes`` defaults to the model's alpha/beta.
 
-    Example::
+def default_split(model: CostModel, world_size: int, notes: List[str]) -> int:
+    """Segments whose extra messages cost < 10% of their transfer; 0 = no split."""
+    if model.beta <= 0 or model.alpha <= 0:
+        notes.append("degenerate cost model: no split")
+        return 0
+    return int(min(MAX_SPLIT, max(MIN_SPLIT, 10 * world_size * model.alpha / model.beta)))
 
-        >>> model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-10)
-        >>> plan = make_plan([Layer("fc", [0, 1], 1 << 22), Layer("conv", [2], 500)],
-        ...                  world_size=8, element_size=4, model=model)
-        >>> [(b.algorithm, b.lane) for b in plan.buckets]
-        [('ring', 'bandwidth'), ('butterfly', 'latency')]
-        >>> make_plan([Layer("fc", [0, 1], 1 << 22)], world_size=8, element_size=4, model=model,
-        ...           strategy="auto").buckets[0].algorithm
-        'halving_doubling'
 
-    """
-    forced = forced_algorithm(strategy)
-    if fusion_bytes is None:
-        fusion_bytes = int(model.alpha / model.beta) if model.beta > 0 else 0
+def _fuse(layers: Sequence[Layer], fusion_bytes: int) -> List[List[Layer]]:
     groups: List[List[Layer]] = []
     for layer in layers:
         if layer.numel == 0:
             continue
         last = groups[-1] if groups else None
-        if last is not None and sum(x.numel for x in last + [layer]) * element_size <= fusion_bytes:
+        if last is not None and last[0].dtype == layer.dtype and \
+                sum(x.numel * x.element_size for x in last + [layer]) <= fusion_bytes:
             last.append(layer)
         else:
             groups.append([layer])
+    return groups
+
+
+def issue_order(buckets: Sequence[Bucket], model: CostModel, world_size: int,
+                ready: Optional[Dict[int, float]] = None) -> List[Tuple[int, int]]:
+    """The fixed (bucket, segment) sequence. Without ``ready`` (bucket -> seconds into
+    backward when its gradients are ready): backward order. With it: a priority
+    queue run under the model's timings, the bucket needed first going first."""
+    if not ready:
+        return [(b.index, s) for b in buckets for s in range(len(b.segments))]
+    todo = {b.index: 0 for b in buckets}
+    now, order = 0.0, []
+    by_index = {b.index: b for b in buckets}
+    while todo:
+        avail = [i for i in todo if ready.get(i, 0.0) <= now]
+        if not avail:
+            now = min(ready.get(i, 0.0) for i in todo)
+            continue
+        i = min(avail, key=lambda i: (by_index[i].need if by_index[i].need is not None
+                                      else len(buckets) + i, i))
+        b, s = by_index[i], todo[i]
+        a, z = b.segments[s]
+        now += model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1), world_size) \
+            if b.algorithm != NATIVE or model.offers(NATIVE) else 0.0
+        order.append((i, s))
+        todo[i] += 1
+        if todo[i] == len(b.segments):
+            del todo[i]
+    return order
+
+
+def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
+              strategy: str = "hybrid", fusion_bytes: Optional[int] = None,
+              split_bytes: Optional[int] = None, windows: Optional[dict] = None,
+              ready: Optional[dict] = None, need: Optional[dict] = None) -> Plan:
+    """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
+
+    ``windows`` maps a layer name to its measured overlap window in seconds
+    (a bucket's is its smallest layer's); ``ready`` maps it to when its
+    gradient is ready, in seconds from the first one (a bucket's is its last
+    layer's); ``need`` maps it to its place in the next forward's order.
+
+    Example::
+
+        >>> model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-10)
+        >>> plan = make_plan([Layer("fc", [0, 1], 1 << 22), Layer("conv", [2], 500)],
+        ...                  world_size=8, model=model)
+        >>> [b.algorithm for b in plan.buckets], plan.order[:2]
+        (['ring', 'butterfly'], [(0, 0), (0, 1)])
+    """
+    notes: List[str] = []
+    forced = forced_algorithm(strategy)
+    if fusion_bytes is None:
+        fusion_bytes = default_fusion(model, notes)
+    if split_bytes is None:
+        split_bytes = default_split(model, world_size, notes)
     candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)]
-    lane_free = dict.fromkeys(LANES, 0.0)  # when each lane is next idle (from ``ready``)
     buckets = []
-    for i, group in enumerate(groups):
+    for i, group in enumerate(_fuse(layers, fusion_bytes)):
         params = [p for layer in group for p in layer.params]
         numel = sum(layer.numel for layer in group)
-        nbytes = numel * element_size
+        esize = group[0].element_size
+        nbytes = numel * esize
         total = numel + len(params)  # gradients, then one usage flag per parameter
-        step = total if not split_bytes else max(1, split_bytes // element_size)
+        step = total if not split_bytes else max(1, split_bytes // esize)
         segments = [(s, min(s + step, total)) for s in range(0, total, step)]
-
-        def predicted(algo):
-            return sum(model.predict(algo, (b - a) * element_size, world_size) for a, b in segments)
-
-        window = _least(windows, group)
-        at = max((ready[layer.name] for layer in group if layer.name in ready), default=None) \
-            if ready else None
+        known = [windows[layer.name] for layer in group if windows and layer.name in windows]
+        window = min(known) if known else None
         if forced:
             algorithm = forced
-        elif window is None or at is None:
-            algorithm = model.choose(nbytes, world_size, window, candidates)
         else:
-            # Each candidate runs in its lane after what is already queued there:
-            # the ring behind a big bucket may miss a window the butterfly meets.
-            finish = {a: max(lane_free[lane_of(a)], at) + predicted(a) for a in candidates}
-            fits = [a for a in candidates if finish[a] - at <= window]
-            algorithm = (min(fits, key=lambda a: (bytes_sent(a, nbytes, world_size), finish[a]))
-                         if fits else min(candidates, key=lambda a: finish[a]))
-        pred = predicted(algorithm)
-        queued = None
-        if at is not None:
-            start = max(lane_free[lane_of(algorithm)], at)
-            lane_free[lane_of(algorithm)] = start + pred
-            queued = start - at
-        buckets.append(Bucket(i, [layer.name for layer in group], params, numel, nbytes, algorithm,
-                              lane_of(algorithm), pred, window, segments, queued))
-    return Plan(world_size, strategy, buckets)
-
+            # At P <= 2 our algorithms are all one exchange of the same bytes.
+            pool = [a for a in candidates if a in ("butterfly", NATIVE)] if world_size <= 2 \
+                else candidates
+            algorithm = model.choose(nbytes, world_size, window, pool or ["butterfly"])
+        pred = sum(model.predict(algorithm, (b - a) * esize, world_size) for a, b in segments) \
+            if model.offers(algorithm) else float("nan")
+        needs = [need[layer.name] for layer in group if need and layer.name in need]
+        buckets.append(Bucket(i, [layer.name for layer in group], params, numel, nbytes,
+                              algorithm, pred, group[0].dtype, window, segments,
+                              min(needs) if needs else None))
+    bucket_ready = None
+    if ready:
+        bucket_ready = {}
+        for b, group in zip(buckets, _fuse(layers, fusion_bytes)):
+            times = [ready[layer.name] for layer in group if layer.name in ready]
+            bucket_ready[b.index] = max(times) if times else 0.0
+    order = issue_order(buckets, model, world_size, bucket_ready)
+    return Plan(world_size, strategy, buckets, order, fusion_bytes, split_bytes, notes)

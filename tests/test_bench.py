@@ -59,7 +59,7 @@ def test_cli_end_to_end_two_ranks(tmp_path):
     validate(doc)
     assert doc["world_size"] == 2 and doc["dtype"] == "bfloat16" and doc["op"] == "avg"
     assert doc["shape"] is None and doc["latency"] == 0
-    algos = {"ring", "butterfly", "halving_doubling", "auto", "torch"}
+    algos = {"ring", "butterfly", "halving_doubling", "auto", "native"}
     assert {(r["algo"], r["bytes"]) for r in doc["results"]} == {
         (a, n) for a in algos for n in (4096, 16384, 65536)}
     assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in doc["results"])
@@ -74,14 +74,14 @@ def test_cli_end_to_end_two_ranks(tmp_path):
     assert "Avg bus bandwidth" in text and "crossover" in text and "alpha" in text
 
 
-def test_cli_latency_rows_say_torch_has_none(tmp_path):
+def test_cli_latency_rows_say_native_has_none(tmp_path):
     out = tmp_path / "lat.json"
     text = _run_cli(["--nprocs", "2", "-b", "4K", "-e", "4K", "-n", "2", "-w", "0",
-                     "--algo", "butterfly,ring,torch", "--latency", "200us", "--json", str(out)])
+                     "--algo", "butterfly,ring,native", "--latency", "200us", "--json", str(out)])
     doc = json.loads(out.read_text())
     assert doc["latency"] == pytest.approx(200e-6)
     rows = {r["algo"]: r for r in doc["results"]}
-    assert rows["butterfly"]["latency_emulated"] and not rows["torch"]["latency_emulated"]
+    assert rows["butterfly"]["latency_emulated"] and not rows["native"]["latency_emulated"]
     # ring at P=2: 2 steps, each at least the emulated 200 us
     assert rows["ring"]["time_us"] >= 400 and rows["butterfly"]["time_us"] >= 200
     assert "no latency emulation" in text and "EMULATED" in text

@@ -24,6 +24,6 @@ def _pipelined(rank, world):
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_pipelined_parts_are_exact(world, monkeypatch):
-    monkeypatch.setattr(executor, "PIPELINE_BYTES", 16)  # inherited by the forked ranks
+    monkeypatch.setenv("HYBRIDCOMM_PIPELINE_BYTES", "16")  # inherited by the forked ranks
     for rank, wrong in enumerate(run_ranks(world, _pipelined, timeout=120)):
         assert wrong == [], f"rank {rank}: {wrong}"

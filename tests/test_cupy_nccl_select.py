@@ -1,21 +1,32 @@
 """Transport selection: auto picks CuPy NCCL for CUDA tensors when it imports,
-torch.distributed otherwise; a backend asked for by name never falls back."""
+torch.distributed's NCCL otherwise; CPU tensors take gloo; a backend asked for by
+name never falls back."""
 import sys
 
 import pytest
 import torch
 
 from hybridcomm.errors import HybridCommError
+from hybridcomm.runtime import CudaRuntime
 from hybridcomm.transport import cupy_nccl, select
+
+
+class _FakeCudaRuntime:
+    simulated = False
+    device = torch.device("cuda", 0)
 
 
 @pytest.fixture
 def stubs(monkeypatch):
-    """Replace both transports by markers (no process group, no GPU needed)."""
+    """Replace the transports by markers and CUDA by a stand-in (no GPU needed)."""
     made = []
-    monkeypatch.setattr(select, "TorchDistTransport", lambda group: made.append("torch") or "torch")
-    monkeypatch.setattr(select, "_cupy_transport", lambda group, dev: made.append("cupy") or "cupy")
+    monkeypatch.setattr(select, "TorchDistTransport", lambda group: made.append("gloo") or "gloo")
+    monkeypatch.setattr(select, "_device_transport",
+                        lambda group, rt, choice, timeout: made.append(choice) or choice)
+    monkeypatch.setattr(select, "runtime_for", lambda device: _FakeCudaRuntime()
+                        if torch.device(device).type == "cuda" else None)
     monkeypatch.delenv(select.ENV_VAR, raising=False)
+    monkeypatch.delenv("HYBRIDCOMM_SIMULATE_GPU", raising=False)
     return made
 
 
@@ -28,7 +39,7 @@ def with_cupy(monkeypatch, ok):
 def test_auto(stubs, monkeypatch, ok):
     with_cupy(monkeypatch, ok)
     assert select.select_transport(torch.device("cuda", 0)) == ("cupy" if ok else "torch")
-    assert select.select_transport(torch.ones(2)) == "torch"  # CPU tensors: gloo
+    assert select.select_transport(torch.ones(2)) == "gloo"  # CPU tensors: the host path
 
 
 def test_named_cupy_unavailable_is_an_error(stubs, monkeypatch):
@@ -53,7 +64,7 @@ def test_named_torch_and_env(stubs, monkeypatch):
     monkeypatch.setenv(select.ENV_VAR, "torch")
     assert select.select_transport("cuda:0") == "torch"
     monkeypatch.setenv(select.ENV_VAR, "mpi")
-    with pytest.raises(HybridCommError, match="not one of"):
+    with pytest.raises(HybridCommError, match="HYBRIDCOMM_TRANSPORT='mpi' is invalid"):
         select.select_transport("cuda:0")
 
 
@@ -64,8 +75,28 @@ def test_import_nccl_without_cupy_says_what_to_install(monkeypatch):
         cupy_nccl.import_nccl()
 
 
-def test_transport_without_cuda_is_a_clear_error():
+def test_cuda_runtime_without_cuda_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    with pytest.raises(HybridCommError):
-        cupy_nccl.CupyNcclTransport(nccl=object(), rank=0, world_size=1, store=object())
+    with pytest.raises(HybridCommError, match="no CUDA device"):
+        CudaRuntime(torch.device("cuda", 0))
+
+
+def test_unique_ids_of_both_cupy_styles_round_trip():
+    """CuPy 14 returns and takes bytes; CuPy 13 a tuple of signed chars (measured on
+    cupy-cuda12x 13.6.0 and 14.2.0): one stored form, converted for each."""
+    raw = bytes(range(128))
+    signed = tuple(b - 256 if b > 127 else b for b in raw)
+    assert cupy_nccl.unique_id_bytes(raw) == raw
+    assert cupy_nccl.unique_id_bytes(signed) == raw
+
+    class Comm:
+        def __init__(self, ndev, uid, rank, want):
+            if not isinstance(uid, want):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected {want.__name__})")
+            self.uid = uid
+
+    for want, expect in ((bytes, raw), (tuple, signed)):
+        module = type("M", (), {"NcclCommunicator": staticmethod(
+            lambda n, uid, r, want=want: Comm(n, uid, r, want))})
+        assert cupy_nccl.make_communicator(module, 2, raw, 0).uid == expect

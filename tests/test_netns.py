@@ -45,7 +45,7 @@ def test_shaped_tiny_sweep_runs_and_cleans_up(tmp_path):
     out = tmp_path / "shaped.json"
     proc = subprocess.Popen([sys.executable, "-m", "hybridcomm.bench", "--nprocs", "2", "--shape",
                              "rate 1gbit", "-b", "4K", "-e", "64K", "-f", "16", "-n", "2", "-w", "1",
-                             "--algo", "ring,torch", "--json", str(out)],
+                             "--algo", "ring,native", "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     text, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, text

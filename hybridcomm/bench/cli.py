@@ -1,7 +1,7 @@
 """``hybridcomm-bench``: all-reduce latency and bandwidth, every algorithm beside
 ``torch.distributed.all_reduce``, in the spirit of nccl-tests.
 
-    hybridcomm-bench --nprocs 4 -b 4K -e 64M -f 4 --algo ring,butterfly,auto,torch
+    hybridcomm-bench --nprocs 4 -b 4K -e 64M -f 4 --algo ring,butterfly,auto,native
     torchrun --nproc-per-node 8 -m hybridcomm.bench -b 8 -e 1G -f 2
     hybridcomm-bench --nprocs 4 --shape "rate 1gbit" -b 4K -e 16M     # root: namespaces + tbf
     hybridcomm-bench --nprocs 4 --latency 500us -b 4K -e 1M           # emulated latency
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-o", "--op", choices=("sum", "avg"), default="sum")
     ap.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
                     help="check the results after timing (#wrong)")
-    ap.add_argument("--algo", default="ring,butterfly,halving_doubling,auto,torch",
+    ap.add_argument("--algo", default="ring,butterfly,halving_doubling,auto,native",
                     help=f"comma list of {','.join(ALGO_CHOICES)} (torch: torch.distributed."
                          "all_reduce, the baseline)")
     ap.add_argument("--nprocs", type=int, default=None,
@@ -171,12 +171,12 @@ def _local(cfg: Config, nprocs: int, backend: str, shape: Optional[str]) -> dict
 def calibrate(doc: dict, path: Optional[str]) -> dict:
     """Fit alpha, beta, gamma to the sweep's ring/butterfly/halving_doubling rows,
     save them, and return the JSON ``calibration`` entry."""
-    from .. import cost_model
+    from .. import calibration, cost_model
 
     samples = [(r["algo"], r["bytes"], doc["world_size"], r["time_us"] * 1e-6)
-               for r in doc["results"] if r["algo"] in cost_model.MODELED]
+               for r in doc["results"] if r["algo"] in cost_model.MODELED + (BASELINE,)]
     model, rep = cost_model.fit(samples)
-    saved = cost_model.save(model, path or None, report=rep, world_size=doc["world_size"],
+    saved = calibration.save(model, path or None, report=rep, world_size=doc["world_size"],
                             backend=doc["backend"], device=doc["device"], dtype=doc["dtype"],
                             shape=doc["shape"], latency_emulated_s=doc["latency"],
                             sizes=[min(s[1] for s in samples), max(s[1] for s in samples)])

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-BASELINE = "torch"
+BASELINE = "native"  # the process group's own all_reduce (gloo's or NCCL's)
 
 
 @dataclass
 class Config:
     sizes: List[int]                  # bytes
-    algos: List[str]                  # ours, "auto" and/or "torch"
+    algos: List[str]                  # ours, "auto" and/or "native"
     iters: int = 20
     warmup: int = 5
     dtype: str = "float32"
@@ -62,8 +62,11 @@ def count_wrong(got: torch.Tensor, total: torch.Tensor, op: str, world: int) -> 
 
 
 def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    from ..runtime import runtime_for
+
+    rt = runtime_for(device)
+    if rt is not None:
+        rt.synchronize()
 
 
 class _Runners:
@@ -71,11 +74,16 @@ class _Runners:
 
     def __init__(self, world: int, rank: int, cfg: Config, device):
         from ..executor import Workspace
-        from ..transport import TorchDistTransport
         from ..transport.latency import LatencyTransport
+        from ..transport.select import select_transport
 
         self.world, self.rank, self.cfg, self.device = world, rank, cfg, device
-        base = TorchDistTransport()
+        # The transport the optimizer and all_reduce use on this device (CuPy NCCL
+        # on GPUs), so the sweep and --calibrate measure the real data path.
+        base = select_transport(device)
+        if cfg.latency_s > 0 and base.stream_ordered:
+            raise SystemExit("error: --latency emulates per-message delay on the host path "
+                             "only; it cannot wrap a stream-ordered (GPU) transport")
         self.transport = LatencyTransport(base, cfg.latency_s) if cfg.latency_s > 0 else base
         self.workspace = Workspace()
         self.scale = 1.0 / world if cfg.op == "avg" else None
@@ -118,17 +126,17 @@ def _time_one(run, buf, inp, cfg: Config, device) -> float:
 
 def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
     """The sweep on this rank; rank 0 returns the gathered results, others None."""
-    from .. import cost_model
+    from .. import calibration
 
     device = torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend() == "nccl" else torch.device("cpu")
     dtype = DTYPES[cfg.dtype]
     esize = torch.empty((), dtype=dtype).element_size()
     # auto must choose the same on every rank: rank 0's model for all.
-    model = cost_model.agree()
+    model = calibration.agree(timeout=cfg.timeout_s)
     if cfg.latency_s > 0:  # the emulated network is slower per message: auto knows it
         model = model.with_latency(cfg.latency_s)
-        cost_model.set_active(model)
+        calibration.set_active(model)
     runners = _Runners(world, rank, cfg, device)
 
     rows = []

@@ -1,8 +1,14 @@
 """The transport contract: move bytes between ranks, nothing else.
 
-A transport posts one schedule step's sends and receives together and hands
-back a :class:`Pending` to wait on. Tensors are 1-D contiguous views into the
-caller's buffers: a transport never copies or allocates on the data path.
+A transport posts one schedule step's sends and receives together
+(``exchange``) and runs the process group's own all-reduce (``all_reduce``,
+the ``native`` algorithm). Tensors are 1-D contiguous views into the caller's
+buffers: a transport never copies or allocates on the data path. Two kinds:
+
+* host-ordered (``stream_ordered = False``, gloo): ``exchange`` returns a
+  :class:`Pending` the caller waits on, with a timeout;
+* stream-ordered (``stream_ordered = True``, NCCL): work is queued on the
+  transport's one comm stream (:class:`CommStream`); completion is an event.
 """
 from __future__ import annotations
 
@@ -21,6 +27,33 @@ class Pending(Protocol):
 class Transport(Protocol):
     rank: int
     world_size: int
+    stream_ordered: bool
 
-    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> Pending:
+    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]):
         """Post all sends and receives of one step as a group."""
+
+
+class CommStream:
+    """The comm stream of a stream-ordered transport: everything it issues goes
+    there, in issue order, ordered against other streams by events only."""
+
+    stream_ordered = True
+
+    def _init_stream(self, runtime, priority: int) -> None:
+        self.runtime = runtime
+        self.stream = runtime.new_stream(priority)
+
+    def stream_context(self):
+        """``with t.stream_context():`` makes the comm stream current (kernels
+        launched inside queue after the communication issued so far)."""
+        return self.runtime.use(self.stream)
+
+    def wait_event(self, event) -> None:
+        """The comm stream waits for ``event`` (e.g. gradients ready on the compute stream)."""
+        self.stream.wait_event(event)
+
+    def record_event(self):
+        """An event on the comm stream now: done when everything issued so far is."""
+        ev = self.runtime.new_event()
+        ev.record(self.stream)
+        return ev

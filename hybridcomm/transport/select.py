@@ -1,40 +1,41 @@
-"""Choosing the transport for a tensor: CuPy NCCL, or torch.distributed.
+"""Choosing the transport for a tensor.
 
-``backend`` (argument, else ``HYBRIDCOMM_TRANSPORT``, else ``"auto"``):
+Host path (CPU tensors): :class:`TorchDistTransport` over the group (gloo).
+Device path (CUDA tensors, or CPU tensors under ``HYBRIDCOMM_SIMULATE_GPU=1``),
+by ``backend`` (argument, else ``HYBRIDCOMM_TRANSPORT``, else ``"auto"``):
 
-* ``"auto"``: CUDA tensors take :class:`CupyNcclTransport` when CuPy with
-  NCCL imports, else :class:`TorchDistTransport` (nccl on GPU); CPU tensors
-  take :class:`TorchDistTransport` (gloo).
-* ``"cupy"``: :class:`CupyNcclTransport`; an error if CuPy/NCCL is missing or
-  the tensor is not on a GPU (a backend asked for by name never falls back).
-* ``"torch"``: :class:`TorchDistTransport`.
+* ``"auto"``: :class:`CupyNcclTransport` when CuPy with NCCL imports, else
+  :class:`TorchNcclTransport`;
+* ``"cupy"`` / ``"torch"``: that one, or an error saying why not (a backend
+  asked for by name never falls back).
 
-The choice is logged at DEBUG. Every rank must make the same choice (NCCL
-communicators of different kinds never match); install the same packages on
-every node, or force one with ``HYBRIDCOMM_TRANSPORT``.
-
-A CuPy communicator is made once per (group, device) and cached: making one
-is collective and takes milliseconds to seconds.
+Device transports are made once per (group, device) and shared by everything
+in the process (the optimizer and ``all_reduce``): one communicator and one
+comm stream per group, so all NCCL work of a rank keeps one issue order.
+Making one is collective. The choice is logged at DEBUG; every rank must make
+the same one (install the same packages everywhere, or set
+``HYBRIDCOMM_TRANSPORT``).
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from typing import Dict, Tuple
 
 import torch
 
+from .. import env
 from ..errors import HybridCommError
-from .torch_dist import TorchDistTransport
+from ..runtime import runtime_for
+from .torch_dist import TorchDistTransport, TorchNcclTransport
 
 log = logging.getLogger("hybridcomm")
 
 BACKENDS = ("auto", "cupy", "torch")
 ENV_VAR = "HYBRIDCOMM_TRANSPORT"
 
-_cupy_transports: Dict[Tuple[int, torch.device], object] = {}
+_device_transports: Dict[Tuple[int, str, str], object] = {}
 _lock = threading.Lock()
 
 
@@ -52,15 +53,20 @@ def cupy_nccl_status() -> Tuple[bool, str]:
 
 def resolve_backend(backend: str | None = None) -> str:
     """The backend name asked for (argument, then ``HYBRIDCOMM_TRANSPORT``), checked."""
-    name = backend if backend is not None else os.environ.get(ENV_VAR, "auto").strip() or "auto"
-    if name not in BACKENDS:
-        source = "backend" if backend is not None else ENV_VAR
-        raise HybridCommError(f"{source}={name!r} is not one of {BACKENDS}")
-    return name
+    if backend is None:
+        return env.get(ENV_VAR)
+    if backend not in BACKENDS:
+        raise HybridCommError(f"backend={backend!r} is not one of {BACKENDS}")
+    return backend
 
 
-def select_transport(device, group=None, backend: str | None = None):
+def select_transport(device, group=None, backend: str | None = None, *,
+                     timeout: float | None = None):
     """The transport for tensors on ``device`` (a torch.device, str, or tensor).
+
+    Making a device transport is collective: the ranks first meet on the control
+    plane within ``timeout`` (default ``HYBRIDCOMM_TIMEOUT``), so a rank that never
+    arrives is a HybridCommTimeout, not a hang in NCCL's bootstrap.
 
     Example::
 
@@ -71,49 +77,57 @@ def select_transport(device, group=None, backend: str | None = None):
         device = device.device
     device = torch.device(device)
     name = resolve_backend(backend)
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        choice = "torch"
-    elif name == "cupy":
-        if device.type != "cuda":
+    rt = runtime_for(device)
+    if rt is None:
+        if name == "cupy":
             raise HybridCommError(f"transport 'cupy' needs CUDA tensors; this one is on {device}")
-        ok, why = cupy_nccl_status()
-        if not ok:
-            raise HybridCommError(f"transport 'cupy' was asked for ({_source(backend)}) but is "
-                                  f"unavailable: {why}")
+        return TorchDistTransport(group)
+    if rt.simulated:
         choice = "cupy"
-    else:  # auto, CUDA
+        if name == "torch":
+            raise HybridCommError("transport 'torch' cannot run on the simulated GPU (it models "
+                                  "CuPy's NCCL); unset HYBRIDCOMM_TRANSPORT")
+    elif name == "auto":
         ok, why = cupy_nccl_status()
         choice = "cupy" if ok else "torch"
         if not ok:
             log.debug("transport auto: CuPy NCCL unavailable (%s); using torch.distributed", why)
+    else:
+        choice = name
+        if name == "cupy":
+            ok, why = cupy_nccl_status()
+            if not ok:
+                raise HybridCommError(f"transport 'cupy' was asked for ({_source(backend)}) but "
+                                      f"is unavailable: {why}")
     log.debug("transport for %s: %s (asked: %s)", device, choice, name)
-    if choice == "torch":
-        return TorchDistTransport(group)
-    return _cupy_transport(group, device)
+    return _device_transport(group, rt, choice, env.timeout(timeout))
 
 
-def _cupy_transport(group, device: torch.device):
+def _device_transport(group, rt, choice: str, timeout: float):
+    from .. import control
     from .cupy_nccl import CupyNcclTransport
 
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (id(group), device)
+    key = (id(group), str(rt.device) + (f":{rt.index}" if rt.simulated else ""), choice)
     with _lock:
-        t = _cupy_transports.get(key)
+        t = _device_transports.get(key)
         if t is None:
-            t = CupyNcclTransport(group, device=device)
-            _cupy_transports[key] = t
+            control.barrier(group=group, timeout=timeout,
+                            what=f"creating the {choice} NCCL communicator")
+            t = CupyNcclTransport(group, runtime=rt) if choice == "cupy" else \
+                TorchNcclTransport(group, runtime=rt)
+            _device_transports[key] = t
     return t
 
 
 def close_transports() -> None:
-    """Destroy the cached CuPy communicators (collective: call on every rank), e.g.
+    """Destroy the cached device communicators (collective: call on every rank), e.g.
     after a timeout aborted one, or before destroying the process group."""
     with _lock:
-        transports = list(_cupy_transports.values())
-        _cupy_transports.clear()
+        transports = list(_device_transports.values())
+        _device_transports.clear()
     for t in transports:
-        t.close()
+        if hasattr(t, "close"):
+            t.close()
 
 
 def _source(backend) -> str:

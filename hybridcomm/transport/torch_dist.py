@@ -1,9 +1,17 @@
-"""Point-to-point over torch.distributed: gloo on CPU, nccl on CUDA.
+"""Point-to-point over torch.distributed: gloo on CPU (host-ordered), NCCL on CUDA
+(stream-ordered, the fallback when CuPy is not installed).
 
 One step's sends and receives go out in one ``batch_isend_irecv`` (a single
-NCCL group on CUDA). Messages between a pair are matched in issue order; the
-``tag`` separates independent lanes on gloo (NCCL ignores tags, so on NCCL a
-lane needs its own process group).
+NCCL group on CUDA). Messages between a pair are matched in issue order.
+
+* gloo: ``exchange`` returns a pending handle; ``wait(timeout)`` blocks the
+  host, and a dead or stalled peer is a :class:`HybridCommTimeout` /
+  :class:`HybridCommError` naming the transfer.
+* NCCL: issued under the transport's comm stream; ``work.wait()`` with no
+  timeout only makes that stream wait (a timeout would busy-wait on the host,
+  a host sync per step). Hangs are caught by torch's own NCCL watchdog (the
+  process group's timeout); this path is not covered by the GPU simulator,
+  which models CuPy's NCCL (docs/GPU.md).
 """
 from __future__ import annotations
 
@@ -13,7 +21,7 @@ from typing import List, Sequence
 import torch.distributed as dist
 
 from ..errors import HybridCommError, HybridCommTimeout
-from .base import Transfer
+from .base import CommStream, Transfer
 
 
 class TorchDistPending:
@@ -23,25 +31,29 @@ class TorchDistPending:
         self.works, self.labels, self.rank = works, labels, rank
 
     def wait(self, timeout: float | None = None) -> None:
-        kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
         for work, label in zip(self.works, self.labels):
-            try:
-                done = work.wait(**kwargs)
-            except Exception as e:  # gloo raises RuntimeError for timeouts and dead peers
-                kind = HybridCommTimeout if _looks_like_timeout(e) else HybridCommError
-                raise kind(f"rank {self.rank}: {label} failed "
-                           f"(timeout {timeout}s): {e}") from e
-            if done is False:
-                raise HybridCommTimeout(f"rank {self.rank}: {label} did not complete within {timeout}s")
+            wait_work(work, self.rank, label, timeout)
 
 
-def _looks_like_timeout(e: Exception) -> bool:
+def wait_work(work, rank: int, label: str, timeout: float | None) -> None:
+    """``work.wait`` with every failure as our error, naming the rank and the work."""
+    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    try:
+        done = work.wait(**kwargs)
+    except Exception as e:  # gloo raises RuntimeError for timeouts and dead peers
+        kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
+        raise kind(f"rank {rank}: {label} failed (timeout {timeout}s): {e}") from e
+    if done is False:
+        raise HybridCommTimeout(f"rank {rank}: {label} did not complete within {timeout}s")
+
+
+def looks_like_timeout(e: Exception) -> bool:
     text = str(e).lower()
     return "timeout" in text or "timed out" in text
 
 
 class TorchDistTransport:
-    """Transport over a torch.distributed process group.
+    """Transport over a torch.distributed process group (host-ordered: gloo).
 
     Example::
 
@@ -50,6 +62,7 @@ class TorchDistTransport:
     """
 
     kind = "torch"
+    stream_ordered = False
 
     def __init__(self, group=None, tag: int = 0):
         if not dist.is_available() or not dist.is_initialized():
@@ -65,7 +78,7 @@ class TorchDistTransport:
         self._global = [dist.get_global_rank(group, r) if group is not None else r
                         for r in range(self.world_size)]
 
-    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> TorchDistPending:
+    def _post(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]):
         ops: List[dist.P2POp] = []
         labels: List[str] = []
         for peer, t in sends:
@@ -74,8 +87,55 @@ class TorchDistTransport:
         for peer, t in recvs:
             ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group, self.tag))
             labels.append(f"receive of {t.numel()} x {t.dtype} from rank {peer}")
-        works = dist.batch_isend_irecv(ops) if ops else []
-        if self.backend == "nccl" and works:
-            # NCCL returns one work for the whole group.
-            labels = ["; ".join(labels)] * len(works)
+        return (dist.batch_isend_irecv(ops) if ops else []), labels
+
+    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *,
+                 label=None) -> TorchDistPending:
+        works, labels = self._post(sends, recvs)
         return TorchDistPending(works, labels, self.rank)
+
+    def all_reduce(self, t, *, average: bool, timeout: float | None = None) -> None:
+        """The group's own all-reduce (``native``) in place. Every rank gets the same
+        bits back (gloo copies each reduced chunk around) and scales them alike."""
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        wait_work(work, self.rank, f"native all_reduce of {t.numel()} x {t.dtype}", timeout)
+        if average:
+            t.mul_(1.0 / self.world_size)
+
+
+class TorchNcclTransport(TorchDistTransport, CommStream):
+    """torch.distributed over NCCL, stream-ordered on its own comm stream.
+
+    Example::
+
+        >>> t = TorchNcclTransport(runtime=runtime_for(grad))
+        >>> with t.stream_context():
+        ...     t.exchange([(1, buf[:4])], [(1, scratch[:4])])
+    """
+
+    stream_ordered = True
+
+    def __init__(self, group=None, *, runtime, priority: int = -1):
+        super().__init__(group)
+        if self.backend != "nccl":
+            raise HybridCommError(f"TorchNcclTransport needs an NCCL process group, got "
+                                  f"{self.backend}")
+        self._init_stream(runtime, priority)
+        self.failure = None
+
+    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *, label=None) -> None:
+        with self.stream_context():
+            works, _ = self._post(sends, recvs)
+            for w in works:
+                w.wait()  # the comm stream waits; the host does not
+
+    def all_reduce(self, t, *, average: bool, timeout: float | None = None) -> None:
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        with self.stream_context():
+            dist.all_reduce(t, op=op, group=self.group, async_op=True).wait()
+
+    def watch(self, event, timeout: float, label: str = "") -> None:
+        """Hangs are torch's NCCL watchdog's to catch (the process group's timeout)."""
+
+    def check_async_error(self) -> None:
+        """Errors surface through torch's NCCL watchdog."""

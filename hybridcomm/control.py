@@ -1,0 +1,134 @@
+"""The control plane: small host-side agreements between ranks, with a deadline.
+
+Agreeing on a plan, checking that every rank has the same parameters or the
+same call, broadcasting rank 0's calibration: all of it is small, runs on the
+host over gloo (never on the GPU, so it never synchronizes the device), and
+every call honours the caller's ``timeout``: a dead peer is a
+:class:`HybridCommError`, a stalled one a :class:`HybridCommTimeout`, each
+naming what was being agreed, never a raw backend error or a hang.
+
+Example::
+
+    >>> plan = broadcast_object(plan if rank == 0 else None, group=None, timeout=60,
+    ...                         what="the bucket plan")
+"""
+from __future__ import annotations
+
+import contextlib
+import pickle
+import threading
+from datetime import timedelta
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .errors import HybridCommError, HybridCommTimeout
+from .runtime import simulating
+from .transport.torch_dist import looks_like_timeout
+
+_groups: Dict[Any, Any] = {}
+_lock = threading.Lock()
+
+
+def _host_region():
+    """Under the GPU simulator, this is host work in production too."""
+    if simulating():
+        from .runtime import runtime_for
+
+        return runtime_for("cpu").host_region()
+    return contextlib.nullcontext()
+
+
+def control_group(group=None):
+    """A gloo group with ``group``'s ranks: ``group`` itself when it is gloo, else one
+    made once (collective: the first call happens on every rank of ``group``)."""
+    if str(dist.get_backend(group)) == "gloo":
+        return group
+    key = id(group)
+    with _lock:
+        hit = _groups.get(key)
+        if hit is None:
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            hit = _groups[key] = dist.new_group(ranks, backend="gloo",
+                                                use_local_synchronization=group is not None)
+        return hit
+
+
+def new_group_like(group=None, timeout: Optional[float] = None):
+    """A new gloo group with ``group``'s ranks (collective over them)."""
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    with _host_region():
+        return dist.new_group(ranks, backend="gloo", use_local_synchronization=group is not None,
+                              **kwargs)
+
+
+def wait_work(work, timeout: float, what: str) -> None:
+    """``work.wait`` within ``timeout``, failures as our errors naming ``what``."""
+    rank = dist.get_rank()
+    try:
+        done = work.wait(timeout=timedelta(seconds=timeout))
+    except Exception as e:
+        kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
+        raise kind(f"rank {rank}: agreeing on {what} failed (a peer dead, stalled for over "
+                   f"{timeout:g}s, or not making the same call): {e}") from e
+    if done is False:
+        raise HybridCommTimeout(f"rank {rank}: agreeing on {what} did not complete within "
+                                f"{timeout:g}s (a peer stalled or not making the same call)")
+
+
+def _src(group, root: int) -> int:
+    return dist.get_global_rank(group, root) if group is not None else root
+
+
+def broadcast_object(obj: Any, *, group=None, root: int = 0, timeout: float,
+                     what: str = "an object") -> Any:
+    """``root``'s ``obj`` on every rank of ``group`` (a collective), within ``timeout``.
+
+    Example::
+
+        >>> model = broadcast_object(model if rank == 0 else None, timeout=60,
+        ...                          what="the cost model")
+    """
+    g = control_group(group)
+    with _host_region():
+        mine = dist.get_rank(g) == root
+        data = pickle.dumps(obj) if mine else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        wait_work(dist.broadcast(size, _src(g, root), group=g, async_op=True), timeout, what)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else \
+            torch.empty(int(size[0]), dtype=torch.uint8)
+        if buf.numel():
+            wait_work(dist.broadcast(buf, _src(g, root), group=g, async_op=True), timeout, what)
+        return obj if mine else pickle.loads(buf.numpy().tobytes())
+
+
+def all_gather_object(obj: Any, *, group=None, timeout: float, what: str = "an object") -> List[Any]:
+    """Every rank's ``obj``, in rank order (a collective), within ``timeout``."""
+    g = control_group(group)
+    with _host_region():
+        world = dist.get_world_size(g)
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
+        wait_work(dist.all_gather(sizes, size, group=g, async_op=True), timeout, what)
+        longest = max(int(s[0]) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        wait_work(dist.all_gather(parts, mine, group=g, async_op=True), timeout, what)
+        return [pickle.loads(p[:int(s[0])].numpy().tobytes()) for p, s in zip(parts, sizes)]
+
+
+def barrier(*, group=None, timeout: float, what: str = "a barrier") -> None:
+    """Every rank of ``group`` arrives, within ``timeout``."""
+    all_gather_object(None, group=group, timeout=timeout, what=what)
+
+
+def describe_difference(values: List[Any], describe=repr) -> str:
+    """Which ranks hold which value, for an error message (rank 0's first)."""
+    by_value: Dict[str, List[int]] = {}
+    for rank, v in enumerate(values):
+        by_value.setdefault(describe(v), []).append(rank)
+    return ", ".join(f"ranks {ranks} have {v}" for v, ranks in by_value.items())

@@ -1,0 +1,1 @@
+"""Test support shipped with the package: the simulated CUDA runtime (simgpu)."""

@@ -1,0 +1,69 @@
+"""Where cost models come from: saved calibrations, the probe, rank 0's model for all."""
+import json
+import os
+
+import pytest
+
+from hybridcomm import calibration
+from hybridcomm.cost_model import DEFAULT_MODEL, MODELED, CostModel, fit
+from multiproc import run_ranks
+
+
+def test_save_load_round_trip_and_active_model(tmp_path, monkeypatch):
+    path = tmp_path / "cm.json"
+    monkeypatch.setenv(calibration.ENV_PATH, str(path))
+    calibration.set_active(None)
+    assert calibration.load() is None
+    assert calibration.active_model() is DEFAULT_MODEL
+    model, rep = fit([(a, n, 4, CostModel(1e-3, 1e-9, 1e-10).predict(a, n, 4))
+                      for a in MODELED for n in (4096, 1 << 20, 16 << 20)])
+    assert calibration.save(model, report=rep, world_size=4, backend="gloo") == str(path)
+    data = json.loads(path.read_text())
+    assert data["version"] == 1 and data["world_size"] == 4 and "rms_rel_err" in data["fit"]
+    assert data["fit"]["confidence"] == "high"
+    loaded = calibration.load()
+    assert (loaded.alpha, loaded.beta, loaded.gamma) == (model.alpha, model.beta, model.gamma)
+    assert calibration.active_model() == loaded
+    assert calibration.choose_algorithm(4096, 4) == loaded.choose(4096, 4)
+    path.write_text("{not json")
+    with pytest.raises(ValueError):
+        calibration.load()
+    assert calibration.active_model() is DEFAULT_MODEL  # a broken file: warn, default
+
+
+def test_choose_algorithm_is_total():
+    calibration.set_active(None)
+    for p in (1, 2, 3, 4, 5, 8):
+        for n in (0, 1, 4096, 1 << 30):
+            assert calibration.choose_algorithm(n, p) in MODELED
+
+
+def test_measure_gamma_is_positive_and_plausible():
+    gamma = calibration.measure_gamma(__import__("torch").device("cpu"), nbytes=1 << 20, iters=3)
+    assert 1e-12 < gamma < 1e-7  # a CPU add runs between 10 MB/s and 1 TB/s
+
+
+def _agree(rank, world, tmp):
+    # only rank 0 has a calibration file; every rank must end up with rank 0's model
+    path = os.path.join(tmp, f"model{rank}.json")
+    if rank == 0:
+        calibration.save(CostModel(3e-3, 2e-9, 1e-10), path)
+    os.environ["HYBRIDCOMM_COST_MODEL"] = path
+    calibration.set_active(None)
+    saved = calibration.agree(timeout=60)
+    os.environ["HYBRIDCOMM_COST_MODEL"] = os.path.join(tmp, "nowhere.json")
+    calibration.set_active(None)
+    probed = calibration.agree(timeout=60)  # nobody has one: all probe, rank 0's fit for all
+    return (saved.alpha, saved.beta), (probed.alpha, probed.beta, probed.gamma,
+                                       probed.native_alpha), probed.source
+
+
+def test_agree_takes_rank_0s_calibration_else_probes(tmp_path):
+    results = run_ranks(2, _agree, str(tmp_path))
+    assert all(r[0] == (3e-3, 2e-9) for r in results)
+    assert results[0][1] == results[1][1] and results[0][1][3] is not None  # native measured
+    assert results[0][1][2] > 0  # gamma measured on its own
+    assert "probe" in results[0][2]
+    # rounded to two significant digits: the same machine gives the same model
+    for v in results[0][1]:
+        assert v == float(f"{v:.1e}")

@@ -1,0 +1,94 @@
+"""The planner: fusion, split, algorithm per bucket, and the one fixed issue order."""
+import pytest
+
+from hybridcomm.cost_model import CostModel
+from hybridcomm.errors import HybridCommError
+from hybridcomm.planner import (MAX_FUSION, MIN_FUSION, MIN_SPLIT, Layer, forced_algorithm,
+                                issue_order, make_plan)
+
+GOOD = CostModel(1e-3, 1e-9, 1e-10)  # alpha/beta = 1 MB
+
+
+def tiny_layers(n=300, numel=100):
+    return [Layer(f"l{i}", [i], numel) for i in range(n)]
+
+
+def test_big_bucket_goes_native_and_small_butterfly_by_window():
+    m = CostModel(1e-3, 1e-9, 1e-10, native_alpha=3e-3, native_beta=5e-10)
+    plan = make_plan([Layer("fc", [0], 1 << 22), Layer("conv", [1], 1000)], world_size=4,
+                     model=m, fusion_bytes=0, split_bytes=0,
+                     windows={"fc": 1.0, "conv": 1e-3}, ready={"fc": 0.0, "conv": 0.001})
+    assert [b.algorithm for b in plan.buckets] == ["native", "butterfly"]
+    assert "native" in str(plan) and "issue order" in str(plan)
+
+
+def test_300_tiny_layers_under_a_zero_beta_model_make_a_handful_of_buckets():
+    plan = make_plan(tiny_layers(), world_size=3, model=CostModel(1e-3, 0.0, 0.0))
+    assert len(plan.buckets) <= 5
+    assert plan.fusion_bytes == MAX_FUSION and "beta = 0" in " ".join(plan.notes)
+    assert sorted(p for b in plan.buckets for p in b.params) == list(range(300))
+
+
+def test_zero_alpha_fuses_to_the_floor_not_to_nothing():
+    plan = make_plan(tiny_layers(), world_size=3, model=CostModel(0.0, 1e-9, 1e-10))
+    assert plan.fusion_bytes == MIN_FUSION
+    assert len(plan.buckets) == -(-300 * 400 // MIN_FUSION)  # 400-byte layers, 64 KiB buckets
+
+
+def test_fusion_threshold_is_alpha_over_beta_and_never_mixes_dtypes():
+    layers = [Layer("a", [0], 1000, 4, "torch.float32"), Layer("b", [1], 1000, 2, "torch.bfloat16"),
+              Layer("c", [2], 1000, 2, "torch.bfloat16")]
+    plan = make_plan(layers, world_size=4, model=GOOD)
+    assert plan.fusion_bytes == 1_000_000
+    assert [b.layers for b in plan.buckets] == [["a"], ["b", "c"]]
+    assert [b.dtype for b in plan.buckets] == ["torch.float32", "torch.bfloat16"]
+    assert plan.buckets[1].nbytes == 4000
+
+
+def test_big_buckets_are_split_and_without_measurements_order_is_backward_order():
+    layers = [Layer("fc", [0, 1], 10 << 20), Layer("conv", [2], 1000)]
+    plan = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=0)
+    assert plan.split_bytes == max(MIN_SPLIT, 40 * 1_000_000)
+    fc = plan.buckets[0]
+    assert fc.segments[0] == (0, plan.split_bytes // 4)
+    assert fc.segments[-1][1] == fc.numel + 2  # the flags ride in the last segment
+    assert plan.order == [(0, s) for s in range(len(fc.segments))] + [(1, 0)]
+
+
+def test_priority_order_puts_the_urgent_bucket_between_segments_of_the_big_one():
+    # fc's gradient is ready first and takes ~8 segments; conv is ready shortly after
+    # and is needed first by the next forward: it must not wait for all of fc.
+    layers = [Layer("fc", [0], 8 << 20), Layer("conv", [1], 1000)]
+    plan = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=0, split_bytes=1 << 20,
+                     ready={"fc": 0.0, "conv": 0.004}, need={"conv": 0, "fc": 1})
+    conv_at = plan.order.index((1, 0))
+    assert 0 < conv_at < len(plan.order) - 1
+    assert plan.order[:conv_at] == [(0, s) for s in range(conv_at)]
+    # every (bucket, segment) exactly once
+    assert sorted(plan.order) == sorted((b.index, s) for b in plan.buckets
+                                        for s in range(len(b.segments)))
+
+
+def test_the_same_inputs_give_the_same_plan():
+    kw = dict(world_size=4, model=GOOD, windows={"fc": 0.02, "conv": 0.001},
+              ready={"fc": 0.0, "conv": 0.01}, need={"conv": 0, "fc": 1})
+    layers = [Layer("fc", [0], 4 << 20), Layer("conv", [1], 1000)]
+    assert make_plan(layers, **kw).decisions() == make_plan(layers, **kw).decisions()
+
+
+def test_forcing(monkeypatch):
+    monkeypatch.delenv("HYBRIDCOMM_ALGO", raising=False)
+    assert forced_algorithm("hybrid") is None and forced_algorithm("ring") == "ring"
+    with pytest.raises(ValueError, match="unknown strategy"):
+        forced_algorithm("tree")
+    monkeypatch.setenv("HYBRIDCOMM_ALGO", "butterfly")
+    plan = make_plan([Layer("fc", [0], 1 << 22)], world_size=4, model=GOOD, strategy="ring")
+    assert plan.buckets[0].algorithm == "butterfly"
+    monkeypatch.setenv("HYBRIDCOMM_ALGO", "tree")
+    with pytest.raises(HybridCommError, match="HYBRIDCOMM_ALGO='tree' is invalid"):
+        forced_algorithm("hybrid")
+
+
+def test_issue_order_without_ready_times_is_stable():
+    plan = make_plan(tiny_layers(10, 1 << 20), world_size=4, model=GOOD, fusion_bytes=0)
+    assert issue_order(plan.buckets, GOOD, 4) == plan.order
