@@ -6,6 +6,7 @@ import threading
 from typing import Set, Tuple
 
 import torch
+import torch.distributed as dist
 
 from . import control, env
 from .algorithms import ALGORITHMS, get_schedule
@@ -106,6 +107,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", g
         raise ValueError(f"unknown op {op!r}; choose one of {OPS}")
     mode = check_mode(check)
     timeout = env.timeout(timeout)
+    if not dist.is_available() or not dist.is_initialized():
+        raise HybridCommError("torch.distributed is not initialized: call "
+                              "torch.distributed.init_process_group(...) first (or run under "
+                              "torchrun)")
     transport = select_transport(tensor.device, group, timeout=timeout)
     world = transport.world_size
     nbytes = tensor.numel() * tensor.element_size()
