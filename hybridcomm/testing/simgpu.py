@@ -307,7 +307,12 @@ class _Allocator:
                 block = _Block(next(self._ids), nbytes, stream)
                 self.blocks.append(block)
             dev.stats["allocations"] += 1
-        t = torch.empty(0, dtype=dtype).set_(block.storage.untyped_storage(), 0, (numel,), (1,))
+        _tls.host_depth += 1  # the simulator's own bookkeeping, not host work
+        try:
+            t = torch.empty(0, dtype=dtype).set_(block.storage.untyped_storage(), 0, (numel,),
+                                                 (1,))
+        finally:
+            _tls.host_depth -= 1
         weakref.finalize(t, self._free, block)
         return t
 
@@ -442,6 +447,8 @@ class _Device:
 
     def report(self, error: SimError) -> None:
         with self.cv:
+            if any(str(e) == str(error) for e in self.errors):
+                return  # the same finding from the other side of it
             self.errors.append(error)
             self.stats["defects"] += 1
             self.cv.notify_all()
@@ -766,23 +773,42 @@ def _receive(device, recvs) -> None:
 
 
 def _all_reduce(comm, sendptr, recvptr, count, dtype, redop) -> None:
-    """Every rank gets every buffer and sums them in rank order: identical bits everywhere."""
+    """Every rank gets every buffer and sums them in rank order: identical bits
+    everywhere. A header first, so ranks reducing different buffers (issue orders
+    that differ) are reported, not fed to gloo as a size mismatch."""
     import torch.distributed as dist
 
     tdtype = _TORCH_OF[dtype]
     nbytes = count * tdtype.itemsize
-    if nbytes == 0:
-        return
-    mine = _alias(sendptr, nbytes).clone()
+    mine = _alias(sendptr, nbytes).clone() if nbytes else torch.empty(0, dtype=torch.uint8)
+    hdr = torch.tensor([count, dtype, comm.rank], dtype=torch.int64)
+    peers = [r for r in range(comm.size_) if r != comm.rank]
+    works = []
+    for r in peers:
+        works.append(dist.isend(hdr, comm.global_ranks[r], tag=comm.tag + 1))
+        if nbytes:
+            works.append(dist.isend(mine, comm.global_ranks[r], tag=comm.tag + 1))
     parts: List[Optional[torch.Tensor]] = [None] * comm.size_
     parts[comm.rank] = mine
-    works = []
-    for r in range(comm.size_):
-        if r != comm.rank:
-            works.append(dist.isend(mine, comm.global_ranks[r], tag=comm.tag + 1))
-            parts[r] = torch.empty(nbytes, dtype=torch.uint8)
-            works.append(dist.irecv(parts[r], comm.global_ranks[r], tag=comm.tag + 1))
+    ok = True
+    for r in peers:
+        theirs = torch.empty(3, dtype=torch.int64)
+        _wait_works([dist.irecv(theirs, comm.global_ranks[r], tag=comm.tag + 1)])
+        rcount, rdtype, _ = theirs.tolist()
+        rbytes = rcount * _TORCH_OF[rdtype].itemsize
+        parts[r] = torch.empty(rbytes, dtype=torch.uint8)
+        if rbytes:
+            _wait_works([dist.irecv(parts[r], comm.global_ranks[r], tag=comm.tag + 1)])
+        if (rcount, rdtype) != (count, dtype):
+            ok = False
+            comm.async_error = ERROR_INVALID_USAGE
+            comm.module.device.report(SimError(
+                f"NCCL {comm.name}: rank {comm.rank} all-reduces {count} x type {dtype} while "
+                f"rank {r} all-reduces {rcount} x type {rdtype} (the ranks issue their "
+                "operations in different orders)"))
     _wait_works(works)
+    if not ok or not nbytes:
+        return
     acc = torch.zeros(count, dtype=torch.float64 if tdtype == torch.float64 else torch.float32)
     for p in parts:
         acc += p.view(tdtype).to(acc.dtype)

@@ -1,0 +1,293 @@
+"""The production GPU path (CuPy NCCL transport, comm stream, the optimizer's
+channel) run on the simulated CUDA runtime, and mutation tests: each defect
+class of issue 8, put back deliberately, is reported by the simulator."""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hybridcomm
+from multiproc import run_ranks
+from optim_models import batch, flat, make_model, shard
+
+STEPS = 4
+RTOL = ATOL = 64 * torch.finfo(torch.float32).eps
+
+
+class Odd(nn.Module):
+    """Tied, unused and frozen parameters, a conv first and linears after."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 6 * 6, 8)
+        self.head = nn.Linear(8, 3)
+        self.tied = nn.Linear(8, 8, bias=False)
+        self.tied2 = nn.Linear(8, 8, bias=False)
+        self.tied2.weight = self.tied.weight
+        self.unused = nn.Linear(4, 4)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(torch.relu(self.conv(x)).flatten(1)))
+        h = self.tied2(self.tied(h)) + self.frozen(h)
+        return self.head(h)
+
+
+def _optimizer(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _train_odd(rank, world, combos, simulate):
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    out = {}
+    for opt_name, overlap in combos:
+        model = make_model(cls=Odd)
+        opt = hybridcomm.DistributedOptimizer(_optimizer(opt_name, model.parameters()),
+                                              model=model, overlap=overlap, measure_iters=2,
+                                              fusion_bytes=0, timeout=60)
+        for s in range(STEPS):
+            x, y = batch(s)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            opt.step()
+        opt.synchronize()
+        out[(opt_name, overlap)] = flat(model.parameters())
+        opt.close()
+    return out
+
+
+def _single(opt_name):
+    model = make_model(cls=Odd)
+    opt = _optimizer(opt_name, model.parameters())
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return flat(model.parameters())
+
+
+COMBOS = [(o, m) for o in ("sgd", "adamw") for m in ("forward", "backward", "none")]
+
+
+def test_three_ranks_on_the_simulated_gpu_equal_one_process():
+    results = run_ranks(3, _train_odd, COMBOS, True, timeout=300)
+    for combo in COMBOS:
+        ref, got = _single(combo[0]), results[0][combo]
+        assert torch.allclose(got, ref, rtol=RTOL, atol=ATOL), \
+            f"{combo}: max diff {(got - ref).abs().max():.3g}"
+        for r in results[1:]:
+            assert torch.equal(r[combo], got), f"{combo}: ranks differ"
+    # (the unused layer is left exactly as one process leaves it: weight decay
+    # included, which the comparison above would catch)
+
+
+def _steady(rank, world, overlap):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm.testing import simgpu
+
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model=model, overlap=overlap, fusion_bytes=0,
+                                          measure_iters=2, timeout=60)
+    for s in range(8):
+        if s == 5:  # past the measured steps and the re-plan: steady state
+            simgpu.reset_stats()
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    stats = simgpu.stats()
+    opt.close()
+    return stats, len(opt.plan.buckets)
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
+def test_steady_state_steps_make_no_host_sync(overlap):
+    for stats, buckets in run_ranks(3, _steady, overlap, timeout=120):
+        assert buckets > 1
+        assert stats["host_syncs"] == 0, stats
+        assert stats["nccl_ops"] > 0 and stats["kernel_launches"] >= 3 * buckets, stats
+        assert stats["defects"] == 0
+
+
+def _long_run(rank, world):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    os.environ["HYBRIDCOMM_SIM_NCCL_KERNELS"] = "1"  # CUDA_DEVICE_MAX_CONNECTIONS=1
+    from hybridcomm.cost_model import CostModel
+    from hybridcomm.testing import simgpu
+
+    model = make_model()
+    # native for the big buckets, ours for the small: two kinds of NCCL work, one order
+    cm = CostModel(2e-5, 1e-9, 1e-10, native_alpha=1e-4, native_beta=0.0)
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model=model, cost_model=cm, fusion_bytes=0,
+                                          split_bytes=4096, measure_iters=2, replan_every=7,
+                                          timeout=60)
+    algos = set()
+    for s in range(20):
+        algos |= {b.algorithm for b in opt.plan.buckets}
+        x, y = batch(s % 4)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    opt.synchronize()
+    algos = sorted(algos)
+    opt.close()
+    return flat(model.parameters()), algos, [str(e) for e in simgpu.errors()]
+
+
+def test_twenty_steps_with_one_nccl_kernel_slot_do_not_deadlock():
+    results = run_ranks(3, _long_run, timeout=240)
+    params, algos, errors = results[0]
+    assert errors == [] and "native" in algos and len(algos) > 1
+    assert all(torch.equal(r[0], params) for r in results)
+
+
+# --- mutation tests: each defect of issue 8, put back, is reported ----------------------
+
+def _mutated(rank, world, mutation):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm import executor, overlap, runtime
+    from hybridcomm.testing import simgpu
+
+    if mutation == "no_wait_before_use":  # defect 1: consume before the done event
+        overlap.StreamChannel.wait = lambda self, event, what: 0.0
+    elif mutation == "comm_skips_ready":  # defect 6: comm stream not after the gradients
+        from hybridcomm.transport.cupy_nccl import CupyNcclTransport
+        CupyNcclTransport.wait_event = lambda self, event: None
+    elif mutation == "rank1_reversed_order" and rank == 1:  # issue orders differ per rank
+        real = hybridcomm.optimizer._DistributedOptimizer._hc_build
+
+        def build(self, plan):
+            plan.order = list(reversed(plan.order))
+            real(self, plan)
+        hybridcomm.optimizer._DistributedOptimizer._hc_build = build
+    elif mutation == "watchdog_unbound":  # defect 5: a helper thread on device 0
+        runtime.CudaRuntime.bind_thread = lambda self: None
+        simgpu.SimRuntime.bind_thread = lambda self: None
+    model = make_model()
+    try:
+        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                              model=model, fusion_bytes=0, measure_iters=0,
+                                              timeout=8)
+        for s in range(3):
+            x, y = batch(s)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            opt.step()
+        opt.synchronize()
+        simgpu.check()
+    except (simgpu.SimError, hybridcomm.HybridCommError) as e:
+        return type(e).__name__, str(e), [str(x) for x in simgpu.errors()]
+    return "ok", "", [str(x) for x in simgpu.errors()]
+
+
+@pytest.mark.parametrize("mutation,expect", [
+    ("none", None),
+    ("no_wait_before_use", "race"),
+    ("comm_skips_ready", "race"),
+    ("rank1_reversed_order", "different orders"),
+    ("watchdog_unbound", "context on GPU 0"),
+])
+def test_each_defect_put_back_is_reported(mutation, expect):
+    results = run_ranks(2, _mutated, mutation, timeout=120)
+    if expect is None:
+        assert all(r[0] == "ok" and r[2] == [] for r in results), results
+        return
+    reported = " ".join(r[1] + " ".join(r[2]) for r in results)
+    assert expect in reported, results
+
+
+def _scratch_reuse(rank, world, broken):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm import executor
+    from hybridcomm.algorithms import get_schedule
+    from hybridcomm.runtime import runtime_for
+    from hybridcomm.testing import simgpu
+    from hybridcomm.transport.select import select_transport
+
+    rt = runtime_for("cpu")
+    trainer = rt.current_stream()
+    if broken:  # defect 2: scratch allocated on another stream, used on the comm stream
+        def alloc(n, dt, dev):
+            with rt.use(trainer):
+                return rt.empty(n, dt)
+
+        def comm_scratch(transport, numel, dtype):
+            ws = getattr(transport, "_bad", None)
+            if ws is None:
+                ws = transport._bad = executor.Workspace(alloc)
+            return ws.get(numel, dtype, transport.device)
+        executor.comm_scratch = comm_scratch
+    t = select_transport("cpu", timeout=30)
+    try:
+        small, big = rt.empty(4096, torch.float32), rt.empty(1 << 16, torch.float32)
+        small.fill_(1)
+        big.fill_(1)
+        executor.execute_async(get_schedule("butterfly", rank, world, small.numel()), small, t)
+        # the scratch grows: the small block goes back to its stream's pool while queued
+        # receives and reductions on the comm stream may still use it
+        executor.execute_async(get_schedule("butterfly", rank, world, big.numel()), big, t)
+        again = rt.empty(4096, torch.float32)  # the trainer allocates: may get that block
+        again.fill_(3)
+        rt.synchronize()
+        simgpu.check()
+    except simgpu.SimError as e:
+        return str(e)
+    return "ok"
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_scratch_reused_across_streams_is_reported(broken):
+    results = run_ranks(2, _scratch_reuse, broken, timeout=60)
+    if broken:
+        assert any("allocator" in r for r in results), results
+    else:
+        assert results == ["ok", "ok"]
+
+
+def _stalled_peer(rank, world, how):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    import time
+
+    from hybridcomm.runtime import runtime_for
+
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model=model, overlap="forward", measure_iters=0,
+                                          timeout=3)
+    t0 = None
+    try:
+        for s in range(6):
+            if s == 2:
+                if rank == 1:
+                    if how == "stall":
+                        time.sleep(12)
+                        return "stalled"
+                    opt._hc_transport.comm.inject_async_error()
+                t0 = time.monotonic()
+            x, y = batch(s)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            opt.step()
+            time.sleep(0.5)
+        opt.synchronize()
+        runtime_for("cpu").synchronize()
+    except hybridcomm.HybridCommError as e:
+        return type(e).__name__, time.monotonic() - t0, str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["stall", "async_error"])
+def test_watchdog_turns_a_stalled_peer_or_an_nccl_error_into_our_error(how):
+    results = run_ranks(2, _stalled_peer, how, timeout=120, allow_errors=True)
+    kind, elapsed, msg = results[0] if how == "stall" else results[1]
+    assert kind == ("HybridCommTimeout" if how == "stall" else "HybridCommError")
+    assert elapsed < 10 and "rank" in msg and "aborted" in msg

@@ -1,0 +1,269 @@
+"""The simulated CUDA runtime: every check it makes is shown to fire on a broken
+variant (a mutation test) and to stay quiet on the correct one.
+
+Each scenario runs in forked rank processes with HYBRIDCOMM_SIMULATE_GPU=1
+(the simulator watches its thread's torch calls for the rest of the process).
+"""
+import os
+import time
+
+import pytest
+import torch
+
+from multiproc import run_ranks
+
+
+def _sim(rank, world, scenario, *args):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    os.environ.setdefault("HYBRIDCOMM_SIM_DEADLOCK_S", "3")
+    from hybridcomm.testing import simgpu
+
+    rt = simgpu.runtime()
+    try:
+        out = scenario(rank, world, rt, simgpu, *args)
+    except simgpu.SimError as e:
+        return ("SimError", str(e))
+    return ("ok", out, [str(e) for e in simgpu.errors()])
+
+
+def run(world, scenario, *args, timeout=90):
+    return run_ranks(world, _sim, scenario, *args, timeout=timeout)
+
+
+# --- streams, events, host syncs --------------------------------------------------------
+
+def _after_current(rt, stream):
+    """``stream`` waits for what the current stream has queued so far."""
+    ev = rt.new_event()
+    ev.record(rt.current_stream())
+    stream.wait_event(ev)
+
+
+def _late_and_ordered(rank, world, rt, simgpu):
+    """Work on a side stream completes late; an event orders the host after it."""
+    side = rt.new_stream()
+    buf = rt.empty(1000, torch.float32)
+    buf.zero_()
+    _after_current(rt, side)
+    from hybridcomm.kernels import reduce
+
+    with rt.use(side):
+        reduce(buf, torch.ones(1000))  # enqueued: runs when the stream gets to it
+    done = rt.new_event()
+    done.record(side)
+    right_after = done.query()
+    rt.current_stream().wait_event(done)
+    total = buf.sum().item()  # a host read, ordered after the event
+    stats = simgpu.stats()
+    return right_after, total, stats["kernel_launches"], stats["host_syncs"]
+
+
+def test_streams_run_late_and_events_order_them():
+    (status, (right_after, total, launches, syncs), errors), = run(1, _late_and_ordered)
+    assert status == "ok" and errors == []
+    assert right_after is False  # the kernel had not run when the host went on
+    assert total == 1000.0 and launches == 1 and syncs == 1
+
+
+def _host_read_before_event(rank, world, rt, simgpu, wait):
+    side = rt.new_stream()
+    buf = rt.empty(1000, torch.float32)
+    buf.zero_()
+    _after_current(rt, side)
+    from hybridcomm.kernels import reduce
+
+    with rt.use(side):
+        reduce(buf, torch.ones(1000))
+    if wait:
+        rt.current_stream().wait_event(side.record_event())
+    return buf.tolist()[0]
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_host_read_before_the_event_is_a_race(wait):
+    result = run(1, _host_read_before_event, wait)[0]
+    if wait:
+        assert result[0] == "ok" and result[1] == 1.0
+    else:
+        assert result[0] == "SimError"
+        assert "race" in result[1] and "host tolist()" in result[1] and "reduce" in result[1]
+
+
+def _cross_stream_kernel_without_wait(rank, world, rt, simgpu, wait):
+    a, b = rt.new_stream(), rt.new_stream()
+    buf = rt.empty(256, torch.float32)
+    src = rt.empty(256, torch.float32)
+    from hybridcomm.kernels import reduce
+
+    with rt.use(a):
+        src.fill_(1)
+        reduce(buf, src)  # writes buf on a
+    if wait:
+        b.wait_event(a.record_event())
+    with rt.use(b):
+        reduce(src, buf)  # reads buf on b
+    rt.synchronize()
+    simgpu.check()
+    return "done"
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_kernel_on_another_stream_without_an_event_is_a_race(wait):
+    result = run(1, _cross_stream_kernel_without_wait, wait)[0]
+    if wait:
+        assert result[:2] == ("ok", "done") and result[2] == []
+    else:
+        assert result[0] == "SimError" and "race" in result[1]
+        # it names both operations and their streams
+        assert result[1].count("reduce") >= 2 and "stream" in result[1]
+
+
+# --- the allocator ----------------------------------------------------------------------
+
+def _reuse(rank, world, rt, simgpu, record):
+    slow = rt.new_stream()
+    scratch = rt.empty(4096, torch.float32)  # allocated on the default stream
+    scratch.zero_()
+    out = rt.empty(4096, torch.float32)
+    _after_current(rt, slow)
+    from hybridcomm.kernels import reduce
+
+    with rt.use(slow):
+        for _ in range(20):  # long queue: the last use of scratch runs late
+            reduce(out, scratch)
+    if record:
+        rt.record_stream(scratch, slow)
+    del scratch  # back to the pool of the default stream
+    again = rt.empty(4096, torch.float32)  # same size, same stream: the same block if free
+    again.fill_(7)
+    rt.synchronize()
+    simgpu.check()
+    return "done"
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_reusing_a_block_used_on_another_stream_needs_record_stream(record):
+    result = run(1, _reuse, record)[0]
+    if record:
+        assert result[:2] == ("ok", "done") and result[2] == []
+    else:
+        assert result[0] == "SimError"
+        assert "allocator" in result[1] and "record_stream" in result[1]
+
+
+# --- devices ----------------------------------------------------------------------------
+
+def _helper_thread(rank, world, rt, simgpu, bind):
+    import threading
+
+    ev = rt.new_event()
+    ev.record(rt.current_stream())
+
+    def watch():
+        if bind:
+            rt.bind_thread()
+        ev.query()
+
+    t = threading.Thread(target=watch)
+    t.start()
+    t.join()
+    return [str(e) for e in simgpu.errors()]
+
+
+@pytest.mark.parametrize("bind", [True, False])
+def test_a_helper_thread_must_bind_to_the_ranks_device(bind):
+    results = run(2, _helper_thread, bind)
+    errors = results[1][1]  # rank 1's GPU is 1; a fresh thread's current device is 0
+    if bind:
+        assert errors == []
+    else:
+        assert len(errors) == 1 and "context on GPU 0" in errors[0] and "GPU is 1" in errors[0]
+
+
+# --- NCCL -------------------------------------------------------------------------------
+
+def _comm(rt, simgpu, world, rank, name):
+    import torch.distributed as dist
+
+    from hybridcomm.transport.cupy_nccl import unique_id_bytes
+
+    nccl = rt.nccl()
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set(name, unique_id_bytes(nccl.get_unique_id()))
+    uid = bytes(store.get(name))
+    from hybridcomm.transport.cupy_nccl import make_communicator
+
+    return nccl, make_communicator(nccl, world, uid, rank)
+
+
+def _opposite_orders(rank, world, rt, simgpu, opposite):
+    nccl, c1 = _comm(rt, simgpu, world, rank, "c1")
+    _, c2 = _comm(rt, simgpu, world, rank, "c2")
+    s1, s2 = rt.new_stream(), rt.new_stream()
+    a, b = rt.empty(64, torch.float32), rt.empty(64, torch.float32)
+    peer = 1 - rank
+    order = [(c1, s1, a), (c2, s2, b)]
+    if opposite and rank == 1:
+        order.reverse()
+    for comm, stream, buf in order:  # one send+recv group per communicator, own stream
+        nccl.groupStart()
+        comm.send(buf.data_ptr(), 32, nccl.NCCL_FLOAT32, peer, rt.handle(stream))
+        comm.recv(buf.data_ptr() + 128, 32, nccl.NCCL_FLOAT32, peer, rt.handle(stream))
+        nccl.groupEnd()
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline and not (s1.query() and s2.query()):
+        time.sleep(0.05)
+    return s1.query() and s2.query(), [str(e) for e in simgpu.errors()]
+
+
+@pytest.mark.parametrize("opposite", [False, True])
+def test_communicators_in_opposite_orders_deadlock_with_one_kernel_slot(opposite):
+    import re
+
+    for status, (finished, errors) in [(r[0], r[1]) for r in run(2, _opposite_orders, opposite)]:
+        assert status == "ok"
+        if opposite:  # each rank names both communicators in its report
+            deadlocks = [e for e in errors if "deadlock" in e]
+            assert len(deadlocks) == 1, errors
+            assert len(set(re.findall(r"comm-[0-9a-f]{6}", deadlocks[0]))) == 2
+        else:
+            assert finished and errors == []
+
+
+def _mismatched_sizes(rank, world, rt, simgpu):
+    nccl, comm = _comm(rt, simgpu, world, rank, "m")
+    s = rt.new_stream()
+    buf = rt.empty(64, torch.float32)
+    n = 16 if rank == 0 else 8  # rank 1 expects another size: issue orders differ
+    nccl.groupStart()
+    comm.send(buf.data_ptr(), n, nccl.NCCL_FLOAT32, 1 - rank, rt.handle(s))
+    comm.recv(buf.data_ptr() + 128, n, nccl.NCCL_FLOAT32, 1 - rank, rt.handle(s))
+    nccl.groupEnd()
+    s.synchronize()
+    try:
+        comm.check_async_error()
+    except nccl.NcclError as e:
+        return "async error", str(e), [str(x) for x in simgpu.errors()]
+    return "no error", "", []
+
+
+def test_a_size_mismatch_is_an_async_error_and_a_report():
+    for status, (what, _, errors) in [(r[0], r[1]) for r in run(2, _mismatched_sizes)]:
+        assert status == "ok" and what == "async error"
+        assert any("different orders" in e for e in errors)
+
+
+def _unique_id_style(rank, world, rt, simgpu):
+    import hybridcomm
+
+    t = torch.full((10,), float(rank + 1))
+    hybridcomm.all_reduce(t, algorithm="ring", timeout=30)
+    return t.tolist()
+
+
+@pytest.mark.parametrize("style", ["bytes", "tuple"])
+def test_both_cupy_unique_id_styles(style, monkeypatch):
+    monkeypatch.setenv("HYBRIDCOMM_SIM_CUPY_UID", style)  # 14: bytes; 13: tuple of signed chars
+    for status, values, errors in run(3, _unique_id_style):
+        assert status == "ok" and errors == [] and values == [6.0] * 10
