@@ -29,8 +29,21 @@ $(STAMP): setup.py Makefile
 	@$(PY) -c "import hybridcomm, hybridcomm.kernels" || { echo "[setup] hybridcomm failed to install"; exit 1; }
 	@touch $(STAMP)
 
+# The GPU path (CuPy NCCL transport, comm stream, the optimizer's channel) runs on
+# the simulated CUDA runtime in these suites; its stream-ordered code must stay
+# >= 90% covered there (tests/coverage_gpu_path.rc).
+SIM_TESTS := tests/test_gpu_path.py tests/test_simgpu.py tests/test_optimizer_equivalence.py \
+             tests/test_optimizer_features.py tests/test_allreduce_multiprocess.py
+COV := $(PY) -m coverage
+COVRC := --rcfile=tests/coverage_gpu_path.rc
+
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/test_gpu_path.py --ignore=tests/test_simgpu.py
+	@echo "[test] the same suites on the simulated GPU (HYBRIDCOMM_SIMULATE_GPU=1), with coverage"
+	@rm -rf .coverage-data
+	HYBRIDCOMM_SIMULATE_GPU=1 $(COV) run $(COVRC) -m pytest -q $(SIM_TESTS)
+	@$(COV) combine $(COVRC) -q
+	$(COV) report $(COVRC) --fail-under=90
 
 # The main job: the thesis experiment, quick (stock vs DDP vs hybridcomm, 4 ranks).
 demo: setup
@@ -45,4 +58,4 @@ profile: setup
 	bash benchmarks/profile/nsys_bench.sh && bash benchmarks/profile/nsys_train.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .coverage-data

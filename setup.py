@@ -17,7 +17,7 @@ setup(
     # plain resolve never pulls a multi-GB CUDA wheel onto a CPU machine.
     install_requires=["torch>=2.1", "numpy"],
     extras_require={
-        "test": ["pytest>=7", "triton>=3.0; platform_system == 'Linux'", "matplotlib"],
+        "test": ["pytest>=7", "triton>=3.0; platform_system == 'Linux'", "matplotlib", "coverage>=7"],
         "bench": ["matplotlib"],
         "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12", "triton>=3.0", "nvtx"],
         "cuda13": ["cupy-cuda13x>=13", "nvidia-nccl-cu13", "triton>=3.0", "nvtx"],

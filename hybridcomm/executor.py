@@ -108,7 +108,7 @@ def _plan_part(schedule: Schedule, base: int, slot0: int) -> Tuple[List[_PlanSte
     return steps, schedule.scratch_numel
 
 
-def num_parts(schedule: Schedule, element_size: int) -> int:
+def num_parts(schedule: Schedule, element_size: int) -> int:  # host path
     """How many pipelined parts ``execute`` cuts this schedule's buffer into."""
     part_bytes = env.get("HYBRIDCOMM_PIPELINE_BYTES")
     if part_bytes <= 0 or schedule.algorithm not in SCHEDULES or schedule.world_size < 2:
@@ -154,7 +154,8 @@ def _plan(schedule: Schedule, parts: int) -> _Plan:
 _local = threading.local()  # per-thread scratch when the caller's is too small
 
 
-def _scratch(numel: int, like: torch.Tensor, given: Optional[torch.Tensor]) -> torch.Tensor:
+def _scratch(numel: int, like: torch.Tensor,  # host path
+             given: Optional[torch.Tensor]) -> torch.Tensor:
     if given is not None and given.numel() >= numel and given.dtype == like.dtype \
             and given.device == like.device:
         return given
@@ -187,6 +188,11 @@ def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
         done = execute_async(schedule, buf, transport, scale=scale, timeout=timeout)
         transport.runtime.current_stream().wait_event(done)
         return buf
+    return _execute_on_host(schedule, buf, transport, scale, scratch, timeout)
+
+
+def _execute_on_host(schedule, buf, transport, scale, scratch, timeout):  # host path
+    """:func:`execute` over a host-ordered transport (gloo): blocks until done."""
     if schedule.world_size == 1:
         if scale is not None and scale != 1:
             buf.mul_(scale)

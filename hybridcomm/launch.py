@@ -54,10 +54,22 @@ def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_
                                              + traceback.format_exc())
     results.put((rank, status, blob))
     # Leave without tearing gloo down: a peer may have died on purpose, and a
-    # teardown would wait for it.
+    # teardown would wait for it. os._exit skips atexit, so a coverage run
+    # (make coverage) saves this rank's data first.
     results.close()
     results.join_thread()
+    _save_coverage()
     os._exit(0)
+
+
+def _save_coverage() -> None:
+    import sys
+
+    coverage = sys.modules.get("coverage")
+    cov = coverage.Coverage.current() if coverage is not None else None
+    if cov is not None:
+        cov.stop()
+        cov.save()
 
 
 def default_backend() -> str:

@@ -120,7 +120,7 @@ class BucketState:
         return [i for i, f in enumerate(self.flags.tolist()) if f > 0]
 
 
-class HostChannel:
+class HostChannel:  # host path
     """CPU: one worker thread runs the submitted operations in submission order.
 
     Example::
@@ -340,7 +340,7 @@ class CommEngine:
                                          timed=True)
             return queued
 
-        def hosted():
+        def hosted():  # host path
             scratch = self._workspace.get(schedule.scratch_numel, seg.dtype, seg.device)
             execute(schedule, seg, self.transport, scale=self.scale, scratch=scratch,
                     timeout=self.timeout)

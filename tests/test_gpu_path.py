@@ -291,3 +291,49 @@ def test_watchdog_turns_a_stalled_peer_or_an_nccl_error_into_our_error(how):
     kind, elapsed, msg = results[0] if how == "stall" else results[1]
     assert kind == ("HybridCommTimeout" if how == "stall" else "HybridCommError")
     assert elapsed < 10 and "rank" in msg and "aborted" in msg
+
+
+def _transport_errors(rank, world):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm.errors import HybridCommError
+    from hybridcomm.runtime import runtime_for
+    from hybridcomm.transport.select import close_transports, select_transport
+
+    rt = runtime_for("cpu")
+    t = select_transport("cpu", timeout=30)
+    buf = rt.empty(64, torch.float32)
+    found = {}
+    for name, call in [
+            ("peer", lambda: t.exchange([(rank, buf)], [])),
+            ("dtype", lambda: t.exchange([(1 - rank, torch.zeros(4, dtype=torch.int16))], [])),
+            ("contiguous", lambda: t.exchange([(1 - rank, buf.view(8, 8).t())], []))]:
+        try:
+            call()
+        except HybridCommError as e:
+            found[name] = str(e)
+    t.comm.inject_async_error()
+    try:
+        t.check_async_error()
+    except HybridCommError as e:
+        found["async"] = str(e)
+    try:  # aborted: every later call says so, with the original cause
+        t.exchange([(1 - rank, buf)], [(1 - rank, buf)])
+    except HybridCommError as e:
+        found["after"] = str(e)
+    close_transports()  # a fresh communicator works again
+    t2 = select_transport("cpu", timeout=30)
+    x = torch.full((8,), float(rank + 1))
+    hybridcomm.all_reduce(x, algorithm="butterfly", timeout=30)
+    found["again"] = x.tolist()
+    assert t2 is not t
+    return found
+
+
+def test_transport_errors_name_the_rank_and_the_problem():
+    for rank, found in enumerate(run_ranks(2, _transport_errors, timeout=60)):
+        assert "invalid peer" in found["peer"] and f"rank {rank}" in found["peer"]
+        assert "no NCCL type" in found["dtype"]
+        assert "not contiguous" in found["contiguous"]
+        assert "NCCL reported an error" in found["async"] and "aborted" in found["async"]
+        assert found["after"] == found["async"]
+        assert found["again"] == [3.0] * 8

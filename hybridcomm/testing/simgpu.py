@@ -106,14 +106,14 @@ class _Op:
     """One queued stream operation."""
 
     __slots__ = ("kind", "name", "stream", "seq", "vc", "fn", "ranges", "wait_for", "calls",
-                 "started")
+                 "started", "ticket")
 
     def __init__(self, kind, name, stream, fn=None, ranges=(), wait_for=None, calls=None):
         self.kind, self.name, self.stream, self.fn = kind, name, stream, fn
         self.ranges = ranges  # [(lo, hi, write)]
         self.wait_for = wait_for  # (stream, seq) for "wait"
         self.calls = calls  # NCCL calls for "nccl"
-        self.seq, self.vc, self.started = 0, None, False
+        self.seq, self.vc, self.started, self.ticket = 0, None, False, 0
 
     def describe(self) -> str:
         return f"{self.name} (stream {self.stream.name}, op #{self.seq})"
@@ -428,6 +428,10 @@ class _Device:
         self.allocator = _Allocator(self)
         self.nccl_running: List[Tuple[str, str, float]] = []  # (comm, stream, since)
         self.nccl_waiting: List[Tuple[str, str, float]] = []
+        # NCCL kernels start in issue order across streams while slots are limited:
+        # with one connection every stream feeds one hardware queue.
+        self.nccl_tickets = itertools.count(1)
+        self.nccl_unstarted: set = set()
         self.default = SimStream(self, 0, "default")
 
     # -- bookkeeping ----------------------------------------------------------------------
@@ -592,14 +596,19 @@ class _Device:
         reported = False
         with self.cv:
             self.nccl_waiting.append((label, op.stream.name, t0))
-            while self.nccl_kernels and len(self.nccl_running) >= self.nccl_kernels:
+            while self.nccl_kernels and (len(self.nccl_running) >= self.nccl_kernels or
+                                         min(self.nccl_unstarted) != op.ticket):
                 if not reported and time.monotonic() - t0 > self.deadlock_s:
                     reported = True
                     self._report_deadlock(label)
-                if self.closed:
+                if self.closed or any(c.aborted for c, *_ in op.calls):
+                    self.nccl_waiting.remove((label, op.stream.name, t0))
+                    self.nccl_unstarted.discard(op.ticket)
+                    self.cv.notify_all()
                     return
                 self.cv.wait(0.05)
             self.nccl_waiting.remove((label, op.stream.name, t0))
+            self.nccl_unstarted.discard(op.ticket)
             entry = (label, op.stream.name, time.monotonic())
             self.nccl_running.append(entry)
             op.started = True
@@ -958,7 +967,12 @@ class SimNccl:
     def _launch(self, stream: SimStream, calls, ranges) -> None:
         names = "+".join(sorted({c[0].name for c in calls}))
         kinds = ",".join(c[1] for c in calls)
-        stream._issue(_Op("nccl", f"NCCL {names} [{kinds}]", stream, ranges=ranges, calls=calls))
+        op = _Op("nccl", f"NCCL {names} [{kinds}]", stream, ranges=ranges, calls=calls)
+        dev = self.device
+        with dev.cv:
+            op.ticket = next(dev.nccl_tickets)
+            dev.nccl_unstarted.add(op.ticket)
+            stream._issue(op)
 
 
 # --------------------------------------------------------------------------- the runtime

@@ -57,7 +57,7 @@ _serials: Dict[Tuple[Tuple[int, ...], int], itertools.count] = {}
 _serials_lock = threading.Lock()
 
 
-def import_nccl():
+def import_nccl():  # needs the real CuPy: tests/test_cupy_nccl_api.py, tests/gpu
     """``cupy.cuda.nccl`` if CuPy imports and finds libnccl, else HybridCommError saying why."""
     try:
         from cupy.cuda import nccl
