@@ -1,0 +1,150 @@
+"""Forward mode never trains on a stale weight, whatever reads the parameter:
+a parent's ``F.linear(x, self.head.weight)``, the loss, code between ``step()``
+and the next forward (an EMA), a module called twice, a weight shared by two
+modules. Each is compared with one process on the whole batch."""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hybridcomm
+from multiproc import run_ranks
+from optim_models import batch, flat, shard
+
+STEPS = 6
+TOL = dict(rtol=64 * torch.finfo(torch.float32).eps, atol=64 * torch.finfo(torch.float32).eps)
+
+
+class ParentUsesChildWeight(nn.Module):
+    """``head``'s forward never runs: the root reads its weight directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(72, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x.flatten(1)))
+        return F.linear(h, self.head.weight, self.head.bias)
+
+
+class LossOnlyParameter(nn.Module):
+    """``calib.temperature`` is read only by the loss, outside ``model(x)``; its
+    owner's forward never runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(72, 3)
+        self.calib = nn.Module()
+        self.calib.temperature = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.body(x.flatten(1))
+
+
+class CalledTwiceAndShared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(72, 8)
+        self.block = nn.Linear(8, 8)  # called twice
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight  # shared by two modules
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x.flatten(1)))
+        h = torch.tanh(self.block(torch.tanh(self.block(h))))
+        return self.out(self.b(self.a(h)))
+
+
+MODELS = {"parent": ParentUsesChildWeight, "loss": LossOnlyParameter,
+          "twice": CalledTwiceAndShared, "ema": ParentUsesChildWeight}
+
+
+def _loss(model, out, y):
+    t = model.calib.temperature if hasattr(model, "calib") else None
+    return F.mse_loss(out * t if t is not None else out, y)
+
+
+def _run(name, opt, model, rank, world, ema):
+    for s in range(STEPS):
+        x, y = batch(s)
+        if rank is not None:
+            x, y = shard(x, rank, world), shard(y, rank, world)
+        opt.zero_grad()
+        _loss(model, model(x), y).backward()
+        opt.step()
+        if ema is not None:  # read between step() and the next forward
+            with torch.no_grad():
+                for e, p in zip(ema, model.parameters()):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+
+
+def _make(name):
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def _distributed(rank, world, name, simulate):
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    model = _make(name)
+    ema = [p.detach().clone() for p in model.parameters()] if name == "ema" else None
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                          momentum=0.9),
+                                          model=model, overlap="forward", fusion_bytes=0,
+                                          measure_iters=2, timeout=60)
+    _run(name, opt, model, rank, world, ema)
+    opt.synchronize()
+    eager = sorted(opt._hc_eager)
+    opt.close()
+    return flat(model.parameters()), None if ema is None else flat(ema), eager
+
+
+def _single(name):
+    model = _make(name)
+    ema = [p.detach().clone() for p in model.parameters()] if name == "ema" else None
+    _run(name, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, None, 1, ema)
+    return flat(model.parameters()), None if ema is None else flat(ema)
+
+
+@pytest.mark.parametrize("simulate", [False, True])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forward_mode_matches_one_process(name, simulate):
+    results = run_ranks(3, _distributed, name, simulate, timeout=180)
+    ref, ref_ema = _single(name)
+    params, ema, eager = results[0]
+    assert torch.allclose(params, ref, **TOL), f"max diff {(params - ref).abs().max():.3g}"
+    if ref_ema is not None:
+        assert torch.allclose(ema, ref_ema, **TOL), f"EMA read stale weights"
+        assert eager, "the buckets read between step() and forward must be applied in step()"
+    else:
+        assert eager == []
+    assert all(torch.equal(r[0], params) for r in results)
+
+
+def _state_dict_after_step(rank, world):
+    model = _make("parent")
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model, overlap="forward", timeout=60)
+    x, y = batch(0)
+    opt.zero_grad()
+    _loss(model, model(shard(x, rank, world)), shard(y, rank, world)).backward()
+    opt.step()
+    saved = flat(model.state_dict().values())  # a checkpoint right after step()
+    opt.close()
+    return saved
+
+
+def test_a_checkpoint_right_after_step_holds_the_update():
+    model = _make("parent")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = batch(0)
+    _loss(model, model(x), y).backward()
+    opt.step()
+    want = flat(model.state_dict().values())
+    for got in run_ranks(3, _state_dict_after_step):
+        assert torch.allclose(got, want, **TOL)
