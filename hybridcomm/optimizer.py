@@ -658,18 +658,29 @@ class _DistributedOptimizer:
         self.timeline.write(path)
 
     def close(self) -> None:
-        """Finish pending work, stop the channel and remove the hooks."""
+        """Finish pending work, stop the channel and remove the hooks.
+
+        Cleanup never raises a communication error: if pending updates cannot be
+        finished (a peer failed), they are dropped with a warning and everything
+        is released anyway. Call ``synchronize()`` first to have such a failure
+        raised."""
         if self._hc_engine is None:
             return
-        self._hc_stop_watching()
-        self._hc_apply_all_pending()
-        for st in self._hc_states:
-            if st.phase is Phase.IN_FLIGHT:
-                self._hc_consume(st)
-        self._hc_engine.close()
-        self._hc_engine = None
-        for h in self._hc_hooks:
-            h.remove()
+        try:
+            self._hc_stop_watching()
+            if self._hc_channel.failure is None:
+                self._hc_apply_all_pending()
+                for st in self._hc_states:
+                    if st.phase is Phase.IN_FLIGHT:
+                        self._hc_consume(st)
+        except HybridCommError as e:
+            log.warning("hybridcomm: close(): pending updates dropped: %s", e)
+        finally:
+            engine, self._hc_engine = self._hc_engine, None
+            engine.close()
+            for h in self._hc_hooks:
+                h.remove()
+            self._hc_hooks = []
 
 
 def _quantize(seconds: float) -> float:

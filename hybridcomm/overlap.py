@@ -157,6 +157,11 @@ class HostChannel:  # host path
         with self._cv:
             return self._completed >= ticket
 
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error that stopped the channel, if any."""
+        return self._error
+
     def take_busy(self) -> float:
         """Seconds of communication finished since the last call."""
         with self._cv:
@@ -261,10 +266,14 @@ class StreamChannel:
         self.runtime.current_stream().wait_event(event)
         return 0.0
 
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error that aborted the transport (watchdog), if any."""
+        return getattr(self.transport, "failure", None)
+
     def _raise_failure(self) -> None:
-        failure = getattr(self.transport, "failure", None)
-        if failure is not None:
-            raise failure
+        if self.failure is not None:
+            raise self.failure
 
     def close(self) -> None:
         pass
