@@ -125,6 +125,7 @@ class _DistributedOptimizer:
         self._hc_measure_iters, self._hc_replan_every = measure_iters, replan_every
         self.timeline = Timeline(enabled=bool(trace))
         self._hc_model = model
+        self._hc_modules = {id(m): m for m in model.modules()} if model is not None else {}
 
         self._hc_params, names = self._hc_collect_params(model, named_parameters)
         self._hc_names = names
@@ -157,6 +158,7 @@ class _DistributedOptimizer:
         self._hc_eager: set = set()  # buckets applied in step() (read before the next forward)
         self._hc_mode: Optional[_FirstUse] = None
         self._hc_module_stack: List[torch.nn.Module] = []
+        self._hc_learned = False  # whether a forward was watched yet
         self._hc_appliers: Dict[int, list] = {}  # id(module) -> bucket states it applies
         self.last_step_stats: Dict[str, float] = {}
         self._hc_build(self._hc_agree_plan(windows=None, ready=None, need=None))
@@ -314,47 +316,46 @@ class _DistributedOptimizer:
 
     # ---- forward mode: where updates are applied ---------------------------------------
     def _hc_hook_model(self, model) -> None:
-        self._hc_modules = {id(m): m for m in model.modules()}
         self._hc_root = model
-        for m in model.modules():
-            self._hc_hooks.append(m.register_forward_pre_hook(self._hc_module_pre))
-            self._hc_hooks.append(m.register_forward_hook(self._hc_module_post))
+        self._hc_hooks.append(model.register_forward_hook(self._hc_root_done))
         self._hc_hooks.append(model.register_state_dict_pre_hook(
             lambda *args, **kwargs: self._hc_apply_all_pending()))
 
     def _hc_set_appliers(self) -> None:
-        """Each bucket is applied in the pre-hook of its parameters' owners and of the
-        modules seen using them first (learned in the measured steps)."""
-        model = getattr(self, "_hc_model", None)
-        self._hc_appliers = {}
-        if model is None or self._hc_overlap != "forward":
+        """A pre-hook on the module(s) that first use each bucket applies it: learned
+        while watching (the measured steps); before that, on its parameters' owners.
+        A bucket no module used is applied when the root's forward returns."""
+        for h in getattr(self, "_hc_applier_hooks", ()):
+            h.remove()
+        self._hc_applier_hooks, self._hc_appliers = [], {}
+        if getattr(self, "_hc_model", None) is None or self._hc_overlap != "forward" \
+                or self._hc_mode is not None:  # while watching, the watch applies
             return
-        owner = {}
-        for m in model.modules():
+        owners: Dict[int, list] = {}
+        for m in self._hc_model.modules():
             for p in m.parameters(recurse=False):
-                owner.setdefault(id(p), []).append(m)
+                owners.setdefault(id(p), []).append(id(m))
         for st in self._hc_states:
-            mods = {id(m) for p in st.params for m in owner.get(id(p), ())}
-            mods |= self._hc_first_users.get(st.bucket.index, set())
+            if st.bucket.index in self._hc_first_users:
+                mods = self._hc_first_users[st.bucket.index]
+            elif not self._hc_learned:
+                mods = {mid for p in st.params for mid in owners.get(id(p), ())}
+            else:
+                mods = set()
             for mid in mods:
                 self._hc_appliers.setdefault(mid, []).append(st)
+        self._hc_applier_hooks = [self._hc_modules[mid].register_forward_pre_hook(
+            self._hc_module_pre) for mid in self._hc_appliers]
 
     def _hc_module_pre(self, module, args) -> None:
-        if self._hc_mode is not None:
-            if module is self._hc_root:
-                self._hc_module_stack.clear()
-            self._hc_module_stack.append(module)
         for st in self._hc_appliers.get(id(module), ()):
             if st.phase is Phase.PENDING:
                 self._hc_apply(st)
 
-    def _hc_module_post(self, module, args, output) -> None:
-        if self._hc_mode is not None and self._hc_module_stack:
-            self._hc_module_stack.pop()
-        if module is self._hc_root:
-            # A parameter read only by the loss (or by nothing) is current now too.
-            self._hc_apply_all_pending()
-            self._hc_stop_watching()
+    def _hc_root_done(self, module, args, output) -> None:
+        # A parameter read only by the loss (or by nothing) is current now too.
+        self._hc_apply_all_pending()
+        self._hc_stop_watching()
 
     def _hc_first_use(self, i: int) -> None:
         """The watched code is about to read parameter ``i``: its update goes first."""
@@ -372,16 +373,37 @@ class _DistributedOptimizer:
         self._hc_apply(st)
 
     def _hc_watch(self) -> None:
-        if self._hc_mode is None and getattr(self, "_hc_model", None) is not None:
-            self._hc_mode = _FirstUse(self)
-            self._hc_module_stack = []
-            self._hc_mode.__enter__()
+        """From step() to the end of the next forward: see which module first reads each
+        pending parameter (the module stack is kept only meanwhile)."""
+        if self._hc_mode is not None or getattr(self, "_hc_model", None) is None:
+            return
+        stack = self._hc_module_stack = []
+
+        def enter(module, args) -> None:
+            stack.append(module)
+
+        def leave(module, args, output) -> None:
+            if stack:
+                stack.pop()
+
+        self._hc_watch_hooks = []
+        for m in self._hc_modules.values():
+            self._hc_watch_hooks.append(m.register_forward_pre_hook(enter, prepend=True))
+            self._hc_watch_hooks.append(m.register_forward_hook(leave, prepend=True))
+        self._hc_mode = _FirstUse(self)
+        self._hc_mode.__enter__()
+        self._hc_set_appliers()  # none while watching: first uses must be seen
 
     def _hc_stop_watching(self) -> None:
         mode, self._hc_mode = self._hc_mode, None
-        if mode is not None:
-            mode.__exit__(None, None, None)
-            self._hc_set_appliers()
+        if mode is None:
+            return
+        mode.__exit__(None, None, None)
+        for h in self._hc_watch_hooks:
+            h.remove()
+        self._hc_watch_hooks, self._hc_module_stack = [], []
+        self._hc_learned = True
+        self._hc_set_appliers()
 
     # ---- hooks --------------------------------------------------------------------------
     def _hc_launching(self) -> bool:
@@ -678,9 +700,9 @@ class _DistributedOptimizer:
         finally:
             engine, self._hc_engine = self._hc_engine, None
             engine.close()
-            for h in self._hc_hooks:
+            for h in self._hc_hooks + getattr(self, "_hc_applier_hooks", []):
                 h.remove()
-            self._hc_hooks = []
+            self._hc_hooks, self._hc_applier_hooks = [], []
 
 
 def _quantize(seconds: float) -> float:
