@@ -19,8 +19,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "triton>=3.0; platform_system == 'Linux'", "matplotlib", "coverage>=7"],
         "bench": ["matplotlib"],
-        "cuda12": ["cupy-cuda12x>=13", "nvidia-nccl-cu12", "triton>=3.0", "nvtx"],
-        "cuda13": ["cupy-cuda13x>=13", "nvidia-nccl-cu13", "triton>=3.0", "nvtx"],
+        "cuda12": ["cupy-cuda12x>=13,<15", "nvidia-nccl-cu12", "triton>=3.0", "nvtx"],
+        "cuda13": ["cupy-cuda13x>=13,<15", "nvidia-nccl-cu13", "triton>=3.0", "nvtx"],
     },
     entry_points={"console_scripts": ["hybridcomm-bench=hybridcomm.bench.cli:main"]},
     classifiers=["Programming Language :: Python :: 3", "Topic :: Scientific/Engineering"],

@@ -37,15 +37,15 @@ def _time(fn, iters):
 def allreduce(args):
     import torch.distributed as dist
 
-    from hybridcomm.executor import execute_async
     from hybridcomm.algorithms import get_schedule
-    from hybridcomm.transport.cupy_nccl import CupyNcclTransport
+    from hybridcomm.executor import execute_async
+    from hybridcomm.transport.select import close_transports, select_transport
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    t = CupyNcclTransport()
+    t = select_transport(torch.device("cuda", local), backend="cupy")
     if rank == 0:
         print(f"{'bytes':>10} {'algo':>17} {'eager(us)':>10} {'graph(us)':>10}")
     for nbytes in (1 << k for k in range(args.min_log2, args.max_log2 + 1, 2)):
@@ -53,10 +53,9 @@ def allreduce(args):
         for algo in ("ring", "butterfly", "halving_doubling"):
             sched = get_schedule(algo, rank, world, n)
             buf = torch.ones(n, device="cuda")
-            scratch = torch.empty(sched.scratch_numel, device="cuda")
 
             def once():
-                done = execute_async(sched, buf, t, scratch=scratch)
+                done = execute_async(sched, buf, t)
                 torch.cuda.current_stream().wait_event(done)
 
             for _ in range(5):
@@ -69,7 +68,7 @@ def allreduce(args):
             graphed = _time(graph.replay, args.iters)
             if rank == 0:
                 print(f"{nbytes:>10} {algo:>17} {eager:>10.1f} {graphed:>10.1f}")
-    t.close()
+    close_transports()
     dist.destroy_process_group()
 
 

@@ -29,38 +29,36 @@ def _inputs(world, n, dtype):
 def _rank(rank, world, algorithm, n, dtype_name, mode):
     import torch
 
-    from hybridcomm.executor import execute_async
     from hybridcomm.algorithms import get_schedule
-    from hybridcomm.executor import execute
-    from hybridcomm.transport.cupy_nccl import CupyNcclTransport
+    from hybridcomm.executor import execute, execute_async
+    from hybridcomm.transport.select import close_transports, select_transport
 
     dtype = DTYPES[dtype_name]
     dev = torch.device("cuda", torch.cuda.current_device())
-    t = CupyNcclTransport(device=dev)
+    t = select_transport(dev, backend="cupy", timeout=120)
     data = _inputs(world, n, dtype)
     want = torch.stack([x.float() for x in data]).sum(0).to(dtype)
     buf = data[rank].to(dev)
     sched = get_schedule(algorithm, rank, world, n)
-    scratch = torch.empty(sched.scratch_numel, dtype=dtype, device=dev)
     if mode == "host":
-        execute(sched, buf, t, scratch=scratch, timeout=60)
+        execute(sched, buf, t, timeout=60)  # the caller's stream waits; the host does not
     elif mode == "stream":
-        done = execute_async(sched, buf, t, scratch=scratch, timeout=60)
+        done = execute_async(sched, buf, t, timeout=60)
         torch.cuda.current_stream().wait_event(done)
-    else:  # graph: warm up eagerly (NCCL connects lazily), capture, replay
+    else:  # graph: warm up eagerly (NCCL connects lazily), capture, replay; no watchdog
         orig = buf.clone()
-        done = execute_async(sched, buf, t, scratch=scratch)
+        done = execute_async(sched, buf, t)
         torch.cuda.current_stream().wait_event(done)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            done = execute_async(sched, buf, t, scratch=scratch)
+            done = execute_async(sched, buf, t)
             torch.cuda.current_stream().wait_event(done)
         for _ in range(3):
             buf.copy_(orig)
             graph.replay()
     torch.cuda.synchronize()
     ok = bool(torch.equal(buf.cpu(), want))
-    t.close()
+    close_transports()
     return ok
 
 

@@ -1,0 +1,61 @@
+"""DistributedOptimizer on real GPUs (NCCL through CuPy, comm stream): every
+overlap mode gives one process's numbers, bitwise identical on every rank.
+Needs 2+ GPUs (NCCL takes one GPU per rank); skipped elsewhere."""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from gpu_common import needs_gpus, skip_if_interpreting
+from hybridcomm.launch import launch
+
+STEPS = 4
+
+
+def _rank(rank, world, overlap):
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from optim_models import batch, make_model, shard
+
+    import hybridcomm
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = make_model().to(dev)
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05,
+                                                          momentum=0.9),
+                                          model=model, overlap=overlap, fusion_bytes=0,
+                                          measure_iters=2, timeout=120)
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world).to(dev)),
+                               shard(y, rank, world).to(dev)).backward()
+        opt.step()
+    opt.synchronize()
+    out = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    opt.close()
+    return out
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
+def test_training_on_gpus_matches_one_process(overlap):
+    skip_if_interpreting()
+    from optim_models import batch, flat, make_model
+
+    # ranks that split the 12-sample batch evenly, as many as there are GPUs
+    world = max(w for w in (2, 3, 4, 6) if w <= torch.cuda.device_count())
+    results = launch(_rank, world, overlap, backend="nccl", start_method="spawn", timeout=600)
+    model = make_model().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for s in range(STEPS):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.cuda()), y.cuda()).backward()
+        opt.step()
+    ref = flat(model.parameters()).cpu()
+    tol = 64 * torch.finfo(torch.float32).eps
+    assert torch.allclose(results[0], ref, rtol=tol, atol=tol)
+    assert all(torch.equal(r, results[0]) for r in results)
