@@ -48,6 +48,7 @@ from .kernels import SUPPORTED_DTYPES, unpack
 from .overlap import BucketState, CommEngine, HostChannel, Phase, StreamChannel
 from .planner import Layer, Plan, make_plan
 from .runtime import runtime_for
+from .sparse import all_gather_sparse
 from .tensor_access import collect, reads_data
 from .timeline import Timeline
 from .transport.select import select_transport
@@ -127,12 +128,16 @@ class _DistributedOptimizer:
         self._hc_model = model
         self._hc_modules = {id(m): m for m in model.modules()} if model is not None else {}
 
-        self._hc_params, names = self._hc_collect_params(model, named_parameters)
-        self._hc_names = names
-        self._hc_index = {id(p): i for i, p in enumerate(self._hc_params)}
-        self._hc_check_params(model, names)
-        device = self._hc_params[0].device if self._hc_params else torch.device("cpu")
+        params, names = self._hc_collect_params(model, named_parameters)
+        device = params[0].device if params else torch.device("cpu")
         self._hc_runtime = runtime_for(device)
+        self._hc_check_params(model, params, names)
+        # Sparse gradients (modules with sparse=True) take their own path (sparse.py).
+        sparse = _sparse_owned(model)
+        self._hc_sparse = [(p, n) for p, n in zip(params, names) if id(p) in sparse]
+        self._hc_params = [p for p in params if id(p) not in sparse]
+        self._hc_names = names = [n for p, n in zip(params, names) if id(p) not in sparse]
+        self._hc_index = {id(p): i for i, p in enumerate(self._hc_params)}
         if self._hc_runtime is not None:  # CUDA, or the simulated GPU: the comm stream
             self._hc_transport = select_transport(device, process_group, timeout=self._hc_timeout)
             self._hc_channel = StreamChannel(self._hc_transport, self.timeline)
@@ -198,17 +203,13 @@ class _DistributedOptimizer:
             names.append(by_id.get(id(p), f"param{i}"))
         return params, names
 
-    def _hc_check_params(self, model, names) -> None:
+    def _hc_check_params(self, model, params, names) -> None:
         """Every rank: the same parameters, and none we cannot reduce; else the same
         HybridCommError on every rank, naming the parameters and what to do."""
-        sparse_owned = set()
-        if model is not None:
-            for mname, m in model.named_modules():
-                if getattr(m, "sparse", False) is True:
-                    sparse_owned.update(id(p) for p in m.parameters(recurse=False))
+        sparse_owned = _sparse_owned(model)
         problems = []
-        devices = {p.device for p in self._hc_params}
-        for n, p in zip(names, self._hc_params):
+        devices = {p.device for p in params}
+        for n, p in zip(names, params):
             if p.is_complex():
                 problems.append(f"{n!r} is complex ({p.dtype}): not supported; keep it as a "
                                 "real parameter of twice the size (torch.view_as_real) and "
@@ -216,17 +217,18 @@ class _DistributedOptimizer:
             elif p.dtype not in SUPPORTED_DTYPES:
                 problems.append(f"{n!r} has dtype {p.dtype}; supported: "
                                 f"{', '.join(map(str, SUPPORTED_DTYPES))}")
-            if id(p) in sparse_owned:
-                problems.append(f"{n!r} belongs to a module with sparse=True, whose gradients "
-                                "are sparse; hybridcomm reduces dense gradients: use sparse=False")
+            if id(p) in sparse_owned and self._hc_runtime is not None:
+                problems.append(f"{n!r} belongs to a module with sparse=True: sparse gradients "
+                                "are reduced on the CPU (gloo) path only; on GPUs use "
+                                "sparse=False")
             if p.is_sparse:
                 problems.append(f"{n!r} is a sparse tensor: not supported")
         if len(devices) > 1:
-            where = {str(d): [n for n, p in zip(names, self._hc_params) if p.device == d][:3]
+            where = {str(d): [n for n, p in zip(names, params) if p.device == d][:3]
                      for d in devices}
             problems.append(f"parameters are on several devices {where}: one DistributedOptimizer "
                             "per device (data parallelism keeps a whole replica on each)")
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(names, self._hc_params)]
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(names, params)]
         everyone = control.all_gather_object((mine, problems), group=self._hc_group,
                                              timeout=self._hc_timeout,
                                              what="the trainable parameters")
@@ -504,13 +506,21 @@ class _DistributedOptimizer:
         if not used:
             return
         params = [st.params[pos] for pos in used]
+        grads = [st.views[pos] if st.views[pos].dtype == p.dtype else st.views[pos].to(p.dtype)
+                 for pos, p in zip(used, params)]
+        self._hc_step_only(params, grads, st.hyper)
+        self.timeline.add(f"update bucket {st.bucket.index}", "compute", t0, time.perf_counter())
+
+    def _hc_step_only(self, params, grads, hyper) -> None:
+        """The wrapped optimizer's step for ``params`` alone, with gradients ``grads``
+        and the hyper-parameters ``hyper`` (per group, as at the step() that deferred it)."""
         saved_grads = [p.grad for p in params]
-        for pos, p in zip(used, params):
-            p.grad = st.views[pos] if st.views[pos].dtype == p.dtype else st.views[pos].to(p.dtype)
+        for p, g in zip(params, grads):
+            p.grad = g
         chosen = {id(p) for p in params}
         saved_groups = self.param_groups
-        self.param_groups = [dict(hyper, params=[p for p in g["params"] if id(p) in chosen])
-                             for g, hyper in zip(saved_groups, st.hyper)]
+        self.param_groups = [dict(h, params=[p for p in g["params"] if id(p) in chosen])
+                             for g, h in zip(saved_groups, hyper)]
         self.param_groups = [g for g in self.param_groups if g["params"]]
         try:
             super().step()
@@ -518,7 +528,6 @@ class _DistributedOptimizer:
             self.param_groups = saved_groups
             for p, g in zip(params, saved_grads):
                 p.grad = g
-        self.timeline.add(f"update bucket {st.bucket.index}", "compute", t0, time.perf_counter())
 
     def _hc_apply_all_pending(self) -> None:
         for st in self._hc_states:
@@ -541,9 +550,13 @@ class _DistributedOptimizer:
             loss = self._hc_base_step(closure, grad_scaler)
         else:
             self._hc_flush()
+            self._hc_reduce_sparse()
             deferred = (self._hc_overlap == "forward" and closure is None and grad_scaler is None)
             if deferred:
                 hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+                sparse = [p for p, _ in self._hc_sparse if p.grad is not None]
+                if sparse:  # updated now: they are not deferred
+                    self._hc_step_only(sparse, [p.grad for p in sparse], hyper)
                 for st in self._hc_states:
                     st.hyper, st.phase = hyper, Phase.PENDING
                 for st in self._hc_states:
@@ -558,6 +571,19 @@ class _DistributedOptimizer:
         self._hc_passes_done = 0
         self._hc_end_iteration(t0)
         return loss
+
+    def _hc_reduce_sparse(self) -> None:
+        """p.grad of each sparse parameter <- its sum (avg) over ranks, through the
+        channel, after this step's dense buckets (the same order on every rank)."""
+        for p, name in self._hc_sparse:
+            out = []
+            fn = (lambda p=p, name=name: out.append(all_gather_sparse(
+                p.grad, p.shape, p.dtype, self._hc_transport.group,
+                average=self._hc_scale is not None, timeout=self._hc_timeout,
+                what=f"sparse gradient of {name!r}")))
+            ticket = self._hc_channel.submit(fn, f"sparse gradient of {name!r}")
+            self._hc_channel.wait(ticket, f"sparse gradient of {name!r}")
+            p.grad = out[0]
 
     def _hc_base_step(self, closure, grad_scaler):
         if grad_scaler is None:
@@ -635,6 +661,7 @@ class _DistributedOptimizer:
         started = any(st.phase is not Phase.IDLE for st in self._hc_states)
         if started:
             self._hc_flush()
+            self._hc_reduce_sparse()
             for st in self._hc_states:
                 self._hc_write_grads(st)
             self._hc_synchronized = True
@@ -703,6 +730,14 @@ class _DistributedOptimizer:
             for h in self._hc_hooks + getattr(self, "_hc_applier_hooks", []):
                 h.remove()
             self._hc_hooks, self._hc_applier_hooks = [], []
+
+
+def _sparse_owned(model) -> set:
+    """ids of the parameters of modules that make sparse gradients (sparse=True)."""
+    if model is None:
+        return set()
+    return {id(p) for m in model.modules() if getattr(m, "sparse", False) is True
+            for p in m.parameters(recurse=False)}
 
 
 def _quantize(seconds: float) -> float:
