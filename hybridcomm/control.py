@@ -50,8 +50,7 @@ def control_group(group=None):
         hit = _groups.get(key)
         if hit is None:
             ranks = None if group is None else dist.get_process_group_ranks(group)
-            hit = _groups[key] = dist.new_group(ranks, backend="gloo",
-                                                use_local_synchronization=group is not None)
+            hit = _groups[key] = new_group_like(group)
         return hit
 
 
@@ -60,8 +59,13 @@ def new_group_like(group=None, timeout: Optional[float] = None):
     ranks = None if group is None else dist.get_process_group_ranks(group)
     kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     with _host_region():
-        return dist.new_group(ranks, backend="gloo", use_local_synchronization=group is not None,
-                              **kwargs)
+        try:
+            return dist.new_group(ranks, backend="gloo",
+                                  use_local_synchronization=group is not None, **kwargs)
+        except RuntimeError as e:  # gloo's connectFullMesh: a peer died or never came
+            kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
+            raise kind(f"rank {dist.get_rank()}: making a gloo group of ranks "
+                       f"{ranks or 'all'} failed (a peer dead or not making it too): {e}") from e
 
 
 def wait_work(work, timeout: float, what: str) -> None:
