@@ -69,10 +69,11 @@ def new_group_like(group=None, timeout: Optional[float] = None):
 
 
 def wait_work(work, timeout: float, what: str) -> None:
-    """``work.wait`` within ``timeout``, failures as our errors naming ``what``."""
+    """``work()`` posts a collective; it is waited for within ``timeout``. Failures,
+    at posting or waiting, are our errors naming ``what``."""
     rank = dist.get_rank()
     try:
-        done = work.wait(timeout=timedelta(seconds=timeout))
+        done = work().wait(timeout=timedelta(seconds=timeout))
     except Exception as e:
         kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
         raise kind(f"rank {rank}: agreeing on {what} failed (a peer dead, stalled for over "
@@ -100,11 +101,13 @@ def broadcast_object(obj: Any, *, group=None, root: int = 0, timeout: float,
         mine = dist.get_rank(g) == root
         data = pickle.dumps(obj) if mine else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        wait_work(dist.broadcast(size, _src(g, root), group=g, async_op=True), timeout, what)
+        wait_work(lambda: dist.broadcast(size, _src(g, root), group=g, async_op=True),
+                  timeout, what)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else \
             torch.empty(int(size[0]), dtype=torch.uint8)
         if buf.numel():
-            wait_work(dist.broadcast(buf, _src(g, root), group=g, async_op=True), timeout, what)
+            wait_work(lambda: dist.broadcast(buf, _src(g, root), group=g, async_op=True),
+                      timeout, what)
         return obj if mine else pickle.loads(buf.numpy().tobytes())
 
 
@@ -116,12 +119,12 @@ def all_gather_object(obj: Any, *, group=None, timeout: float, what: str = "an o
         data = pickle.dumps(obj)
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
-        wait_work(dist.all_gather(sizes, size, group=g, async_op=True), timeout, what)
+        wait_work(lambda: dist.all_gather(sizes, size, group=g, async_op=True), timeout, what)
         longest = max(int(s[0]) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-        wait_work(dist.all_gather(parts, mine, group=g, async_op=True), timeout, what)
+        wait_work(lambda: dist.all_gather(parts, mine, group=g, async_op=True), timeout, what)
         return [pickle.loads(p[:int(s[0])].numpy().tobytes()) for p, s in zip(parts, sizes)]
 
 

@@ -852,8 +852,9 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None,
                                       "rank 0", f"rank {root_rank}"))
     src = dist.get_global_rank(process_group, root_rank) if process_group is not None else root_rank
     for name, t in items:
-        work = dist.broadcast(t.data, src=src, group=process_group, async_op=True)
-        control.wait_work(work, timeout, f"broadcasting {name!r}")
+        control.wait_work(lambda: dist.broadcast(t.data, src=src, group=process_group,
+                                                 async_op=True),
+                          timeout, f"broadcasting {name!r}")
 
 
 def _to_cpu(obj):

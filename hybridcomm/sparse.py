@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .transport.torch_dist import wait_work
+from .transport.torch_dist import posted, wait_work
 
 
 def all_gather_sparse(grad: Optional[torch.Tensor], shape, dtype, group, *, average: bool,
@@ -36,10 +36,11 @@ def all_gather_sparse(grad: Optional[torch.Tensor], shape, dtype, group, *, aver
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     mine = torch.tensor([idx.numel()], dtype=torch.int64)
 
-    def wait(work, stage):
-        wait_work(work, rank, f"{what}: {stage}", timeout)
+    def wait(post, stage):
+        label = f"{what}: {stage}"
+        wait_work(posted(post, rank, label), rank, label, timeout)
 
-    wait(dist.all_gather(counts, mine, group=group, async_op=True), "row counts")
+    wait(lambda: dist.all_gather(counts, mine, group=group, async_op=True), "row counts")
     counts = [int(c[0]) for c in counts]
     longest = max(counts)
     if longest == 0:
@@ -50,8 +51,8 @@ def all_gather_sparse(grad: Optional[torch.Tensor], shape, dtype, group, *, aver
     pad_val[:val.shape[0]] = val
     all_idx = [torch.empty_like(pad_idx) for _ in range(world)]
     all_val = [torch.empty_like(pad_val) for _ in range(world)]
-    wait(dist.all_gather(all_idx, pad_idx, group=group, async_op=True), "indices")
-    wait(dist.all_gather(all_val, pad_val, group=group, async_op=True), "values")
+    wait(lambda: dist.all_gather(all_idx, pad_idx, group=group, async_op=True), "indices")
+    wait(lambda: dist.all_gather(all_val, pad_val, group=group, async_op=True), "values")
     indices = torch.cat([i[:n] for i, n in zip(all_idx, counts)])
     values = torch.cat([v[:n] for v, n in zip(all_val, counts)])
     if average:

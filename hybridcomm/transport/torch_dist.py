@@ -47,6 +47,16 @@ def wait_work(work, rank: int, label: str, timeout: float | None) -> None:
         raise HybridCommTimeout(f"rank {rank}: {label} did not complete within {timeout}s")
 
 
+def posted(post, rank: int, label: str):
+    """``post()`` (an isend/irecv/collective call) with a failure at posting time (a
+    peer's socket already closed) as our error too, naming the rank and the work."""
+    try:
+        return post()
+    except RuntimeError as e:
+        kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
+        raise kind(f"rank {rank}: posting {label} failed (a peer dead?): {e}") from e
+
+
 def looks_like_timeout(e: Exception) -> bool:
     text = str(e).lower()
     return "timeout" in text or "timed out" in text
@@ -87,7 +97,9 @@ class TorchDistTransport:
         for peer, t in recvs:
             ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group, self.tag))
             labels.append(f"receive of {t.numel()} x {t.dtype} from rank {peer}")
-        return (dist.batch_isend_irecv(ops) if ops else []), labels
+        works = posted(lambda: dist.batch_isend_irecv(ops), self.rank, "; ".join(labels)) \
+            if ops else []
+        return works, labels
 
     def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *,
                  label=None) -> TorchDistPending:
@@ -97,8 +109,10 @@ class TorchDistTransport:
     def all_reduce(self, t, *, average: bool, timeout: float | None = None) -> None:
         """The group's own all-reduce (``native``) in place. Every rank gets the same
         bits back (gloo copies each reduced chunk around) and scales them alike."""
-        work = dist.all_reduce(t, group=self.group, async_op=True)
-        wait_work(work, self.rank, f"native all_reduce of {t.numel()} x {t.dtype}", timeout)
+        label = f"native all_reduce of {t.numel()} x {t.dtype}"
+        work = posted(lambda: dist.all_reduce(t, group=self.group, async_op=True), self.rank,
+                      label)
+        wait_work(work, self.rank, label, timeout)
         if average:
             t.mul_(1.0 / self.world_size)
 

@@ -1,0 +1,163 @@
+"""hybridcomm's all-reduce as a DDP communication hook (backward overlap).
+
+For code that configures DDP rather than wrapping the optimizer (Lightning,
+Accelerate, most production trainers)::
+
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(hybridcomm.ddp.HybridState(), hybridcomm.ddp.hybrid_hook)
+
+Each DDP bucket is all-reduced (averaged) with the algorithm the agreed cost
+model picks for its size (butterfly, ring, halving-doubling or ``native``;
+``HYBRIDCOMM_ALGO`` forces one), through the same one ordered channel as the
+optimizer: a gloo group of its own on CPU, the comm stream on GPUs. DDP
+launches buckets in index order on every rank, which is the order every rank
+issues them in. The numbers equal DDP's default all-reduce (up to summation
+order) and are bitwise identical on every rank.
+
+Forward overlap is not possible inside DDP: DDP waits for every hook's future
+at the end of backward, before ``optimizer.step()``. Use
+``hybridcomm.DistributedOptimizer(..., overlap="forward")`` for that.
+
+Lightning (not a dependency)::
+
+    from lightning.pytorch.strategies import DDPStrategy
+    strategy = DDPStrategy(ddp_comm_state=hybridcomm.ddp.HybridState(),
+                           ddp_comm_hook=hybridcomm.ddp.hybrid_hook)
+
+Accelerate (not a dependency): after ``accelerator.prepare(model, ...)``,
+``accelerator.unwrap_model`` is the module; register on the DDP wrapper it
+returned: ``model.register_comm_hook(HybridState(), hybrid_hook)``.
+"""
+
+import logging
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import calibration, control, env
+from .algorithms import get_schedule
+from .collectives import resolve_algorithm
+from .cost_model import NATIVE, CostModel
+from .executor import execute_async, execute_native
+from .overlap import HostChannel
+from .runtime import runtime_for
+from .transport.select import select_transport
+from .transport.torch_dist import TorchDistTransport
+
+log = logging.getLogger("hybridcomm")
+
+
+class HybridState:
+    """State of :func:`hybrid_hook`: the process group, the cost model, the channel.
+
+    Args:
+        process_group: the group DDP reduces over (None: the world).
+        cost_model: a ``CostModel``; None: rank 0's saved calibration, else a probe.
+        timeout: seconds any wait may take (default ``HYBRIDCOMM_TIMEOUT``).
+
+    Picklable, as ``PowerSGDState`` is: the group and the channel are not
+    pickled; they are made again (collectively) on first use after unpickling.
+
+    Example::
+
+        >>> state = hybridcomm.ddp.HybridState()
+        >>> ddp.register_comm_hook(state, hybridcomm.ddp.hybrid_hook)
+        >>> state.algorithms        # {bucket index: algorithm}, filled as buckets run
+    """
+
+    __slots__ = ("process_group", "cost_model", "timeout", "algorithms", "_transport", "_channel",
+                 "_world")
+
+    def __init__(self, process_group=None, cost_model: Optional[CostModel] = None,
+                 timeout: Optional[float] = None):
+        self.process_group = process_group
+        self.cost_model = cost_model
+        self.timeout = env.timeout(timeout)
+        self.algorithms: Dict[int, str] = {}
+        self._transport = self._channel = None
+        self._world = 0
+
+    def __getstate__(self):
+        return {"cost_model": self.cost_model, "timeout": self.timeout,
+                "algorithms": dict(self.algorithms)}
+
+    def __setstate__(self, state):
+        self.process_group = None  # as PowerSGDState: the default group after unpickling
+        self.cost_model, self.timeout = state["cost_model"], state["timeout"]
+        self.algorithms = state["algorithms"]
+        self._transport = self._channel = None
+        self._world = 0
+
+    def _ready(self, buf: torch.Tensor) -> None:
+        """Agree on the model and make the channel: collective, on the first bucket."""
+        if self._world:
+            return
+        self._world = dist.get_world_size(self.process_group)
+        self.cost_model = calibration.agree(self.cost_model, group=self.process_group,
+                                            timeout=self.timeout)
+        if runtime_for(buf.device) is not None:
+            self._transport = select_transport(buf.device, self.process_group,
+                                               timeout=self.timeout)
+        else:
+            self._transport = TorchDistTransport(control.new_group_like(self.process_group,
+                                                                        self.timeout))
+            self._channel = HostChannel(self.timeout)
+
+    def algorithm(self, index: int, nbytes: int) -> str:
+        """The algorithm for DDP bucket ``index`` (chosen once, from its size)."""
+        algo = self.algorithms.get(index)
+        if algo is None:
+            forced = env.get("HYBRIDCOMM_ALGO")
+            model = self.cost_model
+            algo = forced or ("butterfly" if self._world <= 2 and not model.offers(NATIVE)
+                              else model.choose(nbytes, self._world,
+                                                candidates=("ring", "butterfly",
+                                                            "halving_doubling", NATIVE)))
+            self.algorithms[index] = algo
+            log.info("hybridcomm DDP hook: bucket %d, %d bytes -> %s", index, nbytes, algo)
+        return algo
+
+
+def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average ``bucket``'s gradients with hybridcomm.
+
+    Register with ``ddp_model.register_comm_hook(HybridState(), hybrid_hook)``.
+    The future completes with the averaged buffer; on CUDA it is bound to the
+    comm stream, so DDP's wait is a stream wait, not a host synchronization.
+    """
+    buf = bucket.buffer()
+    state._ready(buf)
+    t = state._transport
+    name = state.algorithm(bucket.index(), buf.numel() * buf.element_size())
+    name = resolve_algorithm(name, buf.numel() * buf.element_size(), state._world)
+    scale = 1.0 / state._world
+    what = f"DDP bucket {bucket.index()} ({name}, {buf.numel() * buf.element_size()} bytes)"
+    if state._channel is None:  # device path: queued on the comm stream
+        if name == NATIVE:
+            execute_native(buf, t, average=True, timeout=state.timeout, label=what)
+        else:
+            execute_async(get_schedule(name, t.rank, state._world, buf.numel()), buf, t,
+                          scale=scale, timeout=state.timeout, label=what)
+        fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+        with t.stream_context():
+            fut.set_result(buf)  # recorded on the comm stream, after the work
+        return fut
+    fut = torch.futures.Future()
+
+    def run():
+        try:
+            if name == NATIVE:
+                execute_native(buf, t, average=True, timeout=state.timeout)
+            else:
+                from .executor import execute
+
+                execute(get_schedule(name, t.rank, state._world, buf.numel()), buf, t,
+                        scale=scale, timeout=state.timeout)
+        except BaseException as e:
+            fut.set_exception(e)
+            raise
+        fut.set_result(buf)
+
+    state._channel.submit(run, what)
+    return fut
