@@ -7,11 +7,13 @@ Example::
     ...                                       model=model)
     >>> hybridcomm.all_reduce(grad, op="avg", algorithm="auto")
 """
+from . import logs
 from .algorithms import ALGORITHMS
 from .collectives import all_reduce
 from .errors import HybridCommError, HybridCommTimeout
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
 __version__ = "0.1.0"
+logs.setup()
 __all__ = ["ALGORITHMS", "all_reduce", "DistributedOptimizer", "broadcast_parameters",
            "broadcast_optimizer_state", "HybridCommError", "HybridCommTimeout", "__version__"]

@@ -171,7 +171,7 @@ class _DistributedOptimizer:
                           for p in self._hc_params]
         if model is not None and overlap == "forward":
             self._hc_hook_model(model)
-        log.info("hybridcomm plan:\n%s", self.plan)
+        self._hc_log_plan("initial plan")
 
     def _hc_resolve_cost_model(self, cost_model) -> cm.CostModel:
         """A CostModel; None: rank 0's calibration, else a probe (``calibration.agree``)."""
@@ -642,7 +642,11 @@ class _DistributedOptimizer:
                                 for b in plan.buckets}
         self._hc_eager = {b.index for b in plan.buckets if eager_layers & set(b.layers)}
         self._hc_build(plan)
-        log.info("hybridcomm re-plan after %d iterations:\n%s", self._hc_iteration, self.plan)
+        self._hc_log_plan(f"re-planned after {self._hc_iteration} steps")
+
+    def _hc_log_plan(self, title: str) -> None:
+        """The plan at INFO on rank 0 (the same on every rank: DEBUG elsewhere)."""
+        log.log(logging.INFO if self._hc_rank == 0 else logging.DEBUG, "%s:\n%s", title, self.plan)
 
     def _hc_quiesce(self) -> None:
         """Consume everything in flight: buffers are about to change."""

@@ -430,3 +430,28 @@ def test_replans_only_when_measurements_change_a_decision(change):
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     assert torch.allclose(params, flat(model.parameters()), **TOL)
+
+
+def _logged(rank, world):
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append((record.levelno, record.getMessage()))
+
+    logging.getLogger("hybridcomm").addHandler(Keep())
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model, timeout=60)
+    opt.close()
+    return [(lvl, msg.splitlines()[0]) for lvl, msg in records if "plan" in msg]
+
+
+def test_the_plan_is_logged_at_info_once_on_rank_0():
+    import logging
+
+    logs = run_ranks(2, _logged)
+    assert logs[0] == [(logging.INFO, "initial plan:")]
+    assert logs[1] == [(logging.DEBUG, "initial plan:")]
