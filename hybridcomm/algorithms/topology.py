@@ -47,9 +47,11 @@ class Topology:
             raise ValueError(f"node_size must be a positive integer, got {size!r}")
         grid = most_square(world_size) if self.grid is None else tuple(self.grid)
         if (len(grid) != 2 or not all(isinstance(x, int) and x >= 1 for x in grid)
-                or not (grid[0] - 1) * grid[1] < world_size <= grid[0] * grid[1]):
+                or not (grid[0] - 1) * grid[1] < world_size <= grid[0] * grid[1]
+                or grid[1] > world_size):
             raise ValueError(f"grid {self.grid!r} does not fit {world_size} ranks: need "
-                             "(rows, cols) with (rows - 1) * cols < world_size <= rows * cols")
+                             "(rows, cols) with (rows - 1) * cols < world_size <= rows * cols "
+                             "and cols <= world_size")
         return Topology(min(size, world_size), grid)
 
     def nodes(self, world_size: int) -> int:
