@@ -292,10 +292,10 @@ class CostModel:
     def with_latency(self, seconds: float) -> "CostModel":
         """This model with ``seconds`` more per message (an emulated slower network;
         the emulation wraps hybridcomm's transport only, so ``native`` is dropped)."""
+        inter = None if self.inter_alpha is None else self.inter_alpha + seconds
         return CostModel(self.alpha + seconds, self.beta, self.gamma,
                          source=f"{self.source} + {seconds * 1e6:g} us/message", meta=self.meta,
-                         inter_alpha=None if self.inter_alpha is None else self.inter_alpha + seconds,
-                         inter_beta=self.inter_beta)
+                         inter_alpha=inter, inter_beta=self.inter_beta)
 
     def crossover(self, world_size: int, a: str = "butterfly", b: str = "ring",
                   lo: int = 1, hi: int = 1 << 40, topology=None) -> Optional[int]:

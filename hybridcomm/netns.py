@@ -218,8 +218,8 @@ class ShapedNetwork:
         """Namespaces or links of ours still present (for tests)."""
         out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
         ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        names = (self.node_bridges + ([self.core_bridge] if self.core_bridge else []) + self.host_ifs
-                 + [x for pair in self.uplinks for x in pair])
+        names = (self.node_bridges + ([self.core_bridge] if self.core_bridge else [])
+                 + self.host_ifs + [x for pair in self.uplinks for x in pair])
         return ([n for n in names if f" {n}:" in out or f" {n}@" in out]
                 + [n for n in self.namespaces if n in ns.split()])
 
@@ -229,8 +229,9 @@ class ShapedNetwork:
         if self.nodes == 1:
             return f"{links} on each rank link (namespaces)"
         inter = f"tbf {self.inter_spec}" if self.inter_spec else "unshaped"
-        return (f"{self.nodes} nodes of {self.node_size} ranks (last {self.world_size - (self.nodes - 1) * self.node_size}); "
-                f"rank links {links}; each node's uplink (shared by its ranks) {inter} (namespaces)")
+        last = self.world_size - (self.nodes - 1) * self.node_size
+        return (f"{self.nodes} nodes of {self.node_size} ranks (last {last}); rank links {links}; "
+                f"each node's uplink (shared by its ranks) {inter} (namespaces)")
 
     def __enter__(self) -> "ShapedNetwork":
         return self.open()

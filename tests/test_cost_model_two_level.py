@@ -59,7 +59,8 @@ def test_no_inter_coefficients_predicts_as_before():
     for algo in MODELED:
         for p in (2, 4, 6):
             a, b, g = coefficients(algo, N, p)
-            assert flat.predict(algo, N, p, Topology(node_size=2)) == a * 1e-3 + b * 1e-9 + g * 1e-10
+            want = a * 1e-3 + b * 1e-9 + g * 1e-10
+            assert flat.predict(algo, N, p, Topology(node_size=2)) == want
     same = CostModel(1e-3, 1e-9, 1e-10, inter_alpha=1e-3, inter_beta=1e-9)
     # one node: the inter-node values are never used
     assert same.predict("halving_doubling", N, 8, Topology(node_size=8)) == pytest.approx(

@@ -41,11 +41,13 @@ def test_exact_and_bitwise_identical_for_every_node_size_and_grid(p):
     for algo, topo in topologies(p):
         for n in lengths(p):
             ints = [[rng.randint(-1000, 1000) for _ in range(n)] for _ in range(p)]
-            assert run(algo, p, n, topo, ints) == [[sum(c) for c in zip(*ints)]] * p, (algo, topo, n)
+            want = [[sum(c) for c in zip(*ints)]] * p
+            assert run(algo, p, n, topo, ints) == want, (algo, topo, n)
         # Floats of mixed magnitude: a sum's rounding depends on its order, so
         # identical results mean each element was summed once, then copied.
         n = 2 * p + 3
-        floats = [[rng.uniform(-1, 1) * 10 ** rng.randint(-8, 8) for _ in range(n)] for _ in range(p)]
+        floats = [[rng.uniform(-1, 1) * 10 ** rng.randint(-8, 8) for _ in range(n)]
+                  for _ in range(p)]
         out = run(algo, p, n, topo, floats)
         assert all(o == out[0] for o in out), (algo, topo)
 
@@ -68,7 +70,8 @@ def test_identical_check_catches_rank_dependent_order():
 def test_step_counts_follow_the_formula(p, node):
     m = p // node
     n = 1000 * p
-    for algo, topo in (("hierarchical", Topology(node_size=node)), ("torus2d", Topology(grid=(m, node)))):
+    for algo, topo in (("hierarchical", Topology(node_size=node)),
+                       ("torus2d", Topology(grid=(m, node)))):
         want = coefficients(algo, n, p, topo)[0]
         assert want == 2 * (node - 1) + 2 * (m - 1)
         assert all(len(get_schedule(algo, r, p, n, topo).steps) == want for r in range(p))

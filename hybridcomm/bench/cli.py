@@ -360,7 +360,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"node size {doc['node_size']}, grid {doc['grid'][0]}x{doc['grid'][1]}:", file=out)
         for r in chk["rows"]:
             print(f"#   {r['algo']:>12} {report.human(r['bytes']):>6}: measured "
-                  f"{r['measured_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x", file=out)
+                  f"{r['measured_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x",
+                  file=out)
     if args.json:
         report.write_json(args.json, doc)
         print(f"# wrote {args.json}", file=out)

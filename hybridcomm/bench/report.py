@@ -62,7 +62,8 @@ def header(doc: dict) -> List[str]:
         f"{doc['backend']}, device {doc['device']}, {doc['dtype']}, op {doc['op']}",
         f"# iters {doc['iters']} (median per iteration, then the mean over ranks), "
         f"warmup {doc['warmup']}, check {'on' if doc['check'] else 'off'}",
-        f"# network: {doc.get('network') or ('tbf ' + doc['shape'] + ' on each rank link (namespaces)' if doc['shape'] else 'unshaped')}"
+        "# network: " + (doc.get("network") or (f"tbf {doc['shape']} on each rank link (namespaces)"
+                                                if doc["shape"] else "unshaped"))
         + (f"; EMULATED latency {lat * 1e6:g} us per step on hybridcomm's algorithms only "
            f"(the torch baseline runs without it)" if lat else ""),
         f"# auto: cost model from {doc['auto_model']['source']}; hierarchical node size "
