@@ -201,17 +201,23 @@ def _grouped_rounds(g: int, p: int) -> List[Tuple[tuple, bool, int]]:
 
     m = -(-p // g)
     sizes = [min(g, p - t * g) for t in range(m)]
-    inside = []  # step t of a group's ring: its ranks pass their largest run around
-    for t in range(g - 1):
-        inside.append(tuple((k * g + j, k * g + (j + 1) % s, -(-g // s) / g)
-                            for k, s in enumerate(sizes) if t < s - 1 for j in range(s)))
-    owners = [[k * g + next(j for j in range(s) if runs(g, s)[j] <= c < runs(g, s)[j + 1])
-               for k, s in enumerate(sizes)] for c in range(g)]
-    across = tuple((o[t], o[(t + 1) % m], 1 / g / m) for o in owners for t in range(m))
-    rounds = [(e, True, 1) for e in inside]
+    short = sizes[-1]
+
+    def inside(groups):  # one step of these groups' rings: each rank passes its largest run on
+        return tuple((k * g + j, k * g + (j + 1) % s, -(-g // s) / g)
+                     for k, s in groups for j in range(s))
+
+    # The first short-1 steps run in every group, the rest in the full groups only.
+    both = [(inside(enumerate(sizes)), short - 1), (inside(enumerate(sizes[:-1])), g - short)]
+    both = [(e, n) for e, n in both if n > 0]
+    owner = {s: [j for j in range(s) for _ in range(runs(g, s)[j + 1] - runs(g, s)[j])]
+             for s in set(sizes)}  # chunk -> local rank, per group size
+    across = tuple((k * g + owner[s][c], ((k + 1) % m) * g + owner[sizes[(k + 1) % m]][c],
+                    1 / g / m) for c in range(g) for k, s in enumerate(sizes))
+    rounds = [(e, True, n) for e, n in both]
     if m > 1:
         rounds += [(across, True, m - 1), (across, False, m - 1)]
-    return rounds + [(e, False, 1) for e in inside]
+    return rounds + [(e, False, n) for e, n in both]
 
 
 NATIVE = "native"  # the process group's own all_reduce (gloo / NCCL)
