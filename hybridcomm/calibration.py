@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import control, env
-from .cost_model import DEFAULT_MODEL, NATIVE, CostModel, FitReport, fit, rounded
+from .cost_model import DEFAULT_MODEL, MODELED, NATIVE, CostModel, FitReport, fit, rounded
 
 log = logging.getLogger("hybridcomm")
 
@@ -115,9 +115,11 @@ def active_model() -> CostModel:
     return hit[1] or DEFAULT_MODEL
 
 
-def choose_algorithm(nbytes: int, world_size: int) -> str:
+def choose_algorithm(nbytes: int, world_size: int, topology=None) -> str:
     """The algorithm ``"auto"`` uses for ``nbytes`` over ``world_size`` ranks:
-    the fastest under :func:`active_model`.
+    the fastest under :func:`active_model`, among ring, butterfly and
+    halving-doubling, and ``hierarchical`` where ``topology`` (default: from
+    ``LOCAL_WORLD_SIZE``) has several nodes of several ranks.
 
     Example::
 
@@ -126,9 +128,14 @@ def choose_algorithm(nbytes: int, world_size: int) -> str:
         ('butterfly', 'halving_doubling', 'ring')
         >>> set_active(None)
     """
+    from .algorithms import Topology
+
     if world_size <= 2:
         return "butterfly"  # at P <= 2 all three send the same bytes; butterfly in one step
-    return active_model().choose(nbytes, world_size)
+    topo = (topology or Topology()).resolve(world_size)
+    many_nodes = 1 < topo.node_size < world_size
+    candidates = MODELED + (("hierarchical",) if many_nodes else ())
+    return active_model().choose(nbytes, world_size, candidates=candidates, topology=topo)
 
 
 def agree(model: Optional[CostModel] = None, group=None, *, timeout: Optional[float] = None,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from . import control, env
-from .algorithms import ALGORITHMS, get_schedule
+from .algorithms import ALGORITHMS, TOPOLOGY_AWARE, Topology, get_schedule
 from .calibration import choose_algorithm
 from .cost_model import NATIVE
 from .errors import HybridCommError
@@ -25,11 +25,11 @@ _agreed: Set[Tuple] = set()  # (group, call signature) pairs every rank has agre
 _agreed_lock = threading.Lock()
 
 
-def resolve_algorithm(algorithm: str, nbytes: int, world_size: int) -> str:
+def resolve_algorithm(algorithm: str, nbytes: int, world_size: int, topology=None) -> str:
     """The concrete algorithm for a request ("auto" honours ``HYBRIDCOMM_ALGO``)."""
     if algorithm == "auto":
         forced = env.get("HYBRIDCOMM_ALGO")
-        return forced or choose_algorithm(nbytes, world_size)
+        return forced or choose_algorithm(nbytes, world_size, topology)
     if algorithm not in ALGORITHMS + (NATIVE,):
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
                          f"{ALGORITHMS + (NATIVE, 'auto')}")
@@ -51,10 +51,11 @@ def check_mode(check) -> str:
 
 def check_same_call(group, signature: Tuple, timeout: float) -> None:
     """Raise on every rank if the ranks' call signatures (numel, dtype, algorithm,
-    op, transport) differ: without this a mismatch would hang or corrupt data."""
+    op, transport, and the resolved node size and grid of a two-level algorithm)
+    differ: without this a mismatch would hang or corrupt data."""
     rows = control.all_gather_object(signature, group=group, timeout=timeout,
                                      what="all_reduce's arguments")
-    names = ("numel", "dtype", "algorithm", "op", "transport")
+    names = ("numel", "dtype", "algorithm", "op", "transport", "node_size", "grid")
     problems = []
     for i, what in enumerate(names):
         values = [row[i] for row in rows]
@@ -66,7 +67,8 @@ def check_same_call(group, signature: Tuple, timeout: float) -> None:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", group=None, *,
-               timeout: float | None = None, check=None) -> torch.Tensor:
+               timeout: float | None = None, check=None, node_size: int | None = None,
+               grid: tuple[int, int] | None = None) -> torch.Tensor:
     """All-reduce ``tensor`` in place across the ranks of ``group`` and return it.
 
     Args:
@@ -83,6 +85,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", g
             naming the ranks that differ: ``"first"`` (default: once per
             distinct call, so a steady loop pays nothing), ``"always"``/True,
             or ``"off"``/False; ``HYBRIDCOMM_CHECK`` sets the default.
+        node_size: ranks per node for ``hierarchical`` (consecutive ranks; the
+            last node may be short); default ``LOCAL_WORLD_SIZE``, else one node.
+            ``auto`` considers ``hierarchical`` when there are several nodes.
+        grid: ``(rows, cols)`` for ``torus2d`` (the last row may be short);
+            default the most square factorization of the world size.
 
     fp16/bf16 partial sums are accumulated in fp32 at each step. Every rank
     ends with bitwise identical values. On CUDA the call returns once the work
@@ -113,12 +120,14 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", g
                               "torchrun)")
     transport = select_transport(tensor.device, group, timeout=timeout)
     world = transport.world_size
+    topology = Topology(node_size, grid).resolve(world)
     nbytes = tensor.numel() * tensor.element_size()
-    name = resolve_algorithm(algorithm, nbytes, world)
+    name = resolve_algorithm(algorithm, nbytes, world, topology)
     if algorithm == "auto":
         log.debug("all_reduce: %d bytes over %d ranks -> %s", nbytes, world, name)
     if world > 1 and mode != "off":
-        signature = (tensor.numel(), str(tensor.dtype), name, op, transport.kind)
+        topo = (topology.node_size, topology.grid) if name in TOPOLOGY_AWARE else (0, (0, 0))
+        signature = (tensor.numel(), str(tensor.dtype), name, op, transport.kind, *topo)
         key = (id(group), signature)
         with _agreed_lock:
             known = key in _agreed
@@ -132,7 +141,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", g
         if done is not None:
             transport.runtime.current_stream().wait_event(done)
     else:
-        schedule = get_schedule(name, transport.rank, world, flat.numel())
+        schedule = get_schedule(name, transport.rank, world, flat.numel(), topology)
         execute(schedule, flat, transport, scale=1.0 / world if op == "avg" else None,
                 timeout=timeout)
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():

@@ -139,7 +139,8 @@ def _plan(schedule: Schedule, parts: int) -> _Plan:
         for k in range(parts):
             lo = k * schedule.numel // parts
             hi = (k + 1) * schedule.numel // parts
-            sub = get_schedule(schedule.algorithm, schedule.rank, schedule.world_size, hi - lo)
+            sub = get_schedule(schedule.algorithm, schedule.rank, schedule.world_size, hi - lo,
+                               schedule.topology)
             steps, scratch = _plan_part(sub, lo, slot)
             out.append(steps)
             slot += scratch

@@ -1,6 +1,13 @@
 """A shaped network on one machine: one network namespace per rank, veth pairs
 to a bridge, and a ``tbf`` qdisc of a given rate on each rank's link.
 
+Two levels (``node_size``): one bridge per node of ``node_size`` consecutive
+ranks, their rank links fast (shaped by ``spec``, or not at all), and each
+node bridge joined to a core bridge by one veth pair shaped by
+``inter_spec`` in both directions: the node's uplink, shared by its ranks,
+as one NIC per node would be. All addresses stay on one subnet (layer 2
+across the bridges), so gloo needs nothing more than its interface name.
+
 The kernel on the development machines has ``tbf`` but no ``netem``, so this
 shapes bandwidth only (latency is emulated in the transport instead, see
 transport/latency.py). Each rank's link is shaped in both directions (the
@@ -18,6 +25,8 @@ Example::
 
     >>> with ShapedNetwork(4, "rate 1gbit") as net:
     ...     launch(work, 4, setup=net.setup)
+    >>> with ShapedNetwork(4, None, node_size=2, inter_spec="rate 100mbit") as net:
+    ...     launch(work, 4, setup=net.setup)      # 2 nodes of 2, 100 Mbit/s between them
 """
 from __future__ import annotations
 
@@ -92,14 +101,32 @@ class EnterNamespace:
 
 
 class ShapedNetwork:
-    """``world_size`` namespaces on a bridge, each link shaped by ``tbf <spec>``."""
+    """``world_size`` namespaces on a bridge, each link shaped by ``tbf <spec>``
+    (None: unshaped); with ``node_size``, one bridge per node and each node's
+    uplink shaped by ``tbf <inter_spec>`` (None: unshaped)."""
 
-    def __init__(self, world_size: int, spec: str):
+    def __init__(self, world_size: int, spec: Optional[str],
+                 node_size: Optional[int] = None, inter_spec: Optional[str] = None):
         self.world_size = world_size
-        self.tbf = parse_shape(spec)
-        self.spec = " ".join(self.tbf)
+        self.tbf = parse_shape(spec) if spec is not None else None
+        self.spec = " ".join(self.tbf) if self.tbf else None
+        if inter_spec is not None and node_size is None:
+            raise NetnsError("an inter-node shape needs node_size (ranks per node)")
+        if node_size is not None and node_size < 1:
+            raise NetnsError(f"node_size must be >= 1, got {node_size}")
+        self.node_size = min(node_size or world_size, world_size)
+        self.nodes = -(-world_size // self.node_size)
+        self.inter_tbf = parse_shape(inter_spec) if inter_spec is not None else None
+        self.inter_spec = " ".join(self.inter_tbf) if self.inter_tbf else None
         tag = f"hc{os.getpid() % 100000}"
-        self.bridge = f"{tag}b"
+        # One node: the single bridge of before; several: a bridge per node,
+        # uplink veth pairs (node side u, core side d) to a core bridge.
+        self.node_bridges = [f"{tag}b"] if self.nodes == 1 else \
+            [f"{tag}b{k}" for k in range(self.nodes)]
+        self.core_bridge = f"{tag}c" if self.nodes > 1 else None
+        self.uplinks = [(f"{tag}u{k}", f"{tag}d{k}") for k in range(self.nodes)] \
+            if self.nodes > 1 else []
+        self.bridge = self.node_bridges[0]
         self.namespaces = [f"{tag}-r{r}" for r in range(world_size)]
         self.host_ifs = [f"{tag}h{r}" for r in range(world_size)]
         self.rank_ifs = [f"{tag}n{r}" for r in range(world_size)]
@@ -125,20 +152,30 @@ class ShapedNetwork:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         try:
-            _run("ip", "link", "add", self.bridge, "type", "bridge")
-            _run("ip", "link", "set", self.bridge, "up")
+            for bridge in self.node_bridges + ([self.core_bridge] if self.core_bridge else []):
+                _run("ip", "link", "add", bridge, "type", "bridge")
+                _run("ip", "link", "set", bridge, "up")
+            for k, (node_end, core_end) in enumerate(self.uplinks):
+                _run("ip", "link", "add", node_end, "type", "veth", "peer", "name", core_end)
+                _run("ip", "link", "set", node_end, "master", self.node_bridges[k])
+                _run("ip", "link", "set", core_end, "master", self.core_bridge)
+                for end in (node_end, core_end):  # out of the node, into the node
+                    _run("ip", "link", "set", end, "up")
+                    if self.inter_tbf:
+                        _run("tc", "qdisc", "add", "dev", end, "root", "tbf", *self.inter_tbf)
             for r in range(self.world_size):
                 ns, host, inner = self.namespaces[r], self.host_ifs[r], self.rank_ifs[r]
                 _run("ip", "netns", "add", ns)
                 _run("ip", "link", "add", host, "type", "veth", "peer", "name", inner)
                 _run("ip", "link", "set", inner, "netns", ns)
-                _run("ip", "link", "set", host, "master", self.bridge)
+                _run("ip", "link", "set", host, "master", self.node_bridges[r // self.node_size])
                 _run("ip", "link", "set", host, "up")
                 _run("ip", "-n", ns, "addr", "add", f"{self.addresses[r]}/24", "dev", inner)
                 _run("ip", "-n", ns, "link", "set", inner, "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
-                _run("tc", "-n", ns, "qdisc", "add", "dev", inner, "root", "tbf", *self.tbf)
-                _run("tc", "qdisc", "add", "dev", host, "root", "tbf", *self.tbf)
+                if self.tbf:
+                    _run("tc", "-n", ns, "qdisc", "add", "dev", inner, "root", "tbf", *self.tbf)
+                    _run("tc", "qdisc", "add", "dev", host, "root", "tbf", *self.tbf)
         except BaseException:
             self.close()
             raise
@@ -162,9 +199,10 @@ class ShapedNetwork:
         self._made = False
         for ns in self.namespaces:
             _quiet("ip", "netns", "del", ns)
-        for host in self.host_ifs:
+        for host in self.host_ifs + [u for u, _ in self.uplinks]:
             _quiet("ip", "link", "del", host)
-        _quiet("ip", "link", "del", self.bridge)
+        for bridge in self.node_bridges + ([self.core_bridge] if self.core_bridge else []):
+            _quiet("ip", "link", "del", bridge)
         for sig, old in self._old_handlers.items():
             try:
                 signal.signal(sig, old)
@@ -180,9 +218,20 @@ class ShapedNetwork:
         """Namespaces or links of ours still present (for tests)."""
         out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
         ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        names = [self.bridge] + self.host_ifs
+        names = (self.node_bridges + ([self.core_bridge] if self.core_bridge else [])
+                 + self.host_ifs + [x for pair in self.uplinks for x in pair])
         return ([n for n in names if f" {n}:" in out or f" {n}@" in out]
                 + [n for n in self.namespaces if n in ns.split()])
+
+    def describe(self) -> str:
+        """One line for a report header."""
+        links = f"tbf {self.spec}" if self.spec else "unshaped"
+        if self.nodes == 1:
+            return f"{links} on each rank link (namespaces)"
+        inter = f"tbf {self.inter_spec}" if self.inter_spec else "unshaped"
+        last = self.world_size - (self.nodes - 1) * self.node_size
+        return (f"{self.nodes} nodes of {self.node_size} ranks (last {last}); rank links {links}; "
+                f"each node's uplink (shared by its ranks) {inter} (namespaces)")
 
     def __enter__(self) -> "ShapedNetwork":
         return self.open()

@@ -21,7 +21,8 @@ when its gradient is ready, and the order the next forward needs the layers.
   the fastest. Small buckets with short windows get the butterfly, large
   ones with long windows a ring (hybridcomm's, or ``native``, the process
   group's own in C++, where the measured model offers and predicts it
-  faster). ``"auto"`` lets halving-doubling compete too. ``strategy`` naming
+  faster); on several nodes (``LOCAL_WORLD_SIZE``), hierarchical too.
+  ``"auto"`` lets every algorithm compete. ``strategy`` naming
   an algorithm, or ``HYBRIDCOMM_ALGO``, forces it for every bucket.
 - **Issue order**: every rank issues all of a step's communication through
   one ordered channel (one communicator, one stream), in ``Plan.order``: a
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import env
-from .algorithms import ALGORITHMS
+from .algorithms import ALGORITHMS, Topology
 from .cost_model import NATIVE, CostModel
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE,)
@@ -214,6 +215,9 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     if split_bytes is None:
         split_bytes = default_split(model, world_size, notes)
     candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)]
+    topo = Topology().resolve(world_size)
+    if strategy == "hybrid" and 1 < topo.node_size < world_size:
+        candidates.append("hierarchical")  # several nodes: reduce inside them first
     buckets = []
     for i, group in enumerate(_fuse(layers, fusion_bytes)):
         params = [p for layer in group for p in layer.params]

@@ -441,7 +441,9 @@ def _logged(rank, world):
         def emit(self, record):
             records.append((record.levelno, record.getMessage()))
 
-    logging.getLogger("hybridcomm").addHandler(Keep())
+    logger = logging.getLogger("hybridcomm")
+    logger.setLevel(logging.INFO)  # the default (a forked rank inherits the parent's)
+    logger.addHandler(Keep())
     model = make_model()
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                           model=model, timeout=60)

@@ -1,32 +1,49 @@
 """All-reduce algorithms as pure schedules (see schedule.py for the format).
 
-``SCHEDULES[name](rank, world_size, numel)`` gives the steps one rank runs.
+``SCHEDULES[name](rank, world_size, numel)`` gives the steps one rank runs;
+the two-level ones (``TOPOLOGY_AWARE``) also take a :class:`Topology`.
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
-from . import butterfly, halving_doubling, ring
+from . import butterfly, halving_doubling, hierarchical, ring, torus2d
 from .schedule import Recv, Schedule, Send, Step
 from .simulate import ScheduleError, simulate
+from .topology import Topology
 
 SCHEDULES = {
     "ring": ring.schedule,
     "butterfly": butterfly.schedule,
     "halving_doubling": halving_doubling.schedule,
+    "hierarchical": hierarchical.schedule,
+    "torus2d": torus2d.schedule,
 }
 ALGORITHMS = tuple(SCHEDULES)
+TOPOLOGY_AWARE = ("hierarchical", "torus2d")
+
+
+def get_schedule(algorithm: str, rank: int, world_size: int, numel: int,
+                 topology: Optional[Topology] = None) -> Schedule:
+    """Cached schedule; raises ValueError for an unknown algorithm name.
+
+    ``topology`` (node size, grid) matters to ``TOPOLOGY_AWARE`` algorithms
+    only; None takes the defaults (``Topology.resolve``), read on every call
+    so that the cache never serves a stale one.
+    """
+    if algorithm not in SCHEDULES:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    topo = (topology or Topology()).resolve(world_size) if algorithm in TOPOLOGY_AWARE else None
+    return _cached(algorithm, rank, world_size, numel, topo)
 
 
 @lru_cache(maxsize=4096)
-def get_schedule(algorithm: str, rank: int, world_size: int, numel: int) -> Schedule:
-    """Cached schedule; raises ValueError for an unknown algorithm name."""
-    try:
-        make = SCHEDULES[algorithm]
-    except KeyError:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}") from None
-    return make(rank, world_size, numel)
+def _cached(algorithm: str, rank: int, world_size: int, numel: int, topo) -> Schedule:
+    if topo is None:
+        return SCHEDULES[algorithm](rank, world_size, numel)
+    return SCHEDULES[algorithm](rank, world_size, numel, topo)
 
 
-__all__ = ["ALGORITHMS", "SCHEDULES", "get_schedule", "simulate", "ScheduleError",
-           "Schedule", "Step", "Send", "Recv"]
+__all__ = ["ALGORITHMS", "SCHEDULES", "TOPOLOGY_AWARE", "Topology", "get_schedule", "simulate",
+           "ScheduleError", "Schedule", "Step", "Send", "Recv"]

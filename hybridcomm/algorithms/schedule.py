@@ -11,7 +11,7 @@ No torch, no devices: schedules are plain data, cheap to build and cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +54,9 @@ class Schedule:
     world_size: int
     numel: int
     steps: Tuple[Step, ...]
+    # The resolved Topology the schedule was built for (two-level algorithms
+    # only): rebuild a part of it with the same one (``get_schedule``'s topology=).
+    topology: Optional[object] = None
 
     @property
     def scratch_numel(self) -> int:
@@ -95,5 +98,6 @@ def step(sends=(), recvs=()) -> Step | None:
     return Step(sends, recvs) if sends or recvs else None
 
 
-def build(algorithm: str, rank: int, world_size: int, numel: int, steps) -> Schedule:
-    return Schedule(algorithm, rank, world_size, numel, tuple(s for s in steps if s is not None))
+def build(algorithm: str, rank: int, world_size: int, numel: int, steps, topology=None) -> Schedule:
+    return Schedule(algorithm, rank, world_size, numel, tuple(s for s in steps if s is not None),
+                    topology)

@@ -6,6 +6,8 @@
     hybridcomm-bench --nprocs 4 --shape "rate 1gbit" -b 4K -e 16M     # root: namespaces + tbf
     hybridcomm-bench --nprocs 4 --latency 500us -b 4K -e 1M           # emulated latency
     hybridcomm-bench --nprocs 4 --calibrate                           # fit alpha, beta, gamma
+    hybridcomm-bench --nprocs 4 --node-size 2 --inter-shape "rate 100mbit" \
+        --algo ring,hierarchical,native                   # root: 2 nodes, slow link between
 
 Under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) every process runs
 its rank; otherwise the command starts ``--nprocs`` local ranks itself (gloo
@@ -75,6 +77,20 @@ def sweep_sizes(minbytes: int, maxbytes: int, factor: float) -> List[int]:
     return sorted(set(sizes))
 
 
+def parse_grid(text: str):
+    """``(rows, cols)`` from ``2x3``.
+
+    Example::
+
+        >>> parse_grid("2x3")
+        (2, 3)
+    """
+    m = re.fullmatch(r"\s*(\d+)\s*[xX,]\s*(\d+)\s*", str(text))
+    if not m:
+        raise ValueError(f"not a grid: {text!r} (try 2x3: rows x cols)")
+    return int(m.group(1)), int(m.group(2))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="hybridcomm-bench", description=__doc__.split("\n\n")[0].replace("\n", " "),
@@ -91,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
                     help="check the results after timing (#wrong)")
     ap.add_argument("--algo", default="ring,butterfly,halving_doubling,auto,native",
-                    help=f"comma list of {','.join(ALGO_CHOICES)} (torch: torch.distributed."
+                    help=f"comma list of {','.join(ALGO_CHOICES)} (native: torch.distributed."
                          "all_reduce, the baseline)")
     ap.add_argument("--nprocs", type=int, default=None,
                     help="start this many local ranks (default: one per GPU, else 4); "
@@ -103,6 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shape", metavar="SPEC", default=None,
                     help="tbf spec, e.g. 'rate 1gbit': one network namespace per rank on a "
                          "bridge, each link shaped (root only)")
+    ap.add_argument("--node-size", type=int, default=None, metavar="L",
+                    help="ranks per node for hierarchical (and the two-level network); default "
+                         "LOCAL_WORLD_SIZE, else one node")
+    ap.add_argument("--grid", type=parse_grid, default=None, metavar="RxC",
+                    help="torus2d's grid (default: the most square factorization)")
+    ap.add_argument("--inter-shape", metavar="SPEC", default=None,
+                    help="with --node-size: one bridge per node, the nodes' uplinks shaped by "
+                         "this tbf spec (e.g. 'rate 100mbit'; root only); --shape then shapes "
+                         "the rank links inside the nodes (default: unshaped)")
     ap.add_argument("--latency", type=parse_time, default=0.0, metavar="T",
                     help="emulate T of latency per message in hybridcomm's transport "
                          "(e.g. 200us; not applied to torch)")
@@ -124,9 +149,14 @@ def config_from(args) -> Config:
         sizes = sweep_sizes(args.minbytes, args.maxbytes, args.stepfactor)
     except ValueError as e:
         raise SystemExit(f"sizes: {e}")
+    if args.node_size is not None and args.node_size < 1:
+        raise SystemExit("--node-size must be >= 1")
+    if args.inter_shape and args.node_size is None:
+        raise SystemExit("--inter-shape needs --node-size (ranks per node)")
     return Config(sizes=sizes, algos=list(dict.fromkeys(algos)), iters=args.iters,
                   warmup=args.warmup, dtype=args.dtype, op=args.op, check=bool(args.check),
-                  latency_s=args.latency, timeout_s=args.timeout)
+                  latency_s=args.latency, timeout_s=args.timeout, node_size=args.node_size,
+                  grid=args.grid)
 
 
 def _under_torchrun() -> bool:
@@ -148,22 +178,26 @@ def _torchrun_rank(cfg: Config, backend: str) -> Optional[dict]:
         dist.destroy_process_group()
 
 
-def _local(cfg: Config, nprocs: int, backend: str, shape: Optional[str]) -> dict:
+def _local(cfg: Config, nprocs: int, backend: str, shape: Optional[str],
+           inter_shape: Optional[str] = None) -> dict:
     from ..launch import launch
 
     start = "fork" if backend == "gloo" else "spawn"
     kwargs = dict(backend=backend, timeout=7 * 24 * 3600, pg_timeout=max(cfg.timeout_s, 60),
                   start_method=start)
-    if shape is None:
+    if shape is None and inter_shape is None:
         return launch(run_rank, nprocs, cfg, **kwargs)[0]
     from ..netns import NetnsError, ShapedNetwork
 
     try:
-        net = ShapedNetwork(nprocs, shape).open()
+        net = ShapedNetwork(nprocs, shape, node_size=cfg.node_size if inter_shape else None,
+                            inter_spec=inter_shape).open()
     except NetnsError as e:
         raise SystemExit(f"hybridcomm-bench: --shape: {e}")
     try:
-        return launch(run_rank, nprocs, cfg, setup=net.setup, **kwargs)[0]
+        doc = launch(run_rank, nprocs, cfg, setup=net.setup, **kwargs)[0]
+        doc["network"] = net.describe()
+        return doc
     finally:
         net.close()
 
@@ -172,16 +206,21 @@ def calibrate(doc: dict, path: Optional[str]) -> dict:
     """Fit alpha, beta, gamma to the sweep's ring/butterfly/halving_doubling rows,
     save them, and return the JSON ``calibration`` entry."""
     from .. import calibration, cost_model
+    from ..algorithms import Topology
 
     samples = [(r["algo"], r["bytes"], doc["world_size"], r["time_us"] * 1e-6)
-               for r in doc["results"] if r["algo"] in cost_model.MODELED + (BASELINE,)]
-    model, rep = cost_model.fit(samples)
+               for r in doc["results"]
+               if r["algo"] in cost_model.MODELED + cost_model.TWO_LEVEL + (BASELINE,)]
+    topology = Topology(doc["node_size"], tuple(doc["grid"]))
+    model, rep = cost_model.fit(samples, topology)
     saved = calibration.save(model, path or None, report=rep, world_size=doc["world_size"],
                             backend=doc["backend"], device=doc["device"], dtype=doc["dtype"],
-                            shape=doc["shape"], latency_emulated_s=doc["latency"],
+                            shape=doc["shape"], inter_shape=doc["inter_shape"],
+                            node_size=doc["node_size"], latency_emulated_s=doc["latency"],
                             sizes=[min(s[1] for s in samples), max(s[1] for s in samples)])
     return {"alpha_s": model.alpha, "beta_s_per_byte": model.beta,
-            "gamma_s_per_byte": model.gamma, "n_points": rep.n_points,
+            "gamma_s_per_byte": model.gamma, "inter_alpha_s": model.inter_alpha,
+            "inter_beta_s_per_byte": model.inter_beta, "n_points": rep.n_points,
             "rms_rel_err": rep.rms_rel_err, "max_rel_err": rep.max_rel_err, "path": saved,
             "points": [{"algo": a, "bytes": n, "measured_us": t * 1e6, "predicted_us": p * 1e6}
                        for a, n, _, t, p in rep.residuals]}
@@ -190,13 +229,18 @@ def calibrate(doc: dict, path: Optional[str]) -> dict:
 def calibration_lines(cal: dict, world: int) -> List[str]:
     from .. import cost_model
 
-    m = cost_model.CostModel(cal["alpha_s"], cal["beta_s_per_byte"], cal["gamma_s_per_byte"])
+    m = cost_model.CostModel(cal["alpha_s"], cal["beta_s_per_byte"], cal["gamma_s_per_byte"],
+                             inter_alpha=cal.get("inter_alpha_s"),
+                             inter_beta=cal.get("inter_beta_s_per_byte"))
     bw = (lambda x: f"{1 / x / 1e9:.3g} GB/s" if x > 0 else "inf")
     lines = ["#", "# Calibration (least squares, relative error, over "
              f"{cal['n_points']} points):",
              f"#   alpha {report.fmt_seconds(m.alpha)} per message, "
              f"beta {report.fmt_seconds(m.beta)} per byte ({bw(m.beta)}), "
              f"gamma {report.fmt_seconds(m.gamma)} per byte reduced ({bw(m.gamma)})",
+             *([f"#   between nodes: alpha {report.fmt_seconds(m.inter_alpha)} per step, beta "
+                f"{report.fmt_seconds(m.inter_beta)} per byte on a node's link "
+                f"({bw(m.inter_beta)})"] if m.two_level else []),
              f"#   fit error: rms {cal['rms_rel_err'] * 100:.1f}%, max {cal['max_rel_err'] * 100:.1f}%",
              f"#   saved to {cal['path']}"]
     c = m.crossover(world)
@@ -228,6 +272,30 @@ def latency_check(doc: dict) -> Optional[dict]:
     return {"model": am["source"], "rows": rows} if rows else None
 
 
+def two_level_check(doc: dict) -> Optional[dict]:
+    """hierarchical and torus2d against ring, size by size: the measured
+    speed-up (ring time / theirs) beside the one the auto model predicts for
+    this run's topology (a model fitted on another run, e.g. --calibrate)."""
+    from .. import cost_model
+    from ..algorithms import Topology
+
+    t = {(r["algo"], r["bytes"]): r["time_us"] * 1e-6 for r in doc["results"]}
+    am = doc["auto_model"]
+    model = cost_model.CostModel(am["alpha_s"], am["beta_s_per_byte"], am["gamma_s_per_byte"],
+                                 inter_alpha=am.get("inter_alpha_s"),
+                                 inter_beta=am.get("inter_beta_s_per_byte"))
+    topo = Topology(doc["node_size"], tuple(doc["grid"]))
+    world, rows = doc["world_size"], []
+    for (algo, n), time_s in sorted(t.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if algo not in cost_model.TWO_LEVEL or ("ring", n) not in t:
+            continue
+        rows.append({"algo": algo, "bytes": n, "measured_speedup": t[("ring", n)] / time_s,
+                     "predicted_speedup": model.predict("ring", n, world, topo)
+                     / model.predict(algo, n, world, topo)})
+    return {"model": am["source"], "two_level_model": model.two_level, "rows": rows} \
+        if rows else None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from(args)
@@ -235,7 +303,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if _under_torchrun():
-        if args.shape:
+        if args.shape or args.inter_shape:
             raise SystemExit("hybridcomm-bench: --shape needs --nprocs (it starts the ranks "
                              "inside their namespaces); it cannot run under torchrun")
         doc = _torchrun_rank(cfg, backend)
@@ -245,22 +313,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         nprocs = args.nprocs or (torch.cuda.device_count() if backend == "nccl" else 4)
         if nprocs < 1:
             raise SystemExit("--nprocs must be >= 1")
-        if args.shape:
-            from ..netns import NetnsError, parse_shape
+        from ..netns import NetnsError, parse_shape
+        for spec in (args.shape, args.inter_shape):
             try:
-                parse_shape(args.shape)
+                if spec:
+                    parse_shape(spec)
             except NetnsError as e:
                 raise SystemExit(f"hybridcomm-bench: {e}")
-        doc = _local(cfg, nprocs, backend, args.shape)
+        doc = _local(cfg, nprocs, backend, args.shape, args.inter_shape)
     world = doc["world_size"]
+    parse = __import__("hybridcomm.netns", fromlist=["x"]).parse_shape
     doc = {"world_size": world, "backend": doc["backend"], "device": doc["device"],
            "dtype": cfg.dtype, "op": cfg.op,
-           "shape": " ".join(__import__("hybridcomm.netns", fromlist=["x"]).parse_shape(args.shape))
-           if args.shape else None,
+           "shape": " ".join(parse(args.shape)) if args.shape else None,
+           "inter_shape": " ".join(parse(args.inter_shape)) if args.inter_shape else None,
+           "network": doc.get("network"), "node_size": doc["node_size"], "grid": doc["grid"],
            "latency": cfg.latency_s, "iters": cfg.iters, "warmup": cfg.warmup, "check": cfg.check,
            "auto_model": doc["auto_model"],
            "results": report.result_rows(doc["results"], world, cfg.latency_s),
-           "calibration": None, "latency_check": None, "env": report.dict_env()}
+           "calibration": None, "latency_check": None, "two_level_check": None,
+           "env": report.dict_env()}
     out = sys.stdout
     for line in report.header(doc):
         print(line, file=out)
@@ -280,6 +352,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             err = "" if r["rel_err"] is None else f"{r['rel_err'] * 100:+.0f}%"
             print(f"#   {report.human(r['bytes']):>6}: measured {r['measured_lead_us']:.0f} us, "
                   f"predicted {r['predicted_lead_us']:.0f} us ({err})", file=out)
+    doc["two_level_check"] = two_level_check(doc)
+    if doc["two_level_check"]:
+        chk = doc["two_level_check"]
+        print(f"#\n# Speed-up over ring (ring time / its time), measured vs predicted by the auto "
+              f"model ({chk['model']}; {'two-level' if chk['two_level_model'] else 'flat'}), "
+              f"node size {doc['node_size']}, grid {doc['grid'][0]}x{doc['grid'][1]}:", file=out)
+        for r in chk["rows"]:
+            print(f"#   {r['algo']:>12} {report.human(r['bytes']):>6}: measured "
+                  f"{r['measured_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x",
+                  file=out)
     if args.json:
         report.write_json(args.json, doc)
         print(f"# wrote {args.json}", file=out)

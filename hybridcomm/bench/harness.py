@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,8 @@ class Config:
     latency_s: float = 0.0            # emulated, per step, ours only
     timeout_s: float = 300.0
     progress: bool = True
+    node_size: Optional[int] = None   # hierarchical (default LOCAL_WORLD_SIZE, else one node)
+    grid: Optional[Tuple[int, int]] = None  # torus2d (default the most square)
 
 
 def integer_input(rank: int, count: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -75,6 +77,7 @@ class _Runners:
     def __init__(self, world: int, rank: int, cfg: Config, device):
         from ..executor import Workspace
         from ..transport.latency import LatencyTransport
+        from ..algorithms import Topology
         from ..transport.select import select_transport
 
         self.world, self.rank, self.cfg, self.device = world, rank, cfg, device
@@ -84,6 +87,7 @@ class _Runners:
         if cfg.latency_s > 0 and base.stream_ordered:
             raise SystemExit("error: --latency emulates per-message delay on the host path "
                              "only; it cannot wrap a stream-ordered (GPU) transport")
+        self.topology = Topology(cfg.node_size, cfg.grid).resolve(world)
         self.transport = LatencyTransport(base, cfg.latency_s) if cfg.latency_s > 0 else base
         self.workspace = Workspace()
         self.scale = 1.0 / world if cfg.op == "avg" else None
@@ -92,7 +96,8 @@ class _Runners:
     def resolve(self, algo: str, nbytes: int) -> str:
         from ..collectives import resolve_algorithm
 
-        return algo if algo == BASELINE else resolve_algorithm(algo, nbytes, self.world)
+        return algo if algo == BASELINE else resolve_algorithm(algo, nbytes, self.world,
+                                                               self.topology)
 
     def make(self, algo: str, buf: torch.Tensor):
         if algo == BASELINE:
@@ -101,7 +106,7 @@ class _Runners:
         from ..algorithms import get_schedule
         from ..executor import execute
 
-        schedule = get_schedule(algo, self.rank, self.world, buf.numel())
+        schedule = get_schedule(algo, self.rank, self.world, buf.numel(), self.topology)
         scratch = self.workspace.get(schedule.scratch_numel, buf.dtype, buf.device)
         transport, scale, timeout = self.transport, self.scale, self.cfg.timeout_s
         return lambda: execute(schedule, buf, transport, scale=scale, scratch=scratch,
@@ -179,6 +184,9 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
         results.append({**row, "time_s": t, "wrong": wrong,
                         "time_s_per_rank": [r["time_s"] for r in per_rank]})
     return {"world_size": world, "backend": str(dist.get_backend()), "device": device.type,
+            "node_size": runners.topology.node_size, "grid": list(runners.topology.grid),
             "results": results, "auto_model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta,
                                                "gamma_s_per_byte": model.gamma,
+                                               "inter_alpha_s": model.inter_alpha,
+                                               "inter_beta_s_per_byte": model.inter_beta,
                                                "source": model.source}}

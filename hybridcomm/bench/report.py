@@ -62,10 +62,12 @@ def header(doc: dict) -> List[str]:
         f"{doc['backend']}, device {doc['device']}, {doc['dtype']}, op {doc['op']}",
         f"# iters {doc['iters']} (median per iteration, then the mean over ranks), "
         f"warmup {doc['warmup']}, check {'on' if doc['check'] else 'off'}",
-        f"# network: {'tbf ' + doc['shape'] + ' on each rank link (namespaces)' if doc['shape'] else 'unshaped'}"
+        "# network: " + (doc.get("network") or (f"tbf {doc['shape']} on each rank link (namespaces)"
+                                                if doc["shape"] else "unshaped"))
         + (f"; EMULATED latency {lat * 1e6:g} us per step on hybridcomm's algorithms only "
            f"(the torch baseline runs without it)" if lat else ""),
-        f"# auto: cost model from {doc['auto_model']['source']}",
+        f"# auto: cost model from {doc['auto_model']['source']}; hierarchical node size "
+        f"{doc.get('node_size')}, torus2d grid {'x'.join(map(str, doc.get('grid') or ()))}",
         f"# busbw = algbw * 2(P-1)/P = algbw * {bus_factor(doc['world_size']):.3f}",
         "#",
         f"# {'size':>10} {'count':>11} {'type':>8} {'redop':>5} {'algo':>16} {'time(us)':>11} "
