@@ -232,7 +232,8 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5, *,
         model = rounded(model)
     model = dataclasses.replace(model, source="probe at start-up",
                                 meta={"degenerate": bool(report and report.degenerate)})
-    if report is not None and (report.degenerate or report.confidence == "low"):
+    if report is not None and (report.degenerate or report.confidence == "low") \
+            and dist.get_rank(group) == 0:  # rank 0's fit is everyone's: say it once
         log.info("hybridcomm: the start-up probe's fit is %s (rms error %.0f%%%s); the planner "
                  "uses safe defaults where it cannot trust it. `hybridcomm-bench --calibrate` "
                  "measures properly.", report.confidence, report.rms_rel_err * 100,

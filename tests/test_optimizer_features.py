@@ -448,7 +448,7 @@ def _logged(rank, world):
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                           model=model, timeout=60)
     opt.close()
-    return [(lvl, msg.splitlines()[0]) for lvl, msg in records if "plan" in msg]
+    return [(lvl, msg.splitlines()[0]) for lvl, msg in records if msg.startswith("initial plan")]
 
 
 def test_the_plan_is_logged_at_info_once_on_rank_0():
