@@ -31,6 +31,7 @@ bucket read between ``step()`` and the next forward is applied in ``step()``
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -45,6 +46,7 @@ from . import calibration, control, env
 from . import cost_model as cm
 from .errors import HybridCommError
 from .kernels import SUPPORTED_DTYPES, unpack
+from .compression import TOPK, TopK, parse_topk
 from .overlap import BucketState, CommEngine, HostChannel, Phase, StreamChannel
 from .planner import Layer, Plan, make_plan
 from .runtime import runtime_for
@@ -91,7 +93,7 @@ class _DistributedOptimizer:
     # ---- set-up -------------------------------------------------------------------------
     def _hc_init(self, model, named_parameters, strategy, overlap, op, backward_passes_per_step,
                  compression, cost_model, process_group, timeout, fusion_bytes, split_bytes,
-                 measure_iters, replan_every, trace):
+                 measure_iters, replan_every, trace, lazy_bytes=None):
         if not dist.is_available() or not dist.is_initialized():
             raise HybridCommError("torch.distributed is not initialized: call "
                                   "torch.distributed.init_process_group(...) first")
@@ -101,8 +103,10 @@ class _DistributedOptimizer:
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         if backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1")
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', got {compression!r}")
+        self._hc_topk = parse_topk(compression)
+        if compression not in COMPRESSIONS and self._hc_topk is None:
+            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', 'topk:RATIO', "
+                             f"got {compression!r}")
         if replan_every and replan_every <= measure_iters:
             raise ValueError(f"replan_every ({replan_every}) must exceed measure_iters "
                              f"({measure_iters}), or be 0")
@@ -121,8 +125,12 @@ class _DistributedOptimizer:
         self._hc_scale = 1.0 / self._hc_world if op == "avg" else None
         self._hc_passes = backward_passes_per_step
         self._hc_timeout = env.timeout(timeout)
-        self._hc_wire = COMPRESSIONS[compression]
+        self._hc_wire = None if self._hc_topk else COMPRESSIONS[compression]
+        self._hc_momentum = self._hc_correction_momentum()
         self._hc_fusion_bytes, self._hc_split_bytes = fusion_bytes, split_bytes
+        if lazy_bytes is not None and lazy_bytes <= 0:
+            raise ValueError(f"lazy_bytes must be > 0 bytes, got {lazy_bytes}")
+        self._hc_lazy_bytes = lazy_bytes
         self._hc_measure_iters, self._hc_replan_every = measure_iters, replan_every
         self.timeline = Timeline(enabled=bool(trace))
         self._hc_model = model
@@ -278,7 +286,7 @@ class _DistributedOptimizer:
             plan = make_plan(layers, world_size=self._hc_world, model=self._hc_cost_model,
                              strategy=self._hc_strategy, fusion_bytes=self._hc_fusion_bytes,
                              split_bytes=self._hc_split_bytes, windows=windows, ready=ready,
-                             need=need)
+                             need=need, topk=self._hc_topk, lazy_bytes=self._hc_lazy_bytes)
             if keep is not None and plan.decisions() == keep.decisions():
                 plan = None
         return control.broadcast_object(plan, group=self._hc_group, timeout=self._hc_timeout,
@@ -312,9 +320,56 @@ class _DistributedOptimizer:
         for st in self._hc_states:
             for pos, i in enumerate(st.bucket.params):
                 self._hc_where[i] = (st, pos)
+            if st.bucket.algorithm == TOPK:
+                st.topk = TopK(st.bucket.numel, len(st.params), self._hc_topk, self._hc_rank,
+                               self._hc_world, self._hc_momentum, alloc)
+        self._hc_link_topk_state()
         self._hc_engine = CommEngine(plan, self._hc_states, self._hc_channel, self._hc_transport,
                                      scale=self._hc_scale, timeout=self._hc_timeout)
         self._hc_set_appliers()
+
+    # ---- top-k compression: residuals in the optimizer state -----------------------------
+    def _hc_correction_momentum(self) -> float:
+        """DGC's momentum correction applies to SGD with (plain) momentum: the momentum
+        of its groups, which must agree; 0 (error feedback alone) otherwise."""
+        if not self._hc_topk or type(self).__name__ != "SGD":
+            return 0.0
+        found = {(g.get("momentum", 0.0), bool(g.get("nesterov", False)))
+                 for g in self.param_groups}
+        if len(found) != 1:
+            raise ValueError("compression='topk:...' with SGD needs one momentum for all "
+                             f"parameter groups, got {sorted(found)}")
+        momentum, nesterov = found.pop()
+        return 0.0 if nesterov else float(momentum)
+
+    def _hc_link_topk_state(self) -> None:
+        """Each parameter's residual (and velocity) is a view of its bucket's, kept in
+        ``self.state[p]`` so that ``state_dict`` saves it; values found there (a
+        re-plan, a loaded checkpoint) are copied in first."""
+        for st in self._hc_states:
+            if st.topk is None:
+                continue
+            offset = 0
+            for p in st.params:
+                n = p.numel()
+                state = self.state[p]
+                for key, buf in (("hc_topk_residual", st.topk.residual),
+                                 ("hc_topk_velocity", st.topk.velocity)):
+                    if buf is None:
+                        continue
+                    view = buf[offset:offset + n].view(p.shape)
+                    old = state.get(key)
+                    if old is not None and old.data_ptr() != view.data_ptr():
+                        view.copy_(old)
+                    state[key] = view
+                offset += n
+
+    def _hc_hyper(self, hyper, st) -> list:
+        """``hyper`` for stepping ``st``'s parameters: momentum 0 where it was applied
+        before sparsifying (DGC's momentum correction)."""
+        if st.topk is None or not self._hc_momentum:
+            return hyper
+        return [dict(h, momentum=0.0) for h in hyper]
 
     # ---- forward mode: where updates are applied ---------------------------------------
     def _hc_hook_model(self, model) -> None:
@@ -413,6 +468,16 @@ class _DistributedOptimizer:
                 and self._hc_passes_done == self._hc_passes - 1)
 
     def _hc_on_grad(self, p) -> None:
+        with self._hc_watched():
+            self._hc_grad_ready(p)
+
+    def _hc_watched(self):
+        """The device runtime's view of host torch calls in autograd hooks (the GPU
+        simulator must see them; torch gives hooks no torch-function modes)."""
+        return self._hc_runtime.watched() if self._hc_runtime is not None \
+            else contextlib.nullcontext()
+
+    def _hc_grad_ready(self, p) -> None:
         if not self._hc_backward_active:
             if self._hc_passes_done >= self._hc_passes and not self._hc_no_sync:
                 raise HybridCommError(
@@ -447,7 +512,8 @@ class _DistributedOptimizer:
     def _hc_on_backward_end(self) -> None:
         self._hc_backward_active = False
         if self._hc_launching_this_backward:
-            self._hc_flush()  # buckets with unused parameters go now, not at step()
+            with self._hc_watched():
+                self._hc_flush()  # buckets with unused parameters go now, not at step()
         self.timeline.add("backward", "compute", self._hc_backward_t0, time.perf_counter())
         self._hc_passes_done += self._hc_counted_pass
 
@@ -508,7 +574,7 @@ class _DistributedOptimizer:
         params = [st.params[pos] for pos in used]
         grads = [st.views[pos] if st.views[pos].dtype == p.dtype else st.views[pos].to(p.dtype)
                  for pos, p in zip(used, params)]
-        self._hc_step_only(params, grads, st.hyper)
+        self._hc_step_only(params, grads, self._hc_hyper(st.hyper, st))
         self.timeline.add(f"update bucket {st.bucket.index}", "compute", t0, time.perf_counter())
 
     def _hc_step_only(self, params, grads, hyper) -> None:
@@ -567,10 +633,31 @@ class _DistributedOptimizer:
             else:
                 for st in self._hc_states:
                     self._hc_write_grads(st)
-                loss = self._hc_base_step(closure, grad_scaler)
+                corrected = [st for st in self._hc_states if st.topk is not None] \
+                    if self._hc_momentum else []
+                if corrected:
+                    if closure is not None or grad_scaler is not None:
+                        raise HybridCommError("compression='topk' with momentum correction "
+                                              "takes no closure or GradScaler in step()")
+                    loss = self._hc_corrected_step(corrected)
+                else:
+                    loss = self._hc_base_step(closure, grad_scaler)
         self._hc_passes_done = 0
         self._hc_end_iteration(t0)
         return loss
+
+    def _hc_corrected_step(self, corrected) -> None:
+        """The optimizer's step with momentum 0 for the momentum-corrected buckets."""
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        done = {id(p) for st in corrected for p in st.params}
+        for st in corrected:
+            params = [p for p in st.params if p.grad is not None]
+            if params:
+                self._hc_step_only(params, [p.grad for p in params], self._hc_hyper(hyper, st))
+        rest = [p for g in self.param_groups for p in g["params"]
+                if id(p) not in done and p.grad is not None]
+        if rest:
+            self._hc_step_only(rest, [p.grad for p in rest], hyper)
 
     def _hc_reduce_sparse(self) -> None:
         """p.grad of each sparse parameter <- its sum (avg) over ranks, through the
@@ -705,6 +792,7 @@ class _DistributedOptimizer:
             st.phase = Phase.IDLE
             st.ready.clear()
         super().load_state_dict(state_dict)
+        self._hc_link_topk_state()  # the loaded residuals into the buckets
 
     def export_trace(self, path: str) -> None:
         """Write the Chrome-trace timeline (needs ``trace=True``)."""
@@ -765,7 +853,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
                          op: str = "avg", backward_passes_per_step: int = 1, compression=None,
                          cost_model=None, process_group=None, timeout: Optional[float] = None,
                          fusion_bytes: Optional[int] = None, split_bytes: Optional[int] = None,
-                         measure_iters: int = 3, replan_every: int = 200, trace: bool = False):
+                         measure_iters: int = 3, replan_every: int = 200, trace: bool = False,
+                         lazy_bytes: Optional[int] = None):
     """Wrap ``optimizer`` so each step's gradients are all-reduced across ranks.
 
     Args:
@@ -782,7 +871,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         op: ``"avg"`` (gradients averaged: same numbers as one process on the
             whole batch) or ``"sum"``.
         backward_passes_per_step: backward passes accumulated locally per step.
-        compression: ``None``, ``"fp16"`` or ``"bf16"``: the wire dtype.
+        compression: ``None``, ``"fp16"`` or ``"bf16"`` (the wire dtype), or
+            ``"topk:RATIO"``: send each bucket's largest RATIO of entries, with
+            error feedback and DGC's momentum correction (compression.py).
         cost_model: a ``CostModel``; None (default): rank 0's saved calibration
             (``hybridcomm-bench --calibrate``), else a quick probe; ``"probe"``:
             always probe; ``"default"``: built-in constants.
@@ -791,6 +882,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
             ``HYBRIDCOMM_TIMEOUT``, 300): agreement, re-plans, waits, close.
         fusion_bytes / split_bytes: bucket fusion and split thresholds
             (default: from the cost model, see planner.py).
+        lazy_bytes: lazy all-reduce: gradients collect in pools all-reduced once
+            past this many bytes, whatever the layer boundaries (pays with many
+            tiny layers; the plan's notes give the predicted gain).
         measure_iters: steps measured (gradient order, windows, first uses)
             before the plan is re-made (0: never).
         replan_every: measure again every this many steps and re-plan if the
@@ -822,7 +916,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     opt.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     opt._hc_init(model, named_parameters, strategy, overlap, op, backward_passes_per_step,
                  compression, cost_model, process_group, timeout, fusion_bytes, split_bytes,
-                 measure_iters, replan_every, trace)
+                 measure_iters, replan_every, trace, lazy_bytes)
     return opt
 
 

@@ -54,7 +54,7 @@ class BucketState:
     """
 
     __slots__ = ("bucket", "params", "buffer", "views", "flags", "phase", "ready", "complete",
-                 "launches", "tickets", "ready_event", "hyper", "launched_at")
+                 "launches", "tickets", "ready_event", "hyper", "launched_at", "topk")
 
     def __init__(self, bucket: Bucket, params: List[torch.nn.Parameter], dtype: torch.dtype,
                  alloc: Callable[[int, torch.dtype], torch.Tensor]):
@@ -73,6 +73,7 @@ class BucketState:
         self.ready_event = None  # device path: the packed gradients are ready
         self.hyper = None  # forward mode: hyper-parameters at the deferring step()
         self.launched_at = 0.0
+        self.topk = None  # compression.TopK when the plan sparsifies this bucket
 
     @property
     def all_ready(self) -> bool:
@@ -300,6 +301,8 @@ class CommEngine:
     def launch(self, st: BucketState) -> None:
         """All of ``st``'s gradients are ready: pack, then queue as the order reaches it."""
         st.pack()
+        if st.topk is not None:  # this rank's message, from the packed gradients
+            st.topk.select(st.buffer[:st.bucket.numel], st.flags)
         if self.channel.stream_ordered:
             rt = self.channel.runtime
             st.ready_event = rt.new_event()
@@ -328,6 +331,8 @@ class CommEngine:
         a, z = b.segments[s]
         seg = st.buffer[a:z]
         world, rank = self.transport.world_size, self.transport.rank
+        if st.topk is not None:
+            return self._sparse_operation(st)
         self.bytes_sent += int(bytes_sent(b.algorithm, seg.numel() * seg.element_size(), world))
         what = f"bucket {b.index} ({b.algorithm}, segment {s + 1}/{len(b.segments)}, " \
                f"{seg.numel() * seg.element_size()} bytes)"
@@ -353,6 +358,30 @@ class CommEngine:
             scratch = self._workspace.get(schedule.scratch_numel, seg.dtype, seg.device)
             execute(schedule, seg, self.transport, scale=self.scale, scratch=scratch,
                     timeout=self.timeout)
+        return hosted
+
+    def _sparse_operation(self, st: BucketState):
+        """A top-k bucket: all-gather the ranks' messages, sum them into the bucket."""
+        topk, b = st.topk, st.bucket
+        self.bytes_sent += topk.bytes_sent
+        what = f"bucket {b.index} (topk, {topk.k} of {b.numel}, {topk.bytes_sent} bytes sent)"
+        grads, flags = st.buffer[:b.numel], st.flags
+
+        if self.channel.stream_ordered:
+            def queued():
+                start, _ = execute_async(topk.schedule, topk.gathered, self.transport,
+                                         ready=st.ready_event, timed=True)
+                with self.transport.stream_context():
+                    topk.decode(grads, flags, self.scale)
+                done = self.transport.runtime.new_event(timing=True)
+                done.record(self.transport.stream)
+                self.transport.watch(done, self.timeout, what)
+                return start, done
+            return queued
+
+        def hosted():  # host path
+            execute(topk.schedule, topk.gathered, self.transport, timeout=self.timeout)
+            topk.decode(grads, flags, self.scale)
         return hosted
 
     def wait(self, st: BucketState) -> float:

@@ -11,6 +11,10 @@ when its gradient is ready, and the order the next forward needs the layers.
   message costs mostly its latency), clamped to [64 KiB, 32 MiB]. A fit
   with beta = 0 ("bytes are free") fuses up to the cap; alpha = 0 fuses to
   the floor: a degenerate probe never makes hundreds of tiny buckets.
+- **Lazy all-reduce** (``lazy_bytes``): instead, gradients collect in a pool
+  that is all-reduced once it has passed ``lazy_bytes`` (the last pool when
+  backward ends); it pays where many tiny layers would each pay a message's
+  latency, and the plan's notes say by how much.
 - **Split**: a bucket over ``split_bytes`` is all-reduced in segments, so
   an urgent small bucket can go between them. Default: where a segment's
   extra messages cost under 10% of its transfer (10 P alpha/beta), at least
@@ -42,7 +46,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import env
 from .algorithms import ALGORITHMS, Topology
-from .cost_model import NATIVE, CostModel
+from .compression import TOPK, segment_numel, sparse_bytes_sent
+from .cost_model import NATIVE, CostModel, bytes_sent
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE,)
 STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS}
@@ -147,25 +152,47 @@ def default_split(model: CostModel, world_size: int, notes: List[str]) -> int:
     return int(min(MAX_SPLIT, max(MIN_SPLIT, 10 * world_size * model.alpha / model.beta)))
 
 
-def _fuse(layers: Sequence[Layer], fusion_bytes: int) -> List[List[Layer]]:
+def _fuse(layers: Sequence[Layer], fusion_bytes: int, lazy_bytes: Optional[int] = None
+          ) -> List[List[Layer]]:
+    """Consecutive layers of one dtype in one bucket while it stays under
+    ``fusion_bytes``; with ``lazy_bytes``, a pool instead takes layers until it
+    has passed ``lazy_bytes`` (the last pool goes when backward ends)."""
     groups: List[List[Layer]] = []
     for layer in layers:
         if layer.numel == 0:
             continue
         last = groups[-1] if groups else None
-        if last is not None and last[0].dtype == layer.dtype and \
-                sum(x.numel * x.element_size for x in last + [layer]) <= fusion_bytes:
+        size = sum(x.numel * x.element_size for x in last) if last else 0
+        if last is not None and last[0].dtype == layer.dtype and (
+                size < lazy_bytes if lazy_bytes is not None
+                else size + layer.numel * layer.element_size <= fusion_bytes):
             last.append(layer)
         else:
             groups.append([layer])
     return groups
 
 
-def issue_order(buckets: Sequence[Bucket], model: CostModel, world_size: int,
+def explain_lazy(layers: Sequence[Layer], pools: Sequence[Sequence[Layer]], model: CostModel,
+                 world_size: int) -> str:
+    """Why pooling pays (or not): the predicted time of all per-layer all-reduces
+    against the pools', with the model's fastest algorithm for each. Many tiny
+    layers pay a message latency each; pools pay it once per pool."""
+    def best(nbytes):
+        return min(model.predict(a, nbytes, world_size) for a in ALGORITHMS[:3])
+
+    per_layer = sum(best(layer.numel * layer.element_size) for layer in layers if layer.numel)
+    pooled = sum(best(sum(x.numel * x.element_size for x in pool)) for pool in pools)
+    verdict = "pools win" if pooled < per_layer else "per-layer buckets win"
+    return (f"lazy: {len(pools)} pools for {sum(1 for x in layers if x.numel)} layers, predicted "
+            f"{pooled * 1e3:.2f} ms against {per_layer * 1e3:.2f} ms per layer ({verdict}: "
+            f"{world_size}-rank messages cost {model.alpha * 1e6:.0f} us each before any byte)")
+
+
+def issue_order(buckets: Sequence[Bucket],
                 ready: Optional[Dict[int, float]] = None) -> List[Tuple[int, int]]:
     """The fixed (bucket, segment) sequence. Without ``ready`` (bucket -> seconds into
     backward when its gradients are ready): backward order. With it: a priority
-    queue run under the model's timings, the bucket needed first going first."""
+    queue run under the buckets' predicted times, the bucket needed first going first."""
     if not ready:
         return [(b.index, s) for b in buckets for s in range(len(b.segments))]
     todo = {b.index: 0 for b in buckets}
@@ -180,8 +207,8 @@ def issue_order(buckets: Sequence[Bucket], model: CostModel, world_size: int,
                                       else len(buckets) + i, i))
         b, s = by_index[i], todo[i]
         a, z = b.segments[s]
-        now += model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1), world_size) \
-            if b.algorithm != NATIVE or model.offers(NATIVE) else 0.0
+        share = b.predicted_s * (z - a) / max(b.segments[-1][1], 1)  # this segment's part
+        now += share if share == share else 0.0  # nan: the model cannot predict it
         order.append((i, s))
         todo[i] += 1
         if todo[i] == len(b.segments):
@@ -192,7 +219,8 @@ def issue_order(buckets: Sequence[Bucket], model: CostModel, world_size: int,
 def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               strategy: str = "hybrid", fusion_bytes: Optional[int] = None,
               split_bytes: Optional[int] = None, windows: Optional[dict] = None,
-              ready: Optional[dict] = None, need: Optional[dict] = None) -> Plan:
+              ready: Optional[dict] = None, need: Optional[dict] = None,
+              topk: Optional[float] = None, lazy_bytes: Optional[int] = None) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
@@ -215,11 +243,14 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     if split_bytes is None:
         split_bytes = default_split(model, world_size, notes)
     candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)]
+    groups = _fuse(layers, fusion_bytes, lazy_bytes)
+    if lazy_bytes is not None:
+        notes.append(explain_lazy(layers, groups, model, world_size))
     topo = Topology().resolve(world_size)
     if strategy == "hybrid" and 1 < topo.node_size < world_size:
         candidates.append("hierarchical")  # several nodes: reduce inside them first
     buckets = []
-    for i, group in enumerate(_fuse(layers, fusion_bytes)):
+    for i, group in enumerate(groups):
         params = [p for layer in group for p in layer.params]
         numel = sum(layer.numel for layer in group)
         esize = group[0].element_size
@@ -238,6 +269,11 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
             algorithm = model.choose(nbytes, world_size, window, pool or ["butterfly"])
         pred = sum(model.predict(algorithm, (b - a) * esize, world_size) for a, b in segments) \
             if model.offers(algorithm) else float("nan")
+        if topk and world_size > 1 and sparse_bytes_sent(numel, len(params), topk, world_size) \
+                < bytes_sent(algorithm, nbytes, world_size):
+            algorithm, segments = TOPK, [(0, total)]
+            seg_bytes = segment_numel(numel, len(params), topk) * 4
+            pred = (world_size - 1) * (model.alpha + seg_bytes * model.beta)
         needs = [need[layer.name] for layer in group if need and layer.name in need]
         buckets.append(Bucket(i, [layer.name for layer in group], params, numel, nbytes,
                               algorithm, pred, group[0].dtype, window, segments,
@@ -245,8 +281,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     bucket_ready = None
     if ready:
         bucket_ready = {}
-        for b, group in zip(buckets, _fuse(layers, fusion_bytes)):
+        for b, group in zip(buckets, groups):
             times = [ready[layer.name] for layer in group if layer.name in ready]
             bucket_ready[b.index] = max(times) if times else 0.0
-    order = issue_order(buckets, model, world_size, bucket_ready)
+    order = issue_order(buckets, bucket_ready)
     return Plan(world_size, strategy, buckets, order, fusion_bytes, split_bytes, notes)

@@ -88,6 +88,12 @@ class CudaRuntime:
         return contextlib.nullcontext()
 
     @staticmethod
+    def watched():
+        """Torch calls inside are device work on the current stream (a no-op here; the
+        simulator watches them: it must see the library's gradient hooks too)."""
+        return contextlib.nullcontext()
+
+    @staticmethod
     def nccl():
         from .transport.cupy_nccl import import_nccl
 

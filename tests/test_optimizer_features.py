@@ -457,3 +457,32 @@ def test_the_plan_is_logged_at_info_once_on_rank_0():
     logs = run_ranks(2, _logged)
     assert logs[0] == [(logging.INFO, "initial plan:")]
     assert logs[1] == []  # the same plan: DEBUG on the other ranks, below the default level
+
+
+def _lazy(rank, world):
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05,
+                                                          momentum=0.9),
+                                          model=model, lazy_bytes=4096, timeout=60)
+    for s in range(3):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    opt.synchronize()
+    notes = " ".join(opt.plan.notes)
+    opt.close()
+    return flat(model.parameters()), notes
+
+
+def test_lazy_all_reduce_gives_one_process_numbers():
+    results = run_ranks(2, _lazy)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for s in range(3):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert torch.allclose(results[0][0], flat(model.parameters()), **TOL)
+    assert torch.equal(results[0][0], results[1][0]) and "lazy:" in results[0][1]

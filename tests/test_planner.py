@@ -91,4 +91,16 @@ def test_forcing(monkeypatch):
 
 def test_issue_order_without_ready_times_is_stable():
     plan = make_plan(tiny_layers(10, 1 << 20), world_size=4, model=GOOD, fusion_bytes=0)
-    assert issue_order(plan.buckets, GOOD, 4) == plan.order
+    assert issue_order(plan.buckets) == plan.order
+
+
+def test_lazy_pools_close_once_past_the_threshold_and_explain_the_gain():
+    layers = tiny_layers(300, 68) + [Layer("big", [300], 1 << 20)]  # 272-byte layers, then 4 MiB
+    plan = make_plan(layers, world_size=4, model=GOOD, lazy_bytes=64 << 10)
+    sizes = [b.nbytes for b in plan.buckets]
+    assert all(s >= 64 << 10 for s in sizes[:-1])  # every pool but the last passed it
+    assert all(s - 272 < 64 << 10 for s in sizes[:-2])  # ...by at most the layer that did
+    assert sorted(p for b in plan.buckets for p in b.params) == list(range(301))
+    assert len(plan.buckets) < 10
+    note = " ".join(plan.notes)
+    assert "lazy:" in note and "pools win" in note

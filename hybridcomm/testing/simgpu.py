@@ -1039,6 +1039,19 @@ class SimRuntime:
             dev.drain(s)
 
     @contextlib.contextmanager
+    def watched(self):
+        """Host torch calls inside are device work on the current stream. The
+        autograd engine runs gradient hooks without torch-function modes, so the
+        library's hooks enter this to stay under the simulator's watch."""
+        from torch.overrides import _get_current_function_mode_stack
+
+        if any(isinstance(m, _HostMode) for m in _get_current_function_mode_stack()):
+            yield
+            return
+        with _HostMode(self._dev):
+            yield
+
+    @contextlib.contextmanager
     def host_region(self):
         """Code that runs on the host in production too (control-plane collectives
         over gloo): not device work, not host syncs."""
