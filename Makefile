@@ -39,6 +39,7 @@ COV := $(PY) -m coverage
 COVRC := --rcfile=tests/coverage_gpu_path.rc
 
 test: setup
+	$(PY) -m pytest -q --doctest-modules hybridcomm kernels
 	$(PY) -m pytest -q tests --ignore=tests/test_gpu_path.py --ignore=tests/test_simgpu.py \
 	    --ignore=tests/test_forward_mode.py --ignore=tests/test_compression.py
 	@echo "[test] the same suites on the simulated GPU (HYBRIDCOMM_SIMULATE_GPU=1), with coverage"

@@ -4,8 +4,12 @@ Example::
 
     >>> import hybridcomm
     >>> opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-    ...                                       model=model)
-    >>> hybridcomm.all_reduce(grad, op="avg", algorithm="auto")
+    ...                                       model=model)        # the one-line change
+    >>> for x, y in loader:
+    ...     opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+    >>> opt.synchronize(); opt.close()
+    >>> hybridcomm.all_reduce(torch.ones(3), op="avg")
+    tensor([1., 1., 1.])
 """
 from . import logs
 from .algorithms import ALGORITHMS

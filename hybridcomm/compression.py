@@ -22,9 +22,13 @@ The planner keeps a bucket dense where its sparse message would be larger
 
 Example::
 
-    >>> opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9),
-    ...                                       model=model, compression="topk:0.01")
-    >>> opt.last_step_stats["bytes_sent"]
+    >>> opt = hybridcomm.DistributedOptimizer(
+    ...     torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
+    ...     compression="topk:0.01")
+    >>> x, y = loader[0]; loss_fn(model(x), y).backward(); opt.step()
+    >>> opt.last_step_stats["bytes_sent"]              # one rank: nothing to send
+    0
+    >>> opt.close()
 """
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ naming what was being agreed, never a raw backend error or a hang.
 
 Example::
 
-    >>> plan = broadcast_object(plan if rank == 0 else None, group=None, timeout=60,
-    ...                         what="the bucket plan")
+    >>> broadcast_object({"buckets": 3} if rank == 0 else None, timeout=60,
+    ...                  what="the bucket plan")
+    {'buckets': 3}
 """
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ def broadcast_object(obj: Any, *, group=None, root: int = 0, timeout: float,
 
     Example::
 
-        >>> model = broadcast_object(model if rank == 0 else None, timeout=60,
-        ...                          what="the cost model")
+        >>> broadcast_object("rank 0's" if rank == 0 else None, timeout=60, what="a string")
+        "rank 0's"
     """
     g = control_group(group)
     with _host_region():

@@ -61,9 +61,12 @@ class HybridState:
 
     Example::
 
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(model)
         >>> state = hybridcomm.ddp.HybridState()
         >>> ddp.register_comm_hook(state, hybridcomm.ddp.hybrid_hook)
+        >>> x, y = loader[0]; loss_fn(ddp(x), y).backward()
         >>> state.algorithms        # {bucket index: algorithm}, filled as buckets run
+        {0: 'butterfly'}
     """
 
     __slots__ = ("process_group", "cost_model", "timeout", "algorithms", "_transport", "_channel",

@@ -19,11 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from .errors import HybridCommError
+from .units import parse_size
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
-_SUFFIX = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20,
-           "MB": 1 << 20, "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
 
 def parse_bool(text: str) -> bool:
@@ -33,19 +32,6 @@ def parse_bool(text: str) -> bool:
     if t in _FALSE:
         return False
     raise ValueError("expected one of " + ", ".join(_TRUE + _FALSE))
-
-
-def parse_size(text: str) -> int:
-    """``"4M"`` -> 4194304; plain integers are bytes; K/M/G are powers of 1024."""
-    t = text.strip().upper().replace(" ", "")
-    digits = t.rstrip("KMGIB")
-    unit = t[len(digits):]
-    if not digits or unit not in _SUFFIX:
-        raise ValueError("expected a byte count such as 65536, 64K, 4M or 1G")
-    value = float(digits) * _SUFFIX[unit]
-    if value < 0:
-        raise ValueError("must be >= 0")
-    return int(value)
 
 
 def parse_positive_float(text: str) -> float:

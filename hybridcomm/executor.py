@@ -180,8 +180,11 @@ def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
 
     Example::
 
+        >>> from hybridcomm.transport import TorchDistTransport
+        >>> buf = torch.ones(4)
         >>> s = get_schedule("ring", rank, world, buf.numel())
         >>> execute(s, buf, TorchDistTransport(), scale=1 / world, timeout=60)
+        tensor([1., 1., 1., 1.])
     """
     if schedule.numel != buf.numel():
         raise ValueError(f"schedule is for {schedule.numel} elements, buffer has {buf.numel()}")

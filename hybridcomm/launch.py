@@ -9,9 +9,9 @@ nothing is left running, Ctrl-C included.
 
 Example::
 
-    >>> def work(rank, world_size):
-    ...     return rank
-    >>> launch(work, 2)          # -> [0, 1]
+    >>> import operator
+    >>> launch(operator.add, 2, backend="gloo")    # each rank: fn(rank, world_size)
+    [2, 3]
 """
 from __future__ import annotations
 

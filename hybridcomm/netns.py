@@ -21,12 +21,12 @@ launcher's ``setup`` hook (``setns`` on /var/run/netns/NAME) and point gloo at
 their interface with ``GLOO_SOCKET_IFNAME``; the FileStore rendezvous works
 across namespaces because the filesystem is shared.
 
-Example::
+Usage (needs root)::
 
-    >>> with ShapedNetwork(4, "rate 1gbit") as net:
-    ...     launch(work, 4, setup=net.setup)
-    >>> with ShapedNetwork(4, None, node_size=2, inter_spec="rate 100mbit") as net:
-    ...     launch(work, 4, setup=net.setup)      # 2 nodes of 2, 100 Mbit/s between them
+    with ShapedNetwork(4, "rate 1gbit") as net:
+        launch(work, 4, setup=net.setup)
+    with ShapedNetwork(4, None, node_size=2, inter_spec="rate 100mbit") as net:
+        launch(work, 4, setup=net.setup)      # 2 nodes of 2, 100 Mbit/s between them
 """
 from __future__ import annotations
 

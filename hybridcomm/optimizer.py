@@ -974,6 +974,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
     Example::
 
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         >>> hybridcomm.broadcast_optimizer_state(opt, root_rank=0)
     """
     timeout = env.timeout(timeout)

@@ -127,7 +127,10 @@ class HostChannel:  # host path
     Example::
 
         >>> ch = HostChannel(timeout=60)
-        >>> t = ch.submit(lambda: None, "bucket 0"); ch.wait(t, "bucket 0")
+        >>> t = ch.submit(lambda: None, "bucket 0")
+        >>> ch.wait(t, "bucket 0") < 60             # seconds waited
+        True
+        >>> ch.close()
     """
 
     stream_ordered = False
@@ -281,13 +284,9 @@ class StreamChannel:
 
 
 class CommEngine:
-    """Launches buckets through the channel in the plan's fixed order.
-
-    Example::
-
-        >>> engine = CommEngine(plan, states, channel, transport, scale=1 / world, timeout=300)
-        >>> engine.launch(states[0]); engine.wait(states[0])
-    """
+    """Launches buckets through the channel in the plan's fixed order: a bucket's
+    segments are submitted when the order reaches them and the bucket is launched
+    (``launch``), and ``wait`` makes the trainer (host or stream) wait for one."""
 
     def __init__(self, plan: Plan, states: List[BucketState], channel, transport, *,
                  scale: Optional[float], timeout: float):
@@ -356,8 +355,9 @@ class CommEngine:
 
         def hosted():  # host path
             scratch = self._workspace.get(schedule.scratch_numel, seg.dtype, seg.device)
-            execute(schedule, seg, self.transport, scale=self.scale, scratch=scratch,
-                    timeout=self.timeout)
+            with trace.bucket_range(b.index, b.algorithm, b.nbytes, world):
+                execute(schedule, seg, self.transport, scale=self.scale, scratch=scratch,
+                        timeout=self.timeout)
         return hosted
 
     def _sparse_operation(self, st: BucketState):

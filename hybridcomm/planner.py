@@ -234,7 +234,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         >>> plan = make_plan([Layer("fc", [0, 1], 1 << 22), Layer("conv", [2], 500)],
         ...                  world_size=8, model=model)
         >>> [b.algorithm for b in plan.buckets], plan.order[:2]
-        (['ring', 'butterfly'], [(0, 0), (0, 1)])
+        (['ring', 'butterfly'], [(0, 0), (1, 0)])
     """
     notes: List[str] = []
     forced = forced_algorithm(strategy)

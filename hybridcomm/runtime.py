@@ -29,12 +29,12 @@ from .errors import HybridCommError
 class CudaRuntime:
     """``torch.cuda`` streams/events/memory for one device, and CuPy's NCCL.
 
-    Example::
+    Usage (on a GPU)::
 
-        >>> rt = CudaRuntime(torch.device("cuda", 0))
-        >>> s = rt.new_stream(priority=-1)
-        >>> with rt.use(s):
-        ...     scratch = rt.empty(1024, torch.float32)   # allocated on s
+        rt = CudaRuntime(torch.device("cuda", 0))
+        s = rt.new_stream(priority=-1)
+        with rt.use(s):
+            scratch = rt.empty(1024, torch.float32)   # allocated on s
     """
 
     simulated = False

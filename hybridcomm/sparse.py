@@ -10,7 +10,12 @@ result's rows; a rank without a gradient contributes none.
 
 Example::
 
-    >>> g = all_gather_sparse(emb.weight.grad, group, average=True, timeout=60)
+    >>> emb = torch.nn.Embedding(10, 3, sparse=True)
+    >>> emb(torch.tensor([1, 2, 2])).sum().backward()
+    >>> g = all_gather_sparse(emb.weight.grad, emb.weight.shape, emb.weight.dtype, None,
+    ...                       average=True, timeout=60, what="emb.weight")
+    >>> g.indices().tolist(), g.values()[:, 0].tolist()
+    ([[1, 2]], [1.0, 2.0])
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ def all_gather_sparse(grad: Optional[torch.Tensor], shape, dtype, group, *, aver
     values = torch.cat([v[:n] for v, n in zip(all_val, counts)])
     if average:
         values = values / world
-    out = torch.sparse_coo_tensor(indices.unsqueeze(0), values, tuple(shape))
+    out = torch.sparse_coo_tensor(indices.unsqueeze(0), values, tuple(shape),
+                                  check_invariants=True)  # indices from the wire: check them
     return out.coalesce()
 

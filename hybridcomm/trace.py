@@ -1,7 +1,9 @@
 """Tracing hooks for profilers.
 
-NVTX ranges (this section) name each bucket's all-reduce and each schedule
-step in Nsight Systems. The Chrome-trace timeline lives in timeline.py.
+Each bucket's all-reduce and each schedule step is a named range: an NVTX
+range for Nsight Systems (when enabled, below) and a ``record_function`` range
+while torch.profiler records, so its trace shows them beside the kernels. The
+Chrome-trace timeline lives in timeline.py.
 """
 from __future__ import annotations
 
@@ -19,6 +21,10 @@ from __future__ import annotations
 # ---------------------------------------------------------------------------
 import functools
 import os
+
+import torch
+
+from .units import format_bytes
 
 NVTX_DOMAIN = "hybridcomm"
 _COLORS = {"bucket": "green", "ring": "blue", "butterfly": "orange",
@@ -112,15 +118,6 @@ def nvtx_range(message: str, color: str | None = None):
     return _Range(domain, _attributes(domain, message, color))
 
 
-def format_bytes(n: int) -> str:
-    """1536 -> '1.5KiB' (short, for range names)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def bucket_range_name(bucket: int | str, algorithm: str, nbytes: int, world_size: int) -> str:
     return f"bucket {bucket} {algorithm} {format_bytes(nbytes)} P={world_size}"
 
@@ -133,16 +130,50 @@ def step_range_name(algorithm: str, index: int, nsteps: int, step, itemsize: int
     return " ".join(parts)
 
 
-def bucket_range(bucket: int | str, algorithm: str, nbytes: int, world_size: int):
-    """The NVTX range around one bucket's all-reduce (name: bucket, algorithm, bytes, P)."""
-    if _domain is None:
+def _profiling() -> bool:
+    """Whether a torch.profiler (or autograd profiler) is recording now."""
+    return torch._C._autograd._profiler_enabled()
+
+
+class _Both:
+    """An NVTX range and a torch.profiler ``record_function`` range at once."""
+
+    __slots__ = ("ranges",)
+
+    def __init__(self, ranges):
+        self.ranges = ranges
+
+    def __enter__(self):
+        for r in self.ranges:
+            r.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for r in reversed(self.ranges):
+            r.__exit__(*exc)
+        return False
+
+
+def _ranges(name_of, color):
+    """The ranges wanted now for a name made by ``name_of()`` (made only if some are)."""
+    profiling = _profiling()
+    if _domain is None and not profiling:
         return _NULL
-    return nvtx_range(bucket_range_name(bucket, algorithm, nbytes, world_size), _COLORS["bucket"])
+    name = name_of()
+    ranges = [nvtx_range(name, color)] if _domain is not None else []
+    if profiling:
+        ranges.append(torch.profiler.record_function(f"hybridcomm: {name}"))
+    return ranges[0] if len(ranges) == 1 else _Both(ranges)
+
+
+def bucket_range(bucket: int | str, algorithm: str, nbytes: int, world_size: int):
+    """The range around one bucket's all-reduce (name: bucket, algorithm, bytes, P):
+    NVTX for Nsight Systems, ``record_function`` while torch.profiler records."""
+    return _ranges(lambda: bucket_range_name(bucket, algorithm, nbytes, world_size),
+                   _COLORS["bucket"])
 
 
 def step_range(algorithm: str, index: int, nsteps: int, step, itemsize: int):
-    """The NVTX range around one schedule step (name: algorithm, step, bytes and peers)."""
-    if _domain is None:
-        return _NULL
-    return nvtx_range(step_range_name(algorithm, index, nsteps, step, itemsize),
-                      _COLORS.get(algorithm))
+    """The range around one schedule step (name: algorithm, step, bytes and peers)."""
+    return _ranges(lambda: step_range_name(algorithm, index, nsteps, step, itemsize),
+                   _COLORS.get(algorithm))

@@ -1,4 +1,4 @@
-"""What the three launchers share: the Triton import, the backend choice, the
+"""What the three launchers share: the Triton import, the implementation choice, the
 block size, the argument checks, the multi-tensor launch and the simulator's
 launch seam (so each rule lives in one place)."""
 import contextlib
@@ -21,7 +21,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # interpreter's direct fp64 -> bf16 cast is wrong): at most one bf16 ulp from
 # rounding directly, and only for an fp64 model reduced over a bf16 wire.
 
-_BACKENDS = (None, "triton", "torch")
+IMPLS = (None, "triton", "torch")  # automatic, the Triton kernel, the torch reference
 _GPU_BLOCK = 1024
 # The interpreter costs ~1 ms per program instance whatever its size, so there
 # a few big programs beat many small ones.
@@ -33,24 +33,24 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def use_triton(tensor: torch.Tensor, backend) -> bool:
+def use_triton(tensor: torch.Tensor, impl) -> bool:
     """Decide whether ``tensor`` is handled by a Triton kernel.
 
-    ``backend=None`` is automatic: Triton for CUDA tensors when it imports, the
+    ``impl=None`` is automatic: Triton for CUDA tensors when it imports, the
     torch reference otherwise. ``"triton"`` forces the kernel (on CPU tensors
     that needs the interpreter), ``"torch"`` forces the reference.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
-    if backend == "torch":
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be None, 'triton' or 'torch', got {impl!r}")
+    if impl == "torch":
         return False
-    if backend is None:
+    if impl is None:
         return triton_available and tensor.is_cuda
     if not triton_available:
-        raise RuntimeError("backend='triton' but triton is not importable (pip install triton)")
+        raise RuntimeError("impl='triton' but triton is not importable (pip install triton)")
     if not tensor.is_cuda and not interpreting():
         raise RuntimeError(
-            "backend='triton' on a CPU tensor needs TRITON_INTERPRET=1, set before "
+            "impl='triton' on a CPU tensor needs TRITON_INTERPRET=1, set before "
             "hybridcomm.kernels is imported"
         )
     return True
@@ -124,9 +124,9 @@ def set_launch_hook(hook) -> None:
     _launch_hook = hook
 
 
-def simulated(name: str, tensor: torch.Tensor, backend, ref, args: tuple, *, reads, writes) -> bool:
+def simulated(name: str, tensor: torch.Tensor, impl, ref, args: tuple, *, reads, writes) -> bool:
     """True if the simulator took this launch (it then runs ``ref(*args)`` later)."""
-    if _launch_hook is None or backend is not None or tensor.is_cuda:
+    if _launch_hook is None or impl is not None or tensor.is_cuda:
         return False
     return _launch_hook(name, ref, args, {}, list(reads), list(writes))
 

@@ -73,7 +73,7 @@ def _prepare(tensors, out, dtype):
     return tensors, out
 
 
-def pack(tensors, out=None, *, scale=None, dtype=None, backend=None, _block=None):
+def pack(tensors, out=None, *, scale=None, dtype=None, impl=None, _block=None):
     """Concatenate the flattened ``tensors``, in order, into one flat 1-D buffer.
 
     Each element is multiplied by ``scale`` (in fp32) if given and cast to the
@@ -81,7 +81,7 @@ def pack(tensors, out=None, *, scale=None, dtype=None, backend=None, _block=None
     be contiguous with exactly as many elements as the tensors hold; if None
     it is allocated with ``dtype``, or the tensors' common dtype. Inputs must
     be contiguous and on ``out``'s device. CUDA runs the Triton kernel, other
-    devices :func:`pack_ref`; ``backend`` ("triton" or "torch") forces one.
+    devices :func:`pack_ref`; ``impl`` ("triton" or "torch") forces one.
     ``_block`` overrides elements per program (tests only).
 
     Example::
@@ -94,10 +94,10 @@ def pack(tensors, out=None, *, scale=None, dtype=None, backend=None, _block=None
     """
     tensors, out = _prepare(tensors, out, dtype)
     scale = check_scale(scale)
-    if simulated("pack", out, backend, _pack_torch, (tensors, out, scale), reads=tensors,
+    if simulated("pack", out, impl, _pack_torch, (tensors, out, scale), reads=tensors,
                  writes=[out]):
         return out
-    if not use_triton(out, backend):
+    if not use_triton(out, impl):
         return _pack_torch(tensors, out, scale)
     launch_table(_pack_kernel, out, tensors, scale, _block)  # one launch for the bucket
     return out

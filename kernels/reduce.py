@@ -62,7 +62,7 @@ def _check(dst, src, out):
             raise ValueError(f"out has {out.numel()} elements but dst has {dst.numel()}")
 
 
-def reduce(dst, src, *, scale=None, out=None, backend=None, _block=None):
+def reduce(dst, src, *, scale=None, out=None, impl=None, _block=None):
     """Reduce ``src`` into ``dst`` in place: ``dst[:] = (dst + src) * scale``.
 
     The sum and the scale are computed in fp32 (fp64 for an fp64 ``dst``)
@@ -71,7 +71,7 @@ def reduce(dst, src, *, scale=None, out=None, backend=None, _block=None):
     given (the last reduce-scatter step's copy-out), the same fp32 result is
     also written there, cast to ``out.dtype``. All tensors are contiguous, on
     one device, with equal numel. CUDA tensors run the Triton kernel, others
-    :func:`reduce_ref`; ``backend`` ("triton" or "torch") forces one.
+    :func:`reduce_ref`; ``impl`` ("triton" or "torch") forces one.
     ``_block`` overrides elements per program (tests only).
 
     Example::
@@ -84,10 +84,10 @@ def reduce(dst, src, *, scale=None, out=None, backend=None, _block=None):
     """
     _check(dst, src, out)
     scale = check_scale(scale)
-    if simulated("reduce", dst, backend, _reduce_torch, (dst, src, scale, out), reads=[src],
+    if simulated("reduce", dst, impl, _reduce_torch, (dst, src, scale, out), reads=[src],
                  writes=[dst] if out is None else [dst, out]):
         return dst
-    if not use_triton(dst, backend):
+    if not use_triton(dst, impl):
         return _reduce_torch(dst, src, scale, out)
     numel = dst.numel()
     if numel == 0:

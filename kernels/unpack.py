@@ -56,14 +56,14 @@ def _check(flat, tensors):
     return tensors
 
 
-def unpack(flat, tensors, *, scale=None, backend=None, _block=None):
+def unpack(flat, tensors, *, scale=None, impl=None, _block=None):
     """Scatter consecutive slices of ``flat`` into ``tensors``, in order (inverse of pack).
 
     Each element is multiplied by ``scale`` (in fp32) if given and cast to its
     tensor's dtype (e.g. a bf16 wire buffer back into fp32 gradients).
     ``flat.numel()`` must equal the tensors' total; all are contiguous and on
     one device. CUDA runs the Triton kernel, other devices :func:`unpack_ref`;
-    ``backend`` ("triton" or "torch") forces one. ``_block`` overrides elements
+    ``impl`` ("triton" or "torch") forces one. ``_block`` overrides elements
     per program (tests only).
 
     Example::
@@ -76,10 +76,10 @@ def unpack(flat, tensors, *, scale=None, backend=None, _block=None):
     """
     tensors = _check(flat, tensors)
     scale = check_scale(scale)
-    if simulated("unpack", flat, backend, _unpack_torch, (flat, tensors, scale), reads=[flat],
+    if simulated("unpack", flat, impl, _unpack_torch, (flat, tensors, scale), reads=[flat],
                  writes=tensors):
         return tensors
-    if not use_triton(flat, backend):
+    if not use_triton(flat, impl):
         return _unpack_torch(flat, tensors, scale)
     launch_table(_unpack_kernel, flat, tensors, scale, _block)  # one launch for the bucket
     return tensors

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from hybridcomm.bench import parse_size, parse_time
 from hybridcomm.bench.cli import sweep_sizes
-from hybridcomm.bench.report import bandwidths, human, measured_crossover, validate
+from hybridcomm.bench.report import bandwidths, measured_crossover, validate
+from hybridcomm.units import format_bytes as human, parse_size, parse_time
 
 
 def test_parse_size():
@@ -36,7 +36,7 @@ def test_parse_time_and_sweep():
 def test_bus_bandwidth_and_helpers():
     algbw, busbw = bandwidths(1e9, 1.0, 4)
     assert algbw == 1.0 and busbw == 1.5
-    assert human(4096) == "4K" and human(64 << 20) == "64M" and human(100) == "100"
+    assert human(4096) == "4K" and human(64 << 20) == "64M" and human(100) == "100B"
     rows = [{"algo": a, "bytes": n, "time_us": t} for a, n, t in
             [("butterfly", 1, 1), ("ring", 1, 5), ("butterfly", 2, 5), ("ring", 2, 4),
              ("butterfly", 3, 9), ("ring", 3, 6)]]

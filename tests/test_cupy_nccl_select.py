@@ -1,5 +1,5 @@
 """Transport selection: auto picks CuPy NCCL for CUDA tensors when it imports,
-torch.distributed's NCCL otherwise; CPU tensors take gloo; a backend asked for by
+torch.distributed's NCCL otherwise; CPU tensors take gloo; a transport asked for by
 name never falls back."""
 import sys
 
@@ -45,7 +45,7 @@ def test_auto(stubs, monkeypatch, ok):
 def test_named_cupy_unavailable_is_an_error(stubs, monkeypatch):
     with_cupy(monkeypatch, False)
     with pytest.raises(HybridCommError, match="asked for .*unavailable: no module named 'cupy'"):
-        select.select_transport("cuda:0", backend="cupy")
+        select.select_transport("cuda:0", transport="cupy")
     monkeypatch.setenv(select.ENV_VAR, "cupy")
     with pytest.raises(HybridCommError, match="HYBRIDCOMM_TRANSPORT"):
         select.select_transport("cuda:0")
@@ -55,12 +55,12 @@ def test_named_cupy_unavailable_is_an_error(stubs, monkeypatch):
 def test_named_cupy_on_cpu_is_an_error(stubs, monkeypatch):
     with_cupy(monkeypatch, True)
     with pytest.raises(HybridCommError, match="CUDA tensors"):
-        select.select_transport("cpu", backend="cupy")
+        select.select_transport("cpu", transport="cupy")
 
 
 def test_named_torch_and_env(stubs, monkeypatch):
     with_cupy(monkeypatch, True)
-    assert select.select_transport("cuda:0", backend="torch") == "torch"
+    assert select.select_transport("cuda:0", transport="torch") == "torch"
     monkeypatch.setenv(select.ENV_VAR, "torch")
     assert select.select_transport("cuda:0") == "torch"
     monkeypatch.setenv(select.ENV_VAR, "mpi")

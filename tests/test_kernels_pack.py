@@ -39,14 +39,14 @@ def test_pack_unpack_integer_valued_are_bitwise_exact(n, dtype, out_dtype, block
     gen = torch.Generator().manual_seed(n)
     tensors = _tensors(n, dtype, gen, integer=True)
     exact = torch.cat([t.reshape(-1).double() * 0.5 for t in tensors]).to(out_dtype)
-    flat = K.pack(tensors, scale=0.5, dtype=out_dtype, backend="triton", _block=block)
+    flat = K.pack(tensors, scale=0.5, dtype=out_dtype, impl="triton", _block=block)
     assert flat.shape == (sum(t.numel() for t in tensors),)
     assert torch.equal(flat, exact)
     assert torch.equal(K.pack_ref(tensors, scale=0.5, dtype=out_dtype), exact)
 
     got = [torch.empty_like(t) for t in tensors]
     ref = [torch.empty_like(t) for t in tensors]
-    assert K.unpack(flat, got, scale=2.0, backend="triton", _block=block) == got
+    assert K.unpack(flat, got, scale=2.0, impl="triton", _block=block) == got
     K.unpack_ref(flat, ref, scale=2.0)
     for g, r, t in zip(got, ref, tensors):
         assert torch.equal(g, t) and torch.equal(r, t)
@@ -59,7 +59,7 @@ def test_pack_unpack_integer_valued_are_bitwise_exact(n, dtype, out_dtype, block
 def test_pack_fp32_grads_to_wire_dtype_matches_ref(n, dtype, block, scale):
     gen = torch.Generator().manual_seed(1000 + n)
     tensors = _tensors(n, torch.float32, gen, integer=False)
-    got = K.pack(tensors, scale=scale, dtype=dtype, backend="triton", _block=block)
+    got = K.pack(tensors, scale=scale, dtype=dtype, impl="triton", _block=block)
     ref = K.pack_ref(tensors, scale=scale, dtype=dtype)
     assert_within_ulps(got, ref, allowed_ulps(dtype))
 
@@ -76,59 +76,59 @@ def test_unpack_wire_dtype_to_fp32_and_own_dtype_matches_ref(n, dtype, block, sc
     dtypes = [torch.float32 if i % 2 else dtype for i in range(len(shapes))]
     got = [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
     ref = [torch.empty(s, dtype=d) for s, d in zip(shapes, dtypes)]
-    K.unpack(flat, got, scale=scale, backend="triton", _block=block)
+    K.unpack(flat, got, scale=scale, impl="triton", _block=block)
     K.unpack_ref(flat, ref, scale=scale)
     for g, r in zip(got, ref):
         assert_within_ulps(g, r, allowed_ulps(g.dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_round_trip_same_dtype_is_identity(backend, dtype):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_round_trip_same_dtype_is_identity(impl, dtype):
     gen = torch.Generator().manual_seed(5)
     tensors = _tensors(1000, dtype, gen, integer=False)
     # Power-of-two scales change only exponents: still bitwise.
-    flat = K.pack(tensors, scale=4.0, backend=backend)
-    back = K.unpack(flat, [torch.empty_like(t) for t in tensors], scale=0.25, backend=backend)
+    flat = K.pack(tensors, scale=4.0, impl=impl)
+    back = K.unpack(flat, [torch.empty_like(t) for t in tensors], scale=0.25, impl=impl)
     for b, t in zip(back, tensors):
         assert torch.equal(b, t)
 
 
 @pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_round_trip_through_wire_dtype_rounds_once(backend, wire):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_round_trip_through_wire_dtype_rounds_once(impl, wire):
     gen = torch.Generator().manual_seed(6)
     tensors = _tensors(1000, torch.float32, gen, integer=False)
     out = torch.empty(sum(t.numel() for t in tensors), dtype=wire)
-    assert K.pack(tensors, out, backend=backend) is out
-    back = K.unpack(out, [torch.empty_like(t) for t in tensors], backend=backend)
-    ulps = allowed_ulps(wire) if backend == "triton" else 0
+    assert K.pack(tensors, out, impl=impl) is out
+    back = K.unpack(out, [torch.empty_like(t) for t in tensors], impl=impl)
+    ulps = allowed_ulps(wire) if impl == "triton" else 0
     for b, t in zip(back, tensors):
         assert_within_ulps(b.to(wire), t.to(wire), ulps)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_fp16_source_is_scaled_in_fp32(backend):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_fp16_source_is_scaled_in_fp32(impl):
     # 60000 * 2 overflows fp16 (max 65504) but not the fp32 destination: the
     # scale must be applied after the upcast, not in the source dtype.
     x = torch.full((9,), 60000.0, dtype=torch.float16)
     assert torch.isinf(x * 2.0).all()  # what fp16 arithmetic gives
     expected = torch.full((9,), 120000.0)
-    assert torch.equal(K.pack([x], scale=2.0, dtype=torch.float32, backend=backend), expected)
+    assert torch.equal(K.pack([x], scale=2.0, dtype=torch.float32, impl=impl), expected)
     y = torch.empty(9)
-    K.unpack(x, [y], scale=2.0, backend=backend)
+    K.unpack(x, [y], scale=2.0, impl=impl)
     assert torch.equal(y, expected)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_empty_inputs(backend):
-    flat = K.pack([], backend=backend)
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_empty_inputs(impl):
+    flat = K.pack([], impl=impl)
     assert flat.shape == (0,) and flat.dtype == torch.float32
-    assert K.pack([], dtype=torch.bfloat16, backend=backend).dtype == torch.bfloat16
+    assert K.pack([], dtype=torch.bfloat16, impl=impl).dtype == torch.bfloat16
     zeros = [torch.empty(0, 3), torch.empty(0)]
-    assert K.pack(zeros, backend=backend).shape == (0,)
-    assert K.unpack(torch.empty(0), [], backend=backend) == []
-    assert K.unpack(torch.empty(0), zeros, backend=backend) == zeros
+    assert K.pack(zeros, impl=impl).shape == (0,)
+    assert K.unpack(torch.empty(0), [], impl=impl) == []
+    assert K.unpack(torch.empty(0), zeros, impl=impl) == zeros
 
 
 @pytest.mark.parametrize("fn", ["triton", "torch", "ref"])
@@ -137,7 +137,7 @@ def test_pack_rejects_bad_arguments(fn):
         call = K.pack_ref
     else:
         def call(*args, **kwargs):
-            return K.pack(*args, backend=fn, **kwargs)
+            return K.pack(*args, impl=fn, **kwargs)
 
     a, b = torch.zeros(3), torch.zeros(4)
     with pytest.raises(ValueError, match=r"tensors\[1\] is not contiguous"):
@@ -164,7 +164,7 @@ def test_unpack_rejects_bad_arguments(fn):
         call = K.unpack_ref
     else:
         def call(*args, **kwargs):
-            return K.unpack(*args, backend=fn, **kwargs)
+            return K.unpack(*args, impl=fn, **kwargs)
 
     a, b = torch.zeros(3), torch.zeros(4)
     with pytest.raises(ValueError, match="flat has 8 elements but the tensors hold 7"):
@@ -181,15 +181,15 @@ def test_unpack_rejects_bad_arguments(fn):
         call(torch.zeros(7), [torch.zeros(3, device="meta"), b])
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_pack_and_unpack_through_a_chunk_of_a_larger_buffer(backend):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_pack_and_unpack_through_a_chunk_of_a_larger_buffer(impl):
     # A bucket's slot in a bigger flat buffer: a view with a storage offset.
     buf = torch.zeros(100, dtype=torch.bfloat16)
     tensors = [torch.arange(1.0, 11.0), torch.arange(11.0, 31.0).view(4, 5)]
-    K.pack(tensors, buf[40:70], backend=backend, _block=16)
+    K.pack(tensors, buf[40:70], impl=impl, _block=16)
     assert torch.equal(buf[40:70], torch.arange(1.0, 31.0, dtype=torch.bfloat16))
     assert not buf[:40].any() and not buf[70:].any()
-    back = K.unpack(buf[40:70], [torch.empty(10), torch.empty(4, 5)], backend=backend, _block=16)
+    back = K.unpack(buf[40:70], [torch.empty(10), torch.empty(4, 5)], impl=impl, _block=16)
     assert all(torch.equal(b, t) for b, t in zip(back, tensors))
 
 
@@ -212,11 +212,11 @@ def test_one_launch_per_bucket_whatever_its_tensor_count(monkeypatch, op):
     tensors = [torch.randn(s) for s in [(3, 5), (7,), (1,), (0,), (2, 2, 2), (11,)]]
     flat = torch.empty(sum(t.numel() for t in tensors))
     if op == "pack":
-        K.pack(tensors, flat, backend="triton", _block=4)
+        K.pack(tensors, flat, impl="triton", _block=4)
         assert torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors]))
     else:
         flat.copy_(torch.arange(flat.numel(), dtype=torch.float32))
         out = [torch.empty_like(t) for t in tensors]
-        K.unpack(flat, out, backend="triton", _block=4)
+        K.unpack(flat, out, impl="triton", _block=4)
         assert torch.equal(torch.cat([t.reshape(-1) for t in out]), flat)
     assert counter.launches == 1

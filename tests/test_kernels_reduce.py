@@ -33,7 +33,7 @@ def test_reduce_integer_valued_is_bitwise_exact(n, dtype, block, scale):
     if scale is not None:
         exact = exact * scale
     got, ref = dst.clone(), dst.clone()
-    assert K.reduce(got, src, scale=scale, backend="triton", _block=block) is got
+    assert K.reduce(got, src, scale=scale, impl="triton", _block=block) is got
     assert K.reduce_ref(ref, src, scale=scale) is ref
     assert torch.equal(got, exact.to(dtype))
     assert torch.equal(ref, exact.to(dtype))
@@ -48,7 +48,7 @@ def test_reduce_random_matches_ref(n, dtype, block, scale):
     dst = torch.randn(n, generator=gen).to(dtype)
     src = torch.randn(n, generator=gen).to(dtype)
     got, ref = dst.clone(), dst.clone()
-    K.reduce(got, src, scale=scale, backend="triton", _block=block)
+    K.reduce(got, src, scale=scale, impl="triton", _block=block)
     K.reduce_ref(ref, src, scale=scale)
     assert_within_ulps(got, ref, allowed_ulps(dtype))
 
@@ -64,42 +64,42 @@ def test_reduce_mixed_dtypes_and_copy_out_match_ref(dst_dtype, src_dtype, out_dt
     got, ref = dst.clone(), dst.clone()
     got_out = torch.empty(n, dtype=out_dtype)
     ref_out = torch.empty(n, dtype=out_dtype)
-    K.reduce(got, src, scale=0.1, out=got_out, backend="triton", _block=1024)
+    K.reduce(got, src, scale=0.1, out=got_out, impl="triton", _block=1024)
     K.reduce_ref(ref, src, scale=0.1, out=ref_out)
     assert_within_ulps(got, ref, allowed_ulps(dst_dtype))
     assert_within_ulps(got_out, ref_out, allowed_ulps(out_dtype))
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_reduce_fp16_wire_into_fp32_buffer_with_fp16_copy_out(backend):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_reduce_fp16_wire_into_fp32_buffer_with_fp16_copy_out(impl):
     gen = torch.Generator().manual_seed(3)
     dst = torch.randn(1000, generator=gen)
     src = torch.randn(1000, generator=gen).half()
     out = torch.empty(1000, dtype=torch.float16)
     expected = dst + src.float()  # fp16 -> fp32 is exact, so this is the fp32 sum
     got = dst.clone()
-    K.reduce(got, src, out=out, backend=backend)
+    K.reduce(got, src, out=out, impl=impl)
     assert torch.equal(got, expected)
     assert torch.equal(out, expected.half())  # fp16 casts round to nearest even
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_reduce_fp16_accumulates_in_fp32(backend):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_reduce_fp16_accumulates_in_fp32(impl):
     # 60000 + 60000 overflows fp16 (max 65504); in fp32 it is fine, and the
     # scaled result 60000 is representable again.
     dst = torch.full((37,), 60000.0, dtype=torch.float16)
     src = dst.clone()
     assert torch.isinf((dst + src) * 0.5).all()  # what step-by-step fp16 gives
     out = torch.empty(37, dtype=torch.float16)
-    K.reduce(dst, src, scale=0.5, out=out, backend=backend)
+    K.reduce(dst, src, scale=0.5, out=out, impl=impl)
     assert torch.equal(dst, src)
     assert torch.equal(out, src)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_reduce_src_aliasing_dst_doubles(backend):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_reduce_src_aliasing_dst_doubles(impl):
     x = torch.arange(100, dtype=torch.bfloat16)
-    K.reduce(x, x, backend=backend)
+    K.reduce(x, x, impl=impl)
     assert torch.equal(x, 2 * torch.arange(100, dtype=torch.bfloat16))
 
 
@@ -109,7 +109,7 @@ def test_reduce_rejects_bad_arguments(fn):
         call = K.reduce_ref
     else:
         def call(*args, **kwargs):
-            return K.reduce(*args, backend=fn, **kwargs)
+            return K.reduce(*args, impl=fn, **kwargs)
 
     x = torch.zeros(8)
     with pytest.raises(ValueError, match="dst is not contiguous"):
@@ -131,23 +131,23 @@ def test_reduce_rejects_bad_arguments(fn):
     assert torch.equal(x, torch.zeros(8))  # nothing was written
 
 
-def test_backend_choice():
+def test_impl_choice():
     cpu = torch.zeros(1)
     assert use_triton(cpu, None) is False  # auto: Triton only for CUDA tensors
     assert use_triton(cpu, "torch") is False
     assert use_triton(cpu, "triton") is True  # forced (runs in the interpreter)
-    with pytest.raises(ValueError, match="backend must be"):
+    with pytest.raises(ValueError, match="impl must be"):
         use_triton(cpu, "cuda")
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_reduce_into_a_chunk_of_a_larger_buffer(backend):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_reduce_into_a_chunk_of_a_larger_buffer(impl):
     # The executor reduces into slices of one flat buffer: a contiguous view
     # with a storage offset must be handled, and its neighbours left alone.
     buf = torch.arange(1000, dtype=torch.float16)
     src = torch.ones(300, dtype=torch.float16)
     out = torch.zeros(500, dtype=torch.float32)
-    K.reduce(buf[101:401], src, out=out[7:307], backend=backend, _block=128)
+    K.reduce(buf[101:401], src, out=out[7:307], impl=impl, _block=128)
     expected = torch.arange(1000, dtype=torch.float16)
     expected[101:401] += 1
     assert torch.equal(buf, expected)

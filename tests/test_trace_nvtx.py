@@ -29,8 +29,7 @@ class RecordingDomain:
 def test_names():
     st = get_schedule("ring", 0, 3, 30).steps[0]
     assert trace.step_range_name("ring", 0, 4, st, 4) == "ring step 1/4 send 40B->1 recv 40B<-2"
-    assert trace.bucket_range_name(3, "butterfly", 3 << 20, 8) == "bucket 3 butterfly 3.0MiB P=8"
-    assert trace.format_bytes(1536) == "1.5KiB" and trace.format_bytes(5 << 30) == "5.0GiB"
+    assert trace.bucket_range_name(3, "butterfly", 3 << 20, 8) == "bucket 3 butterfly 3M P=8"
 
 
 def test_env_rules():
@@ -76,3 +75,19 @@ def test_real_nvtx_is_a_no_op_on_cpu():
     for _ in range(3):
         with trace.bucket_range(0, "butterfly", 16, 2), trace.step_range("butterfly", 0, 1, st, 4):
             pass
+
+
+def test_buckets_and_steps_show_in_a_torch_profiler_trace():
+    import torch
+
+    from hybridcomm.algorithms import get_schedule
+
+    st = get_schedule("ring", 0, 4, 40).steps[0]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with trace.bucket_range(2, "ring", 160, 4):
+            with trace.step_range("ring", 0, 6, st, 4):
+                torch.ones(3).sum()
+    names = {e.name for e in prof.events()}
+    assert "hybridcomm: bucket 2 ring 160B P=4" in names
+    assert any(n.startswith("hybridcomm: ring step 1/6") for n in names)
+    assert trace.bucket_range(2, "ring", 160, 4) is trace._NULL or trace.nvtx_enabled()

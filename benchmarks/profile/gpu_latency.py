@@ -45,7 +45,7 @@ def allreduce(args):
     torch.cuda.set_device(local)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    t = select_transport(torch.device("cuda", local), backend="cupy")
+    t = select_transport(torch.device("cuda", local), transport="cupy")
     if rank == 0:
         print(f"{'bytes':>10} {'algo':>17} {'eager(us)':>10} {'graph(us)':>10}")
     for nbytes in (1 << k for k in range(args.min_log2, args.max_log2 + 1, 2)):

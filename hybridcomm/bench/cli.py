@@ -22,44 +22,11 @@ import sys
 from typing import List, Optional
 
 from ..algorithms import ALGORITHMS
+from ..units import format_bytes, format_seconds, parse_size, parse_time
 from .harness import BASELINE, DTYPES, Config, run_rank
 from . import report
 
 ALGO_CHOICES = ALGORITHMS + ("auto", BASELINE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``4096``, ``4K``, ``4k``, ``4KB``, ``4KiB``, ``16M``, ``1G``, ``1.5M``
-    (K, M, G, T are powers of 1024, as in nccl-tests).
-
-    Example::
-
-        >>> parse_size("4K"), parse_size("16M"), parse_size("1G"), parse_size("100")
-        (4096, 16777216, 1073741824, 100)
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (try 4096, 4K, 16M, 1G)")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value != int(value):
-        raise ValueError(f"not a whole number of bytes: {text!r}")
-    return int(value)
-
-
-def parse_time(text: str) -> float:
-    """Seconds from ``200us``, ``0.5ms``, ``1s``, ``50ns`` (a bare number is microseconds).
-
-    Example::
-
-        >>> parse_time("200us"), parse_time("0.5ms"), parse_time("250")
-        (0.0002, 0.0005, 0.00025)
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(ns|us|µs|ms|s)?\s*", str(text))
-    if not m:
-        raise ValueError(f"not a time: {text!r} (try 200us, 0.5ms)")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2) or "us"]
 
 
 def sweep_sizes(minbytes: int, maxbytes: int, factor: float) -> List[int]:
@@ -156,7 +123,16 @@ def config_from(args) -> Config:
     return Config(sizes=sizes, algos=list(dict.fromkeys(algos)), iters=args.iters,
                   warmup=args.warmup, dtype=args.dtype, op=args.op, check=bool(args.check),
                   latency_s=args.latency, timeout_s=args.timeout, node_size=args.node_size,
-                  grid=args.grid)
+                  grid=args.grid, shape=" ".join(_parse_shape(args.shape)) if args.shape else None)
+
+
+def _parse_shape(spec):
+    from ..netns import NetnsError, parse_shape
+
+    try:
+        return parse_shape(spec)
+    except NetnsError as e:
+        raise SystemExit(f"hybridcomm-bench: {e}")
 
 
 def _under_torchrun() -> bool:
@@ -195,8 +171,9 @@ def _local(cfg: Config, nprocs: int, backend: str, shape: Optional[str],
     except NetnsError as e:
         raise SystemExit(f"hybridcomm-bench: --shape: {e}")
     try:
+        cfg.network = net.describe()
         doc = launch(run_rank, nprocs, cfg, setup=net.setup, **kwargs)[0]
-        doc["network"] = net.describe()
+        doc["network"] = cfg.network
         return doc
     finally:
         net.close()
@@ -235,17 +212,17 @@ def calibration_lines(cal: dict, world: int) -> List[str]:
     bw = (lambda x: f"{1 / x / 1e9:.3g} GB/s" if x > 0 else "inf")
     lines = ["#", "# Calibration (least squares, relative error, over "
              f"{cal['n_points']} points):",
-             f"#   alpha {report.fmt_seconds(m.alpha)} per message, "
-             f"beta {report.fmt_seconds(m.beta)} per byte ({bw(m.beta)}), "
-             f"gamma {report.fmt_seconds(m.gamma)} per byte reduced ({bw(m.gamma)})",
-             *([f"#   between nodes: alpha {report.fmt_seconds(m.inter_alpha)} per step, beta "
-                f"{report.fmt_seconds(m.inter_beta)} per byte on a node's link "
+             f"#   alpha {format_seconds(m.alpha)} per message, "
+             f"beta {format_seconds(m.beta)} per byte ({bw(m.beta)}), "
+             f"gamma {format_seconds(m.gamma)} per byte reduced ({bw(m.gamma)})",
+             *([f"#   between nodes: alpha {format_seconds(m.inter_alpha)} per step, beta "
+                f"{format_seconds(m.inter_beta)} per byte on a node's link "
                 f"({bw(m.inter_beta)})"] if m.two_level else []),
              f"#   fit error: rms {cal['rms_rel_err'] * 100:.1f}%, max {cal['max_rel_err'] * 100:.1f}%",
              f"#   saved to {cal['path']}"]
     c = m.crossover(world)
     lines.append(f"#   predicted butterfly/ring crossover at P={world}: "
-                 + (report.human(c) if c else "none"))
+                 + (format_bytes(c) if c else "none"))
     return lines
 
 
@@ -334,10 +311,11 @@ def main(argv: Optional[List[str]] = None) -> int:
            "calibration": None, "latency_check": None, "two_level_check": None,
            "env": report.dict_env()}
     out = sys.stdout
-    for line in report.header(doc):
-        print(line, file=out)
-    for r in doc["results"]:
-        print(report.row_line(r, doc), file=out)
+    if not cfg.live:  # else rank 0 printed them as the sweep went
+        for line in report.header(doc):
+            print(line, file=out)
+        for r in doc["results"]:
+            print(report.row_line(r, doc), file=out)
     for line in report.summary(doc):
         print(line, file=out)
     if args.calibrate is not None:
@@ -350,7 +328,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"(model: {doc['latency_check']['model']}):", file=out)
         for r in doc["latency_check"]["rows"]:
             err = "" if r["rel_err"] is None else f"{r['rel_err'] * 100:+.0f}%"
-            print(f"#   {report.human(r['bytes']):>6}: measured {r['measured_lead_us']:.0f} us, "
+            print(f"#   {format_bytes(r['bytes']):>6}: measured {r['measured_lead_us']:.0f} us, "
                   f"predicted {r['predicted_lead_us']:.0f} us ({err})", file=out)
     doc["two_level_check"] = two_level_check(doc)
     if doc["two_level_check"]:
@@ -359,7 +337,7 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"model ({chk['model']}; {'two-level' if chk['two_level_model'] else 'flat'}), "
               f"node size {doc['node_size']}, grid {doc['grid'][0]}x{doc['grid'][1]}:", file=out)
         for r in chk["rows"]:
-            print(f"#   {r['algo']:>12} {report.human(r['bytes']):>6}: measured "
+            print(f"#   {r['algo']:>12} {format_bytes(r['bytes']):>6}: measured "
                   f"{r['measured_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x",
                   file=out)
     if args.json:

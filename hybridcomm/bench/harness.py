@@ -39,6 +39,9 @@ class Config:
     progress: bool = True
     node_size: Optional[int] = None   # hierarchical (default LOCAL_WORLD_SIZE, else one node)
     grid: Optional[Tuple[int, int]] = None  # torus2d (default the most square)
+    shape: Optional[str] = None       # for the header: the tbf spec of each rank link
+    network: Optional[str] = None     # for the header: the shaped network, described
+    live: bool = True                 # rank 0 prints the header, then rows as sizes complete
 
 
 def integer_input(rank: int, count: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -129,9 +132,30 @@ def _time_one(run, buf, inp, cfg: Config, device) -> float:
     return statistics.median(times)
 
 
+def _merge(per_rank_rows: List[List[dict]]) -> List[dict]:
+    """Rows of every rank -> one row each: the time averaged over the ranks (as
+    nccl-tests reports it), the wrong elements summed."""
+    out = []
+    for i, row in enumerate(per_rank_rows[0]):
+        per_rank = [rows[i] for rows in per_rank_rows]
+        wrong = -1 if row["wrong"] < 0 else sum(r["wrong"] for r in per_rank)
+        out.append({**row, "time_s": statistics.mean(r["time_s"] for r in per_rank),
+                    "wrong": wrong, "time_s_per_rank": [r["time_s"] for r in per_rank]})
+    return out
+
+
+def _header_doc(world, device, cfg: Config, model, topology) -> dict:
+    return {"world_size": world, "backend": str(dist.get_backend()), "device": device.type,
+            "dtype": cfg.dtype, "op": cfg.op, "iters": cfg.iters, "warmup": cfg.warmup,
+            "check": cfg.check, "latency": cfg.latency_s, "shape": cfg.shape,
+            "network": cfg.network, "node_size": topology.node_size, "grid": list(topology.grid),
+            "auto_model": {"source": model.source}}
+
+
 def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
     """The sweep on this rank; rank 0 returns the gathered results, others None."""
-    from .. import calibration
+    from .. import calibration, control
+    from . import report
 
     device = torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -152,11 +176,15 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
         buf = integer_input(rank, n, dtype, device)
         for algo in cfg.algos:
             runners.make(runners.resolve(algo, n * esize), buf)()
+    if cfg.live and rank == 0:
+        for line in report.header(_header_doc(world, device, cfg, model, runners.topology)):
+            print(line, flush=True)
     for k, nbytes in enumerate(cfg.sizes):
         count = max(nbytes // esize, 1)
         inp = integer_input(rank, count, dtype, device)
         total = expected_sum(world, count, device) if cfg.check else None
         buf = torch.empty_like(inp)
+        first = len(rows)
         for algo in cfg.algos:
             chosen = runners.resolve(algo, count * esize)
             run = runners.make(chosen, buf)
@@ -169,20 +197,21 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
                 wrong = count_wrong(buf, total, cfg.op, world)
             rows.append({"algo": algo, "chosen": chosen, "bytes": count * esize, "count": count,
                          "time_s": t, "wrong": wrong})
-        if cfg.progress and rank == 0 and len(cfg.sizes) > 3:
+        if cfg.live:  # as nccl-tests: this size's rows now, times averaged over the ranks
+            every = control.all_gather_object(rows[first:], timeout=cfg.timeout_s,
+                                              what="the benchmark rows")
+            if rank == 0:
+                merged = report.result_rows(_merge(every), world, cfg.latency_s)
+                for r in merged:
+                    print(report.row_line(r, {"dtype": cfg.dtype, "op": cfg.op,
+                                              "latency": cfg.latency_s}), flush=True)
+        elif cfg.progress and rank == 0 and len(cfg.sizes) > 3:
             print(f"# progress: {k + 1}/{len(cfg.sizes)} sizes, up to {count * esize} bytes, "
                   f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    gathered = [None] * world
-    dist.all_gather_object(gathered, rows)
+    gathered = control.all_gather_object(rows, timeout=cfg.timeout_s, what="the benchmark rows")
     if rank != 0:
         return None
-    results = []
-    for i, row in enumerate(rows):
-        per_rank = [g[i] for g in gathered]
-        t = statistics.mean(r["time_s"] for r in per_rank)
-        wrong = -1 if row["wrong"] < 0 else sum(r["wrong"] for r in per_rank)
-        results.append({**row, "time_s": t, "wrong": wrong,
-                        "time_s_per_rank": [r["time_s"] for r in per_rank]})
+    results = _merge(gathered)
     return {"world_size": world, "backend": str(dist.get_backend()), "device": device.type,
             "node_size": runners.topology.node_size, "grid": list(runners.topology.grid),
             "results": results, "auto_model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta,

@@ -6,10 +6,10 @@ algbw = bytes / time; busbw = algbw * 2(P-1)/P, the all-reduce's bus factor
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from typing import Dict, Iterable, List, Optional
 
+from ..units import format_bytes
 from .harness import BASELINE
 
 COLUMNS = ("size", "count", "type", "redop", "algo", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
@@ -25,18 +25,6 @@ def bandwidths(nbytes: int, seconds: float, world_size: int):
     """(algbw, busbw) in GB/s (1e9 bytes per second, as nccl-tests)."""
     algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
     return algbw, algbw * bus_factor(world_size)
-
-
-def human(nbytes: float) -> str:
-    """4096 -> '4K', 16 << 20 -> '16M' (powers of 1024)."""
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{int(nbytes) >> shift}{unit}"
-    if nbytes >= 1 << 10:
-        for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-            if nbytes >= 1 << shift:
-                return f"{nbytes / (1 << shift):.3g}{unit}"
-    return str(int(nbytes))
 
 
 def result_rows(raw: Iterable[dict], world_size: int, latency_s: float) -> List[dict]:
@@ -118,7 +106,7 @@ def summary(doc: dict) -> List[str]:
         for a in algos:
             if a == BASELINE:
                 continue
-            rs = [f"{human(r['bytes'])} {base[r['bytes']] / r['time_us']:.2f}x"
+            rs = [f"{format_bytes(r['bytes'])} {base[r['bytes']] / r['time_us']:.2f}x"
                   for r in results if r["algo"] == a and r["bytes"] in base]
             ratios.append(f"#   {a:>16}: " + ", ".join(rs))
         lines.append("# Speed vs torch (torch time / our time; > 1 is faster):")
@@ -127,11 +115,11 @@ def summary(doc: dict) -> List[str]:
         c = measured_crossover(results)
         sizes = sorted({r["bytes"] for r in results})
         if c is None:
-            text = f"ring is slower than butterfly up to {human(sizes[-1])} (no crossover)"
+            text = f"ring is slower than butterfly up to {format_bytes(sizes[-1])} (no crossover)"
         elif c == sizes[0]:
-            text = f"ring is no slower than butterfly at every size from {human(c)}"
+            text = f"ring is no slower than butterfly at every size from {format_bytes(c)}"
         else:
-            text = f"ring is no slower than butterfly from {human(c)} up"
+            text = f"ring is no slower than butterfly from {format_bytes(c)} up"
         lines.append(f"# Butterfly/ring crossover (measured): {text}")
     wrong = sum(max(r["wrong"], 0) for r in results)
     lines.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
@@ -194,7 +182,7 @@ def plot(path: str, doc: dict) -> None:
     for ax in (ax_bw, ax_t):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes)
-        ax.set_xticklabels([human(s) for s in sizes], rotation=45)
+        ax.set_xticklabels([format_bytes(s) for s in sizes], rotation=45)
         ax.set_xlabel("size (bytes)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
@@ -211,16 +199,6 @@ def plot(path: str, doc: dict) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def fmt_seconds(s: float) -> str:
-    if s == 0:
-        return "0"
-    exp = math.floor(math.log10(abs(s)))
-    for unit, k in (("s", 0), ("ms", -3), ("us", -6), ("ns", -9), ("ps", -12)):
-        if exp >= k:
-            return f"{s / 10 ** k:.4g} {unit}"
-    return f"{s:.3g} s"
 
 
 def dict_env() -> Dict:

@@ -41,13 +41,12 @@ it is simulated with the semantics that make GPU bugs show:
 Defects found on worker threads are raised on the trainer thread at its next
 host operation (or by :func:`check`). :func:`stats` returns the counters.
 
-Example::
+Usage (in each rank process: the simulator watches that process for good)::
 
-    >>> os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"   # before hybridcomm makes a runtime
-    >>> opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-    ...                                       model=model)          # GPU path, on CPU
-    >>> simgpu.reset_stats(); train(3); simgpu.stats()["host_syncs"]
-    0
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"   # before hybridcomm makes a runtime
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model)          # the GPU path, on CPU
+    simgpu.reset_stats(); train(3); assert simgpu.stats()["host_syncs"] == 0
 """
 from __future__ import annotations
 

@@ -107,13 +107,13 @@ class CupyNcclTransport(CommStream):
     Creating one is collective over the group: every rank creates its
     transports for a group in the same order.
 
-    Example::
+    Usage (on a GPU)::
 
-        >>> t = CupyNcclTransport(runtime=runtime_for(grad))
-        >>> t.wait_event(grads_ready)                     # comm stream after the grads
-        >>> with t.stream_context():
-        ...     t.exchange([(1, buf[:4])], [(1, scratch[:4])])
-        >>> done = t.record_event(); compute_stream.wait_event(done)
+        t = CupyNcclTransport(runtime=runtime_for(grad))
+        t.wait_event(grads_ready)                     # comm stream after the grads
+        with t.stream_context():
+            t.exchange([(1, buf[:4])], [(1, scratch[:4])])
+        done = t.record_event(); compute_stream.wait_event(done)
     """
 
     kind = "cupy"

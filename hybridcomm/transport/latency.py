@@ -13,8 +13,12 @@ through a transport).
 
 Example::
 
+    >>> from hybridcomm.algorithms import get_schedule
+    >>> from hybridcomm.executor import execute
+    >>> from hybridcomm.transport import TorchDistTransport
     >>> t = LatencyTransport(TorchDistTransport(), delay=500e-6)
-    >>> execute(schedule, buf, t)
+    >>> execute(get_schedule("ring", 0, 1, 4), torch.ones(4), t)
+    tensor([1., 1., 1., 1.])
 """
 from __future__ import annotations
 

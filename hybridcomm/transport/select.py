@@ -2,11 +2,11 @@
 
 Host path (CPU tensors): :class:`TorchDistTransport` over the group (gloo).
 Device path (CUDA tensors, or CPU tensors under ``HYBRIDCOMM_SIMULATE_GPU=1``),
-by ``backend`` (argument, else ``HYBRIDCOMM_TRANSPORT``, else ``"auto"``):
+by ``transport`` (argument, else ``HYBRIDCOMM_TRANSPORT``, else ``"auto"``):
 
 * ``"auto"``: :class:`CupyNcclTransport` when CuPy with NCCL imports, else
   :class:`TorchNcclTransport`;
-* ``"cupy"`` / ``"torch"``: that one, or an error saying why not (a backend
+* ``"cupy"`` / ``"torch"``: that one, or an error saying why not (a transport
   asked for by name never falls back).
 
 Device transports are made once per (group, device) and shared by everything
@@ -32,7 +32,7 @@ from .torch_dist import TorchDistTransport, TorchNcclTransport
 
 log = logging.getLogger("hybridcomm")
 
-BACKENDS = ("auto", "cupy", "torch")
+TRANSPORTS = ("auto", "cupy", "torch")
 ENV_VAR = "HYBRIDCOMM_TRANSPORT"
 
 _device_transports: Dict[Tuple[int, str, str], object] = {}
@@ -51,16 +51,16 @@ def cupy_nccl_status() -> Tuple[bool, str]:
     return True, ""
 
 
-def resolve_backend(backend: str | None = None) -> str:
-    """The backend name asked for (argument, then ``HYBRIDCOMM_TRANSPORT``), checked."""
-    if backend is None:
+def resolve_transport(transport: str | None = None) -> str:
+    """The transport asked for (argument, then ``HYBRIDCOMM_TRANSPORT``), checked."""
+    if transport is None:
         return env.get(ENV_VAR)
-    if backend not in BACKENDS:
-        raise HybridCommError(f"backend={backend!r} is not one of {BACKENDS}")
-    return backend
+    if transport not in TRANSPORTS:
+        raise HybridCommError(f"transport={transport!r} is not one of {TRANSPORTS}")
+    return transport
 
 
-def select_transport(device, group=None, backend: str | None = None, *,
+def select_transport(device, group=None, transport: str | None = None, *,
                      timeout: float | None = None):
     """The transport for tensors on ``device`` (a torch.device, str, or tensor).
 
@@ -70,13 +70,16 @@ def select_transport(device, group=None, backend: str | None = None, *,
 
     Example::
 
-        >>> t = select_transport(grad)                  # CuPy NCCL for a CUDA grad, if installed
-        >>> t = select_transport("cuda:0", backend="torch")
+        >>> select_transport(grad).kind          # a CPU tensor: torch.distributed (gloo)
+        'torch'
+
+    (For a CUDA tensor: CuPy NCCL if installed; ``transport="torch"`` forces
+    torch.distributed's NCCL.)
     """
     if isinstance(device, torch.Tensor):
         device = device.device
     device = torch.device(device)
-    name = resolve_backend(backend)
+    name = resolve_transport(transport)
     rt = runtime_for(device)
     if rt is None:
         if name == "cupy":
@@ -97,7 +100,7 @@ def select_transport(device, group=None, backend: str | None = None, *,
         if name == "cupy":
             ok, why = cupy_nccl_status()
             if not ok:
-                raise HybridCommError(f"transport 'cupy' was asked for ({_source(backend)}) but "
+                raise HybridCommError(f"transport 'cupy' was asked for ({_source(transport)}) but "
                                       f"is unavailable: {why}")
     log.debug("transport for %s: %s (asked: %s)", device, choice, name)
     return _device_transport(group, rt, choice, env.timeout(timeout))
@@ -130,5 +133,5 @@ def close_transports() -> None:
             t.close()
 
 
-def _source(backend) -> str:
-    return "by argument" if backend is not None else f"by {ENV_VAR}"
+def _source(transport) -> str:
+    return "by argument" if transport is not None else f"by {ENV_VAR}"

@@ -68,7 +68,9 @@ class TorchDistTransport:
     Example::
 
         >>> t = TorchDistTransport()                      # default group
-        >>> t.exchange([(1, buf[:4])], [(1, scratch[:4])]).wait(timeout=60)
+        >>> t.rank, t.world_size, t.backend
+        (0, 1, 'gloo')
+        >>> t.exchange([], []).wait(timeout=60)          # one step's sends and receives
     """
 
     kind = "torch"
@@ -120,11 +122,11 @@ class TorchDistTransport:
 class TorchNcclTransport(TorchDistTransport, CommStream):
     """torch.distributed over NCCL, stream-ordered on its own comm stream.
 
-    Example::
+    Usage (on a GPU)::
 
-        >>> t = TorchNcclTransport(runtime=runtime_for(grad))
-        >>> with t.stream_context():
-        ...     t.exchange([(1, buf[:4])], [(1, scratch[:4])])
+        t = TorchNcclTransport(runtime=runtime_for(grad))
+        with t.stream_context():
+            t.exchange([(1, buf[:4])], [(1, scratch[:4])])
     """
 
     stream_ordered = True

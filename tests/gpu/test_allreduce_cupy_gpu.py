@@ -35,7 +35,7 @@ def _rank(rank, world, algorithm, n, dtype_name, mode):
 
     dtype = DTYPES[dtype_name]
     dev = torch.device("cuda", torch.cuda.current_device())
-    t = select_transport(dev, backend="cupy", timeout=120)
+    t = select_transport(dev, transport="cupy", timeout=120)
     data = _inputs(world, n, dtype)
     want = torch.stack([x.float() for x in data]).sum(0).to(dtype)
     buf = data[rank].to(dev)
