@@ -41,6 +41,13 @@ def parse_positive_float(text: str) -> float:
     return value
 
 
+def parse_nonnegative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise ValueError("must be a number >= 0")
+    return value
+
+
 def parse_nonnegative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -86,11 +93,12 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDCOMM_PIPELINE_BYTES", parse_size, 32 << 20,
              "pipeline parts of large host-path buffers (0: off)"),
     Variable("HYBRIDCOMM_NVTX", parse_bool, None, "NVTX ranges on/off (default: when nsys attaches)"),
+    Variable("HYBRIDCOMM_CSRC", str, None, "where the CUDA C++ sources are (hybridcomm.cuda_ext)"),
     Variable("HYBRIDCOMM_LOG_LEVEL", _choices(lambda: ("DEBUG", "INFO", "WARNING", "ERROR")),
              "INFO", "level of the `hybridcomm` logger (the plan logs at INFO)"),
     Variable("HYBRIDCOMM_SIMULATE_GPU", parse_bool, False,
              "CPU tensors take the GPU path over a simulated CUDA runtime (tests)"),
-    Variable("HYBRIDCOMM_SIM_DELAY_US", parse_positive_float, 200.0,
+    Variable("HYBRIDCOMM_SIM_DELAY_US", parse_nonnegative_float, 200.0,
              "simulator: largest random delay per stream operation (microseconds)"),
     Variable("HYBRIDCOMM_SIM_SEED", parse_nonnegative_int, 0, "simulator: seed of the delays"),
     Variable("HYBRIDCOMM_SIM_NCCL_KERNELS", parse_nonnegative_int, 1,
