@@ -1,6 +1,6 @@
 # `make test` and `make demo` set themselves up: a .venv with torch (the CPU
 # build on a CPU machine; an existing CUDA torch is kept), then this package
-# editable with its test extra. Re-running is a no-op unless setup.py changed.
+# editable with its test extra. Re-running is a no-op unless pyproject.toml changed.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +10,7 @@ TORCH_CPU := torch==2.13.0
 .PHONY: setup test demo bench profile clean
 setup: $(STAMP)
 
-$(STAMP): setup.py Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	@if [ ! -x $(PY) ]; then \
 	  if $(PYTHON) -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
 	    echo "[setup] keeping the CUDA torch of $(PYTHON) (venv with system site-packages)"; \

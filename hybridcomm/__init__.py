@@ -17,7 +17,7 @@ from .collectives import all_reduce
 from .errors import HybridCommError, HybridCommTimeout
 from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: E402
 logs.setup()
 __all__ = ["ALGORITHMS", "all_reduce", "DistributedOptimizer", "broadcast_parameters",
            "broadcast_optimizer_state", "HybridCommError", "HybridCommTimeout", "__version__"]

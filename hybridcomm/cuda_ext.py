@@ -20,7 +20,6 @@ Example::
 """
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
@@ -35,9 +34,16 @@ _state: dict = {}
 
 
 def csrc_dir() -> Path:
-    """Where the sources are: ``HYBRIDCOMM_CSRC`` or ``<repo>/csrc``."""
-    env = os.environ.get("HYBRIDCOMM_CSRC")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "csrc"
+    """Where the sources are: ``HYBRIDCOMM_CSRC``, else ``hybridcomm/csrc`` (an
+    installed wheel), else ``<checkout>/csrc`` (a source tree, editable install)."""
+    from . import env
+
+    given = env.get("HYBRIDCOMM_CSRC")
+    if given:
+        return Path(given)
+    here = Path(__file__).resolve().parent
+    installed = here / "csrc"
+    return installed if installed.is_dir() else here.parent / "csrc"
 
 
 def _why_not_buildable() -> str | None:
