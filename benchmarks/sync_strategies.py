@@ -1,0 +1,245 @@
+"""Which data-parallel scheme reaches a target accuracy first? Synchronous hybrid
+all-reduce against Parallel SGD, local SGD, ADMM SGD and Downpour SGD.
+
+One model (an MLP) on scikit-learn's digits (bundled with the package: no
+download), 4 workers (plus 2 parameter-server shards for Downpour), two
+scenarios: ``uniform`` and ``straggler`` (worker 3 runs 3x slower). Each worker
+stands for a bigger model's compute with ``--step-ms`` of sleep per step (the
+MLP itself takes ~1 ms), so that a straggler is exactly 3x slower and the
+wall clock measures synchronization, not this machine's 2 shared cores.
+
+    python benchmarks/sync_strategies.py --quick        # < 10 minutes on 2 cores
+    python benchmarks/sync_strategies.py --json out.json --plot out.png
+
+Per strategy and scenario: the test accuracy over wall time (rank 0's model:
+between averaging rounds, local SGD and Parallel SGD evaluate worker 0's own
+model; ADMM its consensus; Downpour worker 0's latest fetch), the time to the
+target accuracy, and the bytes worker 0 sent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import hybridcomm  # noqa: E402
+from hybridcomm.launch import launch  # noqa: E402
+from hybridcomm.strategies import (ADMM, DownpourSGD, LocalSGD, ParallelSGD,  # noqa: E402
+                                   init_downpour, serve)
+
+STRATEGIES = ("sync", "parallel_sgd", "local_sgd", "admm", "downpour")
+SCENARIOS = ("uniform", "straggler")
+WORKERS, SERVERS = 4, 2
+STRAGGLER, SLOWDOWN = 3, 3.0
+
+
+def digits():
+    """(train x, train y, test x, test y): the 8x8 digits, 80/20, fixed shuffle."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    x, y = x[perm], y[perm]
+    cut = int(0.8 * len(x))
+    return x[:cut], y[:cut], x[cut:], y[cut:]
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def accuracy(model, x, y) -> float:
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of):
+    """Train ``cfg['epochs']`` epochs of this worker's shard; rank 0 records
+    (seconds, accuracy) every ``eval_every`` steps."""
+    xtr, ytr, xte, yte = digits()
+    xs, ys = xtr[rank::WORKERS], ytr[rank::WORKERS]
+    delay = cfg["step_ms"] / 1e3 * (SLOWDOWN if cfg["scenario"] == "straggler"
+                                    and rank == STRAGGLER else 1.0)
+    curve, step = [], 0
+    t0 = time.perf_counter()
+    bs = cfg["batch"]
+    for epoch in range(cfg["epochs"]):
+        perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(100 * epoch + rank))
+        for i in range(0, len(xs) - bs + 1, bs):
+            idx = perm[i:i + bs]
+            time.sleep(delay)  # a bigger model's compute
+            step_fn(xs[idx], ys[idx], epoch_end=False)
+            step += 1
+            if rank == 0 and step % cfg["eval_every"] == 0:
+                curve.append((time.perf_counter() - t0, evaluate(xte, yte)))
+        step_fn(None, None, epoch_end=True)
+        if rank == 0:
+            curve.append((time.perf_counter() - t0, evaluate(xte, yte)))
+    return {"curve": curve, "bytes_sent": bytes_of(), "accuracy": evaluate(xte, yte)}
+
+
+def _run(rank, world, cfg, rdv):
+    """One strategy in one scenario, on this process."""
+    os.environ["TP_SOCKET_IFNAME"] = "lo"
+    name = cfg["strategy"]
+    if name == "downpour":
+        role, _ = init_downpour(rank, WORKERS, SERVERS, f"file://{rdv}", timeout=60)
+        if role == "server":
+            return {"server_pushes": serve(timeout=600)}
+        model = mlp()
+        opt = DownpourSGD(model, [f"server{i}" for i in range(SERVERS)], lr=cfg["lr_async"],
+                          timeout=60)
+
+        def step(x, y, epoch_end):
+            if x is None:
+                return
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        out = _worker_loop(rank, cfg, model, step, lambda x, y: accuracy(model, x, y),
+                           lambda: opt.bytes_sent)
+        opt.close()
+        return out
+    model = mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    evaluate = lambda x, y: accuracy(model, x, y)  # noqa: E731
+    if name == "sync":
+        opt = hybridcomm.DistributedOptimizer(sgd, model=model, timeout=60)
+        sent = [0]
+
+        def bytes_of():
+            return sent[0]
+    elif name == "parallel_sgd":
+        opt = ParallelSGD(sgd, model, average="epoch", timeout=60)
+    elif name == "local_sgd":
+        opt = LocalSGD(sgd, model, period=cfg["period"], timeout=60)
+    else:
+        opt = ADMM(torch.optim.SGD(model.parameters(), lr=cfg["lr"]), model, rho=cfg["rho"],
+                   local_steps=cfg["period"] // 2, timeout=60)
+
+        def evaluate(x, y):
+            with opt.consensus() as m:
+                return accuracy(m, x, y)
+
+    def step(x, y, epoch_end):
+        if epoch_end:
+            if name == "parallel_sgd":
+                opt.end_epoch()
+            elif name == "sync":
+                opt.synchronize()
+            return
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if name == "sync":
+            sent[0] += opt.last_step_stats["bytes_sent"]
+
+    out = _worker_loop(rank, cfg, model, step, evaluate,
+                       bytes_of if name == "sync" else lambda: opt.bytes_sent)
+    if name == "sync":
+        opt.close()
+    return out
+
+
+def run(strategy: str, scenario: str, cfg: dict) -> dict:
+    cfg = dict(cfg, strategy=strategy, scenario=scenario)
+    world = WORKERS + (SERVERS if strategy == "downpour" else 0)
+    with tempfile.TemporaryDirectory(prefix="hybridcomm-rdv-") as tmp:
+        results = launch(_run, world, cfg, os.path.join(tmp, "rdv"), backend="gloo",
+                         start_method="spawn", timeout=1200)
+    return results[0]
+
+
+def time_to(curve, target):
+    return next((t for t, acc in curve if acc >= target), None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer epochs (< 10 minutes)")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--epochs", type=int, default=None)
+    ap.add_argument("--target", type=float, default=0.90, help="test accuracy to reach")
+    ap.add_argument("--step-ms", type=float, default=10.0,
+                    help="simulated compute per step (the straggler: 3x)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args(argv)
+    cfg = {"epochs": args.epochs or (6 if args.quick else 15), "batch": 32, "lr": 0.1,
+           "lr_async": 0.05, "period": 8, "rho": 0.1, "eval_every": 4, "step_ms": args.step_ms}
+    strategies = [s for s in args.strategies.split(",") if s]
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    bad = [s for s in strategies if s not in STRATEGIES] + [s for s in scenarios
+                                                            if s not in SCENARIOS]
+    if bad:
+        raise SystemExit(f"unknown: {bad}")
+    rows, curves, t_start = [], {}, time.perf_counter()
+    print(f"# sync strategies on digits: {WORKERS} workers (+{SERVERS} servers for downpour), "
+          f"{cfg['epochs']} epochs, batch {cfg['batch']}/worker, {args.step_ms:g} ms simulated "
+          f"compute per step (straggler x{SLOWDOWN:g}), target accuracy {args.target}", flush=True)
+    print(f"# {'scenario':>10} {'strategy':>13} {'accuracy':>9} {'to target(s)':>13} "
+          f"{'bytes sent':>12} {'wall(s)':>8}", flush=True)
+    for scenario in scenarios:
+        for strategy in strategies:
+            out = run(strategy, scenario, cfg)
+            curve = out["curve"]
+            t = time_to(curve, args.target)
+            rows.append({"strategy": strategy, "scenario": scenario,
+                         "test_accuracy": out["accuracy"], "time_to_target_s": t,
+                         "bytes_sent": out["bytes_sent"]})
+            curves[f"{scenario}/{strategy}"] = curve
+            print(f"  {scenario:>10} {strategy:>13} {out['accuracy']:>9.3f} "
+                  f"{'-' if t is None else f'{t:.2f}':>13} {out['bytes_sent']:>12} "
+                  f"{curve[-1][0]:>8.1f}   ({time.perf_counter() - t_start:.0f} s elapsed)",
+                  flush=True)
+    doc = {"target_accuracy": args.target, "results": rows, "curves": curves, "config": cfg,
+           "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:]))}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"# wrote {args.json}")
+    if args.plot:
+        plot(doc, args.plot)
+        print(f"# wrote {args.plot}")
+    return 0
+
+
+def plot(doc: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = list(dict.fromkeys(r["scenario"] for r in doc["results"]))
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 4), squeeze=False)
+    for ax, scenario in zip(axes[0], scenarios):
+        for key, curve in doc["curves"].items():
+            if key.startswith(scenario + "/") and curve:
+                ts, accs = zip(*curve)
+                ax.plot(ts, accs, label=key.split("/")[1])
+        ax.axhline(doc["target_accuracy"], color="grey", linestyle=":")
+        ax.set_title(scenario)
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0, 1)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Data-parallel training schemes beside synchronous hybrid all-reduce
+(docs/STRATEGIES.md): each trades synchronization for progress differently.
+
+- :class:`ParallelSGD` (Zinkevich et al. 2010): local SGD on each shard, the
+  models averaged every epoch or once at the end.
+- :class:`LocalSGD`: H local steps, then the parameters (and optionally the
+  optimizer state) averaged; H = 1 is synchronous SGD; a synchronous warm-up.
+- :class:`ADMM`: consensus ADMM (Boyd et al. 2011): local steps on the loss plus
+  the augmented Lagrangian, the consensus as an all-reduced average.
+- :class:`DownpourSGD` (Dean et al. 2012): asynchronous, a parameter server
+  sharded over server processes (``torch.distributed.rpc``).
+
+Every strategy reports ``bytes_sent`` (by this rank) and raises
+``HybridCommError`` / ``HybridCommTimeout`` on failure, within its timeout.
+"""
+from .admm import ADMM
+from .downpour import DownpourSGD, init_downpour, serve
+from .local_sgd import LocalSGD
+from .parallel_sgd import ParallelSGD
+
+__all__ = ["ADMM", "DownpourSGD", "LocalSGD", "ParallelSGD", "init_downpour", "serve"]
