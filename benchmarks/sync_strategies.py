@@ -99,7 +99,7 @@ def _run(rank, world, cfg, rdv):
             return {"server_pushes": serve(timeout=600)}
         model = mlp()
         opt = DownpourSGD(model, [f"server{i}" for i in range(SERVERS)], lr=cfg["lr_async"],
-                          timeout=60)
+                          rule=cfg["rule"], timeout=60)
 
         def step(x, y, epoch_end):
             if x is None:
@@ -126,8 +126,8 @@ def _run(rank, world, cfg, rdv):
     elif name == "local_sgd":
         opt = LocalSGD(sgd, model, period=cfg["period"], timeout=60)
     else:
-        opt = ADMM(torch.optim.SGD(model.parameters(), lr=cfg["lr"]), model, rho=cfg["rho"],
-                   local_steps=cfg["period"] // 2, timeout=60)
+        # the local solver is the same momentum SGD as everyone's
+        opt = ADMM(sgd, model, rho=cfg["rho"], local_steps=cfg["period"] // 2, timeout=60)
 
         def evaluate(x, y):
             with opt.consensus() as m:
@@ -175,11 +175,19 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=0.90, help="test accuracy to reach")
     ap.add_argument("--step-ms", type=float, default=10.0,
                     help="simulated compute per step (the straggler: 3x)")
+    ap.add_argument("--lr", type=float, default=0.1, help="momentum-SGD learning rate")
+    ap.add_argument("--lr-async", type=float, default=0.2, help="Downpour servers' rate")
+    ap.add_argument("--rule", default="sgd", choices=("sgd", "adagrad"),
+                    help="Downpour servers' update rule")
+    ap.add_argument("--rho", type=float, default=0.1, help="ADMM's penalty")
+    ap.add_argument("--period", type=int, default=8,
+                    help="local SGD's H (ADMM: local steps = H/2)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
-    cfg = {"epochs": args.epochs or (6 if args.quick else 15), "batch": 32, "lr": 0.1,
-           "lr_async": 0.05, "period": 8, "rho": 0.1, "eval_every": 4, "step_ms": args.step_ms}
+    cfg = {"epochs": args.epochs or (6 if args.quick else 15), "batch": 32, "lr": args.lr,
+           "lr_async": args.lr_async, "rule": args.rule, "period": args.period,
+           "rho": args.rho, "eval_every": 4, "step_ms": args.step_ms}
     strategies = [s for s in args.strategies.split(",") if s]
     scenarios = [s for s in args.scenarios.split(",") if s]
     bad = [s for s in strategies if s not in STRATEGIES] + [s for s in scenarios

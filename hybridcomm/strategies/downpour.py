@@ -25,7 +25,9 @@ Usage::
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -106,17 +108,33 @@ def init_downpour(rank: int, workers: int, servers: int, init_method: str,
     opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout,
                                            _transports=["uv"], _channels=["basic"])
     try:
-        rpc.init_rpc(name, rank=rank, world_size=workers + servers, rpc_backend_options=opts)
+        with _quiet_rpc():
+            rpc.init_rpc(name, rank=rank, world_size=workers + servers,
+                         rpc_backend_options=opts)
     except RuntimeError as e:
         raise HybridCommError(f"{name}: joining the Downpour RPC group failed: {e}") from e
     return role, name
+
+
+@contextlib.contextmanager
+def _quiet_rpc():
+    """Hides the deprecation warning torch's own RPC start-up and shutdown
+    barriers print on every process (they pass a gloo Backend as a group)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are using a Backend")
+        yield
+
+
+def _shutdown(timeout: float) -> None:
+    with _quiet_rpc():
+        rpc.shutdown(graceful=True, timeout=timeout)
 
 
 def serve(timeout: Optional[float] = None) -> int:
     """Be a parameter-server shard until every process has shut down; returns the
     pushes applied. A worker that never shuts down ends the wait after ``timeout``."""
     try:
-        rpc.shutdown(graceful=True, timeout=env.timeout(timeout))
+        _shutdown(env.timeout(timeout))
     except RuntimeError as e:
         raise HybridCommError(f"a Downpour server's shutdown failed: {e}") from e
     return _pushes()
@@ -232,6 +250,6 @@ class DownpourSGD:
             self._finish_pushes()
         finally:
             try:
-                rpc.shutdown(graceful=True, timeout=self.timeout)
+                _shutdown(self.timeout)
             except RuntimeError as e:
                 raise HybridCommError(f"Downpour: leaving the RPC group failed: {e}") from e
