@@ -9,7 +9,11 @@ configuration is measured side by side on the same processes:
                      (same processes, same contention: the floor every config is held to)
     stock            forward, backward, torch.distributed.all_reduce of every gradient
                      (sum, then divide by the world size), optimizer.step()
-    ddp              torch.nn.parallel.DistributedDataParallel
+    comm             one flat torch.distributed.all_reduce of all gradient bytes, no compute
+                     (communication alone: bound = max(compute, comm) is what perfect
+                     overlap would give)
+    ddp              torch.nn.parallel.DistributedDataParallel (its defaults: 25 MB buckets)
+    ddp:CAP_MB       DDP with bucket_cap_mb=CAP_MB and gradient_as_bucket_view=True
     ring             hybridcomm.DistributedOptimizer(strategy="ring", overlap="backward")
     butterfly        hybridcomm.DistributedOptimizer(strategy="butterfly", overlap="backward")
     hybrid-backward  hybridcomm.DistributedOptimizer(strategy="hybrid", overlap="backward")
@@ -24,9 +28,17 @@ compared (column ``same``); a mismatch fails the run. ``max|d|`` is the
 largest parameter difference from ``stock`` after the same steps (float
 reduction order differs between algorithms, so small, not zero).
 
+``cpu%`` is the machine's CPU busy share while that config's timed steps
+ran (/proc/stat): where ``comm`` keeps the cores busy, the network is CPU-bound
+and nothing can overlap; where it leaves them idle, the wire is the bottleneck.
+
     python benchmarks/train.py                       # 4 ranks, batch 8,16,32,64, all configs
     python benchmarks/train.py --quick               # ~1 minute
-    python benchmarks/train.py --configs stock,ddp --batch-sizes 8 --json out.json --plot out.png
+    python benchmarks/train.py --configs stock,ddp:2 --batch-sizes 8 --json out.json --plot out.png
+    python benchmarks/train.py --shape "rate 100mbit" --batch-sizes 256 \
+        --configs comm,stock,ddp:0.5,ddp:2,ddp:25,hybrid-forward          # root: the wire-bound case
+    python benchmarks/train.py --regime-map --json map.json --plot map.png   # root; ~20 minutes
+    python benchmarks/train.py --demo                # what `make demo` runs (< 3 minutes)
 """
 from __future__ import annotations
 
@@ -34,11 +46,11 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -46,11 +58,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py, also when spawned
 import hybridcomm  # noqa: E402
+from hybridcomm.bench.report import machine_info  # noqa: E402
 from hybridcomm.launch import launch  # noqa: E402
 from models import IMAGE_SHAPE, NUM_CLASSES, param_counts, vgg_small  # noqa: E402
 
 # config -> (strategy, overlap) for hybridcomm.DistributedOptimizer; None: plain torch.
+# "ddp:CAP_MB" (any cap) is accepted besides these; see config_kind.
 CONFIGS = {
+    "comm": None,
     "stock": None,
     "ddp": None,
     "ring": ("ring", "backward"),
@@ -58,10 +73,44 @@ CONFIGS = {
     "hybrid-backward": ("hybrid", "backward"),
     "hybrid-forward": ("hybrid", "forward"),
 }
+DEFAULT_CONFIGS = ["comm", "stock", "ddp", "ring", "butterfly", "hybrid-backward", "hybrid-forward"]
 LR, MOMENTUM, SEED, DATA_BATCHES = 0.01, 0.9, 1234, 4
 # Warm-up covers DistributedOptimizer's re-plan (after measure_iters=3 steps by default).
 QUICK = {"batch_sizes": [8, 32], "iters": 6, "warmup": 4, "rounds": 2}
 FULL = {"batch_sizes": [8, 16, 32, 64], "iters": 20, "warmup": 5, "rounds": 4}
+# --regime-map: every network x batch size, the configs that decide "never slower than DDP".
+REGIME_NETWORKS = [None, "rate 1gbit", "rate 300mbit", "rate 100mbit"]
+REGIME_BATCHES = [32, 128, 256]
+REGIME_CONFIGS = ["comm", "stock", "ddp:0.5", "ddp:2", "ddp:25", "hybrid-forward"]
+REGIME_RUN = {"iters": 6, "warmup": 4, "rounds": 2}
+# --demo: the wire-bound case, quick (make demo; < 3 minutes).
+DEMO = {"shape": "rate 100mbit", "batch_sizes": [256], "iters": 4, "warmup": 4, "rounds": 1,
+        "configs": ["comm", "stock", "ddp:25", "ddp:2", "hybrid-forward"]}
+DEMO_LOOPBACK = dict(DEMO, shape=None, batch_sizes=[32])
+
+
+def config_kind(name: str):
+    """("ddp", cap_mb or None) for DDP configs, (name, None) for the others;
+    ValueError for an unknown name.
+
+        >>> config_kind("ddp:2"), config_kind("ddp"), config_kind("stock")
+        (('ddp', 2.0), ('ddp', None), ('stock', None))
+    """
+    if name.startswith("ddp:"):
+        try:
+            cap = float(name[4:])
+        except ValueError:
+            cap = -1.0
+        if not cap > 0:
+            raise ValueError(f"{name!r}: DDP's bucket cap must be a positive number of MB")
+        return "ddp", cap
+    if name not in CONFIGS and name != "compute":  # compute always runs, as the floor
+        raise ValueError(f"unknown config {name!r}; choose from {list(CONFIGS)} or ddp:CAP_MB")
+    return name, None
+
+
+def is_ddp(name: str) -> bool:
+    return config_kind(name)[0] == "ddp"
 
 
 def shaped_network(nprocs: int, shape: str):
@@ -104,14 +153,21 @@ class _Trainer:
         self.params = list(self.model.parameters())
         base = torch.optim.SGD(self.params, lr=LR, momentum=MOMENTUM)
         self.net, self.opt = self.model, base
-        if config == "ddp":
-            self.net = torch.nn.parallel.DistributedDataParallel(self.model)
+        kind, cap = config_kind(config)
+        if config == "comm":  # every gradient's bytes in one buffer
+            self.flat = torch.zeros(sum(p.numel() for p in self.params))
+        elif kind == "ddp":
+            extra = {} if cap is None else {"bucket_cap_mb": cap, "gradient_as_bucket_view": True}
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, **extra)
         elif CONFIGS.get(config) is not None:
             strategy, overlap = CONFIGS[config]
             self.opt = hybridcomm.DistributedOptimizer(base, model=self.model, strategy=strategy,
                                                        overlap=overlap, op="avg")
 
     def step(self, x, y):
+        if self.config == "comm":
+            dist.all_reduce(self.flat)
+            return
         self.opt.zero_grad()
         F.cross_entropy(self.net(x), y).backward()
         if self.config == "stock":  # the plain PyTorch pattern, one all_reduce per gradient
@@ -123,7 +179,7 @@ class _Trainer:
 
     def plan(self):
         """hybridcomm's plan table as it stands now, or None."""
-        plan = getattr(self.opt, "plan", None) if CONFIGS.get(self.config) else None
+        plan = getattr(self.opt, "plan", None) if CONFIGS.get(self.config, None) else None
         return None if plan is None else str(plan)
 
     def library_stats(self):
@@ -157,15 +213,33 @@ def _median_or_none(xs):
     return statistics.median(xs) if xs and None not in xs else None
 
 
-def _run_steps(trainer, data, first, untimed, timed, record):
-    """``untimed + timed`` steps; each timed one goes to ``record(seconds, stats)``."""
+def cpu_times():
+    """(busy, total) jiffies of the whole machine, from /proc/stat (None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _run_steps(trainer, data, first, untimed, timed, record, cpu):
+    """``untimed + timed`` steps; each timed one goes to ``record(seconds, stats)``;
+    the machine's CPU jiffies over the timed steps are added to ``cpu`` [busy, total]."""
     for i in range(untimed + timed):
+        if i == untimed:
+            before = cpu_times()
         x, y = data[(first + i) % len(data)]
         t0 = time.perf_counter()
         trainer.step(x, y)
         dt = time.perf_counter() - t0
         if i >= untimed:
             record(dt, trainer.library_stats())
+    after = cpu_times()
+    if timed and before and after:
+        cpu[0] += after[0] - before[0]
+        cpu[1] += after[1] - before[1]
     return first + untimed + timed
 
 
@@ -176,7 +250,7 @@ def _same_across_ranks(flat, world) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds):
+def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, label):
     """Every config on this batch size, interleaved in ``rounds`` so slow drift in the
     machine's load (shared cores) hits all configs alike. Each config runs the same
     number of steps on the same data from the same initial model."""
@@ -184,10 +258,12 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds):
     names = ["compute"] + configs
     trainers, rows = {}, []
     per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
+    t_start = time.perf_counter()
     try:
         for c in names:
             trainers[c] = _Trainer(c, world)
         samples = {c: [] for c in names}
+        cpu = {c: [0, 0] for c in names}
         steps_done = dict.fromkeys(names, 0)
         for r, timed in enumerate(per_round):
             for c in names:
@@ -195,8 +271,14 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds):
                 # Round 0 warms up; later rounds drop one step to refill the pipeline.
                 steps_done[c] = _run_steps(trainers[c], data, steps_done[c],
                                            warmup if r == 0 else 1, timed,
-                                           lambda dt, st, c=c: samples[c].append((dt, *st)))
+                                           lambda dt, st, c=c: samples[c].append((dt, *st)),
+                                           cpu[c])
                 trainers[c].finish()  # its communication done before the next config runs
+                if rank == 0:  # progress: a long sweep is never silent
+                    so_far = statistics.median(s[0] for s in samples[c]) * 1e3
+                    print(f"[train] {label} batch {batch_size} round {r + 1}/{rounds} "
+                          f"{c}: {so_far:.0f} ms/step so far ({time.perf_counter() - t_start:.0f} s)",
+                          file=sys.stderr, flush=True)
         stock_flat = None
         for c in names:
             flat = _flat_params(trainers[c].model)
@@ -208,8 +290,9 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds):
                 "lib_exposed_s": _median_or_none(lib_exposed), "lib_busy_s": _median_or_none(lib_busy),
                 # compute has no communication: its replicas differ by design
                 "same": None if c == "compute" else _same_across_ranks(flat, world),
-                "max_abs_diff_vs_stock": (None if stock_flat is None or c == "compute"
+                "max_abs_diff_vs_stock": (None if stock_flat is None or c in ("compute", "comm")
                                           else float((flat - stock_flat).abs().max())),
+                "cpu_busy_pct": 100.0 * cpu[c][0] / cpu[c][1] if cpu[c][1] else None,
                 "plan": trainers[c].plan() if rank == 0 else None,
             })
     finally:
@@ -218,10 +301,10 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds):
     return rows
 
 
-def _rank(rank, world, batch_sizes, configs, warmup, iters, rounds):
+def _rank(rank, world, batch_sizes, configs, warmup, iters, rounds, label="loopback"):
     rows = []
     for bs in batch_sizes:
-        rows += _run_batch_size(rank, world, bs, configs, warmup, iters, rounds)
+        rows += _run_batch_size(rank, world, bs, configs, warmup, iters, rounds, label)
     return rows
 
 
@@ -247,20 +330,28 @@ def aggregate(per_rank, configs, batch_sizes):
             "lib_comm_busy_ms": _mean([v * 1e3 for v in busy]) if None not in busy else None,
             "same": None if row["same"] is None else all(r["same"] for r in ranks),
             "max_abs_diff_vs_stock": max(diffs) if diffs else None,
+            "cpu_busy_pct": row.get("cpu_busy_pct"),  # rank 0's reading: the whole machine
         }
     results = []
     for bs in batch_sizes:
         compute = out[("compute", bs)]["step_ms"]
         stock = out.get(("stock", bs), {}).get("step_ms")
-        ddp = out.get(("ddp", bs), {}).get("step_ms")
+        ddps = {c: out[(c, bs)]["step_ms"] for c in configs if is_ddp(c)}
+        best_ddp = min(ddps, key=ddps.get) if ddps else None
+        ddp = ddps.get(best_ddp)
+        comm = out.get(("comm", bs), {}).get("step_ms")
+        bound = max(compute, comm) if comm else None
         for config in ["compute"] + configs:
             r = out[(config, bs)]
             step = r["step_ms"]
             results.append({
                 "config": config, "batch_size": bs, "step_ms": step, "compute_ms": compute,
                 "exposed_comm_ms": step - compute,
+                "bound_ms": bound, "vs_bound": step / bound if bound else None,
+                "best_ddp": best_ddp,
                 "speedup_vs_stock": stock / step if stock else None,
                 "speedup_vs_ddp": ddp / step if ddp else None,
+                "cpu_busy_pct": r["cpu_busy_pct"],
                 "lib_exposed_comm_ms": r["lib_exposed_comm_ms"],
                 "lib_comm_busy_ms": r["lib_comm_busy_ms"], "same": r["same"],
                 "max_abs_diff_vs_stock": r["max_abs_diff_vs_stock"],
@@ -275,15 +366,23 @@ def _fmt(v, spec, width):
 
 def print_table(results, header):
     print(header)
-    print(f"{'batch':>5} {'config':>16} {'step(ms)':>9} {'compute':>8} {'exposed':>8} "
-          f"{'lib_exp':>8} {'vs stock':>8} {'vs ddp':>7} {'same':>5} {'max|d|':>8}")
+    print(f"{'batch':>5} {'config':>16} {'step(ms)':>9} {'compute':>8} {'bound':>8} "
+          f"{'exposed':>8} {'lib_exp':>8} {'/bound':>7} {'vs stock':>8} {'vs ddp':>7} "
+          f"{'cpu%':>5} {'same':>5} {'max|d|':>8}")
     for r in results:
         same = "-" if r["same"] is None else ("yes" if r["same"] else "NO")
         print(f"{r['batch_size']:>5} {r['config']:>16} {r['step_ms']:>9.1f} {r['compute_ms']:>8.1f} "
+              f"{_fmt(r['bound_ms'], '.1f', 8)} "
               f"{r['exposed_comm_ms']:>8.1f} {_fmt(r['lib_exposed_comm_ms'], '.1f', 8)} "
+              f"{_fmt(r['vs_bound'], '.2f', 6)}{'x' if r['vs_bound'] else ' '} "
               f"{_fmt(r['speedup_vs_stock'], '.2f', 7)}{'x' if r['speedup_vs_stock'] else ' '} "
               f"{_fmt(r['speedup_vs_ddp'], '.2f', 6)}{'x' if r['speedup_vs_ddp'] else ' '} "
+              f"{_fmt(r['cpu_busy_pct'], '.0f', 5)} "
               f"{same:>5} {_fmt(r['max_abs_diff_vs_stock'], '.1e', 8)}")
+    best = {r["batch_size"]: r["best_ddp"] for r in results if r["best_ddp"]}
+    if best:
+        print("vs ddp: against the fastest DDP config at that batch size ("
+              + ", ".join(f"batch {bs}: {c}" for bs, c in best.items()) + ")")
 
 
 def plot(results, path):
@@ -321,17 +420,67 @@ def plot(results, path):
     plt.close(fig)
 
 
-def machine_info():
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "hybridcomm": hybridcomm.__version__,
-            "cuda": torch.cuda.is_available(), "backend": "gloo"}
+def plot_regime_map(cells, path):
+    """Heat map: hybrid-forward / best DDP per (network, batch size); < 1 is a win."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    networks = list(dict.fromkeys(c["network"] for c in cells))
+    batches = sorted({c["batch_size"] for c in cells})
+    by = {(c["network"], c["batch_size"]): c for c in cells}
+    grid = [[by[(n, b)]["hybrid_vs_best_ddp"] if (n, b) in by else float("nan") for b in batches]
+            for n in networks]
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(batches), 1.2 + 0.7 * len(networks)))
+    im = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.6, vmax=1.4, aspect="auto")
+    for i, n in enumerate(networks):
+        for j, b in enumerate(batches):
+            c = by.get((n, b))
+            if c:
+                ax.text(j, i, f"{c['hybrid_vs_best_ddp']:.2f}x\n({c['best_ddp']})",
+                        ha="center", va="center", fontsize=8)
+    busy = {c["network"]: c["comm_cpu_busy_pct"] for c in cells}
+    ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_yticks(range(len(networks)),
+                  [f"{n}\n(comm: {busy[n]:.0f}% CPU)" if busy.get(n) is not None else n
+                   for n in networks])
+    ax.set_xlabel("batch size per rank")
+    ax.set_title("hybrid-forward step time / best DDP (< 1: hybridcomm faster)", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def regime_cells(network, results):
+    """One regime-map cell per batch size: hybrid-forward against the best DDP and the bound."""
+    by = {(r["config"], r["batch_size"]): r for r in results}
+    cells = []
+    for bs in sorted({r["batch_size"] for r in results}):
+        hf = by.get(("hybrid-forward", bs))
+        comm = by.get(("comm", bs))
+        if hf is None or hf["best_ddp"] is None:
+            continue
+        ddp = by[(hf["best_ddp"], bs)]["step_ms"]
+        cells.append({"network": network, "batch_size": bs, "hybrid_forward_ms": hf["step_ms"],
+                      "best_ddp": hf["best_ddp"], "best_ddp_ms": ddp,
+                      "hybrid_vs_best_ddp": hf["step_ms"] / ddp,
+                      "stock_ms": by.get(("stock", bs), {}).get("step_ms"),
+                      "compute_ms": hf["compute_ms"], "bound_ms": hf["bound_ms"],
+                      "hybrid_vs_bound": hf["vs_bound"],
+                      "comm_cpu_busy_pct": comm and comm["cpu_busy_pct"]})
+    return cells
+
+
+def print_regime_map(cells):
+    print(f"{'network':>14} {'batch':>5} {'hybrid-fwd':>10} {'best DDP':>14} {'ratio':>6} "
+          f"{'bound':>8} {'/bound':>6} {'comm cpu%':>9}")
+    for c in cells:
+        print(f"{c['network']:>14} {c['batch_size']:>5} {c['hybrid_forward_ms']:>10.1f} "
+              f"{c['best_ddp_ms']:>7.1f} {c['best_ddp']:>6} {c['hybrid_vs_best_ddp']:>5.2f}x "
+              f"{_fmt(c['bound_ms'], '.1f', 8)} {_fmt(c['hybrid_vs_bound'], '.2f', 5)}x "
+              f"{_fmt(c['comm_cpu_busy_pct'], '.0f', 9)}")
 
 
 def parse_args(argv=None):
@@ -340,77 +489,162 @@ def parse_args(argv=None):
                                  epilog="\n".join(__doc__.splitlines()[2:]))
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--batch-sizes", default=None, help="per rank, comma-separated (default 8,16,32,64)")
-    ap.add_argument("--configs", default="all", help=f"comma-separated from {','.join(CONFIGS)} or all")
+    ap.add_argument("--configs", default="all",
+                    help=f"comma-separated from {','.join(CONFIGS)}, ddp:CAP_MB, or all")
     ap.add_argument("--iters", type=int, default=None, help="timed steps per config (default 20)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; "
                     "keep it above DistributedOptimizer's measure_iters=3, when it re-plans)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="interleave the configs in this many rounds of iters/rounds timed "
                          "steps each, so drift in machine load hits all alike (default 4)")
-    ap.add_argument("--shape", default=None, help='e.g. "rate 1gbit": each rank in its own network '
-                                                  "namespace, egress shaped with tbf")
+    ap.add_argument("--shape", default=None, help='e.g. "rate 100mbit": each rank in its own network '
+                                                  "namespace, egress shaped with tbf (root)")
+    ap.add_argument("--regime-map", action="store_true",
+                    help=f"sweep networks (loopback, {', '.join(n for n in REGIME_NETWORKS if n)}) x "
+                         f"batch sizes {REGIME_BATCHES} with {','.join(REGIME_CONFIGS)}; "
+                         "--plot draws the heat map (root for the shaped networks)")
+    ap.add_argument("--demo", action="store_true",
+                    help="the wire-bound case (100mbit, batch 256) quick, one summary line; "
+                         "loopback where namespaces cannot be made (make demo)")
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("--plot", default=None, metavar="PATH.png")
     ap.add_argument("--quick", action="store_true",
                     help=f"batch sizes {QUICK['batch_sizes']}, {QUICK['iters']} iters, "
-                         f"{QUICK['warmup']} warm-up (for make demo)")
+                         f"{QUICK['warmup']} warm-up")
     ap.add_argument("--show-plan", action="store_true", help="print hybridcomm's plan per config")
-    ap.add_argument("--timeout", type=float, default=3600, help="seconds for the whole launch")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds for each launch")
     args = ap.parse_args(argv)
-    defaults = QUICK if args.quick else FULL
+    if args.regime_map and args.demo:
+        ap.error("--regime-map and --demo are separate runs")
+    defaults = QUICK if args.quick else REGIME_RUN if args.regime_map else FULL
+    if args.demo:
+        defaults = DEMO
     args.batch_sizes = ([int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes
-                        else defaults["batch_sizes"])
+                        else REGIME_BATCHES if args.regime_map else defaults["batch_sizes"])
     args.iters = defaults["iters"] if args.iters is None else args.iters
     args.warmup = defaults["warmup"] if args.warmup is None else args.warmup
     args.rounds = min(defaults["rounds"] if args.rounds is None else args.rounds, args.iters)
     if min(args.iters, args.rounds, args.nprocs, *args.batch_sizes) < 1 or args.warmup < 0:
         ap.error("--iters, --rounds, --nprocs and batch sizes must be >= 1, --warmup >= 0")
-    names = (list(CONFIGS) if args.configs == "all"
-             else [c.strip() for c in args.configs.split(",") if c.strip()])
-    bad = [c for c in names if c not in CONFIGS]
-    if bad:
-        ap.error(f"unknown config(s) {bad}; choose from {list(CONFIGS)}")
-    args.configs = names
+    if args.configs == "all":
+        names = (REGIME_CONFIGS if args.regime_map else DEMO["configs"] if args.demo
+                 else DEFAULT_CONFIGS)
+    else:
+        names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    try:
+        for c in names:
+            config_kind(c)
+    except ValueError as e:
+        ap.error(str(e))
+    args.configs = list(dict.fromkeys(c for c in names if c != "compute"))
     return args
+
+
+def measure(args, shape, batch_sizes):
+    """One launch of every config on every batch size, on ``shape`` (None: loopback)."""
+    network = contextlib.nullcontext() if not shape else shaped_network(args.nprocs, shape)
+    label = shape.replace("rate ", "") if shape else "loopback"
+    with network as net:
+        per_rank = launch(_rank, args.nprocs, batch_sizes, args.configs, args.warmup,
+                          args.iters, args.rounds, label, backend="gloo",
+                          setup=net and net.setup, timeout=args.timeout)
+        where = f"tbf {net.spec} on each rank's link (a namespace per rank)" if net else "loopback"
+    results = aggregate(per_rank, args.configs, batch_sizes)
+    plans = {f"{r['config']} batch {r['batch_size']}": r["plan"] for r in per_rank[0] if r["plan"]}
+    return where, results, plans
+
+
+def header_line(args, model, where):
+    return (f"training step, {model['name']} ({model['params'] / 1e6:.2f}M params, "
+            f"{model['fc_params'] / model['params']:.1%} in FC layers), {args.nprocs} ranks on CPU "
+            f"(gloo), network: {where}; median of {args.iters} steps (configs interleaved "
+            f"in {args.rounds} rounds, {args.warmup} warm-up) per rank, averaged across ranks; "
+            f"exposed = step - compute; lib_exp = the library's own exposed_comm_s; "
+            f"bound = max(compute, comm)")
+
+
+def can_shape() -> Optional[str]:
+    """None if this process can make shaped namespaces, else why not."""
+    from hybridcomm.netns import NetnsError, ShapedNetwork
+
+    try:
+        ShapedNetwork(1, "rate 100mbit")._check()
+    except NetnsError as e:
+        return str(e)
+    return None
+
+
+def demo_line(results, where) -> str:
+    """What the demo shows, in one line."""
+    by = {r["config"]: r for r in results}
+    hf, stock = by["hybrid-forward"], by.get("stock")
+    ddp = by.get(hf["best_ddp"]) if hf["best_ddp"] else None
+    parts = [f"hybrid-forward {hf['step_ms']:.0f} ms/step"]
+    if stock:
+        parts.append(f"{1 - hf['step_ms'] / stock['step_ms']:.0%} less time than stock "
+                     f"({stock['step_ms']:.0f} ms)")
+    if ddp:
+        parts.append(f"{1 - hf['step_ms'] / ddp['step_ms']:.0%} less than the best DDP "
+                     f"({hf['best_ddp']}, {ddp['step_ms']:.0f} ms)")
+    if hf["bound_ms"]:
+        parts.append(f"{hf['vs_bound']:.2f}x the bound max(compute, comm) = {hf['bound_ms']:.0f} ms")
+    return f"demo ({where}, batch {hf['batch_size']}): " + ", ".join(parts)
 
 
 def main(argv=None):
     args = parse_args(argv)
     command = " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv)
     model = param_counts(vgg_small(SEED))
-    network = contextlib.nullcontext() if not args.shape else shaped_network(args.nprocs, args.shape)
     t0 = time.perf_counter()
-    with network as net:
-        per_rank = launch(_rank, args.nprocs, args.batch_sizes, args.configs, args.warmup,
-                          args.iters, args.rounds, backend="gloo", setup=net and net.setup, timeout=args.timeout)
-        network = f"tbf {net.spec} on each rank's link (a namespace per rank)" if net else "loopback"
+    if args.demo and args.shape is None:
+        why = can_shape()
+        if why is None:
+            args.shape = DEMO["shape"]
+        else:
+            args.batch_sizes = DEMO_LOOPBACK["batch_sizes"]
+            print(f"[demo] loopback only ({why}). On loopback the cores, not a wire, move the "
+                  "bytes, so there is nothing for overlap to hide: expect hybridcomm close to "
+                  "DDP here. Run as root to see the wire-bound case (100mbit).", flush=True)
+    networks = ([s for s in REGIME_NETWORKS if s is None or can_shape() is None]
+                if args.regime_map else [args.shape])
+    if args.regime_map and len(networks) < len(REGIME_NETWORKS):
+        print(f"[regime-map] shaped networks skipped: {can_shape()}", flush=True)
+    runs, cells, all_plans = {}, [], {}
+    for shape in networks:
+        where, results, plans = measure(args, shape, args.batch_sizes)
+        label = shape.replace("rate ", "") if shape else "loopback"
+        runs[label] = {"network": where, "results": results}
+        all_plans.update({f"{label} {k}": v for k, v in plans.items()})
+        cells += regime_cells(label, results)
+        if args.show_plan:
+            for config, plan in plans.items():
+                print(f"plan for {config}:\n{plan}\n")
+        print_table(results, header_line(args, model, where))
+        print(flush=True)
     wall = time.perf_counter() - t0
-    results = aggregate(per_rank, args.configs, args.batch_sizes)
-    # hybridcomm's plan after its re-plan from measured windows, per config and batch size
-    plans = {f"{r['config']} batch {r['batch_size']}": r["plan"] for r in per_rank[0] if r["plan"]}
-    header = (f"training step, {model['name']} ({model['params'] / 1e6:.2f}M params, "
-              f"{model['fc_params'] / model['params']:.1%} in FC layers), {args.nprocs} ranks on CPU "
-              f"(gloo), network: {network}; median of {args.iters} steps (configs interleaved "
-              f"in {args.rounds} rounds, {args.warmup} warm-up) per rank, averaged across ranks; "
-              f"exposed = step - compute; lib_exp = the library's own exposed_comm_s")
-    if args.show_plan:
-        for config, plan in plans.items():
-            print(f"plan for {config}:\n{plan}\n")
-    print_table(results, header)
     load = os.getloadavg()[0]
+    if args.regime_map:
+        print_regime_map(cells)
+    if args.demo:
+        print(demo_line(runs[next(iter(runs))]["results"], next(iter(runs))))
     print(f"({wall:.0f} s wall; load average {load:.1f} on {os.cpu_count()} cores"
           + (": the machine was busy, expect noise)" if load > args.nprocs + 1 else ")"))
+    all_results = [r for run in runs.values() for r in run["results"]]
     if args.json:
-        doc = {"results": results, "nprocs": args.nprocs, "shape": args.shape, "model": model,
-               "machine": machine_info(), "command": command,
+        doc = {"nprocs": args.nprocs, "model": model,
+               "machine": dict(machine_info(), backend="gloo"), "command": command,
                "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
-               "loadavg_after": os.getloadavg(),
-               "plans": plans}
+               "loadavg_after": os.getloadavg(), "plans": all_plans}
+        if args.regime_map:
+            doc.update(runs=runs, regime_map=cells)
+        else:
+            doc.update(results=all_results, shape=args.shape)
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
     if args.plot:
-        plot(results, args.plot)
-    broken = [f"{r['config']}@{r['batch_size']}" for r in results if r["same"] is False]
+        (plot_regime_map(cells, args.plot) if args.regime_map
+         else plot(all_results, args.plot))
+    broken = [f"{r['config']}@{r['batch_size']}" for r in all_results if r["same"] is False]
     if broken:
         raise SystemExit(f"FAILED: parameters differ across ranks for {', '.join(broken)}")
 

@@ -52,7 +52,9 @@ from .cost_model import NATIVE, CostModel, bytes_sent
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE,)
 STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS}
 MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
-MIN_SPLIT, MAX_SPLIT = 1 << 20, 64 << 20
+FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
+MIN_SPLIT, MAX_SPLIT = 1 << 20, 256 << 20
+SPLIT_BALANCE = 10  # a segment's bytes cost >= 10x its fixed cost (<= 10% overhead)
 
 
 @dataclass
@@ -133,23 +135,42 @@ def forced_algorithm(strategy: str) -> Optional[str]:
     return strategy
 
 
-def default_fusion(model: CostModel, notes: List[str]) -> int:
-    """alpha/beta clamped to [MIN_FUSION, MAX_FUSION]; a degenerate fit takes a bound."""
+def balance_bytes(model: CostModel, world_size: int,
+                  topology: Optional[Topology] = None) -> float:
+    """Bytes at which one all-reduce's fixed cost equals its bytes' cost, for the
+    bandwidth algorithm at this world size (the ring; hierarchical across
+    nodes). A ring's fixed cost grows with P, so this is about P alpha/beta."""
+    p = max(world_size, 2)
+    topo = (topology or Topology()).resolve(p)
+    algo = "hierarchical" if 1 < topo.node_size < p else "ring"
+    fixed = model.predict(algo, 0, p, topo)
+    per_byte = (model.predict(algo, 1 << 20, p, topo) - fixed) / (1 << 20)
+    return fixed / per_byte
+
+
+def default_fusion(model: CostModel, notes: List[str], world_size: int = 2,
+                   topology: Optional[Topology] = None) -> int:
+    """Fuse until a bucket's bytes cost FUSION_BALANCE times its fixed cost,
+    clamped to [MIN_FUSION, MAX_FUSION]; a degenerate fit takes a bound."""
     if model.beta <= 0:
         notes.append(f"cost model has beta = 0: fusing up to {MAX_FUSION} B")
         return MAX_FUSION
     if model.alpha <= 0:
         notes.append(f"cost model has alpha = 0: fusing up to {MIN_FUSION} B")
         return MIN_FUSION
-    return int(min(MAX_FUSION, max(MIN_FUSION, model.alpha / model.beta)))
+    balance = balance_bytes(model, world_size, topology)
+    return int(min(MAX_FUSION, max(MIN_FUSION, FUSION_BALANCE * balance)))
 
 
-def default_split(model: CostModel, world_size: int, notes: List[str]) -> int:
-    """Segments whose extra messages cost < 10% of their transfer; 0 = no split."""
+def default_split(model: CostModel, world_size: int, notes: List[str],
+                  topology: Optional[Topology] = None) -> int:
+    """Segments whose extra messages cost < 10% of their transfer, clamped to
+    [MIN_SPLIT, MAX_SPLIT]; 0 = no split (a degenerate fit)."""
     if model.beta <= 0 or model.alpha <= 0:
         notes.append("degenerate cost model: no split")
         return 0
-    return int(min(MAX_SPLIT, max(MIN_SPLIT, 10 * world_size * model.alpha / model.beta)))
+    balance = balance_bytes(model, world_size, topology)
+    return int(min(MAX_SPLIT, max(MIN_SPLIT, SPLIT_BALANCE * balance)))
 
 
 def _fuse(layers: Sequence[Layer], fusion_bytes: int, lazy_bytes: Optional[int] = None
@@ -220,13 +241,15 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               strategy: str = "hybrid", fusion_bytes: Optional[int] = None,
               split_bytes: Optional[int] = None, windows: Optional[dict] = None,
               ready: Optional[dict] = None, need: Optional[dict] = None,
-              topk: Optional[float] = None, lazy_bytes: Optional[int] = None) -> Plan:
+              topk: Optional[float] = None, lazy_bytes: Optional[int] = None,
+              topology: Optional[Topology] = None) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
     (a bucket's is its smallest layer's); ``ready`` maps it to when its
     gradient is ready, in seconds from the first one (a bucket's is its last
-    layer's); ``need`` maps it to its place in the next forward's order.
+    layer's); ``need`` maps it to its place in the next forward's order;
+    ``topology``: the ranks' nodes (default ``Topology()``, from the environment).
 
     Example::
 
@@ -238,15 +261,15 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     """
     notes: List[str] = []
     forced = forced_algorithm(strategy)
+    topo = (topology or Topology()).resolve(world_size)
     if fusion_bytes is None:
-        fusion_bytes = default_fusion(model, notes)
+        fusion_bytes = default_fusion(model, notes, world_size, topo)
     if split_bytes is None:
-        split_bytes = default_split(model, world_size, notes)
+        split_bytes = default_split(model, world_size, notes, topo)
     candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)]
     groups = _fuse(layers, fusion_bytes, lazy_bytes)
     if lazy_bytes is not None:
         notes.append(explain_lazy(layers, groups, model, world_size))
-    topo = Topology().resolve(world_size)
     if strategy == "hybrid" and 1 < topo.node_size < world_size:
         candidates.append("hierarchical")  # several nodes: reduce inside them first
     buckets = []
@@ -266,8 +289,9 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
             # At P <= 2 our algorithms are all one exchange of the same bytes.
             pool = [a for a in candidates if a in ("butterfly", NATIVE)] if world_size <= 2 \
                 else candidates
-            algorithm = model.choose(nbytes, world_size, window, pool or ["butterfly"])
-        pred = sum(model.predict(algorithm, (b - a) * esize, world_size) for a, b in segments) \
+            algorithm = model.choose(nbytes, world_size, window, pool or ["butterfly"], topo)
+        pred = sum(model.predict(algorithm, (b - a) * esize, world_size, topo)
+                   for a, b in segments) \
             if model.offers(algorithm) else float("nan")
         if topk and world_size > 1 and sparse_bytes_sent(numel, len(params), topk, world_size) \
                 < bytes_sent(algorithm, nbytes, world_size):

@@ -1,9 +1,10 @@
 """The planner: fusion, split, algorithm per bucket, and the one fixed issue order."""
 import pytest
 
+from hybridcomm.algorithms import Topology
 from hybridcomm.cost_model import CostModel
 from hybridcomm.errors import HybridCommError
-from hybridcomm.planner import (MAX_FUSION, MIN_FUSION, MIN_SPLIT, Layer, forced_algorithm,
+from hybridcomm.planner import (FUSION_BALANCE, MAX_FUSION, MIN_FUSION, MIN_SPLIT, Layer, forced_algorithm,
                                 issue_order, make_plan)
 
 GOOD = CostModel(1e-3, 1e-9, 1e-10)  # alpha/beta = 1 MB
@@ -35,11 +36,13 @@ def test_zero_alpha_fuses_to_the_floor_not_to_nothing():
     assert len(plan.buckets) == -(-300 * 400 // MIN_FUSION)  # 400-byte layers, 64 KiB buckets
 
 
-def test_fusion_threshold_is_alpha_over_beta_and_never_mixes_dtypes():
+def test_fusion_threshold_balances_the_rings_fixed_and_byte_costs_and_never_mixes_dtypes():
     layers = [Layer("a", [0], 1000, 4, "torch.float32"), Layer("b", [1], 1000, 2, "torch.bfloat16"),
               Layer("c", [2], 1000, 2, "torch.bfloat16")]
     plan = make_plan(layers, world_size=4, model=GOOD)
-    assert plan.fusion_bytes == 1_000_000
+    # ring at P=4: 6 alpha fixed, (1.5 beta + 0.75 gamma) per byte; bytes >= 4x fixed
+    expected = FUSION_BALANCE * 6 * GOOD.alpha / (1.5 * GOOD.beta + 0.75 * GOOD.gamma)
+    assert abs(plan.fusion_bytes - min(MAX_FUSION, expected)) <= 1  # float rounding
     assert [b.layers for b in plan.buckets] == [["a"], ["b", "c"]]
     assert [b.dtype for b in plan.buckets] == ["torch.float32", "torch.bfloat16"]
     assert plan.buckets[1].nbytes == 4000
@@ -48,7 +51,9 @@ def test_fusion_threshold_is_alpha_over_beta_and_never_mixes_dtypes():
 def test_big_buckets_are_split_and_without_measurements_order_is_backward_order():
     layers = [Layer("fc", [0, 1], 10 << 20), Layer("conv", [2], 1000)]
     plan = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=0)
-    assert plan.split_bytes == max(MIN_SPLIT, 40 * 1_000_000)
+    # 10x the ring's balance at P=4: 6 alpha over (1.5 beta + 0.75 gamma) per byte
+    expected = 10 * 6 * GOOD.alpha / (1.5 * GOOD.beta + 0.75 * GOOD.gamma)
+    assert abs(plan.split_bytes - max(MIN_SPLIT, expected)) <= 1  # float rounding
     fc = plan.buckets[0]
     assert fc.segments[0] == (0, plan.split_bytes // 4)
     assert fc.segments[-1][1] == fc.numel + 2  # the flags ride in the last segment
@@ -104,3 +109,10 @@ def test_lazy_pools_close_once_past_the_threshold_and_explain_the_gain():
     assert len(plan.buckets) < 10
     note = " ".join(plan.notes)
     assert "lazy:" in note and "pools win" in note
+
+
+def test_fusion_grows_with_the_world_size_and_across_nodes():
+    model = CostModel(5e-6, 1 / 150e9, 1 / 400e9, inter_alpha=15e-6, inter_beta=1 / 100e9)
+    sizes = [make_plan(tiny_layers(), world_size=p, model=model,
+                       topology=Topology(node_size=8)).fusion_bytes for p in (4, 8, 64, 1024)]
+    assert sizes == sorted(sizes) and sizes[-1] == MAX_FUSION and sizes[0] < MAX_FUSION

@@ -309,7 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
            "auto_model": doc["auto_model"],
            "results": report.result_rows(doc["results"], world, cfg.latency_s),
            "calibration": None, "latency_check": None, "two_level_check": None,
-           "env": report.dict_env()}
+           "env": report.machine_info()}
     out = sys.stdout
     if not cfg.live:  # else rank 0 printed them as the sweep went
         for line in report.header(doc):

@@ -201,7 +201,8 @@ def plot(path: str, doc: dict) -> None:
     plt.close(fig)
 
 
-def dict_env() -> Dict:
+def machine_info() -> Dict:
+    """The machine, for a result file: host, CPU, core count, versions, GPUs."""
     import os
     import platform
     import sys
