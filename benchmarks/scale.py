@@ -38,7 +38,6 @@ docs/PERFORMANCE.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -440,7 +439,7 @@ def profile_vgg_small(batch: int, reps: int = 5) -> List[LayerProfile]:
         m.register_forward_hook(post(n))
         m.register_full_backward_pre_hook(bpre(n))
         m.register_full_backward_hook(bpost(n))
-    x = torch.randn(batch, *IMAGE_SHAPE)
+    x = torch.randn(batch, *IMAGE_SHAPE, requires_grad=True)  # the first layer's hook fires
     y = torch.randint(0, NUM_CLASSES, (batch,))
     totals = []
     for _ in range(reps + 1):
@@ -508,18 +507,15 @@ def calibrate(nprocs: int, shape: Optional[str], sizes=CAL_SIZES, reps: int = 3)
     from hybridcomm.cost_model import fit
     from hybridcomm.launch import launch
 
-    net = contextlib.nullcontext()
+    run = lambda setup=None: launch(_calibration_rank, nprocs, sizes, reps,  # noqa: E731
+                                    backend="gloo", setup=setup, timeout=900)
     if shape:
         from hybridcomm.netns import ShapedNetwork
 
-        net = ShapedNetwork(nprocs, shape).open()
-    try:
-        with net if shape else contextlib.nullcontext() as opened:
-            per_rank = launch(_calibration_rank, nprocs, sizes, reps, backend="gloo",
-                              setup=opened.setup if shape else None, timeout=900)
-    finally:
-        if shape:
-            net.close()
+        with ShapedNetwork(nprocs, shape) as net:
+            per_rank = run(net.setup)
+    else:
+        per_rank = run()
     points = [(n, max(r[i][1] for r in per_rank)) for i, (n, _) in enumerate(per_rank[0])]
     gamma = measure_gamma()
     samples = [("ring", n, nprocs, t) for n, t in points] + \

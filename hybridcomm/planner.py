@@ -140,8 +140,8 @@ def balance_bytes(model: CostModel, world_size: int,
     """Bytes at which one all-reduce's fixed cost equals its bytes' cost, for the
     bandwidth algorithm at this world size (the ring; hierarchical across
     nodes). A ring's fixed cost grows with P, so this is about P alpha/beta."""
-    p = max(world_size, 2)
-    topo = (topology or Topology()).resolve(p)
+    p = max(world_size, 2)  # one rank sends nothing: size as for two
+    topo = Topology(node_size=topology.node_size if topology else None).resolve(p)
     algo = "hierarchical" if 1 < topo.node_size < p else "ring"
     fixed = model.predict(algo, 0, p, topo)
     per_byte = (model.predict(algo, 1 << 20, p, topo) - fixed) / (1 << 20)
@@ -255,7 +255,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
 
         >>> model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-10)
         >>> plan = make_plan([Layer("fc", [0, 1], 1 << 22), Layer("conv", [2], 500)],
-        ...                  world_size=8, model=model)
+        ...                  world_size=8, model=model, fusion_bytes=64 << 10)
         >>> [b.algorithm for b in plan.buckets], plan.order[:2]
         (['ring', 'butterfly'], [(0, 0), (1, 0)])
     """
