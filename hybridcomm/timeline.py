@@ -21,7 +21,9 @@ class Timeline:
         >>> tl = Timeline()
         >>> with tl.span("forward", "compute"):
         ...     pass
-        >>> tl.write("trace.json")
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "trace.json")
+        >>> tl.write(path)  # open in ui.perfetto.dev or chrome://tracing
     """
 
     def __init__(self, enabled: bool = True):

@@ -197,6 +197,9 @@ def _peer_fails(rank, world, where, how):
             os._exit(0)
         time.sleep(TIMEOUT + 5)
 
+    # Both ranks past gloo's connection set-up before rank 1 fails (else rank 0 can
+    # fail inside init_process_group, before any of our code runs).
+    torch.distributed.barrier()
     if rank == 1:
         if where == "construction":
             fail()
