@@ -539,10 +539,8 @@ def validate(train_json: str, calibration: Optional[CostModel] = None) -> dict:
         network = Network(shape or "loopback", model, cpu_share=share, stock_algorithm="native")
         layers = scaled(profile_vgg_small(bs), by["compute"]["step_ms"] / 1e3)
         for config, r in by.items():
-            if config in ("compute", "comm") or not (config in SIM_CONFIGS or config == "ddp"
-                                                     or config.startswith("ddp:")
-                                                     or config.startswith("hybrid")):
-                continue
+            if config not in ("stock", "ddp") and not config.startswith(("ddp:", "hybrid-")):
+                continue  # compute, comm, and the configs the simulation has no model of
             pred = predict(config, layers, network, world) * 1e3
             rows.append({"config": config, "batch_size": bs, "shape": shape or "loopback",
                          "predicted_ms": pred, "measured_ms": r["step_ms"],

@@ -86,7 +86,7 @@ REGIME_RUN = {"iters": 6, "warmup": 4, "rounds": 2}
 # --demo: the wire-bound case, quick (make demo; < 3 minutes).
 DEMO = {"shape": "rate 100mbit", "batch_sizes": [256], "iters": 4, "warmup": 4, "rounds": 1,
         "configs": ["comm", "stock", "ddp:25", "ddp:2", "hybrid-forward"]}
-DEMO_LOOPBACK = dict(DEMO, shape=None, batch_sizes=[32])
+DEMO_LOOPBACK_BATCHES = [32]  # without namespaces: loopback, a quick batch
 
 
 def config_kind(name: str):
@@ -179,7 +179,7 @@ class _Trainer:
 
     def plan(self):
         """hybridcomm's plan table as it stands now, or None."""
-        plan = getattr(self.opt, "plan", None) if CONFIGS.get(self.config, None) else None
+        plan = getattr(self.opt, "plan", None) if CONFIGS.get(self.config) else None
         return None if plan is None else str(plan)
 
     def library_stats(self):
@@ -601,14 +601,16 @@ def main(argv=None):
         if why is None:
             args.shape = DEMO["shape"]
         else:
-            args.batch_sizes = DEMO_LOOPBACK["batch_sizes"]
+            args.batch_sizes = DEMO_LOOPBACK_BATCHES
             print(f"[demo] loopback only ({why}). On loopback the cores, not a wire, move the "
                   "bytes, so there is nothing for overlap to hide: expect hybridcomm close to "
                   "DDP here. Run as root to see the wire-bound case (100mbit).", flush=True)
-    networks = ([s for s in REGIME_NETWORKS if s is None or can_shape() is None]
-                if args.regime_map else [args.shape])
-    if args.regime_map and len(networks) < len(REGIME_NETWORKS):
-        print(f"[regime-map] shaped networks skipped: {can_shape()}", flush=True)
+    networks = [args.shape]
+    if args.regime_map:
+        why = can_shape()
+        networks = [s for s in REGIME_NETWORKS if s is None or why is None]
+        if why:
+            print(f"[regime-map] shaped networks skipped: {why}", flush=True)
     runs, cells, all_plans = {}, [], {}
     for shape in networks:
         where, results, plans = measure(args, shape, args.batch_sizes)

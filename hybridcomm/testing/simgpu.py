@@ -562,13 +562,22 @@ class _Device:
             self._run_nccl(op)
             return
         with self.cv:
-            op.started = True
-            clashes = self._conflicts(op.ranges, op.stream, op.vc, op.describe())
-            self._record(op.ranges, op.stream, op.seq, op.vc, op.describe())
+            clashes = self._begin(op)
+        self._report_race(clashes)
+        op.fn()
+
+    def _begin(self, op: _Op) -> list:
+        """Mark ``op`` started and check its accesses against unordered ones
+        (caller holds ``cv``); returns the clashes found."""
+        op.started = True
+        clashes = self._conflicts(op.ranges, op.stream, op.vc, op.describe())
+        self._record(op.ranges, op.stream, op.seq, op.vc, op.describe())
+        return clashes
+
+    def _report_race(self, clashes: list) -> None:
         if clashes:
             self.report(SimError("race: " + clashes[0] + ", with no event or stream order "
                                  "between them"))
-        op.fn()
 
     def launch(self, name: str, fn, args: tuple, kwargs: dict, reads, writes) -> None:
         """The Triton launch path: enqueue ``fn(*args, **kwargs)`` (the kernel's
@@ -610,12 +619,8 @@ class _Device:
             self.nccl_unstarted.discard(op.ticket)
             entry = (label, op.stream.name, time.monotonic())
             self.nccl_running.append(entry)
-            op.started = True
-            clashes = self._conflicts(op.ranges, op.stream, op.vc, op.describe())
-            self._record(op.ranges, op.stream, op.seq, op.vc, op.describe())
-        if clashes:
-            self.report(SimError("race: " + clashes[0] + ", with no event or stream order "
-                                 "between them"))
+            clashes = self._begin(op)
+        self._report_race(clashes)
         # The bytes move on a helper thread that blocks in gloo; this stream waits
         # for it, for an abort (NCCL's abort releases a stuck kernel: the stream
         # goes on, the data is garbage), or reports a suspected deadlock.
