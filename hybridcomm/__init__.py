@@ -15,7 +15,8 @@ from . import logs
 from .algorithms import ALGORITHMS
 from .collectives import all_reduce
 from .errors import HybridCommError, HybridCommTimeout
-from .optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .optimizer import DistributedOptimizer
 
 from ._version import __version__  # noqa: E402
 logs.setup()

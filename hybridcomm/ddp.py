@@ -40,7 +40,7 @@ from .algorithms import get_schedule
 from .collectives import resolve_algorithm
 from .cost_model import NATIVE, CostModel
 from .executor import execute_async, execute_native
-from .overlap import HostChannel
+from .channel import HostChannel
 from .runtime import runtime_for
 from .transport.select import select_transport
 from .transport.torch_dist import TorchDistTransport

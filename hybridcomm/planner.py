@@ -57,6 +57,13 @@ MIN_SPLIT, MAX_SPLIT = 1 << 20, 256 << 20
 SPLIT_BALANCE = 10  # a segment's bytes cost >= 10x its fixed cost (<= 10% overhead)
 
 
+# Each gradient in a bucket's buffer starts at a multiple of this many bytes, so
+# kernels, NCCL and the optimizer's multi-tensor paths get aligned 16-byte
+# (vectorized) access; the padding between gradients stays zero and costs at
+# most 12 bytes per parameter on the wire.
+ALIGN_BYTES = 16
+
+
 @dataclass
 class Layer:
     """A module's own trainable parameters (indices into the optimizer's list)."""
@@ -66,6 +73,23 @@ class Layer:
     numel: int
     element_size: int = 4  # of the dtype its bucket carries on the wire
     dtype: str = "torch.float32"
+    sizes: Optional[List[int]] = None  # each parameter's numel (for the bucket's layout)
+
+
+def layout(sizes: Sequence[int], element_size: int) -> Tuple[List[int], int]:
+    """Each gradient's offset in a bucket's buffer (aligned to ALIGN_BYTES) and
+    the length of the gradient region, padding included.
+
+        >>> layout([3, 40, 1], 4)
+        ([0, 4, 44], 45)
+    """
+    step = max(1, ALIGN_BYTES // element_size)
+    offsets, end = [], 0
+    for n in sizes:
+        start = -(-end // step) * step
+        offsets.append(start)
+        end = start + n
+    return offsets, end
 
 
 @dataclass
@@ -81,6 +105,13 @@ class Bucket:
     window_s: Optional[float] = None
     segments: List[Tuple[int, int]] = field(default_factory=list)  # over the whole buffer
     need: Optional[int] = None  # position in the next forward's order of need
+    offsets: Optional[List[int]] = None  # each gradient's start in the buffer (None: packed)
+    grad_numel: Optional[int] = None  # the gradient region, padding included (None: numel)
+
+    @property
+    def buffer_numel(self) -> int:
+        """Gradients (with padding), then one usage flag per parameter."""
+        return (self.numel if self.grad_numel is None else self.grad_numel) + len(self.params)
 
 
 @dataclass
@@ -92,15 +123,20 @@ class Plan:
     fusion_bytes: int = 0
     split_bytes: int = 0
     notes: List[str] = field(default_factory=list)
+    # The step's learned structure: buckets are launched in the backward pass with
+    # this number (counted since the last step(), no_sync passes excluded).
+    launch_pass: int = 1
 
     def decisions(self):
         """What the ranks must agree on (a re-plan that changes none of it is skipped)."""
-        return [(b.layers, b.algorithm, b.segments) for b in self.buckets], self.order
+        return ([(b.layers, b.algorithm, b.segments) for b in self.buckets], self.order,
+                self.launch_pass)
 
     def __str__(self) -> str:
         head = (f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
                 f"strategy {self.strategy}, fusion {self.fusion_bytes} B, split "
-                f"{self.split_bytes or '-'} B\n")
+                f"{self.split_bytes or '-'} B, launched in backward pass {self.launch_pass} "
+                f"of a step\n")
         cols = (f"{'bucket':>6} {'bytes':>10} {'dtype':>8} {'algorithm':>17} {'pred(us)':>9} "
                 f"{'window(us)':>10} {'need':>4} {'segs':>4}  layers\n")
         rows = []
@@ -242,7 +278,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               split_bytes: Optional[int] = None, windows: Optional[dict] = None,
               ready: Optional[dict] = None, need: Optional[dict] = None,
               topk: Optional[float] = None, lazy_bytes: Optional[int] = None,
-              topology: Optional[Topology] = None) -> Plan:
+              topology: Optional[Topology] = None, launch_pass: int = 1) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
@@ -278,7 +314,9 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         numel = sum(layer.numel for layer in group)
         esize = group[0].element_size
         nbytes = numel * esize
-        total = numel + len(params)  # gradients, then one usage flag per parameter
+        sizes = [n for layer in group for n in (layer.sizes or [])]
+        offsets, grad_numel = layout(sizes, esize) if len(sizes) == len(params) else (None, None)
+        total = (numel if grad_numel is None else grad_numel) + len(params)  # then the flags
         step = total if not split_bytes else max(1, split_bytes // esize)
         segments = [(s, min(s + step, total)) for s in range(0, total, step)]
         known = [windows[layer.name] for layer in group if windows and layer.name in windows]
@@ -301,7 +339,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         needs = [need[layer.name] for layer in group if need and layer.name in need]
         buckets.append(Bucket(i, [layer.name for layer in group], params, numel, nbytes,
                               algorithm, pred, group[0].dtype, window, segments,
-                              min(needs) if needs else None))
+                              min(needs) if needs else None, offsets, grad_numel))
     bucket_ready = None
     if ready:
         bucket_ready = {}
@@ -309,4 +347,5 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
             times = [ready[layer.name] for layer in group if layer.name in ready]
             bucket_ready[b.index] = max(times) if times else 0.0
     order = issue_order(buckets, bucket_ready)
-    return Plan(world_size, strategy, buckets, order, fusion_bytes, split_bytes, notes)
+    return Plan(world_size, strategy, buckets, order, fusion_bytes, split_bytes, notes,
+                launch_pass)

@@ -94,6 +94,12 @@ class CudaRuntime:
         return contextlib.nullcontext()
 
     @staticmethod
+    def expect_write(tensor: torch.Tensor) -> None:
+        """Autograd is about to write ``tensor`` in place on the current stream (its
+        AccumulateGrad, which no torch-function mode sees): a no-op here; the
+        simulator checks it against the comm stream's work and orders it."""
+
+    @staticmethod
     def nccl():
         from .transport.cupy_nccl import import_nccl
 

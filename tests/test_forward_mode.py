@@ -88,9 +88,25 @@ def _make(name):
     return MODELS[name]()
 
 
+def _eager_log():
+    """The log lines saying a bucket is applied in step() (read before the forward)."""
+    import logging
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "is read between step() and the next forward" in record.getMessage():
+                lines.append(record.getMessage())
+
+    logging.getLogger("hybridcomm").addHandler(Keep())
+    return lines
+
+
 def _distributed(rank, world, name, simulate):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    eager = _eager_log()
     model = _make(name)
     ema = [p.detach().clone() for p in model.parameters()] if name == "ema" else None
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
@@ -99,7 +115,6 @@ def _distributed(rank, world, name, simulate):
                                           measure_iters=2, timeout=60)
     _run(name, opt, model, rank, world, ema)
     opt.synchronize()
-    eager = sorted(opt._hc_eager)
     opt.close()
     return flat(model.parameters()), None if ema is None else flat(ema), eager
 

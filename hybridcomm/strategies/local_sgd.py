@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from .. import env
-from ..optimizer import broadcast_parameters
+from ..broadcast import broadcast_parameters
 from .averaging import average_, state_tensors
 
 

@@ -1055,6 +1055,13 @@ class SimRuntime:
         with _HostMode(self._dev):
             yield
 
+    def expect_write(self, tensor: torch.Tensor) -> None:
+        """Autograd's AccumulateGrad is about to add into ``tensor`` in place (C++ the
+        watch cannot see): a write on the current stream, checked for races and run
+        after the stream's queued work, as its kernel would."""
+        self._dev.touch()
+        self._dev.host_op("AccumulateGrad", [tensor], [tensor])
+
     @contextlib.contextmanager
     def host_region(self):
         """Code that runs on the host in production too (control-plane collectives

@@ -1,0 +1,185 @@
+"""The one ordered channel all of a step's communication goes through.
+
+Every rank issues the same sequence of operations (the plan's fixed issue
+order, engine.py), whatever its local timing, so NCCL's tag-less matching
+pairs the right buffers and several communicators never deadlock. Two:
+
+* :class:`HostChannel` (CPU, gloo): one worker thread runs the operations in
+  order (gloo releases the GIL while it moves bytes); the trainer blocks on an
+  operation only where it needs the result, with the timeout.
+* :class:`StreamChannel` (CUDA, or the simulated GPU): the trainer thread
+  itself queues each operation on the transport's comm stream; handles are
+  done events, and the trainer's stream waits on them. No host thread, no
+  host synchronization on the data path.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+from .errors import HybridCommError, HybridCommTimeout
+from .timeline import Timeline
+
+
+class HostChannel:  # host path
+    """CPU: one worker thread runs the submitted operations in submission order.
+
+    Example::
+
+        >>> ch = HostChannel(timeout=60)
+        >>> t = ch.submit(lambda: None, "bucket 0")
+        >>> ch.wait(t, "bucket 0") < 60             # seconds waited
+        True
+        >>> ch.close()
+    """
+
+    stream_ordered = False
+
+    def __init__(self, timeout: float, timeline: Optional[Timeline] = None):
+        self.timeout = timeout
+        self.timeline = timeline or Timeline(enabled=False)
+        self._cv = threading.Condition()
+        self._queue: deque = deque()
+        self._submitted = self._completed = 0
+        self._error: Optional[BaseException] = None
+        self._failed_what = ""
+        self._closed = False
+        self._busy_s = 0.0  # comm time of finished operations, until take_busy()
+        self._thread = threading.Thread(target=self._run, name="hybridcomm-channel", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None], what: str) -> int:
+        with self._cv:
+            if self._closed:
+                raise HybridCommError("the communication channel is closed")
+            self._submitted += 1
+            self._queue.append((self._submitted, fn, what))
+            self._cv.notify_all()
+            return self._submitted
+
+    def done(self, ticket: int) -> bool:
+        with self._cv:
+            return self._completed >= ticket
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error that stopped the channel, if any."""
+        return self._error
+
+    def take_busy(self) -> float:
+        """Seconds of communication finished since the last call."""
+        with self._cv:
+            busy, self._busy_s = self._busy_s, 0.0
+            return busy
+
+    def wait(self, ticket: int, what: str) -> float:
+        """Block until operation ``ticket`` is done; the seconds waited."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.timeout
+        with self._cv:
+            while self._completed < ticket:
+                if self._error is not None:
+                    kind = HybridCommTimeout if isinstance(self._error, HybridCommTimeout) \
+                        else HybridCommError
+                    raise kind(f"{what}: communication failed at {self._failed_what}: "
+                               f"{self._error}") from self._error
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise HybridCommTimeout(f"{what} not reduced within {self.timeout:g}s "
+                                            "(a peer dead or stalled?)")
+                self._cv.wait(min(left, 1.0))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=self.timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                ticket, fn, what = self._queue.popleft()
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except BaseException as e:  # surfaced to the trainer on its next wait
+                with self._cv:
+                    self._error, self._failed_what = e, what
+                    self._queue.clear()
+                    self._closed = True
+                    self._cv.notify_all()
+                return
+            t1 = time.perf_counter()
+            self.timeline.add(what, "comm/channel", t0, t1)
+            with self._cv:
+                self._busy_s += t1 - t0
+                self._completed = ticket
+                self._cv.notify_all()
+
+
+class StreamChannel:
+    """GPU (or simulated): operations are queued on the transport's comm stream by
+    the caller's thread, in submission order; handles are done events."""
+
+    stream_ordered = True
+
+    def __init__(self, transport, timeline: Optional[Timeline] = None):
+        self.transport = transport
+        self.runtime = transport.runtime
+        self.timeline = timeline or Timeline(enabled=False)
+        self._timed: deque = deque()  # (start, done, what) timing events not yet harvested
+        self._anchor = None
+        if self.timeline.enabled:
+            # One host sync, only when tracing: a comm-stream event at a known host
+            # time places every later event on the host's clock.
+            self._anchor = self.runtime.new_event(timing=True)
+            self._anchor.record(transport.stream)
+            self._anchor.synchronize()
+            self._anchor_s = time.perf_counter()
+
+    def submit(self, fn: Callable[[], object], what: str):
+        """``fn`` queues the work and returns its ``(start, done)`` timing events."""
+        self._raise_failure()
+        start, done = fn()
+        self._timed.append((start, done, what))
+        return done
+
+    def take_busy(self) -> float:
+        """Seconds the comm stream spent on operations completed since the last call,
+        from timing events read only once complete (never a host sync)."""
+        busy = 0.0
+        while self._timed and self._timed[0][1].query():
+            start, done, what = self._timed.popleft()
+            busy += start.elapsed_time(done) * 1e-3
+            if self._anchor is not None:
+                t0 = self._anchor_s + self._anchor.elapsed_time(start) * 1e-3
+                self.timeline.add(what, "comm/stream", t0, t0 + start.elapsed_time(done) * 1e-3)
+        return busy
+
+    def done(self, event) -> bool:
+        return event.query()
+
+    def wait(self, event, what: str) -> float:
+        """The trainer's current stream waits for ``event``; the host goes on."""
+        self._raise_failure()
+        self.runtime.current_stream().wait_event(event)
+        return 0.0
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error that aborted the transport (watchdog), if any."""
+        return getattr(self.transport, "failure", None)
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        pass

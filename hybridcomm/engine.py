@@ -1,0 +1,222 @@
+"""Runs buckets' all-reduces through the one ordered channel, in the plan's issue order.
+
+The synchronizer (synchronizer.py) decides *when* a bucket is ready to go
+(``launch``); the engine decides *when it is issued*: a bucket's segments are
+submitted to the channel only when the plan's fixed sequence of (bucket,
+segment) reaches them, so every rank issues the same sequence whatever its
+local timing. A launch that the order has not reached yet waits in the engine
+(``issued`` tells); ``wait`` makes the trainer (host or stream) wait for a
+bucket's result. Every round of the order launches every bucket once: a
+bucket is launched again only in a round that launches them all.
+
+Per bucket and operation: the algorithm's schedule (or the transport's own
+all-reduce for ``native``, or top-k's all-gather) on the bucket's buffer, in
+place; under compression the wire buffer is cast back into the gradients when
+the last segment is done.
+
+:func:`reduce_operation` is the same all-reduce for one flat buffer, for code
+that brings its own buffers (the DDP hook).
+"""
+from __future__ import annotations
+
+import time
+from typing import List, Optional
+
+from . import trace
+from .algorithms import get_schedule
+from .buckets import GradBucket
+from .cost_model import NATIVE, bytes_sent
+from .errors import HybridCommError
+from .executor import Workspace, execute, execute_async, execute_native
+from .planner import Plan
+
+
+def reduce_operation(buf, transport, algorithm: str, *, scale: Optional[float], timeout: float,
+                     label: str, range_id="", ready=None,
+                     workspace: Optional[Workspace] = None, stream_ordered: bool, after=None):
+    """A channel operation that all-reduces the flat ``buf`` in place with ``algorithm``.
+
+    Host channel: the returned function runs the reduction (blocking) on the
+    channel's thread. Stream channel: it queues the reduction on the comm stream
+    (after ``ready``) and returns ``(start, done)`` timing events. ``after`` (a
+    function) runs once the reduction is done, on the same side (thread or
+    comm stream). ``scale``: 1/P for an average. ``range_id`` names the profiler
+    range ("bucket <range_id> ...").
+    """
+    world, rank = transport.world_size, transport.rank
+    nbytes = buf.numel() * buf.element_size()
+    if algorithm == NATIVE:
+        def native():
+            with trace.bucket_range(range_id, algorithm, nbytes, world):
+                out = execute_native(buf, transport, average=scale is not None, ready=ready,
+                                     timeout=timeout, label=label, timed=stream_ordered)
+            return _then(transport, out, after, stream_ordered, timeout, label)
+        return native
+    schedule = get_schedule(algorithm, rank, world, buf.numel())
+    if stream_ordered:
+        def queued():
+            with trace.bucket_range(range_id, algorithm, nbytes, world):
+                out = execute_async(schedule, buf, transport, scale=scale, ready=ready,
+                                    timeout=timeout, label=label, timed=True)
+            return _then(transport, out, after, True, timeout, label)
+        return queued
+
+    def hosted():  # host path
+        scratch = workspace.get(schedule.scratch_numel, buf.dtype, buf.device) \
+            if workspace is not None else None
+        with trace.bucket_range(range_id, algorithm, nbytes, world):
+            execute(schedule, buf, transport, scale=scale, scratch=scratch, timeout=timeout)
+        if after is not None:
+            after()
+    return hosted
+
+
+def _then(transport, out, after, stream_ordered: bool, timeout: float, label: str):
+    """Run ``after`` behind the reduction: on the comm stream (a new done event
+    covers it) or on the host thread."""
+    if after is None:
+        return out
+    if not stream_ordered:
+        after()
+        return out
+    start, _ = out
+    with transport.stream_context():
+        after()
+    done = transport.runtime.new_event(timing=True)
+    done.record(transport.stream)
+    transport.watch(done, timeout, label)
+    return start, done
+
+
+class CommEngine:
+    """Issues buckets' all-reduces through ``channel`` in ``plan.order``.
+
+    Example (the order holds whatever order buckets are launched in)::
+
+        engine = CommEngine(plan, buckets, channel, transport, scale=1 / world, timeout=60)
+        engine.launch(1); engine.launch(0)    # issued as plan.order says
+        engine.wait(0); engine.wait(1)
+    """
+
+    def __init__(self, plan: Plan, buckets: List[GradBucket], channel, transport, *,
+                 scale: Optional[float], timeout: float):
+        self.plan, self.buckets, self.channel, self.transport = plan, buckets, channel, transport
+        self.scale, self.timeout = scale, timeout
+        self.round = 0  # passes through plan.order completed
+        self.cursor = 0  # position in plan.order
+        self.bytes_sent = 0  # by this rank, since the trainer last read it
+        n = len(buckets)
+        self._launches = [0] * n  # launches so far, per bucket
+        self._issued = [0] * n  # launches whose every segment is in the channel
+        self._tickets: List[list] = [[] for _ in range(n)]  # per segment, once submitted
+        self._ready = [None] * n  # device path: the gradients are ready (event)
+        self._versions = [0] * n  # the buffer's version counter after our own writes
+        self._workspace = Workspace()  # host path scratch (the channel thread's alone)
+
+    # -- launching ---------------------------------------------------------------------
+    def launch(self, index: int) -> None:
+        """Bucket ``index`` is ready (its flags set): issue it when the order reaches it."""
+        b = self.buckets[index]
+        b.to_wire()
+        if b.topk is not None:  # this rank's message, from the gradients
+            b.topk.select(b.grads, b.flags)
+        if self.channel.stream_ordered:
+            rt = self.channel.runtime
+            self._ready[index] = rt.new_event()
+            self._ready[index].record(rt.current_stream())
+        self._launches[index] += 1
+        self._tickets[index] = [None] * len(b.spec.segments)
+        self._pump()
+
+    def issued(self, index: int) -> bool:
+        """Whether bucket ``index``'s last launch is wholly in the channel (then it can
+        be waited for; before, its buffer must not be touched: it is still to be sent)."""
+        return self._issued[index] == self._launches[index]
+
+    def _pump(self) -> None:
+        order = self.plan.order
+        while order:
+            i, s = order[self.cursor]
+            if self._launches[i] <= self.round:
+                return  # that bucket is not launched yet: the order waits for it
+            last = s == len(self.buckets[i].spec.segments) - 1
+            self._tickets[i][s] = self.channel.submit(self._operation(i, s, last),
+                                                      f"bucket {i} segment {s}")
+            if last:
+                self._issued[i] += 1
+                if self.channel.stream_ordered:
+                    self._versions[i] = self.buckets[i].buffer._version  # our writes are issued
+            self.cursor += 1
+            if self.cursor == len(order):
+                self.cursor, self.round = 0, self.round + 1
+
+    def _operation(self, index: int, s: int, last: bool):
+        b = self.buckets[index]
+        if b.topk is not None:
+            return self._sparse_operation(index)
+        a, z = b.spec.segments[s]
+        seg = b.comm[a:z]
+        world = self.transport.world_size
+        self.bytes_sent += int(bytes_sent(b.spec.algorithm, seg.numel() * seg.element_size(),
+                                          world))
+        label = (f"bucket {index} ({b.spec.algorithm}, segment {s + 1}/{len(b.spec.segments)}, "
+                 f"{seg.numel() * seg.element_size()} bytes)")
+        after = None
+        if last:
+            def after():
+                b.from_wire()
+                if not self.channel.stream_ordered:
+                    self._versions[index] = b.buffer._version
+        return reduce_operation(seg, self.transport, b.spec.algorithm, scale=self.scale,
+                                timeout=self.timeout, label=label, range_id=index,
+                                ready=self._ready[index],
+                                workspace=self._workspace,
+                                stream_ordered=self.channel.stream_ordered, after=after)
+
+    def _sparse_operation(self, index: int):
+        """A top-k bucket: all-gather the ranks' messages, sum them into the bucket."""
+        b = self.buckets[index]
+        topk = b.topk
+        self.bytes_sent += topk.bytes_sent
+        label = f"bucket {index} (topk, {topk.k} of {b.spec.numel}, {topk.bytes_sent} bytes sent)"
+
+        if self.channel.stream_ordered:
+            def queued():
+                start, _ = execute_async(topk.schedule, topk.gathered, self.transport,
+                                         ready=self._ready[index], timed=True)
+                with self.transport.stream_context():
+                    topk.decode(b.grads, b.flags, self.scale)
+                done = self.transport.runtime.new_event(timing=True)
+                done.record(self.transport.stream)
+                self.transport.watch(done, self.timeout, label)
+                return start, done
+            return queued
+
+        def hosted():  # host path
+            execute(topk.schedule, topk.gathered, self.transport, timeout=self.timeout)
+            topk.decode(b.grads, b.flags, self.scale)
+            self._versions[index] = b.buffer._version
+        return hosted
+
+    # -- waiting -----------------------------------------------------------------------
+    def wait(self, index: int) -> float:
+        """Bucket ``index``'s last launch is reduced and usable (host: done; device:
+        the trainer's stream waits for it); the seconds the host waited."""
+        tickets = self._tickets[index]
+        if not tickets:
+            return 0.0
+        if not self.issued(index):
+            missing = self.plan.order[self.cursor]
+            raise HybridCommError(f"internal error: bucket {index} is needed before its turn in "
+                                  f"the issue order (waiting on bucket {missing[0]})")
+        t0 = time.perf_counter()
+        self.channel.wait(tickets[-1], f"bucket {index}")
+        return time.perf_counter() - t0
+
+    def version(self, index: int) -> int:
+        """The bucket buffer's version counter right after the engine's own writes:
+        anything higher when the result is read means someone else wrote to it."""
+        return self._versions[index]
+
+    def close(self) -> None:
+        self.channel.close()

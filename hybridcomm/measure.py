@@ -1,0 +1,92 @@
+"""What the measured steps teach the planner, and when it learns it.
+
+Steps 1..``measure_iters`` of every ``replan_every`` steps are measured (only
+the first cycle when ``replan_every`` is 0); the plan is re-made after them
+(the first time always, later only if the measurements change a decision).
+Measured on the planning rank, per layer: when its gradient is ready (seconds
+into the backward pass that launches it), its overlap window (launch to the
+update's application, forward mode) and the order the next forward needs the
+layers in; on every rank and every step: how many backward passes it had
+(``no_sync`` passes and the passes inside ``step(closure)`` excluded), whose
+largest value since the last plan is the pass the buckets are launched in.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from .planner import Layer
+
+
+def quantize(seconds: float) -> float:
+    """A measured time rounded to 2 significant digits, so that plans repeat.
+
+        >>> quantize(0.0012345)
+        0.0012
+    """
+    return float(f"{seconds:.1e}")
+
+
+class StepMeasurements:
+    """Collects the measurements of the measured steps; ``take`` hands them to the planner.
+
+    Example::
+
+        >>> m = StepMeasurements(measure_iters=2, replan_every=0)
+        >>> [m.measuring(step) for step in range(4)]      # steps done so far
+        [False, True, True, False]
+    """
+
+    def __init__(self, measure_iters: int, replan_every: int):
+        if replan_every and replan_every <= measure_iters:
+            raise ValueError(f"replan_every ({replan_every}) must exceed measure_iters "
+                             f"({measure_iters}), or be 0")
+        self.measure_iters, self.replan_every = measure_iters, replan_every
+        self._ready: Dict[int, float] = {}  # param index -> when its gradient was ready
+        self._windows: Dict[str, List[float]] = {}
+        self._need: Dict[str, int] = {}  # layer -> order the next forward needed it in
+        self._passes: List[int] = []  # backward passes per measured step
+
+    def phase(self, steps: int) -> int:
+        """Position in the measuring cycle after ``steps`` steps."""
+        return steps % self.replan_every if self.replan_every else steps
+
+    def measuring(self, steps: int) -> bool:
+        """Whether the step after ``steps`` completed steps is measured."""
+        return 0 < self.phase(steps) <= self.measure_iters
+
+    def watching(self, steps: int) -> bool:
+        """Whether the forward after the step that follows ``steps`` completed steps is
+        watched (where forward mode learns each bucket's first use)."""
+        return self.phase(steps) < self.measure_iters
+
+    def replan_due(self, steps: int) -> bool:
+        return self.measure_iters > 0 and self.phase(steps) == self.measure_iters
+
+    # -- recording ---------------------------------------------------------------------
+    def ready(self, param: int, t: float) -> None:
+        self._ready[param] = t
+
+    def window(self, layers: Sequence[str], seconds: float) -> None:
+        for layer in layers:
+            self._windows.setdefault(layer, []).append(seconds)
+            self._need.setdefault(layer, len(self._need))
+
+    def passes(self, n: int) -> None:
+        self._passes.append(n)
+
+    # -- handing over ------------------------------------------------------------------
+    def take(self, layers: Sequence[Layer]):
+        """(windows, ready, need, launch_pass) for the planner, and forget them."""
+        windows = {k: quantize(sorted(v)[len(v) // 2]) for k, v in self._windows.items()}
+        ready: Optional[Dict[str, float]] = None
+        if self._ready:
+            first = min(self._ready.values())
+            ready = {}
+            for layer in layers:
+                times = [self._ready[i] for i in layer.params if i in self._ready]
+                if times:
+                    ready[layer.name] = quantize(max(times) - first)
+        need = dict(self._need) or None
+        launch_pass = max(self._passes) if self._passes and max(self._passes) > 0 else None
+        self._ready, self._windows, self._need, self._passes = {}, {}, {}, []
+        return windows or None, ready, need, launch_pass

@@ -1,0 +1,135 @@
+"""The engine on its own: the host channel, the fixed issue order whatever order the
+buckets are launched in, and the buckets' memory layout (each .grad a view)."""
+import time
+
+import pytest
+import torch
+
+from hybridcomm.buckets import GradBucket
+from hybridcomm.channel import HostChannel
+from hybridcomm.engine import CommEngine
+from hybridcomm.errors import HybridCommError, HybridCommTimeout
+from hybridcomm.planner import ALIGN_BYTES, Bucket, Plan
+
+
+def test_host_channel_runs_in_submission_order_and_reports_failures():
+    ch = HostChannel(timeout=5)
+    seen = []
+    tickets = [ch.submit(lambda i=i: (time.sleep(0.01 * (3 - i)), seen.append(i)), f"op {i}")
+               for i in range(3)]
+    assert ch.wait(tickets[-1], "op 2") >= 0 and seen == [0, 1, 2]
+    assert ch.take_busy() > 0 and ch.take_busy() == 0  # read once
+    bad = ch.submit(lambda: 1 / 0, "the bad op")
+    with pytest.raises(HybridCommError, match="failed at the bad op.*division by zero"):
+        ch.wait(bad, "bucket 7")
+    assert ch.failure is not None
+    with pytest.raises(HybridCommError, match="closed"):
+        ch.submit(lambda: None, "after")  # a failed channel takes nothing more
+
+
+def test_host_channel_wait_honours_the_timeout():
+    ch = HostChannel(timeout=0.3)
+    t = ch.submit(lambda: time.sleep(2), "slow")
+    t0 = time.monotonic()
+    with pytest.raises(HybridCommTimeout, match="bucket 3 not reduced within 0.3s"):
+        ch.wait(t, "bucket 3")
+    assert time.monotonic() - t0 < 1.5
+
+
+class _Recording:
+    """A channel that runs nothing and remembers what was submitted, in order."""
+
+    stream_ordered = False
+
+    def __init__(self):
+        self.log = []
+
+    def submit(self, fn, what):
+        self.log.append(what)
+        return len(self.log)
+
+    def wait(self, ticket, what):
+        return 0.0
+
+    def take_busy(self):
+        return 0.0
+
+    def close(self):
+        pass
+
+
+class _Transport:
+    rank, world_size = 0, 2
+
+
+def _buckets(plan, params):
+    return [GradBucket(b, [params[i] for i in b.params], torch.float32, None,
+                       lambda n, dt: torch.empty(n, dtype=dt)) for b in plan.buckets]
+
+
+def test_the_issue_order_is_the_plans_whatever_the_launch_order():
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    buckets = [Bucket(i, [f"l{i}"], [i], 4, 16, "ring", 0.0, segments=[(0, 3), (3, 5)])
+               for i in range(3)]
+    order = [(2, 0), (0, 0), (2, 1), (0, 1), (1, 0), (1, 1)]  # what rank 0 planned for all
+    plan = Plan(2, "hybrid", buckets, order)
+    ch = _Recording()
+    engine = CommEngine(plan, _buckets(plan, params), ch, _Transport(), scale=None, timeout=5)
+    for i in (0, 1):  # launched in another order than issued: nothing may jump the queue
+        engine.launch(i)
+    assert ch.log == []  # (2, 0) comes first, and bucket 2 is not launched yet
+    assert not engine.issued(0) and not engine.issued(1)
+    engine.launch(2)
+    assert ch.log == [f"bucket {b} segment {s}" for b, s in order]
+    assert all(engine.issued(i) for i in range(3))
+    # the next round issues the same sequence again, from the start
+    for i in (2, 1, 0):
+        engine.launch(i)
+    assert ch.log[6:] == ch.log[:6]
+
+
+def test_waiting_for_a_bucket_before_its_turn_is_an_error_not_a_hang():
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(2)]
+    buckets = [Bucket(i, [f"l{i}"], [i], 2, 8, "ring", 0.0, segments=[(0, 3)]) for i in range(2)]
+    plan = Plan(2, "hybrid", buckets, [(1, 0), (0, 0)])
+    engine = CommEngine(plan, _buckets(plan, params), _Recording(), _Transport(), scale=None,
+                        timeout=5)
+    engine.launch(0)  # queued behind bucket 1, which was never launched
+    with pytest.raises(HybridCommError, match="before its turn"):
+        engine.wait(0)
+
+
+def test_each_grad_is_an_aligned_view_of_one_buffer_with_the_flags_after():
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 1, 33)]
+    spec = Bucket(0, ["l"], [0, 1, 2], 37, 148, "ring", 0.0)
+    b = GradBucket(spec, params, torch.float32, None, lambda n, dt: torch.full((n,), 7.0))
+    step = ALIGN_BYTES // 4
+    assert b.offsets == [0, step, 2 * step]
+    assert b.buffer.numel() == 2 * step + 33 + 3 and b.buffer.eq(0).all()  # zeroed, padding too
+    for pos, p in enumerate(params):
+        b.bind(pos)
+        assert p.grad is b.views[pos] and b.holds(pos)
+        assert p.grad.data_ptr() == b.buffer.data_ptr() + 4 * b.offsets[pos]
+    params[0].grad.add_(torch.tensor([1.0, 2.0, 3.0]))  # autograd's in-place accumulation
+    assert b.buffer[:3].tolist() == [1, 2, 3]
+    b.set_flags({0, 2})
+    assert b.flags.tolist() == [1, 0, 1]
+    assert b.used(complete=False) == [0, 2]  # read back only when this rank lacked one
+    b.set_flags({0, 1, 2})
+    assert b.used(complete=True) == [0, 1, 2]
+    b.zero([0])
+    assert b.views[0].eq(0).all() and b.flags.tolist() == [1, 1, 1]
+
+
+def test_a_wire_dtype_is_a_second_buffer_cast_in_and_out():
+    params = [torch.nn.Parameter(torch.zeros(5))]
+    spec = Bucket(0, ["l"], [0], 5, 10, "ring", 0.0)
+    b = GradBucket(spec, params, torch.float32, torch.float16, lambda n, dt: torch.empty(n, dtype=dt))
+    assert b.comm.dtype == torch.float16 and b.buffer.dtype == torch.float32
+    b.views[0].copy_(torch.tensor([1.0, 2.0, 3.0, 4.0, 1 / 3]))
+    b.set_flags({0})
+    b.to_wire()
+    b.wire.mul_(2)
+    b.from_wire()
+    assert b.views[0][:4].tolist() == [2, 4, 6, 8] and b.flags.tolist() == [2]
+    assert b.views[0][4].item() == torch.tensor(2 / 3, dtype=torch.float16).item()
