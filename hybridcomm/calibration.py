@@ -243,3 +243,23 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5, *,
                  ", a coefficient is 0" if report.degenerate else "")
     return control.broadcast_object(model, group=group, timeout=timeout,
                                     what="rank 0's start-up probe")
+
+
+def resolve(cost_model, group=None, timeout: Optional[float] = None) -> CostModel:
+    """The cost model a caller asked for: a ``CostModel`` as it is; None: rank 0's saved
+    calibration, else a probe (:func:`agree`); ``"probe"``: always probe;
+    ``"default"``: the built-in constants.
+
+        >>> resolve("default") is DEFAULT_MODEL
+        True
+    """
+    if isinstance(cost_model, CostModel):
+        return cost_model
+    if cost_model == "default":
+        return DEFAULT_MODEL
+    if cost_model == "probe":
+        return probe(group, timeout=timeout)
+    if cost_model is None:
+        return agree(group=group, timeout=timeout)
+    raise ValueError(f"cost_model must be a CostModel, None, 'probe' or 'default', "
+                     f"got {cost_model!r}")

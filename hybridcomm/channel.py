@@ -19,8 +19,12 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+from .control import new_group_like
 from .errors import HybridCommError, HybridCommTimeout
+from .runtime import runtime_for
 from .timeline import Timeline
+from .transport.select import select_transport
+from .transport.torch_dist import TorchDistTransport
 
 
 class HostChannel:  # host path
@@ -183,3 +187,14 @@ class StreamChannel:
 
     def close(self) -> None:
         pass
+
+
+def open_channel(device, group, timeout: float, timeline: Optional[Timeline] = None):
+    """``(transport, channel)`` for tensors on ``device`` over ``group``: on a GPU (or
+    the simulated one) the transport's comm stream; on the CPU a gloo group of its
+    own (so the user's collectives never interleave) and a worker thread."""
+    if runtime_for(device) is not None:
+        transport = select_transport(device, group, timeout=timeout)
+        return transport, StreamChannel(transport, timeline)
+    transport = TorchDistTransport(new_group_like(group, timeout))
+    return transport, HostChannel(timeout, timeline)

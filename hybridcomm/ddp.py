@@ -36,11 +36,10 @@ import torch
 import torch.distributed as dist
 
 from . import calibration, control, env
-from .algorithms import get_schedule
+from .channel import HostChannel, StreamChannel
 from .collectives import resolve_algorithm
 from .cost_model import NATIVE, CostModel
-from .executor import execute_async, execute_native
-from .channel import HostChannel
+from .engine import reduce_operation
 from .runtime import runtime_for
 from .transport.select import select_transport
 from .transport.torch_dist import TorchDistTransport
@@ -102,6 +101,7 @@ class HybridState:
         if runtime_for(buf.device) is not None:
             self._transport = select_transport(buf.device, self.process_group,
                                                timeout=self.timeout)
+            self._channel = StreamChannel(self._transport)
         else:
             self._transport = TorchDistTransport(control.new_group_like(self.process_group,
                                                                         self.timeout))
@@ -126,22 +126,23 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
     """DDP communication hook: average ``bucket``'s gradients with hybridcomm.
 
     Register with ``ddp_model.register_comm_hook(HybridState(), hybrid_hook)``.
-    The future completes with the averaged buffer; on CUDA it is bound to the
-    comm stream, so DDP's wait is a stream wait, not a host synchronization.
+    The bucket goes through the same one ordered channel (and the same
+    ``engine.reduce_operation``) as the optimizer's buckets. The future completes
+    with the averaged buffer; on CUDA it is bound to the comm stream, so DDP's
+    wait is a stream wait, not a host synchronization.
     """
     buf = bucket.buffer()
     state._ready(buf)
-    t = state._transport
-    name = state.algorithm(bucket.index(), buf.numel() * buf.element_size())
-    name = resolve_algorithm(name, buf.numel() * buf.element_size(), state._world)
-    scale = 1.0 / state._world
-    what = f"DDP bucket {bucket.index()} ({name}, {buf.numel() * buf.element_size()} bytes)"
-    if state._channel is None:  # device path: queued on the comm stream
-        if name == NATIVE:
-            execute_native(buf, t, average=True, timeout=state.timeout, label=what)
-        else:
-            execute_async(get_schedule(name, t.rank, state._world, buf.numel()), buf, t,
-                          scale=scale, timeout=state.timeout, label=what)
+    t, channel = state._transport, state._channel
+    nbytes = buf.numel() * buf.element_size()
+    name = resolve_algorithm(state.algorithm(bucket.index(), nbytes), nbytes, state._world)
+    what = f"DDP bucket {bucket.index()} ({name}, {nbytes} bytes)"
+    op = reduce_operation(buf, t, name, scale=1.0 / state._world, timeout=state.timeout,
+                          label=what, range_id=f"DDP {bucket.index()}",
+                          stream_ordered=channel.stream_ordered)
+    if channel.stream_ordered:  # device path: queued on the comm stream
+        channel.take_busy()  # forget finished operations' timing events (no host sync)
+        channel.submit(op, what)
         fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
         with t.stream_context():
             fut.set_result(buf)  # recorded on the comm stream, after the work
@@ -150,17 +151,11 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
 
     def run():
         try:
-            if name == NATIVE:
-                execute_native(buf, t, average=True, timeout=state.timeout)
-            else:
-                from .executor import execute
-
-                execute(get_schedule(name, t.rank, state._world, buf.numel()), buf, t,
-                        scale=scale, timeout=state.timeout)
+            op()
         except BaseException as e:
             fut.set_exception(e)
             raise
         fut.set_result(buf)
 
-    state._channel.submit(run, what)
+    channel.submit(run, what)
     return fut

@@ -59,9 +59,8 @@ import torch
 import torch.distributed as dist
 
 from . import calibration, control
-from . import cost_model as cm
 from .buckets import GradBucket
-from .channel import HostChannel, StreamChannel
+from .channel import open_channel
 from .compression import TOPK, TopK
 from .engine import CommEngine
 from .errors import HybridCommError
@@ -72,8 +71,6 @@ from .registry import ParamRegistry
 from .runtime import runtime_for
 from .sparse import all_gather_sparse
 from .timeline import Timeline
-from .transport.select import select_transport
-from .transport.torch_dist import TorchDistTransport
 
 log = logging.getLogger("hybridcomm")
 
@@ -192,14 +189,9 @@ class GradientSynchronizer:
 
         self.registry = self._registry()
         self._rt = runtime_for(self.registry.device)
-        if self._rt is not None:  # CUDA, or the simulated GPU: the comm stream
-            self.transport = select_transport(self.registry.device, process_group,
-                                              timeout=timeout)
-            self.channel = StreamChannel(self.transport, self.timeline)
-        else:  # CPU: a gloo group of its own, so the user's collectives never interleave
-            self.transport = TorchDistTransport(control.new_group_like(process_group, timeout))
-            self.channel = HostChannel(timeout, self.timeline)
-        self.cost_model = self._resolve_cost_model(cost_model)
+        self.transport, self.channel = open_channel(self.registry.device, process_group, timeout,
+                                                    self.timeline)
+        self.cost_model = calibration.resolve(cost_model, process_group, timeout)
 
         self._steps = 0  # completed steps
         self._step_t0 = time.perf_counter()
@@ -254,19 +246,6 @@ class GradientSynchronizer:
             for p in g["params"]:
                 return p.device
         return torch.device("cpu")
-
-    def _resolve_cost_model(self, cost_model) -> cm.CostModel:
-        """A CostModel; None: rank 0's calibration, else a probe (``calibration.agree``)."""
-        if isinstance(cost_model, cm.CostModel):
-            return cost_model
-        if cost_model == "default":
-            return cm.DEFAULT_MODEL
-        if cost_model == "probe":
-            return calibration.probe(self.group, timeout=self.timeout)
-        if cost_model is None:
-            return calibration.agree(group=self.group, timeout=self.timeout)
-        raise ValueError(f"cost_model must be a CostModel, None, 'probe' or 'default', "
-                         f"got {cost_model!r}")
 
     def _agree_plan(self, windows, ready, need, launch_pass,
                     keep: Optional[Plan] = None) -> Optional[Plan]:

@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from .. import env
+from ..averager import TensorAverager
 from ..broadcast import broadcast_parameters
-from .averaging import average_
 
 
 class ADMM:
@@ -42,6 +42,7 @@ class ADMM:
         self.u = [torch.zeros_like(p) for p in self.params]
         self.steps = self.rounds = 0
         self.bytes_sent = 0
+        self._averager = TensorAverager(group, timeout=self.timeout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -64,7 +65,7 @@ class ADMM:
         with torch.no_grad():
             for p, z, u in zip(self.params, self.z, self.u):
                 z.copy_(p).add_(u)
-            self.bytes_sent += average_(self.z, self.group, self.timeout)
+            self.bytes_sent += self._averager.average_(self.z)
             for p, z, u in zip(self.params, self.z, self.u):
                 u.add_(p).sub_(z)
         self.rounds += 1

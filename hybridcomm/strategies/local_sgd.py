@@ -6,16 +6,19 @@ from typing import Optional
 import torch
 
 from .. import env
+from ..averager import TensorAverager
 from ..broadcast import broadcast_parameters
-from .averaging import average_, state_tensors
+from ..synchronizer import GradientSynchronizer
+from .averaging import state_tensors
 
 
 class LocalSGD:
     """``period`` (H) local steps, then the parameters (and, with
-    ``average_state``, the optimizer state) averaged with hybridcomm's all-reduce,
-    one per tensor with the cost model's algorithm. With ``warmup_steps`` the
-    first steps are synchronous (the gradients averaged before each step):
-    post-local SGD. ``period=1`` gives synchronous SGD's numbers (for SGD, with or
+    ``average_state``, the optimizer state) averaged with hybridcomm's all-reduce
+    (planned buckets: small tensors fused, butterfly or ring per bucket). With
+    ``warmup_steps`` the first steps are synchronous: the gradient synchronizer
+    reduces them during backward, as ``DistributedOptimizer(overlap="backward")``
+    does (post-local SGD). ``period=1`` gives synchronous SGD's numbers (for SGD, with or
     without momentum: the momentum is linear in the gradients).
 
     Example::
@@ -38,18 +41,30 @@ class LocalSGD:
         self.steps = 0
         self.bytes_sent = 0
         broadcast_parameters(model.state_dict(), process_group=group, timeout=self.timeout)
+        self._averager = TensorAverager(group, timeout=self.timeout)
+        # The synchronous warm-up: the gradient synchronizer, closed when it ends.
+        self._sync = GradientSynchronizer(optimizer.param_groups, None, model=model,
+                                          overlap="backward", process_group=group,
+                                          timeout=self.timeout) if warmup_steps else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None):
-        warming = self.steps < self.warmup_steps
-        if warming:  # synchronous: average the gradients first
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            self.bytes_sent += average_(grads, self.group, self.timeout)
-        loss = self.optimizer.step(closure)
+        sync = self._sync
+        if sync is None:
+            loss = self.optimizer.step(closure)
+        else:  # warm-up: synchronous, the gradients reduced first
+            sync.begin_step()
+            sync.finish()
+            loss = self.optimizer.step(None if closure is None else sync.reduce_after(closure))
+            sync.end_step()
+            self.bytes_sent += sync.last_step_stats["bytes_sent"]
         self.steps += 1
-        if not warming and (self.steps - self.warmup_steps) % self.period == 0:
+        if sync is not None and self.steps == self.warmup_steps:
+            sync.close()
+            self._sync = None
+        elif sync is None and (self.steps - self.warmup_steps) % self.period == 0:
             self.synchronize()
         return loss
 
@@ -58,4 +73,4 @@ class LocalSGD:
         tensors = list(self.model.parameters())
         if self.average_state:
             tensors += state_tensors(self.optimizer)
-        self.bytes_sent += average_(tensors, self.group, self.timeout)
+        self.bytes_sent += self._averager.average_(tensors)

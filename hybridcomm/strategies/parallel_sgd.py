@@ -6,8 +6,8 @@ from typing import Optional
 import torch
 
 from .. import env
+from ..averager import TensorAverager
 from ..broadcast import broadcast_parameters
-from .averaging import average_
 
 
 class ParallelSGD:
@@ -33,6 +33,7 @@ class ParallelSGD:
         self.group, self.timeout = group, env.timeout(timeout)
         self.bytes_sent = 0
         broadcast_parameters(model.state_dict(), process_group=group, timeout=self.timeout)
+        self._averager = TensorAverager(group, timeout=self.timeout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -48,4 +49,4 @@ class ParallelSGD:
 
     def synchronize(self) -> None:
         """Average the models now (also at the end of training)."""
-        self.bytes_sent += average_(self.model.parameters(), self.group, self.timeout)
+        self.bytes_sent += self._averager.average_(self.model.parameters())

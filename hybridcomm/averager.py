@@ -1,0 +1,120 @@
+"""Averaging a set of tensors across ranks (model averaging, optimizer state, ADMM's
+consensus) the way gradients are reduced: the planner fuses small tensors into
+buckets and picks the butterfly or a ring per bucket, and the engine issues the
+buckets through one ordered channel. The strategies (strategies/) use it.
+
+The buckets are made once per signature (shapes and dtypes, in order), after
+the ranks agree on it, and reused: each call copies the tensors into their
+bucket views, reduces, and copies the averages back.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import calibration, control, env
+from .buckets import GradBucket
+from .channel import open_channel
+from .engine import CommEngine
+from .errors import HybridCommError
+from .planner import Layer, make_plan
+from .runtime import runtime_for
+
+
+class TensorAverager:
+    """Averages tensors in place across the ranks of ``group``.
+
+    Args:
+        group: the process group (None: the world).
+        timeout: seconds any wait may take (default ``HYBRIDCOMM_TIMEOUT``).
+        cost_model: as ``DistributedOptimizer``'s (None: rank 0's calibration,
+            else a probe), agreed on first use.
+        strategy: ``"hybrid"`` (butterfly or ring per bucket), ``"auto"`` or one
+            algorithm.
+
+    Example::
+
+        >>> avg = TensorAverager(timeout=60, cost_model="default")
+        >>> w = torch.ones(3)
+        >>> avg.average_([w]), w                   # one rank: nothing to send
+        (0, tensor([1., 1., 1.]))
+    """
+
+    def __init__(self, group=None, *, timeout: Optional[float] = None, cost_model=None,
+                 strategy: str = "hybrid"):
+        self.group, self.timeout, self.strategy = group, env.timeout(timeout), strategy
+        self._cost_model = cost_model
+        self._transport = self._channel = None
+        self._made: Dict[Tuple, Tuple[List[GradBucket], CommEngine]] = {}
+
+    def average_(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Average ``tensors`` in place; the bytes this rank sent."""
+        tensors = [t for t in tensors if t.numel()]
+        if dist.get_world_size(self.group) == 1 or not tensors:
+            return 0
+        signature = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+        made = self._made.get(signature)
+        if made is None:
+            made = self._made[signature] = self._make(tensors)
+        buckets, engine = made
+        rt = runtime_for(tensors[0].device)
+        with torch.no_grad(), rt.watched() if rt is not None else contextlib.nullcontext():
+            for b in buckets:
+                for pos, i in enumerate(b.spec.params):
+                    b.views[pos].copy_(tensors[i])
+                b.set_flags(set(range(len(b.params))))
+            for i in range(len(buckets)):
+                engine.launch(i)
+            for i, b in enumerate(buckets):
+                engine.wait(i)
+                for pos, j in enumerate(b.spec.params):
+                    tensors[j].copy_(b.views[pos])
+        sent, engine.bytes_sent = engine.bytes_sent, 0
+        return sent
+
+    def _make(self, tensors: List[torch.Tensor]):
+        """Buckets and an engine for this signature (collective: every rank)."""
+        mine = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+        everyone = control.all_gather_object(mine, group=self.group, timeout=self.timeout,
+                                             what="the tensors to average")
+        for r, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise HybridCommError(f"average_: rank {r}'s tensors differ from this rank's "
+                                      f"({len(theirs)} tensors against {len(mine)}, or shapes or "
+                                      "dtypes differ)")
+        if self._channel is None:
+            self._transport, self._channel = open_channel(tensors[0].device, self.group,
+                                                          self.timeout)
+            self._cost_model = calibration.resolve(self._cost_model, self.group, self.timeout)
+        layers = [Layer(f"tensor{i}", [i], t.numel(), t.element_size(), str(t.dtype),
+                        [t.numel()]) for i, t in enumerate(tensors)][::-1]
+        plan = None
+        if dist.get_rank(self.group) == 0:
+            plan = make_plan(layers, world_size=dist.get_world_size(self.group),
+                             model=self._cost_model, strategy=self.strategy)
+        plan = control.broadcast_object(plan, group=self.group, timeout=self.timeout,
+                                        what="the averaging plan")
+        rt = runtime_for(tensors[0].device)
+
+        def alloc(n, dt):
+            if rt is None:
+                return torch.empty(n, dtype=dt, device=tensors[0].device)
+            buf = rt.empty(n, dt)
+            rt.record_stream(buf, self._transport.stream)
+            return buf
+
+        buckets = [GradBucket(b, [tensors[i] for i in b.params], tensors[b.params[0]].dtype, None,
+                              alloc) for b in plan.buckets]
+        engine = CommEngine(plan, buckets, self._channel, self._transport,
+                            scale=1.0 / dist.get_world_size(self.group), timeout=self.timeout)
+        return buckets, engine
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._made = {}
+
