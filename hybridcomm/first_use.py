@@ -59,7 +59,7 @@ class FirstUse:
         self._modules = {id(m): m for m in model.modules()}
         self._first_users: Dict[str, Set[int]] = {}  # layer -> ids of modules using it first
         self._eager_layers: Set[str] = set()  # read between step() and the next forward
-        self._learned = False  # whether a forward was watched yet
+        self._watched: Set[str] = set()  # layers that were there while a forward was watched
         self._layers: List[List[str]] = []  # bucket -> its layers
         self._params: List[list] = []  # bucket -> its parameters
         self._appliers: Dict[int, List[int]] = {}  # id(module) -> buckets it applies
@@ -76,6 +76,10 @@ class FirstUse:
         self._layers, self._params = layers, params
         self._set_appliers()
 
+    def needs_watch(self) -> bool:
+        """Whether some layer was never watched (it joined later): watch the next forward."""
+        return any(layer not in self._watched for layers in self._layers for layer in layers)
+
     def eager(self) -> List[int]:
         """Buckets applied in step() (read between step() and the next forward)."""
         return [b for b, layers in enumerate(self._layers) if self._eager_layers & set(layers)]
@@ -86,8 +90,9 @@ class FirstUse:
 
     def _set_appliers(self) -> None:
         """A pre-hook on the module(s) that first use each bucket applies it: learned
-        while watching; before that, its parameters' owners. A bucket no module
-        used is applied when the root's forward returns."""
+        while watching; for a layer never watched (before the first watch, or one
+        that joined later), its parameters' owners. A bucket no module used is
+        applied when the root's forward returns."""
         for h in self._applier_hooks:
             h.remove()
         self._applier_hooks, self._appliers = [], {}
@@ -98,13 +103,9 @@ class FirstUse:
             for p in m.parameters(recurse=False):
                 owners.setdefault(id(p), []).append(id(m))
         for b, layers in enumerate(self._layers):
-            learned = [self._first_users[layer] for layer in layers if layer in self._first_users]
-            if learned:
-                mods = set().union(*learned)
-            elif not self._learned:
-                mods = {mid for p in self._params[b] for mid in owners.get(id(p), ())}
-            else:
-                mods = set()
+            mods = set().union(*(self._first_users.get(layer, set()) for layer in layers))
+            if any(layer not in self._watched for layer in layers):
+                mods |= {mid for p in self._params[b] for mid in owners.get(id(p), ())}
             for mid in mods:
                 self._appliers.setdefault(mid, []).append(b)
         self._applier_hooks = [self._modules[mid].register_forward_pre_hook(self._module_pre)
@@ -167,7 +168,7 @@ class FirstUse:
         for h in self._watch_hooks:
             h.remove()
         self._watch_hooks, self._stack = [], []
-        self._learned = True
+        self._watched |= {layer for layers in self._layers for layer in layers}
         self._set_appliers()
 
     def close(self) -> None:

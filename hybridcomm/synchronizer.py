@@ -596,7 +596,7 @@ class GradientSynchronizer:
             for b in self.first_use.eager():
                 if self.slots[b].phase is Phase.PENDING:
                     self._apply(self.slots[b])
-            if self.measure.watching(self._steps):
+            if self.measure.watching(self._steps) or self.first_use.needs_watch():
                 self.first_use.watch()
 
     def apply_pending(self) -> None:
