@@ -356,3 +356,44 @@ def test_transport_errors_name_the_rank_and_the_problem():
         assert "NCCL reported an error" in found["async"] and "aborted" in found["async"]
         assert found["after"] == found["async"]
         assert found["again"] == [3.0] * 8
+
+
+def _late_gradient(rank, world, broken):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm import synchronizer
+    from hybridcomm.testing import simgpu
+
+    if broken:  # a late gradient added into a bucket still being reduced: no wait
+        def open_(self, slot):
+            slot.phase = synchronizer.Phase.ACCUMULATING
+            return True
+        synchronizer.GradientSynchronizer._open = open_
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model=model, overlap="backward", fusion_bytes=0,
+                                          backward_passes_per_step=1, measure_iters=0, timeout=20)
+    try:
+        for s in range(2):
+            x, y = batch(s)
+            loss = nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world))
+            loss.backward(retain_graph=True)
+            loss.backward()  # late: the first pass launched every bucket
+            opt.step()
+        opt.synchronize()
+        simgpu.check()
+    except (simgpu.SimError, hybridcomm.HybridCommError) as e:
+        return str(e) + " ".join(str(x) for x in simgpu.errors())
+    finally:
+        opt.close()
+    return "ok" if not simgpu.errors() else " ".join(str(x) for x in simgpu.errors())
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_autograd_writing_into_a_bucket_in_flight_is_reported(broken):
+    """Zero-copy: backward adds into the buckets themselves, so a late gradient must
+    wait for the bucket's reduction; without the wait the simulator sees the race."""
+    results = run_ranks(2, _late_gradient, broken, timeout=120, allow_errors=broken)
+    if broken:
+        assert any("race" in str(r) and "AccumulateGrad" in str(r) for r in results), results
+    else:
+        assert results == ["ok", "ok"]
