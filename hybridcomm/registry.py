@@ -72,6 +72,8 @@ class ParamRegistry:
         self.wire_dtype = wire_dtype
         params, names = self._collect()
         self._ids = [id(p) for p in params]
+        self._listed = [p for g in param_groups for p in g["params"]]  # for trainable_changed
+        self._requires = [p.requires_grad for p in self._listed]
         self._check(params, names, group, timeout, device_path)
         sparse = sparse_owned(model)
         self.sparse: List[Tuple[torch.nn.Parameter, str]] = [
@@ -87,7 +89,13 @@ class ParamRegistry:
         return ps[0].device if ps else torch.device("cpu")
 
     def trainable_changed(self) -> bool:
-        """Whether the optimizer's trainable parameters are no longer these."""
+        """Whether the optimizer's trainable parameters are no longer these (cheap when
+        nothing changed: the same groups' lists and the same requires_grad flags)."""
+        listed = [p for g in self._groups for p in g["params"]]
+        if len(listed) == len(self._listed) and all(
+                a is b and a.requires_grad == r
+                for a, b, r in zip(listed, self._listed, self._requires)):
+            return False
         return [id(p) for p in trainable(self._groups)] != self._ids
 
     def _collect(self):

@@ -117,6 +117,7 @@ class _Slot:
         self.detached: set = set()  # positions whose late additions wait in autograd's tensor
 
 
+_NO_CONTEXT = contextlib.nullcontext()
 _RUN_BACKWARD = torch.autograd.graph._engine_run_backward.__code__
 _NODE_APPLY = torch.autograd.function.BackwardCFunction.apply.__code__
 
@@ -195,12 +196,13 @@ class GradientSynchronizer:
 
         self._steps = 0  # completed steps
         self._step_t0 = time.perf_counter()
-        self._epoch = 0  # a step, or a closure call inside one: each bucket launched once per
+        self._epoch = 0  # a step, or a closure call in one: each bucket launched once in it
         self._passes = 0  # counted backward passes since the last step
         self._passes_any = 0  # every backward pass since the last step
         self._pass_id = 0
         self._pass_active = False
         self._pass_kind = "local"  # "launch" | "late" | "local"
+        self._measuring_pass = False
         self._pass_callback_due = False
         self._pass_t0 = 0.0
         self._closure_depth = 0
@@ -341,7 +343,7 @@ class GradientSynchronizer:
     def _watched(self):
         """The device runtime's view of host torch calls in autograd hooks (the GPU
         simulator must see them; torch gives hooks no torch-function modes)."""
-        return self._rt.watched() if self._rt is not None else contextlib.nullcontext()
+        return self._rt.watched() if self._rt is not None else _NO_CONTEXT
 
     def _before_grad(self, p) -> None:
         """Autograd is about to add a gradient into ``p.grad``: make that in place
@@ -350,6 +352,8 @@ class GradientSynchronizer:
         if where is None:
             return
         slot, pos = where
+        if slot.phase is Phase.ACCUMULATING and p.grad is not None and self._rt is None:
+            return  # the usual case: autograd adds into the view (or a tensor it was given)
         b = slot.bucket
         with self._watched():
             if slot.phase is not Phase.ACCUMULATING:
@@ -377,13 +381,13 @@ class GradientSynchronizer:
             elif self._pass_callback_due and not _in_nested_backward():
                 self._queue_pass_end()
             b = slot.bucket
-            if p.grad.is_sparse:
-                raise HybridCommError(f"parameter {self.registry.names[b.spec.params[pos]]!r} "
-                                      "got a sparse gradient; hybridcomm reduces dense "
-                                      "gradients (use sparse=True only on the CPU path)")
             if slot.phase is Phase.IN_FLIGHT:
                 return  # waits in autograd's tensor until the launch is done (_open)
-            if not b.holds(pos):  # autograd put it elsewhere (the user rebound .grad)
+            if p.grad is not b.views[pos]:  # autograd put it elsewhere (.grad was rebound)
+                if p.grad.is_sparse:
+                    raise HybridCommError(f"parameter {self.registry.names[b.spec.params[pos]]!r}"
+                                          " got a sparse gradient; hybridcomm reduces dense "
+                                          "gradients (use sparse=True only on the CPU path)")
                 if slot.phase is not Phase.ACCUMULATING and not self._open(slot):
                     return
                 b.views[pos].copy_(p.grad)
@@ -393,7 +397,7 @@ class GradientSynchronizer:
                 slot.pass_id, slot.touched = self._pass_id, set()
             slot.touched.add(pos)
             if self._pass_kind == "launch":
-                if self.measure.measuring(self._steps):
+                if self._measuring_pass:
                     self.measure.ready(b.spec.params[pos], time.perf_counter())
                 if len(slot.touched) == len(b.params) and slot.launched_epoch != self._epoch:
                     self._launch(slot)
@@ -413,6 +417,7 @@ class GradientSynchronizer:
             self._pass_kind = "late"
         else:
             self._pass_kind = "local"
+        self._measuring_pass = self._pass_kind == "launch" and self.measure.measuring(self._steps)
         self._pass_callback_due = True
         if not _in_nested_backward():
             self._queue_pass_end()
