@@ -213,6 +213,12 @@ class CommEngine:
         self.channel.wait(tickets[-1], f"bucket {index}")
         return time.perf_counter() - t0
 
+    def done(self, index: int) -> bool:
+        """Whether bucket ``index``'s last launch has finished (never blocks, never a
+        host sync: a completed-ticket count, or an event query)."""
+        tickets = self._tickets[index]
+        return not tickets or (self.issued(index) and self.channel.done(tickets[-1]))
+
     def version(self, index: int) -> int:
         """The bucket buffer's version counter right after the engine's own writes:
         anything higher when the result is read means someone else wrote to it."""

@@ -536,22 +536,39 @@ class GradientSynchronizer:
         slot.phase = Phase.IDLE
 
     def _apply(self, slot: _Slot) -> None:
-        """Forward mode: apply a bucket's deferred update with its reduced gradients."""
+        """Forward mode: apply a bucket's deferred update with its reduced gradients;
+        after the measured steps, with it every other deferred bucket whose reduction
+        has already finished, in one optimizer call (the multi-tensor path)."""
         t0 = time.perf_counter()
-        if self.measure.measuring(self._steps) and slot.launched_at:
-            self.measure.window(slot.bucket.spec.layers, t0 - slot.launched_at)
-        hyper, slot.hyper = slot.hyper, None
-        used = self._settle(slot)
-        slot.phase = Phase.IDLE
-        b = slot.bucket
-        for pos, p in enumerate(b.params):
-            if pos not in used and p.grad is b.views[pos]:
-                p.grad = None
-        used = [pos for pos in used if pos in slot.taken]
-        if used and self._update is not None:
-            self._update([b.params[pos] for pos in used], [b.views[pos] for pos in used], hyper,
-                         b.topk is not None and bool(self.momentum))
-        self.timeline.add(f"update bucket {slot.index}", "compute", t0, time.perf_counter())
+        if self.measure.measuring(self._steps):
+            if slot.launched_at:
+                self.measure.window(slot.bucket.spec.layers, t0 - slot.launched_at)
+            together = [slot]  # one by one: each bucket's window and need are measured
+        else:
+            together = [slot] + [s for s in self.slots if s is not slot and
+                                 s.phase is Phase.PENDING and self.engine.done(s.index)]
+        groups: Dict[bool, tuple] = {}
+        for s in together:
+            hyper, s.hyper = s.hyper, None
+            used = self._settle(s)
+            s.phase = Phase.IDLE
+            b = s.bucket
+            for pos, p in enumerate(b.params):
+                if pos not in used and p.grad is b.views[pos]:
+                    p.grad = None
+            free = b.topk is not None and bool(self.momentum)
+            params, grads, _ = groups.setdefault(free, ([], [], hyper))
+            for pos in used:
+                if pos in s.taken:
+                    params.append(b.params[pos])
+                    grads.append(b.views[pos])
+        if self._update is not None:
+            for free, (params, grads, hyper) in groups.items():
+                if params:
+                    self._update(params, grads, hyper, free)
+        self.timeline.add(f"update bucket {slot.index}" + (f" (+{len(together) - 1})"
+                                                          if len(together) > 1 else ""),
+                          "compute", t0, time.perf_counter())
 
     # ---- the verbs of the fronts -------------------------------------------------------
     def begin_step(self) -> None:
