@@ -11,7 +11,13 @@ configuration is measured side by side on the same processes:
                      (sum, then divide by the world size), optimizer.step()
     comm             one flat torch.distributed.all_reduce of all gradient bytes, no compute
                      (communication alone: bound = max(compute, comm) is what perfect
-                     overlap would give)
+                     overlap would give if the two never competed for the machine)
+    limit            compute's step with comm's flat all_reduce (all gradient bytes, one
+                     buffer allocated once) running at the same time in a helper thread (a
+                     persistent worker, signalled per step): both start together, the step
+                     ends when both have. What perfect overlap reaches on this machine,
+                     contention for cores and memory included; it is not bound everywhere
+                     (where the cores move the bytes, it is closer to compute + comm)
     ddp              torch.nn.parallel.DistributedDataParallel (its defaults: 25 MB buckets)
     ddp:CAP_MB       DDP with bucket_cap_mb=CAP_MB and gradient_as_bucket_view=True
     ring             hybridcomm.DistributedOptimizer(strategy="ring", overlap="backward")
@@ -28,16 +34,32 @@ compared (column ``same``); a mismatch fails the run. ``max|d|`` is the
 largest parameter difference from ``stock`` after the same steps (float
 reduction order differs between algorithms, so small, not zero).
 
+``/bound`` and ``/limit`` are each config's step time over ``bound`` and over
+``limit``'s step time (1.00x on ``/limit``: as good as overlap can get here).
+
 ``cpu%`` is the machine's CPU busy share while that config's timed steps
 ran (/proc/stat): where ``comm`` keeps the cores busy, the network is CPU-bound
 and nothing can overlap; where it leaves them idle, the wire is the bottleneck.
+
+``peakMB`` is the process's peak resident memory (VmHWM) during that config's
+timed steps, the largest over ranks (Linux: the peak is reset through
+/proc/self/clear_refs before the timed steps, after freed heap memory is handed
+back with malloc_trim; ``-`` where that cannot be done). Every config's model
+lives in every process, so it counts all configs' persistent state and differs
+between configs by what their steps allocate on top (e.g. gradients held while
+the next forward runs). ``footMB`` is the config's own persistent memory: the
+resident memory its trainer added from construction through its first round of
+steps (model, gradients, optimizer state, communication buffers), the largest
+over ranks; the first config (compute) also carries the runtime's one-time
+start-up. footMB compares what configs keep between steps, peakMB what their
+steps add on top.
 
     python benchmarks/train.py                       # 4 ranks, batch 8,16,32,64, all configs
     python benchmarks/train.py --quick               # ~1 minute
     python benchmarks/train.py --configs stock,ddp:2 --batch-sizes 8 --json out.json --plot out.png
     python benchmarks/train.py --shape "rate 100mbit" --batch-sizes 256 \
         --configs comm,stock,ddp:0.5,ddp:2,ddp:25,hybrid-forward          # root: the wire-bound case
-    python benchmarks/train.py --regime-map --json map.json --plot map.png   # root; ~20 minutes
+    python benchmarks/train.py --regime-map --json map.json --plot map.png   # root; ~30 minutes
     python benchmarks/train.py --demo                # what `make demo` runs (< 3 minutes)
 """
 from __future__ import annotations
@@ -49,6 +71,7 @@ import os
 import shlex
 import statistics
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -66,6 +89,7 @@ from models import IMAGE_SHAPE, NUM_CLASSES, param_counts, vgg_small  # noqa: E4
 # "ddp:CAP_MB" (any cap) is accepted besides these; see config_kind.
 CONFIGS = {
     "comm": None,
+    "limit": None,
     "stock": None,
     "ddp": None,
     "ring": ("ring", "backward"),
@@ -73,20 +97,21 @@ CONFIGS = {
     "hybrid-backward": ("hybrid", "backward"),
     "hybrid-forward": ("hybrid", "forward"),
 }
-DEFAULT_CONFIGS = ["comm", "stock", "ddp", "ring", "butterfly", "hybrid-backward", "hybrid-forward"]
+DEFAULT_CONFIGS = ["comm", "limit", "stock", "ddp", "ring", "butterfly", "hybrid-backward", "hybrid-forward"]
 LR, MOMENTUM, SEED, DATA_BATCHES = 0.01, 0.9, 1234, 4
 # Warm-up covers DistributedOptimizer's re-plan (after measure_iters=3 steps by default).
 QUICK = {"batch_sizes": [8, 32], "iters": 6, "warmup": 4, "rounds": 2}
 FULL = {"batch_sizes": [8, 16, 32, 64], "iters": 20, "warmup": 5, "rounds": 4}
 # --regime-map: every network x batch size, the configs that decide "never slower than DDP".
 REGIME_NETWORKS = [None, "rate 1gbit", "rate 300mbit", "rate 100mbit"]
-REGIME_BATCHES = [32, 128, 256]
-REGIME_CONFIGS = ["comm", "stock", "ddp:0.5", "ddp:2", "ddp:25", "hybrid-forward"]
+REGIME_BATCHES = [32, 128, 256, 512]  # 512: compute and comm about equal at 100mbit
+REGIME_CONFIGS = ["comm", "limit", "stock", "ddp:0.5", "ddp:2", "ddp:25", "hybrid-forward"]
 REGIME_RUN = {"iters": 6, "warmup": 4, "rounds": 2}
 # --demo: the wire-bound case, quick (make demo; < 3 minutes).
 DEMO = {"shape": "rate 100mbit", "batch_sizes": [256], "iters": 4, "warmup": 4, "rounds": 1,
-        "configs": ["comm", "stock", "ddp:25", "ddp:2", "hybrid-forward"]}
+        "configs": ["comm", "limit", "stock", "ddp:25", "ddp:2", "hybrid-forward"]}
 DEMO_LOOPBACK_BATCHES = [32]  # without namespaces: loopback, a quick batch
+UNSYNCED = ("compute", "limit")  # configs that train on local gradients (no averaging)
 
 
 def config_kind(name: str):
@@ -144,6 +169,46 @@ def _shard(rank: int, batch_size: int):
             for _ in range(DATA_BATCHES)]
 
 
+class _Concurrent:
+    """A persistent helper thread that runs ``fn()`` once per ``start()``; ``wait()`` returns
+    when that run is done (and raises what it raised). Started once, outside the timed steps,
+    so a step pays a wake-up, never a thread's start-up."""
+
+    def __init__(self, fn, name="concurrent"):
+        self._fn, self._error, self._stop = fn, None, False
+        self._go, self._done = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        while True:
+            self._go.wait()
+            self._go.clear()
+            if self._stop:
+                return
+            try:
+                self._fn()
+            except BaseException as e:  # handed to the step that waits on it
+                self._error = e
+            finally:
+                self._done.set()
+
+    def start(self):
+        self._done.clear()
+        self._go.set()
+
+    def wait(self):
+        self._done.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self, timeout=10.0):
+        self._stop = True
+        self._go.set()
+        self._thread.join(timeout)  # a daemon: a run stuck on a dead peer cannot hold the exit
+
+
 class _Trainer:
     """One config's model, optimizer and step; ``step`` is what gets timed."""
 
@@ -152,10 +217,12 @@ class _Trainer:
         self.model = vgg_small(SEED)
         self.params = list(self.model.parameters())
         base = torch.optim.SGD(self.params, lr=LR, momentum=MOMENTUM)
-        self.net, self.opt = self.model, base
+        self.net, self.opt, self.concurrent = self.model, base, None
         kind, cap = config_kind(config)
-        if config == "comm":  # every gradient's bytes in one buffer
+        if config in ("comm", "limit"):  # every gradient's bytes in one buffer
             self.flat = torch.zeros(sum(p.numel() for p in self.params))
+        if config == "limit":  # that all_reduce beside compute's step, in a persistent thread
+            self.concurrent = _Concurrent(lambda: dist.all_reduce(self.flat), "limit-all_reduce")
         elif kind == "ddp":
             extra = {} if cap is None else {"bucket_cap_mb": cap, "gradient_as_bucket_view": True}
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, **extra)
@@ -168,6 +235,8 @@ class _Trainer:
         if self.config == "comm":
             dist.all_reduce(self.flat)
             return
+        if self.concurrent is not None:  # limit: the all_reduce starts with the compute
+            self.concurrent.start()
         self.opt.zero_grad()
         F.cross_entropy(self.net(x), y).backward()
         if self.config == "stock":  # the plain PyTorch pattern, one all_reduce per gradient
@@ -176,6 +245,8 @@ class _Trainer:
                     dist.all_reduce(p.grad)
                     p.grad.div_(self.world)
         self.opt.step()
+        if self.concurrent is not None:  # ... and the step ends when both have
+            self.concurrent.wait()
 
     def plan(self):
         """hybridcomm's plan table as it stands now, or None."""
@@ -193,6 +264,8 @@ class _Trainer:
             self.opt.synchronize()
 
     def close(self):
+        if self.concurrent is not None:
+            self.concurrent.close()
         if hasattr(self.opt, "close"):
             self.opt.close()
 
@@ -224,11 +297,62 @@ def cpu_times():
     return sum(fields) - idle, sum(fields)
 
 
-def _run_steps(trainer, data, first, untimed, timed, record, cpu):
+def _status_kb(field: str) -> Optional[int]:
+    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM), None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _libc_malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim  # glibc only
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def resident_kb(trim: bool = False) -> Optional[int]:
+    """This process's resident memory (VmRSS) in kB; ``trim`` first hands freed heap memory
+    back to the OS (glibc malloc_trim), so what is left is what is live. None elsewhere."""
+    if trim and _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+    return _status_kb("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Set this process's peak resident memory (VmHWM) to its current one (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_kb() -> Optional[int]:
+    """This process's peak resident memory (VmHWM) in kB since start or the last reset."""
+    return _status_kb("VmHWM")
+
+
+def _run_steps(trainer, data, first, untimed, timed, record, cpu, peak=None):
     """``untimed + timed`` steps; each timed one goes to ``record(seconds, stats)``;
-    the machine's CPU jiffies over the timed steps are added to ``cpu`` [busy, total]."""
+    the machine's CPU jiffies over the timed steps are added to ``cpu`` [busy, total];
+    ``peak`` [kB] is raised to the process's peak resident memory over the timed steps
+    (set to None where the peak cannot be reset and read)."""
     for i in range(untimed + timed):
         if i == untimed:
+            if peak is not None and peak[0] is not None and not reset_peak_rss():
+                peak[0] = None
             before = cpu_times()
         x, y = data[(first + i) % len(data)]
         t0 = time.perf_counter()
@@ -237,6 +361,9 @@ def _run_steps(trainer, data, first, untimed, timed, record, cpu):
         if i >= untimed:
             record(dt, trainer.library_stats())
     after = cpu_times()
+    if timed and peak is not None and peak[0] is not None:
+        hwm = peak_rss_kb()
+        peak[0] = None if hwm is None else max(peak[0], hwm)
     if timed and before and after:
         cpu[0] += after[0] - before[0]
         cpu[1] += after[1] - before[1]
@@ -260,20 +387,34 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
     per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
     t_start = time.perf_counter()
     try:
+        # footprint [kB]: resident memory a config's trainer adds, from its construction
+        # through its first round of steps (both measured with freed heap memory trimmed)
+        footprint = {}
         for c in names:
+            before = resident_kb(trim=True)
             trainers[c] = _Trainer(c, world)
+            after = resident_kb(trim=True)
+            footprint[c] = None if before is None or after is None else after - before
         samples = {c: [] for c in names}
         cpu = {c: [0, 0] for c in names}
+        peak = {c: [0] for c in names}  # kB, over the timed steps of every round
         steps_done = dict.fromkeys(names, 0)
         for r, timed in enumerate(per_round):
             for c in names:
+                # Freed memory of the configs before is handed back first, so it cannot
+                # count in this config's peak; cheap, and outside the timed steps.
+                start_kb = resident_kb(trim=True)
                 dist.barrier()  # start together; no barrier inside the timed steps
                 # Round 0 warms up; later rounds drop one step to refill the pipeline.
                 steps_done[c] = _run_steps(trainers[c], data, steps_done[c],
                                            warmup if r == 0 else 1, timed,
                                            lambda dt, st, c=c: samples[c].append((dt, *st)),
-                                           cpu[c])
+                                           cpu[c], peak[c])
                 trainers[c].finish()  # its communication done before the next config runs
+                if r == 0 and footprint[c] is not None:
+                    end_kb = resident_kb(trim=True)
+                    footprint[c] = (None if start_kb is None or end_kb is None
+                                    else footprint[c] + end_kb - start_kb)
                 if rank == 0:  # progress: a long sweep is never silent
                     so_far = statistics.median(s[0] for s in samples[c]) * 1e3
                     print(f"[train] {label} batch {batch_size} round {r + 1}/{rounds} "
@@ -288,11 +429,13 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
             rows.append({
                 "config": c, "batch_size": batch_size, "step_s": statistics.median(times),
                 "lib_exposed_s": _median_or_none(lib_exposed), "lib_busy_s": _median_or_none(lib_busy),
-                # compute has no communication: its replicas differ by design
-                "same": None if c == "compute" else _same_across_ranks(flat, world),
-                "max_abs_diff_vs_stock": (None if stock_flat is None or c in ("compute", "comm")
+                # compute and limit average no gradients: their replicas differ by design
+                "same": None if c in UNSYNCED else _same_across_ranks(flat, world),
+                "max_abs_diff_vs_stock": (None if stock_flat is None or c in UNSYNCED + ("comm",)
                                           else float((flat - stock_flat).abs().max())),
                 "cpu_busy_pct": 100.0 * cpu[c][0] / cpu[c][1] if cpu[c][1] else None,
+                "peak_rss_mb": None if not peak[c][0] else peak[c][0] / 1024,
+                "footprint_mb": None if footprint[c] is None else footprint[c] / 1024,
                 "plan": trainers[c].plan() if rank == 0 else None,
             })
     finally:
@@ -314,6 +457,11 @@ def _mean(xs):
     return statistics.mean(xs) if xs else None
 
 
+def _max_or_none(xs):
+    """The largest, or None unless every rank measured one."""
+    return max(xs) if xs and None not in xs else None
+
+
 def aggregate(per_rank, configs, batch_sizes):
     """Per (config, batch size): step time averaged over ranks of per-rank medians, etc."""
     out = {}
@@ -331,6 +479,8 @@ def aggregate(per_rank, configs, batch_sizes):
             "same": None if row["same"] is None else all(r["same"] for r in ranks),
             "max_abs_diff_vs_stock": max(diffs) if diffs else None,
             "cpu_busy_pct": row.get("cpu_busy_pct"),  # rank 0's reading: the whole machine
+            "peak_rss_mb": _max_or_none([r.get("peak_rss_mb") for r in ranks]),
+            "footprint_mb": _max_or_none([r.get("footprint_mb") for r in ranks]),
         }
     results = []
     for bs in batch_sizes:
@@ -341,6 +491,7 @@ def aggregate(per_rank, configs, batch_sizes):
         ddp = ddps.get(best_ddp)
         comm = out.get(("comm", bs), {}).get("step_ms")
         bound = max(compute, comm) if comm else None
+        limit = out.get(("limit", bs), {}).get("step_ms")
         for config in ["compute"] + configs:
             r = out[(config, bs)]
             step = r["step_ms"]
@@ -348,10 +499,12 @@ def aggregate(per_rank, configs, batch_sizes):
                 "config": config, "batch_size": bs, "step_ms": step, "compute_ms": compute,
                 "exposed_comm_ms": step - compute,
                 "bound_ms": bound, "vs_bound": step / bound if bound else None,
+                "limit_ms": limit, "vs_limit": step / limit if limit else None,
                 "best_ddp": best_ddp,
                 "speedup_vs_stock": stock / step if stock else None,
                 "speedup_vs_ddp": ddp / step if ddp else None,
                 "cpu_busy_pct": r["cpu_busy_pct"],
+                "peak_rss_mb": r["peak_rss_mb"], "footprint_mb": r["footprint_mb"],
                 "lib_exposed_comm_ms": r["lib_exposed_comm_ms"],
                 "lib_comm_busy_ms": r["lib_comm_busy_ms"], "same": r["same"],
                 "max_abs_diff_vs_stock": r["max_abs_diff_vs_stock"],
@@ -366,18 +519,20 @@ def _fmt(v, spec, width):
 
 def print_table(results, header):
     print(header)
-    print(f"{'batch':>5} {'config':>16} {'step(ms)':>9} {'compute':>8} {'bound':>8} "
-          f"{'exposed':>8} {'lib_exp':>8} {'/bound':>7} {'vs stock':>8} {'vs ddp':>7} "
-          f"{'cpu%':>5} {'same':>5} {'max|d|':>8}")
+    print(f"{'batch':>5} {'config':>16} {'step(ms)':>9} {'compute':>8} {'bound':>8} {'limit':>8} "
+          f"{'exposed':>8} {'lib_exp':>8} {'/bound':>7} {'/limit':>7} {'vs stock':>8} "
+          f"{'vs ddp':>7} {'cpu%':>5} {'peakMB':>7} {'footMB':>7} {'same':>5} {'max|d|':>8}")
     for r in results:
         same = "-" if r["same"] is None else ("yes" if r["same"] else "NO")
         print(f"{r['batch_size']:>5} {r['config']:>16} {r['step_ms']:>9.1f} {r['compute_ms']:>8.1f} "
-              f"{_fmt(r['bound_ms'], '.1f', 8)} "
+              f"{_fmt(r['bound_ms'], '.1f', 8)} {_fmt(r['limit_ms'], '.1f', 8)} "
               f"{r['exposed_comm_ms']:>8.1f} {_fmt(r['lib_exposed_comm_ms'], '.1f', 8)} "
               f"{_fmt(r['vs_bound'], '.2f', 6)}{'x' if r['vs_bound'] else ' '} "
+              f"{_fmt(r['vs_limit'], '.2f', 6)}{'x' if r['vs_limit'] else ' '} "
               f"{_fmt(r['speedup_vs_stock'], '.2f', 7)}{'x' if r['speedup_vs_stock'] else ' '} "
               f"{_fmt(r['speedup_vs_ddp'], '.2f', 6)}{'x' if r['speedup_vs_ddp'] else ' '} "
-              f"{_fmt(r['cpu_busy_pct'], '.0f', 5)} "
+              f"{_fmt(r['cpu_busy_pct'], '.0f', 5)} {_fmt(r['peak_rss_mb'], '.0f', 7)} "
+              f"{_fmt(r['footprint_mb'], '.1f', 7)} "
               f"{same:>5} {_fmt(r['max_abs_diff_vs_stock'], '.1e', 8)}")
     best = {r["batch_size"]: r["best_ddp"] for r in results if r["best_ddp"]}
     if best:
@@ -454,7 +609,8 @@ def plot_regime_map(cells, path):
 
 
 def regime_cells(network, results):
-    """One regime-map cell per batch size: hybrid-forward against the best DDP and the bound."""
+    """One regime-map cell per batch size: hybrid-forward against the best DDP, the bound and
+    the limit (perfect overlap as measured, contention included)."""
     by = {(r["config"], r["batch_size"]): r for r in results}
     cells = []
     for bs in sorted({r["batch_size"] for r in results}):
@@ -462,24 +618,30 @@ def regime_cells(network, results):
         comm = by.get(("comm", bs))
         if hf is None or hf["best_ddp"] is None:
             continue
-        ddp = by[(hf["best_ddp"], bs)]["step_ms"]
+        best = by[(hf["best_ddp"], bs)]
+        ddp = best["step_ms"]
         cells.append({"network": network, "batch_size": bs, "hybrid_forward_ms": hf["step_ms"],
                       "best_ddp": hf["best_ddp"], "best_ddp_ms": ddp,
                       "hybrid_vs_best_ddp": hf["step_ms"] / ddp,
                       "stock_ms": by.get(("stock", bs), {}).get("step_ms"),
                       "compute_ms": hf["compute_ms"], "bound_ms": hf["bound_ms"],
                       "hybrid_vs_bound": hf["vs_bound"],
+                      "limit_ms": hf.get("limit_ms"), "hybrid_vs_limit": hf.get("vs_limit"),
+                      "hybrid_peak_rss_mb": hf.get("peak_rss_mb"),
+                      "best_ddp_peak_rss_mb": best.get("peak_rss_mb"),
                       "comm_cpu_busy_pct": comm and comm["cpu_busy_pct"]})
     return cells
 
 
 def print_regime_map(cells):
     print(f"{'network':>14} {'batch':>5} {'hybrid-fwd':>10} {'best DDP':>14} {'ratio':>6} "
-          f"{'bound':>8} {'/bound':>6} {'comm cpu%':>9}")
+          f"{'bound':>8} {'/bound':>6} {'limit':>8} {'/limit':>6} {'comm cpu%':>9}")
     for c in cells:
         print(f"{c['network']:>14} {c['batch_size']:>5} {c['hybrid_forward_ms']:>10.1f} "
               f"{c['best_ddp_ms']:>7.1f} {c['best_ddp']:>6} {c['hybrid_vs_best_ddp']:>5.2f}x "
               f"{_fmt(c['bound_ms'], '.1f', 8)} {_fmt(c['hybrid_vs_bound'], '.2f', 5)}x "
+              f"{_fmt(c.get('limit_ms'), '.1f', 8)} {_fmt(c.get('hybrid_vs_limit'), '.2f', 5)}"
+              f"{'x' if c.get('hybrid_vs_limit') else ' '} "
               f"{_fmt(c['comm_cpu_busy_pct'], '.0f', 9)}")
 
 
@@ -560,7 +722,9 @@ def header_line(args, model, where):
             f"(gloo), network: {where}; median of {args.iters} steps (configs interleaved "
             f"in {args.rounds} rounds, {args.warmup} warm-up) per rank, averaged across ranks; "
             f"exposed = step - compute; lib_exp = the library's own exposed_comm_s; "
-            f"bound = max(compute, comm)")
+            f"bound = max(compute, comm); limit = compute with comm in a thread at the same "
+            f"time; peakMB = peak resident memory over the timed steps, footMB = the config's "
+            f"own persistent memory (largest over ranks)")
 
 
 def can_shape() -> Optional[str]:
@@ -588,6 +752,12 @@ def demo_line(results, where) -> str:
                      f"({hf['best_ddp']}, {ddp['step_ms']:.0f} ms)")
     if hf["bound_ms"]:
         parts.append(f"{hf['vs_bound']:.2f}x the bound max(compute, comm) = {hf['bound_ms']:.0f} ms")
+    if hf.get("limit_ms"):
+        parts.append(f"{hf['vs_limit']:.2f}x the limit (compute and comm at once) = "
+                     f"{hf['limit_ms']:.0f} ms")
+    if ddp and hf.get("peak_rss_mb") and ddp.get("peak_rss_mb"):
+        parts.append(f"peak memory {hf['peak_rss_mb']:.0f} MB vs {ddp['peak_rss_mb']:.0f} MB "
+                     f"({hf['best_ddp']})")
     return f"demo ({where}, batch {hf['batch_size']}): " + ", ".join(parts)
 
 

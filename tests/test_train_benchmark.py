@@ -4,14 +4,26 @@ import math
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "train.py")
 HYBRID = ["ring", "butterfly", "hybrid-backward", "hybrid-forward"]
 ROW_KEYS = {"config", "batch_size", "step_ms", "compute_ms", "exposed_comm_ms",
-            "speedup_vs_stock", "speedup_vs_ddp"}
+            "speedup_vs_stock", "speedup_vs_ddp", "limit_ms", "vs_limit", "peak_rss_mb",
+            "footprint_mb"}
+UNSYNCED = ("compute", "limit")  # no gradient averaging: replicas differ by design
+LINUX = sys.platform.startswith("linux")
+
+
+def _train_module():
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import train
+
+    return train
 
 
 def _run(tmp_path, *extra, timeout=120):
@@ -36,10 +48,17 @@ def _check(doc, configs):
         assert math.isfinite(r["step_ms"]) and r["step_ms"] > 0 and r["compute_ms"] > 0
         assert r["exposed_comm_ms"] == pytest.approx(r["step_ms"] - r["compute_ms"])
         assert r["speedup_vs_stock"] == pytest.approx(rows["stock"]["step_ms"] / r["step_ms"])
-        if r["config"] != "compute":
+        if r["config"] in UNSYNCED:
+            assert r["same"] is None and r["max_abs_diff_vs_stock"] is None
+        else:
             assert r["same"] is True  # parameters bitwise identical across ranks
-        if r["config"] not in ("compute", "comm"):
+        if r["config"] not in UNSYNCED + ("comm",):
             assert r["max_abs_diff_vs_stock"] < 1e-4  # same training as stock, up to sum order
+        if LINUX:  # peak resident memory of the timed steps, the largest over ranks
+            assert r["peak_rss_mb"] > 0 and r["footprint_mb"] is not None
+            assert r["peak_rss_mb"] * 1024 * 1024 > doc["model"]["bytes"] * len(configs)
+        if "limit" not in rows:
+            assert r["limit_ms"] is None and r["vs_limit"] is None
     assert rows["stock"]["speedup_vs_stock"] == pytest.approx(1.0)
     if "ddp" in rows:
         assert rows["ddp"]["speedup_vs_ddp"] == pytest.approx(1.0)
@@ -57,20 +76,82 @@ def test_hybridcomm_configs(tmp_path):
 
 
 
-def test_ddp_caps_comm_and_the_bound(tmp_path):
-    configs = ["comm", "stock", "ddp:0.5", "ddp:25", "hybrid-forward"]
+def test_ddp_caps_comm_the_bound_and_the_limit(tmp_path):
+    configs = ["comm", "limit", "stock", "ddp:0.5", "ddp:25", "hybrid-forward"]
     doc, stdout = _run(tmp_path, "--configs", ",".join(configs))
     _check(doc, configs)
     rows = {r["config"]: r for r in doc["results"]}
     bound = max(rows["compute"]["step_ms"], rows["comm"]["step_ms"])
+    limit = rows["limit"]["step_ms"]
     best = min(("ddp:0.5", "ddp:25"), key=lambda c: rows[c]["step_ms"])
     for r in rows.values():
         assert r["bound_ms"] == pytest.approx(bound)
         assert r["vs_bound"] == pytest.approx(r["step_ms"] / bound)
+        assert r["limit_ms"] == pytest.approx(limit)
+        assert r["vs_limit"] == pytest.approx(r["step_ms"] / limit)
         assert r["best_ddp"] == best
         assert r["speedup_vs_ddp"] == pytest.approx(rows[best]["step_ms"] / r["step_ms"])
         assert 0 <= r["cpu_busy_pct"] <= 100
-    assert "bound" in stdout and "cpu%" in stdout
+    assert rows["limit"]["vs_limit"] == pytest.approx(1.0)
+    if LINUX:  # comm and limit hold the model and a flat buffer of all gradients, at least
+        for c in ("comm", "limit"):
+            assert rows[c]["footprint_mb"] * 1024 * 1024 > 1.5 * doc["model"]["bytes"]
+    header = next(line for line in stdout.splitlines() if line.lstrip().startswith("batch"))
+    for column in ("bound", "limit", "/bound", "/limit", "cpu%", "peakMB", "footMB"):
+        assert column in header.split()
+    limit_line = next(line for line in stdout.splitlines() if line.split()[1:2] == ["limit"])
+    assert "1.00x" in limit_line
+
+
+def test_limit_runs_its_all_reduce_beside_the_step_in_one_persistent_thread():
+    train = _train_module()
+    inside, calls = threading.Event(), []
+
+    def fn():  # returns only once the caller runs concurrently with it
+        calls.append(threading.current_thread())
+        assert inside.wait(10)
+
+    worker = train._Concurrent(fn)
+    try:
+        for _ in range(3):
+            inside.clear()
+            worker.start()
+            inside.set()  # the "compute", while fn runs
+            worker.wait()
+    finally:
+        worker.close()
+    assert len(calls) == 3 and len(set(calls)) == 1 and calls[0] is not threading.main_thread()
+    assert not calls[0].is_alive()
+
+    def boom():
+        raise RuntimeError("all_reduce failed")
+
+    worker = train._Concurrent(boom)
+    worker.start()
+    with pytest.raises(RuntimeError, match="all_reduce failed"):
+        worker.wait()
+    worker.close()
+
+
+@pytest.mark.skipif(not LINUX, reason="VmHWM and clear_refs are Linux's")
+def test_peak_resident_memory_is_reset_and_read():
+    train = _train_module()
+    if not train.reset_peak_rss():
+        pytest.skip("/proc/self/clear_refs cannot reset the peak here")
+    base = train.peak_rss_kb()
+    assert base and base >= train.resident_kb() * 0.9
+    x = torch.ones(16 * 1024 * 1024)  # 64 MiB, touched
+    del x
+    assert train.peak_rss_kb() - base > 48 * 1024
+    assert train.reset_peak_rss() and train.peak_rss_kb() - train.resident_kb(trim=True) < 48 * 1024
+
+
+def test_defaults_carry_the_limit_and_the_balanced_batch():
+    train = _train_module()
+    assert "limit" in train.parse_args([]).configs
+    regime = train.parse_args(["--regime-map"])
+    assert 512 in regime.batch_sizes and "limit" in regime.configs
+    assert "limit" in train.parse_args(["--demo"]).configs
 
 
 def test_config_names_are_checked_before_anything_runs():
@@ -81,19 +162,24 @@ def test_config_names_are_checked_before_anything_runs():
 
 
 def test_regime_cells_and_the_demo_line():
-    sys.path.insert(0, os.path.dirname(SCRIPT))
-    import train
+    train = _train_module()
 
     def row(config, ms):
         return {"config": config, "batch_size": 256, "step_ms": ms, "compute_ms": 900.0,
                 "bound_ms": 1200.0, "vs_bound": ms / 1200.0, "best_ddp": "ddp:2",
+                "limit_ms": 1250.0, "vs_limit": ms / 1250.0,
+                "peak_rss_mb": 700.0 if config == "hybrid-forward" else 650.0,
                 "cpu_busy_pct": 24.0 if config == "comm" else 99.0}
 
-    results = [row("compute", 900.0), row("comm", 1200.0), row("stock", 2400.0),
-               row("ddp:2", 1800.0), row("hybrid-forward", 1500.0)]
+    results = [row("compute", 900.0), row("comm", 1200.0), row("limit", 1250.0),
+               row("stock", 2400.0), row("ddp:2", 1800.0), row("hybrid-forward", 1500.0)]
     (cell,) = train.regime_cells("100mbit", results)
     assert cell["hybrid_vs_best_ddp"] == pytest.approx(1500 / 1800)
     assert cell["comm_cpu_busy_pct"] == 24.0 and cell["best_ddp"] == "ddp:2"
+    assert cell["limit_ms"] == 1250.0 and cell["hybrid_vs_limit"] == pytest.approx(1.2)
+    assert cell["hybrid_peak_rss_mb"] == 700.0 and cell["best_ddp_peak_rss_mb"] == 650.0
+    train.print_regime_map([cell])  # prints the limit columns without failing
     line = train.demo_line(results, "100mbit")
     assert "38% less time than stock" in line and "17% less than the best DDP" in line
-    assert "1.25x the bound" in line
+    assert "1.25x the bound" in line and "1.20x the limit" in line
+    assert "peak memory 700 MB vs 650 MB (ddp:2)" in line
