@@ -61,6 +61,8 @@ steps add on top.
         --configs comm,stock,ddp:0.5,ddp:2,ddp:25,hybrid-forward          # root: the wire-bound case
     python benchmarks/train.py --regime-map --json map.json --plot map.png   # root; ~30 minutes
     python benchmarks/train.py --demo                # what `make demo` runs (< 3 minutes)
+    python benchmarks/train.py --configs hybrid-forward --batch-sizes 32 --trace traces/
+                                                     # timelines (ui.perfetto.dev), per rank
 """
 from __future__ import annotations
 
@@ -212,7 +214,7 @@ class _Concurrent:
 class _Trainer:
     """One config's model, optimizer and step; ``step`` is what gets timed."""
 
-    def __init__(self, config: str, world: int):
+    def __init__(self, config: str, world: int, trace: bool = False):
         self.config, self.world = config, world
         self.model = vgg_small(SEED)
         self.params = list(self.model.parameters())
@@ -229,7 +231,7 @@ class _Trainer:
         elif CONFIGS.get(config) is not None:
             strategy, overlap = CONFIGS[config]
             self.opt = hybridcomm.DistributedOptimizer(base, model=self.model, strategy=strategy,
-                                                       overlap=overlap, op="avg")
+                                                       overlap=overlap, op="avg", trace=trace)
 
     def step(self, x, y):
         if self.config == "comm":
@@ -377,10 +379,12 @@ def _same_across_ranks(flat, world) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
-def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, label):
+def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, label,
+                    trace_dir=None):
     """Every config on this batch size, interleaved in ``rounds`` so slow drift in the
     machine's load (shared cores) hits all configs alike. Each config runs the same
-    number of steps on the same data from the same initial model."""
+    number of steps on the same data from the same initial model. With ``trace_dir``
+    each hybridcomm config's timeline is written there per rank."""
     data = _shard(rank, batch_size)
     names = ["compute"] + configs
     trainers, rows = {}, []
@@ -392,7 +396,7 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
         footprint = {}
         for c in names:
             before = resident_kb(trim=True)
-            trainers[c] = _Trainer(c, world)
+            trainers[c] = _Trainer(c, world, trace=trace_dir is not None)
             after = resident_kb(trim=True)
             footprint[c] = None if before is None or after is None else after - before
         samples = {c: [] for c in names}
@@ -438,16 +442,23 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
                 "footprint_mb": None if footprint[c] is None else footprint[c] / 1024,
                 "plan": trainers[c].plan() if rank == 0 else None,
             })
+        if trace_dir is not None:
+            for c, t in trainers.items():
+                if hasattr(t.opt, "export_trace"):
+                    t.opt.export_trace(os.path.join(
+                        trace_dir, f"{label}-b{batch_size}-{c}-rank{rank}.json"))
     finally:
         for t in trainers.values():
             t.close()
     return rows
 
 
-def _rank(rank, world, batch_sizes, configs, warmup, iters, rounds, label="loopback"):
+def _rank(rank, world, batch_sizes, configs, warmup, iters, rounds, label="loopback",
+          trace_dir=None):
     rows = []
     for bs in batch_sizes:
-        rows += _run_batch_size(rank, world, bs, configs, warmup, iters, rounds, label)
+        rows += _run_batch_size(rank, world, bs, configs, warmup, iters, rounds, label,
+                                trace_dir)
     return rows
 
 
@@ -674,6 +685,8 @@ def parse_args(argv=None):
                     help=f"batch sizes {QUICK['batch_sizes']}, {QUICK['iters']} iters, "
                          f"{QUICK['warmup']} warm-up")
     ap.add_argument("--show-plan", action="store_true", help="print hybridcomm's plan per config")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="write each hybridcomm config's timeline (Chrome trace) per rank to DIR")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for each launch")
     args = ap.parse_args(argv)
     if args.regime_map and args.demo:
@@ -708,7 +721,7 @@ def measure(args, shape, batch_sizes):
     label = shape.replace("rate ", "") if shape else "loopback"
     with network as net:
         per_rank = launch(_rank, args.nprocs, batch_sizes, args.configs, args.warmup,
-                          args.iters, args.rounds, label, backend="gloo",
+                          args.iters, args.rounds, label, args.trace, backend="gloo",
                           setup=net and net.setup, timeout=args.timeout)
         where = f"tbf {net.spec} on each rank's link (a namespace per rank)" if net else "loopback"
     results = aggregate(per_rank, args.configs, batch_sizes)
@@ -763,6 +776,8 @@ def demo_line(results, where) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     command = " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv)
     model = param_counts(vgg_small(SEED))
     t0 = time.perf_counter()

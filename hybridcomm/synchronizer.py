@@ -500,7 +500,11 @@ class GradientSynchronizer:
         self.engine.launch(slot.index)
 
     def _wait(self, slot: _Slot) -> None:
-        self._exposed_s += self.engine.wait(slot.index)
+        waited = self.engine.wait(slot.index)
+        self._exposed_s += waited
+        if waited > 1e-5:
+            now = time.perf_counter()
+            self.timeline.add(f"wait bucket {slot.index}", "wait", now - waited, now)
 
     def _settle(self, slot: _Slot) -> List[int]:
         """Wait for the bucket's reduction; its content is now the reduced gradients

@@ -89,3 +89,27 @@ def test_gpu_latency_says_it_needs_a_gpu():
     r = subprocess.run([sys.executable, str(PROFILE / "gpu_latency.py"), "kernels"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
+
+
+def test_trace_summary_reads_one_step_and_says_where_its_time_went(tmp_path):
+    """A synthetic trace (what Timeline writes): step() at 0 and 100 ms; the channel busy
+    0-30 and 50-60 ms, the training thread waiting 50-60 ms."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "profile"))
+    from trace_summary import summarize
+
+    def ev(name, cat, start_ms, dur_ms):
+        return {"name": name, "cat": cat, "ph": "X", "pid": 1, "tid": "t",
+                "ts": start_ms * 1e3, "dur": dur_ms * 1e3, "args": {}}
+
+    events = [ev("step", "compute", 0, 0.2), ev("bucket 0 segment 0", "comm/channel", 0, 30),
+              ev("update bucket 0", "compute", 50, 12), ev("wait bucket 0", "wait", 50, 10),
+              ev("bucket 1 segment 0", "comm/channel", 50, 10), ev("backward", "compute", 70, 25),
+              ev("step", "compute", 100, 0.2)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    out = summarize(str(path))
+    assert "step -1 (100.0 ms" in out
+    assert "channel busy 40% of the step" in out and "30-50" in out and "60-100" in out
+    assert "waited 10.0 ms for communication (10% of the step)" in out
