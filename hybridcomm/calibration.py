@@ -2,6 +2,10 @@
 
 * A calibration (``hybridcomm-bench --calibrate``) is a JSON file at
   :func:`default_path` (``HYBRIDCOMM_COST_MODEL``, else the user cache dir).
+  That file, the process's active model and ``auto``'s choice
+  (:func:`save`, :func:`load`, :func:`set_active`, :func:`active_model`,
+  :func:`choose_algorithm`) live in auto_model.py, below collectives.py,
+  and are importable from here.
 * Without one, :func:`probe` measures this job's network at start-up: the
   reduction kernel alone (gamma, seconds per reduced byte), then the
   butterfly, the ring and ``native`` at two sizes (median of several runs),
@@ -23,121 +27,20 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
-import platform
 import statistics
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import control, env
-from .cost_model import DEFAULT_MODEL, MODELED, NATIVE, CostModel, FitReport, fit, rounded
+from .auto_model import (ENV_PATH, active_model, choose_algorithm, default_path,  # noqa: F401
+                         get_active, load, save, set_active)
+from .cost_model import DEFAULT_MODEL, NATIVE, CostModel, fit, rounded
 
 log = logging.getLogger("hybridcomm")
-
-ENV_PATH = "HYBRIDCOMM_COST_MODEL"
-
-
-def default_path() -> str:
-    """``$HYBRIDCOMM_COST_MODEL``, else ``$XDG_CACHE_HOME/hybridcomm/cost_model.json``
-    (``~/.cache/hybridcomm/cost_model.json``)."""
-    path = env.get(ENV_PATH)
-    if path:
-        return path
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "hybridcomm", "cost_model.json")
-
-
-def save(model: CostModel, path: Optional[str] = None, report: Optional[FitReport] = None,
-         **meta) -> str:
-    """Write ``model`` (plus ``meta``: world size, backend, ... and the fit error) as JSON."""
-    path = path or default_path()
-    data = model.to_json()
-    data.update(meta)
-    data.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    data.setdefault("host", platform.node())
-    if report is not None:
-        data["fit"] = {"n_points": report.n_points, "rms_rel_err": report.rms_rel_err,
-                       "max_rel_err": report.max_rel_err, "dropped": report.dropped,
-                       "confidence": report.confidence}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)  # atomic: a rank reading it never sees half a file
-    return path
-
-
-def load(path: Optional[str] = None) -> Optional[CostModel]:
-    """The calibrated model at ``path`` (default :func:`default_path`), or None if
-    there is none. A file that exists but does not parse raises ValueError."""
-    path = path or default_path()
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            return CostModel.from_json(json.load(f), source=path)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"cannot read the cost model at {path}: {e}") from e
-
-
-_active: Optional[CostModel] = None
-_loaded: Dict[str, Tuple[float, Optional[CostModel]]] = {}  # path -> (mtime, model)
-
-
-def set_active(model: Optional[CostModel]) -> None:
-    """Use ``model`` for ``auto`` in this process (None: back to the file / defaults)."""
-    global _active
-    _active = model
-
-
-def active_model() -> CostModel:
-    """The model ``auto`` uses: :func:`set_active`'s, else the calibration file
-    (:func:`default_path`, re-read when it changes), else :data:`DEFAULT_MODEL`."""
-    if _active is not None:
-        return _active
-    path = default_path()
-    try:
-        mtime = os.stat(path).st_mtime
-    except OSError:
-        return DEFAULT_MODEL
-    hit = _loaded.get(path)
-    if hit is None or hit[0] != mtime:
-        try:
-            model = load(path)
-        except ValueError as e:
-            log.warning("%s; using the built-in cost model", e)
-            model = None
-        hit = _loaded[path] = (mtime, model)
-    return hit[1] or DEFAULT_MODEL
-
-
-def choose_algorithm(nbytes: int, world_size: int, topology=None) -> str:
-    """The algorithm ``"auto"`` uses for ``nbytes`` over ``world_size`` ranks:
-    the fastest under :func:`active_model`, among ring, butterfly and
-    halving-doubling, and ``hierarchical`` where ``topology`` (default: from
-    ``LOCAL_WORLD_SIZE``) has several nodes of several ranks.
-
-    Example::
-
-        >>> set_active(DEFAULT_MODEL)
-        >>> choose_algorithm(4096, 4), choose_algorithm(64 << 20, 4), choose_algorithm(64 << 20, 6)
-        ('butterfly', 'halving_doubling', 'ring')
-        >>> set_active(None)
-    """
-    from .algorithms import Topology
-
-    if world_size <= 2:
-        return "butterfly"  # at P <= 2 all three send the same bytes; butterfly in one step
-    topo = (topology or Topology()).resolve(world_size)
-    many_nodes = 1 < topo.node_size < world_size
-    candidates = MODELED + (("hierarchical",) if many_nodes else ())
-    return active_model().choose(nbytes, world_size, candidates=candidates, topology=topo)
 
 
 def agree(model: Optional[CostModel] = None, group=None, *, timeout: Optional[float] = None,
@@ -154,7 +57,7 @@ def agree(model: Optional[CostModel] = None, group=None, *, timeout: Optional[fl
         True
     """
     timeout = env.timeout(timeout)
-    mine = model or _active
+    mine = model or get_active()
     if mine is None and dist.get_rank(group) == 0:
         try:
             mine = load()

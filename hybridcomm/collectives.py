@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from . import control, env
 from .algorithms import ALGORITHMS, TOPOLOGY_AWARE, Topology, get_schedule
-from .calibration import choose_algorithm
+from .auto_model import choose_algorithm
 from .cost_model import NATIVE
 from .errors import HybridCommError
 from .executor import execute, execute_native

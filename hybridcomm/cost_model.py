@@ -37,7 +37,8 @@ fitted separately where it was measured (the start-up probe, or the sweep's
 but in the fewest steps, so it wins while ``alpha`` dominates; ring and
 halving-doubling send the least. The coefficients are fitted by least
 squares (:func:`fit`) from a benchmark sweep or the start-up probe; where
-calibrations are saved, loaded and agreed across ranks is calibration.py.
+calibrations are saved and loaded is auto_model.py; how they are probed and
+agreed across ranks, calibration.py.
 This module is formulas and fitting only: no I/O, no collectives.
 
 Example::

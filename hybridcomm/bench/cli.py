@@ -23,8 +23,9 @@ from typing import List, Optional
 
 from ..algorithms import ALGORITHMS
 from ..units import format_bytes, format_seconds, parse_size, parse_time
-from .harness import BASELINE, DTYPES, Config, run_rank
+from .harness import DTYPES, Config, run_rank
 from . import report
+from .report import BASELINE
 
 ALGO_CHOICES = ALGORITHMS + ("auto", BASELINE)
 
@@ -299,7 +300,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise SystemExit(f"hybridcomm-bench: {e}")
         doc = _local(cfg, nprocs, backend, args.shape, args.inter_shape)
     world = doc["world_size"]
-    parse = __import__("hybridcomm.netns", fromlist=["x"]).parse_shape
+    from ..netns import parse_shape as parse
     doc = {"world_size": world, "backend": doc["backend"], "device": doc["device"],
            "dtype": cfg.dtype, "op": cfg.op,
            "shape": " ".join(parse(args.shape)) if args.shape else None,

@@ -21,8 +21,10 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import report
+from .report import BASELINE  # the process group's own all_reduce (gloo's or NCCL's)
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-BASELINE = "native"  # the process group's own all_reduce (gloo's or NCCL's)
 
 
 @dataclass
@@ -155,7 +157,6 @@ def _header_doc(world, device, cfg: Config, model, topology) -> dict:
 def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
     """The sweep on this rank; rank 0 returns the gathered results, others None."""
     from .. import calibration, control
-    from . import report
 
     device = torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend() == "nccl" else torch.device("cpu")
