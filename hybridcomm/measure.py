@@ -6,7 +6,9 @@ the first cycle when ``replan_every`` is 0); the plan is re-made after them
 Measured on the planning rank, per layer: when its gradient is ready (seconds
 into the backward pass that launches it), its overlap window (launch to the
 update's application, forward mode) and the order the next forward needs the
-layers in; on every rank and every step: how many backward passes it had
+layers in, and how fast the communication ran against the cost model's
+prediction (it times the issue order); on every rank and every step: how
+many backward passes it had
 (``no_sync`` passes and the passes inside ``step(closure)`` excluded), whose
 largest value since the last plan is the pass the buckets are launched in.
 """
@@ -45,6 +47,7 @@ class StepMeasurements:
         self._windows: Dict[str, List[float]] = {}
         self._need: Dict[str, int] = {}  # layer -> order the next forward needed it in
         self._passes: List[int] = []  # backward passes per measured step
+        self._comm: List[float] = []  # per measured step: channel busy / predicted time
 
     def phase(self, steps: int) -> int:
         """Position in the measuring cycle after ``steps`` steps."""
@@ -74,9 +77,15 @@ class StepMeasurements:
     def passes(self, n: int) -> None:
         self._passes.append(n)
 
+    def comm(self, busy_s: float, predicted_s: float) -> None:
+        """A measured step's communication: the channel's busy seconds against the
+        plan's prediction for one round of every bucket."""
+        if busy_s > 0 and predicted_s > 0:
+            self._comm.append(busy_s / predicted_s)
+
     # -- handing over ------------------------------------------------------------------
     def take(self, layers: Sequence[Layer]):
-        """(windows, ready, need, launch_pass) for the planner, and forget them."""
+        """(windows, ready, need, launch_pass, comm_scale) for the planner, and forget them."""
         windows = {k: quantize(sorted(v)[len(v) // 2]) for k, v in self._windows.items()}
         ready: Optional[Dict[str, float]] = None
         if self._ready:
@@ -88,5 +97,6 @@ class StepMeasurements:
                     ready[layer.name] = quantize(max(times) - first)
         need = dict(self._need) or None
         launch_pass = max(self._passes) if self._passes and max(self._passes) > 0 else None
-        self._ready, self._windows, self._need, self._passes = {}, {}, {}, []
-        return windows or None, ready, need, launch_pass
+        comm_scale = quantize(sorted(self._comm)[len(self._comm) // 2]) if self._comm else None
+        self._ready, self._windows, self._need, self._passes, self._comm = {}, {}, {}, [], []
+        return windows or None, ready, need, launch_pass, comm_scale

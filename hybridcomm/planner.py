@@ -18,7 +18,8 @@ when its gradient is ready, and the order the next forward needs the layers.
 - **Split**: a bucket over ``split_bytes`` is all-reduced in segments, so
   an urgent small bucket can go between them. Default: where a segment's
   extra messages cost under 10% of its transfer (10 P alpha/beta), at least
-  1 MiB; no split when beta = 0.
+  1 MiB; no split when beta = 0. Segments the issue order sends back to back
+  are merged again: a split stays only where another bucket goes between.
 - **Algorithm** (``strategy="hybrid"``, the thesis's pair): per bucket,
   ``CostModel.choose`` with the bucket's window: among the candidates
   predicted to finish within it, the one that sends the fewest bytes, else
@@ -35,6 +36,8 @@ when its gradient is ready, and the order the next forward needs the layers.
   timings (ByteScheduler's idea, fixed ahead so that every rank issues the
   same sequence whatever its local timing): whenever the channel is free,
   the ready segment of the bucket the next forward needs first goes next.
+  The timings are the cost model's, scaled by ``comm_scale`` when the
+  measured steps found the communication slower (or faster) than predicted.
 
 ``print(plan)`` shows the table and the order; every default it chose is in
 ``plan.notes``.
@@ -245,11 +248,13 @@ def explain_lazy(layers: Sequence[Layer], pools: Sequence[Sequence[Layer]], mode
             f"{world_size}-rank messages cost {model.alpha * 1e6:.0f} us each before any byte)")
 
 
-def issue_order(buckets: Sequence[Bucket],
-                ready: Optional[Dict[int, float]] = None) -> List[Tuple[int, int]]:
+def issue_order(buckets: Sequence[Bucket], ready: Optional[Dict[int, float]] = None,
+                comm_scale: Optional[float] = None) -> List[Tuple[int, int]]:
     """The fixed (bucket, segment) sequence. Without ``ready`` (bucket -> seconds into
     backward when its gradients are ready): backward order. With it: a priority
-    queue run under the buckets' predicted times, the bucket needed first going first."""
+    queue run under the buckets' predicted times (times ``comm_scale``: how much
+    slower the measured communication ran than predicted), the bucket needed first
+    going first."""
     if not ready:
         return [(b.index, s) for b in buckets for s in range(len(b.segments))]
     todo = {b.index: 0 for b in buckets}
@@ -264,7 +269,7 @@ def issue_order(buckets: Sequence[Bucket],
                                       else len(buckets) + i, i))
         b, s = by_index[i], todo[i]
         a, z = b.segments[s]
-        share = b.predicted_s * (z - a) / max(b.segments[-1][1], 1)  # this segment's part
+        share = b.predicted_s * (z - a) / max(b.segments[-1][1], 1) * (comm_scale or 1.0)
         now += share if share == share else 0.0  # nan: the model cannot predict it
         order.append((i, s))
         todo[i] += 1
@@ -273,19 +278,52 @@ def issue_order(buckets: Sequence[Bucket],
     return order
 
 
+def merge_adjacent(buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]]
+                   ) -> List[Tuple[int, int]]:
+    """Segments of a bucket that ``order`` issues back to back become one segment (and
+    ``buckets``' segments are rewritten to match): a split pays only where another
+    bucket goes between its parts; elsewhere it would only add calls.
+
+        >>> b = [Bucket(0, ["fc"], [0], 9, 36, "ring", 0.0, segments=[(0, 4), (4, 8), (8, 10)]),
+        ...      Bucket(1, ["conv"], [1], 1, 4, "ring", 0.0, segments=[(0, 2)])]
+        >>> merge_adjacent(b, [(0, 0), (0, 1), (1, 0), (0, 2)]), b[0].segments
+        ([(0, 0), (1, 0), (0, 1)], [(0, 8), (8, 10)])
+    """
+    runs: List[Tuple[int, int, int]] = []  # (bucket, first segment, last segment)
+    for b, seg in order:
+        if runs and runs[-1][0] == b and runs[-1][2] == seg - 1:
+            runs[-1] = (b, runs[-1][1], seg)
+        else:
+            runs.append((b, seg, seg))
+    by_index = {b.index: b for b in buckets}
+    merged: Dict[int, List[Tuple[int, int]]] = {}
+    out = []
+    for b, first, last in runs:
+        segs = by_index[b].segments
+        merged.setdefault(b, []).append((segs[first][0], segs[last][1]))
+        out.append((b, len(merged[b]) - 1))
+    for b, segs in merged.items():
+        by_index[b].segments = segs
+    return out
+
+
 def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               strategy: str = "hybrid", fusion_bytes: Optional[int] = None,
               split_bytes: Optional[int] = None, windows: Optional[dict] = None,
               ready: Optional[dict] = None, need: Optional[dict] = None,
               topk: Optional[float] = None, lazy_bytes: Optional[int] = None,
-              topology: Optional[Topology] = None, launch_pass: int = 1) -> Plan:
+              topology: Optional[Topology] = None, launch_pass: int = 1,
+              comm_scale: Optional[float] = None) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
     (a bucket's is its smallest layer's); ``ready`` maps it to when its
     gradient is ready, in seconds from the first one (a bucket's is its last
     layer's); ``need`` maps it to its place in the next forward's order;
-    ``topology``: the ranks' nodes (default ``Topology()``, from the environment).
+    ``topology``: the ranks' nodes (default ``Topology()``, from the environment);
+    ``launch_pass``: the backward pass buckets are launched in (the synchronizer's
+    learned step structure, carried by the plan); ``comm_scale``: measured over
+    predicted communication time (the issue order is timed with it).
 
     Example::
 
@@ -346,6 +384,13 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         for b, group in zip(buckets, groups):
             times = [ready[layer.name] for layer in group if layer.name in ready]
             bucket_ready[b.index] = max(times) if times else 0.0
-    order = issue_order(buckets, bucket_ready)
+    order = merge_adjacent(buckets, issue_order(buckets, bucket_ready, comm_scale))
+    for b in buckets:  # fewer segments after the merge: fewer fixed costs
+        if b.algorithm not in (TOPK,) and model.offers(b.algorithm):
+            b.predicted_s = sum(model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1),
+                                              world_size, topo) for a, z in b.segments)
+    if comm_scale is not None and comm_scale != 1.0:
+        notes.append(f"communication measured at {comm_scale:.2f}x the cost model's prediction: "
+                     "the issue order is timed with the measured speed")
     return Plan(world_size, strategy, buckets, order, fusion_bytes, split_bytes, notes,
                 launch_pass)

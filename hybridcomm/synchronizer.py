@@ -203,6 +203,7 @@ class GradientSynchronizer:
         self._pass_active = False
         self._pass_kind = "local"  # "launch" | "late" | "local"
         self._measuring_pass = False
+        self._round0 = 0  # the engine's rounds of the issue order when this step began
         self._pass_callback_due = False
         self._pass_t0 = 0.0
         self._closure_depth = 0
@@ -249,7 +250,7 @@ class GradientSynchronizer:
                 return p.device
         return torch.device("cpu")
 
-    def _agree_plan(self, windows, ready, need, launch_pass,
+    def _agree_plan(self, windows, ready, need, launch_pass, comm_scale=None,
                     keep: Optional[Plan] = None) -> Optional[Plan]:
         """Rank 0 makes the plan (from its cost model and measurements); all follow it.
         With ``keep``, None when rank 0's new plan decides nothing differently."""
@@ -266,7 +267,7 @@ class GradientSynchronizer:
                              strategy=self.strategy, fusion_bytes=self.fusion_bytes,
                              split_bytes=self.split_bytes, windows=windows, ready=ready,
                              need=need, topk=self.topk, lazy_bytes=self.lazy_bytes,
-                             launch_pass=launch_pass)
+                             launch_pass=launch_pass, comm_scale=comm_scale)
             if keep is not None and plan.decisions() == keep.decisions():
                 plan = None
         return control.broadcast_object(plan, group=self.group, timeout=self.timeout,
@@ -647,12 +648,16 @@ class GradientSynchronizer:
         self.timeline.add("step", "compute", t0, time.perf_counter())
         if self._passes_any:
             self.measure.passes(self._passes)
+        if self.measure.measuring(self._steps) and self.engine.round - self._round0 == 1:
+            self.measure.comm(busy, sum(b.predicted_s for b in self.plan.buckets
+                                        if b.predicted_s == b.predicted_s))
         self._exposed_s = 0.0
         self._passes = self._passes_any = 0
         self._steps += 1
         self._epoch += 1
         if self.measure.replan_due(self._steps):
             self._replan()
+        self._round0 = self.engine.round
 
     def reduce_after(self, closure: Callable):
         """``closure`` wrapped so that the backward passes it runs are reduced before it
@@ -728,9 +733,9 @@ class GradientSynchronizer:
     def _replan(self) -> None:
         """Re-plan from rank 0's measurements: always the first time, later only if
         they change a decision."""
-        windows, ready, need, launch_pass = self.measure.take(self.registry.layers)
+        windows, ready, need, launch_pass, comm_scale = self.measure.take(self.registry.layers)
         first = self._steps == self.measure.measure_iters
-        plan = self._agree_plan(windows, ready, need, launch_pass,
+        plan = self._agree_plan(windows, ready, need, launch_pass, comm_scale,
                                 keep=None if first else self.plan)
         if plan is None:
             return

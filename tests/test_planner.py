@@ -48,16 +48,41 @@ def test_fusion_threshold_balances_the_rings_fixed_and_byte_costs_and_never_mixe
     assert plan.buckets[1].nbytes == 4000
 
 
-def test_big_buckets_are_split_and_without_measurements_order_is_backward_order():
+def test_without_measurements_the_order_is_backward_order_and_no_split_survives():
     layers = [Layer("fc", [0, 1], 10 << 20), Layer("conv", [2], 1000)]
     plan = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=0)
     # 10x the ring's balance at P=4: 6 alpha over (1.5 beta + 0.75 gamma) per byte
     expected = 10 * 6 * GOOD.alpha / (1.5 * GOOD.beta + 0.75 * GOOD.gamma)
     assert abs(plan.split_bytes - max(MIN_SPLIT, expected)) <= 1  # float rounding
+    # nothing goes between fc's segments in backward order: they are sent as one
     fc = plan.buckets[0]
-    assert fc.segments[0] == (0, plan.split_bytes // 4)
-    assert fc.segments[-1][1] == fc.numel + 2  # the flags ride in the last segment
-    assert plan.order == [(0, s) for s in range(len(fc.segments))] + [(1, 0)]
+    assert fc.segments == [(0, fc.numel + 2)]  # the flags ride at the end
+    assert plan.order == [(0, 0), (1, 0)]
+
+
+def test_a_split_stays_exactly_where_another_bucket_goes_between():
+    layers = [Layer("fc", [0], 8 << 20), Layer("conv", [1], 1000)]
+    plan = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=0, split_bytes=1 << 20,
+                     ready={"fc": 0.0, "conv": 0.004}, need={"conv": 0, "fc": 1})
+    fc = plan.buckets[0]
+    assert plan.order == [(0, 0), (1, 0), (0, 1)]  # two parts of fc, conv between them
+    assert fc.segments[0][1] == fc.segments[1][0] and fc.segments[1][1] == fc.numel + 1
+    assert fc.segments[0][1] % ((1 << 20) // 4) == 0  # cut on a split boundary
+    # merging re-prices the bucket: one fixed cost per remaining segment
+    one = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=0, split_bytes=1 << 20)
+    assert one.buckets[0].predicted_s < fc.predicted_s
+
+
+def test_the_measured_communication_speed_times_the_order():
+    layers = [Layer("fc", [0], 8 << 20), Layer("conv", [1], 1000)]
+    kw = dict(world_size=4, model=GOOD, fusion_bytes=0, split_bytes=1 << 20,
+              ready={"fc": 0.0, "conv": 0.02}, need={"conv": 0, "fc": 1})
+    fast, slow = make_plan(layers, **kw), make_plan(layers, comm_scale=4.0, **kw)
+    # conv is ready after 20 ms: more of fc went before it at the predicted speed
+    # than when the wire is four times slower
+    first_fc = [b.segments[0] for b in (fast.buckets[0], slow.buckets[0])]
+    assert first_fc[0][1] > first_fc[1][1]
+    assert "4.00x the cost model's prediction" in " ".join(slow.notes)
 
 
 def test_priority_order_puts_the_urgent_bucket_between_segments_of_the_big_one():
