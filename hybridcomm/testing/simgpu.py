@@ -282,6 +282,7 @@ class _Allocator:
         self.device = device
         self.blocks: List[_Block] = []
         self._ids = itertools.count(1)
+        self._freed: deque = deque()  # blocks whose tensor died, not yet returned to the pool
 
     def block_of(self, ptr: int) -> Optional[_Block]:
         for b in self.blocks:
@@ -296,6 +297,7 @@ class _Allocator:
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = max(self.ROUND, -(-numel * itemsize // self.ROUND) * self.ROUND)
         with dev.cv:
+            self._return_freed()
             free = [b for b in self.blocks if not b.live and b.stream is stream
                     and b.nbytes >= nbytes and all(e.query() for e in b.free_events)]
             block = min(free, key=lambda b: b.nbytes) if free else None
@@ -343,17 +345,22 @@ class _Allocator:
                         return
 
     def _free(self, block: _Block) -> None:
-        dev = self.device
-        try:
-            with dev.cv:
-                block.live = False
-                block.free_events = []
-                for s in block.uses:
-                    ev = SimEvent(dev, _internal=True)
-                    ev.record(s)
-                    block.free_events.append(ev)
-        except Exception:  # interpreter shutdown
-            pass
+        """The block's tensor died (a weakref finalizer: the garbage collector runs it on
+        any thread, maybe inside another lock, so it must never block or take one):
+        queued; the next allocation returns it to the pool."""
+        self._freed.append(block)
+
+    def _return_freed(self) -> None:
+        """Freed blocks back to the pool, each reusable once the work of the streams it
+        was recorded on (record_stream) up to now is done (caller holds ``cv``)."""
+        while self._freed:
+            block = self._freed.popleft()
+            block.live = False
+            block.free_events = []
+            for s in block.uses:
+                ev = SimEvent(self.device, _internal=True)
+                ev.record(s)
+                block.free_events.append(ev)
 
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
         span = _span(tensor)
