@@ -73,7 +73,6 @@ class _DistributedOptimizer:
             warnings.warn(f"hybridcomm: {type(self).__name__} needs all gradients at once; "
                           "using overlap='backward'", stacklevel=3)
             overlap = "backward"
-        self._hc_overlap = overlap
         self._hc_skip = self._hc_synchronized = False
         self._hc_sync = GradientSynchronizer(
             self.param_groups, self._hc_update, model=model, overlap=overlap,
@@ -119,8 +118,7 @@ class _DistributedOptimizer:
         if closure is not None:
             sync.finish()
             loss = self._hc_base_step(sync.reduce_after(closure), grad_scaler)
-        elif (self._hc_overlap == "forward" and grad_scaler is None and not synchronized
-              and not self._hc_skip):
+        elif sync.defers and grad_scaler is None and not synchronized and not self._hc_skip:
             sync.defer(self._hc_hyper())
         else:
             if not self._hc_skip:

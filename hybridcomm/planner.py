@@ -129,17 +129,20 @@ class Plan:
     # The step's learned structure: buckets are launched in the backward pass with
     # this number (counted since the last step(), no_sync passes excluded).
     launch_pass: int = 1
+    # Forward mode: updates wait for the first use of their parameters in the next
+    # forward (False: nothing was left to overlap with it; step() applies them).
+    defer_updates: bool = True
 
     def decisions(self):
         """What the ranks must agree on (a re-plan that changes none of it is skipped)."""
         return ([(b.layers, b.algorithm, b.segments) for b in self.buckets], self.order,
-                self.launch_pass)
+                self.launch_pass, self.defer_updates)
 
     def __str__(self) -> str:
         head = (f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
                 f"strategy {self.strategy}, fusion {self.fusion_bytes} B, split "
                 f"{self.split_bytes or '-'} B, launched in backward pass {self.launch_pass} "
-                f"of a step\n")
+                f"of a step" + ("" if self.defer_updates else ", updates in step()") + "\n")
         cols = (f"{'bucket':>6} {'bytes':>10} {'dtype':>8} {'algorithm':>17} {'pred(us)':>9} "
                 f"{'window(us)':>10} {'need':>4} {'segs':>4}  layers\n")
         rows = []
@@ -313,7 +316,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               ready: Optional[dict] = None, need: Optional[dict] = None,
               topk: Optional[float] = None, lazy_bytes: Optional[int] = None,
               topology: Optional[Topology] = None, launch_pass: int = 1,
-              comm_scale: Optional[float] = None) -> Plan:
+              comm_scale: Optional[float] = None, defer_pays: Optional[bool] = None) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
@@ -323,7 +326,9 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     ``topology``: the ranks' nodes (default ``Topology()``, from the environment);
     ``launch_pass``: the backward pass buckets are launched in (the synchronizer's
     learned step structure, carried by the plan); ``comm_scale``: measured over
-    predicted communication time (the issue order is timed with it).
+    predicted communication time (the issue order is timed with it);
+    ``defer_pays``: whether the measured steps left reductions running at step()
+    (False: forward mode's deferred updates cannot pay, step() applies them).
 
     Example::
 
@@ -392,5 +397,9 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     if comm_scale is not None and comm_scale != 1.0:
         notes.append(f"communication measured at {comm_scale:.2f}x the cost model's prediction: "
                      "the issue order is timed with the measured speed")
+    if defer_pays is False:
+        notes.append("forward overlap cannot pay here: every bucket was reduced before step() "
+                     "in the measured steps, so (in forward mode) step() applies the updates "
+                     "at once, in one optimizer call, as backward mode does")
     return Plan(world_size, strategy, buckets, order, fusion_bytes, split_bytes, notes,
-                launch_pass)
+                launch_pass, defer_pays is not False)

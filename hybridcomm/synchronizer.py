@@ -250,7 +250,7 @@ class GradientSynchronizer:
                 return p.device
         return torch.device("cpu")
 
-    def _agree_plan(self, windows, ready, need, launch_pass, comm_scale=None,
+    def _agree_plan(self, windows, ready, need, launch_pass, comm_scale=None, defer_pays=None,
                     keep: Optional[Plan] = None) -> Optional[Plan]:
         """Rank 0 makes the plan (from its cost model and measurements); all follow it.
         With ``keep``, None when rank 0's new plan decides nothing differently."""
@@ -267,7 +267,8 @@ class GradientSynchronizer:
                              strategy=self.strategy, fusion_bytes=self.fusion_bytes,
                              split_bytes=self.split_bytes, windows=windows, ready=ready,
                              need=need, topk=self.topk, lazy_bytes=self.lazy_bytes,
-                             launch_pass=launch_pass, comm_scale=comm_scale)
+                             launch_pass=launch_pass, comm_scale=comm_scale,
+                             defer_pays=defer_pays if self.overlap == "forward" else None)
             if keep is not None and plan.decisions() == keep.decisions():
                 plan = None
         return control.broadcast_object(plan, group=self.group, timeout=self.timeout,
@@ -576,12 +577,22 @@ class GradientSynchronizer:
                           "compute", t0, time.perf_counter())
 
     # ---- the verbs of the fronts -------------------------------------------------------
+    @property
+    def defers(self) -> bool:
+        """Whether step() defers the updates to the first uses in the next forward
+        (forward mode, unless the plan found that nothing is left to overlap)."""
+        return self.overlap == "forward" and self.plan.defer_updates
+
     def begin_step(self) -> None:
         """A step begins: a pass whose end autograd never reported (it ran only in
         nested backwards) ends now; parameters that joined are taken in."""
         self._step_t0 = time.perf_counter()
         if self._pass_active:
             self._end_pass()
+        if self.measure.measuring(self._steps) and self._passes_any:
+            self.measure.running_at_step(sum(
+                1 for s in self.slots if s.launched_epoch != self._epoch
+                or (s.phase is Phase.IN_FLIGHT and not self.engine.done(s.index))))
         if self.registry.trainable_changed():
             self.refresh(at_step=True)
 
@@ -733,9 +744,10 @@ class GradientSynchronizer:
     def _replan(self) -> None:
         """Re-plan from rank 0's measurements: always the first time, later only if
         they change a decision."""
-        windows, ready, need, launch_pass, comm_scale = self.measure.take(self.registry.layers)
+        windows, ready, need, launch_pass, comm_scale, defer_pays = \
+            self.measure.take(self.registry.layers)
         first = self._steps == self.measure.measure_iters
-        plan = self._agree_plan(windows, ready, need, launch_pass, comm_scale,
+        plan = self._agree_plan(windows, ready, need, launch_pass, comm_scale, defer_pays,
                                 keep=None if first else self.plan)
         if plan is None:
             return

@@ -514,3 +514,43 @@ def test_lazy_all_reduce_gives_one_process_numbers():
         opt.step()
     assert torch.allclose(results[0][0], flat(model.parameters()), **TOL)
     assert torch.equal(results[0][0], results[1][0]) and "lazy:" in results[0][1]
+
+
+def _nothing_left_at_step(rank, world):
+    import time
+
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model=model, overlap="forward", measure_iters=2,
+                                          timeout=60)
+    applied_in_step = []
+    for s in range(5):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        time.sleep(0.3)  # every bucket reduced long before step(): nothing to overlap
+        before = flat(model.parameters())
+        opt.step()
+        applied_in_step.append(not torch.equal(flat(model.parameters()), before))
+    opt.synchronize()
+    text = str(opt.plan)
+    opt.close()
+    return applied_in_step, text, flat(model.parameters())
+
+
+def test_forward_mode_applies_in_step_where_forward_overlap_cannot_pay():
+    results = run_ranks(2, _nothing_left_at_step)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for s in range(5):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    for applied, text, params in results:
+        # the first step defers; the re-plan at the end of the second applies that
+        # step's pending updates inside step(); from then on step() applies at once
+        assert applied == [False, True, True, True, True]
+        assert "updates in step()" in text and "forward overlap cannot pay" in text
+        assert torch.allclose(params, flat(model.parameters()), **TOL)
+        assert torch.equal(params, results[0][2])

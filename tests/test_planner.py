@@ -141,3 +141,21 @@ def test_fusion_grows_with_the_world_size_and_across_nodes():
     sizes = [make_plan(tiny_layers(), world_size=p, model=model,
                        topology=Topology(node_size=8)).fusion_bytes for p in (4, 8, 64, 1024)]
     assert sizes == sorted(sizes) and sizes[-1] == MAX_FUSION and sizes[0] < MAX_FUSION
+
+
+def test_when_nothing_was_left_at_step_the_plan_says_forward_overlap_cannot_pay():
+    from hybridcomm.measure import StepMeasurements
+
+    m = StepMeasurements(measure_iters=2, replan_every=0)
+    m.running_at_step(0)
+    m.running_at_step(0)
+    assert m.take([])[-1] is False
+    m.running_at_step(0)
+    m.running_at_step(2)  # one step left two buckets running: deferring pays
+    assert m.take([])[-1] is True and m.take([])[-1] is None  # taken: forgotten
+    layers = [Layer("fc", [0], 1 << 20)]
+    plan = make_plan(layers, world_size=4, model=GOOD, defer_pays=False)
+    assert not plan.defer_updates and "updates in step()" in str(plan)
+    assert "forward overlap cannot pay" in " ".join(plan.notes)
+    assert make_plan(layers, world_size=4, model=GOOD, defer_pays=True).defer_updates
+    assert make_plan(layers, world_size=4, model=GOOD).defer_updates  # not measured yet
