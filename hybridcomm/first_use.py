@@ -118,8 +118,11 @@ class FirstUse:
 
     def _root_done(self, module, args, output) -> None:
         # A parameter read only by the loss (or by nothing) is current now too.
-        self.apply_all()
-        self.stop_watching()
+        watched_a_forward = self._mode is not None
+        self.apply_all()  # (stops the watch)
+        if watched_a_forward:
+            self._watched |= {layer for layers in self._layers for layer in layers}
+            self._set_appliers()
 
     # -- watching ------------------------------------------------------------------------
     def _on_read(self, i: int) -> None:
@@ -161,6 +164,8 @@ class FirstUse:
         self._set_appliers()  # none while watching: first uses must be seen
 
     def stop_watching(self) -> None:
+        """End the watch; what it learned counts only if it saw the root forward end
+        (``_root_done``): a watch stopped before any forward learned nothing."""
         mode, self._mode = self._mode, None
         if mode is None:
             return
@@ -168,7 +173,6 @@ class FirstUse:
         for h in self._watch_hooks:
             h.remove()
         self._watch_hooks, self._stack = [], []
-        self._watched |= {layer for layers in self._layers for layer in layers}
         self._set_appliers()
 
     def close(self) -> None:

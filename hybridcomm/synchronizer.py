@@ -97,8 +97,8 @@ class _Slot:
     """A bucket's bookkeeping on the host (its memory is ``bucket``)."""
 
     __slots__ = ("index", "bucket", "phase", "content", "touched", "pass_id", "launched_pass",
-                 "launched_epoch", "launched_at", "complete", "hyper", "taken", "newcomer",
-                 "reopened", "detached")
+                 "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
+                 "detached")
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -112,7 +112,6 @@ class _Slot:
         self.complete = False  # launched with a gradient at every position
         self.hyper = None  # PENDING: the hyper-parameters of the deferring step()
         self.taken: set = set()  # PENDING: positions whose .grad the step took (not zeroed)
-        self.newcomer = False  # holds a parameter that joined at this step
         self.reopened = False  # a gradient came after its launch: it must be launched again
         self.detached: set = set()  # positions whose late additions wait in autograd's tensor
 
@@ -282,11 +281,10 @@ class GradientSynchronizer:
         rt.record_stream(buf, self.transport.stream)
         return buf
 
-    def _build(self, plan: Plan, newcomers: Optional[set] = None) -> None:
+    def _build(self, plan: Plan) -> None:
         """Buckets for ``plan``: the gradients that the old buckets held move into the new
-        ones (each ``.grad`` bound to its new view). With ``newcomers`` (ids of
-        parameters that joined at this step) the buckets without one are marked
-        reduced for this step: their content was reduced under the old plan."""
+        ones (each ``.grad`` bound to its new view); any other ``.grad`` (a parameter
+        that just joined) is folded in when its bucket next opens."""
         params = self.params
         old_where = self._where
         slots, where = [], {}
@@ -306,13 +304,6 @@ class GradientSynchronizer:
                     bucket.bind(pos)
                     if old[1] in old[0].content:
                         slot.content.add(pos)
-                elif p.grad is not None and not p.grad.is_sparse and newcomers is not None:
-                    bucket.views[pos].copy_(p.grad)  # a newcomer's local gradient
-                    bucket.bind(pos)
-                    slot.content.add(pos)
-                slot.newcomer |= newcomers is not None and id(p) in newcomers
-            if newcomers is not None and not slot.newcomer:
-                slot.launched_epoch = self._epoch  # reduced already in this step
             slots.append(slot)
         self.plan, self.slots, self._where = plan, slots, where
         self.engine = CommEngine(plan, [s.bucket for s in slots], self.channel, self.transport,
@@ -594,7 +585,7 @@ class GradientSynchronizer:
                 1 for s in self.slots if s.launched_epoch != self._epoch
                 or (s.phase is Phase.IN_FLIGHT and not self.engine.done(s.index))))
         if self.registry.trainable_changed():
-            self.refresh(at_step=True)
+            self.refresh()
 
     def _flush(self) -> None:
         """Launch every bucket this step has not; if a gradient came after some
@@ -756,23 +747,23 @@ class GradientSynchronizer:
         self._tell_first_use()
         self._log_plan(f"re-planned after {self._steps} steps")
 
-    def refresh(self, at_step: bool = False) -> None:
+    def refresh(self) -> None:
         """The optimizer's trainable parameters changed (a group added, requires_grad
-        flipped): take the new set (collective), re-plan and rebuild. At a step, the
-        buckets holding a newcomer are reduced again; the others keep their result."""
+        flipped): take the new set (collective), re-plan and rebuild. At a step, every
+        bucket is then launched again (a whole round), with what joined."""
         self._quiesce()
         old = {id(p) for p in self.params}
         for p in self.params + [p for p, _ in self.registry.sparse]:
             _owners.pop(id(p), None)
         self.registry = self._registry()
-        newcomers = {id(p) for p in self.params if id(p) not in old}
+        joined = sum(1 for p in self.params if id(p) not in old)
         plan = self._agree_plan(None, None, None, None, keep=None)
-        self._build(plan, newcomers if at_step else None)
+        self._build(plan)
         if self.first_use is not None:
             self.first_use.index = self.registry.index
             self.first_use.names = self.registry.names
             self._tell_first_use()
-        self._log_plan(f"re-planned: the trainable parameters changed ({len(newcomers)} joined)")
+        self._log_plan(f"re-planned: the trainable parameters changed ({joined} joined)")
 
     # ---- inspection and teardown ---------------------------------------------------------
     def topk_views(self):
