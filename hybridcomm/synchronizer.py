@@ -469,6 +469,11 @@ class GradientSynchronizer:
                 if g is None:
                     fresh.append(pos)
                     continue
+                if g.is_sparse:
+                    raise HybridCommError(
+                        f"parameter {self.registry.names[b.spec.params[pos]]!r} has a sparse "
+                        "gradient; hybridcomm reduces dense gradients (sparse=True modules "
+                        "only on the CPU path)")
                 b.views[pos].copy_(g)
                 slot.content.add(pos)
             b.bind(pos)
@@ -587,11 +592,17 @@ class GradientSynchronizer:
         if self.registry.trainable_changed():
             self.refresh()
 
+    def _set_by_hand(self) -> bool:
+        """Whether some ``.grad`` is neither None nor its view: set without a backward
+        pass (``p.grad = g`` after ``torch.autograd.grad``), to be reduced too."""
+        return any(p.grad is not None and p.grad is not s.bucket.views[pos]
+                   for s in self.slots for pos, p in enumerate(s.bucket.params))
+
     def _flush(self) -> None:
         """Launch every bucket this step has not; if a gradient came after some
         bucket's launch, launch them all again (nothing when no backward pass ran
-        since the last step)."""
-        if self._passes_any == 0:
+        since the last step and no gradient was set by hand)."""
+        if self._passes_any == 0 and not self._set_by_hand():
             return
         with self._watched():
             self._launch_rest()
@@ -616,6 +627,9 @@ class GradientSynchronizer:
         first use of its parameters (``hyper``: the groups' hyper-parameters now)."""
         self._flush()
         self._reduce_sparse()
+        sparse = [p for p, _ in self.registry.sparse if p.grad is not None]
+        if sparse and self._update is not None:  # not deferred: no first use to wait for
+            self._update(sparse, [p.grad for p in sparse], hyper, False)
         for slot in self.slots:
             b = slot.bucket
             taken = {pos for pos in range(len(b.params)) if b.holds(pos)}  # not zeroed since

@@ -554,3 +554,27 @@ def test_forward_mode_applies_in_step_where_forward_overlap_cannot_pay():
         assert "updates in step()" in text and "forward overlap cannot pay" in text
         assert torch.allclose(params, flat(model.parameters()), **TOL)
         assert torch.equal(params, results[0][2])
+
+
+def _grads_set_by_hand(rank, world, overlap):
+    model = nn.Linear(4, 3)
+    torch.nn.init.zeros_(model.weight)
+    torch.nn.init.zeros_(model.bias)
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                          model=model, overlap=overlap, timeout=60)
+    for s in range(2):  # e.g. gradients from torch.autograd.grad, assigned: no backward pass
+        opt.zero_grad()
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float(rank + 1 + s))
+        opt.step()
+    opt.synchronize()
+    opt.close()
+    return flat(model.parameters())
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
+def test_gradients_set_by_hand_are_reduced_too(overlap):
+    world = 3
+    # per step the average over ranks of (rank + 1 + s): 2 then 3; SGD lr 1 from 0
+    for got in run_ranks(world, _grads_set_by_hand, overlap):
+        assert torch.equal(got, torch.full_like(got, -5.0))
