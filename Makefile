@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml setup.py Makefile
 	@$(PY) -c "import hybridcomm, hybridcomm.kernels" || { echo "[setup] hybridcomm failed to install"; exit 1; }
 	@touch $(STAMP)
 
-# The GPU path (CuPy NCCL transport, comm stream, the optimizer's channel) runs on
-# the simulated CUDA runtime in these suites; its stream-ordered code must stay
+# The GPU path (CuPy NCCL transport, comm stream, the synchronizer, engine and
+# channel) runs on the simulated CUDA runtime in these suites (and in the training
+# loops' simgpu cases, which set it per rank); its stream-ordered code must stay
 # >= 90% covered there (tests/coverage_gpu_path.rc).
 SIM_TESTS := tests/test_gpu_path.py tests/test_simgpu.py tests/test_optimizer_equivalence.py \
              tests/test_optimizer_features.py tests/test_allreduce_multiprocess.py \
@@ -41,10 +42,12 @@ COVRC := --rcfile=tests/coverage_gpu_path.rc
 test: setup
 	$(PY) -m pytest -q --doctest-modules hybridcomm kernels
 	$(PY) -m pytest -q tests --ignore=tests/test_gpu_path.py --ignore=tests/test_simgpu.py \
-	    --ignore=tests/test_forward_mode.py --ignore=tests/test_compression.py
+	    --ignore=tests/test_forward_mode.py --ignore=tests/test_compression.py \
+	    -k "not (test_training_loops and simgpu)"
 	@echo "[test] the same suites on the simulated GPU (HYBRIDCOMM_SIMULATE_GPU=1), with coverage"
 	@rm -rf .coverage-data
 	HYBRIDCOMM_SIMULATE_GPU=1 $(COV) run $(COVRC) -m pytest -q $(SIM_TESTS)
+	$(COV) run $(COVRC) -m pytest -q tests/test_training_loops.py -k simgpu
 	@$(COV) combine $(COVRC) -q
 	$(COV) report $(COVRC) --fail-under=90
 
