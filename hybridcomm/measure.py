@@ -48,7 +48,7 @@ class StepMeasurements:
         self._need: Dict[str, int] = {}  # layer -> order the next forward needed it in
         self._passes: List[int] = []  # backward passes per measured step
         self._comm: List[float] = []  # per measured step: channel busy / predicted time
-        self._running: List[int] = []  # per measured step: buckets unfinished at step()
+        self._running: List[List[List[str]]] = []  # per measured step: unfinished buckets' layers
 
     def phase(self, steps: int) -> int:
         """Position in the measuring cycle after ``steps`` steps."""
@@ -84,16 +84,17 @@ class StepMeasurements:
         if busy_s > 0 and predicted_s > 0:
             self._comm.append(busy_s / predicted_s)
 
-    def running_at_step(self, n: int) -> None:
-        """How many buckets were not yet reduced when a measured step's step() began
-        (what forward overlap could still hide behind the next forward)."""
-        self._running.append(n)
+    def running_at_step(self, buckets: List[List[str]]) -> None:
+        """The buckets (their layers) not yet reduced when a measured step's step()
+        began: what forward overlap could still hide behind the next forward."""
+        self._running.append(buckets)
 
     # -- handing over ------------------------------------------------------------------
     def take(self, layers: Sequence[Layer]):
         """(windows, ready, need, launch_pass, comm_scale, defer_pays) for the planner,
         and forget them. ``defer_pays``: whether any measured step had a bucket still
-        unreduced at step() (None: not measured)."""
+        unreduced at step() other than the one the next forward needs first (that one
+        is waited for at once anyway); None: not measured."""
         windows = {k: quantize(sorted(v)[len(v) // 2]) for k, v in self._windows.items()}
         ready: Optional[Dict[str, float]] = None
         if self._ready:
@@ -106,7 +107,9 @@ class StepMeasurements:
         need = dict(self._need) or None
         launch_pass = max(self._passes) if self._passes and max(self._passes) > 0 else None
         comm_scale = quantize(sorted(self._comm)[len(self._comm) // 2]) if self._comm else None
-        defer_pays = max(self._running) > 0 if self._running else None
+        first = {layer for layer, order in self._need.items() if order == 0}
+        defer_pays = any(first.isdisjoint(layers) for step in self._running
+                         for layers in step) if self._running else None
         self._ready, self._windows, self._need, self._passes = {}, {}, {}, []
         self._comm, self._running = [], []
         return windows or None, ready, need, launch_pass, comm_scale, defer_pays

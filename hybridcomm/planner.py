@@ -328,7 +328,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     learned step structure, carried by the plan); ``comm_scale``: measured over
     predicted communication time (the issue order is timed with it);
     ``defer_pays``: whether the measured steps left reductions running at step()
-    (False: forward mode's deferred updates cannot pay, step() applies them).
+    besides the first-needed bucket's (False: forward mode's deferred updates
+    cannot pay, step() applies them).
 
     Example::
 
@@ -398,8 +399,9 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         notes.append(f"communication measured at {comm_scale:.2f}x the cost model's prediction: "
                      "the issue order is timed with the measured speed")
     if defer_pays is False:
-        notes.append("forward overlap cannot pay here: every bucket was reduced before step() "
-                     "in the measured steps, so (in forward mode) step() applies the updates "
-                     "at once, in one optimizer call, as backward mode does")
+        notes.append("forward overlap cannot pay here: in the measured steps every bucket but "
+                     "the one the next forward needs first was reduced before step(), so (in "
+                     "forward mode) step() applies the updates at once, in one optimizer call, "
+                     "as backward mode does")
     return Plan(world_size, strategy, buckets, order, fusion_bytes, split_bytes, notes,
                 launch_pass, defer_pays is not False)

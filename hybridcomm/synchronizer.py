@@ -586,9 +586,9 @@ class GradientSynchronizer:
         if self._pass_active:
             self._end_pass()
         if self.measure.measuring(self._steps) and self._passes_any:
-            self.measure.running_at_step(sum(
-                1 for s in self.slots if s.launched_epoch != self._epoch
-                or (s.phase is Phase.IN_FLIGHT and not self.engine.done(s.index))))
+            self.measure.running_at_step([
+                s.bucket.spec.layers for s in self.slots if s.launched_epoch != self._epoch
+                or (s.phase is Phase.IN_FLIGHT and not self.engine.done(s.index))])
         if self.registry.trainable_changed():
             self.refresh()
 
