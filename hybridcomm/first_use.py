@@ -5,7 +5,10 @@ While watching (from ``step()`` to the end of the next forward, during the
 measured steps) a ``TorchFunctionMode`` sees every torch call that reads a
 parameter's data and which module's forward is running, so it learns, per
 layer, which modules use it first: the owner, or a parent that reads
-``self.head.weight`` itself. A read outside any module's forward (an EMA
+``self.head.weight`` itself (learned from the layer's first read, whether or
+not its update is still pending then: the synchronizer may have applied it
+with another bucket's; a layer the watched forward never read keeps its
+owners' pre-hooks). A read outside any module's forward (an EMA
 between ``step()`` and the forward) marks the layer *eager*: its update is
 applied in ``step()`` from then on (logged once). Afterwards only those
 modules carry a forward pre-hook; anything still pending when the root
@@ -60,6 +63,7 @@ class FirstUse:
         self._first_users: Dict[str, Set[int]] = {}  # layer -> ids of modules using it first
         self._eager_layers: Set[str] = set()  # read between step() and the next forward
         self._watched: Set[str] = set()  # layers that were there while a forward was watched
+        self._seen: Set[str] = set()  # layers read so far in the current watch
         self._layers: List[List[str]] = []  # bucket -> its layers
         self._params: List[list] = []  # bucket -> its parameters
         self._appliers: Dict[int, List[int]] = {}  # id(module) -> buckets it applies
@@ -104,7 +108,10 @@ class FirstUse:
                 owners.setdefault(id(p), []).append(id(m))
         for b, layers in enumerate(self._layers):
             mods = set().union(*(self._first_users.get(layer, set()) for layer in layers))
-            if any(layer not in self._watched for layer in layers):
+            # Never watched, or not read in the watched forward (a layer used only
+            # sometimes): its owners' pre-hooks, and the root's end as the last resort.
+            if any(layer not in self._watched or layer not in self._first_users
+                   for layer in layers if layer not in self._eager_layers):
                 mods |= {mid for p in self._params[b] for mid in owners.get(id(p), ())}
             for mid in mods:
                 self._appliers.setdefault(mid, []).append(b)
@@ -126,20 +133,24 @@ class FirstUse:
 
     # -- watching ------------------------------------------------------------------------
     def _on_read(self, i: int) -> None:
-        """The watched code is about to read parameter ``i``: its update goes first."""
+        """The watched code is about to read parameter ``i``: its update goes first.
+        The first read of each layer is learned whether or not its update is still
+        pending (one applied earlier, with another bucket, still has a first user)."""
         b = self.bucket_of(i)
-        if not self.pending(b):
-            return
-        if self._stack:
-            user = id(self._stack[-1])
-            for layer in self._layers[b]:
-                self._first_users.setdefault(layer, set()).add(user)
-        elif not (self._eager_layers & set(self._layers[b])):  # between step() and forward
-            self._eager_layers.update(self._layers[b])
-            log.info("hybridcomm: bucket %d (%s) is read between step() and the next forward "
-                     "(parameter %r); its update is applied in step() from now on",
-                     b, ", ".join(self._layers[b]), self.names[i])
-        self.apply(b)
+        first = [layer for layer in self._layers[b] if layer not in self._seen]
+        if first:
+            self._seen.update(first)
+            if self._stack:
+                user = id(self._stack[-1])
+                for layer in first:
+                    self._first_users.setdefault(layer, set()).add(user)
+            else:  # between step() and the forward
+                self._eager_layers.update(first)
+                log.info("hybridcomm: bucket %d (%s) is read between step() and the next "
+                         "forward (parameter %r); its update is applied in step() from now on",
+                         b, ", ".join(first), self.names[i])
+        if self.pending(b):
+            self.apply(b)
 
     def watch(self) -> None:
         """From step() to the end of the next forward: see which module first reads each
@@ -147,6 +158,7 @@ class FirstUse:
         if self._mode is not None:
             return
         stack = self._stack = []
+        self._seen = set()
 
         def enter(module, args) -> None:
             stack.append(module)

@@ -547,6 +547,7 @@ class GradientSynchronizer:
                 self.measure.window(slot.bucket.spec.layers, t0 - slot.launched_at)
             together = [slot]  # one by one: each bucket's window and need are measured
         else:
+            self._wait(slot)  # first: what was issued before it is done by then too
             together = [slot] + [s for s in self.slots if s is not slot and
                                  s.phase is Phase.PENDING and self.engine.done(s.index)]
         groups: Dict[bool, tuple] = {}

@@ -1,7 +1,8 @@
 """Forward mode never trains on a stale weight, whatever reads the parameter:
 a parent's ``F.linear(x, self.head.weight)``, the loss, code between ``step()``
 and the next forward (an EMA), a module called twice, a weight shared by two
-modules. Each is compared with one process on the whole batch."""
+modules, a layer the watched forwards skip, a layer that joins after the
+measured steps. Each is compared with one process on the whole batch."""
 import os
 
 import pytest
@@ -60,8 +61,51 @@ class CalledTwiceAndShared(nn.Module):
         return self.out(self.b(self.a(h)))
 
 
+class SometimesUsed(nn.Module):
+    """``branch`` is skipped by the 2nd and 3rd forward, the ones forward mode
+    watches to learn first uses, and used by every other: a use it never saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(72, 8)
+        self.branch = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.tanh(self.body(x.flatten(1)))
+        if self.calls not in (2, 3):
+            h = torch.tanh(self.branch(h))
+        return self.out(h)
+
+
+class LateJoinerParentReads(nn.Module):
+    """``extra`` joins the optimizer after the measured steps (the next forward is
+    watched again, while updates are applied in batches) and is read by the
+    root (its owner's forward never runs)."""
+
+    JOIN_STEP = 3
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(72, 16)
+        self.head = nn.Linear(16, 3)
+        self.extra = nn.Linear(3, 3)
+        self.extra.requires_grad_(False)
+
+    def forward(self, x):
+        out = self.head(torch.relu(self.body(x.flatten(1))))
+        return out + F.linear(out, self.extra.weight, self.extra.bias)
+
+    def join(self, opt):
+        self.extra.requires_grad_(True)
+        opt.add_param_group({"params": list(self.extra.parameters())})
+
+
 MODELS = {"parent": ParentUsesChildWeight, "loss": LossOnlyParameter,
-          "twice": CalledTwiceAndShared, "ema": ParentUsesChildWeight}
+          "twice": CalledTwiceAndShared, "ema": ParentUsesChildWeight,
+          "sometimes": SometimesUsed, "late_joiner": LateJoinerParentReads}
 
 
 def _loss(model, out, y):
@@ -74,6 +118,8 @@ def _run(name, opt, model, rank, world, ema):
         x, y = batch(s)
         if rank is not None:
             x, y = shard(x, rank, world), shard(y, rank, world)
+        if s == getattr(model, "JOIN_STEP", None):
+            model.join(opt)
         opt.zero_grad()
         _loss(model, model(x), y).backward()
         opt.step()
@@ -81,6 +127,10 @@ def _run(name, opt, model, rank, world, ema):
             with torch.no_grad():
                 for e, p in zip(ema, model.parameters()):
                     e.mul_(0.9).add_(p, alpha=0.1)
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def _make(name):
@@ -109,7 +159,7 @@ def _distributed(rank, world, name, simulate):
     eager = _eager_log()
     model = _make(name)
     ema = [p.detach().clone() for p in model.parameters()] if name == "ema" else None
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(_trainable(model), lr=0.1,
                                                           momentum=0.9),
                                           model=model, overlap="forward", fusion_bytes=0,
                                           measure_iters=2, timeout=60)
@@ -122,7 +172,7 @@ def _distributed(rank, world, name, simulate):
 def _single(name):
     model = _make(name)
     ema = [p.detach().clone() for p in model.parameters()] if name == "ema" else None
-    _run(name, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, None, 1, ema)
+    _run(name, torch.optim.SGD(_trainable(model), lr=0.1, momentum=0.9), model, None, 1, ema)
     return flat(model.parameters()), None if ema is None else flat(ema)
 
 
