@@ -4,8 +4,9 @@ buckets and picks the butterfly or a ring per bucket, and the engine issues the
 buckets through one ordered channel. The strategies (strategies/) use it.
 
 The buckets are made once per signature (shapes and dtypes, in order), after
-the ranks agree on it, and reused: each call copies the tensors into their
-bucket views, reduces, and copies the averages back.
+the ranks agree on it, and reused: each call packs the tensors into their
+buckets (one kernel per bucket on a GPU: kernels/pack.py, at the bucket's
+aligned offsets), reduces, and unpacks the averages back.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .buckets import GradBucket
 from .channel import open_channel
 from .engine import CommEngine
 from .errors import HybridCommError
+from .kernels import pack, unpack
 from .planner import Layer, make_plan
 from .runtime import runtime_for
 
@@ -62,16 +64,14 @@ class TensorAverager:
         buckets, engine = made
         rt = runtime_for(tensors[0].device)
         with torch.no_grad(), rt.watched() if rt is not None else contextlib.nullcontext():
-            for b in buckets:
-                for pos, i in enumerate(b.spec.params):
-                    b.views[pos].copy_(tensors[i])
+            for b in buckets:  # one pack kernel per bucket on a GPU
+                pack([tensors[i] for i in b.spec.params], b.grads, offsets=b.offsets)
                 b.set_flags(set(range(len(b.params))))
             for i in range(len(buckets)):
                 engine.launch(i)
             for i, b in enumerate(buckets):
                 engine.wait(i)
-                for pos, j in enumerate(b.spec.params):
-                    tensors[j].copy_(b.views[pos])
+                unpack(b.grads, [tensors[j] for j in b.spec.params], offsets=b.offsets)
         sent, engine.bytes_sent = engine.bytes_sent, 0
         return sent
 

@@ -161,17 +161,45 @@ def tensor_table(rows, device: torch.device) -> torch.Tensor:
     return table
 
 
-def launch_table(kernel, flat: torch.Tensor, tensors, scale, block) -> None:
-    """Move every tensor to or from its slice of ``flat`` with ONE launch per dtype
-    (one in practice: a bucket holds one dtype). The kernel reads each tensor's
-    address, size and offset from a device table; grid = (blocks of the largest
-    tensor, tensors); programs past their tensor's end do nothing."""
+def flat_offsets(tensors, offsets, flat_numel: int, flat_name: str):
+    """Where each tensor starts in the flat buffer: consecutive when ``offsets`` is
+    None (the buffer then holds exactly the tensors), else the given element
+    offsets, checked: in order, not overlapping, inside the buffer (the gaps,
+    e.g. a bucket's alignment padding, are left untouched)."""
+    sizes = [t.numel() for t in tensors]
+    if offsets is None:
+        if flat_numel != sum(sizes):
+            raise ValueError(f"{flat_name} has {flat_numel} elements but the tensors hold "
+                             f"{sum(sizes)}")
+        out, at = [], 0
+        for n in sizes:
+            out.append(at)
+            at += n
+        return out
+    offsets = [int(o) for o in offsets]
+    if len(offsets) != len(sizes):
+        raise ValueError(f"{len(offsets)} offsets for {len(sizes)} tensors")
+    end = 0
+    for i, (o, n) in enumerate(zip(offsets, sizes)):
+        if o < end:
+            raise ValueError(f"offsets[{i}]={o} overlaps the tensor before it (which ends at "
+                             f"{end}); offsets must be increasing")
+        end = o + n
+    if end > flat_numel:
+        raise ValueError(f"the tensors end at element {end} but {flat_name} has {flat_numel}")
+    return offsets
+
+
+def launch_table(kernel, flat: torch.Tensor, tensors, offsets, scale, block) -> None:
+    """Move every tensor to or from its slice of ``flat`` (starting at its offset)
+    with ONE launch per dtype (one in practice: a bucket holds one dtype). The
+    kernel reads each tensor's address, size and offset from a device table;
+    grid = (blocks of the largest tensor, tensors); programs past their
+    tensor's end do nothing."""
     groups: dict = {}
-    offset = 0
-    for t in tensors:
+    for t, offset in zip(tensors, offsets):
         if t.numel():
             groups.setdefault(t.dtype, []).append((t, offset))
-        offset += t.numel()
     with device_guard(flat):
         for dtype, members in groups.items():
             biggest = max(t.numel() for t, _ in members)

@@ -6,6 +6,7 @@ from ._triton import (
     check_same_device,
     check_scale,
     check_tensor,
+    flat_offsets,
     launch_table,
     simulated,
     tl,
@@ -45,12 +46,12 @@ else:
     _pack_kernel = None
 
 
-def _prepare(tensors, out, dtype):
-    """Validate; return (tensors as a list, out as a flat view, allocated if None)."""
+def _prepare(tensors, out, dtype, offsets):
+    """Validate; return (tensors as a list, out as a flat view, allocated if None,
+    each tensor's offset in it)."""
     tensors = list(tensors)
     for i, t in enumerate(tensors):
         check_tensor(t, f"tensors[{i}]")
-    total = sum(t.numel() for t in tensors)
     if out is None:
         if dtype is None:
             dtypes = {t.dtype for t in tensors}
@@ -61,26 +62,33 @@ def _prepare(tensors, out, dtype):
             dtype = dtypes.pop() if dtypes else torch.float32
         check_dtype(dtype, "dtype")
         device = tensors[0].device if tensors else torch.device("cpu")
-        out = torch.empty(total, dtype=dtype, device=device)
+        sizes = [t.numel() for t in tensors]
+        total = sum(sizes) if offsets is None else max(
+            [int(o) + n for o, n in zip(offsets, sizes)], default=0)
+        # Gaps between offset tensors are zero in a buffer pack allocates.
+        out = (torch.empty if offsets is None else torch.zeros)(total, dtype=dtype,
+                                                               device=device)
     else:
         check_tensor(out, "out")
         if dtype is not None and dtype != out.dtype:
             raise TypeError(f"dtype={dtype} but out has dtype {out.dtype}")
-        if out.numel() != total:
-            raise ValueError(f"out has {out.numel()} elements but the tensors hold {total}")
+    offsets = flat_offsets(tensors, offsets, out.numel(), "out")
     for i, t in enumerate(tensors):
         check_same_device(t, out, f"tensors[{i}]", "out")
-    return tensors, out
+    return tensors, out, offsets
 
 
-def pack(tensors, out=None, *, scale=None, dtype=None, impl=None, _block=None):
+def pack(tensors, out=None, *, scale=None, dtype=None, offsets=None, impl=None, _block=None):
     """Concatenate the flattened ``tensors``, in order, into one flat 1-D buffer.
 
     Each element is multiplied by ``scale`` (in fp32) if given and cast to the
-    buffer's dtype (e.g. fp32 gradients -> a bf16 wire buffer). ``out`` must
-    be contiguous with exactly as many elements as the tensors hold; if None
-    it is allocated with ``dtype``, or the tensors' common dtype. Inputs must
-    be contiguous and on ``out``'s device. CUDA runs the Triton kernel, other
+    buffer's dtype (e.g. fp32 gradients -> a bf16 wire buffer). Without
+    ``offsets`` the tensors go one after another and ``out`` must hold exactly
+    as many elements; with ``offsets`` (increasing element offsets, e.g. a
+    bucket's aligned layout) tensor i starts at ``offsets[i]`` and the gaps are
+    left as they are. ``out`` must be contiguous; if None it is allocated with
+    ``dtype``, or the tensors' common dtype (gaps zeroed). Inputs must be
+    contiguous and on ``out``'s device. CUDA runs the Triton kernel, other
     devices :func:`pack_ref`; ``impl`` ("triton" or "torch") forces one.
     ``_block`` overrides elements per program (tests only).
 
@@ -89,21 +97,23 @@ def pack(tensors, out=None, *, scale=None, dtype=None, impl=None, _block=None):
         >>> flat = pack([torch.ones(2, 2), torch.full((3,), 2.0)], dtype=torch.bfloat16)
         >>> flat
         tensor([1., 1., 1., 1., 2., 2., 2.], dtype=torch.bfloat16)
+        >>> pack([torch.ones(3), torch.full((2,), 2.0)], offsets=[0, 4])
+        tensor([1., 1., 1., 0., 2., 2.])
 
     Returns ``out`` (the 1-D buffer).
     """
-    tensors, out = _prepare(tensors, out, dtype)
+    tensors, out, offsets = _prepare(tensors, out, dtype, offsets)
     scale = check_scale(scale)
-    if simulated("pack", out, impl, _pack_torch, (tensors, out, scale), reads=tensors,
+    if simulated("pack", out, impl, _pack_torch, (tensors, out, scale, offsets), reads=tensors,
                  writes=[out]):
         return out
     if not use_triton(out, impl):
-        return _pack_torch(tensors, out, scale)
-    launch_table(_pack_kernel, out, tensors, scale, _block)  # one launch for the bucket
+        return _pack_torch(tensors, out, scale, offsets)
+    launch_table(_pack_kernel, out, tensors, offsets, scale, _block)  # one launch per bucket
     return out
 
 
-def pack_ref(tensors, out=None, *, scale=None, dtype=None):
+def pack_ref(tensors, out=None, *, scale=None, dtype=None, offsets=None):
     """Plain-torch :func:`pack` (the CPU production path and the test oracle).
 
     Example::
@@ -113,17 +123,14 @@ def pack_ref(tensors, out=None, *, scale=None, dtype=None):
 
     Returns ``out`` (the 1-D buffer).
     """
-    tensors, out = _prepare(tensors, out, dtype)
-    return _pack_torch(tensors, out, check_scale(scale))
+    tensors, out, offsets = _prepare(tensors, out, dtype, offsets)
+    return _pack_torch(tensors, out, check_scale(scale), offsets)
 
 
-def _pack_torch(tensors, out, scale):
+def _pack_torch(tensors, out, scale, offsets):
     flat = out.view(-1)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        dst = flat[offset : offset + n]
-        offset += n
+    for t, offset in zip(tensors, offsets):
+        dst = flat[offset : offset + t.numel()]
         if scale is None:
             dst.copy_(t.view(-1))  # casts with one rounding
         elif t.dtype in (torch.float32, torch.float64):

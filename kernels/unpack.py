@@ -5,6 +5,7 @@ from ._triton import (
     check_same_device,
     check_scale,
     check_tensor,
+    flat_offsets,
     launch_table,
     simulated,
     tl,
@@ -44,25 +45,23 @@ else:
     _unpack_kernel = None
 
 
-def _check(flat, tensors):
+def _check(flat, tensors, offsets):
     check_tensor(flat, "flat")
     tensors = list(tensors)
     for i, t in enumerate(tensors):
         check_tensor(t, f"tensors[{i}]")
         check_same_device(t, flat, f"tensors[{i}]", "flat")
-    total = sum(t.numel() for t in tensors)
-    if flat.numel() != total:
-        raise ValueError(f"flat has {flat.numel()} elements but the tensors hold {total}")
-    return tensors
+    return tensors, flat_offsets(tensors, offsets, flat.numel(), "flat")
 
 
-def unpack(flat, tensors, *, scale=None, impl=None, _block=None):
+def unpack(flat, tensors, *, scale=None, offsets=None, impl=None, _block=None):
     """Scatter consecutive slices of ``flat`` into ``tensors``, in order (inverse of pack).
 
     Each element is multiplied by ``scale`` (in fp32) if given and cast to its
     tensor's dtype (e.g. a bf16 wire buffer back into fp32 gradients).
-    ``flat.numel()`` must equal the tensors' total; all are contiguous and on
-    one device. CUDA runs the Triton kernel, other devices :func:`unpack_ref`;
+    Without ``offsets``, ``flat.numel()`` must equal the tensors' total; with
+    them, tensor i is read from ``offsets[i]`` on (as :func:`pack` wrote it).
+    All are contiguous and on one device. CUDA runs the Triton kernel, other devices :func:`unpack_ref`;
     ``impl`` ("triton" or "torch") forces one. ``_block`` overrides elements
     per program (tests only).
 
@@ -74,18 +73,18 @@ def unpack(flat, tensors, *, scale=None, impl=None, _block=None):
 
     Returns ``tensors`` (as a list).
     """
-    tensors = _check(flat, tensors)
+    tensors, offsets = _check(flat, tensors, offsets)
     scale = check_scale(scale)
-    if simulated("unpack", flat, impl, _unpack_torch, (flat, tensors, scale), reads=[flat],
-                 writes=tensors):
+    if simulated("unpack", flat, impl, _unpack_torch, (flat, tensors, scale, offsets),
+                 reads=[flat], writes=tensors):
         return tensors
     if not use_triton(flat, impl):
-        return _unpack_torch(flat, tensors, scale)
-    launch_table(_unpack_kernel, flat, tensors, scale, _block)  # one launch for the bucket
+        return _unpack_torch(flat, tensors, scale, offsets)
+    launch_table(_unpack_kernel, flat, tensors, offsets, scale, _block)  # one per bucket
     return tensors
 
 
-def unpack_ref(flat, tensors, *, scale=None):
+def unpack_ref(flat, tensors, *, scale=None, offsets=None):
     """Plain-torch :func:`unpack` (the CPU production path and the test oracle).
 
     Example::
@@ -96,17 +95,14 @@ def unpack_ref(flat, tensors, *, scale=None):
 
     Returns ``tensors`` (as a list).
     """
-    tensors = _check(flat, tensors)
-    return _unpack_torch(flat, tensors, check_scale(scale))
+    tensors, offsets = _check(flat, tensors, offsets)
+    return _unpack_torch(flat, tensors, check_scale(scale), offsets)
 
 
-def _unpack_torch(flat, tensors, scale):
+def _unpack_torch(flat, tensors, scale, offsets):
     flat = flat.view(-1)
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        src = flat[offset : offset + n]
-        offset += n
+    for t, offset in zip(tensors, offsets):
+        src = flat[offset : offset + t.numel()]
         dst = t.view(-1)
         if scale is None:
             dst.copy_(src)  # casts with one rounding

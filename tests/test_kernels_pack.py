@@ -220,3 +220,66 @@ def test_one_launch_per_bucket_whatever_its_tensor_count(monkeypatch, op):
         K.unpack(flat, out, impl="triton", _block=4)
         assert torch.equal(torch.cat([t.reshape(-1) for t in out]), flat)
     assert counter.launches == 1
+
+
+def _aligned_offsets(tensors, align=4):
+    """A bucket-like layout: each tensor starts at a multiple of ``align`` elements."""
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at += -(-t.numel() // align) * align
+    return offsets, at
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_pack_unpack_at_offsets_match_ref_and_leave_the_gaps(n, dtype, block):
+    """Integer-valued data, so every dtype is exact: the kernels and the references
+    agree bitwise, each tensor lands at its offset, and the padding between the
+    tensors keeps its sentinel."""
+    gen = torch.Generator().manual_seed(3000 + n)
+    tensors = _tensors(n, dtype, gen, integer=True)
+    offsets, total = _aligned_offsets(tensors)
+    got = torch.full((total + 3,), -99.0, dtype=dtype)
+    ref = got.clone()
+    K.pack(tensors, got, offsets=offsets, impl="triton", _block=block)
+    K.pack_ref(tensors, ref, offsets=offsets)
+    assert torch.equal(got, ref)
+    gap = torch.ones(total + 3, dtype=torch.bool)
+    for t, o in zip(tensors, offsets):
+        assert torch.equal(got[o:o + t.numel()], t.reshape(-1))
+        gap[o:o + t.numel()] = False
+    assert (got[gap] == -99).all()
+
+    back = [torch.empty_like(t) for t in tensors]
+    back_ref = [torch.empty_like(t) for t in tensors]
+    K.unpack(got, back, offsets=offsets, impl="triton", _block=block)
+    K.unpack_ref(got, back_ref, offsets=offsets)
+    for b, r, t in zip(back, back_ref, tensors):
+        assert torch.equal(b, t) and torch.equal(r, t)
+
+
+def test_pack_with_offsets_allocates_zeroed_gaps():
+    flat = K.pack([torch.ones(3), torch.full((2,), 2.0)], offsets=[1, 5])
+    assert torch.equal(flat, torch.tensor([0.0, 1, 1, 1, 0, 2, 2]))
+
+
+@pytest.mark.parametrize("fn", ["pack", "unpack"])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_offsets_rejected_when_they_overlap_or_overrun(fn, impl):
+    a, b = torch.zeros(3), torch.zeros(4)
+
+    def call(flat, offsets):
+        if fn == "pack":
+            return K.pack([a, b], flat, offsets=offsets, impl=impl)
+        return K.unpack(flat, [a, b], offsets=offsets, impl=impl)
+
+    name = "out" if fn == "pack" else "flat"
+    with pytest.raises(ValueError, match=r"offsets\[1\]=2 overlaps the tensor before it"):
+        call(torch.zeros(10), [0, 2])
+    with pytest.raises(ValueError, match=f"the tensors end at element 11 but {name} has 10"):
+        call(torch.zeros(10), [0, 7])
+    with pytest.raises(ValueError, match="1 offsets for 2 tensors"):
+        call(torch.zeros(10), [0])
+    call(torch.zeros(8), [0, 4])  # a gap of one element, and room: fine

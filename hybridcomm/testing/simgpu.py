@@ -601,6 +601,8 @@ class _Device:
 
         with self.cv:
             self.stats["kernel_launches"] += 1
+            key = f"launches:{name}"  # per kernel: exact counts in tests
+            self.stats[key] = self.stats.get(key, 0) + 1
         stream._issue(_Op("kernel", name, stream, fn=run, ranges=ranges))
 
     # -- NCCL -----------------------------------------------------------------------------
@@ -1152,7 +1154,8 @@ def _launch_hook(name, fn, args, kwargs, reads, writes) -> bool:
 
 def stats() -> Dict[str, int]:
     """Counters since the last :func:`reset_stats`: ``nccl_ops``, ``kernel_launches``,
-    ``host_syncs``, ``stream_ops``, ``allocations``, ``defects``."""
+    ``host_syncs``, ``stream_ops``, ``allocations``, ``defects``, and
+    ``launches:<kernel>`` per kernel launched (``launches:pack``, ...)."""
     if _device is None:
         return _zero_stats()
     with _device.cv:

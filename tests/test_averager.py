@@ -1,0 +1,76 @@
+"""TensorAverager (what the strategies average parameters and state with): every
+rank ends with the exact mean, for tensors of awkward sizes and every supported
+dtype, on the host path and the simulated GPU (where the tensors are packed
+into each bucket and unpacked back, one kernel each)."""
+import os
+
+import pytest
+import torch
+
+from hybridcomm.averager import TensorAverager
+from hybridcomm.runtime import runtime_for
+from multiproc import run_ranks
+
+SHAPES = [(0,), (1,), (7,), (3, 5), (127,), (2, 1000)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _tensors(rank):
+    """Integer-valued, so every sum is exact in every dtype and the mean over 4
+    ranks (a multiple of 4 apart) is too; each rank's values differ."""
+    out = []
+    for i, shape in enumerate(SHAPES):
+        for j, dtype in enumerate(DTYPES):
+            n = torch.Size(shape).numel()
+            base = torch.arange(n, dtype=torch.float64).view(shape) % 50 - 25 + 7 * i + j
+            out.append((base + 4 * rank).to(dtype))  # mean over ranks 0..3: base + 6
+    return out
+
+
+def _average(rank, world, simulate):
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm.testing import simgpu
+
+    avg = TensorAverager(timeout=60, cost_model="default")
+    tensors = _tensors(rank)
+    sent = [avg.average_(tensors)]
+    again = _tensors(rank)  # the same signature: the buckets are reused
+    simgpu.reset_stats()
+    sent.append(avg.average_(again))
+    stats = simgpu.stats()
+    if simulate:  # the host reads the results: as .cpu() would on a GPU, wait for them
+        runtime_for("cpu").synchronize()
+    buckets = len(next(iter(avg._made.values()))[0])
+    avg.close()
+    return tensors, again, sent, stats, buckets
+
+
+@pytest.mark.parametrize("simulate", [False, True], ids=["host", "simgpu"])
+def test_every_rank_gets_the_exact_mean(simulate):
+    want = [(t.double() + 6).to(t.dtype) for t in _tensors(0)]
+    for tensors, again, sent, stats, buckets in run_ranks(4, _average, simulate, timeout=180):
+        for got in (tensors, again):
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and torch.equal(g, w)
+        assert sent[0] > 0 and sent[0] == sent[1]
+        if simulate:  # one pack and one unpack kernel per bucket, whatever its tensor count
+            assert buckets >= len(DTYPES)  # (a bucket holds one dtype)
+            assert stats["launches:pack"] == stats["launches:unpack"] == buckets, stats
+            assert stats["host_syncs"] == 0 and stats["defects"] == 0, stats
+
+
+def _mismatched(rank, world):
+    avg = TensorAverager(timeout=30, cost_model="default")
+    try:
+        avg.average_([torch.zeros(3 + rank)])
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return str(e)
+    finally:
+        avg.close()
+    return "no error"
+
+
+def test_ranks_with_different_tensors_are_told_so():
+    for msg in run_ranks(2, _mismatched, timeout=120):
+        assert "tensors differ from this rank's" in msg
