@@ -514,8 +514,10 @@ class GradientSynchronizer:
                 f"bucket {slot.index} ({', '.join(b.spec.layers)}): a gradient was written in "
                 "place while it was being all-reduced or while its update waited for the next "
                 "forward (e.g. p.grad.zero_() or zero_grad(set_to_none=False) on the module "
-                "after backward): modify gradients only after opt.synchronize(), and zero them "
-                "with zero_grad() (set_to_none=True, the default)")
+                "after backward, or a torch.distributed.pipelining schedule's gradient scaling: "
+                "build it with scale_grads=False and divide the loss by the micro-batch count): "
+                "modify gradients only after opt.synchronize(), and zero them with zero_grad() "
+                "(set_to_none=True, the default)")
         used = b.used(slot.complete)
         slot.content = {pos for pos in used if b.holds(pos)}
         slot.phase = Phase.ACCUMULATING
