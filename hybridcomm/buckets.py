@@ -26,6 +26,7 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
+from .dtensor import grad_view, local_numel, local_shape
 from .planner import Bucket, layout
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
@@ -50,7 +51,7 @@ class GradBucket:
     def __init__(self, spec: Bucket, params: List[torch.nn.Parameter], dtype: torch.dtype,
                  wire_dtype: Optional[torch.dtype], alloc: Alloc):
         self.spec, self.params = spec, params
-        sizes = [p.numel() for p in params]
+        sizes = [local_numel(p) for p in params]  # a DTensor: this rank's shard
         if spec.offsets is not None:
             self.offsets, grad_numel = list(spec.offsets), spec.grad_numel
         else:
@@ -60,7 +61,7 @@ class GradBucket:
         self.buffer.zero_()
         self.grads = self.buffer[:grad_numel]
         self.flags = self.buffer[grad_numel:]
-        self.views = [self.buffer[o:o + n].view(p.shape)
+        self.views = [grad_view(self.buffer[o:o + n].view(local_shape(p)), p)
                       for o, n, p in zip(self.offsets, sizes, params)]
         self.wire = None
         if wire_dtype is not None and wire_dtype != dtype:

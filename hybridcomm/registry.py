@@ -14,6 +14,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from . import control
+from .dtensor import group_problem, local_numel, local_shape
 from .errors import HybridCommError
 from .kernels import SUPPORTED_DTYPES
 from .planner import Layer
@@ -131,13 +132,16 @@ class ParamRegistry:
                                 "sparse=False")
             if p.is_sparse:
                 problems.append(f"{n!r} is a sparse tensor: not supported")
+            problem = group_problem(p, n, group)
+            if problem:
+                problems.append(problem)
         devices = {p.device for p in params}
         if len(devices) > 1:
             where = {str(d): [n for n, p in zip(names, params) if p.device == d][:3]
                      for d in devices}
             problems.append(f"parameters are on several devices {where}: one DistributedOptimizer "
                             "per device (data parallelism keeps a whole replica on each)")
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(names, params)]
+        mine = [(n, tuple(local_shape(p)), str(p.dtype)) for n, p in zip(names, params)]
         everyone = control.all_gather_object((mine, problems), group=group, timeout=timeout,
                                              what="the trainable parameters")
         bad = [f"rank {r}: {msg}" for r, (_, probs) in enumerate(everyone) for msg in probs]
@@ -176,6 +180,6 @@ class ParamRegistry:
     def _layer(self, name: str, idx: Sequence[int]) -> Layer:
         p = self.params[idx[0]]
         wire = self.wire(p)
-        return Layer(name, list(idx), sum(self.params[i].numel() for i in idx),
-                     torch.empty((), dtype=wire).element_size(), str(p.dtype),
-                     [self.params[i].numel() for i in idx])
+        sizes = [local_numel(self.params[i]) for i in idx]  # a DTensor: this rank's shard
+        return Layer(name, list(idx), sum(sizes), torch.empty((), dtype=wire).element_size(),
+                     str(p.dtype), sizes)

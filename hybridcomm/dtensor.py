@@ -1,0 +1,68 @@
+"""Tensor-parallel parameters (``torch.distributed.tensor.DTensor``): each rank
+holds a shard, and data parallelism averages that shard with the ranks that
+hold the same shard in the other replicas: the data-parallel group of a 2-D
+mesh (``mesh["dp"].get_group()``).
+
+hybridcomm reduces the local shards. A DTensor parameter's bucket view is its
+local shard in the bucket's buffer, wrapped as a DTensor with the parameter's
+mesh and placements, so ``.grad`` keeps the type autograd and the optimizer
+expect while backward accumulates straight into the buffer (zero-copy, as for
+plain tensors). The reduction group must hold no other rank of a parameter's
+mesh: averaging different shards (or the tensor-parallel replicas of one)
+would be silently wrong, so it is refused at construction.
+
+Example::
+
+    >>> local_shape(torch.zeros(3, 4))      # a plain tensor: its own shape
+    torch.Size([3, 4])
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch without DTensor: nothing is one
+    DTensor = None
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_shape(p) -> torch.Size:
+    """The shape of this rank's part of ``p`` (its own shape unless a DTensor)."""
+    return p.to_local().shape if is_dtensor(p) else p.shape
+
+
+def local_numel(p) -> int:
+    return local_shape(p).numel()
+
+
+def grad_view(view: torch.Tensor, p) -> torch.Tensor:
+    """``view`` (this rank's gradient memory, shaped like the local shard) as ``p``'s
+    ``.grad``: a DTensor on ``p``'s mesh and placements for a DTensor ``p``."""
+    if not is_dtensor(p):
+        return view
+    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+
+def group_problem(p, name: str, group) -> Optional[str]:
+    """Why ``group`` must not reduce the DTensor ``p`` (None: it may, or ``p`` is
+    not a DTensor): it holds another rank of ``p``'s mesh."""
+    if not is_dtensor(p):
+        return None
+    mesh_ranks = set(p.device_mesh.mesh.flatten().tolist())
+    reducing = set(dist.get_process_group_ranks(group) if group is not None
+                   else range(dist.get_world_size()))
+    others = sorted((mesh_ranks & reducing) - {dist.get_rank()})
+    if not others:
+        return None
+    return (f"{name!r} is a DTensor on a device mesh of ranks {sorted(mesh_ranks)}, and the "
+            f"reduction group also holds ranks {others} of that mesh: they hold other shards "
+            "(or tensor-parallel copies) of it, not data-parallel replicas. Pass "
+            "process_group=<the data-parallel group> (mesh['dp'].get_group() on a 2-D mesh)")
