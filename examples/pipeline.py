@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import hybridcomm
@@ -64,19 +65,10 @@ def batch(step: int):
 
 
 def groups(stages: int, replicas: int):
-    """(pipeline group, data-parallel group) of this rank. Every rank makes every
-    group (new_group is collective); rank = replica * stages + stage."""
-    rank = dist.get_rank()
-    pp = dp = None
-    for r in range(replicas):
-        g = dist.new_group([r * stages + s for s in range(stages)])
-        if rank // stages == r:
-            pp = g
-    for s in range(stages):
-        g = dist.new_group([r * stages + s for r in range(replicas)])
-        if rank % stages == s:
-            dp = g
-    return pp, dp
+    """(pipeline group, data-parallel group) of this rank, from a 2-D device mesh
+    (replicas x stages: rank = replica * stages + stage)."""
+    mesh = init_device_mesh("cpu", (replicas, stages), mesh_dim_names=("dp", "pp"))
+    return mesh["pp"].get_group(), mesh["dp"].get_group()
 
 
 def train(schedule: str = "1f1b", steps: int = 6, stages: int = 2, microbatches: int = 4,

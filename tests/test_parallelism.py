@@ -133,3 +133,19 @@ def test_a_tp_sharded_model_is_never_averaged_across_its_shards():
     rank, with the group to pass instead."""
     for status, msg in run_ranks(4, _dp_x_tp, "backward", False, timeout=240):
         assert status == "error" and "mesh['dp'].get_group()" in msg, msg
+
+
+def test_the_dp_x_pp_benchmark_runs_and_prints_every_config_against_ddp():
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "..", "benchmarks",
+                                      "parallel.py"),
+         "--width", "32", "--batch", "16", "--warmup", "3", "--steps", "2"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("hybrid-forward", "hybrid-backward", "ddp",
+                                                    "local")}
+    assert set(rows) == {"hybrid-forward", "hybrid-backward", "ddp", "local"}, out
+    assert rows["ddp"][2] == "1.00" and float(rows["hybrid-forward"][1]) > 0
+    assert "launched in pass 4" in " ".join(rows["hybrid-forward"])  # learned: 4 micro-batches
