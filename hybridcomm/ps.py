@@ -1,0 +1,201 @@
+"""Parameter-server-assisted all-reduce, as BytePS does it: summation servers.
+
+The job has W workers and K extra CPU processes, the servers (the last K
+ranks of the world). A tensor is cut into K contiguous partitions; worker w
+pushes partition k to server k, server k sums the W partitions it gets (in
+worker order, fp32 accumulation for fp16/bf16: one result, sent to every
+worker, so every worker ends bitwise identical) and every worker pulls the
+sums back. Each worker's link carries each byte once out and once in,
+against ``2(W-1)/W`` each way for a ring; the servers' links carry the rest.
+It pays when the servers have links of their own (other machines' spare
+NICs, as BytePS uses them); on one shared link it cannot.
+
+Start: every rank calls :func:`split_world` (collective), servers then
+:func:`serve` until the workers close, workers use :class:`SummationServers`::
+
+    role = hybridcomm.ps.split_world(num_servers=2)      # the last 2 ranks serve
+    if role.is_server:
+        hybridcomm.ps.serve(role)                         # returns when workers close
+    else:
+        ps = hybridcomm.ps.SummationServers(role, timeout=60)
+        ps.all_reduce(grad, op="avg")                     # over the workers only
+        ps.close()
+
+Under torchrun: ``torchrun --nproc-per-node W+K script.py`` with the
+script as above. The protocol is a header (element count, dtype, op) then the
+data, per partition, over torch.distributed point-to-point (gloo on CPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import env
+from .errors import HybridCommError
+from .transport.torch_dist import posted, wait_work
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_OPS = ["sum", "avg"]
+_STOP = -1
+_TAG_HEADER, _TAG_PUSH, _TAG_PULL = 71, 72, 73
+
+
+@dataclass(frozen=True)
+class Role:
+    """This rank's part: a server or a worker, the workers' group and ranks, the
+    servers' ranks (global ranks of the default group)."""
+
+    is_server: bool
+    workers: List[int]
+    servers: List[int]
+    worker_group: object  # the workers' process group (None on a server)
+
+
+def split_world(num_servers: int) -> Role:
+    """Every rank of the default group calls this (it makes the workers' group):
+    the last ``num_servers`` ranks are servers, the others workers.
+
+    Example::
+
+        >>> role = split_world(0)                  # one process, no servers
+        >>> role.is_server, role.workers, role.servers
+        (False, [0], [])
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if not 0 <= num_servers < world:
+        raise ValueError(f"num_servers must be in [0, {world}) with {world} ranks, "
+                         f"got {num_servers}")
+    workers = list(range(world - num_servers))
+    servers = list(range(world - num_servers, world))
+    group = dist.new_group(workers)
+    is_server = rank in servers
+    return Role(is_server, workers, servers, None if is_server else group)
+
+
+def partitions(numel: int, k: int) -> List[tuple]:
+    """``k`` contiguous (start, end) ranges covering ``numel`` elements, sizes
+    differing by at most one (some empty when ``numel < k``).
+
+        >>> partitions(10, 3)
+        [(0, 4), (4, 7), (7, 10)]
+    """
+    base, extra = divmod(numel, k)
+    out, at = [], 0
+    for i in range(k):
+        n = base + (i < extra)
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+def _wait_all(works, rank: int, label: str, timeout: float) -> None:
+    for w in works:
+        wait_work(w, rank, label, timeout)
+
+
+class SummationServers:
+    """A worker's side: all-reduce over the workers through the servers.
+
+    Args:
+        role: from :func:`split_world` (this rank a worker).
+        timeout: seconds any transfer may take (default ``HYBRIDCOMM_TIMEOUT``).
+    """
+
+    def __init__(self, role: Role, *, timeout: Optional[float] = None):
+        if role.is_server:
+            raise HybridCommError("SummationServers is the workers' side: a server calls "
+                                  "hybridcomm.ps.serve(role)")
+        if not role.servers:
+            raise HybridCommError("no servers: split_world(num_servers=K) with K >= 1")
+        self.role, self.timeout = role, env.timeout(timeout)
+        self.rank = dist.get_rank()
+        self.closed = False
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """``tensor`` <- its sum (or mean, ``op="avg"``) over the workers, in place;
+        bitwise identical on every worker."""
+        if self.closed:
+            raise HybridCommError("all_reduce after close()")
+        if op not in _OPS:
+            raise ValueError(f"op must be one of {_OPS}, got {op!r}")
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"dtype {tensor.dtype} not supported; one of {_DTYPES}")
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+        parts = partitions(flat.numel(), len(self.role.servers))
+        sends, recvs = [], []
+        for server, (a, z) in zip(self.role.servers, parts):
+            header = torch.tensor([z - a, _DTYPES.index(flat.dtype), _OPS.index(op)])
+            label = f"push of {z - a} x {flat.dtype} to server {server}"
+            sends.append(posted(lambda h=header, s=server: dist.isend(h, s, tag=_TAG_HEADER),
+                                self.rank, label))
+            if z > a:
+                chunk = flat[a:z]
+                sends.append(posted(lambda c=chunk, s=server: dist.isend(c, s, tag=_TAG_PUSH),
+                                    self.rank, label))
+                recvs.append(posted(lambda c=chunk, s=server: dist.irecv(c, s, tag=_TAG_PULL),
+                                    self.rank, f"pull of {z - a} x {flat.dtype} from server "
+                                                f"{server}"))
+        _wait_all(sends, self.rank, "push to the servers", self.timeout)
+        _wait_all(recvs, self.rank, "pull from the servers", self.timeout)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view(tensor.shape))
+        return tensor
+
+    def close(self) -> None:
+        """Tell every server this worker is done (each server stops once all are)."""
+        if self.closed:
+            return
+        self.closed = True
+        stop = torch.tensor([_STOP, 0, 0])
+        works = [posted(lambda s=s: dist.isend(stop, s, tag=_TAG_HEADER), self.rank,
+                        f"stop to server {s}") for s in self.role.servers]
+        _wait_all(works, self.rank, "stop to the servers", self.timeout)
+
+
+def serve(role: Role, *, timeout: Optional[float] = None) -> int:
+    """A server's loop: sum what the workers push, send the sums back, until every
+    worker has closed. Returns how many partitions it summed.
+
+    ``timeout`` bounds the wait for the workers' next header too (default
+    ``HYBRIDCOMM_TIMEOUT``): a server whose workers went quiet for that long
+    raises instead of waiting forever."""
+    if not role.is_server:
+        raise HybridCommError("serve() runs on a server rank (split_world made this a worker)")
+    timeout = env.timeout(timeout)
+    rank, workers, served = dist.get_rank(), role.workers, 0
+    while True:
+        headers = [torch.empty(3, dtype=torch.int64) for _ in workers]
+        _wait_all([posted(lambda h=h, w=w: dist.irecv(h, w, tag=_TAG_HEADER), rank,
+                          f"header from worker {w}") for h, w in zip(headers, workers)],
+                  rank, "the workers' next header", timeout)
+        got = {tuple(h.tolist()) for h in headers}
+        if any(h[0] == _STOP for h in got):
+            if len(got) != 1:
+                raise HybridCommError(f"server {rank}: some workers closed while others pushed "
+                                      f"({sorted(got)})")
+            return served
+        if len(got) != 1:
+            raise HybridCommError(f"server {rank}: the workers pushed different partitions "
+                                  f"(count, dtype, op): {[tuple(h.tolist()) for h in headers]}")
+        numel, dtype_i, op_i = got.pop()
+        if numel == 0:
+            continue
+        dtype = _DTYPES[dtype_i]
+        bufs = [torch.empty(numel, dtype=dtype) for _ in workers]
+        _wait_all([posted(lambda b=b, w=w: dist.irecv(b, w, tag=_TAG_PUSH), rank,
+                          f"push from worker {w}") for b, w in zip(bufs, workers)],
+                  rank, "the workers' pushes", timeout)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        total = bufs[0].to(acc)
+        for b in bufs[1:]:  # worker order: the same sum whatever order they arrived in
+            total.add_(b.to(acc))
+        if _OPS[op_i] == "avg":
+            total.div_(len(workers))
+        out = total.to(dtype)
+        _wait_all([posted(lambda w=w: dist.isend(out, w, tag=_TAG_PULL), rank,
+                          f"sum to worker {w}") for w in workers],
+                  rank, "the sums to the workers", timeout)
+        served += 1
