@@ -36,27 +36,50 @@ def _time(fn, buf, iters, group):
     return statistics.median(times)
 
 
-def _rank(rank, world, servers, sizes, iters):
+def _raw_exchange(role, nbytes, pull):
+    """ps's traffic without ps: every worker isends its 1/K of ``nbytes`` to each
+    server (and, with ``pull``, receives as much back at the same time) as plain
+    gloo point-to-point: what the network gives this pattern of flows."""
+    n = nbytes // 4 // len(role.servers)
+    works = []
+    if role.is_server:
+        for worker in role.workers:
+            works.append(dist.irecv(torch.empty(n), worker, tag=91))
+            if pull:
+                works.append(dist.isend(torch.ones(n), worker, tag=92))
+    else:
+        for server in role.servers:
+            works.append(dist.isend(torch.ones(n), server, tag=91))
+            if pull:
+                works.append(dist.irecv(torch.empty(n), server, tag=92))
+    for work in works:
+        work.wait()
+
+
+def _rank(rank, world, servers, sizes, iters, chunk_bytes):
     import hybridcomm
     import hybridcomm.ps as ps
 
     role = ps.split_world(servers)
     group = role.worker_group
-    out = []
+    out = [{"bytes": nbytes} for nbytes in sizes]
+    if servers:  # the raw pattern first, every rank (the servers serve after it)
+        for row in out:
+            for name, pull in (("push", False), ("pushpull", True)):
+                row[name] = _time(lambda b, p=pull: _raw_exchange(role, row["bytes"], p), None,
+                                  iters, None)
     if role.is_server:
         ps.serve(role, timeout=1800)
         return out
-    srv = ps.SummationServers(role, timeout=1800) if servers else None
+    srv = ps.SummationServers(role, timeout=1800, chunk_bytes=chunk_bytes) if servers else None
     algos = {
         "ring": lambda b: hybridcomm.all_reduce(b, algorithm="ring", group=group, timeout=1800),
         "native": lambda b: dist.all_reduce(b, group=group),
     }
-    for nbytes in sizes:
-        buf = torch.ones(nbytes // 4)
-        row = {"bytes": nbytes}
+    for row in out:
+        buf = torch.ones(row["bytes"] // 4)
         for name, fn in algos.items():
             row[name] = _time(fn, buf, iters, group)
-        out.append(row)
     if srv is not None:
         for row in out:
             row["ps"] = _time(lambda b: srv.all_reduce(b), torch.ones(row["bytes"] // 4), iters,
@@ -74,6 +97,7 @@ def main(argv=None):
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1 << 20, 4 << 20, 16 << 20], help="bytes (fp32)")
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=256 << 10, help="ps chunk bytes")
     args = parser.parse_args(argv)
 
     from hybridcomm.launch import launch
@@ -82,14 +106,16 @@ def main(argv=None):
     where = f"tbf {args.shape} on every process's link" if args.shape else "loopback"
     print(f"all-reduce over {args.workers} workers (fp32), CPU/gloo, {where}; median of "
           f"{args.iters} after a warm-up; ring/native/ps timed in the same launch; "
-          f"ps = BytePS-style summation servers (hybridcomm.ps)")
+          f"ps = BytePS-style summation servers (hybridcomm.ps, {args.chunk} B chunks)")
+    print("raw push / raw push+pull: ps's flows as plain gloo isend/irecv (no summing, "
+          "no pipelining): what this network gives that pattern")
     print(f"{'servers':>7} {'bytes':>10} {'ring ms':>9} {'native ms':>9} {'ps ms':>9} "
-          f"{'ring/ps':>7} {'native/ps':>9}")
+          f"{'ring/ps':>7} {'native/ps':>9} {'raw push':>9} {'raw p+p':>8}")
     for k in args.servers:
         nprocs = args.workers + k
         network = shaped_network(nprocs, args.shape) if args.shape else contextlib.nullcontext()
         with network as net:
-            per_rank = launch(_rank, nprocs, k, args.sizes, args.iters, backend="gloo",
+            per_rank = launch(_rank, nprocs, k, args.sizes, args.iters, args.chunk, backend="gloo",
                               setup=net and net.setup, timeout=3600)
         for i, nbytes in enumerate(args.sizes):
             rows = [r[i] for r in per_rank[:args.workers]]
@@ -97,8 +123,11 @@ def main(argv=None):
             native = max(r["native"] for r in rows) * 1e3
             if k:
                 p = max(r["ps"] for r in rows) * 1e3
+                push = max(x[i]["push"] for x in per_rank)
+                both = max(x[i]["pushpull"] for x in per_rank)
                 print(f"{k:>7} {nbytes:>10} {ring:>9.1f} {native:>9.1f} {p:>9.1f} "
-                      f"{ring / p:>7.2f} {native / p:>9.2f}")
+                      f"{ring / p:>7.2f} {native / p:>9.2f} {push * 1e3:>9.1f} "
+                      f"{both * 1e3:>8.1f}")
             else:
                 print(f"{k:>7} {nbytes:>10} {ring:>9.1f} {native:>9.1f} {'-':>9} {'-':>7} "
                       f"{'-':>9}")

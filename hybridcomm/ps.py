@@ -22,8 +22,12 @@ Start: every rank calls :func:`split_world` (collective), servers then
         ps.close()
 
 Under torchrun: ``torchrun --nproc-per-node W+K script.py`` with the
-script as above. The protocol is a header (element count, dtype, op) then the
-data, per partition, over torch.distributed point-to-point (gloo on CPU).
+script as above. The protocol is a header (element count, dtype, op, chunk)
+then the data, per partition, over torch.distributed point-to-point (gloo on
+CPU). A partition moves in chunks (``chunk_bytes``), pipelined: a server sums
+chunk j and sends it back while the workers' chunk j+1 is still arriving, so
+the push (out of a worker) and the pull (into it) overlap on a full-duplex
+link instead of taking turns.
 """
 from __future__ import annotations
 
@@ -104,13 +108,16 @@ class SummationServers:
         timeout: seconds any transfer may take (default ``HYBRIDCOMM_TIMEOUT``).
     """
 
-    def __init__(self, role: Role, *, timeout: Optional[float] = None):
+    def __init__(self, role: Role, *, timeout: Optional[float] = None,
+                 chunk_bytes: int = 256 << 10):
         if role.is_server:
             raise HybridCommError("SummationServers is the workers' side: a server calls "
                                   "hybridcomm.ps.serve(role)")
         if not role.servers:
             raise HybridCommError("no servers: split_world(num_servers=K) with K >= 1")
-        self.role, self.timeout = role, env.timeout(timeout)
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.role, self.timeout, self.chunk_bytes = role, env.timeout(timeout), chunk_bytes
         self.rank = dist.get_rank()
         self.closed = False
 
@@ -125,14 +132,15 @@ class SummationServers:
             raise TypeError(f"dtype {tensor.dtype} not supported; one of {_DTYPES}")
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
         parts = partitions(flat.numel(), len(self.role.servers))
+        step = max(1, self.chunk_bytes // flat.element_size())
         sends, recvs = [], []
         for server, (a, z) in zip(self.role.servers, parts):
-            header = torch.tensor([z - a, _DTYPES.index(flat.dtype), _OPS.index(op)])
+            header = torch.tensor([z - a, _DTYPES.index(flat.dtype), _OPS.index(op), step])
             label = f"push of {z - a} x {flat.dtype} to server {server}"
             sends.append(posted(lambda h=header, s=server: dist.isend(h, s, tag=_TAG_HEADER),
                                 self.rank, label))
-            if z > a:
-                chunk = flat[a:z]
+            for c0 in range(a, z, step):  # every chunk posted at once: the server pipelines
+                chunk = flat[c0:min(c0 + step, z)]
                 sends.append(posted(lambda c=chunk, s=server: dist.isend(c, s, tag=_TAG_PUSH),
                                     self.rank, label))
                 recvs.append(posted(lambda c=chunk, s=server: dist.irecv(c, s, tag=_TAG_PULL),
@@ -149,7 +157,7 @@ class SummationServers:
         if self.closed:
             return
         self.closed = True
-        stop = torch.tensor([_STOP, 0, 0])
+        stop = torch.tensor([_STOP, 0, 0, 0])
         works = [posted(lambda s=s: dist.isend(stop, s, tag=_TAG_HEADER), self.rank,
                         f"stop to server {s}") for s in self.role.servers]
         _wait_all(works, self.rank, "stop to the servers", self.timeout)
@@ -167,7 +175,7 @@ def serve(role: Role, *, timeout: Optional[float] = None) -> int:
     timeout = env.timeout(timeout)
     rank, workers, served = dist.get_rank(), role.workers, 0
     while True:
-        headers = [torch.empty(3, dtype=torch.int64) for _ in workers]
+        headers = [torch.empty(4, dtype=torch.int64) for _ in workers]
         _wait_all([posted(lambda h=h, w=w: dist.irecv(h, w, tag=_TAG_HEADER), rank,
                           f"header from worker {w}") for h, w in zip(headers, workers)],
                   rank, "the workers' next header", timeout)
@@ -180,22 +188,33 @@ def serve(role: Role, *, timeout: Optional[float] = None) -> int:
         if len(got) != 1:
             raise HybridCommError(f"server {rank}: the workers pushed different partitions "
                                   f"(count, dtype, op): {[tuple(h.tolist()) for h in headers]}")
-        numel, dtype_i, op_i = got.pop()
-        if numel == 0:
-            continue
-        dtype = _DTYPES[dtype_i]
-        bufs = [torch.empty(numel, dtype=dtype) for _ in workers]
-        _wait_all([posted(lambda b=b, w=w: dist.irecv(b, w, tag=_TAG_PUSH), rank,
-                          f"push from worker {w}") for b, w in zip(bufs, workers)],
-                  rank, "the workers' pushes", timeout)
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        total = bufs[0].to(acc)
-        for b in bufs[1:]:  # worker order: the same sum whatever order they arrived in
-            total.add_(b.to(acc))
-        if _OPS[op_i] == "avg":
-            total.div_(len(workers))
-        out = total.to(dtype)
-        _wait_all([posted(lambda w=w: dist.isend(out, w, tag=_TAG_PULL), rank,
-                          f"sum to worker {w}") for w in workers],
-                  rank, "the sums to the workers", timeout)
-        served += 1
+        numel, dtype_i, op_i, step = got.pop()
+        dtype, avg = _DTYPES[dtype_i], _OPS[op_i] == "avg"
+        # Every chunk's receives posted at once (gloo moves a message only once its
+        # receive is posted), then each chunk summed and sent back as soon as it is in.
+        chunks = []
+        for c0 in range(0, numel, step):
+            bufs = [torch.empty(min(step, numel - c0), dtype=dtype) for _ in workers]
+            chunks.append((bufs, [posted(lambda b=b, w=w: dist.irecv(b, w, tag=_TAG_PUSH), rank,
+                                         f"push from worker {w}")
+                                  for b, w in zip(bufs, workers)]))
+        sends, outs = [], []  # outs: alive until their sends are done
+        for bufs, works in chunks:
+            _wait_all(works, rank, "the workers' pushes", timeout)
+            outs.append(_sum(bufs, avg))
+            sends += [posted(lambda o=outs[-1], w=w: dist.isend(o, w, tag=_TAG_PULL), rank,
+                             f"sum to worker {w}") for w in workers]
+        _wait_all(sends, rank, "the sums to the workers", timeout)
+        served += numel > 0
+
+
+def _sum(bufs: List[torch.Tensor], avg: bool) -> torch.Tensor:
+    """The workers' chunks summed in worker order (the same bits whatever order
+    they arrived in), in fp32 for fp16/bf16, rounded once."""
+    dtype = bufs[0].dtype
+    total = bufs[0].to(torch.float64 if dtype == torch.float64 else torch.float32)
+    for b in bufs[1:]:
+        total.add_(b)
+    if avg:
+        total.div_(len(bufs))
+    return total.to(dtype)

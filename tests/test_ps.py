@@ -25,11 +25,11 @@ def _want(workers, op):
     return [t.to(dt) for t, dt in zip(total, [dt for _ in SIZES for dt in DTYPES])]
 
 
-def _run(rank, world, servers, op):
+def _run(rank, world, servers, op, chunk_bytes=256 << 10):
     role = ps.split_world(servers)
     if role.is_server:
         return "server", ps.serve(role, timeout=60)
-    srv = ps.SummationServers(role, timeout=60)
+    srv = ps.SummationServers(role, timeout=60, chunk_bytes=chunk_bytes)
     tensors = _inputs(rank)
     for t in tensors:
         srv.all_reduce(t, op=op)
@@ -48,6 +48,17 @@ def test_every_worker_gets_the_exact_sum_bitwise_equal(workers, servers):
             assert got.dtype == w.dtype and torch.equal(got, w)
     # every partition non-empty for the big tensors: each server summed some
     assert all(r[1] > 0 for r in results if r[0] == "server")
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_partitions_moved_in_many_small_chunks_are_still_exact(op):
+    """12-byte chunks: a partition of 1000 elements is hundreds of pipelined chunks
+    (and the avg of 4 workers is exact on integer values + 1.5: a multiple of 1/4)."""
+    results = run_ranks(4 + 2, _run, 2, op, 12, timeout=120)
+    want = _want(4, op)
+    for status, out in results[:4]:
+        for got, w in zip(out, want):
+            assert got.dtype == w.dtype and torch.equal(got, w)
 
 
 def test_avg_and_a_non_contiguous_tensor():
