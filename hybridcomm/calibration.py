@@ -38,6 +38,7 @@ import torch.distributed as dist
 from . import control, env
 from .auto_model import (ENV_PATH, active_model, choose_algorithm, default_path,  # noqa: F401
                          get_active, load, save, set_active)
+from .backend import comm_device
 from .cost_model import DEFAULT_MODEL, NATIVE, CostModel, fit, rounded
 
 log = logging.getLogger("hybridcomm")
@@ -116,8 +117,7 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5, *,
     from .collectives import all_reduce  # the collective the model is for
 
     timeout = env.timeout(timeout)
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if str(dist.get_backend(group)) == "nccl" else torch.device("cpu")
+    device = comm_device(group)
     world = dist.get_world_size(group)
     model, report = DEFAULT_MODEL, None
     if world > 1:

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from .backend import backend_for
 from .errors import HybridCommError, HybridCommTimeout
 from .runtime import simulating
 from .transport.torch_dist import looks_like_timeout
@@ -44,7 +45,7 @@ def _host_region():
 def control_group(group=None):
     """A gloo group with ``group``'s ranks: ``group`` itself when it is gloo, else one
     made once (collective: the first call happens on every rank of ``group``)."""
-    if str(dist.get_backend(group)) == "gloo":
+    if backend_for("cpu", group) == "gloo":  # (also a "cpu:gloo,cuda:nccl" group)
         return group
     key = id(group)
     with _lock:

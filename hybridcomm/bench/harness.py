@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..backend import backend_name, comm_device
 from . import report
 from .report import BASELINE  # the process group's own all_reduce (gloo's or NCCL's)
 
@@ -147,7 +148,7 @@ def _merge(per_rank_rows: List[List[dict]]) -> List[dict]:
 
 
 def _header_doc(world, device, cfg: Config, model, topology) -> dict:
-    return {"world_size": world, "backend": str(dist.get_backend()), "device": device.type,
+    return {"world_size": world, "backend": backend_name(), "device": device.type,
             "dtype": cfg.dtype, "op": cfg.op, "iters": cfg.iters, "warmup": cfg.warmup,
             "check": cfg.check, "latency": cfg.latency_s, "shape": cfg.shape,
             "network": cfg.network, "node_size": topology.node_size, "grid": list(topology.grid),
@@ -158,8 +159,7 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
     """The sweep on this rank; rank 0 returns the gathered results, others None."""
     from .. import calibration, control
 
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = comm_device()
     dtype = DTYPES[cfg.dtype]
     esize = torch.empty((), dtype=dtype).element_size()
     # auto must choose the same on every rank: rank 0's model for all.
@@ -213,7 +213,7 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
     if rank != 0:
         return None
     results = _merge(gathered)
-    return {"world_size": world, "backend": str(dist.get_backend()), "device": device.type,
+    return {"world_size": world, "backend": backend_name(), "device": device.type,
             "node_size": runners.topology.node_size, "grid": list(runners.topology.grid),
             "results": results, "auto_model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta,
                                                "gamma_s_per_byte": model.gamma,

@@ -20,6 +20,7 @@ from typing import List, Sequence
 
 import torch.distributed as dist
 
+from ..backend import backend_for
 from ..errors import HybridCommError, HybridCommTimeout
 from .base import CommStream, Transfer
 
@@ -85,7 +86,8 @@ class TorchDistTransport:
         self.tag = tag
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.backend = str(dist.get_backend(group))
+        self.backend = backend_for("cuda" if self.stream_ordered else "cpu", group) \
+            or str(dist.get_backend(group))
         # P2P calls take global ranks; map the group's ranks once.
         self._global = [dist.get_global_rank(group, r) if group is not None else r
                         for r in range(self.world_size)]
