@@ -52,7 +52,7 @@ def test_clear_message_without_nsys(script):
 
 
 @pytest.mark.parametrize("script, args, name", [
-    ("nsys_bench.sh", [], "bench_ring+butterfly+halving_doubling+torch_4K-64M_float32_npgpus"),
+    ("nsys_bench.sh", [], "bench_ring+butterfly+halving_doubling+native_4K-64M_float32_npgpus"),
     ("nsys_bench.sh", ["--algo", "ring", "-b", "1M", "--maxbytes=8M", "--nprocs", "2"],
      "bench_ring_1M-8M_float32_np2"),
     ("nsys_train.sh", [], "train_stock+ddp+hybrid-backward+hybrid-forward_bs32_np4"),
@@ -77,6 +77,13 @@ def test_with_stand_in_nsys(tmp_path, script, args, name):
     target = "python-x -m hybridcomm.bench" if script == "nsys_bench.sh" else \
         "python-x benchmarks/train.py"
     assert target in profile
+    if script == "nsys_bench.sh":  # what it passes, the bench accepts (its own checks)
+        import shlex
+
+        from hybridcomm.bench.cli import build_parser, config_from
+
+        bench_args = shlex.split(profile.split("-m hybridcomm.bench", 1)[1])
+        config_from(build_parser().parse_args(bench_args))
     assert stats.startswith("stats ") and "nvtx_sum" in stats and stats.endswith(str(report))
     assert f"fake stats for {report}" in r.stdout
 

@@ -2,7 +2,7 @@
 # Profile the all-reduce microbenchmark (python -m hybridcomm.bench) under nsys.
 #
 #   benchmarks/profile/nsys_bench.sh                      # defaults below, one rank per GPU
-#   benchmarks/profile/nsys_bench.sh --algo ring,torch -b 1M -e 256M
+#   benchmarks/profile/nsys_bench.sh --algo ring,native -b 1M -e 256M
 #   DRY_RUN=1 benchmarks/profile/nsys_bench.sh            # print the commands only
 #
 # Any argument goes to hybridcomm-bench as is; the report is named after the
@@ -16,10 +16,10 @@ PY="$(find_python)"
 
 if [[ $# -eq 0 ]]; then
     # Few iterations: a profile needs a handful of steps per size, not statistics.
-    set -- --algo ring,butterfly,halving_doubling,torch -b 4K -e 64M -f 4 -n 5 -w 2
+    set -- --algo ring,butterfly,halving_doubling,native -b 4K -e 64M -f 4 -n 5 -w 2
 fi
 
-algos="$(arg_value --algo "" ring,butterfly,halving_doubling,auto,torch "$@")"
+algos="$(arg_value --algo "" ring,butterfly,halving_doubling,auto,native "$@")"
 minb="$(arg_value --minbytes -b 4K "$@")"
 maxb="$(arg_value --maxbytes -e 64M "$@")"
 dtype="$(arg_value --dtype -d float32 "$@")"
