@@ -62,8 +62,14 @@ def agree(model: Optional[CostModel] = None, group=None, *, timeout: Optional[fl
     if mine is None and dist.get_rank(group) == 0:
         try:
             mine = load()
-        except ValueError as e:
-            log.warning("%s; not using it", e)
+        except ValueError as e:  # truncated, not JSON, another format or schema
+            log.warning("hybridcomm: %s; probing instead", e)
+        why = None if mine is None else _not_for_this_job(mine, group)
+        if why:
+            log.warning("hybridcomm: the saved cost model %s was measured %s; probing instead "
+                        "(`hybridcomm-bench --calibrate` on this job's ranks saves one)",
+                        mine.source, why)
+            mine = None
     agreed = control.broadcast_object(mine, group=group, timeout=timeout,
                                       what="rank 0's cost model")
     if agreed is not None:
@@ -73,6 +79,18 @@ def agree(model: Optional[CostModel] = None, group=None, *, timeout: Optional[fl
     log.debug("hybridcomm cost model: %s", agreed)
     set_active(agreed)
     return agreed
+
+
+def _not_for_this_job(model: CostModel, group) -> Optional[str]:
+    """Why a saved calibration does not describe ``group`` (None: it does, or it
+    does not say): measured on another world size or another kind of device."""
+    world, saved_world = dist.get_world_size(group), model.meta.get("world_size")
+    if saved_world is not None and saved_world != world:
+        return f"on {saved_world} ranks, and this group has {world}"
+    device, saved_device = comm_device(group).type, model.meta.get("device")
+    if saved_device is not None and saved_device != device:
+        return f"on {saved_device}, and this group communicates on {device}"
+    return None
 
 
 PROBE_SIZES = (4 << 10, 1 << 20)

@@ -67,3 +67,48 @@ def test_agree_takes_rank_0s_calibration_else_probes(tmp_path):
     # rounded to two significant digits: the same machine gives the same model
     for v in results[0][1]:
         assert v == float(f"{v:.1e}")
+
+
+def _agree_with_a_bad_file(rank, world, path, content):
+    import logging
+
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logging.getLogger("hybridcomm").addHandler(Keep())
+    if rank == 0:
+        with open(path, "w") as f:
+            f.write(content)
+    os.environ["HYBRIDCOMM_COST_MODEL"] = path
+    calibration.set_active(None)
+    model = calibration.agree(timeout=60)
+    return model.source, [line for line in lines if "probing instead" in line]
+
+
+_GOOD = CostModel(3e-3, 2e-9, 1e-10).to_json()
+
+
+@pytest.mark.parametrize("content,why", [
+    ('{"version": 1, "alpha_s": 0.00', "cannot read"),  # truncated
+    ("not json at all", "cannot read"),
+    ('{"version": 999, "alpha_s": 1}', "cannot read"),  # another format
+    (json.dumps({k: v for k, v in _GOOD.items() if k != "beta_s_per_byte"}), "cannot read"),
+    (json.dumps({**_GOOD, "world_size": 8}), "on 8 ranks, and this group has 2"),
+    (json.dumps({**_GOOD, "world_size": 2, "device": "cuda"}), "on cuda"),
+])
+def test_a_bad_or_foreign_calibration_file_warns_and_probes(tmp_path, content, why):
+    """Never a crash, never a silent misuse: rank 0 warns, and every rank uses a fresh probe."""
+    results = run_ranks(2, _agree_with_a_bad_file, str(tmp_path / "model.json"), content)
+    for source, _ in results:
+        assert "probe" in source
+    assert any(why in line for line in results[0][1]), results[0][1]
+
+
+def test_a_calibration_for_this_world_is_used(tmp_path):
+    results = run_ranks(2, _agree_with_a_bad_file, str(tmp_path / "model.json"),
+                        json.dumps({**_GOOD, "world_size": 2, "device": "cpu"}))
+    for source, warnings in results:
+        assert "model.json" in source and not warnings
