@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml setup.py Makefile
 # >= 90% covered there (tests/coverage_gpu_path.rc).
 SIM_TESTS := tests/test_gpu_path.py tests/test_simgpu.py tests/test_optimizer_equivalence.py \
              tests/test_optimizer_features.py tests/test_allreduce_multiprocess.py \
-             tests/test_forward_mode.py tests/test_compression.py
+             tests/test_forward_mode.py tests/test_compression.py tests/test_checkpoint.py
 COV := $(PY) -m coverage
 COVRC := --rcfile=tests/coverage_gpu_path.rc
 

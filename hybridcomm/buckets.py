@@ -74,6 +74,17 @@ class GradBucket:
         """The buffer the all-reduce runs on (the wire buffer under compression)."""
         return self.buffer if self.wire is None else self.wire
 
+    def topk_state(self, pos: int):
+        """(residual, velocity or None) views of parameter ``pos`` in a top-k bucket
+        (its error feedback, kept across steps), else None."""
+        tk = self.topk
+        if tk is None:
+            return None
+        o, shape = self.offsets[pos], self.views[pos].shape
+        n = shape.numel()
+        vel = None if tk.velocity is None else tk.velocity[o:o + n].view(shape)
+        return tk.residual[o:o + n].view(shape), vel
+
     def holds(self, pos: int) -> bool:
         """Whether parameter ``pos``'s ``.grad`` is its view of this buffer."""
         return self.params[pos].grad is self.views[pos]

@@ -130,6 +130,18 @@ def all_gather_object(obj: Any, *, group=None, timeout: float, what: str = "an o
         return [pickle.loads(p[:int(s[0])].numpy().tobytes()) for p, s in zip(parts, sizes)]
 
 
+def all_gather_tensor(t: torch.Tensor, *, group=None, timeout: float,
+                      what: str = "a tensor") -> List[torch.Tensor]:
+    """Every rank's CPU tensor ``t`` (the same shape and dtype on every rank), in
+    rank order (a collective), within ``timeout``: no pickling."""
+    g = control_group(group)
+    with _host_region():
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(g))]
+        wait_work(lambda: dist.all_gather(parts, t.contiguous(), group=g, async_op=True),
+                  timeout, what)
+        return parts
+
+
 def barrier(*, group=None, timeout: float, what: str = "a barrier") -> None:
     """Every rank of ``group`` arrives, within ``timeout``."""
     all_gather_object(None, group=group, timeout=timeout, what=what)

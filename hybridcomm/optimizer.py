@@ -125,6 +125,8 @@ class _DistributedOptimizer:
                 sync.finish()  # after synchronize(): only what a backward added since
             loss = self._hc_base_step(None, grad_scaler)
         sync.end_step()
+        if sync.plan is not self._hc_linked_plan:  # re-planned: new buckets, new views
+            self._hc_link_topk_state()
         return loss
 
     def _hc_base_step(self, closure, grad_scaler):
@@ -216,13 +218,28 @@ class _DistributedOptimizer:
             self._hc_link_topk_state()
 
     def state_dict(self):
+        """The wrapped optimizer's state, every update step() accepted applied, and
+        hybridcomm's own under ``"hybridcomm"`` (the agreed plan and the step
+        count, plain types: ``torch.load(weights_only=True)`` reads it), so that a
+        resumed run reduces exactly as the uninterrupted one would."""
         self._hc_sync.apply_pending()  # the state must include every update step() accepted
-        return super().state_dict()
+        state = super().state_dict()
+        state["hybridcomm"] = self._hc_sync.state_dict()
+        return state
 
     def load_state_dict(self, state_dict) -> None:
+        """Load a state from :meth:`state_dict` (collective: every rank calls it; a
+        plan for another world size or other parameters is re-made instead)."""
+        state_dict = dict(state_dict)
+        ours = state_dict.pop("hybridcomm", None)
         self._hc_sync.drop()  # superseded by the loaded state
         super().load_state_dict(state_dict)
-        self._hc_link_topk_state()  # the loaded residuals into the buckets
+        if ours is not None:  # each rank's own residuals come from hybridcomm's part
+            for st in self.state.values():
+                st.pop("hc_topk_residual", None)
+                st.pop("hc_topk_velocity", None)
+        self._hc_sync.load_state_dict(ours)
+        self._hc_link_topk_state()  # the optimizer's state points at the buckets' views
 
     def close(self) -> None:
         """Finish pending work, stop the channel and remove the hooks.
@@ -251,6 +268,7 @@ class _DistributedOptimizer:
         """Each parameter's residual (and velocity) is a view of its bucket's, kept in
         ``self.state[p]`` so that ``state_dict`` saves it; values found there (a
         re-plan, a loaded checkpoint) are copied in first."""
+        self._hc_linked_plan = self._hc_sync.plan
         for p, residual, velocity in self._hc_sync.topk_views():
             state = self.state[p]
             for key, view in (("hc_topk_residual", residual), ("hc_topk_velocity", velocity)):

@@ -44,7 +44,7 @@ when its gradient is ready, and the order the next forward needs the layers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import env
@@ -133,6 +133,10 @@ class Plan:
     # forward (False: nothing was left to overlap with it; step() applies them).
     defer_updates: bool = True
 
+    def to_dict(self) -> dict:
+        """Plain types (a checkpoint's): :func:`plan_from_dict` makes the plan again."""
+        return asdict(self)
+
     def decisions(self):
         """What the ranks must agree on (a re-plan that changes none of it is skipped)."""
         return ([(b.layers, b.algorithm, b.segments) for b in self.buckets], self.order,
@@ -163,6 +167,20 @@ class Plan:
             tail += "\nnotes: " + "; ".join(self.notes)
         return head + cols + "\n".join(rows) + tail
 
+
+
+def plan_from_dict(d: dict) -> Plan:
+    """The plan :meth:`Plan.to_dict` wrote (a checkpoint's).
+
+        >>> p = Plan(2, "hybrid", [Bucket(0, ["fc"], [0], 3, 12, "ring", 1e-4, segments=[(0, 4)])],
+        ...          [(0, 0)])
+        >>> plan_from_dict(p.to_dict()) == p
+        True
+    """
+    d = dict(d)
+    buckets = [Bucket(**{**b, "segments": [tuple(s) for s in b["segments"]]})
+               for b in d.pop("buckets")]
+    return Plan(buckets=buckets, order=[tuple(o) for o in d.pop("order")], **d)
 
 def forced_algorithm(strategy: str) -> Optional[str]:
     """The algorithm every bucket must use, or None for a per-bucket choice."""

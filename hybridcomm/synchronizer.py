@@ -66,7 +66,7 @@ from .engine import CommEngine
 from .errors import HybridCommError
 from .first_use import FirstUse
 from .measure import StepMeasurements
-from .planner import Plan, make_plan
+from .planner import Plan, make_plan, plan_from_dict
 from .registry import ParamRegistry
 from .runtime import runtime_for
 from .sparse import all_gather_sparse
@@ -304,6 +304,11 @@ class GradientSynchronizer:
                     bucket.bind(pos)
                     if old[1] in old[0].content:
                         slot.content.add(pos)
+                carried = old and bucket.topk and old[0].bucket.topk_state(old[1])
+                if carried:  # top-k's error feedback survives a re-plan
+                    for new_view, old_view in zip(bucket.topk_state(pos), carried):
+                        if new_view is not None and old_view is not None:
+                            new_view.copy_(old_view)
             slots.append(slot)
         self.plan, self.slots, self._where = plan, slots, where
         self.engine = CommEngine(plan, [s.bucket for s in slots], self.channel, self.transport,
@@ -782,20 +787,83 @@ class GradientSynchronizer:
             self._tell_first_use()
         self._log_plan(f"re-planned: the trainable parameters changed ({joined} joined)")
 
+    # ---- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The agreed plan and the step count, as plain types, and every rank's top-k
+        error feedback (per-rank state: a checkpoint one rank writes must hold all
+        ranks'). A collective when top-k is on."""
+        state = {"plan": self.plan.to_dict(), "steps": self._steps,
+                 "params": list(self.registry.names)}
+        with self._watched():
+            flat = self._topk_flat()
+        if flat is not None:
+            if self._rt is not None:
+                self._rt.synchronize()  # a checkpoint may wait for the device
+            state["topk_per_rank"] = control.all_gather_tensor(
+                flat.cpu(), group=self.group, timeout=self.timeout,
+                what="the top-k residuals for a checkpoint")
+        return state
+
+    def _topk_views_flat(self) -> List[torch.Tensor]:
+        return [v for _, residual, velocity in self.topk_views()
+                for v in (residual, velocity) if v is not None]
+
+    def _topk_flat(self) -> Optional[torch.Tensor]:
+        views = self._topk_views_flat()
+        return torch.cat([v.reshape(-1).float() for v in views]) if views else None
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """Adopt a checkpoint's plan and step count (rank 0's, for every rank), unless
+        it was made for another world size or other parameters: then the plan is
+        re-made (logged). Nothing may be in flight (``drop()`` first)."""
+        plan, steps, why = None, None, None
+        if self.rank == 0 and state is not None:
+            saved = plan_from_dict(state["plan"])
+            if saved.world_size != self.world:
+                why = f"it was made for {saved.world_size} ranks, this job has {self.world}"
+            elif list(state.get("params", [])) != list(self.registry.names):
+                why = "it was made for other parameters"
+            else:
+                plan, steps = saved, int(state["steps"])
+        plan, steps, why = control.broadcast_object((plan, steps, why), group=self.group,
+                                                    timeout=self.timeout,
+                                                    what="the checkpoint's plan")
+        if why:
+            log.warning("hybridcomm: the checkpoint's plan is not used (%s): re-planning", why)
+            plan = self._agree_plan(None, None, None, None)
+        if plan is None:  # an older checkpoint, without hybridcomm's part
+            return
+        self._quiesce()
+        self._build(plan)
+        self._tell_first_use()
+        if steps is not None:
+            self._steps = steps
+        self._load_topk(None if why or not state else state.get("topk_per_rank"))
+        self._epoch += 1
+        self._log_plan("the checkpoint's plan" if not why else "re-planned after loading")
+
+    def _load_topk(self, per_rank) -> None:
+        """This rank's top-k error feedback from a checkpoint's, if it fits."""
+        views = self._topk_views_flat()
+        if not views:
+            return
+        total = sum(v.numel() for v in views)
+        if not per_rank or len(per_rank) != self.world or per_rank[self.rank].numel() != total:
+            log.warning("hybridcomm: the checkpoint holds no top-k residuals for this job's ranks "
+                        "and plan: the error feedback starts from zero")
+            return
+        at, mine = 0, per_rank[self.rank]
+        with self._watched():
+            for v in views:
+                v.copy_(mine[at:at + v.numel()].view(v.shape))
+                at += v.numel()
+
     # ---- inspection and teardown ---------------------------------------------------------
     def topk_views(self):
         """(param, residual view, velocity view or None) of every top-k bucket: the
         optimizer keeps them in its state so that state_dict saves them."""
-        out = []
-        for slot in self.slots:
-            tk = slot.bucket.topk
-            if tk is None:
-                continue
-            for pos, p in enumerate(slot.bucket.params):
-                o, n = slot.bucket.offsets[pos], p.numel()
-                vel = None if tk.velocity is None else tk.velocity[o:o + n].view(p.shape)
-                out.append((p, tk.residual[o:o + n].view(p.shape), vel))
-        return out
+        return [(p, *slot.bucket.topk_state(pos)) for slot in self.slots
+                if slot.bucket.topk is not None for pos, p in enumerate(slot.bucket.params)]
 
     def momentum_free(self) -> set:
         """ids of parameters whose momentum was applied before sparsifying (DGC's
