@@ -11,11 +11,24 @@ end that every rank holds the same parameters.
 
 Flags: ``--epochs``, ``--batch-size`` (per rank), ``--overlap forward|backward|none``,
 ``--strategy hybrid|auto|ring|butterfly|halving_doubling|native``.
+
+Checkpoints and elastic restarts: ``--checkpoint-dir D --checkpoint-every N``
+writes ``D/checkpoint.pt`` every N steps (rank 0, atomically: write, then
+rename; every rank takes part, since the optimizer's state holds every rank's
+part) and resumes from it by itself when it exists. Under
+``torchrun --max-restarts=3`` a worker that dies is restarted with the others
+and training continues from the last checkpoint: on CPU with this
+deterministic data order, to the same parameters as a run that never stopped
+(``tests/test_elastic.py`` kills one). The data shard follows the world size
+at each start. ``--crash-at-step K`` makes rank 1 kill itself (SIGKILL) at
+step K of the first attempt: the fault the test injects.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import signal
 import time
 
 import torch
@@ -50,12 +63,39 @@ def synthetic_digits(n: int, seed: int):
     return x, y
 
 
+def save_checkpoint(directory, model, opt, step: int) -> None:
+    """Every rank takes part (the optimizer's state gathers every rank's part);
+    rank 0 writes, atomically: a reader never sees half a file."""
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, "checkpoint.pt")
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    dist.barrier()
+
+
+def load_checkpoint(directory, model, opt) -> int:
+    """The step to start from: the checkpoint's (its state loaded), or 0."""
+    path = os.path.join(directory, "checkpoint.pt") if directory else None
+    if not path or not os.path.exists(path):
+        return 0
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    return int(state["step"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=64, help="per rank")
     ap.add_argument("--overlap", default="forward", choices=("forward", "backward", "none"))
     ap.add_argument("--strategy", default="hybrid")
+    ap.add_argument("--checkpoint-dir", default=None)
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: never)")
+    ap.add_argument("--crash-at-step", type=int, default=None,
+                    help="rank 1 SIGKILLs itself at this step of the first attempt (testing)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -77,15 +117,26 @@ def main() -> None:
     shard = slice(rank, None, world)  # each rank its own part of the data
     x_train, y_train = x_train[shard].to(device), y_train[shard].to(device)
 
-    t0 = time.perf_counter()
-    for epoch in range(args.epochs):
+    start = load_checkpoint(args.checkpoint_dir, model, opt)
+    if rank == 0 and start:
+        print(f"resumed from step {start} (attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)})",
+              flush=True)
+    per_epoch = len(x_train) // args.batch_size
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    t0, step = time.perf_counter(), start
+    for epoch in range(start // per_epoch, args.epochs):
         perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
-        for i in range(0, len(perm) - args.batch_size + 1, args.batch_size):
-            idx = perm[i:i + args.batch_size].to(device)
+        for i in range(step - epoch * per_epoch, per_epoch):
+            if step == args.crash_at_step and rank == 1 and first_attempt:
+                os.kill(os.getpid(), signal.SIGKILL)  # the injected fault
+            idx = perm[i * args.batch_size:(i + 1) * args.batch_size].to(device)
             opt.zero_grad()
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
             opt.step()
+            step += 1
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                save_checkpoint(args.checkpoint_dir, model, opt, step)
         opt.synchronize()  # parameters current (forward mode defers the last update)
         with torch.no_grad():
             acc = (model(x_test.to(device)).argmax(1).cpu() == y_test).float().mean().item()
@@ -100,6 +151,7 @@ def main() -> None:
     same = all(torch.equal(e.cpu(), flat) for e in everyone)
     if rank == 0:
         print(f"ranks identical: {same}")
+        print(f"parameters sha256 {hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]}")
     opt.close()
     dist.destroy_process_group()
     if not same:
