@@ -9,6 +9,7 @@ import torch
 from .. import env
 from ..averager import TensorAverager
 from ..broadcast import broadcast_parameters
+from .averaging import gather_per_rank, load_own, state_tensors
 
 
 class ADMM:
@@ -69,6 +70,27 @@ class ADMM:
             for p, z, u in zip(self.params, self.z, self.u):
                 u.add_(p).sub_(z)
         self.rounds += 1
+
+    def state_dict(self) -> dict:
+        """The optimizer's state, the counters, the consensus ``z`` and every rank's
+        own parameters, duals ``u`` and optimizer state (rank 0 may write it alone).
+        A collective. Load the model's state first, then this."""
+        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps,
+                "rounds": self.rounds, "z": [z.clone() for z in self.z],
+                "per_rank": gather_per_rank(self._own(), self.group, self.timeout)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps, self.rounds = int(state["steps"]), int(state["rounds"])
+        with torch.no_grad():
+            for z, saved in zip(self.z, state["z"]):
+                z.copy_(saved)
+        if not load_own(self._own(), state["per_rank"], self.group):
+            raise ValueError("this ADMM checkpoint was saved by another world size or model: "
+                             "its duals cannot be split over these ranks")
+
+    def _own(self):
+        return self.params + self.u + state_tensors(self.optimizer)
 
     @contextmanager
     def consensus(self):

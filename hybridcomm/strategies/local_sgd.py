@@ -9,7 +9,7 @@ from .. import env
 from ..averager import TensorAverager
 from ..broadcast import broadcast_parameters
 from ..synchronizer import GradientSynchronizer
-from .averaging import state_tensors
+from .averaging import gather_per_rank, load_own, state_tensors
 
 
 class LocalSGD:
@@ -74,3 +74,22 @@ class LocalSGD:
         if self.average_state:
             tensors += state_tensors(self.optimizer)
         self.bytes_sent += self._averager.average_(tensors)
+
+    def state_dict(self) -> dict:
+        """The optimizer's state, the step count, and every rank's own parameters and
+        optimizer state (between averages they differ; rank 0 may write it alone).
+        A collective. Load the model's state first, then this."""
+        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps,
+                "per_rank": gather_per_rank(self._own(), self.group, self.timeout)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = int(state["steps"])
+        if not load_own(self._own(), state["per_rank"], self.group):
+            self.synchronize()  # another world size: start from the average
+        if self._sync is not None and self.steps >= self.warmup_steps:
+            self._sync.close()
+            self._sync = None
+
+    def _own(self):
+        return list(self.model.parameters()) + state_tensors(self.optimizer)
