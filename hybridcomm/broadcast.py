@@ -87,7 +87,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                 + ("" if [len(g) for g in theirs] != [len(g) for g in groups[root_rank]]
                    else " (same sizes, different shapes or dtypes)"))
     rank = dist.get_rank(process_group)
-    state = control.broadcast_object(_to_cpu(optimizer.state_dict()) if rank == root_rank else None,
+    # A DistributedOptimizer's own part (plan, per-rank state) is not the root's to give.
+    local_state = getattr(optimizer, "_hc_state_dict_local", optimizer.state_dict)
+    state = control.broadcast_object(_to_cpu(local_state()) if rank == root_rank else None,
                                      group=process_group, root=root_rank, timeout=timeout,
                                      what="the optimizer state")
     if rank != root_rank:

@@ -78,12 +78,23 @@ class HostChannel:  # host path
             busy, self._busy_s = self._busy_s, 0.0
             return busy
 
-    def wait(self, ticket: int, what: str) -> float:
-        """Block until operation ``ticket`` is done; the seconds waited."""
+    def wait(self, ticket: int, what: str, on_slow=None, slow_after: float = 0.0) -> float:
+        """Block until operation ``ticket`` is done; the seconds waited. ``on_slow()``
+        is called once (without the channel's lock) if it takes over ``slow_after``;
+        what it returns (who the wait is for) ends the timeout's message."""
         t0 = time.perf_counter()
         deadline = t0 + self.timeout
+        note = None
         with self._cv:
             while self._completed < ticket:
+                if on_slow is not None and time.perf_counter() - t0 > slow_after:
+                    self._cv.release()
+                    try:
+                        note = on_slow()
+                    finally:
+                        self._cv.acquire()
+                    on_slow = None
+                    continue
                 if self._error is not None:
                     kind = HybridCommTimeout if isinstance(self._error, HybridCommTimeout) \
                         else HybridCommError
@@ -92,7 +103,8 @@ class HostChannel:  # host path
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     raise HybridCommTimeout(f"{what} not reduced within {self.timeout:g}s "
-                                            "(a peer dead or stalled?)")
+                                            + (f"({note})" if note else
+                                               "(a peer dead or stalled?)"))
                 self._cv.wait(min(left, 1.0))
         return time.perf_counter() - t0
 

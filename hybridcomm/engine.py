@@ -20,7 +20,7 @@ that brings its own buffers (the DDP hook).
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from . import trace
 from .algorithms import get_schedule
@@ -102,6 +102,9 @@ class CommEngine:
                  scale: Optional[float], timeout: float):
         self.plan, self.buckets, self.channel, self.transport = plan, buckets, channel, transport
         self.scale, self.timeout = scale, timeout
+        # A wait slower than slow_after calls on_slow(bucket) once (the stall inspector).
+        self.on_slow: Optional[Callable[[int], Optional[str]]] = None
+        self.slow_after = 0.0
         self.round = 0  # passes through plan.order completed
         self.cursor = 0  # position in plan.order
         self.bytes_sent = 0  # by this rank, since the trainer last read it
@@ -210,7 +213,10 @@ class CommEngine:
             raise HybridCommError(f"internal error: bucket {index} is needed before its turn in "
                                   f"the issue order (waiting on bucket {missing[0]})")
         t0 = time.perf_counter()
-        self.channel.wait(tickets[-1], f"bucket {index}")
+        slow = self.on_slow
+        self.channel.wait(tickets[-1], f"bucket {index}",
+                          on_slow=None if slow is None else (lambda: slow(index)),
+                          slow_after=self.slow_after)
         return time.perf_counter() - t0
 
     def done(self, index: int) -> bool:

@@ -222,10 +222,14 @@ class _DistributedOptimizer:
         hybridcomm's own under ``"hybridcomm"`` (the agreed plan and the step
         count, plain types: ``torch.load(weights_only=True)`` reads it), so that a
         resumed run reduces exactly as the uninterrupted one would."""
-        self._hc_sync.apply_pending()  # the state must include every update step() accepted
-        state = super().state_dict()
+        state = self._hc_state_dict_local()
         state["hybridcomm"] = self._hc_sync.state_dict()
         return state
+
+    def _hc_state_dict_local(self):
+        """The wrapped optimizer's state alone (no collective: broadcast_optimizer_state)."""
+        self._hc_sync.apply_pending()  # the state must include every update step() accepted
+        return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
         """Load a state from :meth:`state_dict` (collective: every rank calls it; a

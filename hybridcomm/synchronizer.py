@@ -70,6 +70,7 @@ from .planner import Plan, make_plan, plan_from_dict
 from .registry import ParamRegistry
 from .runtime import runtime_for
 from .sparse import all_gather_sparse
+from .stall import StallInspector
 from .timeline import Timeline
 
 log = logging.getLogger("hybridcomm")
@@ -192,6 +193,8 @@ class GradientSynchronizer:
         self.transport, self.channel = open_channel(self.registry.device, process_group, timeout,
                                                     self.timeline)
         self.cost_model = calibration.resolve(cost_model, process_group, timeout)
+        self.stall = StallInspector(process_group, timeout)
+        self._launches = 0  # buckets launched in all (the stall inspector compares them)
 
         self._steps = 0  # completed steps
         self._step_t0 = time.perf_counter()
@@ -313,6 +316,8 @@ class GradientSynchronizer:
         self.plan, self.slots, self._where = plan, slots, where
         self.engine = CommEngine(plan, [s.bucket for s in slots], self.channel, self.transport,
                                  scale=self.scale, timeout=self.timeout)
+        if self.stall.enabled:
+            self.engine.on_slow, self.engine.slow_after = self._stalled, self.stall.warn_s
         self._hook_params()
 
     def _hook_params(self) -> None:
@@ -500,7 +505,20 @@ class GradientSynchronizer:
         slot.phase, slot.reopened = Phase.IN_FLIGHT, False
         slot.launched_pass, slot.launched_epoch = self._pass_id, self._epoch
         slot.launched_at = time.perf_counter()
+        self._launches += 1
         self.engine.launch(slot.index)
+
+    def _stalled(self, index: int) -> Optional[str]:
+        """A wait on bucket ``index`` turned slow: name the ranks behind, if any (logged,
+        and returned for the timeout's message)."""
+        layers = ", ".join(self.plan.buckets[index].layers)
+        try:
+            why = self.stall.explain(f"bucket {index} ({layers})", self._launches, self._steps)
+        except Exception as e:  # noqa: BLE001 - the inspector must never break a wait
+            why = f"hybridcomm stall: bucket {index} ({layers}) is slow; the inspector failed: {e}"
+        if why:
+            log.warning(why)
+        return why
 
     def _wait(self, slot: _Slot) -> None:
         waited = self.engine.wait(slot.index)
@@ -678,6 +696,7 @@ class GradientSynchronizer:
         self._exposed_s = 0.0
         self._passes = self._passes_any = 0
         self._steps += 1
+        self.stall.publish(self._launches, self._steps)
         self._epoch += 1
         if self.measure.replan_due(self._steps):
             self._replan()
@@ -815,7 +834,10 @@ class GradientSynchronizer:
     def load_state_dict(self, state: Optional[dict]) -> None:
         """Adopt a checkpoint's plan and step count (rank 0's, for every rank), unless
         it was made for another world size or other parameters: then the plan is
-        re-made (logged). Nothing may be in flight (``drop()`` first)."""
+        re-made (logged). Nothing may be in flight (``drop()`` first). ``None`` (a
+        state without hybridcomm's part) changes nothing, and is no collective."""
+        if state is None:
+            return
         plan, steps, why = None, None, None
         if self.rank == 0 and state is not None:
             saved = plan_from_dict(state["plan"])
@@ -831,8 +853,6 @@ class GradientSynchronizer:
         if why:
             log.warning("hybridcomm: the checkpoint's plan is not used (%s): re-planning", why)
             plan = self._agree_plan(None, None, None, None)
-        if plan is None:  # an older checkpoint, without hybridcomm's part
-            return
         self._quiesce()
         self._build(plan)
         self._tell_first_use()

@@ -1,0 +1,57 @@
+"""The stall inspector: one rank skips a backward pass, so its buckets run a step
+behind; at the last step the other rank waits for a bucket that will never
+come. Before its timeout, that rank's warning names the rank behind and both
+ranks' launch counts, and the wait still ends in HybridCommTimeout."""
+import logging
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+import hybridcomm
+from multiproc import run_ranks
+from optim_models import batch, make_model, shard
+
+STEPS, SKIP_AT = 4, 2
+
+
+def _skipper(rank, world):
+    os.environ["HYBRIDCOMM_STALL_WARN"] = "2"
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logging.getLogger("hybridcomm").addHandler(Keep())
+    torch.manual_seed(0)
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model=model, overlap="backward", timeout=10, measure_iters=1,
+                                          cost_model="default")  # re-planned before the skip
+    error, t0 = None, time.perf_counter()
+    try:
+        for s in range(STEPS):
+            x, y = batch(s)
+            opt.zero_grad()
+            loss = F.mse_loss(model(shard(x, rank, world)), shard(y, rank, world))
+            if not (rank == 1 and s == SKIP_AT):  # rank 1 skips this backward
+                loss.backward()
+            opt.step()
+    except hybridcomm.HybridCommError as e:
+        error = f"{type(e).__name__}: {e}"
+    waited = time.perf_counter() - t0
+    if rank == 1:
+        time.sleep(13)  # stay (connections open) while rank 0 waits out its timeout
+    return error, waited, [line for line in lines if "stall" in line]
+
+
+def test_a_rank_that_skipped_a_backward_is_named_before_the_timeout():
+    (error0, waited0, stalls0), (error1, _, _) = run_ranks(2, _skipper, timeout=120)
+    assert error1 is None  # the rank behind never waits: it just runs a step late
+    assert error0 is not None and error0.startswith("HybridCommTimeout"), error0
+    assert waited0 < 30  # the timeout (10 s) ends it, not a hang
+    assert stalls0, "no stall warning"
+    assert "rank 1 has launched" in stalls0[0] and "this rank (rank 0)" in stalls0[0], stalls0
+    assert "rank 1 has launched" in error0  # the timeout says it too
