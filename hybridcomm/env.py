@@ -84,6 +84,9 @@ VARIABLES = {v.name: v for v in (
              "force one algorithm for `auto` and for every bucket"),
     Variable("HYBRIDCOMM_TIMEOUT", parse_positive_float, 300.0,
              "seconds any blocking call waits for a peer"),
+    Variable("HYBRIDCOMM_STALL_WARN", parse_nonnegative_float, None,
+             "seconds a bucket waits before the stall inspector names the ranks behind "
+             "(unset: timeout/5, at most 60; 0: off)"),
     Variable("HYBRIDCOMM_CHECK", _choices(lambda: ("always", "first", "off", *_TRUE, *_FALSE)),
              "first", "all_reduce's cross-rank agreement check: always, first (once per "
              "call signature), off"),

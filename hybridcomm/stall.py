@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
+
+from . import env
 
 log = logging.getLogger("hybridcomm")
 
@@ -35,10 +36,8 @@ _instances = itertools.count()  # every rank makes its synchronizers in the same
 
 def warn_after(timeout: float) -> float:
     """The seconds a wait may take before the inspector looks (0: never)."""
-    env = os.environ.get("HYBRIDCOMM_STALL_WARN")
-    if env is not None:
-        return float(env)
-    return min(60.0, timeout / 5)
+    value = env.get("HYBRIDCOMM_STALL_WARN")
+    return min(60.0, timeout / 5) if value is None else value
 
 
 class StallInspector:
