@@ -839,7 +839,7 @@ class GradientSynchronizer:
         if state is None:
             return
         plan, steps, why = None, None, None
-        if self.rank == 0 and state is not None:
+        if self.rank == 0:
             saved = plan_from_dict(state["plan"])
             if saved.world_size != self.world:
                 why = f"it was made for {saved.world_size} ranks, this job has {self.world}"
