@@ -182,8 +182,9 @@ class StreamChannel:
     def done(self, event) -> bool:
         return event.query()
 
-    def wait(self, event, what: str) -> float:
-        """The trainer's current stream waits for ``event``; the host goes on."""
+    def wait(self, event, what: str, on_slow=None, slow_after: float = 0.0) -> float:
+        """The trainer's current stream waits for ``event``; the host goes on (so
+        ``on_slow`` never fires here: the transport's watchdog bounds the wait)."""
         self._raise_failure()
         self.runtime.current_stream().wait_event(event)
         return 0.0

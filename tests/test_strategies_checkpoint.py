@@ -1,7 +1,10 @@
 """Local SGD and ADMM resume exactly from a checkpoint rank 0 alone writes, taken
 between two averages (when the ranks' models differ): each rank continues
 bitwise as in the run that never stopped. The state holds every rank's own
-parameters, duals and optimizer state."""
+parameters, duals and optimizer state. The averaging plan comes from a saved
+calibration (as a job with one has): the start-up probe could pick another
+algorithm in the resumed run, and with 3 ranks another algorithm sums in
+another order (a different last bit)."""
 import os
 
 import pytest
@@ -16,7 +19,15 @@ from optim_models import batch, flat, make_model, shard
 STEPS, AT = 9, 4  # local SGD's period 3 and ADMM's 3 local steps: AT is mid-period
 
 
-def _build(kind):
+def _build(kind, path):
+    from hybridcomm import calibration
+    from hybridcomm.cost_model import CostModel
+
+    model_file = path + ".cost_model.json"
+    if dist.get_rank() == 0 and not os.path.exists(model_file):
+        calibration.save(CostModel(5e-5, 1e-9, 1e-10), model_file)
+    dist.barrier()
+    os.environ["HYBRIDCOMM_COST_MODEL"] = model_file
     torch.manual_seed(0)
     model = make_model()
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -35,7 +46,7 @@ def _run(model, opt, rank, world, first, last):
 
 
 def _straight(rank, world, kind, path):
-    model, opt = _build(kind)
+    model, opt = _build(kind, path)
     _run(model, opt, rank, world, 0, AT)
     state = {"model": model.state_dict(), "opt": opt.state_dict()}
     if rank == 0:
@@ -47,7 +58,7 @@ def _straight(rank, world, kind, path):
 
 
 def _resumed(rank, world, kind, path):
-    model, opt = _build(kind)
+    model, opt = _build(kind, path)
     state = torch.load(path, weights_only=True)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
