@@ -30,6 +30,7 @@ import hashlib
 import os
 import signal
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,22 @@ def synthetic_digits(n: int, seed: int):
     x = torch.randn(n, 1, 8, 8, generator=g)
     y = (x.flatten(1) @ teacher).argmax(1)
     return x, y
+
+
+def init_distributed(backend: str) -> None:
+    """env:// as torchrun sets it; after an elastic restart, on keys of this attempt
+    only: the group's rendezvous otherwise can read the address a killed worker
+    of an earlier attempt left in the store, and fail to connect to it."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true" and rank == 0
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=hosts, timeout=timedelta(seconds=120))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"hybridcomm/attempt{attempt}", store),
+                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
 
 
 def save_checkpoint(directory, model, opt, step: int) -> None:
@@ -101,7 +118,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if cuda:  # one GPU per rank, chosen before anything touches CUDA
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")  # env:// (torchrun sets it)
+    init_distributed("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
