@@ -177,7 +177,7 @@ def _mutated(rank, world, mutation):
     from hybridcomm.testing import simgpu
 
     if mutation == "no_wait_before_use":  # defect 1: consume before the done event
-        channel.StreamChannel.wait = lambda self, event, what: 0.0
+        channel.StreamChannel.wait = lambda self, event, what, **kw: 0.0
     elif mutation == "comm_skips_ready":  # defect 6: comm stream not after the gradients
         from hybridcomm.transport.cupy_nccl import CupyNcclTransport
         CupyNcclTransport.wait_event = lambda self, event: None
