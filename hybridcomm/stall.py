@@ -2,9 +2,11 @@
 longer than a warning threshold (well under the timeout), say which ranks it
 waits for, instead of timing out anonymously.
 
-Every rank publishes its progress to the process group's key-value store once
-per step (how many buckets it has launched in all, and its step count: one
-small write). A rank whose wait turns slow reads everyone's: a rank that has
+Every rank publishes its progress to the process group's key-value store (how
+many buckets it has launched in all, and its step count: one small write), at
+the end of a step at most every quarter of the threshold, so the store is not
+written on every step of a fast loop; a rank whose wait turns slow publishes
+its own at once. A rank whose wait turns slow reads everyone's: a rank that has
 launched fewer buckets is behind this one (it skipped a backward, left the
 loop early, or its model's graph differs), and the warning names it with its
 numbers. The store is torch.distributed's own (the rendezvous), so this works
@@ -54,6 +56,7 @@ class StallInspector:
         ranks = dist.get_process_group_ranks(group) if group is not None else \
             list(range(self.world))
         self.prefix = f"hybridcomm/stall/{next(_instances)}/{'-'.join(map(str, ranks))}"
+        self._published = float("-inf")  # when this rank last wrote its progress
         try:
             self.store = dist.distributed_c10d._get_default_store() if self.warn_s > 0 else None
         except Exception:  # noqa: BLE001 - no store (an unusual init): no inspector
@@ -63,10 +66,14 @@ class StallInspector:
     def enabled(self) -> bool:
         return self.store is not None
 
-    def publish(self, launches: int, steps: int) -> None:
-        """This rank's progress (once per step, and before it reports a stall)."""
-        if self.store is not None:
-            self.store.set(f"{self.prefix}/{self.rank}", f"{launches} {steps} {time.time():.3f}")
+    def publish(self, launches: int, steps: int, force: bool = False) -> None:
+        """This rank's progress: at a step's end at most every ``warn_s / 4``
+        seconds, and always (``force``) before it reports a stall."""
+        now = time.time()
+        if self.store is None or (not force and now - self._published < self.warn_s / 4):
+            return
+        self._published = now
+        self.store.set(f"{self.prefix}/{self.rank}", f"{launches} {steps} {now:.3f}")
 
     def progress(self) -> Dict[int, List[float]]:
         """rank -> [launches, steps, when] for every rank that has published."""
@@ -82,7 +89,7 @@ class StallInspector:
         """Why ``what`` waits: the ranks behind this one, or None if none is."""
         if self.store is None:
             return None
-        self.publish(launches, steps)
+        self.publish(launches, steps, force=True)
         seen = self.progress()
         now = time.time()
         behind = {r: p for r, p in seen.items() if p[0] < launches}
