@@ -1,6 +1,6 @@
 # `make test` and `make demo` set themselves up: a .venv with torch (the CPU
 # build on a CPU machine; an existing CUDA torch is kept), then this package
-# editable with its test extra. Re-running is a no-op unless pyproject.toml changed.
+# editable with its test and integrations extras. Re-running is a no-op unless pyproject.toml changed.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -24,9 +24,10 @@ $(STAMP): pyproject.toml setup.py Makefile
 	  $(PY) -m pip install -q $(TORCH_CPU) numpy 2>&1 | grep -v "is ignored" || true; \
 	fi
 	@$(PY) -c "import torch" || { echo "[setup] torch failed to install"; exit 1; }
-	@echo "[setup] installing hybridcomm (editable, [test])"
-	@$(PY) -m pip install -q -e ".[test]" 2>&1 | grep -v "is ignored" || true
+	@echo "[setup] installing hybridcomm (editable, [test,integrations])"
+	@$(PY) -m pip install -q -e ".[test,integrations]" 2>&1 | grep -v "is ignored" || true
 	@$(PY) -c "import hybridcomm, hybridcomm.kernels" || { echo "[setup] hybridcomm failed to install"; exit 1; }
+	@$(PY) -c "import pytorch_lightning, accelerate, transformers" || { echo "[setup] the [integrations] extra failed to install"; exit 1; }
 	@touch $(STAMP)
 
 # The GPU path (CuPy NCCL transport, comm stream, the synchronizer, engine and
