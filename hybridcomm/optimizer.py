@@ -9,8 +9,12 @@ and the engine. This module maps the optimizer API onto it:
   thesis's layer overlap): ``step()`` returns at once; each bucket's update is
   applied before the first use of its parameters in the next iteration, with
   the hyper-parameters as they were at ``step()``.
-- ``step(closure)``: every backward pass the closure runs is reduced before
-  the optimizer reads ``.grad`` (LBFGS re-evaluates it many times).
+- ``step(closure)``: torch.optim's optimizers that evaluate a closure once,
+  first thing (SGD, Adam, ...: not LBFGS), have it evaluated before the step,
+  which then goes on as without one (forward mode still defers: frameworks
+  such as Lightning always pass a closure). Otherwise every backward pass the
+  closure runs is reduced before the optimizer reads ``.grad`` (LBFGS
+  re-evaluates it many times).
 - ``synchronize()``: ``.grad`` holds the reduced gradients now (to clip
   them); the next ``step()`` uses ``.grad`` as it is.
 - ``zero_grad()``: gradients not yet used by a step are dropped, in flight or
@@ -41,6 +45,20 @@ COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.b
                 torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
 # Optimizers whose step needs every gradient at once (or re-evaluates a closure).
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
+
+
+def evaluates_closure_once(base: type) -> bool:
+    """Whether ``base.step(closure)`` is one of torch.optim's steps that evaluate
+    the closure once, before anything else (every one but LBFGS's): then the
+    closure can be evaluated before the step instead. A subclass that overrides
+    ``step`` may do anything with it: no.
+
+    >>> evaluates_closure_once(torch.optim.AdamW), evaluates_closure_once(torch.optim.LBFGS)
+    (True, False)
+    """
+    step = getattr(base, "step", None)
+    return (getattr(step, "__module__", "").startswith("torch.optim.")
+            and getattr(step, "__qualname__", "").split(".")[0] not in _WHOLE_MODEL_OPTIMIZERS)
 
 
 class _DistributedOptimizer:
@@ -74,6 +92,7 @@ class _DistributedOptimizer:
                           "using overlap='backward'", stacklevel=3)
             overlap = "backward"
         self._hc_skip = self._hc_synchronized = False
+        self._hc_closure_first = evaluates_closure_once(type(self).__bases__[1])  # the wrapped class
         self._hc_sync = GradientSynchronizer(
             self.param_groups, self._hc_update, model=model, overlap=overlap,
             backward_passes_per_step=passes, topk=topk,
@@ -105,16 +124,24 @@ class _DistributedOptimizer:
     def step(self, closure=None, grad_scaler=None):
         """All-reduce what backward produced and update (or defer, in forward mode).
 
-        With a ``closure``, each backward pass it runs is reduced before the
-        optimizer reads ``.grad``. With ``torch.amp.GradScaler``,
+        A ``closure`` that the wrapped optimizer evaluates once, first thing
+        (torch.optim's but LBFGS), is evaluated first, and the step goes on as
+        without one; with any other optimizer, each backward pass the closure
+        runs is reduced before the optimizer reads ``.grad``. With ``torch.amp.GradScaler``,
         ``scaler.step(opt)`` passes itself here: the inf check runs on the
         reduced gradients, identically on every rank, and the update is applied
         at once, as in backward mode.
         """
+        loss = None
+        if closure is not None and self._hc_closure_first:
+            # Its forward and backward are this step's last pass, as in a loop
+            # without a closure (and may call synchronize(), to clip).
+            with torch.enable_grad():
+                loss = closure()
+            closure = None
         sync = self._hc_sync
         sync.begin_step()
         synchronized, self._hc_synchronized = self._hc_synchronized, False
-        loss = None
         if closure is not None:
             sync.finish()
             loss = self._hc_base_step(sync.reduce_after(closure), grad_scaler)
@@ -123,7 +150,8 @@ class _DistributedOptimizer:
         else:
             if not self._hc_skip:
                 sync.finish()  # after synchronize(): only what a backward added since
-            loss = self._hc_base_step(None, grad_scaler)
+            base_loss = self._hc_base_step(None, grad_scaler)
+            loss = base_loss if base_loss is not None else loss
         sync.end_step()
         if sync.plan is not self._hc_linked_plan:  # re-planned: new buckets, new views
             self._hc_link_topk_state()
