@@ -21,7 +21,7 @@ from pytorch_lightning.strategies import DDPStrategy
 
 import hybridcomm
 import hybridcomm.ddp
-from hybridcomm.integrations.lightning import HybridStrategy
+from hybridcomm.integrations.lightning import HybridDDPStrategy, HybridStrategy
 
 SAMPLES = 192  # a multiple of every global batch the tests use
 
@@ -79,11 +79,10 @@ def strategy_for(args):
         return "auto"
     if args.route == "strategy":
         return HybridStrategy(overlap=args.overlap, process_group_backend="gloo",
-                              hybridcomm_options={"cost_model": "default"})
-    if args.route == "hook":
-        return DDPStrategy(process_group_backend="gloo",
-                           ddp_comm_state=hybridcomm.ddp.HybridState(cost_model="default"),
-                           ddp_comm_hook=hybridcomm.ddp.hybrid_hook)
+                              hybridcomm_options=json.loads(args.hybridcomm_options))
+    if args.route == "hook":  # on GPUs, DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...) too
+        return HybridDDPStrategy(hybridcomm.ddp.HybridState(cost_model="default"),
+                                 process_group_backend="gloo")
     return DDPStrategy(process_group_backend="gloo")
 
 
@@ -93,7 +92,8 @@ def proof_of_hybridcomm(trainer) -> dict:
     if isinstance(strategy, HybridStrategy):
         return {"wrapped": [type(o).__name__ for o in strategy.optimizers
                             if isinstance(o, hybridcomm.optimizer._DistributedOptimizer)],
-                "buckets": [len(o.plan.buckets) for o in strategy.optimizers]}
+                "buckets": [len(o.plan.buckets) for o in strategy.optimizers],
+                "defers": [o.plan.defer_updates for o in strategy.optimizers]}
     state = getattr(strategy, "_ddp_comm_state", None)
     if isinstance(state, hybridcomm.ddp.HybridState):
         return {"algorithms": sorted(set(state.algorithms.values()))}
@@ -105,6 +105,8 @@ def main(argv=None):
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--route", choices=["strategy", "hook", "ddp"], default="strategy")
     ap.add_argument("--overlap", choices=["forward", "backward", "none"], default="forward")
+    ap.add_argument("--hybridcomm-options", default='{"cost_model": "default"}', metavar="JSON",
+                    help="DistributedOptimizer's keyword arguments (route strategy)")
     ap.add_argument("--batch-size", type=int, default=16, help="per process")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=-1)

@@ -52,7 +52,8 @@ class HybridState:
 
     Args:
         process_group: the group DDP reduces over (None: the world).
-        cost_model: a ``CostModel``; None: rank 0's saved calibration, else a probe.
+        cost_model: a ``CostModel``; None: rank 0's saved calibration, else a probe;
+            ``"probe"``: always probe; ``"default"``: the built-in constants.
         timeout: seconds any wait may take (default ``HYBRIDCOMM_TIMEOUT``).
 
     Picklable, as ``PowerSGDState`` is: the group and the channel are not
@@ -73,6 +74,10 @@ class HybridState:
 
     def __init__(self, process_group=None, cost_model: Optional[CostModel] = None,
                  timeout: Optional[float] = None):
+        if not (cost_model is None or isinstance(cost_model, CostModel)
+                or cost_model in ("default", "probe")):
+            raise ValueError(f"cost_model must be a CostModel, None, 'probe' or 'default', "
+                             f"got {cost_model!r}")
         self.process_group = process_group
         self.cost_model = cost_model
         self.timeout = env.timeout(timeout)
@@ -96,8 +101,12 @@ class HybridState:
         if self._world:
             return
         self._world = dist.get_world_size(self.process_group)
-        self.cost_model = calibration.agree(self.cost_model, group=self.process_group,
-                                            timeout=self.timeout)
+        if isinstance(self.cost_model, str):  # "default" or "probe": the same on every rank
+            self.cost_model = calibration.resolve(self.cost_model, self.process_group,
+                                                  self.timeout)
+        else:  # given or saved on rank 0: rank 0's
+            self.cost_model = calibration.agree(self.cost_model, group=self.process_group,
+                                                timeout=self.timeout)
         if runtime_for(buf.device) is not None:
             self._transport = select_transport(buf.device, self.process_group,
                                                timeout=self.timeout)

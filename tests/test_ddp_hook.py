@@ -44,3 +44,13 @@ def test_hook_gives_ddps_numbers_on_every_rank(algo):
     assert len(algos) > 1 and unpickled == algos  # several buckets; the state pickles
     if algo:
         assert set(algos.values()) == {algo}
+
+
+def test_state_takes_the_optimizers_cost_model_names_and_refuses_others():
+    """"default" and "probe" as DistributedOptimizer takes them (resolved on first
+    use, alike on every rank: test_integrations_lightning runs "default"); anything
+    else fails at construction, not inside the first backward."""
+    for name in ("default", "probe", None):
+        assert hybridcomm.ddp.HybridState(cost_model=name).cost_model == name
+    with pytest.raises(ValueError, match="cost_model must be"):
+        hybridcomm.ddp.HybridState(cost_model="fast")

@@ -2,11 +2,14 @@
 
 Two routes (docs/INTEGRATIONS.md):
 
-- **The DDP hook** (backward overlap), no code of ours::
+- **The DDP hook** (backward overlap). On GPUs, Lightning's own::
 
       from pytorch_lightning.strategies import DDPStrategy
       strategy = DDPStrategy(ddp_comm_state=hybridcomm.ddp.HybridState(),
                              ddp_comm_hook=hybridcomm.ddp.hybrid_hook)
+
+  Lightning registers a DDP hook only on CUDA devices (and ignores it on the
+  CPU without a word); ``HybridDDPStrategy()`` registers it on any device.
 
 - **HybridStrategy** (forward overlap: a layer's reduction runs on into the
   next step's forward, until the layer's first use): the model is not wrapped
@@ -34,9 +37,36 @@ from typing import Any, Callable, Optional
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import DDPStrategy
 
+from ..ddp import HybridState, hybrid_hook
 from ..optimizer import DistributedOptimizer, _DistributedOptimizer
 
 log = logging.getLogger("hybridcomm")
+
+
+class HybridDDPStrategy(DDPStrategy):
+    """Lightning's DDP with hybridcomm's communication hook, on any device.
+
+    Args:
+        state: the hook's :class:`hybridcomm.ddp.HybridState` (default: a new one).
+        **kwargs: ``DDPStrategy``'s.
+
+    Example::
+
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=HybridDDPStrategy())
+    """
+
+    strategy_name = "hybridcomm_ddp_hook"
+
+    def __init__(self, state: Optional[HybridState] = None, **kwargs: Any) -> None:
+        super().__init__(ddp_comm_state=state if state is not None else HybridState(),
+                         ddp_comm_hook=hybrid_hook, **kwargs)
+
+    def _register_ddp_hooks(self) -> None:
+        if self.root_device.type == "cuda":  # Lightning's own registration
+            return super()._register_ddp_hooks()
+        self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+        log.debug("hybridcomm: the DDP hook registered on %s", self.root_device)
+        return None
 
 
 def _drive(scheduler, opt) -> None:
