@@ -1,7 +1,8 @@
 """Training benchmark: the thesis experiment (hybrid all-reduce with layer overlapping).
 
 A VGG-like CNN (few conv parameters, large fully-connected layers; see
-``models.py``) trains on synthetic data (fixed seed, each rank its own shard)
+``models.py``), or with ``--model`` torchvision's ResNet-18 or VGG-11 adapted to
+32x32 inputs and 10 classes, trains on synthetic data (fixed seed, each rank its own shard)
 on N local ranks over gloo, one launch for the whole run, so every
 configuration is measured side by side on the same processes:
 
@@ -59,6 +60,7 @@ steps add on top.
     python benchmarks/train.py --configs stock,ddp:2 --batch-sizes 8 --json out.json --plot out.png
     python benchmarks/train.py --shape "rate 100mbit" --batch-sizes 256 \
         --configs comm,stock,ddp:0.5,ddp:2,ddp:25,hybrid-forward          # root: the wire-bound case
+    python benchmarks/train.py --model resnet18 --quick   # a real model (vgg11 too), loopback
     python benchmarks/train.py --regime-map --json map.json --plot map.png   # root; ~30 minutes
     python benchmarks/train.py --demo                # what `make demo` runs (< 3 minutes)
     python benchmarks/train.py --configs hybrid-forward --batch-sizes 32 --trace traces/
@@ -85,7 +87,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py, als
 import hybridcomm  # noqa: E402
 from hybridcomm.bench.report import machine_info  # noqa: E402
 from hybridcomm.launch import launch  # noqa: E402
-from models import IMAGE_SHAPE, NUM_CLASSES, param_counts, vgg_small  # noqa: E402
+from models import (DEFAULT_MODEL, IMAGE_SHAPE, MODELS, NUM_CLASSES, build,  # noqa: E402
+                    model_source, param_counts)
 
 # config -> (strategy, overlap) for hybridcomm.DistributedOptimizer; None: plain torch.
 # "ddp:CAP_MB" (any cap) is accepted besides these; see config_kind.
@@ -214,9 +217,9 @@ class _Concurrent:
 class _Trainer:
     """One config's model, optimizer and step; ``step`` is what gets timed."""
 
-    def __init__(self, config: str, world: int, trace: bool = False):
+    def __init__(self, config: str, world: int, trace: bool = False, model: str = DEFAULT_MODEL):
         self.config, self.world = config, world
-        self.model = vgg_small(SEED)
+        self.model = build(model, SEED)
         self.params = list(self.model.parameters())
         base = torch.optim.SGD(self.params, lr=LR, momentum=MOMENTUM)
         self.net, self.opt, self.concurrent = self.model, base, None
@@ -380,11 +383,11 @@ def _same_across_ranks(flat, world) -> bool:
 
 
 def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, label,
-                    trace_dir=None):
+                    trace_dir=None, model=DEFAULT_MODEL):
     """Every config on this batch size, interleaved in ``rounds`` so slow drift in the
     machine's load (shared cores) hits all configs alike. Each config runs the same
-    number of steps on the same data from the same initial model. With ``trace_dir``
-    each hybridcomm config's timeline is written there per rank."""
+    number of steps on the same data from the same initial ``model`` (a models.MODELS
+    name). With ``trace_dir`` each hybridcomm config's timeline is written there per rank."""
     data = _shard(rank, batch_size)
     names = ["compute"] + configs
     trainers, rows = {}, []
@@ -396,7 +399,7 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
         footprint = {}
         for c in names:
             before = resident_kb(trim=True)
-            trainers[c] = _Trainer(c, world, trace=trace_dir is not None)
+            trainers[c] = _Trainer(c, world, trace=trace_dir is not None, model=model)
             after = resident_kb(trim=True)
             footprint[c] = None if before is None or after is None else after - before
         samples = {c: [] for c in names}
@@ -454,11 +457,11 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
 
 
 def _rank(rank, world, batch_sizes, configs, warmup, iters, rounds, label="loopback",
-          trace_dir=None):
+          trace_dir=None, model=DEFAULT_MODEL):
     rows = []
     for bs in batch_sizes:
         rows += _run_batch_size(rank, world, bs, configs, warmup, iters, rounds, label,
-                                trace_dir)
+                                trace_dir, model)
     return rows
 
 
@@ -661,6 +664,12 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[2:]))
     ap.add_argument("--nprocs", type=int, default=4)
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS),
+                    help=f"what trains (default {DEFAULT_MODEL}; --demo and --regime-map "
+                         "run only that): "
+                         + "; ".join(f"{name} = {what}" for name, what in MODELS.items())
+                         + ". resnet18, vgg11: torchvision.models where it imports, else an "
+                         "in-repo copy of torchvision 0.28.0's; the same weights either way")
     ap.add_argument("--batch-sizes", default=None, help="per rank, comma-separated (default 8,16,32,64)")
     ap.add_argument("--configs", default="all",
                     help=f"comma-separated from {','.join(CONFIGS)}, ddp:CAP_MB, or all")
@@ -691,6 +700,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.regime_map and args.demo:
         ap.error("--regime-map and --demo are separate runs")
+    if (args.regime_map or args.demo) and args.model != DEFAULT_MODEL:
+        # their batch sizes and networks are sized for the thesis model's step and bytes
+        ap.error(f"--regime-map and --demo run {DEFAULT_MODEL}; --model {args.model} "
+                 "is for a single run (--shape, --batch-sizes, --configs)")
     defaults = QUICK if args.quick else REGIME_RUN if args.regime_map else FULL
     if args.demo:
         defaults = DEMO
@@ -721,7 +734,7 @@ def measure(args, shape, batch_sizes):
     label = shape.replace("rate ", "") if shape else "loopback"
     with network as net:
         per_rank = launch(_rank, args.nprocs, batch_sizes, args.configs, args.warmup,
-                          args.iters, args.rounds, label, args.trace, backend="gloo",
+                          args.iters, args.rounds, label, args.trace, args.model, backend="gloo",
                           setup=net and net.setup, timeout=args.timeout)
         where = f"tbf {net.spec} on each rank's link (a namespace per rank)" if net else "loopback"
     results = aggregate(per_rank, args.configs, batch_sizes)
@@ -729,9 +742,16 @@ def measure(args, shape, batch_sizes):
     return where, results, plans
 
 
+def model_line(model) -> str:
+    """The model, where it comes from and its size: ``resnet18 (in-repo copy of torchvision
+    0.28.0; 11.17M params, 44.7 MB of gradients, 0.0% in FC layers)``."""
+    return (f"{model['arch']} ({model['source']}; {model['params'] / 1e6:.2f}M params, "
+            f"{model['bytes'] / 1e6:.1f} MB of gradients, "
+            f"{model['fc_params'] / model['params']:.1%} in FC layers)")
+
+
 def header_line(args, model, where):
-    return (f"training step, {model['name']} ({model['params'] / 1e6:.2f}M params, "
-            f"{model['fc_params'] / model['params']:.1%} in FC layers), {args.nprocs} ranks on CPU "
+    return (f"training step, {model_line(model)}, {args.nprocs} ranks on CPU "
             f"(gloo), network: {where}; median of {args.iters} steps (configs interleaved "
             f"in {args.rounds} rounds, {args.warmup} warm-up) per rank, averaged across ranks; "
             f"exposed = step - compute; lib_exp = the library's own exposed_comm_s; "
@@ -779,7 +799,9 @@ def main(argv=None):
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
     command = " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv)
-    model = param_counts(vgg_small(SEED))
+    model = dict(param_counts(build(args.model, SEED)), arch=args.model,
+                 source=model_source(args.model))
+    print(f"[train] model: {model_line(model)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     if args.demo and args.shape is None:
         why = can_shape()

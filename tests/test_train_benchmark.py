@@ -37,6 +37,7 @@ def _run(tmp_path, *extra, timeout=120):
 
 def _check(doc, configs):
     assert doc["nprocs"] == 2 and doc["shape"] is None
+    assert doc["model"]["arch"] == "vgg_small" and doc["model"]["source"] == "in-repo"
     assert doc["model"]["params"] > doc["model"]["fc_params"] > 0.9 * doc["model"]["params"]
     assert {"cpu", "torch", "cpus"} <= set(doc["machine"])
     assert "train.py" in doc["command"]
@@ -103,6 +104,35 @@ def test_ddp_caps_comm_the_bound_and_the_limit(tmp_path):
     assert "1.00x" in limit_line
 
 
+def test_a_real_model_resnet18(tmp_path):
+    configs = ["stock", "hybrid-forward"]  # a smoke: batch 2, one timed step, one round
+    doc, stdout = _run(tmp_path, "--model", "resnet18", "--configs", ",".join(configs),
+                       "--batch-sizes", "2", "--iters", "1", "--rounds", "1")
+    model = doc["model"]
+    assert model["arch"] == "resnet18" and model["params"] == 11173962  # the CIFAR stem
+    assert model["bytes"] == 4 * model["params"] and "torchvision" in model["source"]
+    header = next(line for line in stdout.splitlines() if line.startswith("training step"))
+    assert "resnet18 (" in header and "11.17M params, 44.7 MB of gradients" in header
+    rows = {r["config"]: r for r in doc["results"]}
+    assert list(rows) == ["compute"] + configs
+    for c in configs:  # BN and residual blocks train alike under every config
+        assert rows[c]["same"] is True and rows[c]["max_abs_diff_vs_stock"] < 1e-4
+
+
+def test_model_is_documented_and_kept_off_the_demo_and_the_regime_map(capsys):
+    train = _train_module()  # its parser, in this process: no interpreter start per case
+    assert train.parse_args([]).model == "vgg_small"
+    assert train.parse_args(["--model", "vgg11"]).model == "vgg11"
+    with pytest.raises(SystemExit) as done:
+        train.parse_args(["--help"])
+    assert done.value.code == 0
+    assert "--model {vgg_small,vgg11,resnet18}" in capsys.readouterr().out
+    for run in (["--demo"], ["--regime-map"]):
+        with pytest.raises(SystemExit) as done:
+            train.parse_args([*run, "--model", "resnet18"])
+        assert done.value.code == 2 and "run vgg_small" in capsys.readouterr().err
+
+
 def test_limit_runs_its_all_reduce_beside_the_step_in_one_persistent_thread():
     train = _train_module()
     inside, calls = threading.Event(), []
@@ -143,6 +173,8 @@ def test_peak_resident_memory_is_reset_and_read():
     x = torch.ones(16 * 1024 * 1024)  # 64 MiB, touched
     del x
     assert train.peak_rss_kb() - base > 48 * 1024
+    train.resident_kb(trim=True)  # freed heap (earlier tests') handed back first, so the
+    # reset takes the live size, not memory the trim below would drop
     assert train.reset_peak_rss() and train.peak_rss_kb() - train.resident_kb(trim=True) < 48 * 1024
 
 
