@@ -12,8 +12,6 @@ helpers' answers to a single process and to bad input, in this process.
 import ast
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -28,9 +26,8 @@ from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelK
 
 import hybridcomm.integrations.accelerate as hca
 from hybridcomm.errors import HybridCommError
-from launch_script import free_port
+from launch_script import ROOT, finish_all, free_port, start
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "examples", "accelerate_train.py")
 # Two processes average two per-process means where one process takes the mean
 # of the whole batch: the same numbers summed in another order, a few fp32
@@ -41,36 +38,6 @@ ARGS = ["--steps", "6", "--global-batch-size", "16", "--accumulation", "1,2",
 RUNS = [(o, a) for o in ("backward", "forward") for a in (1, 2)]
 
 
-def _start(cmd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="",
-               HF_HUB_OFFLINE="1")
-    # A session of its own: on a timeout the launcher and every worker are killed.
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env=env, start_new_session=True)
-
-
-def _finish(proc, timeout=240):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish within {timeout} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def _finish_all(*procs):
-    """Each process's output; none is left running, whatever fails."""
-    try:
-        return [_finish(p) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
-
-
 def _line(out, pattern):
     """The group of the one whole line of ``out`` that matches ``pattern``."""
     found = re.findall(rf"^{pattern}$", out, re.M)
@@ -79,13 +46,13 @@ def _line(out, pattern):
 
 
 def test_two_processes_equal_one_on_the_whole_batch(tmp_path):
-    two = _start([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+    two = start([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
                   "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                   "--dynamo_backend", "no", "--main_process_port", str(free_port()),
                   SCRIPT, *ARGS, "--bucket-cap-mb", "0.005",  # DDP: two buckets
                   "--params-out", str(tmp_path / "two")])
-    one = _start([sys.executable, SCRIPT, *ARGS, "--params-out", str(tmp_path / "one")])
-    out_one, out_two = _finish_all(one, two)
+    one = start([sys.executable, SCRIPT, *ARGS, "--params-out", str(tmp_path / "one")])
+    out_one, out_two = finish_all(one, two)
 
     for overlap, acc in RUNS:
         label = f"overlap {overlap}, accumulation {acc}"

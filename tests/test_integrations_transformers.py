@@ -13,8 +13,6 @@ import ast
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 
 import pytest
@@ -28,8 +26,8 @@ from accelerate.utils import DistributedType
 
 import hybridcomm.integrations.transformers as hct
 from hybridcomm.errors import HybridCommError
+from launch_script import ROOT, finish_all, start
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "examples", "hf_trainer.py")
 # Two processes average two per-process means where one process takes the mean
 # of the whole batch: the same numbers summed in another order, a few fp32
@@ -39,36 +37,6 @@ RTOL = ATOL = 64 * torch.finfo(torch.float32).eps
 # apart may fall either side of a rounding boundary.
 LOGGED_LOSS_ATOL = 1e-4 + ATOL
 ARGS = ["--steps", "6", "--accumulation", "2", "--max-grad-norm", "0.2"]
-
-
-def _start(cmd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="",
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    # A session of its own: on a timeout torchrun and every worker are killed.
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env=env, start_new_session=True)
-
-
-def _finish(proc, timeout=240):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{proc.args} did not finish within {timeout} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def _finish_all(*procs):
-    """Each process's output; none is left running, whatever fails."""
-    try:
-        return [_finish(p) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.communicate()
 
 
 def _run_logs(out, run):
@@ -90,12 +58,12 @@ def _close(a, b, atol=ATOL):
 
 
 def test_trainer_with_hybridcomm_equals_stock_ddp_and_one_process(tmp_path):
-    two = _start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+    two = start([sys.executable, "-m", "torch.distributed.run", "--standalone",
                   "--nproc-per-node", "2", SCRIPT, *ARGS, "--per-device-batch-size", "8",
                   "--also-stock", "--params-out", str(tmp_path / "two")])
-    one = _start([sys.executable, SCRIPT, *ARGS, "--per-device-batch-size", "16",
+    one = start([sys.executable, SCRIPT, *ARGS, "--per-device-batch-size", "16",
                   "--params-out", str(tmp_path / "one")])
-    out_one, out_two = _finish_all(one, two)
+    out_one, out_two = finish_all(one, two)
 
     assert "hybridcomm: 2 process(es), accumulation 2" in out_two
     assert "stock: 2 process(es), accumulation 2" in out_two
