@@ -397,3 +397,64 @@ def test_autograd_writing_into_a_bucket_in_flight_is_reported(broken):
         assert any("race" in str(r) and "AccumulateGrad" in str(r) for r in results), results
     else:
         assert results == ["ok", "ok"]
+
+
+# --- issue 20, defect 1: a peer that never posts its first operation ------------------------
+# NCCL connects on first use: the groupEnd (or lone all-reduce) that first needs a peer
+# blocks the host until that peer posts its side. Holding the transport's lock there kept
+# the watchdog from aborting, and nothing was watched yet: a hang, not a HybridCommTimeout.
+
+FIRST_USE_TIMEOUT = 2.0
+
+
+def _silent_before_first_use(rank, world, how):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hybridcomm.transport.select import select_transport
+
+    from hybridcomm.cost_model import CostModel
+
+    store = dist.distributed_c10d._get_default_store()
+    model = make_model()
+    if how == "step":  # making the optimizer is collective (the transport included); a
+        # given cost model: no probe, so the first step is the first NCCL operation
+        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                              model=model, overlap="none", measure_iters=0,
+                                              cost_model=CostModel(2e-5, 1e-9, 1e-10),
+                                              fusion_bytes=0, timeout=FIRST_USE_TIMEOUT)
+    else:
+        select_transport("cpu", timeout=FIRST_USE_TIMEOUT)
+    if rank == 1:  # silent until rank 0 is done (bounded: the old code never is)
+        try:
+            store.wait(["first-use/done"], timedelta(seconds=45))
+        except Exception:
+            pass
+        return "silent"
+    t0 = time.monotonic()
+    try:
+        x, y = batch(0)
+        if how == "step":
+            opt.zero_grad()
+            nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            opt.step()
+            opt.synchronize()
+        else:
+            hybridcomm.all_reduce(torch.ones(1000), algorithm="native", check="off",
+                                  timeout=FIRST_USE_TIMEOUT)
+        result = ("no error", time.monotonic() - t0, "")
+    except hybridcomm.HybridCommError as e:
+        result = (type(e).__name__, time.monotonic() - t0, str(e))
+    store.set("first-use/done", "1")
+    return result
+
+
+@pytest.mark.parametrize("how,names", [("step", "step 0"), ("native", "native all-reduce")])
+def test_a_peer_silent_before_its_first_operation_is_a_timeout_not_a_hang(how, names):
+    kind, elapsed, msg = run_ranks(2, _silent_before_first_use, how, timeout=30)[0]
+    assert kind == "HybridCommTimeout", (kind, msg)
+    assert elapsed < FIRST_USE_TIMEOUT + 3, elapsed
+    assert "rank 0" in msg and names in msg and "aborted" in msg, msg

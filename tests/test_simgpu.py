@@ -204,13 +204,21 @@ def _opposite_orders(rank, world, rt, simgpu, opposite):
     a, b = rt.empty(64, torch.float32), rt.empty(64, torch.float32)
     peer = 1 - rank
     order = [(c1, s1, a), (c2, s2, b)]
+
+    def groups():  # one send+recv group per communicator, own stream
+        for comm, stream, buf in order:
+            nccl.groupStart()
+            comm.send(buf.data_ptr(), 32, nccl.NCCL_FLOAT32, peer, rt.handle(stream))
+            comm.recv(buf.data_ptr() + 128, 32, nccl.NCCL_FLOAT32, peer, rt.handle(stream))
+            nccl.groupEnd()
+    # NCCL connects on first use, in groupEnd, waiting for the peer: first uses in
+    # opposite orders would deadlock the hosts already. Connect both in one order.
+    groups()
+    s1.synchronize()
+    s2.synchronize()
     if opposite and rank == 1:
         order.reverse()
-    for comm, stream, buf in order:  # one send+recv group per communicator, own stream
-        nccl.groupStart()
-        comm.send(buf.data_ptr(), 32, nccl.NCCL_FLOAT32, peer, rt.handle(stream))
-        comm.recv(buf.data_ptr() + 128, 32, nccl.NCCL_FLOAT32, peer, rt.handle(stream))
-        nccl.groupEnd()
+    groups()
     # Wait for what is being tested: both done, or a deadlock reported (3 s in).
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (s1.query() and s2.query()) \
@@ -231,6 +239,57 @@ def test_communicators_in_opposite_orders_deadlock_with_one_kernel_slot(opposite
             assert len(set(re.findall(r"comm-[0-9a-f]{6}", deadlocks[0]))) == 2
         else:
             assert finished and errors == []
+
+
+def _first_use(rank, world, rt, simgpu):
+    """NCCL connects on first use: groupEnd blocks the host until the peer posts its
+    side; a connected pair does not wait; an abort from another thread unblocks it."""
+    import threading
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    nccl, c1 = _comm(rt, simgpu, world, rank, "f1")
+    _, c2 = _comm(rt, simgpu, world, rank, "f2")
+    s = rt.new_stream()
+    buf = rt.empty(64, torch.float32)
+    peer = 1 - rank
+
+    def group(comm):
+        t0 = time.monotonic()
+        nccl.groupStart()
+        comm.send(buf.data_ptr(), 32, nccl.NCCL_FLOAT32, peer, rt.handle(s))
+        comm.recv(buf.data_ptr() + 128, 32, nccl.NCCL_FLOAT32, peer, rt.handle(s))
+        nccl.groupEnd()
+        return time.monotonic() - t0
+
+    if rank == 1:
+        time.sleep(1.0)  # late to its first group
+        group(c1)
+        group(c1)
+        store.wait(["first-use/done"])  # never posts on c2
+        s.synchronize()
+        return None
+    first, again = group(c1), group(c1)
+    threading.Timer(0.5, c2.abort).start()
+    t0 = time.monotonic()
+    try:
+        group(c2)
+        status = None
+    except nccl.NcclError as e:
+        status = e.status
+    aborted_after = time.monotonic() - t0
+    store.set("first-use/done", "1")
+    s.synchronize()
+    return first, again, status, aborted_after
+
+
+def test_group_end_blocks_on_first_use_until_the_peer_posts_or_an_abort():
+    (status, (first, again, error, aborted_after), errors), _ = run(2, _first_use)
+    assert status == "ok" and errors == []
+    assert first > 0.8  # waited for rank 1's first group (posted 1 s late)
+    assert again < 0.5  # connected: queued without waiting
+    assert error == 3 and 0.4 < aborted_after < 3  # ncclInternalError once aborted
 
 
 def _mismatched_sizes(rank, world, rt, simgpu):

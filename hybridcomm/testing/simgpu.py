@@ -31,7 +31,11 @@ it is simulated with the semantics that make GPU bugs show:
   a hang). At most ``HYBRIDCOMM_SIM_NCCL_KERNELS`` NCCL kernels run at once
   per device (1 models ``CUDA_DEVICE_MAX_CONNECTIONS=1``), so opposite issue
   orders on two communicators deadlock as on a GPU and are reported, naming
-  the communicators. ``abort``, async errors and injected errors work.
+  the communicators. NCCL connects on first use: the ``groupEnd`` (or lone
+  call) that first uses a connection to a peer blocks the host until that peer
+  posts its side, and returns an error once the communicator is aborted from
+  another thread (as ``ncclCommAbort`` unblocks NCCL's set-up). ``abort``,
+  async errors and injected errors work.
 * **Host syncs** are counted: ``tolist``/``item``/``bool``/... on device
   tensors, ``Event.synchronize``, ``Stream.synchronize``, device sync.
 * **Devices**: a per-thread current device and stream, as in torch; a thread
@@ -723,9 +727,11 @@ NCCL_TYPES = {"NCCL_INT8": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_UINT32": 3
 _TORCH_OF = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 4: torch.int64, 6: torch.float16,
              7: torch.float32, 8: torch.float64, 9: torch.bfloat16}
 NCCL_OPS = {"NCCL_SUM": 0, "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4}
+ERROR_INTERNAL = 3  # ncclInternalError: what a call blocked in set-up returns once aborted
 ERROR_INVALID_USAGE = 5
 ERROR_REMOTE = 6
 _TAG_BASE = 0x20000000  # far above gloo's collective tags
+_CONNECT_TAG_BASE = 0x30000000  # connection set-up messages (clear of _TAG_BASE's range)
 
 
 class SimNcclError(RuntimeError):
@@ -860,6 +866,8 @@ class SimNcclCommunicator:
         self.module, self.rank, self.size_ = module, rank, ndev
         self.name = f"comm-{digest[:3].hex()}"
         self.tag = _TAG_BASE + (int.from_bytes(digest[:3], "little") << 1)
+        self.connect_tag = _CONNECT_TAG_BASE + (int.from_bytes(digest[:3], "little") << 2)
+        self.connected: set = set()  # ("send" | "recv" | "coll", peer): set up on first use
         self.aborted = self.destroyed = False
         self.async_error = 0
         store = dist.distributed_c10d._get_default_store()
@@ -884,7 +892,8 @@ class SimNcclCommunicator:
         call = (self, kind, ptr, count, datatype, peer, extra)
         if _tls.group is not None:
             _tls.group.append((s, call, ranges))
-        else:
+        else:  # outside a group NCCL makes the call a group of one: it connects the same way
+            self.module._connect([call])
             self.module._launch(s, [call], list(ranges))
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
@@ -969,6 +978,7 @@ class SimNccl:
         calls, _tls.group = _tls.group, None
         if calls is None:
             raise SimNcclError(ERROR_INVALID_USAGE, "groupEnd without groupStart")
+        self._connect([call for _, call, _ in calls])
         by_stream: Dict[SimStream, tuple] = {}
         for s, call, ranges in calls:
             entry = by_stream.setdefault(s, ([], []))
@@ -976,6 +986,87 @@ class SimNccl:
             entry[1].extend(ranges)
         for s, (cs, rs) in by_stream.items():
             self._launch(s, cs, rs)
+
+    def _connect(self, calls) -> None:
+        """Connection set-up on first use, on the calling host thread, as NCCL's
+        ``ncclGroupEnd`` does it (a call outside a group is a group of one).
+
+        NCCL connects lazily: the first send to (receive from) a peer marks the
+        connection (``p2pTaskAppend`` -> ``ncclGroupCommPreconnect``), and the
+        blocking ``groupLaunch`` sets it up before any kernel is queued
+        (``ncclP2PPreconnectFunc`` -> ``ncclTransportP2pSetup``: ``bootstrapSend``
+        then ``bootstrapRecv`` with that peer); a collective connects its
+        algorithm's peers the same way (``ncclCollPreconnect``). So the host call
+        does not return until each new peer has posted its side, i.e. reached its
+        own matching operation. ``ncclCommAbort`` on another thread sets the abort
+        flag that the set-up's socket loops poll (``ncclSocketAccept`` /
+        ``checkAbort``): the blocked call then returns ``ncclInternalError``,
+        modelled here as a ``SimNcclError(ERROR_INTERNAL)``.
+        """
+        new: Dict[SimNcclCommunicator, list] = {}
+        for comm, kind, _ptr, _count, _dtype, peer, _extra in calls:
+            if kind == "allreduce":
+                keys = [(("coll", q), q) for q in range(comm.size_) if q != comm.rank]
+            else:
+                keys = [((kind, peer), peer)]
+            for key, q in keys:
+                todo = new.setdefault(comm, [])
+                if key not in comm.connected and all(k != key for k, _ in todo):
+                    todo.append((key, q))
+        for comm, todo in new.items():
+            if todo:
+                self._handshake(comm, todo)
+
+    def _handshake(self, comm: SimNcclCommunicator, todo: list) -> None:
+        """Block until every peer in ``todo`` posts its side of the connection."""
+        # My send connection to p pairs with p's receive connection from me:
+        # a message on the tag of my side's direction, an answer on the other's.
+        tags = {"send": (0, 1), "recv": (1, 0), "coll": (2, 2)}
+        peers = sorted({q for _, q in todo})
+        what = (f"NCCL {comm.name}: rank {comm.rank} connecting to rank"
+                f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}")
+        if comm.aborted or comm.destroyed:
+            raise SimNcclError(ERROR_INTERNAL, f"{what}: the communicator was aborted")
+        finished = threading.Event()
+        failure: list = []
+
+        def run():
+            import torch.distributed as dist
+
+            try:
+                works, answers = [], []
+                for (kind, q), _ in todo:
+                    out, back = tags[kind]
+                    gp = comm.global_ranks[q]
+                    works.append(dist.isend(torch.tensor([comm.rank, out], dtype=torch.int64),
+                                            gp, tag=comm.connect_tag + out))
+                    answers.append((torch.empty(2, dtype=torch.int64), gp,
+                                    comm.connect_tag + back))
+                for buf, gp, tag in answers:
+                    _wait_works([dist.irecv(buf, gp, tag=tag)])
+                _wait_works(works)
+            except BaseException as e:
+                failure.append(e)
+            finally:
+                finished.set()
+
+        threading.Thread(target=run, daemon=True, name=f"simgpu-connect-{comm.name}").start()
+        dev, t0, reported = self.device, time.monotonic(), False
+        while not finished.wait(0.01):
+            if comm.aborted or dev.closed:
+                raise SimNcclError(ERROR_INTERNAL, f"{what}: the communicator was aborted while "
+                                   "groupEnd waited for the peers to connect")
+            if not reported and time.monotonic() - t0 > dev.deadlock_s:
+                reported = True
+                dev.report(SimError(
+                    f"{what}: groupEnd has blocked the host {dev.deadlock_s:.0f}s setting up "
+                    "connections (NCCL connects on first use): a peer never posted its matching "
+                    "operation (dead, or issuing in another order)"))
+        if failure:
+            raise SimNcclError(ERROR_REMOTE, f"{what}: connection set-up failed: {failure[0]!r}")
+        if comm.aborted:
+            raise SimNcclError(ERROR_INTERNAL, f"{what}: the communicator was aborted")
+        comm.connected.update(key for key, _ in todo)
 
     def _launch(self, stream: SimStream, calls, ranges) -> None:
         names = "+".join(sorted({c[0].name for c in calls}))

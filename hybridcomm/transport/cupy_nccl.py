@@ -17,6 +17,14 @@ ordered channel: no second communicator can race the first.
   when watched work misses its deadline or NCCL reports an async error; the
   next call on any thread then raises :class:`HybridCommTimeout` /
   :class:`HybridCommError` naming the rank and the work.
+* Issuing can block the host: ``ncclGroupEnd`` (and a collective, a group of
+  one) sets up a connection on its first use and waits there for the peer to
+  post its side, or waits for room in a full work queue. So no lock is held
+  across an NCCL call that can wait on a peer, and each such call runs under
+  an issue deadline (:attr:`issue_timeout`) the watchdog enforces: past it, the
+  watchdog aborts the communicator, which makes the blocked call return with
+  an error (NCCL's set-up polls the abort flag), and the issuing thread raises
+  the :class:`HybridCommTimeout`.
 
 The CUDA layer comes from a runtime (``hybridcomm.runtime``): ``CudaRuntime``
 in production, the simulator's ``SimRuntime`` in tests, which runs this exact
@@ -32,6 +40,7 @@ from typing import Dict, Sequence, Tuple
 
 import torch
 
+from .. import env
 from ..errors import HybridCommError, HybridCommTimeout
 from .base import CommStream, Transfer
 
@@ -102,6 +111,10 @@ class CupyNcclTransport(CommStream):
         runtime: the device runtime (``hybridcomm.runtime.runtime_for(device)``).
         priority: the comm stream's priority (-1, high: NCCL kernels are
             scheduled ahead of queued compute kernels).
+        timeout: seconds an NCCL call may block the host while issuing (first-use
+            connection set-up waits for the peer) before the watchdog aborts
+            (default ``HYBRIDCOMM_TIMEOUT``); each :meth:`watch` sets it to the
+            latest operation's timeout.
         store, rank, world_size: override the group's (tests).
 
     Creating one is collective over the group: every rank creates its
@@ -119,7 +132,8 @@ class CupyNcclTransport(CommStream):
     kind = "cupy"
 
     def __init__(self, group=None, *, runtime, priority: int = -1, store=None,
-                 rank: int | None = None, world_size: int | None = None):
+                 rank: int | None = None, world_size: int | None = None,
+                 timeout: float | None = None):
         import torch.distributed as dist
 
         self.nccl = runtime.nccl()
@@ -138,7 +152,13 @@ class CupyNcclTransport(CommStream):
         self._dtypes = nccl_dtypes(self.nccl)
         self._aborted = False
         self._failure: HybridCommError | None = None  # set by the watchdog
-        self._lock = threading.Lock()  # the communicator's life: abort vs. use
+        # The communicator's life: no call starts after an abort or destroy, and
+        # abort, destroy and the async-error query never race each other. Never
+        # held across an NCCL call that can block on a peer (see _issue).
+        self._lock = threading.Lock()
+        self.issue_timeout = env.timeout(timeout)
+        self._issuing: Dict[int, Tuple[float, str, float]] = {}  # id: (deadline, what, timeout)
+        self._issue_ids = itertools.count()
         self._watched: collections.deque = collections.deque()
         self._watchdog: threading.Thread | None = None
         self.runtime = runtime
@@ -184,14 +204,15 @@ class CupyNcclTransport(CommStream):
         if not calls:
             return
         nccl, comm, stream = self.nccl, self.comm, self._handle
-        with self._lock:
-            self._usable()
+
+        def group():
             nccl.groupStart()
             try:
                 for op, ptr, count, dtype, peer in calls:
                     getattr(comm, op)(ptr, count, dtype, peer, stream)
             finally:
-                nccl.groupEnd()
+                nccl.groupEnd()  # may wait for the peers (first use): see _issue
+        self._issue(group, _step_name(label))
 
     def all_reduce(self, t: torch.Tensor, *, average: bool) -> None:
         """NCCL's own all-reduce (``native``) of ``t`` in place, on the comm stream:
@@ -199,9 +220,42 @@ class CupyNcclTransport(CommStream):
         self._usable()
         _, ptr, count, dtype, _ = self._call(-1, t, "allReduce", "native all-reduce")
         op = self.nccl.NCCL_AVG if average else self.nccl.NCCL_SUM
+        comm, stream = self.comm, self._handle
+        self._issue(lambda: comm.allReduce(ptr, ptr, count, dtype, op, stream),
+                    "native all-reduce")
+
+    def _issue(self, calls, what: str) -> None:
+        """Run ``calls`` (NCCL calls that may block the host on a peer) under an issue
+        deadline, outside the lock, so the watchdog can abort while they block.
+
+        The deadline is registered before the first call: a peer that never posts
+        its side of a first-use connection is a HybridCommTimeout within
+        :attr:`issue_timeout`, not a hang. The lock covers only the check that the
+        communicator is usable and the registration, so no call starts after an
+        abort; an abort during the calls is what unblocks them (``ncclCommAbort``
+        sets the abort flag NCCL's set-up polls: the blocked call returns an
+        error), and the abort's error is raised here.
+        """
         with self._lock:
             self._usable()
-            self.comm.allReduce(ptr, ptr, count, dtype, op, self._handle)
+            key = next(self._issue_ids)
+            self._issuing[key] = (time.monotonic() + self.issue_timeout, what,
+                                  self.issue_timeout)
+            self._start_watchdog()
+        try:
+            calls()
+        except self.nccl.NcclError as e:
+            with self._lock:
+                if not self._aborted:
+                    self._abort_locked(HybridCommError(
+                        f"rank {self.rank}: {what}: NCCL failed while issuing it: {e}; the "
+                        "communicator was aborted"))
+                err = self._failure or self._aborted_error()
+            raise err from e
+        finally:
+            with self._lock:
+                del self._issuing[key]
+        self._usable()  # aborted while issuing: what was queued may be garbage
 
     def _call(self, peer: int, t: torch.Tensor, op: str, label):
         if op != "allReduce" and (not 0 <= peer < self.world_size or peer == self.rank):
@@ -228,10 +282,11 @@ class CupyNcclTransport(CommStream):
 
     def _usable(self) -> None:
         if self._aborted:
-            if self._failure is not None:
-                raise self._failure
-            raise HybridCommError(f"rank {self.rank}: the NCCL communicator was aborted after an "
-                                  "earlier error; create a new transport")
+            raise self._failure or self._aborted_error()
+
+    def _aborted_error(self) -> HybridCommError:
+        return HybridCommError(f"rank {self.rank}: the NCCL communicator was aborted after an "
+                               "earlier error; create a new transport")
 
     def check_async_error(self) -> None:
         """Raise HybridCommError (after aborting) if NCCL reported an asynchronous error."""
@@ -254,6 +309,11 @@ class CupyNcclTransport(CommStream):
         are on the comm stream, so they complete in that order too).
         """
         self._watched.append((time.monotonic() + timeout, event, label, timeout))
+        self.issue_timeout = timeout  # the latest operation's: what the next issues get
+        with self._lock:
+            self._start_watchdog()
+
+    def _start_watchdog(self) -> None:  # caller holds the lock
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch_loop, daemon=True,
                                               name=f"hybridcomm-nccl-watchdog-r{self.rank}")
@@ -264,6 +324,19 @@ class CupyNcclTransport(CommStream):
     def _watch_loop(self) -> None:
         self.runtime.bind_thread()  # else its event queries make a context on GPU 0
         while not self._aborted:
+            with self._lock:
+                issuing = list(self._issuing.values())
+            late = [(what, timeout) for deadline, what, timeout in issuing
+                    if time.monotonic() >= deadline]
+            if late:
+                what, timeout = late[0]
+                self._fail(HybridCommTimeout(
+                    f"rank {self.rank}: {what} did not complete within {timeout}s: issuing it "
+                    "blocked in NCCL (the first use of a connection waits for the peer to post "
+                    "its side; a full work queue waits for the GPU); the NCCL communicator was "
+                    "aborted (a peer dead, hung, or issuing its operations in another order?). "
+                    "NCCL_DEBUG=INFO shows more."))
+                return
             while self._watched:
                 deadline, event, label, timeout = self._watched[0]
                 if event.query():
@@ -304,11 +377,16 @@ class CupyNcclTransport(CommStream):
             self._abort_locked(None)
 
     def close(self) -> None:
-        """Free the communicator (collective in NCCL: call it on every rank)."""
+        """Free the communicator (collective in NCCL: call it on every rank). With a
+        call still issuing on another thread (blocked on a peer), abort instead:
+        destroying would wait for it, or free the communicator under it."""
         with self._lock:
             if not self._aborted:
                 self._aborted = True
-                self.comm.destroy()
+                if self._issuing:
+                    self.comm.abort()
+                else:
+                    self.comm.destroy()
 
 
 def _step_name(label) -> str:

@@ -116,7 +116,7 @@ def _device_transport(group, rt, choice: str, timeout: float):
         if t is None:
             control.barrier(group=group, timeout=timeout,
                             what=f"creating the {choice} NCCL communicator")
-            t = CupyNcclTransport(group, runtime=rt) if choice == "cupy" else \
+            t = CupyNcclTransport(group, runtime=rt, timeout=timeout) if choice == "cupy" else \
                 TorchNcclTransport(group, runtime=rt)
             _device_transports[key] = t
     return t
