@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hybridcomm-setup
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup test demo bench profile clean
+.PHONY: setup test demo bench profile gpu-check clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile
@@ -64,6 +64,13 @@ bench: setup
 # nsys profiles of both benchmarks (GPU machines with Nsight Systems).
 profile: setup
 	bash benchmarks/profile/nsys_bench.sh && bash benchmarks/profile/nsys_train.sh
+
+# Every test under tests/gpu (kernels, CuPy NCCL, the optimizer; one GPU or more),
+# with a JSON report of what ran, on what device, and how long it took. Not part
+# of `make test`; without CUDA it is a dry run (everything skips, exit 0).
+GPU_CHECK_JSON ?= gpu-check.json
+gpu-check: setup
+	$(PY) tests/gpu/gpu_check.py --output $(GPU_CHECK_JSON)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .coverage-data

@@ -7,14 +7,15 @@ Run: TRITON_INTERPRET=0 pytest tests/gpu   (one process per GPU is spawned)
 import pytest
 import torch
 
-from gpu_common import needs_gpus, skip_if_interpreting
+from gpu_common import needs_gpus, require_cupy_nccl, skip_if_interpreting
 from hybridcomm.launch import launch
 
-try:
-    from cupy.cuda import nccl  # noqa: F401
-except ImportError as e:
-    pytest.skip(f"CuPy not usable (pip install 'hybridcomm[cuda12]'): {e}", allow_module_level=True)
 pytestmark = needs_gpus(2)
+
+
+@pytest.fixture(autouse=True)
+def _cupy():
+    require_cupy_nccl()  # with the GPUs but without CuPy: a failure naming the extra
 
 ALGOS = ("ring", "butterfly", "halving_doubling")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
