@@ -10,7 +10,8 @@ prints the plan, the loss and the test accuracy, and the script checks at the
 end that every rank holds the same parameters.
 
 Flags: ``--epochs``, ``--batch-size`` (per rank), ``--overlap forward|backward|none``,
-``--strategy hybrid|auto|ring|butterfly|halving_doubling|native``.
+``--strategy hybrid|auto|ring|butterfly|halving_doubling|native``, ``--compression``
+(e.g. ``topk:0.1``), ``--local-sgd H`` (local SGD averaging every H steps instead).
 
 Checkpoints and elastic restarts: ``--checkpoint-dir D --checkpoint-every N``
 writes ``D/checkpoint.pt`` every N steps (rank 0, atomically: write, then
@@ -19,9 +20,10 @@ part) and resumes from it by itself when it exists. Under
 ``torchrun --max-restarts=3`` a worker that dies is restarted with the others
 and training continues from the last checkpoint: on CPU with this
 deterministic data order, to the same parameters as a run that never stopped
-(``tests/test_elastic.py`` kills one). The data shard follows the world size
-at each start. ``--crash-at-step K`` makes rank 1 kill itself (SIGKILL) at
-step K of the first attempt: the fault the test injects.
+(``tests/test_elastic.py`` kills one; ``benchmarks/chaos.py`` kills random
+ranks at random steps across the modes). The data shard follows the world size
+at each start. ``--crash-at-step K`` makes rank ``--crash-rank`` (default 1)
+kill itself (SIGKILL) at step K of the first attempt: the fault the tests inject.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridcomm
+import hybridcomm.strategies
 
 
 class Net(nn.Module):
@@ -111,8 +114,12 @@ def main() -> None:
     ap.add_argument("--strategy", default="hybrid")
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: never)")
+    ap.add_argument("--compression", default=None, help='e.g. "topk:0.1" or "fp16"')
+    ap.add_argument("--local-sgd", type=int, default=0, metavar="H",
+                    help="local SGD: average the parameters every H steps (0: synchronous)")
     ap.add_argument("--crash-at-step", type=int, default=None,
-                    help="rank 1 SIGKILLs itself at this step of the first attempt (testing)")
+                    help="--crash-rank SIGKILLs itself at this step of the first attempt (testing)")
+    ap.add_argument("--crash-rank", type=int, default=1)
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -125,10 +132,13 @@ def main() -> None:
     torch.manual_seed(0)
     model = Net().to(device)
     hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05,
-                                                          momentum=0.9),
-                                          model=model, overlap=args.overlap,
-                                          strategy=args.strategy)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if args.local_sgd:
+        opt = hybridcomm.strategies.LocalSGD(sgd, model, period=args.local_sgd)
+    else:
+        opt = hybridcomm.DistributedOptimizer(sgd, model=model, overlap=args.overlap,
+                                              strategy=args.strategy,
+                                              compression=args.compression)
     x_train, y_train = synthetic_digits(4096, seed=1)
     x_test, y_test = synthetic_digits(1024, seed=2)
     shard = slice(rank, None, world)  # each rank its own part of the data
@@ -144,7 +154,7 @@ def main() -> None:
     for epoch in range(start // per_epoch, args.epochs):
         perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
         for i in range(step - epoch * per_epoch, per_epoch):
-            if step == args.crash_at_step and rank == 1 and first_attempt:
+            if step == args.crash_at_step and rank == args.crash_rank and first_attempt:
                 os.kill(os.getpid(), signal.SIGKILL)  # the injected fault
             idx = perm[i * args.batch_size:(i + 1) * args.batch_size].to(device)
             opt.zero_grad()
@@ -160,7 +170,7 @@ def main() -> None:
         if rank == 0:
             print(f"epoch {epoch}: loss {loss.item():.3f}, test accuracy {acc:.3f}, "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)
-    if rank == 0:
+    if rank == 0 and hasattr(opt, "plan"):
         print(opt.plan)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     everyone = [torch.empty_like(flat) for _ in range(world)]
@@ -169,7 +179,8 @@ def main() -> None:
     if rank == 0:
         print(f"ranks identical: {same}")
         print(f"parameters sha256 {hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]}")
-    opt.close()
+    if hasattr(opt, "close"):
+        opt.close()
     dist.destroy_process_group()
     if not same:
         raise SystemExit("ranks diverged")
