@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 
 import torch
 import torch.nn as nn
@@ -54,6 +55,13 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch.utils.data import DataLoader, TensorDataset
 
 import hybridcomm.integrations.accelerate
+
+
+def say(line: str) -> None:
+    """One line in one write: the ranks share the launcher's pipe, and a line
+    written in pieces (unbuffered output) can be split by another rank's."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def make_model(seed: int) -> nn.Module:
@@ -115,21 +123,20 @@ def train(accelerator: Accelerator, args, overlap: str, accumulation: int) -> No
     label = f"overlap {overlap}, accumulation {accumulation}"
     params = torch.cat([p.detach().reshape(-1).cpu()
                         for p in accelerator.unwrap_model(model).parameters()])
-    print(f"[rank {accelerator.process_index}] {label}: parameters sha256 {digest(model)}",
-          flush=True)
+    say(f"[rank {accelerator.process_index}] {label}: parameters sha256 {digest(model)}")
     if accelerator.is_main_process:
         steps = len(losses) // accumulation
         how = ("stock" if args.no_hybridcomm else "hybridcomm" if world > 1
                else "one process: nothing to reduce")
-        print(f"{label}: final loss {losses[-1]:.6f} (first {losses[0]:.6f}) over {steps} "
-              f"steps ({clipped} clipped), {world} process(es), {how}", flush=True)
+        say(f"{label}: final loss {losses[-1]:.6f} (first {losses[0]:.6f}) over {steps} "
+              f"steps ({clipped} clipped), {world} process(es), {how}")
         if state is not None:
-            print(f"{label}: hybridcomm algorithms {state.algorithms}", flush=True)
+            say(f"{label}: hybridcomm algorithms {state.algorithms}")
         inner = optimizer.optimizer  # Accelerate's wrapper holds the (hybridcomm) optimizer
         if not args.no_hybridcomm and hasattr(inner, "plan"):
-            print(f"{label}: hybridcomm optimizer algorithms "
+            say(f"{label}: hybridcomm optimizer algorithms "
                   f"{[b.algorithm for b in inner.plan.buckets]}, last step sent "
-                  f"{inner.last_step_stats.get('bytes_sent', 0)} bytes", flush=True)
+                  f"{inner.last_step_stats.get('bytes_sent', 0)} bytes")
         if args.params_out:
             torch.save(params, f"{args.params_out}.{overlap}.acc{accumulation}.pt")
 

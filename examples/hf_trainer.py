@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
@@ -62,6 +63,13 @@ class Tokens(torch.utils.data.Dataset):
                 "labels": self.labels[i]}
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks share the launcher's pipe, and a line
+    written in pieces (unbuffered output) can be split by another rank's."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def make_model(seed: int) -> BertForSequenceClassification:
     torch.manual_seed(seed)
     config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
@@ -90,12 +98,12 @@ def train(args, hybrid: bool, out_dir: str) -> None:
 
     logs = [h for h in trainer.state.log_history if "loss" in h]
     if trainer.is_world_process_zero():
-        print(f"{run}: losses {json.dumps([h['loss'] for h in logs])}", flush=True)
-        print(f"{run}: grad_norms {json.dumps([h['grad_norm'] for h in logs])}", flush=True)
-        print(f"{run}: {world} process(es), accumulation {args.accumulation}, final loss "
-              f"{logs[-1]['loss']:.4f}, mean loss {result.training_loss!r}", flush=True)
+        say(f"{run}: losses {json.dumps([h['loss'] for h in logs])}")
+        say(f"{run}: grad_norms {json.dumps([h['grad_norm'] for h in logs])}")
+        say(f"{run}: {world} process(es), accumulation {args.accumulation}, final loss "
+              f"{logs[-1]['loss']:.4f}, mean loss {result.training_loss!r}")
         if callback is not None and callback.state is not None:
-            print(f"{run}: hybridcomm algorithms {callback.state.algorithms}", flush=True)
+            say(f"{run}: hybridcomm algorithms {callback.state.algorithms}")
         if args.params_out:
             params = torch.cat([p.detach().reshape(-1).cpu() for p in trainer.model.parameters()])
             torch.save(params, f"{args.params_out}.{run}.pt")

@@ -42,7 +42,8 @@ ARGS = ["--steps", "6", "--accumulation", "2", "--max-grad-norm", "0.2"]
 def _run_logs(out, run):
     """The logged losses, gradient norms and unrounded mean loss of ``run``."""
     def one(pattern):
-        found = re.findall(rf"^{run}: {pattern}$", out, re.M)
+        found = re.findall(rf"\b{run}: {pattern}$", out, re.M)  # whole lines; a rank's
+        # stderr may precede one
         assert len(found) == 1, (run, pattern, out[-3000:])
         return found[0]
     losses = json.loads(one(r"losses (\[.*\])"))
@@ -69,7 +70,7 @@ def test_trainer_with_hybridcomm_equals_stock_ddp_and_one_process(tmp_path):
     assert "stock: 2 process(es), accumulation 2" in out_two
     assert "hybridcomm: 1 process(es), accumulation 2" in out_one
     # the hook ran (a skipped hook leaves this empty), and never in one process
-    found = re.findall(r"^hybridcomm: hybridcomm algorithms (.*)$", out_two, re.M)
+    found = re.findall(r"\bhybridcomm: hybridcomm algorithms (.*)$", out_two, re.M)
     assert len(found) == 1 and ast.literal_eval(found[0]), out_two[-3000:]
     assert "hybridcomm algorithms" not in out_one
 
