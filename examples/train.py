@@ -21,8 +21,12 @@ part) and resumes from it by itself when it exists. Under
 and training continues from the last checkpoint: on CPU with this
 deterministic data order, to the same parameters as a run that never stopped
 (``tests/test_elastic.py`` kills one; ``benchmarks/chaos.py`` kills random
-ranks at random steps across the modes). The data shard follows the world size
-at each start. ``--crash-at-step K`` makes rank ``--crash-rank`` (default 1)
+ranks at random steps across the modes). A step is one global batch
+(``--batch-size`` x the first start's world size, kept in the checkpoint): the
+same samples whatever the world, each rank taking its share. So a restart with
+a different world size (another ``--nproc-per-node``, or ``--nnodes=1:2``
+elasticity) continues the same training: the plan is re-made for the new world
+and the data shard follows. ``--crash-at-step K`` makes rank ``--crash-rank`` (default 1)
 kill itself (SIGKILL) at step K of the first attempt: the fault the tests inject.
 """
 from __future__ import annotations
@@ -83,10 +87,11 @@ def init_distributed(backend: str) -> None:
                             rank=rank, world_size=world, timeout=timedelta(seconds=120))
 
 
-def save_checkpoint(directory, model, opt, step: int) -> None:
+def save_checkpoint(directory, model, opt, step: int, global_batch: int) -> None:
     """Every rank takes part (the optimizer's state gathers every rank's part);
     rank 0 writes, atomically: a reader never sees half a file."""
-    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}
+    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+             "global_batch": global_batch}
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, "checkpoint.pt")
@@ -95,15 +100,16 @@ def save_checkpoint(directory, model, opt, step: int) -> None:
     dist.barrier()
 
 
-def load_checkpoint(directory, model, opt) -> int:
-    """The step to start from: the checkpoint's (its state loaded), or 0."""
+def load_checkpoint(directory, model, opt, global_batch: int) -> tuple:
+    """(the step to start from, the global batch): the checkpoint's (its state
+    loaded), else (0, ``global_batch``)."""
     path = os.path.join(directory, "checkpoint.pt") if directory else None
     if not path or not os.path.exists(path):
-        return 0
+        return 0, global_batch
     state = torch.load(path, weights_only=True, map_location="cpu")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
-    return int(state["step"])
+    return int(state["step"]), int(state["global_batch"])
 
 
 def main() -> None:
@@ -120,6 +126,8 @@ def main() -> None:
     ap.add_argument("--crash-at-step", type=int, default=None,
                     help="--crash-rank SIGKILLs itself at this step of the first attempt (testing)")
     ap.add_argument("--crash-rank", type=int, default=1)
+    ap.add_argument("--save-params", default=None, metavar="PATH",
+                    help="rank 0 saves the final parameters (flat tensor) here")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -141,14 +149,16 @@ def main() -> None:
                                               compression=args.compression)
     x_train, y_train = synthetic_digits(4096, seed=1)
     x_test, y_test = synthetic_digits(1024, seed=2)
-    shard = slice(rank, None, world)  # each rank its own part of the data
-    x_train, y_train = x_train[shard].to(device), y_train[shard].to(device)
+    x_train, y_train = x_train.to(device), y_train.to(device)
 
-    start = load_checkpoint(args.checkpoint_dir, model, opt)
+    start, global_batch = load_checkpoint(args.checkpoint_dir, model, opt,
+                                          args.batch_size * world)
+    if global_batch % world:
+        raise SystemExit(f"the global batch {global_batch} does not split over {world} ranks")
     if rank == 0 and start:
-        print(f"resumed from step {start} (attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)})",
-              flush=True)
-    per_epoch = len(x_train) // args.batch_size
+        print(f"resumed from step {start} (attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}, "
+              f"{world} ranks, global batch {global_batch})", flush=True)
+    per_epoch = len(x_train) // global_batch
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     t0, step = time.perf_counter(), start
     for epoch in range(start // per_epoch, args.epochs):
@@ -156,14 +166,15 @@ def main() -> None:
         for i in range(step - epoch * per_epoch, per_epoch):
             if step == args.crash_at_step and rank == args.crash_rank and first_attempt:
                 os.kill(os.getpid(), signal.SIGKILL)  # the injected fault
-            idx = perm[i * args.batch_size:(i + 1) * args.batch_size].to(device)
+            # this step's global batch; this rank's share of it (the shard follows the world)
+            idx = perm[i * global_batch:(i + 1) * global_batch][rank::world].to(device)
             opt.zero_grad()
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
             opt.step()
             step += 1
             if args.checkpoint_every and step % args.checkpoint_every == 0:
-                save_checkpoint(args.checkpoint_dir, model, opt, step)
+                save_checkpoint(args.checkpoint_dir, model, opt, step, global_batch)
         opt.synchronize()  # parameters current (forward mode defers the last update)
         with torch.no_grad():
             acc = (model(x_test.to(device)).argmax(1).cpu() == y_test).float().mean().item()
@@ -179,6 +190,8 @@ def main() -> None:
     if rank == 0:
         print(f"ranks identical: {same}")
         print(f"parameters sha256 {hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]}")
+        if args.save_params:
+            torch.save(flat, args.save_params)
     if hasattr(opt, "close"):
         opt.close()
     dist.destroy_process_group()
