@@ -328,3 +328,40 @@ def test_both_cupy_unique_id_styles(style, monkeypatch):
     monkeypatch.setenv("HYBRIDCOMM_SIM_CUPY_UID", style)  # 14: bytes; 13: tuple of signed chars
     for status, values, errors in run(3, _unique_id_style):
         assert status == "ok" and errors == [] and values == [6.0] * 10
+
+
+def _signed_chars_only(rank, world, rt, simgpu):
+    try:  # CuPy 13's communicator copies the tuple into a char[128]
+        rt.nccl().NcclCommunicator(1, tuple(bytes(range(0, 256, 2))), 0)
+    except OverflowError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_cupy13_style_ids_must_be_signed_chars(monkeypatch):
+    monkeypatch.setenv("HYBRIDCOMM_SIM_CUPY_UID", "tuple")
+    (status, message, errors), = run(1, _signed_chars_only)
+    assert status == "ok" and "convert to char" in message
+
+
+def _use_after_free(rank, world, rt, simgpu):
+    nccl, comm = _comm(rt, simgpu, world, rank, "u")
+    comm.check_async_error()  # alive: fine
+    comm.abort()
+    try:
+        comm.check_async_error()
+        status = None
+    except nccl.NcclError as e:
+        status = e.status
+    comm.abort()
+    return status, [str(e) for e in simgpu.errors()]
+
+
+def test_a_communicator_used_after_its_abort_is_reported():
+    """ncclCommAbort frees the communicator: an async-error query after it (the
+    watchdog's, racing an abort on another thread) or a second abort is reported."""
+    for status, (error, errors) in [(r[0], r[1]) for r in run(2, _use_after_free)]:
+        assert status == "ok" and error is not None
+        assert len(errors) == 2, errors
+        assert "check_async_error() on a communicator already aborted" in errors[0]
+        assert "abort() on a communicator already aborted" in errors[1]

@@ -857,6 +857,10 @@ class SimNcclCommunicator:
         if dev.uid_style == "tuple" and not isinstance(commId, tuple):
             raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got "
                             f"{type(commId).__name__})")
+        if dev.uid_style == "tuple" and not all(-128 <= x <= 127 for x in commId):
+            # CuPy 13 copies the tuple into NCCL's ``char internal[128]``: Cython's
+            # conversion to a (signed) char refuses anything outside -128..127
+            raise OverflowError("value too large to convert to char")
         uid = commId if isinstance(commId, bytes) else bytes(x & 0xFF for x in commId)
         if len(uid) != 128:
             raise SimNcclError(ERROR_INVALID_USAGE, "unique id must be 128 bytes")
@@ -915,6 +919,8 @@ class SimNcclCommunicator:
 
     # -- state ----------------------------------------------------------------------------
     def check_async_error(self) -> None:
+        if self._freed("check_async_error"):
+            raise SimNcclError(ERROR_INVALID_USAGE, f"{self.name} was aborted or destroyed")
         if self.async_error:
             raise SimNcclError(self.async_error, f"{self.name}: asynchronous error")
 
@@ -923,12 +929,28 @@ class SimNcclCommunicator:
         self.async_error = status
 
     def abort(self) -> None:
+        if self._freed("abort"):
+            return
         self.aborted = True
         with self.module.device.cv:
             self.module.device.cv.notify_all()
 
     def destroy(self) -> None:
+        if self._freed("destroy"):
+            return
         self.destroyed = True
+
+    def _freed(self, what: str) -> bool:
+        """``ncclCommAbort`` and ``ncclCommDestroy`` free the communicator: a later
+        call on it (an async-error query racing an abort on another thread, a second
+        abort) is a use after free, reported."""
+        if not (self.aborted or self.destroyed):
+            return False
+        self.module.device.report(SimError(
+            f"NCCL {self.name}: rank {self.rank} called {what}() on a communicator already "
+            f"{'aborted' if self.aborted else 'destroyed'} (a use after free: abort, destroy "
+            "and the async-error query must not race, and nothing may follow them)"))
+        return True
 
     def rank_id(self) -> int:
         return self.rank
