@@ -85,8 +85,9 @@ def test_cuda_runtime_without_cuda_is_a_clear_error():
 def test_unique_ids_of_both_cupy_styles_round_trip():
     """CuPy 14 returns and takes bytes; CuPy 13 a tuple of signed chars (measured on
     cupy-cuda12x 13.6.0 and 14.2.0): one stored form, converted for each."""
-    raw = bytes(range(128))
+    raw = bytes(range(0, 256, 2))  # 128 bytes, half of them > 127: negative as signed chars
     signed = tuple(b - 256 if b > 127 else b for b in raw)
+    assert min(signed) < 0 and max(raw) > 127
     assert cupy_nccl.unique_id_bytes(raw) == raw
     assert cupy_nccl.unique_id_bytes(signed) == raw
 
@@ -94,6 +95,8 @@ def test_unique_ids_of_both_cupy_styles_round_trip():
         def __init__(self, ndev, uid, rank, want):
             if not isinstance(uid, want):
                 raise TypeError(f"Argument 'commId' has incorrect type (expected {want.__name__})")
+            if want is tuple and not all(-128 <= x <= 127 for x in uid):
+                raise OverflowError("value too large to convert to char")  # CuPy 13: char[128]
             self.uid = uid
 
     for want, expect in ((bytes, raw), (tuple, signed)):
