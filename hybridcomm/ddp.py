@@ -4,7 +4,7 @@ For code that configures DDP rather than wrapping the optimizer (Lightning,
 Accelerate, most production trainers)::
 
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    ddp.register_comm_hook(hybridcomm.ddp.HybridState(), hybridcomm.ddp.hybrid_hook)
+    hybridcomm.ddp.register(ddp)        # register_comm_hook + the set-up, before training
 
 Each DDP bucket is all-reduced (averaged) with the algorithm the agreed cost
 model picks for its size (butterfly, ring, halving-doubling or ``native``;
@@ -13,6 +13,12 @@ optimizer: a gloo group of its own on CPU, the comm stream on GPUs. DDP
 launches buckets in index order on every rank, which is the order every rank
 issues them in. The numbers equal DDP's default all-reduce (up to summation
 order) and are bitwise identical on every rank.
+
+The set-up (agreeing on the cost model, a start-up probe unless one was
+saved, the NCCL communicator) is collective and slow; ``register`` (or
+``HybridState.prepare``) runs it at registration, so the first backward does
+not pay it. A state registered by hand with ``register_comm_hook`` sets up in
+its first hook call instead, and logs that it did.
 
 Forward overlap is not possible inside DDP: DDP waits for every hook's future
 at the end of backward, before ``optimizer.step()``. Use
@@ -96,10 +102,13 @@ class HybridState:
         self._transport = self._channel = None
         self._world = 0
 
-    def _ready(self, buf: torch.Tensor) -> None:
-        """Agree on the model and make the channel: collective, on the first bucket."""
+    def prepare(self, device) -> "HybridState":
+        """Agree on the cost model and make the channel for ``device`` now
+        (collective: every rank of the group calls it). Idempotent; ``register``
+        calls it, else the first hook call does."""
         if self._world:
-            return
+            return self
+        device = torch.device(device)
         self._world = dist.get_world_size(self.process_group)
         if isinstance(self.cost_model, str):  # "default" or "probe": the same on every rank
             self.cost_model = calibration.resolve(self.cost_model, self.process_group,
@@ -107,14 +116,15 @@ class HybridState:
         else:  # given or saved on rank 0: rank 0's
             self.cost_model = calibration.agree(self.cost_model, group=self.process_group,
                                                 timeout=self.timeout)
-        if runtime_for(buf.device) is not None:
-            self._transport = select_transport(buf.device, self.process_group,
+        if runtime_for(device) is not None:
+            self._transport = select_transport(device, self.process_group,
                                                timeout=self.timeout)
             self._channel = StreamChannel(self._transport)
         else:
             self._transport = TorchDistTransport(control.new_group_like(self.process_group,
                                                                         self.timeout))
             self._channel = HostChannel(self.timeout)
+        return self
 
     def algorithm(self, index: int, nbytes: int) -> str:
         """The algorithm for DDP bucket ``index`` (chosen once, from its size)."""
@@ -141,7 +151,10 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
     wait is a stream wait, not a host synchronization.
     """
     buf = bucket.buffer()
-    state._ready(buf)
+    if not state._world:
+        log.info("hybridcomm DDP hook: setting up inside the first backward (agreement, "
+                 "probe, communicator); hybridcomm.ddp.register(ddp) does it at registration")
+        state.prepare(buf.device)
     t, channel = state._transport, state._channel
     nbytes = buf.numel() * buf.element_size()
     name = resolve_algorithm(state.algorithm(bucket.index(), nbytes), nbytes, state._world)
@@ -168,3 +181,22 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
 
     channel.submit(run, what)
     return fut
+
+
+def register(ddp: torch.nn.parallel.DistributedDataParallel,
+             state: Optional[HybridState] = None) -> HybridState:
+    """Register :func:`hybrid_hook` on ``ddp`` and set it up now (collective).
+
+    ``state`` defaults to a ``HybridState`` on the DDP model's process group.
+    Returns the state (its ``algorithms`` fill in as buckets run).
+
+    Example::
+
+        >>> ddp = torch.nn.parallel.DistributedDataParallel(model)
+        >>> state = hybridcomm.ddp.register(ddp)      # every rank, before training
+    """
+    if state is None:
+        group = ddp.process_group if ddp.process_group is not dist.group.WORLD else None
+        state = HybridState(process_group=group)
+    ddp.register_comm_hook(state, hybrid_hook)
+    return state.prepare(next(ddp.module.parameters()).device)

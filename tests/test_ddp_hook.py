@@ -19,9 +19,19 @@ def _train(rank, world, hook, algo):
     model = make_model()
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)  # several buckets
     state = None
-    if hook:
+    if hook == "hand":  # set up in the first hook call
         state = hybridcomm.ddp.HybridState(timeout=60)
         ddp.register_comm_hook(state, hybridcomm.ddp.hybrid_hook)
+    elif hook == "register":  # set up now: nothing collective may run in backward
+        state = hybridcomm.ddp.register(ddp, hybridcomm.ddp.HybridState(timeout=60))
+
+        def refused(*a, **k):
+            raise AssertionError("set-up inside backward")
+        for mod, name in ((hybridcomm.ddp.calibration, "agree"),
+                          (hybridcomm.ddp.calibration, "resolve"),
+                          (hybridcomm.ddp.control, "new_group_like"),
+                          (hybridcomm.ddp, "select_transport")):
+            setattr(mod, name, refused)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     for s in range(4):
         x, y = batch(s)
@@ -33,10 +43,13 @@ def _train(rank, world, hook, algo):
         if state else {}
 
 
-@pytest.mark.parametrize("algo", [None, "ring", "butterfly"])
-def test_hook_gives_ddps_numbers_on_every_rank(algo):
+@pytest.mark.parametrize("hook,algo", [("hand", None), ("register", "ring"),
+                                       ("hand", "butterfly")])
+def test_hook_gives_ddps_numbers_on_every_rank(hook, algo):
+    """By hand the hook sets itself up in the first backward; ``register`` sets
+    it up before (the first backward would fail on any collective set-up)."""
     plain = run_ranks(3, _train, False, None)[0][0]
-    results = run_ranks(3, _train, True, algo)
+    results = run_ranks(3, _train, hook, algo)
     params, algos, unpickled = results[0]
     eps = torch.finfo(torch.float32).eps
     assert torch.allclose(params, plain, rtol=64 * eps, atol=64 * eps)

@@ -149,6 +149,7 @@ def register(accelerator: Accelerator, model, **state_kwargs) -> Optional[Hybrid
     except RuntimeError as e:  # the reducer takes one hook, once
         raise HybridCommError(f"DDP refused hybridcomm's hook (a DDP model takes one "
                               f"communication hook: is one registered already?): {e}") from e
+    state.prepare(accelerator.device)  # the set-up now, not in the first backward
     log.debug("hybridcomm: DDP hook registered on the prepared %s", type(ddp.module).__name__)
     return state
 

@@ -63,10 +63,11 @@ class HybridDDPStrategy(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         if self.root_device.type == "cuda":  # Lightning's own registration
-            return super()._register_ddp_hooks()
-        self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+            super()._register_ddp_hooks()
+        else:
+            self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+        self._ddp_comm_state.prepare(self.root_device)  # the set-up now, not in backward
         log.debug("hybridcomm: the DDP hook registered on %s", self.root_device)
-        return None
 
 
 def _drive(scheduler, opt) -> None:
