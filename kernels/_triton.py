@@ -1,6 +1,7 @@
 """What the three launchers share: the Triton import, the implementation choice, the
 block size, the argument checks, the multi-tensor launch and the simulator's
 launch seam (so each rule lives in one place)."""
+import collections
 import contextlib
 import os
 
@@ -135,10 +136,22 @@ def simulated(name: str, tensor: torch.Tensor, impl, ref, args: tuple, *, reads,
 if triton_available:
     _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
                   torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
-# Per (device, stream, pointers): the device copy of a table, so a bucket whose
-# gradients keep their addresses (the common case) builds it once.
-_tables: dict = {}
-_TABLES_MAX = 256
+# Per (device, stream, rows): the device copy of a table, so a bucket whose
+# gradients keep their addresses (the common case) builds it once. Least
+# recently used first out, so a model with many buckets keeps every one's
+# table (clearing the whole cache at a limit would rebuild them all each step).
+_tables: "collections.OrderedDict" = collections.OrderedDict()
+_TABLES_MAX = 4096
+_table_stats = {"built": 0, "reused": 0}
+
+
+def table_stats() -> dict:
+    """How many launch tables were built and how many reused (since start).
+
+    >>> sorted(table_stats())
+    ['built', 'reused']
+    """
+    return dict(_table_stats)
 
 
 def tensor_table(rows, device: torch.device) -> torch.Tensor:
@@ -148,17 +161,41 @@ def tensor_table(rows, device: torch.device) -> torch.Tensor:
     current stream (the pinned allocator keeps the staging buffer until the
     copy is done), so building a table never blocks the host.
     """
-    if device.type != "cuda":
-        return torch.tensor(rows, dtype=torch.int64).view(-1)
-    key = (device, torch.cuda.current_stream(device).cuda_stream, tuple(rows))
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device, stream, tuple(rows))
     table = _tables.get(key)
-    if table is None:
+    if table is not None:
+        _tables.move_to_end(key)
+        _table_stats["reused"] += 1
+        return table
+    if device.type == "cuda":
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=True).view(-1)
         table = host.to(device, non_blocking=True)
-        if len(_tables) >= _TABLES_MAX:
-            _tables.clear()
-        _tables[key] = table
+    else:
+        table = torch.tensor(rows, dtype=torch.int64).view(-1)
+    _tables[key] = table
+    if len(_tables) > _TABLES_MAX:
+        _tables.popitem(last=False)
+    _table_stats["built"] += 1
     return table
+
+
+def block_rows(members, block: int) -> list:
+    """One table row per block of BLOCK elements: (its address, its element count,
+    its offset in the flat buffer). A launch then runs exactly one program per
+    block, none empty: a bucket of one large and many small tensors launches
+    sum(ceil(numel / BLOCK)) programs, not (largest's blocks x tensors).
+
+    >>> t = torch.zeros(5)
+    >>> [(a - t.data_ptr(), n, o) for a, n, o in block_rows([(t, 10)], 4)]
+    [(0, 4, 10), (16, 1, 14)]
+    """
+    rows = []
+    for t, offset in members:
+        addr, size, n = t.data_ptr(), t.element_size(), t.numel()
+        for start in range(0, n, block):
+            rows.append((addr + start * size, min(block, n - start), offset + start))
+    return rows
 
 
 def flat_offsets(tensors, offsets, flat_numel: int, flat_name: str):
@@ -193,21 +230,18 @@ def flat_offsets(tensors, offsets, flat_numel: int, flat_name: str):
 def launch_table(kernel, flat: torch.Tensor, tensors, offsets, scale, block) -> None:
     """Move every tensor to or from its slice of ``flat`` (starting at its offset)
     with ONE launch per dtype (one in practice: a bucket holds one dtype). The
-    kernel reads each tensor's address, size and offset from a device table;
-    grid = (blocks of the largest tensor, tensors); programs past their
-    tensor's end do nothing."""
+    kernel reads each block's address, size and offset from a device table
+    (``block_rows``): one program per block."""
     groups: dict = {}
     for t, offset in zip(tensors, offsets):
         if t.numel():
             groups.setdefault(t.dtype, []).append((t, offset))
     with device_guard(flat):
         for dtype, members in groups.items():
-            biggest = max(t.numel() for t, _ in members)
-            blk = block_size(biggest) if block is None else block
+            blk = block_size(max(t.numel() for t, _ in members)) if block is None else block
             if blk <= 0 or blk & (blk - 1):
                 raise ValueError(f"block must be a positive power of two, got {blk}")
-            rows = [(t.data_ptr(), t.numel(), off) for t, off in members]
+            rows = block_rows(members, blk)
             table = tensor_table(rows, flat.device)
-            grid = (triton.cdiv(biggest, blk), len(members))
-            kernel[grid](table, flat, 1.0 if scale is None else scale, TENSOR=_TL_DTYPES[dtype],
-                         HAS_SCALE=scale is not None, BLOCK=blk)
+            kernel[(len(rows),)](table, flat, 1.0 if scale is None else scale,
+                                 TENSOR=_TL_DTYPES[dtype], HAS_SCALE=scale is not None, BLOCK=blk)

@@ -25,13 +25,13 @@ if triton_available:
         HAS_SCALE: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # Program (j, t): block j of tensor t, whose (address, numel, offset)
-        # is row t of the table.
-        t = tl.program_id(1)
+        # Program t: one block, whose (address, element count, offset in the
+        # flat buffer) is row t of the table (_triton.block_rows).
+        t = tl.program_id(0)
         dst_ptr = tl.load(table_ptr + 3 * t).to(tl.pointer_type(TENSOR))
         numel = tl.load(table_ptr + 3 * t + 1)
         offset = tl.load(table_ptr + 3 * t + 2)
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.arange(0, BLOCK)
         mask = offs < numel
         x = tl.load(flat_ptr + offset + offs, mask=mask)
         if HAS_SCALE:

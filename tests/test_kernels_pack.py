@@ -197,10 +197,11 @@ class _CountingKernel:
     """Wraps a Triton kernel and counts its launches (``kernel[grid](...)``)."""
 
     def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
+        self.kernel, self.launches, self.programs = kernel, 0, 0
 
     def __getitem__(self, grid):
         self.launches += 1
+        self.programs += grid[0] * (grid[1] if len(grid) > 1 else 1)
         return self.kernel[grid]
 
 
@@ -220,6 +221,26 @@ def test_one_launch_per_bucket_whatever_its_tensor_count(monkeypatch, op):
         K.unpack(flat, out, impl="triton", _block=4)
         assert torch.equal(torch.cat([t.reshape(-1) for t in out]), flat)
     assert counter.launches == 1
+    # one program per block of each tensor, none empty: 4+2+1+0+2+3 (not 4 x 5 tensors)
+    assert counter.programs == sum(-(-t.numel() // 4) for t in tensors) == 12
+
+
+def test_launch_tables_are_kept_for_every_bucket_of_a_large_model():
+    """A model with more buckets than a small cache holds: after the first step
+    every bucket's table is reused, none rebuilt."""
+    from hybridcomm.kernels import _triton
+    buckets = [[torch.randn(3), torch.randn(2)] for _ in range(300)]
+    flats = [torch.empty(5) for _ in buckets]
+    for step in range(2):
+        before = _triton.table_stats()
+        for tensors, flat in zip(buckets, flats):
+            K.pack(tensors, flat, impl="triton", _block=16)
+        after = _triton.table_stats()
+        built = after["built"] - before["built"]
+        reused = after["reused"] - before["reused"]
+        assert built + reused == 300
+    assert built == 0  # the second step (the first may find tables of freed tensors)
+    assert torch.equal(flats[-1], torch.cat(buckets[-1]))
 
 
 def _aligned_offsets(tensors, align=4):
