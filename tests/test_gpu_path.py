@@ -276,6 +276,37 @@ def test_scratch_reused_across_streams_is_reported(broken):
         assert results == ["ok", "ok"]
 
 
+def _freed_while_queued(rank, world):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm import executor
+    from hybridcomm.algorithms import get_schedule
+    from hybridcomm.runtime import runtime_for
+    from hybridcomm.testing import simgpu
+    from hybridcomm.transport.select import select_transport
+
+    rt = runtime_for("cpu")
+    t = select_transport("cpu", timeout=30)
+    try:
+        for _ in range(3):
+            buf = rt.empty(4096, torch.float32)
+            buf.fill_(rank + 1)
+            executor.execute_async(get_schedule("butterfly", rank, world, buf.numel()), buf, t)
+            del buf  # still being reduced on the comm stream: its block must not be reused yet
+            again = rt.empty(4096, torch.float32)  # the trainer's stream allocates the same size
+            again.fill_(7)
+        rt.synchronize()
+        simgpu.check()
+    except simgpu.SimError as e:
+        return str(e)
+    return "ok"
+
+
+def test_a_buffer_freed_while_its_reduction_is_queued_is_not_reused():
+    """Defect 2's other half: the reduced buffer is record_stream'd on the comm stream,
+    so the caching allocator keeps its block until the queued reduction is done."""
+    assert run_ranks(2, _freed_while_queued, timeout=60) == ["ok", "ok"]
+
+
 def _stalled_peer(rank, world, how):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     import time
@@ -462,3 +493,77 @@ def test_a_peer_silent_before_its_first_operation_is_a_timeout_not_a_hang(how, n
     assert kind == "HybridCommTimeout", (kind, msg)
     assert elapsed < FIRST_USE_TIMEOUT + 3, elapsed
     assert "rank 0" in msg and names in msg and "aborted" in msg, msg
+
+
+# --- issue 8, defect 9: the watchdog's async-error query never races an abort ----------------
+# ncclCommAbort/Destroy free the communicator: a query running on the watchdog's thread
+# while another thread aborts is a use after free. The query is held in progress here
+# (0.5 s) while the main thread closes the transport: under the lock, close() waits for it.
+
+def _query_during_close(rank, world):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    import threading
+    import time
+
+    from hybridcomm.testing import simgpu
+    from hybridcomm.transport.select import select_transport
+
+    t = select_transport("cpu", timeout=30)
+    comm, entered = t.comm, threading.Event()
+    real = comm.check_async_error
+
+    def slow_query():
+        entered.set()
+        time.sleep(0.5)  # the query in progress when close() comes
+        real()
+    comm.check_async_error = slow_query
+    t.watch(t.record_event(), 30, "probe")  # starts the watchdog: its first round queries
+    assert entered.wait(20)
+    t0 = time.monotonic()
+    t.close()
+    waited = time.monotonic() - t0
+    t._watchdog.join(10)
+    return waited, [str(e) for e in simgpu.errors()]
+
+
+def test_the_watchdogs_async_error_query_never_races_an_abort():
+    for waited, errors in run_ranks(2, _query_during_close, timeout=60):
+        assert errors == []  # (the simulator reports a query on a freed communicator)
+        assert waited > 0.3, waited  # close() waited for the query in progress
+
+
+# --- issue 8, defect 10: the bench times the transport the optimizer uses ----------------------
+
+def _bench_on_the_simulated_gpu(rank, world, iters, warmup):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm import calibration
+    from hybridcomm.bench.harness import Config, run_rank
+    from hybridcomm.cost_model import CostModel
+    from hybridcomm.testing import simgpu
+
+    calibration.set_active(CostModel(2e-5, 1e-9, 1e-10))  # no probe
+    cfg = Config(sizes=[4096], algos=["ring"], iters=iters, warmup=warmup, live=False,
+                 progress=False, timeout_s=60)
+    simgpu.reset_stats()
+    doc = run_rank(rank, world, cfg)
+    return simgpu.stats(), doc
+
+
+def test_the_bench_times_the_transport_the_optimizer_uses():
+    """On the (simulated) GPU the sweep runs our schedules over the CuPy NCCL transport,
+    not torch.distributed's P2P: exactly the schedule's NCCL calls and reductions per
+    all-reduce (one warm-up at the size, the warm-ups, the timed calls, the check)."""
+    from hybridcomm.algorithms import get_schedule
+
+    iters, warmup, world, count = 3, 2, 2, 4096 // 4
+    runs = 1 + warmup + iters + 1
+    results = run_ranks(world, _bench_on_the_simulated_gpu, iters, warmup, timeout=120)
+    for rank, (stats, doc) in enumerate(results):
+        sched = get_schedule("ring", rank, world, count)
+        calls = sum(len(st.sends) + len(st.recvs) for st in sched.steps)
+        reduces = sum(1 for st in sched.steps for r in st.recvs if r.reduce)
+        assert stats["nccl_ops"] == runs * calls, (stats, runs, calls)
+        assert stats["kernel_launches"] == runs * reduces, (stats, runs, reduces)
+        assert stats["defects"] == 0, stats
+        if rank == 0:
+            assert [r["wrong"] for r in doc["results"]] == [0]
