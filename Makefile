@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hybridcomm-setup
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup test demo bench profile gpu-check clean
+.PHONY: setup test demo bench profile gpu-check mutation clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile
@@ -71,6 +71,13 @@ profile: setup
 GPU_CHECK_JSON ?= gpu-check.json
 gpu-check: setup
 	$(PY) tests/gpu/gpu_check.py --output $(GPU_CHECK_JSON)
+
+# Mutation check of the GPU path (not part of `make test`): each mutation listed in
+# tests/mutation/mutations.py (the known defects put back), applied to a copy of the
+# checkout, must make a test fail; prints a table and `caught N of M`.
+# MUTATION_ARGS="--only id,..." runs some, "--list" lists them.
+mutation: setup
+	$(PY) tests/mutation/run.py $(MUTATION_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .coverage-data

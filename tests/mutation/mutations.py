@@ -1,0 +1,207 @@
+"""The mutations `make mutation` applies, one at a time, to a copy of the checkout.
+
+Each re-introduces one known defect of the GPU path (docs/GPU.md: the ten of
+issue 8, "old N"; issue 20's, "new N") or the per-parameter pack launch, as an
+exact text replacement: ``old`` must occur exactly once in ``file`` (else the
+mutation is stale: a harness error, never "caught"), and ``new`` replaces it.
+``guards`` are the pytest node ids that should catch it; they run first (under
+HYBRIDCOMM_SIMULATE_GPU=1 where the Makefile's SIM_TESTS run, without it
+elsewhere); if they pass, the whole simulated suite runs to see whether
+anything else does.
+
+Not collected by pytest (no ``test_`` prefix); tests/test_mutation_list.py checks
+that every ``old`` still applies to the current source.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+
+@dataclass(frozen=True)
+class Mutation:
+    id: str
+    defect: str  # "old 1" .. "old 10" (issue 8), "new 1" ... (issue 20), "pack per parameter"
+    file: str  # relative to the repository root
+    old: str
+    new: str
+    guards: Tuple[str, ...]
+    what: str = ""
+
+
+GPU = "tests/test_gpu_path.py::"
+SIM = "tests/test_simgpu.py::"
+NONE_PUT_BACK = GPU + "test_each_defect_put_back_is_reported[none-None]"
+
+MUTATIONS = [
+    # ---- issue 8: the ten old defects -------------------------------------------------------
+    Mutation(
+        "no-wait-before-use", "old 1", "hybridcomm/channel.py",
+        old="        self.runtime.current_stream().wait_event(event)\n        return 0.0\n",
+        new="        return 0.0\n",
+        guards=(NONE_PUT_BACK, GPU + "test_three_ranks_on_the_simulated_gpu_equal_one_process"),
+        what="StreamChannel.wait: the trainer's stream does not wait for the bucket's done event"),
+    Mutation(
+        "scratch-off-comm-stream", "old 2", "hybridcomm/executor.py",
+        old="            with rt.use(transport.stream):\n                return rt.empty(n, dt)\n",
+        new="            return rt.empty(n, dt)\n",
+        guards=(GPU + "test_scratch_reused_across_streams_is_reported[False]",),
+        what="the transport's scratch is allocated on the caller's stream, used on the comm stream"),
+    Mutation(
+        "buffer-no-record-stream", "old 2", "hybridcomm/executor.py",
+        old="    transport.wait_event(ready)\n    rt.record_stream(buf, transport.stream)\n",
+        new="    transport.wait_event(ready)\n",
+        guards=(GPU + "test_a_buffer_freed_while_its_reduction_is_queued_is_not_reused",),
+        what="the reduced buffer is not record_stream'd on the comm stream: freed and handed out "
+             "again while the comm stream still uses it"),
+    Mutation(
+        "rank1-reversed-order", "old 3", "hybridcomm/engine.py",
+        old="        order = self.plan.order\n        while order:\n",
+        new="        order = self.plan.order[::-1] if self.transport.rank == 1 else self.plan.order\n"
+            "        while order:\n",
+        guards=(NONE_PUT_BACK,),
+        what="rank 1 issues the buckets in the reverse of the plan's order"),
+    Mutation(
+        "uid-tuple-as-bytes", "old 4", "hybridcomm/transport/cupy_nccl.py",
+        old="    return uid if isinstance(uid, bytes) else bytes(x & 0xFF for x in uid)\n",
+        new="    return uid if isinstance(uid, bytes) else bytes(uid)\n",
+        guards=("tests/test_cupy_nccl_select.py::test_unique_ids_of_both_cupy_styles_round_trip",
+                SIM + "test_both_cupy_unique_id_styles[tuple]"),
+        what="CuPy 13's tuple of signed chars stored with bytes(uid)"),
+    Mutation(
+        "uid-unsigned-tuple", "old 4", "hybridcomm/transport/cupy_nccl.py",
+        old="        signed = tuple(b - 256 if b > 127 else b for b in uid)\n",
+        new="        signed = tuple(uid)\n",
+        guards=("tests/test_cupy_nccl_select.py::test_unique_ids_of_both_cupy_styles_round_trip",
+                SIM + "test_both_cupy_unique_id_styles[tuple]"),
+        what="the stored id handed to CuPy 13 as unsigned values (0..255), not signed chars"),
+    Mutation(
+        "watchdog-unbound", "old 5", "hybridcomm/transport/cupy_nccl.py",
+        old="        self.runtime.bind_thread()  # else its event queries make a context on GPU 0\n",
+        new="        pass\n",
+        guards=(NONE_PUT_BACK,),
+        what="the watchdog thread never binds to the rank's device"),
+    Mutation(
+        "native-skips-ready", "old 6", "hybridcomm/executor.py",
+        old="    start = _enter(transport, buf, ready, timed)\n"
+            "    transport.all_reduce(buf, average=average)\n",
+        new="    start = _enter(transport, buf, transport.record_event(), timed)\n"
+            "    transport.all_reduce(buf, average=average)\n",
+        guards=(GPU + "test_twenty_steps_with_one_nccl_kernel_slot_do_not_deadlock",),
+        what="native all-reduce ordered after the comm stream itself, not the gradients' event"),
+    Mutation(
+        "comm-skips-ready", "old 6", "hybridcomm/executor.py",
+        old="    transport.wait_event(ready)\n    rt.record_stream(buf, transport.stream)\n",
+        new="    rt.record_stream(buf, transport.stream)\n",
+        guards=(NONE_PUT_BACK,),
+        what="no operation waits for the bucket's ready event"),
+    Mutation(
+        "tolist-per-bucket", "old 7", "hybridcomm/buckets.py",
+        old="        if complete:\n            return list(range(len(self.params)))\n",
+        new="        if False:\n            return list(range(len(self.params)))\n",
+        guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",
+                GPU + "test_steady_state_steps_make_no_host_sync[backward]"),
+        what="the flags are read back (tolist, a host sync) for every bucket, every step"),
+    Mutation(
+        "averager-pack-per-tensor", "old 8", "hybridcomm/averager.py",
+        old="                pack([tensors[i] for i in b.spec.params], b.grads, offsets=b.offsets)\n",
+        new="                for i, o in zip(b.spec.params, b.offsets):\n"
+            "                    pack([tensors[i]], b.grads[o:o + tensors[i].numel()])\n",
+        guards=("tests/test_averager.py::test_every_rank_gets_the_exact_mean[simgpu]",),
+        what="TensorAverager packs each tensor with its own launch"),
+    Mutation(
+        "averager-unpack-per-tensor", "old 8", "hybridcomm/averager.py",
+        old="                unpack(b.grads, [tensors[j] for j in b.spec.params], offsets=b.offsets)\n",
+        new="                for j, o in zip(b.spec.params, b.offsets):\n"
+            "                    unpack(b.grads[o:o + tensors[j].numel()], [tensors[j]])\n",
+        guards=("tests/test_averager.py::test_every_rank_gets_the_exact_mean[simgpu]",),
+        what="TensorAverager unpacks each tensor with its own launch"),
+    Mutation(
+        "async-error-outside-lock", "old 9", "hybridcomm/transport/cupy_nccl.py",
+        old="            with self._lock:  # never races an abort or destroy on another thread\n",
+        new="            if True:  # the query outside the lock\n",
+        guards=(GPU + "test_the_watchdogs_async_error_query_never_races_an_abort",),
+        what="the watchdog queries NCCL's async error outside the abort lock"),
+    Mutation(
+        "bench-torch-p2p", "old 10", "hybridcomm/bench/harness.py",
+        old="        base = select_transport(device)\n",
+        new="        from ..transport.torch_dist import TorchDistTransport\n"
+            "        base = TorchDistTransport()\n",
+        guards=(GPU + "test_the_bench_times_the_transport_the_optimizer_uses",),
+        what="the bench times torch.distributed's P2P, not the optimizer's transport"),
+
+    # ---- issue 20: the new defects fixed so far ---------------------------------------------
+    Mutation(
+        "lock-across-group-end", "new 1", "hybridcomm/transport/cupy_nccl.py",
+        old="        try:\n            calls()\n        except self.nccl.NcclError as e:\n",
+        new="        try:\n            with self._lock:\n                calls()\n"
+            "        except self.nccl.NcclError as e:\n",
+        guards=(GPU + "test_a_peer_silent_before_its_first_operation_is_a_timeout_not_a_hang"
+                "[step-step 0]",
+                GPU + "test_a_peer_silent_before_its_first_operation_is_a_timeout_not_a_hang"
+                "[native-native all-reduce]"),
+        what="the transport's lock held across groupStart..groupEnd: the watchdog cannot abort"),
+    Mutation(
+        "no-issue-deadline", "new 1", "hybridcomm/transport/cupy_nccl.py",
+        old="            self._issuing[key] = (time.monotonic() + self.issue_timeout, what,\n"
+            "                                  self.issue_timeout)\n",
+        new="            self._issuing[key] = (float(\"inf\"), what, self.issue_timeout)\n",
+        guards=(GPU + "test_a_peer_silent_before_its_first_operation_is_a_timeout_not_a_hang"
+                "[step-step 0]",
+                GPU + "test_a_peer_silent_before_its_first_operation_is_a_timeout_not_a_hang"
+                "[native-native all-reduce]"),
+        what="nothing watched while issuing (the watch registered only after the schedule)"),
+    Mutation(
+        "backend-undefined", "new 2", "hybridcomm/backend.py",
+        old="    if name != \"undefined\":\n        return parse_backend_config(name)\n"
+            "    return parse_backend_config(str(dist.get_backend_config(group)))\n",
+        new="    return parse_backend_config(name)\n",
+        guards=("tests/test_backend.py::test_a_mixed_group_communicates_on_the_gpu_when_one_is_there",
+                "tests/test_backend.py::test_a_group_made_without_a_backend_works"),
+        what="get_backend()'s \"undefined\" taken as the backend of every device"),
+    Mutation(
+        "comm-device-get-backend", "new 2", "hybridcomm/backend.py",
+        old="    if backend_for(\"cuda\", group) == \"nccl\" and torch.cuda.is_available():\n",
+        new="    if str(dist.get_backend(group)) == \"nccl\" and torch.cuda.is_available():\n",
+        guards=("tests/test_backend.py::test_a_mixed_group_communicates_on_the_gpu_when_one_is_there",),
+        what="the probe's and the bench's device from get_backend(), not the per-device config"),
+    Mutation(
+        "transport-get-backend", "new 2", "hybridcomm/transport/torch_dist.py",
+        old="        self.backend = backend_for(\"cuda\" if self.stream_ordered else \"cpu\", group) \\\n"
+            "            or str(dist.get_backend(group))\n",
+        new="        self.backend = str(dist.get_backend(group))\n",
+        guards=("tests/test_backend.py::test_a_group_made_without_a_backend_works",),
+        what="TorchDistTransport's backend from get_backend() (\"undefined\")"),
+    Mutation(
+        "control-get-backend", "new 2", "hybridcomm/control.py",
+        old="    if backend_for(\"cpu\", group) == \"gloo\":  # (also a \"cpu:gloo,cuda:nccl\" group)\n",
+        new="    if str(dist.get_backend(group)) == \"gloo\":\n",
+        guards=("tests/test_backend.py::test_a_group_made_without_a_backend_works",),
+        what="a \"cpu:gloo\" group not recognised as gloo: an extra control group made"),
+    Mutation(
+        "nsys-bench-torch", "new 10", "benchmarks/profile/nsys_bench.sh",
+        old="    set -- --algo ring,butterfly,halving_doubling,native -b 4K -e 64M -f 4 -n 5 -w 2\n",
+        new="    set -- --algo ring,butterfly,halving_doubling,torch -b 4K -e 64M -f 4 -n 5 -w 2\n",
+        guards=("tests/test_profile_scripts.py::test_with_stand_in_nsys",),
+        what="nsys_bench.sh's default --algo names 'torch', which the bench refuses"),
+    # ---- issue 20, new defects 3-9 ------------------------------------------------------------
+    # Others are fixing these now. Add one mutation per defect here once its fix has
+    # landed (git log), re-introducing it, with the test that guards the fix:
+    #   new 3: ...   new 4: ...   new 5: ...   new 6: ...   new 7: ...   new 8: ...   new 9: ...
+
+    # ---- the per-parameter pack launch ----------------------------------------------------------
+    Mutation(
+        "pack-launch-per-tensor", "pack per parameter", "kernels/pack.py",
+        old="    if simulated(\"pack\", out, impl, _pack_torch, (tensors, out, scale, offsets), "
+            "reads=tensors,\n                 writes=[out]):\n",
+        new="    if tensors and all([simulated(\"pack\", out, impl, _pack_torch, ([t], out, scale, [o]),"
+            " reads=[t], writes=[out]) for t, o in zip(tensors, offsets)]):\n",
+        guards=("tests/test_averager.py::test_every_rank_gets_the_exact_mean[simgpu]",),
+        what="pack launches one kernel per tensor (the simulated GPU's launch seam)"),
+    Mutation(
+        "table-launch-per-tensor", "pack per parameter", "kernels/_triton.py",
+        old="        for dtype, members in groups.items():\n",
+        new="        for dtype, members in [(d, [m]) for d, ms in groups.items() for m in ms]:\n",
+        guards=("tests/test_kernels_pack.py::test_one_launch_per_bucket_whatever_its_tensor_count",),
+        what="the Triton table launch: one kernel per tensor instead of one per bucket"),
+]
