@@ -8,7 +8,8 @@
 - :class:`ADMM`: consensus ADMM (Boyd et al. 2011): local steps on the loss plus
   the augmented Lagrangian, the consensus as an all-reduced average.
 - :class:`DownpourSGD` (Dean et al. 2012): asynchronous, a parameter server
-  sharded over server processes (``torch.distributed.rpc``).
+  sharded over server processes (a small TCP protocol, no pickle); a killed
+  server restarts from its checkpoint and the workers replay what it missed.
 
 Every strategy reports ``bytes_sent`` (by this rank) and raises
 ``HybridCommError`` / ``HybridCommTimeout`` on failure, within its timeout.

@@ -5,8 +5,17 @@ bytes); each model replica (a worker process) fetches them every ``n_fetch``
 steps and pushes its accumulated gradients every ``n_push`` steps, with no
 barrier: a slow worker delays nobody. Each shard applies what arrives on its
 own (SGD or Adagrad), one push at a time under a lock, so no update is lost.
-Everything goes over ``torch.distributed.rpc``; every call has a deadline and
-a dead or silent server is a :class:`HybridCommError` naming it.
+
+Servers and workers talk over a small framed TCP protocol (:mod:`.ps_wire`:
+JSON headers and raw tensor bytes, nothing pickled); servers listen on
+loopback unless told otherwise. Every request has a deadline. A shard
+checkpoints itself every ``checkpoint_every`` pushes (:mod:`.ps_server`);
+killed and started again with the same index, it resumes from the
+checkpoint, and the workers reconnect (bounded retries within their timeout)
+and replay from their logs the pushes the checkpoint missed
+(:mod:`.ps_link`). ``replayed``, ``lost`` and ``reconnects`` on the
+optimizer count what happened; a server that stays away is a
+:class:`HybridCommError` naming it.
 
 Left out: the paper's model-parallel replicas (a replica split across several
 workers, each exchanging its own part with the shards); here a replica is one
@@ -16,128 +25,102 @@ Usage::
 
     role, name = init_downpour(rank, workers=4, servers=2, init_method="file:///tmp/rdv")
     if role == "server":
-        serve()                                   # until every worker has closed
+        serve()                 # until every worker has closed; run it again to restart
     else:
         opt = DownpourSGD(model, servers=["server0", "server1"], lr=0.05)
         for x, y in loader:
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
         opt.close()
+
+Without ``init_downpour`` (servers on other machines): ``serve(index=0,
+workers=4, host="10.0.0.5", port=7000, checkpoint_dir=...)`` there, and
+``DownpourSGD(model, ["10.0.0.5:7000", ...], lr, worker=rank)`` on the workers.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-import warnings
-from typing import Dict, List, Optional, Tuple
+import logging
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed.rpc as rpc
 
 from .. import env
-from ..errors import HybridCommError, HybridCommTimeout
-from ..transport.torch_dist import looks_like_timeout
+from ..errors import HybridCommError
+from .ps_link import ServerLink
+from .ps_server import RULES, ParameterShard, ShardServer
 
-RULES = ("sgd", "adagrad")
+__all__ = ["DownpourSGD", "ParameterShard", "RULES", "init_downpour", "serve", "shards_of"]
 
-
-class ParameterShard:
-    """One server's share of the parameters and the rule that updates them."""
-
-    def __init__(self, tensors: Dict[str, torch.Tensor], rule: str, lr: float,
-                 eps: float = 1e-10):
-        if rule not in RULES:
-            raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        self.params = {k: v.detach().clone() for k, v in tensors.items()}
-        self.rule, self.lr, self.eps = rule, lr, eps
-        self.sums = {k: torch.zeros_like(v) for k, v in self.params.items()} \
-            if rule == "adagrad" else None
-        self.pushes = 0
-        self.lock = threading.Lock()
-
-    def fetch(self) -> Dict[str, torch.Tensor]:
-        with self.lock:
-            return {k: v.clone() for k, v in self.params.items()}
-
-    def push(self, grads: Dict[str, torch.Tensor]) -> int:
-        with self.lock:  # RPC runs requests on a thread pool: one push at a time
-            for k, g in grads.items():
-                if self.sums is not None:
-                    self.sums[k].add_(g * g)
-                    self.params[k].sub_(self.lr * g / (self.sums[k].sqrt() + self.eps))
-                else:
-                    self.params[k].sub_(g, alpha=self.lr)
-            self.pushes += 1
-            return self.pushes
+log = logging.getLogger("hybridcomm")
 
 
-# --- what a server process runs (RPC targets: module functions on the server) --------
-_shard: Optional[ParameterShard] = None
-_shard_lock = threading.Lock()
+@dataclass(frozen=True)
+class _Job:
+    """What ``init_downpour`` learned, the defaults of ``serve`` and ``DownpourSGD``."""
+
+    rank: int
+    workers: int
+    servers: int
+    rendezvous: str
+    timeout: Optional[float]
 
 
-def _init_shard(tensors: Dict[str, torch.Tensor], rule: str, lr: float) -> bool:
-    """The first worker to arrive sets the shard up; the others find it ready."""
-    global _shard
-    with _shard_lock:
-        if _shard is None:
-            _shard = ParameterShard(tensors, rule, lr)
-    return True
-
-
-def _fetch() -> Dict[str, torch.Tensor]:
-    return _shard.fetch()
-
-
-def _push(grads: Dict[str, torch.Tensor]) -> int:
-    return _shard.push(grads)
-
-
-def _pushes() -> int:
-    return 0 if _shard is None else _shard.pushes
+_job: Optional[_Job] = None
 
 
 def init_downpour(rank: int, workers: int, servers: int, init_method: str,
                   timeout: Optional[float] = None) -> Tuple[str, str]:
-    """Join the RPC group as ``worker{rank}`` (ranks below ``workers``) or
-    ``server{rank - workers}``; returns ``(role, name)``. Collective over all
-    ``workers + servers`` processes; ``init_method`` is ``file://...`` or
-    ``tcp://127.0.0.1:PORT`` (a free port)."""
-    timeout = env.timeout(timeout)
+    """This process's part: ``("worker", "worker{rank}")`` for ranks below ``workers``,
+    else ``("server", "server{rank - workers}")``. ``init_method`` is
+    ``file://DIR``: a directory every process can read (created if missing), where
+    servers publish their addresses and keep their checkpoints. Not collective:
+    workers wait (up to ``timeout``) for the servers when they connect.
+
+    >>> import tempfile
+    >>> init_downpour(5, workers=4, servers=2, init_method=f"file://{tempfile.mkdtemp()}")
+    ('server', 'server1')
+    """
+    global _job
+    if not 0 <= rank < workers + servers or workers < 1 or servers < 1:
+        raise HybridCommError(f"init_downpour: rank {rank} of {workers} workers + {servers} "
+                              "servers (need at least one of each)")
+    scheme, sep, path = init_method.partition("://")
+    if not sep or scheme != "file":
+        raise HybridCommError(f"init_downpour: init_method must be file://<shared directory>, got "
+                              f"{init_method!r}; for servers on other machines without a shared "
+                              "directory, pass their host:port to DownpourSGD")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise HybridCommError(f"init_downpour: {path} exists and is not a directory")
+    os.makedirs(path, exist_ok=True)
+    _job = _Job(rank, workers, servers, path, timeout)
     role = "worker" if rank < workers else "server"
-    name = f"worker{rank}" if role == "worker" else f"server{rank - workers}"
-    opts = rpc.TensorPipeRpcBackendOptions(init_method=init_method, rpc_timeout=timeout,
-                                           _transports=["uv"], _channels=["basic"])
-    try:
-        with _quiet_rpc():
-            rpc.init_rpc(name, rank=rank, world_size=workers + servers,
-                         rpc_backend_options=opts)
-    except RuntimeError as e:
-        raise HybridCommError(f"{name}: joining the Downpour RPC group failed: {e}") from e
-    return role, name
+    return role, f"worker{rank}" if role == "worker" else f"server{rank - workers}"
 
 
-@contextlib.contextmanager
-def _quiet_rpc():
-    """Hides the deprecation warning torch's own RPC start-up and shutdown
-    barriers print on every process (they pass a gloo Backend as a group)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="You are using a Backend")
-        yield
-
-
-def _shutdown(timeout: float) -> None:
-    with _quiet_rpc():
-        rpc.shutdown(graceful=True, timeout=timeout)
-
-
-def serve(timeout: Optional[float] = None) -> int:
-    """Be a parameter-server shard until every process has shut down; returns the
-    pushes applied. A worker that never shuts down ends the wait after ``timeout``."""
-    try:
-        _shutdown(env.timeout(timeout))
-    except RuntimeError as e:
-        raise HybridCommError(f"a Downpour server's shutdown failed: {e}") from e
-    return _pushes()
+def serve(timeout: Optional[float] = None, *, index: Optional[int] = None,
+          workers: Optional[int] = None, rendezvous: Optional[str] = None,
+          host: str = "127.0.0.1", port: int = 0, checkpoint_dir: Optional[str] = None,
+          checkpoint_every: int = 50) -> int:
+    """Be parameter-server shard ``index`` until ``workers`` workers have closed;
+    returns the pushes the shard has applied. After ``init_downpour`` every argument
+    has a default; call it again in a new process to restart a killed shard.
+    ``host`` is the interface to listen on (loopback by default: name another one
+    for a multi-machine job); see :class:`~.ps_server.ShardServer` for the rest."""
+    job = _job
+    if index is None:
+        if job is None or job.rank < job.workers:
+            raise HybridCommError("serve(): pass index= (or call init_downpour as a server first)")
+        index = job.rank - job.workers
+    workers = workers or (job.workers if job else None)
+    if not workers:
+        raise HybridCommError("serve(): pass workers= (or call init_downpour first)")
+    rendezvous = rendezvous or (job.rendezvous if job else None)
+    if timeout is None and job is not None:
+        timeout = job.timeout
+    return ShardServer(index, workers, rendezvous=rendezvous, host=host, port=port,
+                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                       timeout=timeout).run()
 
 
 def shards_of(named: List[Tuple[str, torch.Tensor]], servers: int) -> List[List[str]]:
@@ -157,78 +140,110 @@ class DownpourSGD:
 
     Args:
         model: the replica; its parameters are overwritten by fetches.
-        servers: the server processes' RPC names (``init_downpour`` makes them).
+        servers: the servers: ``"serverN"`` names published in the rendezvous
+            directory, or ``"host:port"`` addresses.
         lr: the servers' learning rate; ``rule``: ``"sgd"`` or ``"adagrad"``.
         n_fetch, n_push: fetch the parameters / push the accumulated gradients
             every this many steps.
-        timeout: seconds any RPC may take (default ``HYBRIDCOMM_TIMEOUT``).
+        timeout: seconds any request may take, and the most a reconnect may
+            try for (default ``HYBRIDCOMM_TIMEOUT``).
+        worker: this worker's id, unique in the job (default: its
+            ``init_downpour`` rank).
+        rendezvous: where ``serverN`` names are looked up (default:
+            ``init_downpour``'s directory).
+        replay_log: pushes kept per server for replay after a server restart
+            (default: that server's ``checkpoint_every`` + 1, enough that a crash
+            loses nothing; fewer saves memory and counts the rest in ``lost``).
 
-    ``bytes_sent`` counts the gradients pushed (the fetch requests carry none).
+    ``bytes_sent`` counts the gradients pushed (each once; replays not counted).
+    ``replayed``, ``lost`` and ``reconnects`` count what server restarts cost.
 
     Example (in a worker process, after ``init_downpour``)::
 
         opt = DownpourSGD(model, servers=["server0", "server1"], lr=0.05, n_push=2)
         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
         opt.close()
+        print(opt.reconnects, opt.replayed, opt.lost)
     """
 
     def __init__(self, model: torch.nn.Module, servers: List[str], lr: float,
                  rule: str = "sgd", n_fetch: int = 1, n_push: int = 1,
-                 timeout: Optional[float] = None):
+                 timeout: Optional[float] = None, *, worker: Optional[int] = None,
+                 rendezvous: Optional[str] = None, replay_log: Optional[int] = None):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        if n_fetch < 1 or n_push < 1 or not servers:
-            raise ValueError("n_fetch and n_push must be >= 1, and there must be servers")
-        self.model, self.servers = model, list(servers)
+        if n_fetch < 1 or n_push < 1 or not servers or len(set(servers)) != len(servers):
+            raise ValueError("n_fetch and n_push must be >= 1, and there must be servers "
+                             f"(each named once): got {servers!r}")
+        if replay_log is not None and replay_log < 0:
+            raise ValueError(f"replay_log must be >= 0, got {replay_log}")
+        job = _job
+        if worker is None:
+            if job is None or job.rank >= job.workers:
+                raise ValueError("DownpourSGD: pass worker= (a unique id per worker), or call "
+                                 "init_downpour as a worker first")
+            worker = job.rank
+        if timeout is None and job is not None:
+            timeout = job.timeout
+        rendezvous = rendezvous or (job.rendezvous if job else None)
+        self.model, self.servers, self.worker = model, list(servers), worker
         self.n_fetch, self.n_push, self.timeout = n_fetch, n_push, env.timeout(timeout)
         self.named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.shards = shards_of(list(self.named.items()), len(self.servers))
         self.acc = {n: torch.zeros_like(p) for n, p in self.named.items()}
         self.steps = 0
         self.bytes_sent = 0
-        self._pending: List[Tuple[str, object]] = []
-        for server, names in zip(self.servers, self.shards):
-            tensors = {n: self.named[n].detach() for n in names}
-            self._wait(server, "setting up its shard",
-                       rpc.rpc_async(server, _init_shard, args=(tensors, rule, lr),
-                                     timeout=self.timeout))
+        session = os.urandom(8).hex()  # tells the servers a new process from a reconnect
+        self.links = [ServerLink(s, rendezvous, worker=worker, session=session,
+                                 timeout=self.timeout, log_limit=replay_log)
+                      for s in self.servers]
+        for link, names in zip(self.links, self.shards):
+            link.hello()
+            # the first worker sets the shard up; the others' (and a restored
+            # shard's) must match: names, shapes, dtypes, rule and lr
+            link.init({n: self.named[n].detach() for n in names}, rule, lr)
         self.fetch()
 
-    def _wait(self, server: str, what: str, fut):
-        try:
-            return fut.wait()
-        except Exception as e:  # RPC timeouts and dead peers alike
-            kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
-            raise kind(f"Downpour: {server} failed while {what} (dead, or silent for "
-                       f"{self.timeout:g}s?): {e}") from e
+    @property
+    def replayed(self) -> int:
+        """Pushes sent again to a restarted server that lacked them."""
+        return sum(link.replayed for link in self.links)
+
+    @property
+    def lost(self) -> int:
+        """Pushes a restarted server lacked that were no longer in the replay log."""
+        return sum(link.lost for link in self.links)
+
+    @property
+    def reconnects(self) -> int:
+        return sum(link.reconnects for link in self.links)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
 
     def fetch(self) -> None:
         """The model <- the servers' current parameters."""
-        futs = [(s, rpc.rpc_async(s, _fetch, timeout=self.timeout)) for s in self.servers]
+        for link in self.links:  # every request out before the first reply is read
+            link.start_fetch()
         with torch.no_grad():
-            for server, fut in futs:
-                for name, value in self._wait(server, "sending its parameters", fut).items():
+            for link in self.links:
+                for name, value in link.finish_fetch().items():
                     self.named[name].copy_(value)
 
     def push(self) -> None:
         """Send the accumulated gradients to their shards, without waiting for them
         to be applied (the previous push is waited for first: one in flight)."""
         self._finish_pushes()
-        for server, names in zip(self.servers, self.shards):
+        for link, names in zip(self.links, self.shards):
             grads = {n: self.acc[n].clone() for n in names}
             self.bytes_sent += sum(g.numel() * g.element_size() for g in grads.values())
-            self._pending.append((server, rpc.rpc_async(server, _push, args=(grads,),
-                                                        timeout=self.timeout)))
+            link.push(grads)
         for a in self.acc.values():
             a.zero_()
 
     def _finish_pushes(self) -> None:
-        pending, self._pending = self._pending, []
-        for server, fut in pending:
-            self._wait(server, "applying a push", fut)
+        for link in self.links:
+            link.finish_push()
 
     def step(self) -> None:
         """Accumulate this step's gradients; push every ``n_push`` steps and fetch
@@ -244,12 +259,10 @@ class DownpourSGD:
             self.fetch()
 
     def close(self) -> None:
-        """Finish the pushes in flight and leave the RPC group (waits for the others,
-        at most ``timeout``)."""
-        try:
-            self._finish_pushes()
-        finally:
-            try:
-                _shutdown(self.timeout)
-            except RuntimeError as e:
-                raise HybridCommError(f"Downpour: leaving the RPC group failed: {e}") from e
+        """Finish the pushes in flight and tell every server this worker is done
+        (a server stops once all its workers have)."""
+        for link in self.links:
+            link.close()
+        if self.reconnects:
+            log.info("Downpour worker %d: %d reconnects, %d pushes replayed, %d lost",
+                     self.worker, self.reconnects, self.replayed, self.lost)
