@@ -85,6 +85,54 @@ def wait_work(work, timeout: float, what: str) -> None:
                                 f"{timeout:g}s (a peer stalled or not making the same call)")
 
 
+class HostMax:
+    """Which of ``n`` positions some rank marked: an element-wise max of 0/1 masks
+    over the ranks, posted now on the host (gloo) and waited for later. Every
+    rank posts it in the same order.
+
+    Example::
+
+        >>> used = HostMax(3, [0, 2] if rank == 0 else [1], timeout=60,
+        ...                what="the gradients of bucket 0")
+        >>> used.positions()           # one rank here; [0, 1, 2] with two
+        [0, 2]
+    """
+
+    __slots__ = ("mask", "timeout", "what", "_work", "_error")
+
+    def __init__(self, n: int, marked, *, group=None, timeout: float, what: str):
+        self.timeout, self.what = timeout, what
+        self._work = self._error = None
+        with _host_region():  # host memory and a host collective: no device work
+            self.mask = torch.zeros(n, dtype=torch.int32)
+            if marked:
+                self.mask[list(marked)] = 1
+            try:
+                self._work = dist.all_reduce(self.mask, op=dist.ReduceOp.MAX,
+                                             group=control_group(group), async_op=True)
+            except Exception as e:  # noqa: BLE001 - raised at wait(), on the waiting thread
+                self._error = e
+
+    def wait(self) -> None:
+        """Until every rank's mask is in (within the timeout); idempotent."""
+        if self._work is None and self._error is None:
+            return
+        work, error, self._work, self._error = self._work, self._error, None, None
+
+        def posted():
+            if error is not None:
+                raise error
+            return work
+        with _host_region():
+            wait_work(posted, self.timeout, self.what)
+
+    def positions(self) -> List[int]:
+        """The positions some rank marked."""
+        self.wait()
+        with _host_region():
+            return [i for i, f in enumerate(self.mask.tolist()) if f > 0]
+
+
 def _src(group, root: int) -> int:
     return dist.get_global_rank(group, root) if group is not None else root
 

@@ -105,6 +105,9 @@ class CommEngine:
         # A wait slower than slow_after calls on_slow(bucket) once (the stall inspector).
         self.on_slow: Optional[Callable[[int], Optional[str]]] = None
         self.slow_after = 0.0
+        # Called with a bucket's index as its launch is issued: in plan order on every
+        # rank, so it may post host collectives (the used-parameter agreement).
+        self.on_issue: Optional[Callable[[int], None]] = None
         self.round = 0  # passes through plan.order completed
         self.cursor = 0  # position in plan.order
         self.bytes_sent = 0  # by this rank, since the trainer last read it
@@ -143,6 +146,8 @@ class CommEngine:
             if self._launches[i] <= self.round:
                 return  # that bucket is not launched yet: the order waits for it
             last = s == len(self.buckets[i].spec.segments) - 1
+            if s == 0 and self.on_issue is not None:
+                self.on_issue(i)
             self._tickets[i][s] = self.channel.submit(self._operation(i, s, last),
                                                       f"bucket {i} segment {s}")
             if last:

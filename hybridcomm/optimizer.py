@@ -319,7 +319,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
                          timeout: Optional[float] = None, fusion_bytes: Optional[int] = None,
                          split_bytes: Optional[int] = None, measure_iters: int = 3,
                          replan_every: int = 200, trace: bool = False,
-                         lazy_bytes: Optional[int] = None):
+                         lazy_bytes: Optional[int] = None, find_unused_parameters: bool = False):
     """Wrap ``optimizer`` so each step's gradients are all-reduced across ranks.
 
     Any training loop that runs in one process runs unchanged: several backward
@@ -368,6 +368,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         replan_every: measure again every this many steps and re-plan if the
             measurements change a decision (drift); 0: only once.
         trace: record a timeline; ``opt.export_trace("trace.json")``.
+        find_unused_parameters: on GPUs, a rank that lacks a parameter's
+            gradient learns whether another rank had one from the reduced
+            flags: a host sync (warned about once). ``True`` agrees on it on
+            the host instead (a small gloo collective per bucket and step,
+            posted as the bucket is issued), so no step syncs the host. As in
+            DDP, off by default. Parameters no rank used are left alone either
+            way (``.grad`` None, as one process leaves them).
 
     Raises:
         HybridCommError: on every rank, naming the parameters, if the ranks'
@@ -400,5 +407,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
                  named_parameters=named_parameters, strategy=strategy, op=op,
                  cost_model=cost_model, process_group=process_group, timeout=timeout,
                  fusion_bytes=fusion_bytes, split_bytes=split_bytes, lazy_bytes=lazy_bytes,
-                 measure_iters=measure_iters, replan_every=replan_every, trace=trace)
+                 measure_iters=measure_iters, replan_every=replan_every, trace=trace,
+                 find_unused_parameters=find_unused_parameters)
     return opt

@@ -99,7 +99,7 @@ class _Slot:
 
     __slots__ = ("index", "bucket", "phase", "content", "touched", "pass_id", "launched_pass",
                  "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
-                 "detached")
+                 "detached", "marked", "agreed")
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -115,6 +115,8 @@ class _Slot:
         self.taken: set = set()  # PENDING: positions whose .grad the step took (not zeroed)
         self.reopened = False  # a gradient came after its launch: it must be launched again
         self.detached: set = set()  # positions whose late additions wait in autograd's tensor
+        self.marked: List[int] = []  # the positions this rank launched with a gradient
+        self.agreed = None  # control.HostMax over ``marked``, posted as the launch is issued
 
 
 _NO_CONTEXT = contextlib.nullcontext()
@@ -154,8 +156,8 @@ class GradientSynchronizer:
         model, named_parameters, strategy, overlap, op, backward_passes_per_step,
         compression (the wire dtype, or None), topk (ratio or None),
         correction_momentum, cost_model, process_group, timeout, fusion_bytes,
-        split_bytes, lazy_bytes, measure_iters, replan_every, trace: as
-        ``DistributedOptimizer`` documents them.
+        split_bytes, lazy_bytes, measure_iters, replan_every, trace,
+        find_unused_parameters: as ``DistributedOptimizer`` documents them.
 
     Example::
 
@@ -172,7 +174,8 @@ class GradientSynchronizer:
                  backward_passes_per_step: Optional[int] = None, compression=None, topk=None,
                  correction_momentum: float = 0.0, cost_model=None, process_group=None,
                  timeout: float = 300.0, fusion_bytes=None, split_bytes=None, lazy_bytes=None,
-                 measure_iters: int = 3, replan_every: int = 200, trace: bool = False):
+                 measure_iters: int = 3, replan_every: int = 200, trace: bool = False,
+                 find_unused_parameters: bool = False):
         self._param_groups, self._update = param_groups, update
         self.model, self._named = model, named_parameters
         self.overlap, self.strategy = overlap, strategy
@@ -190,6 +193,11 @@ class GradientSynchronizer:
 
         self.registry = self._registry()
         self._rt = runtime_for(self.registry.device)
+        # Device path: which parameters some rank has a gradient for is agreed on the
+        # host (gloo, posted at issue), not read back from the reduced flags (a host
+        # sync). Costs a small host collective per bucket and step, hence opt-in.
+        self._agree_used = bool(find_unused_parameters) and self._rt is not None
+        self._warned_flags = False
         self.transport, self.channel = open_channel(self.registry.device, process_group, timeout,
                                                     self.timeline)
         self.cost_model = calibration.resolve(cost_model, process_group, timeout)
@@ -318,6 +326,8 @@ class GradientSynchronizer:
                                  scale=self.scale, timeout=self.timeout)
         if self.stall.enabled:
             self.engine.on_slow, self.engine.slow_after = self._stalled, self.stall.warn_s
+        if self._agree_used:
+            self.engine.on_issue = self._post_used
         self._hook_params()
 
     def _hook_params(self) -> None:
@@ -500,13 +510,47 @@ class GradientSynchronizer:
             raise HybridCommError(f"internal error: bucket {slot.index} launched again before "
                                   "its last launch was issued")
         content = slot.content
-        slot.bucket.set_flags(content)
         slot.complete = len(content) == len(slot.bucket.params)
+        if self._agree_used:
+            self._mark_used(slot)
+        if not self._agree_used or slot.bucket.topk is not None:  # top-k sends its flags
+            slot.bucket.set_flags(content)
         slot.phase, slot.reopened = Phase.IN_FLIGHT, False
         slot.launched_pass, slot.launched_epoch = self._pass_id, self._epoch
         slot.launched_at = time.perf_counter()
         self._launches += 1
         self.engine.launch(slot.index)
+
+    def _mark_used(self, slot: _Slot) -> None:
+        """Note this launch's content for the agreement posted at issue."""
+        if slot.agreed is not None:  # the last launch's, not waited for (it was complete)
+            slot.agreed.wait()
+            slot.agreed = None
+        slot.marked = sorted(slot.content)
+
+    def _post_used(self, index: int) -> None:
+        """The engine issues bucket ``index`` (plan order): post the agreement on which
+        of its parameters some rank has a gradient for."""
+        slot = self.slots[index]
+        slot.agreed = control.HostMax(len(slot.bucket.params), slot.marked, group=self.group,
+                                      timeout=self.timeout,
+                                      what=f"which parameters of bucket {index} have gradients")
+
+    def _used(self, slot: _Slot) -> List[int]:
+        """The positions some rank had a gradient for (after the reduction)."""
+        b = slot.bucket
+        if slot.complete:
+            return list(range(len(b.params)))
+        if slot.agreed is not None:
+            agreed, slot.agreed = slot.agreed, None
+            return agreed.positions()
+        if self._rt is not None and not self._warned_flags:
+            self._warned_flags = True
+            log.warning("hybridcomm: rank %d has no gradient for some parameters of bucket %d "
+                        "(%s); reading which ones any rank has costs a host sync per such bucket "
+                        "and step. find_unused_parameters=True agrees on them on the host "
+                        "instead.", self.rank, slot.index, ", ".join(b.spec.layers))
+        return b.used(False)
 
     def _stalled(self, index: int) -> Optional[str]:
         """A wait on bucket ``index`` turned slow: name the ranks behind, if any (logged,
@@ -541,7 +585,7 @@ class GradientSynchronizer:
                 "build it with scale_grads=False and divide the loss by the micro-batch count): "
                 "modify gradients only after opt.synchronize(), and zero them with zero_grad() "
                 "(set_to_none=True, the default)")
-        used = b.used(slot.complete)
+        used = self._used(slot)
         slot.content = {pos for pos in used if b.holds(pos)}
         slot.phase = Phase.ACCUMULATING
         return used

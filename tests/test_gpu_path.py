@@ -140,6 +140,50 @@ def test_steady_state_steps_make_no_host_sync(overlap):
         assert stats["nccl_ops"] == calls, (stats, calls)
 
 
+def _missing(rank, world, overlap, agree):
+    """The Odd model (an unused layer: no rank has its gradient) under a fixed plan;
+    the host syncs and the parameters of three steady steps."""
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm.cost_model import CostModel
+    from hybridcomm.testing import simgpu
+
+    model = make_model(cls=Odd)
+    opt = hybridcomm.DistributedOptimizer(_optimizer("sgd", model.parameters()), model=model,
+                                          overlap=overlap, fusion_bytes=0,
+                                          cost_model=CostModel(2e-5, 1e-9, 1e-10),
+                                          measure_iters=2, timeout=60,
+                                          find_unused_parameters=agree)
+    for s in range(STEPS + 4):
+        if s == 5:
+            simgpu.reset_stats()
+        x, y = batch(s % STEPS)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    stats = simgpu.stats()
+    opt.synchronize()
+    lacking = sum(1 for b in opt.plan.buckets if any(l.startswith("unused") for l in b.layers))
+    unused = flat([model.unused.weight, model.unused.bias])
+    opt.close()
+    return stats["host_syncs"], lacking, unused
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
+def test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host(overlap):
+    """find_unused_parameters=True: the ranks agree on the used parameters over
+    gloo as each bucket is issued; three steps with an unused layer make no host
+    sync. Off, the rank reads the reduced flags: exactly one sync per bucket
+    holding the unused layer and step. Either way the unused layer is left as
+    one process leaves it (no update: weight decay would change it)."""
+    ref = make_model(cls=Odd)
+    untouched = flat([ref.unused.weight, ref.unused.bias])
+    for agree in (True, False):
+        for syncs, lacking, unused in run_ranks(2, _missing, overlap, agree, timeout=120):
+            assert lacking >= 1
+            assert syncs == (0 if agree else 3 * lacking), (agree, syncs, lacking)
+            assert torch.equal(unused, untouched)
+
+
 def _long_run(rank, world):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     os.environ["HYBRIDCOMM_SIM_NCCL_KERNELS"] = "1"  # CUDA_DEVICE_MAX_CONNECTIONS=1
