@@ -10,6 +10,15 @@ wall clock measures synchronization, not this machine's 2 shared cores.
 
     python benchmarks/sync_strategies.py --quick        # < 10 minutes on 2 cores
     python benchmarks/sync_strategies.py --json out.json --plot out.png
+    python benchmarks/sync_strategies.py --quick --strategies downpour \
+        --scenarios uniform --kill-server-at 20 --kill-server-at 15,35,55
+
+``--kill-server-at STEPS`` adds a Downpour run in which worker 0 SIGKILLs
+server 0 after each of those steps; the benchmark restarts it at once (a fresh
+process, as a process manager would), it resumes from its checkpoint, and the
+workers replay what it missed. The row reports the kills, the workers'
+reconnects, replayed and lost pushes, and the pushes each shard applied
+against the pushes the workers sent (the loss counted independently).
 
 Per strategy and scenario: the test accuracy over wall time (rank 0's model:
 between averaging rounds, local SGD and Parallel SGD evaluate worker 0's own
@@ -20,9 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -64,6 +76,59 @@ def accuracy(model, x, y) -> float:
         return (model(x).argmax(1) == y).float().mean().item()
 
 
+def _serve_shard(index, rdv, cfg):
+    """A Downpour server process (started, and restarted, by :class:`_Servers`)."""
+    torch.set_num_threads(1)
+    serve(index=index, workers=WORKERS, rendezvous=rdv, checkpoint_every=cfg["checkpoint_every"],
+          timeout=60)
+
+
+class _Servers:
+    """The Downpour server processes, restarted when one dies of a signal (as a
+    process manager would); each one's pid in ``rdv/server{i}.pid`` for the killer."""
+
+    def __init__(self, rdv, cfg):
+        self.rdv, self.cfg, self.restarts = rdv, cfg, 0
+        self.ctx = mp.get_context("spawn")
+        self.procs = [self._start(i) for i in range(SERVERS)]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _start(self, i):
+        p = self.ctx.Process(target=_serve_shard, args=(i, self.rdv, self.cfg), daemon=True)
+        p.start()
+        with open(os.path.join(self.rdv, f"server{i}.pid.tmp"), "w") as f:
+            f.write(str(p.pid))
+        os.replace(os.path.join(self.rdv, f"server{i}.pid.tmp"),
+                   os.path.join(self.rdv, f"server{i}.pid"))
+        return p
+
+    def _watch(self):
+        while not self.stop.wait(0.02):
+            for i, p in enumerate(self.procs):
+                if p.exitcode is not None and p.exitcode < 0:  # killed: start it again
+                    self.procs[i] = self._start(i)
+                    self.restarts += 1
+
+    def finish(self):
+        """Wait for the servers to stop (they do once every worker has closed)."""
+        self.stop.set()
+        self.thread.join()
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        return [torch.load(os.path.join(self.rdv, f"server{i}.pt"), weights_only=True)["pushes"]
+                for i in range(SERVERS)]
+
+
+def _kill_server(rdv, index):
+    with open(os.path.join(rdv, f"server{index}.pid")) as f:
+        os.kill(int(f.read()), signal.SIGKILL)
+
+
 def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of):
     """Train ``cfg['epochs']`` epochs of this worker's shard; rank 0 records
     (seconds, accuracy) every ``eval_every`` steps."""
@@ -86,20 +151,20 @@ def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of):
         step_fn(None, None, epoch_end=True)
         if rank == 0:
             curve.append((time.perf_counter() - t0, evaluate(xte, yte)))
-    return {"curve": curve, "bytes_sent": bytes_of(), "accuracy": evaluate(xte, yte)}
+    return {"curve": curve, "bytes_sent": bytes_of(), "accuracy": evaluate(xte, yte),
+            "steps": step}
 
 
 def _run(rank, world, cfg, rdv):
     """One strategy in one scenario, on this process."""
     os.environ["TP_SOCKET_IFNAME"] = "lo"
     name = cfg["strategy"]
-    if name == "downpour":
-        role, _ = init_downpour(rank, WORKERS, SERVERS, f"file://{rdv}", timeout=60)
-        if role == "server":
-            return {"server_pushes": serve(timeout=600)}
+    if name == "downpour":  # the workers; the servers are _Servers' processes
+        init_downpour(rank, WORKERS, SERVERS, f"file://{rdv}", timeout=60)
         model = mlp()
         opt = DownpourSGD(model, [f"server{i}" for i in range(SERVERS)], lr=cfg["lr_async"],
-                          rule=cfg["rule"], timeout=60)
+                          rule=cfg["rule"], timeout=60, replay_log=cfg["replay_log"])
+        kills = set(cfg["kill_at"]) if rank == 0 else set()
 
         def step(x, y, epoch_end):
             if x is None:
@@ -107,11 +172,14 @@ def _run(rank, world, cfg, rdv):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
+            if opt.steps in kills:
+                _kill_server(rdv, 0)
 
         out = _worker_loop(rank, cfg, model, step, lambda x, y: accuracy(model, x, y),
                            lambda: opt.bytes_sent)
         opt.close()
-        return out
+        return dict(out, reconnects=opt.reconnects, replayed=opt.replayed, lost=opt.lost,
+                    reconnect_seconds=opt.reconnect_seconds)
     model = mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     evaluate = lambda x, y: accuracy(model, x, y)  # noqa: E731
@@ -154,12 +222,26 @@ def _run(rank, world, cfg, rdv):
 
 
 def run(strategy: str, scenario: str, cfg: dict) -> dict:
+    """Worker 0's result; for Downpour with the workers' fault counters summed and
+    the pushes each shard applied."""
     cfg = dict(cfg, strategy=strategy, scenario=scenario)
-    world = WORKERS + (SERVERS if strategy == "downpour" else 0)
     with tempfile.TemporaryDirectory(prefix="hybridcomm-rdv-") as tmp:
-        results = launch(_run, world, cfg, os.path.join(tmp, "rdv"), backend="gloo",
-                         start_method="spawn", timeout=1200)
-    return results[0]
+        rdv = os.path.join(tmp, "rdv")
+        if strategy != "downpour":
+            return launch(_run, WORKERS, cfg, rdv, backend="gloo", start_method="spawn",
+                          timeout=1200)[0]
+        os.makedirs(rdv)
+        servers = _Servers(rdv, cfg)
+        try:
+            results = launch(_run, WORKERS, cfg, rdv, backend="gloo", start_method="spawn",
+                             timeout=1200)
+        finally:
+            applied = servers.finish()
+    out = dict(results[0], kills=len(cfg["kill_at"]), restarts=servers.restarts,
+               shard_pushes=applied, pushes_sent=sum(r["steps"] for r in results))
+    for k in ("reconnects", "replayed", "lost", "reconnect_seconds"):
+        out[k] = sum(r[k] for r in results)
+    return out
 
 
 def time_to(curve, target):
@@ -182,12 +264,22 @@ def main(argv=None) -> int:
     ap.add_argument("--rho", type=float, default=0.1, help="ADMM's penalty")
     ap.add_argument("--period", type=int, default=8,
                     help="local SGD's H (ADMM: local steps = H/2)")
+    ap.add_argument("--kill-server-at", action="append", default=[], metavar="STEPS",
+                    help="also run Downpour with server 0 SIGKILLed (and restarted) after "
+                         "each of these steps of worker 0, e.g. 20 or 15,35,55; repeatable")
+    ap.add_argument("--checkpoint-every", type=int, default=50,
+                    help="Downpour servers' pushes between checkpoints")
+    ap.add_argument("--replay-log", type=int, default=None,
+                    help="Downpour workers' replay log per server (default: checkpoint_every+1)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
     cfg = {"epochs": args.epochs or (6 if args.quick else 15), "batch": 32, "lr": args.lr,
            "lr_async": args.lr_async, "rule": args.rule, "period": args.period,
-           "rho": args.rho, "eval_every": 4, "step_ms": args.step_ms}
+           "rho": args.rho, "eval_every": 4, "step_ms": args.step_ms,
+           "checkpoint_every": args.checkpoint_every, "replay_log": args.replay_log,
+           "kill_at": []}
+    faults = [[int(k) for k in spec.split(",") if k] for spec in args.kill_server_at]
     strategies = [s for s in args.strategies.split(",") if s]
     scenarios = [s for s in args.scenarios.split(",") if s]
     bad = [s for s in strategies if s not in STRATEGIES] + [s for s in scenarios
@@ -200,19 +292,35 @@ def main(argv=None) -> int:
           f"compute per step (straggler x{SLOWDOWN:g}), target accuracy {args.target}", flush=True)
     print(f"# {'scenario':>10} {'strategy':>13} {'accuracy':>9} {'to target(s)':>13} "
           f"{'bytes sent':>12} {'wall(s)':>8}", flush=True)
+    runs = [(s, []) for s in strategies]
+    if "downpour" in strategies:
+        at = strategies.index("downpour") + 1
+        runs[at:at] = [("downpour", kills) for kills in faults]
     for scenario in scenarios:
-        for strategy in strategies:
-            out = run(strategy, scenario, cfg)
+        for strategy, kills in runs:
+            out = run(strategy, scenario, dict(cfg, kill_at=kills))
             curve = out["curve"]
             t = time_to(curve, args.target)
-            rows.append({"strategy": strategy, "scenario": scenario,
-                         "test_accuracy": out["accuracy"], "time_to_target_s": t,
-                         "bytes_sent": out["bytes_sent"]})
-            curves[f"{scenario}/{strategy}"] = curve
-            print(f"  {scenario:>10} {strategy:>13} {out['accuracy']:>9.3f} "
+            label = strategy + (f"+kill@{','.join(map(str, kills))}" if kills else "")
+            row = {"strategy": label, "scenario": scenario,
+                   "test_accuracy": out["accuracy"], "time_to_target_s": t,
+                   "bytes_sent": out["bytes_sent"]}
+            if strategy == "downpour":
+                row.update({k: out[k] for k in ("kills", "restarts", "reconnects", "replayed",
+                                                "lost", "reconnect_seconds", "shard_pushes",
+                                                "pushes_sent")})
+            rows.append(row)
+            curves[f"{scenario}/{label}"] = curve
+            print(f"  {scenario:>10} {label:>13} {out['accuracy']:>9.3f} "
                   f"{'-' if t is None else f'{t:.2f}':>13} {out['bytes_sent']:>12} "
                   f"{curve[-1][0]:>8.1f}   ({time.perf_counter() - t_start:.0f} s elapsed)",
                   flush=True)
+            if strategy == "downpour":
+                print(f"  {'':>10} {'':>13} servers: {out['kills']} killed, {out['restarts']} "
+                      f"restarted; workers: {out['reconnects']} reconnects "
+                      f"({out['reconnect_seconds']:.2f} s), {out['replayed']} pushes replayed, "
+                      f"{out['lost']} lost; shards applied {out['shard_pushes']} of "
+                      f"{out['pushes_sent']} pushes sent", flush=True)
     doc = {"target_accuracy": args.target, "results": rows, "curves": curves, "config": cfg,
            "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:]))}
     if args.json:

@@ -156,7 +156,8 @@ class DownpourSGD:
             loses nothing; fewer saves memory and counts the rest in ``lost``).
 
     ``bytes_sent`` counts the gradients pushed (each once; replays not counted).
-    ``replayed``, ``lost`` and ``reconnects`` count what server restarts cost.
+    ``replayed``, ``lost``, ``reconnects`` and ``reconnect_seconds`` count what
+    server restarts cost.
 
     Example (in a worker process, after ``init_downpour``)::
 
@@ -217,6 +218,11 @@ class DownpourSGD:
     @property
     def reconnects(self) -> int:
         return sum(link.reconnects for link in self.links)
+
+    @property
+    def reconnect_seconds(self) -> float:
+        """Time spent waiting for restarted servers (reconnecting and replaying)."""
+        return sum(link.reconnect_seconds for link in self.links)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)

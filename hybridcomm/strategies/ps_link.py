@@ -9,8 +9,8 @@ connection breaks, the link reconnects (backing off from 50 ms to 1 s, for at
 most ``timeout`` seconds, re-reading the server's published address each time:
 a restarted server has a new port), asks which of its pushes the server has,
 and replays the logged ones it lacks. A push the server lacks that is no
-longer in the log is counted in ``lost``; ``replayed`` and ``reconnects``
-count the rest.
+longer in the log is counted in ``lost``; ``replayed``, ``reconnects`` and
+``reconnect_seconds`` count the rest.
 
 Example (a server that never started: a clear error once the retries end)::
 
@@ -53,6 +53,7 @@ class ServerLink:
         self.log: collections.deque = collections.deque()  # (seq, grads) not yet checkpointed
         self.seq = 0  # the last push sent
         self.replayed = self.lost = self.reconnects = 0
+        self.reconnect_seconds = 0.0  # spent reconnecting and replaying
         self._lost_through = 0  # pushes up to here were counted lost already
         self._sock = None
         self._address = "?"
@@ -186,6 +187,7 @@ class ServerLink:
             delay = min(2 * delay, 1.0)
         if not first:
             self.reconnects += 1
+            self.reconnect_seconds += time.monotonic() - start
             log.warning("Downpour worker %d: reconnected to %s at %s after %.2fs (%d attempts): "
                         "%d pushes replayed, %d lost so far", self.worker, self.name,
                         self._address, time.monotonic() - start, attempts, self.replayed,
