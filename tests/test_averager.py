@@ -17,10 +17,11 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 def _tensors(rank):
     """Integer-valued, so every sum is exact in every dtype and the mean over 4
-    ranks (a multiple of 4 apart) is too; each rank's values differ."""
+    ranks (a multiple of 4 apart) is too; each rank's values differ. Grouped by
+    dtype, so a bucket (one dtype) holds several tensors."""
     out = []
-    for i, shape in enumerate(SHAPES):
-        for j, dtype in enumerate(DTYPES):
+    for j, dtype in enumerate(DTYPES):
+        for i, shape in enumerate(SHAPES):
             n = torch.Size(shape).numel()
             base = torch.arange(n, dtype=torch.float64).view(shape) % 50 - 25 + 7 * i + j
             out.append((base + 4 * rank).to(dtype))  # mean over ranks 0..3: base + 6
@@ -41,22 +42,42 @@ def _average(rank, world, simulate):
     stats = simgpu.stats()
     if simulate:  # the host reads the results: as .cpu() would on a GPU, wait for them
         runtime_for("cpu").synchronize()
-    buckets = len(next(iter(avg._made.values()))[0])
+    buckets, engine = next(iter(avg._made.values()))
     avg.close()
-    return tensors, again, sent, stats, buckets
+    return tensors, again, sent, stats, [len(b.params) for b in buckets], \
+        _schedule_counts(engine.plan, rank, world)
+
+
+def _schedule_counts(plan, rank, world):
+    """(reduction kernels, NCCL calls) the plan's schedules make in one call."""
+    from hybridcomm.algorithms import get_schedule
+
+    kernels = calls = 0
+    for b in plan.buckets:
+        for a, z in b.segments:
+            sched = get_schedule(b.algorithm, rank, world, z - a)
+            kernels += sum(1 for st in sched.steps for r in st.recvs if r.reduce)
+            calls += sum(len(st.sends) + len(st.recvs) for st in sched.steps)
+    return kernels, calls
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["host", "simgpu"])
 def test_every_rank_gets_the_exact_mean(simulate):
     want = [(t.double() + 6).to(t.dtype) for t in _tensors(0)]
-    for tensors, again, sent, stats, buckets in run_ranks(4, _average, simulate, timeout=180):
+    for tensors, again, sent, stats, sizes, (reduces, calls) in run_ranks(4, _average, simulate,
+                                                                         timeout=180):
         for got in (tensors, again):
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype and torch.equal(g, w)
         assert sent[0] > 0 and sent[0] == sent[1]
+        # the fixed "default" model fuses each dtype's tensors (the empty one skipped) into
+        # one bucket: a per-tensor launch would show in the counts below
+        assert sizes == [len(SHAPES) - 1] * len(DTYPES), sizes
         if simulate:  # one pack and one unpack kernel per bucket, whatever its tensor count
-            assert buckets >= len(DTYPES)  # (a bucket holds one dtype)
+            buckets = len(sizes)
             assert stats["launches:pack"] == stats["launches:unpack"] == buckets, stats
+            assert stats["kernel_launches"] == 2 * buckets + reduces, (stats, reduces)
+            assert stats["nccl_ops"] == calls, (stats, calls)
             assert stats["host_syncs"] == 0 and stats["defects"] == 0, stats
 
 
