@@ -185,9 +185,25 @@ MUTATIONS = [
         guards=("tests/test_profile_scripts.py::test_with_stand_in_nsys",),
         what="nsys_bench.sh's default --algo names 'torch', which the bench refuses"),
     # ---- issue 20, new defects 3-9 ------------------------------------------------------------
-    # Others are fixing these now. Add one mutation per defect here once its fix has
-    # landed (git log), re-introducing it, with the test that guards the fix:
-    #   new 3: ...   new 4: ...   new 5: ...   new 6: ...   new 7: ...   new 8: ...   new 9: ...
+    # Add one mutation per defect here once its fix has landed (git log), re-introducing
+    # it, with the test that guards the fix. Landed so far: 6. Open: 3, 4, 5, 7, 8, 9.
+    Mutation(
+        "table-empty-programs", "new 6", "kernels/_triton.py",
+        old="        for start in range(0, n, block):\n"
+            "            rows.append((addr + start * size, min(block, n - start), offset + start))\n",
+        new="        for start in range(0, max(m.numel() for m, _ in members), block):\n"
+            "            rows.append((addr + start * size, max(0, min(block, n - start)), "
+            "offset + start))\n",
+        guards=("tests/test_kernels_pack.py::test_one_launch_per_bucket_whatever_its_tensor_count",),
+        what="a table row (a program) per block of the largest tensor for every tensor: "
+             "mostly-empty programs"),
+    Mutation(
+        "table-cache-256", "new 6", "kernels/_triton.py",
+        old="_TABLES_MAX = 4096\n",
+        new="_TABLES_MAX = 256\n",
+        guards=("tests/test_kernels_pack.py::"
+                "test_launch_tables_are_kept_for_every_bucket_of_a_large_model",),
+        what="a launch-table cache of 256: a model with more buckets rebuilds tables every step"),
 
     # ---- the per-parameter pack launch ----------------------------------------------------------
     Mutation(
