@@ -96,9 +96,9 @@ MUTATIONS = [
         guards=(NONE_PUT_BACK,),
         what="no operation waits for the bucket's ready event"),
     Mutation(
-        "tolist-per-bucket", "old 7", "hybridcomm/buckets.py",
-        old="        if complete:\n            return list(range(len(self.params)))\n",
-        new="        if False:\n            return list(range(len(self.params)))\n",
+        "tolist-per-bucket", "old 7", "hybridcomm/synchronizer.py",
+        old="        if slot.complete:\n            return list(range(len(b.params)))\n",
+        new="        if False:\n            return list(range(len(b.params)))\n",
         guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",
                 GPU + "test_steady_state_steps_make_no_host_sync[backward]"),
         what="the flags are read back (tolist, a host sync) for every bucket, every step"),
@@ -186,7 +186,16 @@ MUTATIONS = [
         what="nsys_bench.sh's default --algo names 'torch', which the bench refuses"),
     # ---- issue 20, new defects 3-9 ------------------------------------------------------------
     # Add one mutation per defect here once its fix has landed (git log), re-introducing
-    # it, with the test that guards the fix. Landed so far: 6. Open: 3, 4, 5, 7, 8, 9.
+    # it, with the test that guards the fix. Landed so far: 4, 6. Open: 3, 5, 7, 8, 9.
+    Mutation(
+        "unused-read-from-flags", "new 4", "hybridcomm/synchronizer.py",
+        old="        self._agree_used = bool(find_unused_parameters) and self._rt is not None\n",
+        new="        self._agree_used = False\n",
+        guards=(GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host[forward]",
+                GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host"
+                "[backward]"),
+        what="find_unused_parameters=True still reads the reduced flags back (a host sync per "
+             "bucket lacking a gradient, every step)"),
     Mutation(
         "table-empty-programs", "new 6", "kernels/_triton.py",
         old="        for start in range(0, n, block):\n"

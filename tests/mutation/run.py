@@ -24,6 +24,7 @@ Prints a table (mutation, defect, the test that caught it, seconds) and last
     python tests/mutation/run.py                    # all (make mutation)
     python tests/mutation/run.py --list
     python tests/mutation/run.py --only no-wait-before-use,tolist-per-bucket
+    python tests/mutation/run.py --rev HEAD         # the last commit, not the working tree
 """
 from __future__ import annotations
 
@@ -89,9 +90,23 @@ def package_dirs(root: Path) -> Dict[str, str]:
     return dict(cfg.get("tool", {}).get("setuptools", {}).get("package-dir", {}))
 
 
-def snapshot(dest: Path) -> None:
-    """The tracked files as they are now, and links for the packages setuptools maps
-    elsewhere (hybridcomm/kernels -> kernels), so the copy imports only itself."""
+def snapshot(dest: Path, rev: Optional[str] = None) -> None:
+    """The tracked files as they are in the working tree (or at commit ``rev``), and
+    links for the packages setuptools maps elsewhere (hybridcomm/kernels -> kernels),
+    so the copy imports only itself."""
+    if rev is not None:
+        import io
+        import tarfile
+
+        tar = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT,
+                             capture_output=True)
+        if tar.returncode != 0:
+            raise HarnessError(f"git archive {rev}: {tar.stderr.decode().strip()}")
+        dest.mkdir(parents=True)
+        with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
+            t.extractall(dest, filter="tar")
+        _link_packages(dest)
+        return
     out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
     for name in out.stdout.decode().split("\0"):
         if not name:
@@ -105,7 +120,11 @@ def snapshot(dest: Path) -> None:
             os.symlink(os.readlink(src), dst)
         else:
             shutil.copy2(src, dst)
-    for package, directory in package_dirs(ROOT).items():
+    _link_packages(dest)
+
+
+def _link_packages(dest: Path) -> None:
+    for package, directory in package_dirs(dest).items():
         link = dest / package.replace(".", "/")
         if not link.exists():
             os.symlink(os.path.relpath(dest / directory, link.parent), link)
@@ -266,6 +285,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--only", default="", help="comma-separated mutation ids")
+    ap.add_argument("--rev", default=None,
+                    help="copy the files of this commit (e.g. HEAD) instead of the working tree "
+                         "(whose uncommitted edits, anyone's, are otherwise included)")
     ap.add_argument("--python", default=sys.executable,
                     help="the interpreter whose environment runs the tests (default: this one)")
     ap.add_argument("--timeout", type=float, default=600,
@@ -303,10 +325,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise HarnessError(f"duplicate mutation ids: {dupes}")
-        check_fresh(selected)
-        sim = sim_tests()
         pristine = work / "pristine"
-        snapshot(pristine)
+        snapshot(pristine, args.rev)
+        check_fresh(selected, pristine)
+        sim = sim_tests(pristine / "Makefile")
         runner = Runner(args.python, sim, logs, args.verbose)
         base = clone(pristine, work / "baseline")
         runner.verify_imports(base)
