@@ -157,7 +157,6 @@ def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of):
 
 def _run(rank, world, cfg, rdv):
     """One strategy in one scenario, on this process."""
-    os.environ["TP_SOCKET_IFNAME"] = "lo"
     name = cfg["strategy"]
     if name == "downpour":  # the workers; the servers are _Servers' processes
         init_downpour(rank, WORKERS, SERVERS, f"file://{rdv}", timeout=60)

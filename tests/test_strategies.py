@@ -118,7 +118,6 @@ def test_admm_reaches_the_global_least_squares_solution():
 # --- Downpour ---------------------------------------------------------------------------
 
 def _downpour(rank, world, workers, scenario, rdv):
-    os.environ["TP_SOCKET_IFNAME"] = "lo"
     role, name = init_downpour(rank, workers, world - workers, f"file://{rdv}", timeout=10)
     servers = [f"server{i}" for i in range(world - workers)]
     if role == "server":
@@ -163,7 +162,6 @@ def test_downpour_loses_no_update_under_concurrent_pushes():
 
 
 def _final_params(rank, world, workers, rdv):
-    os.environ["TP_SOCKET_IFNAME"] = "lo"
     role, _ = init_downpour(rank, workers, world - workers, f"file://{rdv}", timeout=10)
     servers = [f"server{i}" for i in range(world - workers)]
     if role == "server":
