@@ -46,6 +46,7 @@ MAGIC = b"HCP1"
 _PREFIX = struct.Struct("!4sIQ")  # magic, header bytes, payload bytes
 MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 36  # 64 GiB: a corrupt length fails here, not in an allocation
+_PART = 1 << 26
 _ALIGN = 8  # every tensor starts 8-byte aligned: view(float64) needs it
 _DTYPES = {str(d).removeprefix("torch."): d
            for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
@@ -105,7 +106,7 @@ def recv(sock: socket.socket, *, timeout: float) -> Tuple[dict, Dict[str, torch.
         raise HybridCommError(f"a message header is not JSON: {e}") from e
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise HybridCommError("a message header is not an object with an 'op'")
-    payload = _recv_exact(sock, total, deadline)
+    payload = _recv_payload(sock, total, deadline)
     return header, _tensors(header.pop("tensors", []), payload)
 
 
@@ -158,6 +159,15 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytearray:
     except OSError as e:
         raise _wrap(e, "receiving") from e
     return buf
+
+
+def _recv_payload(sock: socket.socket, n: int, deadline: float) -> bytearray:
+    """Large payloads arrive in 64 MiB parts: memory grows only as bytes do, so a
+    corrupt (or hostile) length cannot make the receiver allocate it up front."""
+    if n <= _PART:
+        return _recv_exact(sock, n, deadline)
+    parts = [_recv_exact(sock, min(_PART, n - i), deadline) for i in range(0, n, _PART)]
+    return bytearray().join(parts)
 
 
 def _wrap(e: OSError, what: str) -> HybridCommError:
