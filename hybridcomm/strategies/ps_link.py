@@ -59,6 +59,7 @@ class ServerLink:
         self._address = "?"
         self._pending_ack = False
         self._fetch_on: Optional[object] = None  # the socket a fetch request went out on
+        self._hello: dict = {}  # the server's answer to the last hello
 
     # --- the requests ---------------------------------------------------------------
     def hello(self) -> bool:
