@@ -41,12 +41,28 @@ MUTATIONS = [
         new="        return 0.0\n",
         guards=(NONE_PUT_BACK, GPU + "test_three_ranks_on_the_simulated_gpu_equal_one_process"),
         what="StreamChannel.wait: the trainer's stream does not wait for the bucket's done event"),
+    # (Dropping comm_scratch's own ``rt.use(transport.stream)`` is an equivalent mutant:
+    # its one caller already runs under the transport's stream_context.)
     Mutation(
-        "scratch-off-comm-stream", "old 2", "hybridcomm/executor.py",
-        old="            with rt.use(transport.stream):\n                return rt.empty(n, dt)\n",
-        new="            return rt.empty(n, dt)\n",
+        "scratch-on-caller-stream", "old 2", "hybridcomm/executor.py",
+        old="    start = _enter(transport, buf, ready, timed)\n"
+            "    with transport.stream_context():\n"
+            "        if schedule.world_size > 1:\n"
+            "            plan = _plan(schedule, 1)  # one part: steps on one stream run in turn anyway\n"
+            "            scratch = comm_scratch(transport, plan.scratch_numel, buf.dtype)\n",
+        new="    start = _enter(transport, buf, ready, timed)\n"
+            "    if schedule.world_size > 1:  # allocated on the caller's stream, before the context\n"
+            "        ws = transport.__dict__.setdefault(\"_caller_scratch\", Workspace(\n"
+            "            lambda n, dt, _d: transport.runtime.empty(n, dt)))\n"
+            "        caller_scratch = ws.get(_plan(schedule, 1).scratch_numel, buf.dtype, "
+            "transport.device)\n"
+            "    with transport.stream_context():\n"
+            "        if schedule.world_size > 1:\n"
+            "            plan = _plan(schedule, 1)\n"
+            "            scratch = caller_scratch\n",
         guards=(GPU + "test_scratch_reused_across_streams_is_reported[False]",),
-        what="the transport's scratch is allocated on the caller's stream, used on the comm stream"),
+        what="the scratch is allocated on the caller's stream and used on the comm stream "
+             "without record_stream"),
     Mutation(
         "buffer-no-record-stream", "old 2", "hybridcomm/executor.py",
         old="    transport.wait_event(ready)\n    rt.record_stream(buf, transport.stream)\n",
@@ -186,7 +202,7 @@ MUTATIONS = [
         what="nsys_bench.sh's default --algo names 'torch', which the bench refuses"),
     # ---- issue 20, new defects 3-9 ------------------------------------------------------------
     # Add one mutation per defect here once its fix has landed (git log), re-introducing
-    # it, with the test that guards the fix. Landed so far: 4, 6. Open: 3, 5, 7, 8, 9.
+    # it, with the test that guards the fix. Landed so far: 4, 6, 9. Open: 3, 5, 7, 8.
     Mutation(
         "unused-read-from-flags", "new 4", "hybridcomm/synchronizer.py",
         old="        self._agree_used = bool(find_unused_parameters) and self._rt is not None\n",
@@ -213,6 +229,13 @@ MUTATIONS = [
         guards=("tests/test_kernels_pack.py::"
                 "test_launch_tables_are_kept_for_every_bucket_of_a_large_model",),
         what="a launch-table cache of 256: a model with more buckets rebuilds tables every step"),
+    Mutation(
+        "ddp-setup-in-backward", "new 9", "hybridcomm/ddp.py",
+        old="    return state.prepare(next(ddp.module.parameters()).device)\n",
+        new="    return state\n",
+        guards=("tests/test_ddp_hook.py::test_hook_gives_ddps_numbers_on_every_rank[register-ring]",),
+        what="hybridcomm.ddp.register leaves the set-up (agreement, probe, communicator) to the "
+             "first backward"),
 
     # ---- the per-parameter pack launch ----------------------------------------------------------
     Mutation(
