@@ -7,10 +7,14 @@ pairs the right buffers and several communicators never deadlock. Two:
 * :class:`HostChannel` (CPU, gloo): one worker thread runs the operations in
   order (gloo releases the GIL while it moves bytes); the trainer blocks on an
   operation only where it needs the result, with the timeout.
-* :class:`StreamChannel` (CUDA, or the simulated GPU): the trainer thread
-  itself queues each operation on the transport's comm stream; handles are
-  done events, and the trainer's stream waits on them. No host thread, no
-  host synchronization on the data path.
+* :class:`StreamChannel` (CUDA, or the simulated GPU): each operation is
+  queued on the transport's comm stream; handles are done events, and the
+  trainer's stream waits on them. No host synchronization on the data path.
+  With ``issue_thread=True`` (the optimizer's channel) the transport's issuing
+  thread (:class:`Issuer`, bound to the rank's device) does the issuing: the NCCL group calls and
+  reduction launches of a bucket cost the backward (autograd's thread, which
+  runs the gradient hooks) only a queue append. The trainer's wait is then a
+  host wait for the issue (never for the device) and a stream wait.
 """
 from __future__ import annotations
 
@@ -140,17 +144,138 @@ class HostChannel:  # host path
                 self._cv.notify_all()
 
 
+class _Issue:
+    """An operation submitted to an :class:`Issuer`: its result once the thread has
+    issued it (or the error issuing it raised)."""
+
+    __slots__ = ("fn", "what", "result", "error", "issued")
+
+    def __init__(self, fn, what: str):
+        self.fn, self.what = fn, what
+        self.result = self.error = None
+        self.issued = False
+
+
+class Issuer:
+    """The thread that issues a transport's work, in submission order.
+
+    One per transport (``issuer_for``), shared by every channel on it and by
+    ``all_reduce`` and the DDP hook once it exists: two threads issuing on one
+    communicator would interleave differently on each rank (NCCL matches by
+    order). Bound to the rank's device; lives as long as the process (a daemon).
+    """
+
+    def __init__(self, transport):
+        self.transport = transport
+        self._cv = threading.Condition()
+        self._queue: deque = deque()
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="hybridcomm-issue", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, what: str) -> _Issue:
+        issue = _Issue(fn, what)
+        with self._cv:
+            self._queue.append(issue)
+            self._cv.notify_all()
+        return issue
+
+    def _run(self) -> None:
+        self.transport.runtime.bind_thread()
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                issue = self._queue[0]
+            try:
+                if self.error is not None:
+                    raise self.error  # nothing is issued after a failure
+                issue.result = issue.fn()
+            except BaseException as e:  # noqa: BLE001 - surfaced by the waits
+                issue.error = e
+                if self.error is None:
+                    self.error = e
+            with self._cv:
+                issue.issued, issue.fn = True, None
+                self._queue.popleft()
+                self._cv.notify_all()
+
+    def drain(self, timeout: float) -> None:
+        """Until everything submitted so far is issued (tests, shutdown)."""
+        self.result(self.submit(lambda: None, "drain"), "draining the issue queue", timeout)
+
+    def result(self, issue: _Issue, what: str, timeout: float):
+        """``issue``'s result once issued (a host wait for the issuing only), or the
+        error issuing it raised."""
+        if not issue.issued:
+            # A backstop only: the transport's watchdog aborts a call blocked on a peer
+            # at the timeout, and the issuing thread's error (naming the rank and the
+            # step) is what the wait raises.
+            limit = 2 * timeout
+            deadline = time.perf_counter() + limit
+            with self._cv:
+                while not issue.issued:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        raise HybridCommTimeout(
+                            f"rank {self.transport.rank}: {what} not issued within {limit:g}s "
+                            "(the issuing thread is blocked on a peer?)")
+                    self._cv.wait(min(left, 1.0))
+        if issue.error is not None:
+            raise issue.error
+        return issue.result
+
+
+_issuers: dict = {}
+_issuers_lock = threading.Lock()
+
+
+def issuer_for(transport, create: bool = True) -> Optional[Issuer]:
+    """The transport's issuing thread (made on first use when ``create``)."""
+    with _issuers_lock:
+        hit = _issuers.get(id(transport))
+        if hit is None or hit.transport is not transport:
+            if not create:
+                return None
+            hit = _issuers[id(transport)] = Issuer(transport)
+        return hit
+
+
+def issue_in_order(transport, fn, what: str, timeout: float):
+    """``fn()`` (which queues work on ``transport``'s stream), in the transport's issue
+    order: on its issuing thread when it has one (the caller waits for the issue,
+    not for the device), else right here."""
+    issuer = issuer_for(transport, create=False)
+    if issuer is None:
+        return fn()
+    return issuer.result(issuer.submit(fn, what), what, timeout)
+
+
 class StreamChannel:
-    """GPU (or simulated): operations are queued on the transport's comm stream by
-    the caller's thread, in submission order; handles are done events."""
+    """GPU (or simulated): operations are queued on the transport's comm stream in
+    submission order, by the caller's thread or (``issue_thread=True``) by the
+    transport's :class:`Issuer`; handles are done events (or tickets that lead
+    to them).
+
+    Example (``queue_bucket_0`` queues its work on the comm stream and returns its
+    ``(start, done)`` events, as ``engine.reduce_operation``'s do)::
+
+        ch = StreamChannel(transport, issue_thread=True, timeout=60)
+        ticket = ch.submit(queue_bucket_0, "bucket 0")   # returns at once
+        ch.wait(ticket, "bucket 0")     # the current stream waits for it
+    """
 
     stream_ordered = True
 
-    def __init__(self, transport, timeline: Optional[Timeline] = None):
+    def __init__(self, transport, timeline: Optional[Timeline] = None, *,
+                 issue_thread: bool = False, timeout: float = 300.0):
         self.transport = transport
         self.runtime = transport.runtime
         self.timeline = timeline or Timeline(enabled=False)
+        self.timeout = timeout
         self._timed: deque = deque()  # (start, done, what) timing events not yet harvested
+        self._lock = threading.Lock()  # _timed: appended by the issuing thread
+        self._issuer = issuer_for(transport) if issue_thread else None
         self._anchor = None
         if self.timeline.enabled:
             # One host sync, only when tracing: a comm-stream event at a known host
@@ -161,53 +286,73 @@ class StreamChannel:
             self._anchor_s = time.perf_counter()
 
     def submit(self, fn: Callable[[], object], what: str):
-        """``fn`` queues the work and returns its ``(start, done)`` timing events."""
+        """``fn`` queues the work and returns its ``(start, done)`` timing events;
+        returns the done event (inline) or a ticket (threaded)."""
         self._raise_failure()
+        if self._issuer is None:  # here, unless the transport has an issuing thread
+            return issue_in_order(self.transport, lambda: self._issue(fn, what), what,
+                                  self.timeout)
+        return self._issuer.submit(lambda: self._issue(fn, what), what)
+
+    def _issue(self, fn, what: str):
         start, done = fn()
-        self._timed.append((start, done, what))
+        with self._lock:
+            self._timed.append((start, done, what))
         return done
 
     def take_busy(self) -> float:
         """Seconds the comm stream spent on operations completed since the last call,
         from timing events read only once complete (never a host sync)."""
         busy = 0.0
-        while self._timed and self._timed[0][1].query():
-            start, done, what = self._timed.popleft()
+        while True:
+            with self._lock:
+                if not (self._timed and self._timed[0][1].query()):
+                    return busy
+                start, done, what = self._timed.popleft()
             busy += start.elapsed_time(done) * 1e-3
             if self._anchor is not None:
                 t0 = self._anchor_s + self._anchor.elapsed_time(start) * 1e-3
                 self.timeline.add(what, "comm/stream", t0, t0 + start.elapsed_time(done) * 1e-3)
-        return busy
 
-    def done(self, event) -> bool:
-        return event.query()
+    def done(self, handle) -> bool:
+        """Whether the operation has finished (an error counts: the wait raises it)."""
+        if isinstance(handle, _Issue):
+            return handle.issued and (handle.error is not None or handle.result.query())
+        return handle.query()
 
-    def wait(self, event, what: str, on_slow=None, slow_after: float = 0.0) -> float:
-        """The trainer's current stream waits for ``event``; the host goes on (so
+    def wait(self, handle, what: str, on_slow=None, slow_after: float = 0.0) -> float:
+        """The trainer's current stream waits for the operation; the host goes on (so
         ``on_slow`` never fires here: the transport's watchdog bounds the wait)."""
         self._raise_failure()
+        event = self._issuer.result(handle, what, self.timeout) \
+            if isinstance(handle, _Issue) else handle
         self.runtime.current_stream().wait_event(event)
         return 0.0
 
     @property
     def failure(self) -> Optional[BaseException]:
-        """The error that aborted the transport (watchdog), if any."""
-        return getattr(self.transport, "failure", None)
+        """The error that aborted the transport (watchdog), or stopped the issuing."""
+        return getattr(self.transport, "failure", None) or \
+            (self._issuer.error if self._issuer is not None else None)
 
     def _raise_failure(self) -> None:
         if self.failure is not None:
             raise self.failure
 
     def close(self) -> None:
-        pass
+        """Nothing to stop: the issuer is the transport's (what this channel
+        submitted is issued in order, before anything submitted later)."""
 
 
-def open_channel(device, group, timeout: float, timeline: Optional[Timeline] = None):
+def open_channel(device, group, timeout: float, timeline: Optional[Timeline] = None, *,
+                 issue_thread: bool = False):
     """``(transport, channel)`` for tensors on ``device`` over ``group``: on a GPU (or
-    the simulated one) the transport's comm stream; on the CPU a gloo group of its
-    own (so the user's collectives never interleave) and a worker thread."""
+    the simulated one) the transport's comm stream (issued from a thread of the
+    channel's with ``issue_thread``); on the CPU a gloo group of its own (so the
+    user's collectives never interleave) and a worker thread."""
     if runtime_for(device) is not None:
         transport = select_transport(device, group, timeout=timeout)
-        return transport, StreamChannel(transport, timeline)
+        return transport, StreamChannel(transport, timeline, issue_thread=issue_thread,
+                                        timeout=timeout)
     transport = TorchDistTransport(new_group_like(group, timeout))
     return transport, HostChannel(timeout, timeline)

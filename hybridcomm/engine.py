@@ -33,7 +33,8 @@ from .planner import Plan
 
 def reduce_operation(buf, transport, algorithm: str, *, scale: Optional[float], timeout: float,
                      label: str, range_id="", ready=None,
-                     workspace: Optional[Workspace] = None, stream_ordered: bool, after=None):
+                     workspace: Optional[Workspace] = None, stream_ordered: bool, after=None,
+                     reserved: bool = False):
     """A channel operation that all-reduces the flat ``buf`` in place with ``algorithm``.
 
     Host channel: the returned function runs the reduction (blocking) on the
@@ -41,7 +42,8 @@ def reduce_operation(buf, transport, algorithm: str, *, scale: Optional[float], 
     (after ``ready``) and returns ``(start, done)`` timing events. ``after`` (a
     function) runs once the reduction is done, on the same side (thread or
     comm stream). ``scale``: 1/P for an average. ``range_id`` names the profiler
-    range ("bucket <range_id> ...").
+    range ("bucket <range_id> ..."). ``reserved``: ``buf`` was recorded on the
+    comm stream when allocated (no record_stream per call).
     """
     world, rank = transport.world_size, transport.rank
     nbytes = buf.numel() * buf.element_size()
@@ -49,7 +51,8 @@ def reduce_operation(buf, transport, algorithm: str, *, scale: Optional[float], 
         def native():
             with trace.bucket_range(range_id, algorithm, nbytes, world):
                 out = execute_native(buf, transport, average=scale is not None, ready=ready,
-                                     timeout=timeout, label=label, timed=stream_ordered)
+                                     timeout=timeout, label=label, timed=stream_ordered,
+                                     reserved=reserved)
             return _then(transport, out, after, stream_ordered, timeout, label)
         return native
     schedule = get_schedule(algorithm, rank, world, buf.numel())
@@ -57,7 +60,7 @@ def reduce_operation(buf, transport, algorithm: str, *, scale: Optional[float], 
         def queued():
             with trace.bucket_range(range_id, algorithm, nbytes, world):
                 out = execute_async(schedule, buf, transport, scale=scale, ready=ready,
-                                    timeout=timeout, label=label, timed=True)
+                                    timeout=timeout, label=label, timed=True, reserved=reserved)
             return _then(transport, out, after, True, timeout, label)
         return queued
 
@@ -114,6 +117,8 @@ class CommEngine:
         n = len(buckets)
         self._launches = [0] * n  # launches so far, per bucket
         self._issued = [0] * n  # launches whose every segment is in the channel
+        self._issue_seq = [0] * n  # when its last launch went into the channel (a counter)
+        self._seq = 0
         self._tickets: List[list] = [[] for _ in range(n)]  # per segment, once submitted
         self._ready = [None] * n  # device path: the gradients are ready (event)
         self._versions = [0] * n  # the buffer's version counter after our own writes
@@ -148,15 +153,26 @@ class CommEngine:
             last = s == len(self.buckets[i].spec.segments) - 1
             if s == 0 and self.on_issue is not None:
                 self.on_issue(i)
-            self._tickets[i][s] = self.channel.submit(self._operation(i, s, last),
-                                                      f"bucket {i} segment {s}")
+            op = self._operation(i, s, last)
+            if last and self.channel.stream_ordered:
+                op = self._noting_version(i, op)
+            self._tickets[i][s] = self.channel.submit(op, f"bucket {i} segment {s}")
             if last:
                 self._issued[i] += 1
-                if self.channel.stream_ordered:
-                    self._versions[i] = self.buckets[i].buffer._version  # our writes are issued
+                self._seq += 1
+                self._issue_seq[i] = self._seq
             self.cursor += 1
             if self.cursor == len(order):
                 self.cursor, self.round = 0, self.round + 1
+
+    def _noting_version(self, index: int, op):
+        """``op``, then the buffer's version counter: our own writes are issued by then
+        (on whichever thread issues; the trainer reads it only after waiting)."""
+        def issue():
+            out = op()
+            self._versions[index] = self.buckets[index].buffer._version
+            return out
+        return issue
 
     def _operation(self, index: int, s: int, last: bool):
         b = self.buckets[index]
@@ -179,7 +195,8 @@ class CommEngine:
                                 timeout=self.timeout, label=label, range_id=index,
                                 ready=self._ready[index],
                                 workspace=self._workspace,
-                                stream_ordered=self.channel.stream_ordered, after=after)
+                                stream_ordered=self.channel.stream_ordered, after=after,
+                                reserved=True)  # bucket memory: recorded when allocated
 
     def _sparse_operation(self, index: int):
         """A top-k bucket: all-gather the ranks' messages, sum them into the bucket."""
@@ -191,7 +208,7 @@ class CommEngine:
         if self.channel.stream_ordered:
             def queued():
                 start, _ = execute_async(topk.schedule, topk.gathered, self.transport,
-                                         ready=self._ready[index], timed=True)
+                                         ready=self._ready[index], timed=True, reserved=True)
                 with self.transport.stream_context():
                     topk.decode(b.grads, b.flags, self.scale)
                 done = self.transport.runtime.new_event(timing=True)
@@ -223,6 +240,20 @@ class CommEngine:
                           on_slow=None if slow is None else (lambda: slow(index)),
                           slow_after=self.slow_after)
         return time.perf_counter() - t0
+
+    def done_with(self, index: int, other: int) -> bool:
+        """Whether bucket ``index``'s last launch is done once ``other``'s is: on the
+        device path, issued no later on the one comm stream (FIFO); on the host
+        path, done already."""
+        if not self.channel.stream_ordered:
+            return self.done(index)
+        return (not self._tickets[index] or
+                (self.issued(index) and self.issued(other)
+                 and self._issue_seq[index] <= self._issue_seq[other]))
+
+    def issue_seq(self, index: int) -> int:
+        """When bucket ``index``'s last launch went into the channel (larger: later)."""
+        return self._issue_seq[index]
 
     def done(self, index: int) -> bool:
         """Whether bucket ``index``'s last launch has finished (never blocks, never a

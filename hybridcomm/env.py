@@ -93,6 +93,9 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDCOMM_COST_MODEL", str, None, "path of a calibrated cost model (JSON)"),
     Variable("HYBRIDCOMM_TRANSPORT", _choices(lambda: ("auto", "cupy", "torch")), "auto",
              "point-to-point transport for CUDA tensors"),
+    Variable("HYBRIDCOMM_ISSUE_THREAD", parse_bool, True,
+             "GPU path: the optimizer's buckets are issued by a thread of the channel "
+             "(off: by the gradient hook, on autograd's thread)"),
     Variable("HYBRIDCOMM_PIPELINE_BYTES", parse_size, 32 << 20,
              "pipeline parts of large host-path buffers (0: off)"),
     Variable("HYBRIDCOMM_NVTX", parse_bool, None, "NVTX ranges on/off (default: when nsys attaches)"),

@@ -234,16 +234,19 @@ def _execute_on_host(schedule, buf, transport, scale, scratch, timeout):  # host
     return buf
 
 
-def _enter(transport, buf: torch.Tensor, ready, timed: bool):
+def _enter(transport, buf: torch.Tensor, ready, timed: bool, reserved: bool = False):
     """The comm stream waits for ``ready`` (default: the caller's stream as it is
-    now), and ``buf``'s memory stays reserved until the comm stream is done. With
-    ``timed``, a timing event marks where the work itself starts."""
+    now), and ``buf``'s memory stays reserved until the comm stream is done
+    (``reserved``: it already is, recorded on the comm stream when allocated, as
+    the optimizer's buckets are: no per-call record_stream). With ``timed``, a
+    timing event marks where the work itself starts."""
     rt = transport.runtime
     if ready is None:
         ready = rt.new_event()
         ready.record(rt.current_stream())
     transport.wait_event(ready)
-    rt.record_stream(buf, transport.stream)
+    if not reserved:
+        rt.record_stream(buf, transport.stream)
     if timed:
         start = rt.new_event(timing=True)
         start.record(transport.stream)
@@ -264,7 +267,7 @@ def _leave(transport, start, what: str, timeout: float | None):
 
 def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
                   scale: float | None = None, ready=None, timeout: float | None = None,
-                  label: str | None = None, timed: bool = False):
+                  label: str | None = None, timed: bool = False, reserved: bool = False):
     """Queue the whole schedule on a stream-ordered transport's comm stream and
     return the event that completes with it.
 
@@ -280,7 +283,7 @@ def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
     """
     if schedule.numel != buf.numel():
         raise ValueError(f"schedule is for {schedule.numel} elements, buffer has {buf.numel()}")
-    start = _enter(transport, buf, ready, timed)
+    start = _enter(transport, buf, ready, timed, reserved)
     with transport.stream_context():
         if schedule.world_size > 1:
             plan = _plan(schedule, 1)  # one part: steps on one stream run in turn anyway
@@ -301,7 +304,8 @@ def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
 
 
 def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
-                   timeout: float | None = None, label: str | None = None, timed: bool = False):
+                   timeout: float | None = None, label: str | None = None, timed: bool = False,
+                   reserved: bool = False):
     """The transport's own all-reduce (``native``: gloo's or NCCL's) of ``buf``.
 
     Host-ordered: blocks (with ``timeout``) and returns None. Stream-ordered:
@@ -311,7 +315,7 @@ def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
     if not transport.stream_ordered:
         transport.all_reduce(buf, average=average, timeout=timeout)
         return None
-    start = _enter(transport, buf, ready, timed)
+    start = _enter(transport, buf, ready, timed, reserved)
     transport.all_reduce(buf, average=average)
     return _leave(transport, start, label or f"native all-reduce of {buf.numel()} x "
                   f"{buf.dtype}", timeout)

@@ -379,7 +379,9 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         sizes = [n for layer in group for n in (layer.sizes or [])]
         offsets, grad_numel = layout(sizes, esize) if len(sizes) == len(params) else (None, None)
         total = (numel if grad_numel is None else grad_numel) + len(params)  # then the flags
-        step = total if not split_bytes else max(1, split_bytes // esize)
+        # segments start aligned (their chunks then do too)
+        align = max(1, ALIGN_BYTES // esize)
+        step = total if not split_bytes else max(align, split_bytes // esize // align * align)
         segments = [(s, min(s + step, total)) for s in range(0, total, step)]
         known = [windows[layer.name] for layer in group if windows and layer.name in windows]
         window = min(known) if known else None

@@ -58,7 +58,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import calibration, control
+from . import calibration, control, env
 from .buckets import GradBucket
 from .channel import open_channel
 from .compression import TOPK, TopK
@@ -199,7 +199,8 @@ class GradientSynchronizer:
         self._agree_used = bool(find_unused_parameters) and self._rt is not None
         self._warned_flags = False
         self.transport, self.channel = open_channel(self.registry.device, process_group, timeout,
-                                                    self.timeline)
+                                                    self.timeline,
+                                                    issue_thread=env.get("HYBRIDCOMM_ISSUE_THREAD"))
         self.cost_model = calibration.resolve(cost_model, process_group, timeout)
         self.stall = StallInspector(process_group, timeout)
         self._launches = 0  # buckets launched in all (the stall inspector compares them)
@@ -609,7 +610,10 @@ class GradientSynchronizer:
     def _apply(self, slot: _Slot) -> None:
         """Forward mode: apply a bucket's deferred update with its reduced gradients;
         after the measured steps, with it every other deferred bucket whose reduction
-        has already finished, in one optimizer call (the multi-tensor path)."""
+        is done by then, in one optimizer call (the multi-tensor path): on the host
+        path those already finished, on a GPU those issued before it on the one comm
+        stream (the stream waits for them anyway). The first layer's bucket is
+        issued last, so a step's updates are usually one call."""
         t0 = time.perf_counter()
         if self.measure.measuring(self._steps):
             if slot.launched_at:
@@ -618,7 +622,8 @@ class GradientSynchronizer:
         else:
             self._wait(slot)  # first: what was issued before it is done by then too
             together = [slot] + [s for s in self.slots if s is not slot and
-                                 s.phase is Phase.PENDING and self.engine.done(s.index)]
+                                 s.phase is Phase.PENDING and
+                                 self.engine.done_with(s.index, slot.index)]
         groups: Dict[bool, tuple] = {}
         for s in together:
             hyper, s.hyper = s.hyper, None
@@ -716,7 +721,8 @@ class GradientSynchronizer:
         """Apply every deferred update now (forward mode)."""
         if self.first_use is not None:
             self.first_use.stop_watching()
-        for slot in self.slots:
+        # the last issued first: with it, every other (one optimizer call on a GPU)
+        for slot in sorted(self.slots, key=lambda s: -self.engine.issue_seq(s.index)):
             if slot.phase is Phase.PENDING:
                 self._apply(slot)
 

@@ -73,8 +73,9 @@ def launch_geometry(numel: int, block):
 
 
 def device_guard(tensor: torch.Tensor):
-    """Launch on ``tensor``'s GPU, not on whichever one happens to be current."""
-    if tensor.is_cuda:
+    """Launch on ``tensor``'s GPU, not on whichever one happens to be current (a
+    no-op when it is current: no device switch per launch in the common case)."""
+    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
         return torch.cuda.device(tensor.device)
     return contextlib.nullcontext()
 

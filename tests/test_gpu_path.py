@@ -103,8 +103,25 @@ def _per_step_counts(plan, rank, world):
     return kernels, calls
 
 
+def _update_calls(plan):
+    """The optimizer calls (parameters in each) a forward-mode step's deferred updates
+    take on the GPU path: at each first use, in the plan's order of need, the
+    bucket needed and every pending one issued before it on the comm stream (done
+    by then), in one call; what a step leaves at the end is then one call."""
+    pos = {b: i for i, (b, _) in enumerate(plan.order)}
+    pending = set(range(len(plan.buckets)))
+    calls = []
+    for b in sorted(pending, key=lambda i: plan.buckets[i].need):
+        if b in pending:
+            group = {o for o in pending if pos[o] <= pos[b]}
+            pending -= group
+            calls.append(sum(len(plan.buckets[o].params) for o in group))
+    return calls
+
+
 def _steady(rank, world, overlap):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm.channel import issuer_for
     from hybridcomm.cost_model import CostModel
     from hybridcomm.testing import simgpu
 
@@ -115,29 +132,46 @@ def _steady(rank, world, overlap):
                                           model=model, overlap=overlap, fusion_bytes=0,
                                           cost_model=CostModel(2e-5, 1e-9, 1e-10),
                                           measure_iters=2, timeout=60)
+    calls, recorded = [], []
+    update = opt._hc_sync._update
+    opt._hc_sync._update = lambda *a: (calls.append(len(a[0])), update(*a))
+    rt = opt._hc_sync._rt
+    record = rt.record_stream
+    rt.record_stream = lambda *a: (recorded.append(1), record(*a))
     for s in range(8):
         if s == 5:  # past the measured steps and the re-plan: steady state
+            issuer_for(opt._hc_sync.transport).drain(60)  # step 4's buckets issued before
             simgpu.reset_stats()
+            calls.clear()
+            recorded.clear()
         x, y = batch(s)
         opt.zero_grad()
         nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
         opt.step()
+    opt.synchronize()  # the last step's buckets issued (by the channel's thread) and applied
     stats = simgpu.stats()
     opt.close()
+    updates = (calls, _update_calls(opt.plan) if overlap == "forward" else None)
+    stats["record_stream"] = len(recorded)  # bucket memory is recorded once, when allocated
     kernels, calls = _per_step_counts(opt.plan, rank, world)
     return stats, len(opt.plan.buckets), 3 * kernels, 3 * calls, \
-        sorted({b.algorithm for b in opt.plan.buckets})
+        sorted({b.algorithm for b in opt.plan.buckets}), updates
 
 
 @pytest.mark.parametrize("overlap", ["forward", "backward"])
 def test_steady_state_steps_make_no_host_sync(overlap):
-    for stats, buckets, reduces, calls, algos in run_ranks(3, _steady, overlap, timeout=120):
+    for stats, buckets, reduces, calls, algos, updates in run_ranks(3, _steady, overlap,
+                                                                   timeout=120):
         assert buckets > 1 and set(algos) <= {"butterfly", "ring"}, algos
         assert stats["host_syncs"] == 0 and stats["defects"] == 0, stats
+        assert stats["record_stream"] == 0, stats
         # three steps: exactly the schedules' reductions and transfers, no kernel per
         # gradient, no bucket sent twice
         assert stats["kernel_launches"] == reduces, (stats, reduces)
         assert stats["nccl_ops"] == calls, (stats, calls)
+        if overlap == "forward":  # steps 4-6's deferred updates, then step 7's in synchronize()
+            got, per_step = updates
+            assert got == per_step * 3 + [len(list(make_model().parameters()))], updates
 
 
 def _missing(rank, world, overlap, agree):
@@ -155,13 +189,14 @@ def _missing(rank, world, overlap, agree):
                                           find_unused_parameters=agree)
     for s in range(STEPS + 4):
         if s == 5:
+            opt.synchronize()
             simgpu.reset_stats()
         x, y = batch(s % STEPS)
         opt.zero_grad()
         nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
         opt.step()
-    stats = simgpu.stats()
     opt.synchronize()
+    stats = simgpu.stats()
     lacking = sum(1 for b in opt.plan.buckets if any(l.startswith("unused") for l in b.layers))
     unused = flat([model.unused.weight, model.unused.bias])
     opt.close()
@@ -182,6 +217,58 @@ def test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host(overlap):
             assert lacking >= 1
             assert syncs == (0 if agree else 3 * lacking), (agree, syncs, lacking)
             assert torch.equal(unused, untouched)
+
+
+def _issuing_threads(rank, world, threaded):
+    """Which threads issue NCCL calls and reduction launches in steady steps."""
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    os.environ["HYBRIDCOMM_ISSUE_THREAD"] = "1" if threaded else "0"
+    import threading
+
+    from hybridcomm.cost_model import CostModel
+    from hybridcomm.executor import execute_async
+    from hybridcomm.transport.cupy_nccl import CupyNcclTransport
+
+    seen = set()
+    issue = CupyNcclTransport._issue
+
+    def noting(self, calls, what):
+        seen.add(("nccl", threading.current_thread().name))
+        return issue(self, calls, what)
+    CupyNcclTransport._issue = noting
+    import hybridcomm.engine as engine_module
+
+    def launching(*args, **kwargs):
+        seen.add(("schedule", threading.current_thread().name))
+        return execute_async(*args, **kwargs)
+    engine_module.execute_async = launching
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model=model, overlap="forward", fusion_bytes=0,
+                                          cost_model=CostModel(2e-5, 1e-9, 1e-10),
+                                          measure_iters=2, timeout=60)
+    for s in range(6):
+        if s == 4:
+            opt.synchronize()
+            seen.clear()
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    opt.synchronize()
+    opt.close()
+    return seen
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_buckets_are_issued_by_the_channels_thread_not_in_the_hooks(threaded):
+    """Issue 20's defect 3: issuing a bucket (its NCCL group calls, its reduction
+    launches) on autograd's thread delays the next backward kernels. By default
+    the channel's own thread issues everything; HYBRIDCOMM_ISSUE_THREAD=0 puts it
+    back in the hooks (the comparison benchmarks/issue_cost.py measures)."""
+    where = "hybridcomm-issue" if threaded else "MainThread"  # CPU autograd: the caller's
+    for seen in run_ranks(2, _issuing_threads, threaded, timeout=120):
+        assert seen == {("nccl", where), ("schedule", where)}, seen
 
 
 def _long_run(rank, world):

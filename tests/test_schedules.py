@@ -143,4 +143,18 @@ def test_scratch_is_bounded_by_the_buffer():
                 folded_out = (r >= 1 << (p.bit_length() - 1)
                               and algo in ("butterfly", "halving_doubling"))
                 assert s.scratch_numel == 0 if folded_out else 0 < s.scratch_numel <= 1000
-    assert get_schedule("ring", 0, 4, 1000).scratch_numel == 250
+    # the largest chunk: 1000 split at multiples of 8 elements is 248, 248, 248, 256
+    assert get_schedule("ring", 0, 4, 1000).scratch_numel == 256
+
+
+@pytest.mark.parametrize("algo", ["ring", "halving_doubling"])
+def test_chunks_start_at_aligned_offsets(algo):
+    """Every transfer of a chunked schedule starts at a multiple of 8 elements, so
+    NCCL and the reduction kernels get aligned (vectorisable) addresses."""
+    from hybridcomm.algorithms.schedule import ALIGN_ELEMENTS
+    for p in (2, 3, 4, 8):
+        for n in (1, 7, 100, 1000, 4099):
+            for r in range(p):
+                for st in get_schedule(algo, r, p, n).steps:
+                    for t in st.sends + st.recvs:
+                        assert t.start % ALIGN_ELEMENTS == 0, (algo, p, n, r, t)

@@ -65,6 +65,24 @@ def test_streams_run_late_and_events_order_them():
     assert total == 1000.0 and launches == 1 and syncs == 1
 
 
+def _untimed_elapsed(rank, world, rt, simgpu, timing):
+    start, end = rt.new_event(timing=timing), rt.new_event(timing=timing)
+    start.record(rt.current_stream())
+    end.record(rt.current_stream())
+    end.synchronize()
+    return start.elapsed_time(end) >= 0
+
+
+@pytest.mark.parametrize("timing", [True, False])
+def test_elapsed_time_needs_events_made_with_timing(timing):
+    """As CUDA: elapsed_time() on an event made with timing disabled fails."""
+    (result,) = run(1, _untimed_elapsed, timing)
+    if timing:
+        assert result[0] == "ok" and result[1] is True, result
+    else:
+        assert result[0] == "SimError" and "without timing" in result[1], result
+
+
 def _host_read_before_event(rank, world, rt, simgpu, wait):
     side = rt.new_stream()
     buf = rt.empty(1000, torch.float32)

@@ -10,14 +10,14 @@ point. Non-power-of-two P folds the extra ranks in and out (fold.py).
 from __future__ import annotations
 
 from .fold import folded
-from .schedule import Recv, Schedule, Send, step
+from .schedule import Recv, Schedule, Send, aligned_split, step
 
 
 def _core_steps(rank: int, p: int, numel: int):
     steps, kept = [], []  # kept: our range before each halving, for the way back
     lo, hi, mask = 0, numel, p // 2
     while mask:
-        peer, mid = rank ^ mask, lo + (hi - lo) // 2
+        peer, mid = rank ^ mask, aligned_split(lo, hi, 1, 2)  # both partners alike
         keep, give = ((lo, mid), (mid, hi)) if rank & mask == 0 else ((mid, hi), (lo, mid))
         steps.append(step([Send(peer, *give)], [Recv(peer, *keep, reduce=True, final=mask == 1)]))
         kept.append((peer, keep, give))

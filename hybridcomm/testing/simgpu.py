@@ -220,17 +220,22 @@ class SimStream:
 class SimEvent:
     """A simulated ``torch.cuda.Event``: a recorded position in a stream."""
 
-    def __init__(self, device: "_Device", _internal: bool = False):
+    def __init__(self, device: "_Device", _internal: bool = False, timing: bool = False):
         if not _internal:
             device.touch()
         self.device = device
+        self.timing = timing  # torch.cuda.Event(enable_timing=...)
         self._stream: Optional[SimStream] = None
         self._seq = 0
         self._vc: Dict[int, int] = {}
         self._when: Optional[float] = None  # when the stream reached the record
 
     def elapsed_time(self, end: "SimEvent") -> float:
-        """Milliseconds from this event to ``end``, both completed (as CUDA requires)."""
+        """Milliseconds from this event to ``end``, both timed and completed (as CUDA
+        requires)."""
+        if not (self.timing and end.timing):
+            raise SimError("elapsed_time() on an event made without timing (CUDA raises "
+                           "cudaErrorInvalidResourceHandle): new_event(timing=True)")
         if self._when is None or end._when is None:
             raise SimError("elapsed_time() on an event that has not completed (CUDA raises "
                            "cudaErrorNotReady)")
@@ -1122,7 +1127,7 @@ class SimRuntime:
         return self._dev.current_stream()
 
     def new_event(self, timing: bool = False) -> SimEvent:
-        return SimEvent(self._dev)
+        return SimEvent(self._dev, timing=timing)
 
     @contextlib.contextmanager
     def use(self, stream: SimStream):
