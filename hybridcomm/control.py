@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import pickle
+import io
 import threading
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
@@ -133,6 +133,36 @@ class HostMax:
             return [i for i, f in enumerate(self.mask.tolist()) if f > 0]
 
 
+def _safe_types() -> list:
+    """The library's own types an agreement may carry (plans, cost models, a
+    topology); with tensors, containers and plain values, nothing else loads."""
+    from .algorithms.topology import Topology
+    from .cost_model import CostModel, LinkCoefficients
+    from .planner import Bucket, Layer, Plan
+
+    return [Plan, Bucket, Layer, CostModel, LinkCoefficients, Topology, set, frozenset,
+            torch.dtype, torch.device]
+
+
+def _dumps(obj: Any) -> bytes:
+    out = io.BytesIO()
+    torch.save(obj, out)
+    return out.getvalue()
+
+
+def _loads(data: bytes, what: str) -> Any:
+    """What another rank sent, read with torch's restricted unpickler
+    (``weights_only``): tensors, containers, plain values and the library's own
+    types load; anything else (a class that runs code when loaded) is refused."""
+    try:
+        with torch.serialization.safe_globals(_safe_types()):
+            return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch's UnpicklingError, or a corrupt message
+        raise HybridCommError(f"rank {dist.get_rank()}: agreeing on {what}: refused what a "
+                              f"peer sent (only tensors, containers, plain values and "
+                              f"hybridcomm's own types are loaded): {e}") from e
+
+
 def _src(group, root: int) -> int:
     return dist.get_global_rank(group, root) if group is not None else root
 
@@ -149,7 +179,7 @@ def broadcast_object(obj: Any, *, group=None, root: int = 0, timeout: float,
     g = control_group(group)
     with _host_region():
         mine = dist.get_rank(g) == root
-        data = pickle.dumps(obj) if mine else b""
+        data = _dumps(obj) if mine else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
         wait_work(lambda: dist.broadcast(size, _src(g, root), group=g, async_op=True),
                   timeout, what)
@@ -158,7 +188,7 @@ def broadcast_object(obj: Any, *, group=None, root: int = 0, timeout: float,
         if buf.numel():
             wait_work(lambda: dist.broadcast(buf, _src(g, root), group=g, async_op=True),
                       timeout, what)
-        return obj if mine else pickle.loads(buf.numpy().tobytes())
+        return obj if mine else _loads(buf.numpy().tobytes(), what)
 
 
 def all_gather_object(obj: Any, *, group=None, timeout: float, what: str = "an object") -> List[Any]:
@@ -166,7 +196,7 @@ def all_gather_object(obj: Any, *, group=None, timeout: float, what: str = "an o
     g = control_group(group)
     with _host_region():
         world = dist.get_world_size(g)
-        data = pickle.dumps(obj)
+        data = _dumps(obj)
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(world)]
         wait_work(lambda: dist.all_gather(sizes, size, group=g, async_op=True), timeout, what)
@@ -175,7 +205,7 @@ def all_gather_object(obj: Any, *, group=None, timeout: float, what: str = "an o
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
         wait_work(lambda: dist.all_gather(parts, mine, group=g, async_op=True), timeout, what)
-        return [pickle.loads(p[:int(s[0])].numpy().tobytes()) for p, s in zip(parts, sizes)]
+        return [_loads(p[:int(s[0])].numpy().tobytes(), what) for p, s in zip(parts, sizes)]
 
 
 def all_gather_tensor(t: torch.Tensor, *, group=None, timeout: float,

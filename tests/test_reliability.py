@@ -316,3 +316,35 @@ def _no_warnings(rank, world):
 def test_the_library_raises_no_deprecation_warnings():
     for found in run_ranks(2, _no_warnings):
         assert found == []
+
+
+class _RunsCodeWhenLoaded:
+    """A class a peer could send to run code on load (pickle's __reduce__)."""
+
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def _unsafe_agreement(rank, world):
+    from hybridcomm import control
+    from hybridcomm.errors import HybridCommError
+    from hybridcomm.planner import Bucket, Plan
+
+    plan = Plan(world, "hybrid", [Bucket(0, ["fc"], [0], 3, 12, "ring", 1e-4, segments=[(0, 4)])],
+                [(0, 0)])
+    got = control.broadcast_object(plan if rank == 0 else None, timeout=30, what="a plan")
+    try:
+        control.broadcast_object(_RunsCodeWhenLoaded() if rank == 0 else None, timeout=30,
+                                 what="a hostile object")
+        refused = rank == 0  # the root keeps its own object
+    except HybridCommError as e:
+        refused = "refused what a peer sent" in str(e)
+    return got == plan, refused
+
+
+def test_agreements_load_only_safe_types_from_peers():
+    """Nothing received from the network is unpickled freely: plans and cost models
+    load (torch's weights_only unpickler, with hybridcomm's own types allowed),
+    an object that would run code when loaded is refused by name."""
+    for same, refused in run_ranks(2, _unsafe_agreement):
+        assert same and refused
