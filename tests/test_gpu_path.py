@@ -222,7 +222,10 @@ def test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host(overlap):
 def _issuing_threads(rank, world, threaded):
     """Which threads issue NCCL calls and reduction launches in steady steps."""
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    os.environ["HYBRIDCOMM_ISSUE_THREAD"] = "1" if threaded else "0"
+    if threaded:  # the default
+        os.environ.pop("HYBRIDCOMM_ISSUE_THREAD", None)
+    else:
+        os.environ["HYBRIDCOMM_ISSUE_THREAD"] = "0"
     import threading
 
     from hybridcomm.cost_model import CostModel

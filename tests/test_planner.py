@@ -161,3 +161,19 @@ def test_when_nothing_was_left_at_step_the_plan_says_forward_overlap_cannot_pay(
     assert "forward overlap cannot pay" in " ".join(plan.notes)
     assert make_plan(layers, world_size=4, model=GOOD, defer_pays=True).defer_updates
     assert make_plan(layers, world_size=4, model=GOOD).defer_updates  # not measured yet
+
+
+@pytest.mark.parametrize("esize,dtype", [(4, "torch.float32"), (2, "torch.float16")])
+def test_segments_start_at_aligned_offsets(esize, dtype):
+    """A bucket's segments start at multiples of ALIGN_BYTES (split_bytes rounded down to
+    it), so their chunks, transfers and reductions start aligned too (issue 20, defect 7).
+    As above: conv goes between fc's parts, so fc keeps two segments."""
+    from hybridcomm.planner import ALIGN_BYTES
+
+    layers = [Layer("fc", [0], 8 << 20, esize, dtype), Layer("conv", [1], 1000, esize, dtype)]
+    for split in ((1 << 20) + esize, (1 << 20) + 3 * esize, 3_000_001):
+        plan = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=0, split_bytes=split,
+                         ready={"fc": 0.0, "conv": 0.004}, need={"conv": 0, "fc": 1})
+        segments = plan.buckets[0].segments
+        assert len(segments) == 2 and segments[-1][1] == plan.buckets[0].numel + 1  # + flag
+        assert all(a * esize % ALIGN_BYTES == 0 for a, _ in segments), (split, segments)
