@@ -198,7 +198,20 @@ MUTATIONS = [
         what="nsys_bench.sh's default --algo names 'torch', which the bench refuses"),
     # ---- issue 20, new defects 3-9 ------------------------------------------------------------
     # Add one mutation per defect here once its fix has landed (git log), re-introducing
-    # it, with the test that guards the fix. Landed so far: 4, 6, 9. Open: 3, 5, 7, 8.
+    # it, with the test that guards the fix. Landed so far: 3, 4, 5, 6, 7 (part), 9.
+    # Open: 7 (per-step events), 8.
+    Mutation(
+        "issue-in-hooks", "new 3", "hybridcomm/synchronizer.py",
+        old="issue_thread=env.get(\"HYBRIDCOMM_ISSUE_THREAD\"))\n",
+        new="issue_thread=False)\n",
+        guards=(GPU + "test_buckets_are_issued_by_the_channels_thread_not_in_the_hooks[True]",),
+        what="the optimizer's buckets issued by the gradient hooks, on autograd's thread"),
+    Mutation(
+        "issue-thread-off-by-default", "new 3", "hybridcomm/env.py",
+        old="    Variable(\"HYBRIDCOMM_ISSUE_THREAD\", parse_bool, True,\n",
+        new="    Variable(\"HYBRIDCOMM_ISSUE_THREAD\", parse_bool, False,\n",
+        guards=(GPU + "test_buckets_are_issued_by_the_channels_thread_not_in_the_hooks[True]",),
+        what="the issuing thread off unless HYBRIDCOMM_ISSUE_THREAD=1"),
     Mutation(
         "unused-read-from-flags", "new 4", "hybridcomm/synchronizer.py",
         old="        self._agree_used = bool(find_unused_parameters) and self._rt is not None\n",
@@ -208,6 +221,19 @@ MUTATIONS = [
                 "[backward]"),
         what="find_unused_parameters=True still reads the reduced flags back (a host sync per "
              "bucket lacking a gradient, every step)"),
+    Mutation(
+        "apply-only-finished", "new 5", "hybridcomm/synchronizer.py",
+        old="                                 self.engine.done_with(s.index, slot.index)]\n",
+        new="                                 self.engine.done(s.index)]\n",
+        guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",),
+        what="forward mode applies with a bucket only the others already finished (an event "
+             "query), not every one issued before it: an optimizer call per bucket"),
+    Mutation(
+        "apply-pending-in-index-order", "new 5", "hybridcomm/synchronizer.py",
+        old="        for slot in sorted(self.slots, key=lambda s: -self.engine.issue_seq(s.index)):\n",
+        new="        for slot in self.slots:\n",
+        guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",),
+        what="synchronize() applies the pending buckets in index order, not from the last issued"),
     Mutation(
         "table-empty-programs", "new 6", "kernels/_triton.py",
         old="        for start in range(0, n, block):\n"
@@ -225,6 +251,31 @@ MUTATIONS = [
         guards=("tests/test_kernels_pack.py::"
                 "test_launch_tables_are_kept_for_every_bucket_of_a_large_model",),
         what="a launch-table cache of 256: a model with more buckets rebuilds tables every step"),
+    Mutation(
+        "ring-chunks-unaligned", "new 7", "hybridcomm/algorithms/schedule.py",
+        old="    return aligned_split(0, numel, i, parts), aligned_split(0, numel, i + 1, parts)\n",
+        new="    return i * numel // parts, (i + 1) * numel // parts\n",
+        guards=("tests/test_schedules.py::test_chunks_start_at_aligned_offsets[ring]",),
+        what="ring chunks split at any element, not multiples of 8"),
+    Mutation(
+        "halving-unaligned", "new 7", "hybridcomm/algorithms/halving_doubling.py",
+        old="aligned_split(lo, hi, 1, 2)  # both partners alike\n",
+        new="(lo + hi) // 2  # both partners alike\n",
+        guards=("tests/test_schedules.py::test_chunks_start_at_aligned_offsets[halving_doubling]",),
+        what="halving-doubling halves split at any element"),
+    Mutation(
+        "segments-unaligned", "new 7", "hybridcomm/planner.py",
+        old="        step = total if not split_bytes else max(align, split_bytes // esize // align * align)\n",
+        new="        step = total if not split_bytes else max(1, split_bytes // esize)\n",
+        guards=("tests/test_planner.py::test_segments_start_at_aligned_offsets",),
+        what="a bucket's segments start at any element (split_bytes not rounded to 16 bytes)"),
+    Mutation(
+        "record-stream-per-submit", "new 7", "hybridcomm/engine.py",
+        old="reserved=True)  # bucket memory: recorded when allocated\n",
+        new="reserved=False)\n",
+        guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",
+                GPU + "test_steady_state_steps_make_no_host_sync[backward]"),
+        what="record_stream on every submit of a bucket (bucket memory is recorded once)"),
     Mutation(
         "ddp-setup-in-backward", "new 9", "hybridcomm/ddp.py",
         old="    return state.prepare(next(ddp.module.parameters()).device)\n",

@@ -197,6 +197,10 @@ class Runner:
                 os.killpg(proc.pid, signal.SIGKILL)  # pytest and the rank processes it forked
                 proc.wait()
                 rc = None
+            except BaseException:  # ^C: its own session does not get the terminal's signal
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
         seconds = time.monotonic() - t0
         text = log.read_text()
         if rc is None:
