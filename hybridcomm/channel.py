@@ -82,6 +82,11 @@ class HostChannel:  # host path
             busy, self._busy_s = self._busy_s, 0.0
             return busy
 
+    @staticmethod
+    def take_exposed() -> float:
+        """The host path measures its waits itself (the seconds ``wait`` returns)."""
+        return 0.0
+
     def wait(self, ticket: int, what: str, on_slow=None, slow_after: float = 0.0) -> float:
         """Block until operation ``ticket`` is done; the seconds waited. ``on_slow()``
         is called once (without the channel's lock) if it takes over ``slow_after``;
@@ -274,6 +279,8 @@ class StreamChannel:
         self.timeline = timeline or Timeline(enabled=False)
         self.timeout = timeout
         self._timed: deque = deque()  # (start, done, what) timing events not yet harvested
+        self._waits: deque = deque()  # (where the trainer waited, done) not yet harvested
+        self._exposed_s = 0.0  # harvested from _waits, until take_exposed()
         self._lock = threading.Lock()  # _timed: appended by the issuing thread
         self._issuer = issuer_for(transport) if issue_thread else None
         self._anchor = None
@@ -326,8 +333,27 @@ class StreamChannel:
         self._raise_failure()
         event = self._issuer.result(handle, what, self.timeout) \
             if isinstance(handle, _Issue) else handle
-        self.runtime.current_stream().wait_event(event)
+        stream = self.runtime.current_stream()
+        point = self.runtime.new_event(timing=True)  # where the trainer's stream waits
+        point.record(stream)
+        stream.wait_event(event)
+        self._harvest_waits()  # the completed ones: only waits in flight stay queued
+        self._waits.append((point, event))
         return 0.0
+
+    def _harvest_waits(self) -> None:
+        while self._waits and self._waits[0][0].query() and self._waits[0][1].query():
+            point, done = self._waits.popleft()
+            self._exposed_s += max(0.0, point.elapsed_time(done) * 1e-3)
+
+    def take_exposed(self) -> float:
+        """Seconds the trainer's stream stood waiting for communication, on the GPU's
+        clock, since the last call: for each wait whose events have completed, how
+        long the operation finished after the trainer reached the wait (event
+        queries only, never a host sync; a wait still in progress counts later)."""
+        self._harvest_waits()
+        exposed, self._exposed_s = self._exposed_s, 0.0
+        return exposed
 
     @property
     def failure(self) -> Optional[BaseException]:

@@ -730,6 +730,7 @@ class GradientSynchronizer:
         """A step ended: statistics, measurements, re-plan."""
         t0 = self._step_t0
         busy = self.channel.take_busy()
+        self._exposed_s += self.channel.take_exposed()  # GPU: stream waits, on its clock
         sent, self.engine.bytes_sent = self.engine.bytes_sent, 0
         self.last_step_stats = {"exposed_comm_s": self._exposed_s, "comm_busy_s": busy,
                                 "hidden_comm_s": max(0.0, busy - self._exposed_s),

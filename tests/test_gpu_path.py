@@ -274,6 +274,40 @@ def test_buckets_are_issued_by_the_channels_thread_not_in_the_hooks(threaded):
         assert seen == {("nccl", where), ("schedule", where)}, seen
 
 
+def _exposure(rank, world):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    import time
+
+    from hybridcomm.cost_model import CostModel
+
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                          model=model, overlap="backward", fusion_bytes=0,
+                                          cost_model=CostModel(2e-5, 1e-9, 1e-10),
+                                          measure_iters=0, timeout=60)
+    exposed, t0 = 0.0, time.perf_counter()
+    for s in range(6):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+        exposed += opt.last_step_stats["exposed_comm_s"]
+    opt.synchronize()
+    wall = time.perf_counter() - t0
+    opt.close()
+    return exposed, wall
+
+
+def test_exposed_communication_is_measured_on_the_gpus_clock():
+    """Issue 20's defect 8, in part: on the GPU path a wait is a stream wait, so the
+    host measured 0 exposed seconds. The channel now records where the trainer's
+    stream waits and reads, once both events completed, how long the operation
+    finished after it: no host sync. The simulated streams run late, so the
+    optimizer's step waits on them."""
+    for exposed, wall in run_ranks(2, _exposure, timeout=120):
+        assert 0 < exposed < wall, (exposed, wall)
+
+
 def _long_run(rank, world):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     os.environ["HYBRIDCOMM_SIM_NCCL_KERNELS"] = "1"  # CUDA_DEVICE_MAX_CONNECTIONS=1
