@@ -37,8 +37,8 @@ MUTATIONS = [
     # ---- issue 8: the ten old defects -------------------------------------------------------
     Mutation(
         "no-wait-before-use", "old 1", "hybridcomm/channel.py",
-        old="        self.runtime.current_stream().wait_event(event)\n        return 0.0\n",
-        new="        return 0.0\n",
+        old="        stream.wait_event(event)\n",
+        new="",
         guards=(NONE_PUT_BACK, GPU + "test_three_ranks_on_the_simulated_gpu_equal_one_process"),
         what="StreamChannel.wait: the trainer's stream does not wait for the bucket's done event"),
     # (Dropping comm_scratch's own ``rt.use(transport.stream)`` is an equivalent mutant:
