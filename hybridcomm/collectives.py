@@ -13,7 +13,7 @@ from .algorithms import ALGORITHMS, TOPOLOGY_AWARE, Topology, get_schedule
 from .auto_model import choose_algorithm
 from .cost_model import NATIVE
 from .errors import HybridCommError
-from .channel import issue_in_order
+from .issuer import issue_in_order
 from .executor import execute, execute_async, execute_native
 from .kernels import SUPPORTED_DTYPES
 from .transport.select import select_transport

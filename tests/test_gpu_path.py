@@ -121,7 +121,7 @@ def _update_calls(plan):
 
 def _steady(rank, world, overlap):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm.channel import issuer_for
+    from hybridcomm.issuer import issuer_for
     from hybridcomm.cost_model import CostModel
     from hybridcomm.testing import simgpu
 
