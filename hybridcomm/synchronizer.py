@@ -612,8 +612,9 @@ class GradientSynchronizer:
         after the measured steps, with it every other deferred bucket whose reduction
         is done by then, in one optimizer call (the multi-tensor path): on the host
         path those already finished, on a GPU those issued before it on the one comm
-        stream (the stream waits for them anyway). The first layer's bucket is
-        issued last, so a step's updates are usually one call."""
+        stream (the stream waits for them anyway). A plan that issues buckets in
+        their order of need takes one call per step; one that issues an early-needed
+        bucket sooner (so that it is not held up) takes one more per such break."""
         t0 = time.perf_counter()
         if self.measure.measuring(self._steps):
             if slot.launched_at:
