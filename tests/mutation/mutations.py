@@ -198,8 +198,8 @@ MUTATIONS = [
         what="nsys_bench.sh's default --algo names 'torch', which the bench refuses"),
     # ---- issue 20, new defects 3-9 ------------------------------------------------------------
     # Add one mutation per defect here once its fix has landed (git log), re-introducing
-    # it, with the test that guards the fix. Landed so far: 3, 4, 5, 6, 7 (part), 9.
-    # Open: 7 (per-step events), 8.
+    # it, with the test that guards the fix. Landed so far: 3, 4, 5, 6, 7 (part), 8 (part),
+    # 9. Open: 7 (per-step events), 8 (the planner's host-clock windows and ready times).
     Mutation(
         "issue-in-hooks", "new 3", "hybridcomm/synchronizer.py",
         old="issue_thread=env.get(\"HYBRIDCOMM_ISSUE_THREAD\"))\n",
@@ -276,6 +276,12 @@ MUTATIONS = [
         guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",
                 GPU + "test_steady_state_steps_make_no_host_sync[backward]"),
         what="record_stream on every submit of a bucket (bucket memory is recorded once)"),
+    Mutation(
+        "exposure-not-measured", "new 8", "hybridcomm/channel.py",
+        old="        self._waits.append((point, event))\n",
+        new="",
+        guards=(GPU + "test_exposed_communication_is_measured_on_the_gpus_clock",),
+        what="a stream wait is not timed: exposed communication reads 0 on the GPU path"),
     Mutation(
         "ddp-setup-in-backward", "new 9", "hybridcomm/ddp.py",
         old="    return state.prepare(next(ddp.module.parameters()).device)\n",
