@@ -27,8 +27,8 @@ class RecordingDomain:
 
 
 def test_names():
-    st = get_schedule("ring", 0, 3, 30).steps[0]
-    assert trace.step_range_name("ring", 0, 4, st, 4) == "ring step 1/4 send 40B->1 recv 40B<-2"
+    st = get_schedule("ring", 0, 3, 48).steps[0]  # three aligned chunks of 16 elements
+    assert trace.step_range_name("ring", 0, 4, st, 4) == "ring step 1/4 send 64B->1 recv 64B<-2"
     assert trace.bucket_range_name(3, "butterfly", 3 << 20, 8) == "bucket 3 butterfly 3M P=8"
 
 
