@@ -1,4 +1,6 @@
 """hybridcomm.all_reduce over real gloo processes: exact, identical on every rank, like torch."""
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,8 +23,11 @@ def integer_input(rank, n, dtype):
 def _sweep(rank, world):
     wrong = []
     identical = {}
+    # 8 ranks on the simulated GPU: fp32 only (the other dtypes run there at 2-5
+    # ranks, and at 8 on the host), which keeps make test inside its budget
+    simulated_8 = world == 8 and os.environ.get("HYBRIDCOMM_SIMULATE_GPU") == "1"
     for algo in hybridcomm.ALGORITHMS + ("auto",):
-        for dtype in DTYPES:
+        for dtype in (torch.float32,) if simulated_8 else DTYPES:
             for n in lengths(world):
                 expected = sum(integer_input(r, n, torch.float64) for r in range(world))
                 got = hybridcomm.all_reduce(integer_input(rank, n, dtype), algorithm=algo)

@@ -89,7 +89,12 @@ def test_cli_latency_rows_say_native_has_none(tmp_path):
 
 
 def test_cli_rejects_bad_arguments():
-    for args in (["--algo", "tree"], ["-b", "4X"], ["-b", "1M", "-e", "4K"]):
-        r = subprocess.run([sys.executable, "-m", "hybridcomm.bench", "--nprocs", "1", *args],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode != 0
+    from hybridcomm.bench.cli import main
+
+    for args in (["-b", "4X"], ["-b", "1M", "-e", "4K"]):  # in-process: nothing starts
+        with pytest.raises(SystemExit) as e:
+            main(["--nprocs", "1", *args])
+        assert e.value.code not in (0, None)
+    r = subprocess.run([sys.executable, "-m", "hybridcomm.bench", "--nprocs", "1", "--algo",
+                        "tree"], capture_output=True, text=True, timeout=60)  # the module too
+    assert r.returncode != 0

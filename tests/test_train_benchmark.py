@@ -186,11 +186,15 @@ def test_defaults_carry_the_limit_and_the_balanced_batch():
     assert "limit" in train.parse_args(["--demo"]).configs
 
 
-def test_config_names_are_checked_before_anything_runs():
-    for bad in ("ddp:0", "ddp:x", "ddp:-1", "nccl"):
-        proc = subprocess.run([sys.executable, SCRIPT, "--configs", bad], capture_output=True,
-                              text=True, timeout=60, cwd=ROOT)
-        assert proc.returncode == 2 and bad in proc.stderr
+def test_config_names_are_checked_before_anything_runs(capsys):
+    train = _train_module()
+    for bad in ("ddp:0", "ddp:x", "ddp:-1"):  # main() parses with parse_args first
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(["--configs", bad])
+        assert e.value.code == 2 and bad in capsys.readouterr().err
+    proc = subprocess.run([sys.executable, SCRIPT, "--configs", "nccl"], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)  # and the script exits with it
+    assert proc.returncode == 2 and "nccl" in proc.stderr
 
 
 def test_regime_cells_and_the_demo_line():
