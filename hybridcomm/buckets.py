@@ -111,12 +111,9 @@ class GradBucket:
                 mask[list(positions)] = 1
             self.flags.copy_(mask)
 
-    def used(self, complete: bool) -> List[int]:
-        """Positions some rank had a gradient for, after the reduction. Reads the
-        flags back (a host sync on a GPU) only when this rank lacked one itself:
-        ``complete`` means every flag was 1 here, so every sum is > 0."""
-        if complete:
-            return list(range(len(self.params)))
+    def used(self) -> List[int]:
+        """Positions some rank had a gradient for, read from the reduced flags (a host
+        sync on a GPU: the synchronizer asks only when this rank lacked one)."""
         return [i for i, f in enumerate(self.flags.tolist()) if f > 0]
 
     def to_wire(self) -> None:

@@ -551,7 +551,7 @@ class GradientSynchronizer:
                         "(%s); reading which ones any rank has costs a host sync per such bucket "
                         "and step. find_unused_parameters=True agrees on them on the host "
                         "instead.", self.rank, slot.index, ", ".join(b.spec.layers))
-        return b.used(False)
+        return b.used()
 
     def _stalled(self, index: int) -> Optional[str]:
         """A wait on bucket ``index`` turned slow: name the ranks behind, if any (logged,

@@ -10,6 +10,7 @@ import torch
 from hybridcomm.averager import TensorAverager
 from hybridcomm.runtime import runtime_for
 from multiproc import run_ranks
+from plan_counts import schedule_counts
 
 SHAPES = [(0,), (1,), (7,), (3, 5), (127,), (2, 1000)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -45,20 +46,7 @@ def _average(rank, world, simulate):
     buckets, engine = next(iter(avg._made.values()))
     avg.close()
     return tensors, again, sent, stats, [len(b.params) for b in buckets], \
-        _schedule_counts(engine.plan, rank, world)
-
-
-def _schedule_counts(plan, rank, world):
-    """(reduction kernels, NCCL calls) the plan's schedules make in one call."""
-    from hybridcomm.algorithms import get_schedule
-
-    kernels = calls = 0
-    for b in plan.buckets:
-        for a, z in b.segments:
-            sched = get_schedule(b.algorithm, rank, world, z - a)
-            kernels += sum(1 for st in sched.steps for r in st.recvs if r.reduce)
-            calls += sum(len(st.sends) + len(st.recvs) for st in sched.steps)
-    return kernels, calls
+        schedule_counts(engine.plan, rank, world)
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["host", "simgpu"])

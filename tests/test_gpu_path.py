@@ -10,6 +10,7 @@ import torch.nn as nn
 import hybridcomm
 from multiproc import run_ranks
 from optim_models import batch, flat, make_model, shard
+from plan_counts import schedule_counts
 
 STEPS = 4
 RTOL = ATOL = 64 * torch.finfo(torch.float32).eps
@@ -88,19 +89,14 @@ def test_three_ranks_on_the_simulated_gpu_equal_one_process():
     # included, which the comparison above would catch)
 
 
-def _per_step_counts(plan, rank, world):
-    """(reduction kernels, NCCL calls) one step needs: a kernel per reducing receive
-    of every schedule step (the executor's reduce) and nothing else (no pack, no
-    unpack: zero-copy); an NCCL call per send and per receive."""
-    from hybridcomm.algorithms import get_schedule
+def _fixed(optimizer, model, overlap, measure_iters=2, **options):
+    """``optimizer`` wrapped under a fixed cost model (no probe on a loaded machine):
+    the same plan, with our own schedules (no native), every run."""
+    from hybridcomm.cost_model import CostModel
 
-    kernels = calls = 0
-    for b in plan.buckets:
-        for a, z in b.segments:
-            sched = get_schedule(b.algorithm, rank, world, z - a)
-            kernels += sum(1 for st in sched.steps for r in st.recvs if r.reduce)
-            calls += sum(len(st.sends) + len(st.recvs) for st in sched.steps)
-    return kernels, calls
+    return hybridcomm.DistributedOptimizer(optimizer, model=model, overlap=overlap,
+                                           fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
+                                           measure_iters=measure_iters, timeout=60, **options)
 
 
 def _update_calls(plan):
@@ -122,16 +118,10 @@ def _update_calls(plan):
 def _steady(rank, world, overlap):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     from hybridcomm.issuer import issuer_for
-    from hybridcomm.cost_model import CostModel
     from hybridcomm.testing import simgpu
 
     model = make_model()
-    # a fixed model (no probe on a loaded machine): the same plan, with our own
-    # schedules (no native), every run
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, overlap=overlap, fusion_bytes=0,
-                                          cost_model=CostModel(2e-5, 1e-9, 1e-10),
-                                          measure_iters=2, timeout=60)
+    opt = _fixed(torch.optim.SGD(model.parameters(), lr=0.05), model, overlap)
     calls, recorded = [], []
     update = opt._hc_sync._update
     opt._hc_sync._update = lambda *a: (calls.append(len(a[0])), update(*a))
@@ -153,7 +143,7 @@ def _steady(rank, world, overlap):
     opt.close()
     updates = (calls, _update_calls(opt.plan) if overlap == "forward" else None)
     stats["record_stream"] = len(recorded)  # bucket memory is recorded once, when allocated
-    kernels, calls = _per_step_counts(opt.plan, rank, world)
+    kernels, calls = schedule_counts(opt.plan, rank, world)
     return stats, len(opt.plan.buckets), 3 * kernels, 3 * calls, \
         sorted({b.algorithm for b in opt.plan.buckets}), updates
 
@@ -178,15 +168,11 @@ def _missing(rank, world, overlap, agree):
     """The Odd model (an unused layer: no rank has its gradient) under a fixed plan;
     the host syncs and the parameters of three steady steps."""
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm.cost_model import CostModel
     from hybridcomm.testing import simgpu
 
     model = make_model(cls=Odd)
-    opt = hybridcomm.DistributedOptimizer(_optimizer("sgd", model.parameters()), model=model,
-                                          overlap=overlap, fusion_bytes=0,
-                                          cost_model=CostModel(2e-5, 1e-9, 1e-10),
-                                          measure_iters=2, timeout=60,
-                                          find_unused_parameters=agree)
+    opt = _fixed(_optimizer("sgd", model.parameters()), model, overlap,
+                 find_unused_parameters=agree)
     for s in range(STEPS + 4):
         if s == 5:
             opt.synchronize()
@@ -228,7 +214,6 @@ def _issuing_threads(rank, world, threaded):
         os.environ["HYBRIDCOMM_ISSUE_THREAD"] = "0"
     import threading
 
-    from hybridcomm.cost_model import CostModel
     from hybridcomm.executor import execute_async
     from hybridcomm.transport.cupy_nccl import CupyNcclTransport
 
@@ -246,10 +231,7 @@ def _issuing_threads(rank, world, threaded):
         return execute_async(*args, **kwargs)
     engine_module.execute_async = launching
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, overlap="forward", fusion_bytes=0,
-                                          cost_model=CostModel(2e-5, 1e-9, 1e-10),
-                                          measure_iters=2, timeout=60)
+    opt = _fixed(torch.optim.SGD(model.parameters(), lr=0.05), model, "forward")
     for s in range(6):
         if s == 4:
             opt.synchronize()
@@ -278,13 +260,9 @@ def _exposure(rank, world):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     import time
 
-    from hybridcomm.cost_model import CostModel
-
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, overlap="backward", fusion_bytes=0,
-                                          cost_model=CostModel(2e-5, 1e-9, 1e-10),
-                                          measure_iters=0, timeout=60)
+    opt = _fixed(torch.optim.SGD(model.parameters(), lr=0.05), model, "backward",
+                 measure_iters=0)
     channel, on_gpu = opt._hc_sync.channel, []  # the stream waits' part, on the GPU's clock
     take = channel.take_exposed
     channel.take_exposed = lambda: on_gpu.append(take()) or on_gpu[-1]

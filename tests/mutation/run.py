@@ -248,22 +248,23 @@ def split_by_env(nodes: Sequence[str], sim: Sequence[str]) -> List[Tuple[bool, L
 def run_guards(runner: Runner, copy: Path, nodes: Sequence[str], timeout: float, tag: str,
                sim: Sequence[str]) -> Tuple[Optional[str], float]:
     """The first failing guard (None: all passed) and the seconds taken."""
-    total, deadline = 0.0, time.monotonic() + timeout
-    for simulate, group in split_by_env(nodes, sim):
-        left = max(1.0, deadline - time.monotonic())
-        rc, failed, seconds, _ = runner.pytest(copy, group, simulate, left, tag)
-        total += seconds
-        if rc != 0:
-            return failed, total
-    return None, total
+    return _first_failure(runner, copy, split_by_env(nodes, sim), timeout, tag)
 
 
 def run_whole(runner: Runner, copy: Path, sim: Sequence[str], timeout: float,
               tag: str) -> Tuple[Optional[str], float]:
     """The simulated suites as `make test` runs them (SIM_TESTS, the training loops'
     simgpu cases), with -x: the first failure, or None."""
+    runs = [(True, list(sim))] + [(False, list(a)) for a in SIM_EXTRA]
+    return _first_failure(runner, copy, runs, timeout, tag)
+
+
+def _first_failure(runner: Runner, copy: Path, runs, timeout: float,
+                   tag: str) -> Tuple[Optional[str], float]:
+    """Run each (simulate, pytest args) in turn within ``timeout`` in all: the first
+    failing test (None: all passed) and the seconds taken."""
     total, deadline = 0.0, time.monotonic() + timeout
-    for simulate, args in [(True, list(sim))] + [(False, list(a)) for a in SIM_EXTRA]:
+    for simulate, args in runs:
         left = max(1.0, deadline - time.monotonic())
         rc, failed, seconds, _ = runner.pytest(copy, args, simulate, left, tag)
         total += seconds
@@ -356,7 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   file=sys.stderr, flush=True)
             failed, seconds = run_guards(runner, copy, m.guards, args.timeout, m.id, sim)
             if failed is None and not args.no_whole:
-                print(f"[mutation]   survived its guards; running the whole simulated suite",
+                print("[mutation]   survived its guards; running the whole simulated suite",
                       file=sys.stderr, flush=True)
                 failed, more = run_whole(runner, copy, sim, args.whole_timeout, m.id + "-whole")
                 seconds += more
