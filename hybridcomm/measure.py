@@ -11,11 +11,14 @@ prediction (it times the issue order); on every rank and every step: how
 many backward passes it had
 (``no_sync`` passes and the passes inside ``step(closure)`` excluded), whose
 largest value since the last plan is the pass the buckets are launched in.
+Times are stamps of the device's clock (:mod:`hybridcomm.clock`): on a GPU,
+timing events on the trainer's stream, read when the plan is re-made.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
+from .clock import HostClock
 from .planner import Layer
 
 
@@ -43,8 +46,8 @@ class StepMeasurements:
             raise ValueError(f"replan_every ({replan_every}) must exceed measure_iters "
                              f"({measure_iters}), or be 0")
         self.measure_iters, self.replan_every = measure_iters, replan_every
-        self._ready: Dict[int, float] = {}  # param index -> when its gradient was ready
-        self._windows: Dict[str, List[float]] = {}
+        self._ready: Dict[int, object] = {}  # param index -> stamp: its gradient was ready
+        self._windows: Dict[str, List[tuple]] = {}  # layer -> (launch, first use) stamps
         self._need: Dict[str, int] = {}  # layer -> order the next forward needed it in
         self._passes: List[int] = []  # backward passes per measured step
         self._comm: List[float] = []  # per measured step: channel busy / predicted time
@@ -67,12 +70,15 @@ class StepMeasurements:
         return self.measure_iters > 0 and self.phase(steps) == self.measure_iters
 
     # -- recording ---------------------------------------------------------------------
-    def ready(self, param: int, t: float) -> None:
-        self._ready[param] = t
+    def ready(self, param: int, stamp) -> None:
+        """``stamp`` (a clock's, :mod:`hybridcomm.clock`): when its gradient was ready."""
+        self._ready[param] = stamp
 
-    def window(self, layers: Sequence[str], seconds: float) -> None:
+    def window(self, layers: Sequence[str], launched, used) -> None:
+        """The layers' bucket was launched at stamp ``launched`` and its update needed
+        at ``used`` (their first use in the next forward)."""
         for layer in layers:
-            self._windows.setdefault(layer, []).append(seconds)
+            self._windows.setdefault(layer, []).append((launched, used))
             self._need.setdefault(layer, len(self._need))
 
     def passes(self, n: int) -> None:
@@ -90,18 +96,24 @@ class StepMeasurements:
         self._running.append(buckets)
 
     # -- handing over ------------------------------------------------------------------
-    def take(self, layers: Sequence[Layer]):
+    def take(self, layers: Sequence[Layer], clock=HostClock()):
         """(windows, ready, need, launch_pass, comm_scale, defer_pays) for the planner,
         and forget them. ``defer_pays``: whether any measured step had a bucket still
         unreduced at step() other than the one the next forward needs first (that one
-        is waited for at once anyway); None: not measured."""
-        windows = {k: quantize(sorted(v)[len(v) // 2]) for k, v in self._windows.items()}
+        is waited for at once anyway); None: not measured. The stamps are read on
+        ``clock``, the one they were taken on (a GPU's: one host sync here)."""
+        clock.settle([stamp for pairs in self._windows.values() for pair in pairs
+                      for stamp in pair] + list(self._ready.values()))
+        windows = {k: quantize(sorted(clock.seconds(*w) for w in v)[len(v) // 2])
+                   for k, v in self._windows.items()}
         ready: Optional[Dict[str, float]] = None
         if self._ready:
-            first = min(self._ready.values())
+            stamps = list(self._ready.values())
+            since = {i: clock.seconds(stamps[0], s) for i, s in self._ready.items()}
+            first = min(since.values())
             ready = {}
             for layer in layers:
-                times = [self._ready[i] for i in layer.params if i in self._ready]
+                times = [since[i] for i in layer.params if i in since]
                 if times:
                     ready[layer.name] = quantize(max(times) - first)
         need = dict(self._need) or None

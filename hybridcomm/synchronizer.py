@@ -68,6 +68,7 @@ from .first_use import FirstUse
 from .measure import StepMeasurements
 from .planner import Plan, make_plan, plan_from_dict
 from .registry import ParamRegistry
+from .clock import clock_for
 from .runtime import runtime_for
 from .sparse import all_gather_sparse
 from .stall import StallInspector
@@ -109,7 +110,7 @@ class _Slot:
         self.pass_id = -1
         self.launched_pass = -1
         self.launched_epoch = -1  # the synchronizer's epoch at its last launch
-        self.launched_at = 0.0
+        self.launched_at = None  # a clock stamp, on measured launches only
         self.complete = False  # launched with a gradient at every position
         self.hyper = None  # PENDING: the hyper-parameters of the deferring step()
         self.taken: set = set()  # PENDING: positions whose .grad the step took (not zeroed)
@@ -157,7 +158,8 @@ class GradientSynchronizer:
         compression (the wire dtype, or None), topk (ratio or None),
         correction_momentum, cost_model, process_group, timeout, fusion_bytes,
         split_bytes, lazy_bytes, measure_iters, replan_every, trace,
-        find_unused_parameters: as ``DistributedOptimizer`` documents them.
+        find_unused_parameters, servers: as ``DistributedOptimizer`` documents
+        them (``servers``: a :class:`~hybridcomm.ps.SummationServers`).
 
     Example::
 
@@ -175,7 +177,7 @@ class GradientSynchronizer:
                  correction_momentum: float = 0.0, cost_model=None, process_group=None,
                  timeout: float = 300.0, fusion_bytes=None, split_bytes=None, lazy_bytes=None,
                  measure_iters: int = 3, replan_every: int = 200, trace: bool = False,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, servers=None):
         self._param_groups, self._update = param_groups, update
         self.model, self._named = model, named_parameters
         self.overlap, self.strategy = overlap, strategy
@@ -193,6 +195,12 @@ class GradientSynchronizer:
 
         self.registry = self._registry()
         self._rt = runtime_for(self.registry.device)
+        self.servers = servers
+        if servers is not None and self._rt is not None:  # ps.py moves host tensors
+            raise HybridCommError("servers= (the summation servers, algorithm 'ps') run on the "
+                                  "host path only (gloo, CPU tensors); these parameters are on "
+                                  f"{self.registry.device}: leave servers out on the GPU path")
+        self.clock = clock_for(self._rt)  # the planner's inputs: the GPU's clock there
         # Device path: which parameters some rank has a gradient for is agreed on the
         # host (gloo, posted at issue), not read back from the reduced flags (a host
         # sync). Costs a small host collective per bucket and step, hence opt-in.
@@ -201,7 +209,7 @@ class GradientSynchronizer:
         self.transport, self.channel = open_channel(self.registry.device, process_group, timeout,
                                                     self.timeline,
                                                     issue_thread=env.get("HYBRIDCOMM_ISSUE_THREAD"))
-        self.cost_model = calibration.resolve(cost_model, process_group, timeout)
+        self.cost_model = calibration.resolve(cost_model, process_group, timeout, servers)
         self.stall = StallInspector(process_group, timeout)
         self._launches = 0  # buckets launched in all (the stall inspector compares them)
 
@@ -279,7 +287,8 @@ class GradientSynchronizer:
                              split_bytes=self.split_bytes, windows=windows, ready=ready,
                              need=need, topk=self.topk, lazy_bytes=self.lazy_bytes,
                              launch_pass=launch_pass, comm_scale=comm_scale,
-                             defer_pays=defer_pays if self.overlap == "forward" else None)
+                             defer_pays=defer_pays if self.overlap == "forward" else None,
+                             servers=len(self.servers.role.servers) if self.servers else 0)
             if keep is not None and plan.decisions() == keep.decisions():
                 plan = None
         return control.broadcast_object(plan, group=self.group, timeout=self.timeout,
@@ -324,7 +333,7 @@ class GradientSynchronizer:
             slots.append(slot)
         self.plan, self.slots, self._where = plan, slots, where
         self.engine = CommEngine(plan, [s.bucket for s in slots], self.channel, self.transport,
-                                 scale=self.scale, timeout=self.timeout)
+                                 scale=self.scale, timeout=self.timeout, servers=self.servers)
         if self.stall.enabled:
             self.engine.on_slow, self.engine.slow_after = self._stalled, self.stall.warn_s
         if self._agree_used:
@@ -412,7 +421,7 @@ class GradientSynchronizer:
             slot.touched.add(pos)
             if self._pass_kind == "launch":
                 if self._measuring_pass:
-                    self.measure.ready(b.spec.params[pos], time.perf_counter())
+                    self.measure.ready(b.spec.params[pos], self.clock.stamp())
                 if len(slot.touched) == len(b.params) and slot.launched_epoch != self._epoch:
                     self._launch(slot)
 
@@ -518,7 +527,9 @@ class GradientSynchronizer:
             slot.bucket.set_flags(content)
         slot.phase, slot.reopened = Phase.IN_FLIGHT, False
         slot.launched_pass, slot.launched_epoch = self._pass_id, self._epoch
-        slot.launched_at = time.perf_counter()
+        # A stamp only where the next forward's use is measured (an event each on a GPU)
+        slot.launched_at = self.clock.stamp() if self.measure.measuring(self._steps + 1) \
+            else None
         self._launches += 1
         self.engine.launch(slot.index)
 
@@ -617,8 +628,8 @@ class GradientSynchronizer:
         bucket sooner (so that it is not held up) takes one more per such break."""
         t0 = time.perf_counter()
         if self.measure.measuring(self._steps):
-            if slot.launched_at:
-                self.measure.window(slot.bucket.spec.layers, t0 - slot.launched_at)
+            if slot.launched_at is not None:
+                self.measure.window(slot.bucket.spec.layers, slot.launched_at, self.clock.stamp())
             together = [slot]  # one by one: each bucket's window and need are measured
         else:
             self._wait(slot)  # first: what was issued before it is done by then too
@@ -829,7 +840,7 @@ class GradientSynchronizer:
         """Re-plan from rank 0's measurements: always the first time, later only if
         they change a decision."""
         windows, ready, need, launch_pass, comm_scale, defer_pays = \
-            self.measure.take(self.registry.layers)
+            self.measure.take(self.registry.layers, self.clock)
         first = self._steps == self.measure.measure_iters
         plan = self._agree_plan(windows, ready, need, launch_pass, comm_scale, defer_pays,
                                 keep=None if first else self.plan)

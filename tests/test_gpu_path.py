@@ -290,6 +290,39 @@ def test_exposed_communication_is_measured_on_the_gpus_clock():
         assert 0 < on_gpu <= exposed < wall, (on_gpu, exposed, wall)
 
 
+SLEEP_S = 0.25  # GPU time before each measured forward, which the host does not wait for
+
+
+def _windows(rank, world):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm.testing import simgpu
+
+    model = make_model()
+    opt = _fixed(torch.optim.SGD(model.parameters(), lr=0.05), model, "forward")
+    for s in range(4):
+        x, y = batch(s)
+        x, y = shard(x, rank, world), shard(y, rank, world)
+        opt.zero_grad()
+        if s in (1, 2):  # the forwards whose first uses end the measured windows
+            simgpu.sleep(SLEEP_S)  # queued: the host goes straight on into the forward
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.synchronize()
+    windows = [b.window_s for b in opt.plan.buckets]
+    opt.close()
+    return windows
+
+
+def test_the_planners_windows_are_measured_on_the_gpus_clock():
+    """Issue 20's defect 8: a bucket's overlap window (launch to the first use of its
+    parameters in the next forward) was taken on the host's clock, which runs
+    ahead of the GPU. Here the trainer's stream is kept busy for 0.25 s before
+    each measured forward while the host goes on at once: on the host's clock
+    the windows are milliseconds, on the GPU's every one holds the 0.25 s."""
+    for windows in run_ranks(2, _windows, timeout=120):
+        assert windows and all(w is not None and w >= SLEEP_S for w in windows), windows
+
+
 def _long_run(rank, world):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     os.environ["HYBRIDCOMM_SIM_NCCL_KERNELS"] = "1"  # CUDA_DEVICE_MAX_CONNECTIONS=1

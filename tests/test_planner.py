@@ -147,12 +147,12 @@ def test_when_nothing_was_left_at_step_the_plan_says_forward_overlap_cannot_pay(
     from hybridcomm.measure import StepMeasurements
 
     m = StepMeasurements(measure_iters=2, replan_every=0)
-    m.window(["conv"], 0.001)  # the next forward needed conv first, then fc
-    m.window(["fc"], 0.5)
+    m.window(["conv"], 0.0, 0.001)  # the next forward needed conv first, then fc
+    m.window(["fc"], 0.0, 0.5)
     m.running_at_step([])
     m.running_at_step([["conv"]])  # only the first-needed bucket: it is waited for at once
     assert m.take([])[-1] is False
-    m.window(["conv"], 0.001)
+    m.window(["conv"], 0.0, 0.001)
     m.running_at_step([["conv"], ["fc"]])  # fc still running: the forward can hide it
     assert m.take([])[-1] is True and m.take([])[-1] is None  # taken: forgotten
     layers = [Layer("fc", [0], 1 << 20)]

@@ -73,7 +73,7 @@ from .. import env
 from ..tensor_access import collect, reads_data, written
 
 __all__ = ["SimError", "SimRuntime", "SimStream", "SimEvent", "SimNccl", "runtime", "stats",
-           "reset_stats", "errors", "check", "configure"]
+           "reset_stats", "errors", "check", "configure", "sleep"]
 
 
 class SimError(AssertionError):
@@ -1298,6 +1298,17 @@ def check() -> None:
     """Raise the first defect found and not yet raised."""
     if _device is not None:
         _device.raise_pending()
+
+
+def sleep(seconds: float) -> None:
+    """A kernel that keeps the current stream busy for ``seconds`` while the host
+    goes on (``torch.cuda._sleep``'s analogue): the host runs ahead of its stream
+    until a host op, a sync or an event's wait catches up with it."""
+    rt = runtime()
+    stream = rt.current_stream()
+    with _device.cv:
+        _device.stats["kernel_launches"] += 1
+    stream._issue(_Op("kernel", "sleep", stream, fn=lambda: time.sleep(seconds)))
 
 
 def synchronize() -> None:
