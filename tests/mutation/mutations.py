@@ -198,8 +198,7 @@ MUTATIONS = [
         what="nsys_bench.sh's default --algo names 'torch', which the bench refuses"),
     # ---- issue 20, new defects 3-9 ------------------------------------------------------------
     # Add one mutation per defect here once its fix has landed (git log), re-introducing
-    # it, with the test that guards the fix. Landed so far: 3, 4, 5, 6, 7 (part), 8 (part),
-    # 9. Open: 7 (per-step events), 8 (the planner's host-clock windows and ready times).
+    # it, with the test that guards the fix. Landed so far: 3, 4, 5, 6, 7, 8, 9.
     Mutation(
         "issue-in-hooks", "new 3", "hybridcomm/synchronizer.py",
         old="issue_thread=env.get(\"HYBRIDCOMM_ISSUE_THREAD\"))\n",
@@ -282,6 +281,12 @@ MUTATIONS = [
         new="",
         guards=(GPU + "test_exposed_communication_is_measured_on_the_gpus_clock",),
         what="a stream wait is not timed: exposed communication reads 0 on the GPU path"),
+    Mutation(
+        "windows-on-host-clock", "new 8", "hybridcomm/synchronizer.py",
+        old="        self.clock = clock_for(self._rt)",
+        new="        self.clock = clock_for(None)",
+        guards=(GPU + "test_the_planners_windows_are_measured_on_the_gpus_clock",),
+        what="the planner's windows and ready times taken on the host's clock"),
     Mutation(
         "ddp-setup-in-backward", "new 9", "hybridcomm/ddp.py",
         old="    return state.prepare(next(ddp.module.parameters()).device)\n",
