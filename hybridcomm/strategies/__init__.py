@@ -10,13 +10,18 @@
 - :class:`DownpourSGD` (Dean et al. 2012): asynchronous, a parameter server
   sharded over server processes (a small TCP protocol, no pickle); a killed
   server restarts from its checkpoint and the workers replay what it missed.
+- :class:`DownpourStage`: Downpour with model-parallel replicas: each replica
+  a pipeline of stage processes, each stage fetching and pushing only its own
+  parameters (``stage{k}.*``) to the same shards.
 
 Every strategy reports ``bytes_sent`` (by this rank) and raises
 ``HybridCommError`` / ``HybridCommTimeout`` on failure, within its timeout.
 """
 from .admm import ADMM
 from .downpour import DownpourSGD, init_downpour, serve
+from .downpour_pipeline import DownpourStage
 from .local_sgd import LocalSGD
 from .parallel_sgd import ParallelSGD
 
-__all__ = ["ADMM", "DownpourSGD", "LocalSGD", "ParallelSGD", "init_downpour", "serve"]
+__all__ = ["ADMM", "DownpourSGD", "DownpourStage", "LocalSGD", "ParallelSGD", "init_downpour",
+           "serve"]

@@ -17,9 +17,11 @@ and replay from their logs the pushes the checkpoint missed
 optimizer count what happened; a server that stays away is a
 :class:`HybridCommError` naming it.
 
-Left out: the paper's model-parallel replicas (a replica split across several
-workers, each exchanging its own part with the shards); here a replica is one
-process.
+Model-parallel replicas (the paper's: a replica split over several
+processes, each exchanging only its own parameters with the shards) are
+:class:`~.downpour_pipeline.DownpourStage`: each stage process is a
+``DownpourSGD`` with ``part="stage{k}"``; the shards hold every part's
+parameters.
 
 Usage::
 
@@ -154,6 +156,14 @@ class DownpourSGD:
         replay_log: pushes kept per server for replay after a server restart
             (default: that server's ``checkpoint_every`` + 1, enough that a crash
             loses nothing; fewer saves memory and counts the rest in ``lost``).
+        part: for a model-parallel replica (one split over several processes,
+            :class:`~.downpour_pipeline.DownpourStage`): the part of it that
+            ``model`` is, e.g. ``"stage0"``. Each part spreads its own
+            parameters over all the shards and sets up, fetches and pushes only
+            those; the shards hold the union. Parameter names must be unique
+            across the parts (the servers refuse a name two parts claim); every
+            process of a part needs the same ``servers`` list. Default: the
+            whole model.
 
     ``bytes_sent`` counts the gradients pushed (each once; replays not counted).
     ``replayed``, ``lost``, ``reconnects`` and ``reconnect_seconds`` count what
@@ -170,7 +180,8 @@ class DownpourSGD:
     def __init__(self, model: torch.nn.Module, servers: List[str], lr: float,
                  rule: str = "sgd", n_fetch: int = 1, n_push: int = 1,
                  timeout: Optional[float] = None, *, worker: Optional[int] = None,
-                 rendezvous: Optional[str] = None, replay_log: Optional[int] = None):
+                 rendezvous: Optional[str] = None, replay_log: Optional[int] = None,
+                 part: Optional[str] = None):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         if n_fetch < 1 or n_push < 1 or not servers or len(set(servers)) != len(servers):
@@ -190,19 +201,26 @@ class DownpourSGD:
         self.model, self.servers, self.worker = model, list(servers), worker
         self.n_fetch, self.n_push, self.timeout = n_fetch, n_push, env.timeout(timeout)
         self.named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        # each part spreads its own parameters: every process of a part agrees
+        # without knowing the other parts' (the shards learn those from them)
         self.shards = shards_of(list(self.named.items()), len(self.servers))
+        self.part = part or ""
         self.acc = {n: torch.zeros_like(p) for n, p in self.named.items()}
         self.steps = 0
         self.bytes_sent = 0
         session = os.urandom(8).hex()  # tells the servers a new process from a reconnect
         self.links = [ServerLink(s, rendezvous, worker=worker, session=session,
-                                 timeout=self.timeout, log_limit=replay_log)
+                                 timeout=self.timeout, log_limit=replay_log, part=self.part)
                       for s in self.servers]
         for link, names in zip(self.links, self.shards):
             link.hello()
-            # the first worker sets the shard up; the others' (and a restored
-            # shard's) must match: names, shapes, dtypes, rule and lr
-            link.init({n: self.named[n].detach() for n in names}, rule, lr)
+            # the first worker of a part sets it up on the shard; the others' (and
+            # a restored shard's) must match: names, shapes, dtypes, rule and lr.
+            # Every shard hears all the part's names, to refuse a name two parts claim
+            link.init({n: self.named[n].detach() for n in names}, rule, lr,
+                      names=list(self.named))
+        # a shard holding none of this part's parameters hears only hello and close
+        self._used = [(link, names) for link, names in zip(self.links, self.shards) if names]
         self.fetch()
 
     @property
@@ -229,10 +247,10 @@ class DownpourSGD:
 
     def fetch(self) -> None:
         """The model <- the servers' current parameters."""
-        for link in self.links:  # every request out before the first reply is read
+        for link, _ in self._used:  # every request out before the first reply is read
             link.start_fetch()
         with torch.no_grad():
-            for link in self.links:
+            for link, _ in self._used:
                 for name, value in link.finish_fetch().items():
                     self.named[name].copy_(value)
 
@@ -240,7 +258,7 @@ class DownpourSGD:
         """Send the accumulated gradients to their shards, without waiting for them
         to be applied (the previous push is waited for first: one in flight)."""
         self._finish_pushes()
-        for link, names in zip(self.links, self.shards):
+        for link, names in self._used:
             grads = {n: self.acc[n].clone() for n in names}
             self.bytes_sent += sum(g.numel() * g.element_size() for g in grads.values())
             link.push(grads)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -40,15 +40,17 @@ log = logging.getLogger("hybridcomm")
 
 class ServerLink:
     """One worker's connection to ``name``: ``host:port``, or a name published in
-    ``rendezvous`` (``serverN``)."""
+    ``rendezvous`` (``serverN``). ``part``: the part of a model-parallel replica
+    this worker holds (``""``: the whole model); it sets up and fetches that part."""
 
     def __init__(self, name: str, rendezvous: Optional[str], *, worker: int, session: str,
-                 timeout: float, log_limit: Optional[int] = None):
+                 timeout: float, log_limit: Optional[int] = None, part: str = ""):
         if ":" not in name and rendezvous is None:
             raise ValueError(f"server {name!r} is neither host:port nor a name to look up: "
                              "pass rendezvous= (or call init_downpour first)")
         self.name, self.rendezvous = name, rendezvous
         self.worker, self.session, self.timeout = worker, session, timeout
+        self.part = part
         self.log_limit = log_limit
         self.log: collections.deque = collections.deque()  # (seq, grads) not yet checkpointed
         self.seq = 0  # the last push sent
@@ -66,8 +68,13 @@ class ServerLink:
         """Connect (waiting up to ``timeout`` for the server); True if its shard is set up."""
         return self._reconnect("connecting", first=True)
 
-    def init(self, tensors: Dict[str, torch.Tensor], rule: str, lr: float) -> None:
-        self._call({"op": "init", "rule": rule, "lr": lr}, tensors, "setting up its shard")
+    def init(self, tensors: Dict[str, torch.Tensor], rule: str, lr: float,
+             names: Optional[List[str]] = None) -> None:
+        """Set up (or check) this part's ``tensors`` on the shard; ``names``: all of
+        the part's parameters, on every shard (default: ``tensors``' names)."""
+        self._call({"op": "init", "rule": rule, "lr": lr, "part": self.part,
+                    "names": list(tensors) if names is None else list(names)},
+                   tensors, "setting up its shard")
 
     def push(self, grads: Dict[str, torch.Tensor]) -> None:
         """Log and send a push; its ack is read later (:meth:`finish_push`)."""
@@ -89,7 +96,7 @@ class ServerLink:
 
     def start_fetch(self) -> None:
         self._fetch_on = self._sock
-        self._send({"op": "fetch"}, None, "asking for its parameters")
+        self._send({"op": "fetch", "part": self.part}, None, "asking for its parameters")
 
     def finish_fetch(self) -> Dict[str, torch.Tensor]:
         self.finish_push()  # its ack comes first on this connection
@@ -98,7 +105,7 @@ class ServerLink:
                 return self._recv("sending its parameters")[1]
             except ConnectionLost as e:
                 self._reconnect("sending its parameters", cause=e)
-        return self._call({"op": "fetch"}, None, "sending its parameters")[1]
+        return self._call({"op": "fetch", "part": self.part}, None, "sending its parameters")[1]
 
     def close(self) -> None:
         """Wait for the last push and say goodbye (the server checkpoints)."""
@@ -201,8 +208,8 @@ class ServerLink:
         self._address = self.name if ":" in self.name else \
             ps_wire.lookup(self.rendezvous, self.name)
         self._sock = ps_wire.connect(self._address, timeout=min(left, self.timeout))
-        ps_wire.send(self._sock, {"op": "hello", "worker": self.worker,
-                                  "session": self.session}, None, timeout=self.timeout)
+        ps_wire.send(self._sock, {"op": "hello", "worker": self.worker, "session": self.session,
+                                  "part": self.part}, None, timeout=self.timeout)
         reply = self._recv("saying hello")[0]
         if self.log_limit is None:
             self.log_limit = int(reply["checkpoint_every"]) + 1

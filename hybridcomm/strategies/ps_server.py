@@ -8,6 +8,13 @@ worker's close and when the server stops, it writes ``server{index}.pt``
 (temporary file, fsync, rename: a crash leaves the old checkpoint or the new
 one), which ``torch.load(path, weights_only=True)`` reads back.
 
+A shard may hold several *parts*: in a job whose replicas are split over
+several processes (model-parallel replicas, :mod:`.downpour_pipeline`), each
+process sets up, fetches and pushes only its own part's parameters, and the
+shard holds the union. Every part tells every shard all of its parameter
+names (not only the ones that shard holds), so a name two parts claim is
+refused wherever they meet first. Data-parallel workers are all part ``""``.
+
 :class:`ShardServer` serves one shard over :mod:`.ps_wire`: it listens on the
 host the user names (loopback by default, a free port unless told), publishes
 the address in the rendezvous directory, and serves each connection on a
@@ -46,34 +53,70 @@ from . import ps_wire
 log = logging.getLogger("hybridcomm")
 
 RULES = ("sgd", "adagrad")
-FORMAT = 1
+FORMAT = 2  # 2: parts and claims (a format-1 checkpoint is one part, "")
 
 
 class ParameterShard:
     """One server's share of the parameters, its update rule and its checkpoint.
 
     ``workers`` maps a worker id to ``[session, last push applied]``; ``durable``
-    the same sequence numbers as of the last checkpoint written.
+    the same sequence numbers as of the last checkpoint written. ``parts`` maps
+    a part to the names this shard holds of it, ``claims`` every name any part
+    has (here or on another shard) to its part. ``tensors`` are part ``""``'s.
     """
 
     def __init__(self, tensors: Dict[str, torch.Tensor], rule: str, lr: float,
                  eps: float = 1e-10, path: Optional[str] = None, checkpoint_every: int = 50):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
-        self.params = {k: v.detach().clone() for k, v in tensors.items()}
+        self.params: Dict[str, torch.Tensor] = {}
         self.rule, self.lr, self.eps = rule, lr, eps
-        self.sums = {k: torch.zeros_like(v) for k, v in self.params.items()} \
-            if rule == "adagrad" else None
+        self.sums: Optional[Dict[str, torch.Tensor]] = {} if rule == "adagrad" else None
+        self.parts: Dict[str, List[str]] = {}
+        self.claims: Dict[str, str] = {}
+        self.lock = threading.Lock()
+        if tensors:
+            self.add_part("", tensors, list(tensors))
         self.pushes = 0
         self.workers: Dict[int, List] = {}
         self.closed: set = set()
         self.durable: Dict[int, int] = {}
         self.path, self.checkpoint_every = path, checkpoint_every
-        self.lock = threading.Lock()
 
-    def fetch(self) -> Dict[str, torch.Tensor]:
+    def add_part(self, part: str, tensors: Dict[str, torch.Tensor], names: List[str]) -> None:
+        """Hold ``tensors``, part ``part``'s share here; ``names`` are all of the
+        part's parameters (on every shard), each of which no other part may claim."""
         with self.lock:
-            return {k: v.clone() for k, v in self.params.items()}
+            if part in self.parts:
+                raise HybridCommError(f"part {part!r} is set up already")
+            stray = sorted(set(tensors) - set(names))
+            if stray:
+                raise HybridCommError(f"part {part!r} sent {stray}, not among its names")
+            taken = sorted(n for n in names if self.claims.get(n, part) != part)
+            if taken:
+                raise HybridCommError(
+                    f"part {part!r} claims {taken}, which part {self.claims[taken[0]]!r} holds: "
+                    "each parameter belongs to one part (give the parts' parameters distinct "
+                    "names, e.g. DownpourStage's 'stage{k}.' prefix)")
+            for n in names:
+                self.claims[n] = part
+            self.parts[part] = list(tensors)
+            for k, v in tensors.items():
+                self.params[k] = v.detach().clone()
+                if self.sums is not None:
+                    self.sums[k] = torch.zeros_like(self.params[k])
+
+    def names_of(self, part: str) -> List[str]:
+        """All of ``part``'s names, as it claimed them (on every shard)."""
+        return sorted(n for n, p in self.claims.items() if p == part)
+
+    def fetch(self, part: Optional[str] = None) -> Dict[str, torch.Tensor]:
+        """The parameters of ``part`` held here (all of them for ``None``)."""
+        with self.lock:
+            if part is not None and part not in self.parts:
+                raise HybridCommError(f"no part {part!r} here (parts: {sorted(self.parts)})")
+            names = self.params if part is None else self.parts[part]
+            return {k: self.params[k].clone() for k in names}
 
     def hello(self, worker: int, session: str) -> Tuple[int, int]:
         """A worker (re)connects: ``(last push applied, last checkpointed)`` of its
@@ -121,6 +164,7 @@ class ParameterShard:
     def _save(self) -> None:
         state = {"format": FORMAT, "rule": self.rule, "lr": self.lr, "eps": self.eps,
                  "pushes": self.pushes, "params": self.params, "sums": self.sums or {},
+                 "parts": self.parts, "claims": self.claims,
                  "workers": {w: list(v) for w, v in self.workers.items()},
                  "closed": sorted(self.closed)}
         tmp = f"{self.path}.tmp"
@@ -136,10 +180,15 @@ class ParameterShard:
         """The shard a checkpoint holds (read with ``weights_only=True``)."""
         try:
             state = torch.load(path, weights_only=True)
-            if state.get("format") != FORMAT:
-                raise ValueError(f"format {state.get('format')!r}, expected {FORMAT}")
-            shard = cls(state["params"], state["rule"], state["lr"], state["eps"], path,
-                        checkpoint_every)
+            if state.get("format") not in (1, FORMAT):
+                raise ValueError(f"format {state.get('format')!r}, expected 1 or {FORMAT}")
+            shard = cls({}, state["rule"], state["lr"], state["eps"], path, checkpoint_every)
+            shard.params = {k: v.clone() for k, v in state["params"].items()}
+            # format 1 knew one part, ""
+            shard.parts = {str(p): [str(n) for n in ns]
+                           for p, ns in state.get("parts", {"": list(shard.params)}).items()}
+            shard.claims = {str(n): str(p) for n, p in
+                            state.get("claims", {n: "" for n in shard.params}).items()}
             if shard.sums is not None:
                 shard.sums = {k: v.clone() for k, v in state["sums"].items()}
             shard.pushes = int(state["pushes"])
@@ -251,7 +300,7 @@ class ShardServer:
     def _handle(self, header: dict, tensors: Dict[str, torch.Tensor]):
         op = header["op"]
         if op == "hello":
-            ready = self.shard is not None
+            ready = self.shard is not None and str(header.get("part", "")) in self.shard.parts
             applied, durable = self.shard.hello(_int(header, "worker"), str(header["session"])) \
                 if ready else (0, 0)
             return {"op": "ok", "ready": ready, "applied": applied, "durable": durable,
@@ -262,7 +311,7 @@ class ShardServer:
         if self.shard is None:
             raise HybridCommError(f"{op} before any worker set the shard up")
         if op == "fetch":
-            return {"op": "ok"}, self.shard.fetch()
+            return {"op": "ok"}, self.shard.fetch(str(header.get("part", "")))
         if op == "push":
             self._check(tensors, exact=False)
             pushes, durable = self.shard.push(tensors, _int(header, "worker"),
@@ -274,31 +323,43 @@ class ShardServer:
         raise HybridCommError(f"unknown request {op!r}")
 
     def _init(self, header: dict, tensors: Dict[str, torch.Tensor]) -> None:
-        """The first worker sets the shard up (checkpointed at once: a restart before
-        the first periodic checkpoint still finds it); the others must agree."""
+        """The first worker of each part sets the part up (checkpointed at once: a
+        restart before the first periodic checkpoint still finds it); the others
+        must agree: rule, lr, and their part's names, shapes and dtypes."""
         rule, lr = header["rule"], float(header["lr"])
+        part = str(header.get("part", ""))
+        names = [str(n) for n in header.get("names", list(tensors))]
         with self._init_lock:
-            if self.shard is None:
-                self.shard = ParameterShard(tensors, rule, lr, path=self.path,
+            fresh = self.shard is None
+            if fresh:
+                self.shard = ParameterShard({}, rule, lr, path=self.path,
                                             checkpoint_every=self.checkpoint_every)
+            if (rule, lr) != (self.shard.rule, self.shard.lr):
+                raise HybridCommError(f"the shard runs {self.shard.rule} at lr "
+                                      f"{self.shard.lr:g}; a worker asked for {rule} at lr {lr:g}")
+            if part not in self.shard.parts:
+                self.shard.add_part(part, tensors, names)
                 self.shard.checkpoint()
                 return
-        if (rule, lr) != (self.shard.rule, self.shard.lr):
-            raise HybridCommError(f"the shard runs {self.shard.rule} at lr {self.shard.lr:g}; "
-                                  f"a worker asked for {rule} at lr {lr:g}")
-        self._check(tensors, exact=True)
+        if sorted(names) != self.shard.names_of(part):
+            raise HybridCommError(f"part {part!r} has {self.shard.names_of(part)}, a worker of it "
+                                  f"sent the names {sorted(names)}")
+        self._check(tensors, exact=True, part=part)
 
-    def _check(self, tensors: Dict[str, torch.Tensor], exact: bool) -> None:
+    def _check(self, tensors: Dict[str, torch.Tensor], exact: bool, part: str = "") -> None:
         params = self.shard.params
-        if exact and set(tensors) != set(params):
-            raise HybridCommError(f"this shard holds {sorted(params)}, a worker sent "
-                                  f"{sorted(tensors)}")
+        if exact and set(tensors) != set(self.shard.parts[part]):
+            raise HybridCommError(f"this shard holds {sorted(self.shard.parts[part])}"
+                                  + (f" of part {part!r}" if part else "")
+                                  + f", a worker sent {sorted(tensors)}")
         for k, t in tensors.items():
             p = params.get(k)
-            if p is None or p.shape != t.shape or p.dtype != t.dtype:
+            if p is None:
+                raise HybridCommError(f"{k}: not held by this shard (it holds "
+                                      f"{sorted(params)})")
+            if p.shape != t.shape or p.dtype != t.dtype:
                 raise HybridCommError(f"{k}: {t.dtype} {tuple(t.shape)} does not match the "
-                                      "shard's " + ("nothing" if p is None
-                                                    else f"{p.dtype} {tuple(p.shape)}"))
+                                      f"shard's {p.dtype} {tuple(p.shape)}")
 
 
 def _int(header: dict, key: str) -> int:
