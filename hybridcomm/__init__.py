@@ -17,6 +17,7 @@ from .collectives import all_reduce
 from .errors import HybridCommError, HybridCommTimeout
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
+from . import ps  # noqa: E402,F401  (hybridcomm.ps: the summation servers)
 
 from ._version import __version__  # noqa: E402
 logs.setup()

@@ -10,6 +10,9 @@
   reduction kernel alone (gamma, seconds per reduced byte), then the
   butterfly, the ring and ``native`` at two sizes (median of several runs),
   and fits alpha and beta with gamma held (cost_model.fit).
+* With summation servers (ps.py), :func:`with_ps` times ``ps`` at the probe's
+  sizes and adds its line, where the agreed model has none for that many
+  servers.
 * :func:`agree` makes every rank use rank 0's model (a plan must be the same
   everywhere). Rank 0's fit is rounded to two significant digits, so that
   the same job on the same machine gets the same model, and so the same
@@ -39,7 +42,7 @@ from . import control, env
 from .auto_model import (ENV_PATH, active_model, choose_algorithm, default_path,  # noqa: F401
                          get_active, load, save, set_active)
 from .backend import comm_device
-from .cost_model import DEFAULT_MODEL, NATIVE, CostModel, fit, rounded
+from .cost_model import DEFAULT_MODEL, NATIVE, PS, CostModel, fit, rounded
 
 log = logging.getLogger("hybridcomm")
 
@@ -166,10 +169,49 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5, *,
                                     what="rank 0's start-up probe")
 
 
-def resolve(cost_model, group=None, timeout: Optional[float] = None) -> CostModel:
+def with_ps(model: CostModel, servers, group=None, sizes: Sequence[int] = PROBE_SIZES,
+            iters: int = 5, *, timeout: Optional[float] = None) -> CostModel:
+    """``model`` with a ``ps`` line for ``servers`` (a :class:`~hybridcomm.ps.SummationServers`):
+    as it is where it has one for that many servers, else ``ps`` timed at
+    ``sizes`` (median of ``iters``), rank 0's fit, rounded, on every rank. A
+    collective over the workers' ``group``; the servers serve meanwhile.
+
+    Example (every worker; the servers run ``hybridcomm.ps.serve``)::
+
+        servers = hybridcomm.ps.SummationServers(role)
+        model = with_ps(agree(group=role.worker_group, timeout=60), servers,
+                        role.worker_group)
+        model.offers("ps", len(role.servers))       # True
+    """
+    k = len(servers.role.servers)
+    if model.offers(PS, k) or dist.get_world_size(group) <= 1:
+        return model
+    timeout = env.timeout(timeout)
+    samples = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes // 4)
+        times = []
+        for _ in range(iters + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            servers.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+        samples.append((nbytes, statistics.median(times[1:])))
+    from .cost_model import _fit_native
+
+    a, b = _fit_native(samples)
+    fitted = rounded(model.with_ps(a, b, k))
+    mine = dataclasses.replace(model, ps_alpha=fitted.ps_alpha, ps_beta=fitted.ps_beta,
+                               ps_servers=k, source=f"{model.source}, ps probed")
+    return control.broadcast_object(mine, group=group, timeout=timeout,
+                                    what="rank 0's ps probe")
+
+
+def resolve(cost_model, group=None, timeout: Optional[float] = None,
+            servers=None) -> CostModel:
     """The cost model a caller asked for: a ``CostModel`` as it is; None: rank 0's saved
     calibration, else a probe (:func:`agree`); ``"probe"``: always probe;
-    ``"default"``: the built-in constants.
+    ``"default"``: the built-in constants. With ``servers`` (summation servers),
+    None and ``"probe"`` also get a ``ps`` line (:func:`with_ps`) where missing.
 
         >>> resolve("default") is DEFAULT_MODEL
         True
@@ -179,8 +221,14 @@ def resolve(cost_model, group=None, timeout: Optional[float] = None) -> CostMode
     if cost_model == "default":
         return DEFAULT_MODEL
     if cost_model == "probe":
-        return probe(group, timeout=timeout)
-    if cost_model is None:
-        return agree(group=group, timeout=timeout)
+        model = probe(group, timeout=timeout)
+    elif cost_model is None:
+        model = agree(group=group, timeout=timeout)
+    else:
+        model = None
+    if model is not None:
+        if servers is not None:
+            model = with_ps(model, servers, group, timeout=timeout)
+        return model
     raise ValueError(f"cost_model must be a CostModel, None, 'probe' or 'default', "
                      f"got {cost_model!r}")

@@ -30,6 +30,9 @@ def resolve_algorithm(algorithm: str, nbytes: int, world_size: int, topology=Non
     """The concrete algorithm for a request ("auto" honours ``HYBRIDCOMM_ALGO``)."""
     if algorithm == "auto":
         forced = env.get("HYBRIDCOMM_ALGO")
+        if forced == "ps":  # the summation servers are a DistributedOptimizer option
+            raise ValueError("HYBRIDCOMM_ALGO=ps applies to DistributedOptimizer(servers=...); "
+                             "this all-reduce has no summation servers")
         return forced or choose_algorithm(nbytes, world_size, topology)
     if algorithm not in ALGORITHMS + (NATIVE,):
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "

@@ -33,7 +33,12 @@ predicts exactly what it did.
 are in docs/PERFORMANCE.md.) Besides, ``native`` (the process group's own
 all_reduce: gloo's or NCCL's, in C++) is modeled as a line ``a_n + n b_n``,
 fitted separately where it was measured (the start-up probe, or the sweep's
-``torch`` rows); an uncalibrated model does not offer it. The butterfly sends the whole buffer every step
+``torch`` rows); an uncalibrated model does not offer it. ``ps`` (the
+summation servers of ps.py, extra processes on links of their own) is a
+line ``a_s + n b_s`` too, fitted from its own measurements with the number
+of servers it ran with (``ps_servers``): its traffic pattern (every worker
+to every server and back at once) is not the schedules' one, so the shared
+alpha and beta do not describe it. The butterfly sends the whole buffer every step
 but in the fewest steps, so it wins while ``alpha`` dominates; ring and
 halving-doubling send the least. The coefficients are fitted by least
 squares (:func:`fit`) from a benchmark sweep or the start-up probe; where
@@ -59,7 +64,8 @@ from typing import Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 MODELED = ("ring", "butterfly", "halving_doubling")  # auto's default candidates
 TWO_LEVEL = ("hierarchical", "torus2d")  # take a Topology; auto adds hierarchical on many nodes
-ALL = MODELED + TWO_LEVEL + ("native",)
+PS = "ps"  # the summation servers (ps.py): a candidate only where the job has servers
+ALL = MODELED + TWO_LEVEL + ("native", PS)
 FORMAT_VERSION = 1
 
 
@@ -211,7 +217,10 @@ NATIVE = "native"  # the process group's own all_reduce (gloo / NCCL)
 
 
 def bytes_sent(algorithm: str, nbytes: float, world_size: int, topology=None) -> float:
-    """Bytes each rank sends; ``native`` counts as a ring (what gloo and NCCL run)."""
+    """Bytes each rank sends; ``native`` counts as a ring (what gloo and NCCL run);
+    ``ps``: each worker pushes its buffer once (to the servers)."""
+    if algorithm == PS:
+        return float(nbytes) if world_size > 1 else 0.0
     return coefficients("ring" if algorithm == NATIVE else algorithm, nbytes, world_size,
                         topology)[1]
 
@@ -233,13 +242,20 @@ class CostModel:
     native_beta: Optional[float] = None
     inter_alpha: Optional[float] = None
     inter_beta: Optional[float] = None
+    ps_alpha: Optional[float] = None  # s per all-reduce through the summation servers
+    ps_beta: Optional[float] = None  # s per byte of the buffer
+    ps_servers: Optional[int] = None  # how many servers the ps line was measured with
 
     @property
     def two_level(self) -> bool:
         """Whether inter-node links are modeled apart (:func:`link_coefficients`)."""
         return self.inter_alpha is not None or self.inter_beta is not None
 
-    def offers(self, algorithm: str) -> bool:
+    def offers(self, algorithm: str, servers: Optional[int] = None) -> bool:
+        """Whether this model predicts ``algorithm`` (``native`` and ``ps`` only where
+        measured; ``ps`` with ``servers``: measured with that many servers)."""
+        if algorithm == PS:
+            return self.ps_alpha is not None and servers in (None, self.ps_servers)
         return algorithm != NATIVE or self.native_alpha is not None
 
     def predict(self, algorithm: str, nbytes: int, world_size: int, topology=None) -> float:
@@ -249,6 +265,11 @@ class CostModel:
             if not self.offers(NATIVE):
                 raise ValueError("this cost model has no measurement of 'native'")
             return 0.0 if world_size <= 1 else self.native_alpha + nbytes * self.native_beta
+        if algorithm == PS:
+            if not self.offers(PS):
+                raise ValueError("this cost model has no measurement of 'ps' (the summation "
+                                 "servers): hybridcomm-bench --servers K --calibrate fits one")
+            return 0.0 if world_size <= 1 else self.ps_alpha + nbytes * self.ps_beta
         if not self.two_level:
             a, b, g = coefficients(algorithm, nbytes, world_size, topology)
             return a * self.alpha + b * self.beta + g * self.gamma
@@ -290,6 +311,11 @@ class CostModel:
                          source=f"{self.source} + {seconds * 1e6:g} us/message", meta=self.meta,
                          inter_alpha=inter, inter_beta=self.inter_beta)
 
+    def with_ps(self, alpha: float, beta: float, servers: int) -> "CostModel":
+        """This model with a measured ``ps`` line (``servers`` summation servers)."""
+        return dataclasses.replace(self, ps_alpha=float(alpha), ps_beta=float(beta),
+                                   ps_servers=int(servers))
+
     def crossover(self, world_size: int, a: str = "butterfly", b: str = "ring",
                   lo: int = 1, hi: int = 1 << 40, topology=None) -> Optional[int]:
         """Smallest byte count at which ``b`` is predicted no slower than ``a``
@@ -310,15 +336,19 @@ class CostModel:
             "native_alpha_s": self.native_alpha, "native_beta_s_per_byte": self.native_beta}
         inter = {k: v for k, v in (("inter_alpha_s", self.inter_alpha),
                                    ("inter_beta_s_per_byte", self.inter_beta)) if v is not None}
+        ps = {} if self.ps_alpha is None else {
+            "ps_alpha_s": self.ps_alpha, "ps_beta_s_per_byte": self.ps_beta,
+            "ps_servers": self.ps_servers}
         return {"version": FORMAT_VERSION, "alpha_s": self.alpha, "beta_s_per_byte": self.beta,
-                "gamma_s_per_byte": self.gamma, **native, **inter, **self.meta}
+                "gamma_s_per_byte": self.gamma, **native, **inter, **ps, **self.meta}
 
     @classmethod
     def from_json(cls, data: Dict, source: str = "json") -> "CostModel":
         if data.get("version") != FORMAT_VERSION:
             raise ValueError(f"cost model format {data.get('version')!r}, expected {FORMAT_VERSION}")
         known = ("version", "alpha_s", "beta_s_per_byte", "gamma_s_per_byte", "native_alpha_s",
-                 "native_beta_s_per_byte", "inter_alpha_s", "inter_beta_s_per_byte")
+                 "native_beta_s_per_byte", "inter_alpha_s", "inter_beta_s_per_byte",
+                 "ps_alpha_s", "ps_beta_s_per_byte", "ps_servers")
         meta = {k: v for k, v in data.items() if k not in known}
         native = data.get("native_alpha_s")
         opt = lambda key: None if data.get(key) is None else float(data[key])  # noqa: E731
@@ -326,7 +356,9 @@ class CostModel:
                    float(data["gamma_s_per_byte"]), source=source, meta=meta,
                    native_alpha=None if native is None else float(native),
                    native_beta=None if native is None else float(data["native_beta_s_per_byte"]),
-                   inter_alpha=opt("inter_alpha_s"), inter_beta=opt("inter_beta_s_per_byte"))
+                   inter_alpha=opt("inter_alpha_s"), inter_beta=opt("inter_beta_s_per_byte"),
+                   ps_alpha=opt("ps_alpha_s"), ps_beta=opt("ps_beta_s_per_byte"),
+                   ps_servers=None if data.get("ps_servers") is None else int(data["ps_servers"]))
 
 
 # Uncalibrated defaults: a 25 us message, 2.5 GB/s links, 10 GB/s reduction
@@ -384,8 +416,8 @@ def _nnls(A, y, fixed):
     return best[1]
 
 
-def fit(samples: Iterable[Sample], topology=None, *,
-        gamma: Optional[float] = None) -> Tuple[CostModel, FitReport]:
+def fit(samples: Iterable[Sample], topology=None, *, gamma: Optional[float] = None,
+        ps_servers: Optional[int] = None) -> Tuple[CostModel, FitReport]:
     """Least-squares alpha, beta, gamma >= 0 from measured times, robustly.
 
     Each sample ``(algorithm, bytes, P, seconds)`` is one equation
@@ -401,7 +433,9 @@ def fit(samples: Iterable[Sample], topology=None, *,
     ratios, which noise easily swamps. Points more than 3x the median
     relative residual off (and over 25%) are dropped as outliers, once.
     The report gives the error, a confidence, and ``degenerate`` when alpha
-    or beta is 0 (the planner then uses safe defaults).
+    or beta is 0 (the planner then uses safe defaults). ``native`` (or
+    ``torch``) samples fit the native line; ``ps`` samples, with
+    ``ps_servers`` (the number of servers they ran with), the ps line.
 
     Example::
 
@@ -441,11 +475,15 @@ def fit(samples: Iterable[Sample], topology=None, *,
         x, rel = solve(rows)
     native = _fit_native([(n, t) for algo, n, p, t in samples
                           if algo in (NATIVE, "torch") and p > 1 and t > 0])
+    ps = _fit_native([(n, t) for algo, n, p, t in samples if algo == PS and p > 1 and t > 0]) \
+        if ps_servers else None
     model = CostModel(float(x[0]), float(x[1]), float(x[2]), source="fit",
                       native_alpha=native[0] if native else None,
                       native_beta=native[1] if native else None,
                       inter_alpha=float(x[3]) if two else None,
-                      inter_beta=float(x[4]) if two else None)
+                      inter_beta=float(x[4]) if two else None,
+                      ps_alpha=ps[0] if ps else None, ps_beta=ps[1] if ps else None,
+                      ps_servers=int(ps_servers) if ps else None)
     rms = float(np.sqrt(np.mean(rel ** 2)))
     report = FitReport(len(rows), rms, float(np.max(np.abs(rel))),
                        tuple((algo, n, p, t, t * (1 + e)) for (algo, n, p, t), e in zip(rows, rel)),
@@ -463,7 +501,8 @@ def rounded(model: CostModel, digits: int = 2) -> CostModel:
     return dataclasses.replace(model, alpha=r(model.alpha), beta=r(model.beta),
                                gamma=r(model.gamma), native_alpha=r(model.native_alpha),
                                native_beta=r(model.native_beta), inter_alpha=r(model.inter_alpha),
-                               inter_beta=r(model.inter_beta))
+                               inter_beta=r(model.inter_beta), ps_alpha=r(model.ps_alpha),
+                               ps_beta=r(model.ps_beta))
 
 
 def _fit_native(points) -> Optional[Tuple[float, float]]:

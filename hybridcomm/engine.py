@@ -10,7 +10,8 @@ bucket's result. Every round of the order launches every bucket once: a
 bucket is launched again only in a round that launches them all.
 
 Per bucket and operation: the algorithm's schedule (or the transport's own
-all-reduce for ``native``, or top-k's all-gather) on the bucket's buffer, in
+all-reduce for ``native``, the summation servers' for ``ps``, or top-k's
+all-gather) on the bucket's buffer, in
 place; under compression the wire buffer is cast back into the gradients when
 the last segment is done.
 
@@ -25,7 +26,7 @@ from typing import Callable, List, Optional
 from . import trace
 from .algorithms import get_schedule
 from .buckets import GradBucket
-from .cost_model import NATIVE, bytes_sent
+from .cost_model import NATIVE, PS, bytes_sent
 from .errors import HybridCommError
 from .executor import Workspace, execute, execute_async, execute_native
 from .planner import Plan
@@ -34,7 +35,7 @@ from .planner import Plan
 def reduce_operation(buf, transport, algorithm: str, *, scale: Optional[float], timeout: float,
                      label: str, range_id="", ready=None,
                      workspace: Optional[Workspace] = None, stream_ordered: bool, after=None,
-                     reserved: bool = False):
+                     reserved: bool = False, servers=None):
     """A channel operation that all-reduces the flat ``buf`` in place with ``algorithm``.
 
     Host channel: the returned function runs the reduction (blocking) on the
@@ -43,10 +44,13 @@ def reduce_operation(buf, transport, algorithm: str, *, scale: Optional[float], 
     function) runs once the reduction is done, on the same side (thread or
     comm stream). ``scale``: 1/P for an average. ``range_id`` names the profiler
     range ("bucket <range_id> ..."). ``reserved``: ``buf`` was recorded on the
-    comm stream when allocated (no record_stream per call).
+    comm stream when allocated (no record_stream per call). ``servers``: the
+    job's :class:`~hybridcomm.ps.SummationServers`, for ``ps`` (host path only).
     """
     world, rank = transport.world_size, transport.rank
     nbytes = buf.numel() * buf.element_size()
+    if algorithm == PS:
+        return _ps_operation(buf, servers, scale, stream_ordered, after, range_id, world, nbytes)
     if algorithm == NATIVE:
         def native():
             with trace.bucket_range(range_id, algorithm, nbytes, world):
@@ -69,6 +73,24 @@ def reduce_operation(buf, transport, algorithm: str, *, scale: Optional[float], 
             if workspace is not None else None
         with trace.bucket_range(range_id, algorithm, nbytes, world):
             execute(schedule, buf, transport, scale=scale, scratch=scratch, timeout=timeout)
+        if after is not None:
+            after()
+    return hosted
+
+
+def _ps_operation(buf, servers, scale, stream_ordered: bool, after, range_id, world: int,
+                  nbytes: int):
+    """``ps``: the buffer through the summation servers, on the channel's thread."""
+    if servers is None:
+        raise HybridCommError("algorithm 'ps' needs the summation servers: servers= "
+                              "(hybridcomm.ps.SummationServers)")
+    if stream_ordered:  # ps.py moves host tensors over gloo point-to-point
+        raise HybridCommError("algorithm 'ps' runs on the host path only (gloo, CPU tensors); "
+                              "this channel is stream-ordered (GPU)")
+
+    def hosted():
+        with trace.bucket_range(range_id, PS, nbytes, world):
+            servers.all_reduce(buf, op="sum" if scale is None else "avg")
         if after is not None:
             after()
     return hosted
@@ -102,9 +124,16 @@ class CommEngine:
     """
 
     def __init__(self, plan: Plan, buckets: List[GradBucket], channel, transport, *,
-                 scale: Optional[float], timeout: float):
+                 scale: Optional[float], timeout: float, servers=None):
         self.plan, self.buckets, self.channel, self.transport = plan, buckets, channel, transport
         self.scale, self.timeout = scale, timeout
+        self.servers = servers  # SummationServers, for buckets planned 'ps'
+        uses_ps = [b.index for b in plan.buckets if b.algorithm == PS]
+        if uses_ps and (servers is None or channel.stream_ordered):
+            raise HybridCommError(
+                f"buckets {uses_ps} are planned 'ps' (the summation servers), which "
+                + ("needs servers= (hybridcomm.ps.SummationServers)" if servers is None else
+                   "runs on the host path only (gloo, CPU tensors), not on the GPU path"))
         # A wait slower than slow_after calls on_slow(bucket) once (the stall inspector).
         self.on_slow: Optional[Callable[[int], Optional[str]]] = None
         self.slow_after = 0.0
@@ -196,7 +225,8 @@ class CommEngine:
                                 ready=self._ready[index],
                                 workspace=self._workspace,
                                 stream_ordered=self.channel.stream_ordered, after=after,
-                                reserved=True)  # bucket memory: recorded when allocated
+                                reserved=True,  # bucket memory: recorded when allocated
+                                servers=self.servers)
 
     def _sparse_operation(self, index: int):
         """A top-k bucket: all-gather the ranks' messages, sum them into the bucket."""

@@ -68,7 +68,7 @@ def _choices(values: Callable[[], Sequence[str]]):
 def _algorithms() -> Sequence[str]:
     from .algorithms import ALGORITHMS
 
-    return ALGORITHMS + ("native",)
+    return ALGORITHMS + ("native", "ps")  # ps: DistributedOptimizer(servers=...) only
 
 
 @dataclass(frozen=True)

@@ -91,14 +91,23 @@ class _DistributedOptimizer:
             warnings.warn(f"hybridcomm: {type(self).__name__} needs all gradients at once; "
                           "using overlap='backward'", stacklevel=3)
             overlap = "backward"
+        servers, self._hc_own_servers = _summation_servers(options)
         self._hc_skip = self._hc_synchronized = False
         self._hc_closure_first = evaluates_closure_once(type(self).__bases__[1])  # the wrapped class
-        self._hc_sync = GradientSynchronizer(
-            self.param_groups, self._hc_update, model=model, overlap=overlap,
-            backward_passes_per_step=passes, topk=topk,
-            compression=None if topk else COMPRESSIONS[compression],
-            correction_momentum=self._hc_correction_momentum(topk),
-            timeout=env.timeout(options.pop("timeout")), **options)
+        try:
+            self._hc_sync = GradientSynchronizer(
+                self.param_groups, self._hc_update, model=model, overlap=overlap,
+                backward_passes_per_step=passes, topk=topk,
+                compression=None if topk else COMPRESSIONS[compression],
+                correction_momentum=self._hc_correction_momentum(topk),
+                timeout=env.timeout(options.pop("timeout")), servers=servers, **options)
+        except BaseException:
+            if self._hc_own_servers is not None:  # else the servers wait for us until timeout
+                try:
+                    self._hc_own_servers.close()
+                except HybridCommError:
+                    pass  # the construction's error is the one to raise
+            raise
         self._hc_link_topk_state()
 
     # ---- what the synchronizer shows -----------------------------------------------------
@@ -279,8 +288,13 @@ class _DistributedOptimizer:
         Cleanup never raises a communication error: if pending updates cannot be
         finished (a peer failed), they are dropped with a warning and everything
         is released anyway. Call ``synchronize()`` first to have such a failure
-        raised."""
-        self._hc_sync.close()
+        raised. Summation servers the optimizer made from a ``Role`` are told
+        this worker is done (those given as ``SummationServers`` are the caller's)."""
+        try:
+            self._hc_sync.close()
+        finally:
+            if self._hc_own_servers is not None:
+                self._hc_own_servers.close()
 
     # ---- top-k compression: residuals in the optimizer state -----------------------------
     def _hc_correction_momentum(self, topk) -> float:
@@ -312,6 +326,38 @@ class _DistributedOptimizer:
                 state[key] = view
 
 
+def _summation_servers(options: dict):
+    """(the SummationServers to use or None, the one made here from a Role or None);
+    sets ``options["process_group"]`` to the workers' group. Every rank raises
+    alike: a forced ``ps`` without servers, a group that is not the workers'."""
+    from . import ps
+    from .cost_model import PS
+
+    given = options.pop("servers")
+    forced = env.get("HYBRIDCOMM_ALGO") or options["strategy"]
+    if given is None:
+        if forced == PS:
+            raise HybridCommError("algorithm 'ps' needs the summation servers: pass servers= "
+                                  "(a hybridcomm.ps.Role from split_world, or SummationServers)")
+        return None, None
+    if isinstance(given, ps.Role):
+        made = ps.SummationServers(given, timeout=env.timeout(options["timeout"]))
+        servers = made
+    elif isinstance(given, ps.SummationServers):
+        made, servers = None, given
+    else:
+        raise TypeError("servers must be a hybridcomm.ps.Role (split_world) or SummationServers, "
+                        f"got {type(given).__name__}")
+    workers = servers.role.workers
+    if options["process_group"] is None:
+        options["process_group"] = servers.role.worker_group
+    elif dist.get_world_size(options["process_group"]) != len(workers):
+        raise HybridCommError(f"process_group has {dist.get_world_size(options['process_group'])} "
+                              f"ranks but the summation servers' workers are {len(workers)}: "
+                              "leave process_group out (the workers' group is used)")
+    return servers, made
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None,
                          named_parameters=None, strategy: str = "hybrid", overlap: str = "forward",
                          op: str = "avg", backward_passes_per_step: Optional[int] = None,
@@ -319,7 +365,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
                          timeout: Optional[float] = None, fusion_bytes: Optional[int] = None,
                          split_bytes: Optional[int] = None, measure_iters: int = 3,
                          replan_every: int = 200, trace: bool = False,
-                         lazy_bytes: Optional[int] = None, find_unused_parameters: bool = False):
+                         lazy_bytes: Optional[int] = None, find_unused_parameters: bool = False,
+                         servers=None):
     """Wrap ``optimizer`` so each step's gradients are all-reduced across ranks.
 
     Any training loop that runs in one process runs unchanged: several backward
@@ -375,6 +422,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
             posted as the bucket is issued), so no step syncs the host. As in
             DDP, off by default. Parameters no rank used are left alone either
             way (``.grad`` None, as one process leaves them).
+        servers: the job's summation servers (hybridcomm/ps.py, host path
+            only): a ``Role`` from ``hybridcomm.ps.split_world`` (the
+            optimizer makes the ``SummationServers`` and closes them in
+            ``close()``) or a ``SummationServers``. ``ps`` then competes per
+            bucket (where the cost model has a line for that many servers; a
+            probe adds one) and ``strategy="ps"`` forces it; the reduction
+            runs over the workers' group. A server rank runs
+            ``hybridcomm.ps.serve(role)`` instead of training.
 
     Raises:
         HybridCommError: on every rank, naming the parameters, if the ranks'
@@ -394,6 +449,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         ...     torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model)
         >>> for x, y in loader:
         ...     opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+    With summation servers (W workers + K servers, e.g. ``torchrun
+    --nproc-per-node W+K``; host path)::
+
+        role = hybridcomm.ps.split_world(num_servers=K)    # every rank
+        if role.is_server:
+            hybridcomm.ps.serve(role)                      # until the workers close
+        else:
+            opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                  model=model, servers=role)
+            ...                                            # train; print(opt.plan) shows ps
+            opt.close()                                    # tells the servers
     """
     if isinstance(optimizer, _DistributedOptimizer):
         raise HybridCommError("this optimizer is already a DistributedOptimizer")
@@ -408,5 +475,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
                  cost_model=cost_model, process_group=process_group, timeout=timeout,
                  fusion_bytes=fusion_bytes, split_bytes=split_bytes, lazy_bytes=lazy_bytes,
                  measure_iters=measure_iters, replan_every=replan_every, trace=trace,
-                 find_unused_parameters=find_unused_parameters)
+                 find_unused_parameters=find_unused_parameters, servers=servers)
     return opt

@@ -27,8 +27,10 @@ when its gradient is ready, and the order the next forward needs the layers.
   ones with long windows a ring (hybridcomm's, or ``native``, the process
   group's own in C++, where the measured model offers and predicts it
   faster); on several nodes (``LOCAL_WORLD_SIZE``), hierarchical too.
-  ``"auto"`` lets every algorithm compete. ``strategy`` naming
-  an algorithm, or ``HYBRIDCOMM_ALGO``, forces it for every bucket.
+  ``"auto"`` lets every algorithm compete. With ``servers`` (the job's
+  summation servers, ps.py), ``ps`` competes too, where the model has a
+  line for that many servers. ``strategy`` naming an algorithm, or
+  ``HYBRIDCOMM_ALGO``, forces it for every bucket (``ps`` needs servers).
 - **Issue order**: every rank issues all of a step's communication through
   one ordered channel (one communicator, one stream), in ``Plan.order``: a
   fixed sequence of (bucket, segment). Without measurements it is backward
@@ -50,9 +52,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from . import env
 from .algorithms import ALGORITHMS, Topology
 from .compression import TOPK, segment_numel, sparse_bytes_sent
-from .cost_model import NATIVE, CostModel, bytes_sent
+from .cost_model import NATIVE, PS, CostModel, bytes_sent
 
-BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE,)
+BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
 STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS}
 MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
 FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
@@ -195,6 +197,22 @@ def forced_algorithm(strategy: str) -> Optional[str]:
     return strategy
 
 
+def _with_ps(candidates: List[str], forced: Optional[str], servers: int, model: CostModel,
+             notes: List[str]) -> List[str]:
+    """``candidates`` plus ``ps`` where the job has servers and the model a line for
+    that many; a forced ``ps`` without servers is an error."""
+    if forced == PS and not servers:
+        raise ValueError("algorithm 'ps' needs summation servers: pass servers= "
+                         "(hybridcomm.ps.split_world / SummationServers)")
+    if not servers or forced:
+        return [a for a in candidates if a != PS]
+    if model.offers(PS, servers):
+        return [a for a in candidates if a != PS] + [PS]
+    notes.append(f"ps not a candidate: the cost model has no ps line for {servers} servers"
+                 + (f" (it was measured with {model.ps_servers})" if model.ps_servers else ""))
+    return [a for a in candidates if a != PS]
+
+
 def balance_bytes(model: CostModel, world_size: int,
                   topology: Optional[Topology] = None) -> float:
     """Bytes at which one all-reduce's fixed cost equals its bytes' cost, for the
@@ -334,7 +352,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               ready: Optional[dict] = None, need: Optional[dict] = None,
               topk: Optional[float] = None, lazy_bytes: Optional[int] = None,
               topology: Optional[Topology] = None, launch_pass: int = 1,
-              comm_scale: Optional[float] = None, defer_pays: Optional[bool] = None) -> Plan:
+              comm_scale: Optional[float] = None, defer_pays: Optional[bool] = None,
+              servers: int = 0) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
@@ -347,7 +366,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     predicted communication time (the issue order is timed with it);
     ``defer_pays``: whether the measured steps left reductions running at step()
     besides the first-needed bucket's (False: forward mode's deferred updates
-    cannot pay, step() applies them).
+    cannot pay, step() applies them); ``servers``: how many summation servers
+    the job has (``ps`` a candidate, and allowed forced, only with some).
 
     Example::
 
@@ -370,6 +390,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         notes.append(explain_lazy(layers, groups, model, world_size))
     if strategy == "hybrid" and 1 < topo.node_size < world_size:
         candidates.append("hierarchical")  # several nodes: reduce inside them first
+    candidates = _with_ps(candidates, forced, servers, model, notes)
     buckets = []
     for i, group in enumerate(groups):
         params = [p for layer in group for p in layer.params]
@@ -389,7 +410,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
             algorithm = forced
         else:
             # At P <= 2 our algorithms are all one exchange of the same bytes.
-            pool = [a for a in candidates if a in ("butterfly", NATIVE)] if world_size <= 2 \
+            pool = [a for a in candidates if a in ("butterfly", NATIVE, PS)] if world_size <= 2 \
                 else candidates
             algorithm = model.choose(nbytes, world_size, window, pool or ["butterfly"], topo)
         pred = sum(model.predict(algorithm, (b - a) * esize, world_size, topo)

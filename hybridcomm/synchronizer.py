@@ -158,7 +158,8 @@ class GradientSynchronizer:
         compression (the wire dtype, or None), topk (ratio or None),
         correction_momentum, cost_model, process_group, timeout, fusion_bytes,
         split_bytes, lazy_bytes, measure_iters, replan_every, trace,
-        find_unused_parameters: as ``DistributedOptimizer`` documents them.
+        find_unused_parameters, servers: as ``DistributedOptimizer`` documents
+        them (``servers``: a :class:`~hybridcomm.ps.SummationServers`).
 
     Example::
 
@@ -176,7 +177,7 @@ class GradientSynchronizer:
                  correction_momentum: float = 0.0, cost_model=None, process_group=None,
                  timeout: float = 300.0, fusion_bytes=None, split_bytes=None, lazy_bytes=None,
                  measure_iters: int = 3, replan_every: int = 200, trace: bool = False,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, servers=None):
         self._param_groups, self._update = param_groups, update
         self.model, self._named = model, named_parameters
         self.overlap, self.strategy = overlap, strategy
@@ -194,6 +195,11 @@ class GradientSynchronizer:
 
         self.registry = self._registry()
         self._rt = runtime_for(self.registry.device)
+        self.servers = servers
+        if servers is not None and self._rt is not None:  # ps.py moves host tensors
+            raise HybridCommError("servers= (the summation servers, algorithm 'ps') run on the "
+                                  "host path only (gloo, CPU tensors); these parameters are on "
+                                  f"{self.registry.device}: leave servers out on the GPU path")
         self.clock = clock_for(self._rt)  # the planner's inputs: the GPU's clock there
         # Device path: which parameters some rank has a gradient for is agreed on the
         # host (gloo, posted at issue), not read back from the reduced flags (a host
@@ -203,7 +209,7 @@ class GradientSynchronizer:
         self.transport, self.channel = open_channel(self.registry.device, process_group, timeout,
                                                     self.timeline,
                                                     issue_thread=env.get("HYBRIDCOMM_ISSUE_THREAD"))
-        self.cost_model = calibration.resolve(cost_model, process_group, timeout)
+        self.cost_model = calibration.resolve(cost_model, process_group, timeout, servers)
         self.stall = StallInspector(process_group, timeout)
         self._launches = 0  # buckets launched in all (the stall inspector compares them)
 
@@ -281,7 +287,8 @@ class GradientSynchronizer:
                              split_bytes=self.split_bytes, windows=windows, ready=ready,
                              need=need, topk=self.topk, lazy_bytes=self.lazy_bytes,
                              launch_pass=launch_pass, comm_scale=comm_scale,
-                             defer_pays=defer_pays if self.overlap == "forward" else None)
+                             defer_pays=defer_pays if self.overlap == "forward" else None,
+                             servers=len(self.servers.role.servers) if self.servers else 0)
             if keep is not None and plan.decisions() == keep.decisions():
                 plan = None
         return control.broadcast_object(plan, group=self.group, timeout=self.timeout,
@@ -326,7 +333,7 @@ class GradientSynchronizer:
             slots.append(slot)
         self.plan, self.slots, self._where = plan, slots, where
         self.engine = CommEngine(plan, [s.bucket for s in slots], self.channel, self.transport,
-                                 scale=self.scale, timeout=self.timeout)
+                                 scale=self.scale, timeout=self.timeout, servers=self.servers)
         if self.stall.enabled:
             self.engine.on_slow, self.engine.slow_after = self._stalled, self.stall.warn_s
         if self._agree_used:

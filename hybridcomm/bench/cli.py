@@ -8,10 +8,15 @@
     hybridcomm-bench --nprocs 4 --calibrate                           # fit alpha, beta, gamma
     hybridcomm-bench --nprocs 4 --node-size 2 --inter-shape "rate 100mbit" \
         --algo ring,hierarchical,native                   # root: 2 nodes, slow link between
+    hybridcomm-bench --nprocs 4 --servers 4 --shape "rate 100mbit" -b 16M -e 16M \
+        --algo ring,native,ps                             # + 4 summation servers (ps)
 
 Under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) every process runs
 its rank; otherwise the command starts ``--nprocs`` local ranks itself (gloo
-on CPU, NCCL with one GPU per rank where there are GPUs).
+on CPU, NCCL with one GPU per rank where there are GPUs). ``--servers K``
+adds K summation servers (hybridcomm/ps.py; the last K processes, on links of
+their own under ``--shape``) and times ``ps`` through them; under torchrun
+the last K of WORLD_SIZE serve.
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ from .harness import DTYPES, Config, run_rank
 from . import report
 from .report import BASELINE
 
-ALGO_CHOICES = ALGORITHMS + ("auto", BASELINE)
+PS = "ps"  # through the summation servers (--servers K)
+ALGO_CHOICES = ALGORITHMS + ("auto", BASELINE, PS)
 
 
 def sweep_sizes(minbytes: int, maxbytes: int, factor: float) -> List[int]:
@@ -102,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibrate", nargs="?", const="", default=None, metavar="PATH",
                     help="fit the cost model's alpha, beta, gamma to this sweep and save them "
                          "(default: the user's cache dir, where auto and the planner load them)")
+    ap.add_argument("--servers", type=int, default=0, metavar="K",
+                    help="K summation servers (hybridcomm.ps) beside the ranks, each its own "
+                         "process (and link under --shape): adds algorithm ps, and --calibrate "
+                         "fits its line; the ranks (--nprocs, or WORLD_SIZE - K) are the workers")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a peer")
     return ap
 
@@ -121,10 +131,34 @@ def config_from(args) -> Config:
         raise SystemExit("--node-size must be >= 1")
     if args.inter_shape and args.node_size is None:
         raise SystemExit("--inter-shape needs --node-size (ranks per node)")
+    check_servers(args.servers, algos, args)
+    if args.servers and PS not in algos:
+        algos.append(PS)  # the servers are there to be timed
     return Config(sizes=sizes, algos=list(dict.fromkeys(algos)), iters=args.iters,
                   warmup=args.warmup, dtype=args.dtype, op=args.op, check=bool(args.check),
                   latency_s=args.latency, timeout_s=args.timeout, node_size=args.node_size,
-                  grid=args.grid, shape=" ".join(_parse_shape(args.shape)) if args.shape else None)
+                  grid=args.grid, shape=" ".join(_parse_shape(args.shape)) if args.shape else None,
+                  servers=args.servers)
+
+
+def check_servers(k: int, algos: List[str], args) -> None:
+    """``--servers K``'s rules, as clear errors: K >= 0, ``ps`` needs K > 0, and the
+    servers go on a flat network (not with --node-size / --inter-shape).
+
+        >>> check_servers(0, ["ps"], build_parser().parse_args([]))
+        Traceback (most recent call last):
+        SystemExit: --algo ps needs summation servers: --servers K with K >= 1
+    """
+    if k < 0:
+        raise SystemExit(f"--servers must be >= 0 (summation servers), got {k}")
+    if PS in algos and k == 0:
+        raise SystemExit("--algo ps needs summation servers: --servers K with K >= 1")
+    if k and (args.node_size is not None or args.inter_shape):
+        raise SystemExit("--servers goes with a flat network: not with --node-size / "
+                         "--inter-shape")
+    if k and args.latency:
+        raise SystemExit("--servers with --latency: the emulated latency wraps hybridcomm's "
+                         "transport only, not the servers' traffic; time them apart")
 
 
 def _parse_shape(spec):
@@ -162,6 +196,7 @@ def _local(cfg: Config, nprocs: int, backend: str, shape: Optional[str],
     start = "fork" if backend == "gloo" else "spawn"
     kwargs = dict(backend=backend, timeout=7 * 24 * 3600, pg_timeout=max(cfg.timeout_s, 60),
                   start_method=start)
+    nprocs += cfg.servers  # the workers, then the servers
     if shape is None and inter_shape is None:
         return launch(run_rank, nprocs, cfg, **kwargs)[0]
     from ..netns import NetnsError, ShapedNetwork
@@ -181,16 +216,17 @@ def _local(cfg: Config, nprocs: int, backend: str, shape: Optional[str],
 
 
 def calibrate(doc: dict, path: Optional[str]) -> dict:
-    """Fit alpha, beta, gamma to the sweep's ring/butterfly/halving_doubling rows,
-    save them, and return the JSON ``calibration`` entry."""
+    """Fit alpha, beta, gamma to the sweep's ring/butterfly/halving_doubling rows
+    (native's and ps's lines to theirs), save them, and return the JSON
+    ``calibration`` entry."""
     from .. import calibration, cost_model
     from ..algorithms import Topology
 
     samples = [(r["algo"], r["bytes"], doc["world_size"], r["time_us"] * 1e-6)
                for r in doc["results"]
-               if r["algo"] in cost_model.MODELED + cost_model.TWO_LEVEL + (BASELINE,)]
+               if r["algo"] in cost_model.MODELED + cost_model.TWO_LEVEL + (BASELINE, PS)]
     topology = Topology(doc["node_size"], tuple(doc["grid"]))
-    model, rep = cost_model.fit(samples, topology)
+    model, rep = cost_model.fit(samples, topology, ps_servers=doc.get("servers") or None)
     saved = calibration.save(model, path or None, report=rep, world_size=doc["world_size"],
                             backend=doc["backend"], device=doc["device"], dtype=doc["dtype"],
                             shape=doc["shape"], inter_shape=doc["inter_shape"],
@@ -198,7 +234,9 @@ def calibrate(doc: dict, path: Optional[str]) -> dict:
                             sizes=[min(s[1] for s in samples), max(s[1] for s in samples)])
     return {"alpha_s": model.alpha, "beta_s_per_byte": model.beta,
             "gamma_s_per_byte": model.gamma, "inter_alpha_s": model.inter_alpha,
-            "inter_beta_s_per_byte": model.inter_beta, "n_points": rep.n_points,
+            "inter_beta_s_per_byte": model.inter_beta, "ps_alpha_s": model.ps_alpha,
+            "ps_beta_s_per_byte": model.ps_beta, "ps_servers": model.ps_servers,
+            "n_points": rep.n_points,
             "rms_rel_err": rep.rms_rel_err, "max_rel_err": rep.max_rel_err, "path": saved,
             "points": [{"algo": a, "bytes": n, "measured_us": t * 1e6, "predicted_us": p * 1e6}
                        for a, n, _, t, p in rep.residuals]}
@@ -209,7 +247,9 @@ def calibration_lines(cal: dict, world: int) -> List[str]:
 
     m = cost_model.CostModel(cal["alpha_s"], cal["beta_s_per_byte"], cal["gamma_s_per_byte"],
                              inter_alpha=cal.get("inter_alpha_s"),
-                             inter_beta=cal.get("inter_beta_s_per_byte"))
+                             inter_beta=cal.get("inter_beta_s_per_byte"),
+                             ps_alpha=cal.get("ps_alpha_s"), ps_beta=cal.get("ps_beta_s_per_byte"),
+                             ps_servers=cal.get("ps_servers"))
     bw = (lambda x: f"{1 / x / 1e9:.3g} GB/s" if x > 0 else "inf")
     lines = ["#", "# Calibration (least squares, relative error, over "
              f"{cal['n_points']} points):",
@@ -219,6 +259,9 @@ def calibration_lines(cal: dict, world: int) -> List[str]:
              *([f"#   between nodes: alpha {format_seconds(m.inter_alpha)} per step, beta "
                 f"{format_seconds(m.inter_beta)} per byte on a node's link "
                 f"({bw(m.inter_beta)})"] if m.two_level else []),
+             *([f"#   ps ({m.ps_servers} summation servers): {format_seconds(m.ps_alpha)} per "
+                f"all-reduce + {format_seconds(m.ps_beta)} per byte ({bw(m.ps_beta)})"]
+               if m.ps_alpha is not None else []),
              f"#   fit error: rms {cal['rms_rel_err'] * 100:.1f}%, max {cal['max_rel_err'] * 100:.1f}%",
              f"#   saved to {cal['path']}"]
     c = m.crossover(world)
@@ -280,10 +323,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     import torch
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if cfg.servers and backend != "gloo":
+        raise SystemExit("--servers: the summation servers move host tensors over gloo; "
+                         "use --backend gloo")
     if _under_torchrun():
         if args.shape or args.inter_shape:
             raise SystemExit("hybridcomm-bench: --shape needs --nprocs (it starts the ranks "
                              "inside their namespaces); it cannot run under torchrun")
+        if cfg.servers >= int(os.environ["WORLD_SIZE"]):
+            raise SystemExit(f"--servers {cfg.servers} leaves no workers among WORLD_SIZE "
+                             f"{os.environ['WORLD_SIZE']} processes")
         doc = _torchrun_rank(cfg, backend)
         if doc is None:
             return 0
@@ -301,7 +350,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         doc = _local(cfg, nprocs, backend, args.shape, args.inter_shape)
     world = doc["world_size"]
     from ..netns import parse_shape as parse
-    doc = {"world_size": world, "backend": doc["backend"], "device": doc["device"],
+    doc = {"world_size": world, "servers": cfg.servers, "backend": doc["backend"],
+           "device": doc["device"],
            "dtype": cfg.dtype, "op": cfg.op,
            "shape": " ".join(parse(args.shape)) if args.shape else None,
            "inter_shape": " ".join(parse(args.inter_shape)) if args.inter_shape else None,

@@ -9,6 +9,10 @@ integers, so the sum is exact in any order and in any dtype, and ``#wrong`` is
 the number of elements that differ from it (for ``avg``, more than the one
 rounding the scale allows). Rank 0 gathers every rank's medians; the reported
 time is their mean.
+
+With ``servers`` K > 0 the last K processes are summation servers
+(hybridcomm/ps.py): they serve, and the others (the workers) run the sweep
+over their own group, ``ps`` (through the servers) beside the rest.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ class Config:
     shape: Optional[str] = None       # for the header: the tbf spec of each rank link
     network: Optional[str] = None     # for the header: the shaped network, described
     live: bool = True                 # rank 0 prints the header, then rows as sizes complete
+    servers: int = 0                  # summation servers: the last K processes (algorithm ps)
 
 
 def integer_input(rank: int, count: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -80,16 +85,17 @@ def _sync(device) -> None:
 class _Runners:
     """Callables that all-reduce ``buf`` in place with one algorithm."""
 
-    def __init__(self, world: int, rank: int, cfg: Config, device):
+    def __init__(self, world: int, rank: int, cfg: Config, device, group=None, servers=None):
         from ..executor import Workspace
         from ..transport.latency import LatencyTransport
         from ..algorithms import Topology
         from ..transport.select import select_transport
 
         self.world, self.rank, self.cfg, self.device = world, rank, cfg, device
+        self.group, self.servers = group, servers
         # The transport the optimizer and all_reduce use on this device (CuPy NCCL
         # on GPUs), so the sweep and --calibrate measure the real data path.
-        base = select_transport(device)
+        base = select_transport(device, group)
         if cfg.latency_s > 0 and base.stream_ordered:
             raise SystemExit("error: --latency emulates per-message delay on the host path "
                              "only; it cannot wrap a stream-ordered (GPU) transport")
@@ -102,13 +108,16 @@ class _Runners:
     def resolve(self, algo: str, nbytes: int) -> str:
         from ..collectives import resolve_algorithm
 
-        return algo if algo == BASELINE else resolve_algorithm(algo, nbytes, self.world,
-                                                               self.topology)
+        return algo if algo in (BASELINE, "ps") else resolve_algorithm(algo, nbytes, self.world,
+                                                                       self.topology)
 
     def make(self, algo: str, buf: torch.Tensor):
         if algo == BASELINE:
-            op = self.torch_op
-            return lambda: dist.all_reduce(buf, op=op)
+            op, group = self.torch_op, self.group
+            return lambda: dist.all_reduce(buf, op=op, group=group)
+        if algo == "ps":
+            servers, op = self.servers, self.cfg.op
+            return lambda: servers.all_reduce(buf, op=op)
         from ..algorithms import get_schedule
         from ..executor import execute
 
@@ -119,7 +128,7 @@ class _Runners:
                                timeout=timeout)
 
 
-def _time_one(run, buf, inp, cfg: Config, device) -> float:
+def _time_one(run, buf, inp, cfg: Config, device, group=None) -> float:
     for _ in range(cfg.warmup):
         buf.copy_(inp)
         run()
@@ -127,7 +136,7 @@ def _time_one(run, buf, inp, cfg: Config, device) -> float:
     for _ in range(cfg.iters):
         buf.copy_(inp)
         _sync(device)
-        dist.barrier()
+        dist.barrier(group=group)
         t0 = time.perf_counter()
         run()
         _sync(device)
@@ -149,25 +158,44 @@ def _merge(per_rank_rows: List[List[dict]]) -> List[dict]:
 
 def _header_doc(world, device, cfg: Config, model, topology) -> dict:
     return {"world_size": world, "backend": backend_name(), "device": device.type,
-            "dtype": cfg.dtype, "op": cfg.op, "iters": cfg.iters, "warmup": cfg.warmup,
+            "servers": cfg.servers, "dtype": cfg.dtype, "op": cfg.op, "iters": cfg.iters, "warmup": cfg.warmup,
             "check": cfg.check, "latency": cfg.latency_s, "shape": cfg.shape,
             "network": cfg.network, "node_size": topology.node_size, "grid": list(topology.grid),
             "auto_model": {"source": model.source}}
 
 
 def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
-    """The sweep on this rank; rank 0 returns the gathered results, others None."""
+    """The sweep on this rank; rank 0 returns the gathered results, others None.
+    With ``cfg.servers``, the last K ranks serve (and return None) and the
+    workers sweep over their own group."""
+    if not cfg.servers:
+        return _sweep(rank, world, cfg, None, None)
+    from .. import ps
+
+    role = ps.split_world(cfg.servers)
+    if role.is_server:
+        ps.serve(role, timeout=cfg.timeout_s)
+        return None
+    servers = ps.SummationServers(role, timeout=cfg.timeout_s)
+    try:
+        return _sweep(dist.get_rank(role.worker_group), len(role.workers), cfg,
+                      role.worker_group, servers)
+    finally:
+        servers.close()  # the servers stop once every worker has closed
+
+
+def _sweep(rank: int, world: int, cfg: Config, group, servers) -> Optional[dict]:
     from .. import calibration, control
 
-    device = comm_device()
+    device = comm_device(group)
     dtype = DTYPES[cfg.dtype]
     esize = torch.empty((), dtype=dtype).element_size()
     # auto must choose the same on every rank: rank 0's model for all.
-    model = calibration.agree(timeout=cfg.timeout_s)
+    model = calibration.agree(group=group, timeout=cfg.timeout_s)
     if cfg.latency_s > 0:  # the emulated network is slower per message: auto knows it
         model = model.with_latency(cfg.latency_s)
         calibration.set_active(model)
-    runners = _Runners(world, rank, cfg, device)
+    runners = _Runners(world, rank, cfg, device, group, servers)
 
     rows = []
     start = time.perf_counter()
@@ -189,7 +217,7 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
         for algo in cfg.algos:
             chosen = runners.resolve(algo, count * esize)
             run = runners.make(chosen, buf)
-            t = _time_one(run, buf, inp, cfg, device)
+            t = _time_one(run, buf, inp, cfg, device, group)
             wrong = -1
             if cfg.check:
                 buf.copy_(inp)
@@ -199,7 +227,7 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
             rows.append({"algo": algo, "chosen": chosen, "bytes": count * esize, "count": count,
                          "time_s": t, "wrong": wrong})
         if cfg.live:  # as nccl-tests: this size's rows now, times averaged over the ranks
-            every = control.all_gather_object(rows[first:], timeout=cfg.timeout_s,
+            every = control.all_gather_object(rows[first:], group=group, timeout=cfg.timeout_s,
                                               what="the benchmark rows")
             if rank == 0:
                 merged = report.result_rows(_merge(every), world, cfg.latency_s)
@@ -209,12 +237,13 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
         elif cfg.progress and rank == 0 and len(cfg.sizes) > 3:
             print(f"# progress: {k + 1}/{len(cfg.sizes)} sizes, up to {count * esize} bytes, "
                   f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    gathered = control.all_gather_object(rows, timeout=cfg.timeout_s, what="the benchmark rows")
+    gathered = control.all_gather_object(rows, group=group, timeout=cfg.timeout_s,
+                                         what="the benchmark rows")
     if rank != 0:
         return None
     results = _merge(gathered)
-    return {"world_size": world, "backend": backend_name(), "device": device.type,
-            "node_size": runners.topology.node_size, "grid": list(runners.topology.grid),
+    return {"world_size": world, "backend": backend_name(group), "device": device.type,
+            "servers": cfg.servers, "node_size": runners.topology.node_size, "grid": list(runners.topology.grid),
             "results": results, "auto_model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta,
                                                "gamma_s_per_byte": model.gamma,
                                                "inter_alpha_s": model.inter_alpha,

@@ -59,6 +59,9 @@ def header(doc: dict) -> List[str]:
            f"(the torch baseline runs without it)" if lat else ""),
         f"# auto: cost model from {doc['auto_model']['source']}; hierarchical node size "
         f"{doc.get('node_size')}, torus2d grid {'x'.join(map(str, doc.get('grid') or ()))}",
+        *([f"# ps: {doc['servers']} summation servers (hybridcomm.ps), extra processes beside "
+            f"the {doc['world_size']} ranks, each on its own link where shaped"]
+          if doc.get("servers") else []),
         f"# busbw = algbw * 2(P-1)/P = algbw * {bus_factor(doc['world_size']):.3f}",
         "#",
         f"# {'size':>10} {'count':>11} {'type':>8} {'redop':>5} {'algo':>16} {'time(us)':>11} "
