@@ -13,6 +13,16 @@ wall clock measures synchronization, not this machine's 2 shared cores.
     python benchmarks/sync_strategies.py --quick --strategies downpour \
         --scenarios uniform --kill-server-at 20 --kill-server-at 15,35,55
 
+``downpour_mp`` is Downpour with model-parallel replicas (Dean et al.'s
+setting) on the same 4 worker processes and 2 shards: 2 replicas, each a
+2-stage pipeline (ranks 2r, 2r+1: the MLP's first layer, then its second;
+activations forward and their gradients back over gloo, one mini-batch of 32
+at a time), each stage pushing and fetching only its own parameters. Each
+replica trains on half the data (the same epochs: every sample as often as in
+``downpour``), and each stage sleeps half of ``--step-ms`` (it holds half the
+model), so a replica's step costs what a data-parallel worker's does and the
+job has half as many replicas. Replica 0 evaluates through its pipeline.
+
 ``--kill-server-at STEPS`` adds a Downpour run in which worker 0 SIGKILLs
 server 0 after each of those steps; the benchmark restarts it at once (a fresh
 process, as a process manager would), it resumes from its checkpoint, and the
@@ -44,13 +54,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import hybridcomm  # noqa: E402
 from hybridcomm.launch import launch  # noqa: E402
-from hybridcomm.strategies import (ADMM, DownpourSGD, LocalSGD, ParallelSGD,  # noqa: E402
-                                   init_downpour, serve)
+from hybridcomm.strategies import (ADMM, DownpourSGD, DownpourStage, LocalSGD,  # noqa: E402
+                                   ParallelSGD, init_downpour, serve)
 
-STRATEGIES = ("sync", "parallel_sgd", "local_sgd", "admm", "downpour")
+STRATEGIES = ("sync", "parallel_sgd", "local_sgd", "admm", "downpour", "downpour_mp")
 SCENARIOS = ("uniform", "straggler")
 WORKERS, SERVERS = 4, 2
 STRAGGLER, SLOWDOWN = 3, 3.0
+STAGES = 2  # downpour_mp: WORKERS // STAGES replicas of STAGES stages
 
 
 def digits():
@@ -69,6 +80,12 @@ def digits():
 def mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def mlp_stages():
+    """The same MLP (same initial values), cut after its ReLU: 2 stage modules."""
+    m = mlp()
+    return [m[:2], m[2:]]
 
 
 def accuracy(model, x, y) -> float:
@@ -129,35 +146,44 @@ def _kill_server(rdv, index):
         os.kill(int(f.read()), signal.SIGKILL)
 
 
-def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of):
-    """Train ``cfg['epochs']`` epochs of this worker's shard; rank 0 records
-    (seconds, accuracy) every ``eval_every`` steps."""
+def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of, replica=None, replicas=WORKERS,
+                 evaluator=None, compute=1.0):
+    """Train ``cfg['epochs']`` epochs of this replica's shard (``replica`` of
+    ``replicas``, default: one per rank); rank 0 records (seconds, accuracy) every
+    ``eval_every`` steps. ``evaluator``: this rank takes part in rank 0's
+    evaluations (a pipeline's other stages; default rank 0 only); ``compute``:
+    the share of ``step_ms`` this rank sleeps."""
+    replica = rank if replica is None else replica
+    evaluator = rank == 0 if evaluator is None else evaluator
     xtr, ytr, xte, yte = digits()
-    xs, ys = xtr[rank::WORKERS], ytr[rank::WORKERS]
-    delay = cfg["step_ms"] / 1e3 * (SLOWDOWN if cfg["scenario"] == "straggler"
-                                    and rank == STRAGGLER else 1.0)
+    xs, ys = xtr[replica::replicas], ytr[replica::replicas]
+    delay = compute * cfg["step_ms"] / 1e3 * (SLOWDOWN if cfg["scenario"] == "straggler"
+                                              and rank == STRAGGLER else 1.0)
     curve, step = [], 0
     t0 = time.perf_counter()
     bs = cfg["batch"]
     for epoch in range(cfg["epochs"]):
-        perm = torch.randperm(len(xs), generator=torch.Generator().manual_seed(100 * epoch + rank))
+        perm = torch.randperm(len(xs),
+                              generator=torch.Generator().manual_seed(100 * epoch + replica))
         for i in range(0, len(xs) - bs + 1, bs):
             idx = perm[i:i + bs]
             time.sleep(delay)  # a bigger model's compute
             step_fn(xs[idx], ys[idx], epoch_end=False)
             step += 1
-            if rank == 0 and step % cfg["eval_every"] == 0:
+            if evaluator and step % cfg["eval_every"] == 0:
                 curve.append((time.perf_counter() - t0, evaluate(xte, yte)))
         step_fn(None, None, epoch_end=True)
-        if rank == 0:
+        if evaluator:
             curve.append((time.perf_counter() - t0, evaluate(xte, yte)))
-    return {"curve": curve, "bytes_sent": bytes_of(), "accuracy": evaluate(xte, yte),
-            "steps": step}
+    return {"curve": curve if rank == 0 else [], "bytes_sent": bytes_of(),
+            "accuracy": evaluate(xte, yte) if evaluator else None, "steps": step}
 
 
 def _run(rank, world, cfg, rdv):
     """One strategy in one scenario, on this process."""
     name = cfg["strategy"]
+    if name == "downpour_mp":
+        return _run_pipeline(rank, cfg, rdv)
     if name == "downpour":  # the workers; the servers are _Servers' processes
         init_downpour(rank, WORKERS, SERVERS, f"file://{rdv}", timeout=60)
         model = mlp()
@@ -220,13 +246,41 @@ def _run(rank, world, cfg, rdv):
     return out
 
 
+def _run_pipeline(rank, cfg, rdv):
+    """Downpour with model-parallel replicas: this rank is stage ``rank % STAGES`` of
+    replica ``rank // STAGES``; the servers are _Servers' processes."""
+    init_downpour(rank, WORKERS, SERVERS, f"file://{rdv}", timeout=60)
+    replica, stage = divmod(rank, STAGES)
+    peers = [replica * STAGES + s for s in range(STAGES)]
+    pipe = DownpourStage(mlp_stages()[stage], [f"server{i}" for i in range(SERVERS)],
+                         lr=cfg["lr_async"], rule=cfg["rule"], stage=stage, peers=peers,
+                         loss_fn=F.cross_entropy, timeout=60, replay_log=cfg["replay_log"])
+
+    def step(x, y, epoch_end):
+        if x is not None:
+            pipe.step(x) if stage == 0 else pipe.step(y=y)  # both stages read the batch
+
+    def evaluate(x, y):
+        if stage != 0:
+            return pipe.forward()
+        return (pipe.forward(x).argmax(1) == y).float().mean().item()
+
+    out = _worker_loop(rank, cfg, None, step, evaluate, lambda: pipe.bytes_sent + pipe.bytes_p2p,
+                       replica=replica, replicas=WORKERS // STAGES, evaluator=replica == 0,
+                       compute=1.0 / STAGES)
+    pipe.close()
+    return dict(out, reconnects=pipe.reconnects, replayed=pipe.replayed, lost=pipe.lost,
+                reconnect_seconds=pipe.opt.reconnect_seconds, pushes=pipe.pushes,
+                bytes_pushed=pipe.bytes_sent, bytes_p2p=pipe.bytes_p2p)
+
+
 def run(strategy: str, scenario: str, cfg: dict) -> dict:
     """Worker 0's result; for Downpour with the workers' fault counters summed and
     the pushes each shard applied."""
     cfg = dict(cfg, strategy=strategy, scenario=scenario)
     with tempfile.TemporaryDirectory(prefix="hybridcomm-rdv-") as tmp:
         rdv = os.path.join(tmp, "rdv")
-        if strategy != "downpour":
+        if not strategy.startswith("downpour"):
             return launch(_run, WORKERS, cfg, rdv, backend="gloo", start_method="spawn",
                           timeout=1200)[0]
         os.makedirs(rdv)
@@ -236,8 +290,10 @@ def run(strategy: str, scenario: str, cfg: dict) -> dict:
                              timeout=1200)
         finally:
             applied = servers.finish()
+    sent = [sum(r["pushes"][i] for r in results) for i in range(SERVERS)] \
+        if strategy == "downpour_mp" else sum(r["steps"] for r in results)
     out = dict(results[0], kills=len(cfg["kill_at"]), restarts=servers.restarts,
-               shard_pushes=applied, pushes_sent=sum(r["steps"] for r in results))
+               shard_pushes=applied, pushes_sent=sent)
     for k in ("reconnects", "replayed", "lost", "reconnect_seconds"):
         out[k] = sum(r[k] for r in results)
     return out
@@ -304,17 +360,23 @@ def main(argv=None) -> int:
             row = {"strategy": label, "scenario": scenario,
                    "test_accuracy": out["accuracy"], "time_to_target_s": t,
                    "bytes_sent": out["bytes_sent"]}
-            if strategy == "downpour":
+            if strategy.startswith("downpour"):
                 row.update({k: out[k] for k in ("kills", "restarts", "reconnects", "replayed",
                                                 "lost", "reconnect_seconds", "shard_pushes",
-                                                "pushes_sent")})
+                                                "pushes_sent", "steps")})
+            if strategy == "downpour_mp":
+                row.update(bytes_pushed=out["bytes_pushed"], bytes_p2p=out["bytes_p2p"])
             rows.append(row)
             curves[f"{scenario}/{label}"] = curve
             print(f"  {scenario:>10} {label:>13} {out['accuracy']:>9.3f} "
                   f"{'-' if t is None else f'{t:.2f}':>13} {out['bytes_sent']:>12} "
                   f"{curve[-1][0]:>8.1f}   ({time.perf_counter() - t_start:.0f} s elapsed)",
                   flush=True)
-            if strategy == "downpour":
+            if strategy == "downpour_mp":
+                print(f"  {'':>10} {'':>13} {WORKERS // STAGES} replicas x {STAGES} stages; "
+                      f"rank 0: {out['steps']} steps, {out['bytes_pushed']} B pushed + "
+                      f"{out['bytes_p2p']} B to its next stage", flush=True)
+            if strategy.startswith("downpour"):
                 print(f"  {'':>10} {'':>13} servers: {out['kills']} killed, {out['restarts']} "
                       f"restarted; workers: {out['reconnects']} reconnects "
                       f"({out['reconnect_seconds']:.2f} s), {out['replayed']} pushes replayed, "

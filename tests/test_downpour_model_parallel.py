@@ -49,12 +49,16 @@ def _job(rank, world, workers, rdv, steps, n_fetch, n_push, lr):
                          loss_fn=F.mse_loss, n_fetch=n_fetch, n_push=n_push, timeout=10)
     losses = []
     for s in range(steps):
-        loss = pipe.step(*_teacher_batch(s, replica)) if stage == 0 else pipe.step()
+        x, y = _teacher_batch(s, replica)  # each stage process makes the same batches
+        loss = pipe.step(x) if stage == 0 else pipe.step(y=y)
         if loss is not None:
             losses.append(loss)
+    # inference through the pipeline: the output comes back to stage 0
+    x = _teacher_batch(steps, replica)[0]
+    out = pipe.forward(x) if stage == 0 else pipe.forward()
     pipe.close()
     params = [p.detach().clone() for p in pipe.module.parameters()]
-    return ("worker", stage, params, losses, pipe.pushes, pipe.lost)
+    return ("worker", stage, params, losses, pipe.pushes, pipe.lost, out)
 
 
 @pytest.mark.parametrize("shards", [1, 2])
@@ -82,6 +86,9 @@ def test_one_replica_of_two_stages_equals_one_process_with_plain_sgd(shards):
     # step's gradient (0 + g: exact) and fetches the result before the next step.
     for got, want in zip(split, model.parameters(), strict=True):
         assert torch.equal(got, want.detach())
+    with torch.no_grad():
+        assert torch.equal(results[0][6], model(_teacher_batch(steps, 0)[0]))
+    assert results[1][6] is None
 
 
 def test_two_replicas_of_two_stages_converge_and_every_push_lands():

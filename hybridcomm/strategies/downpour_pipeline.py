@@ -35,8 +35,8 @@ torch.distributed group, for the activations)::
         module = [first_half, second_half][stage]
         pipe = DownpourStage(module, ["server0", "server1"], lr=0.05, stage=stage,
                              peers=[2 * replica, 2 * replica + 1], loss_fn=F.cross_entropy)
-        for x, y in loader:                  # stage 0 reads the data; the others pass nothing
-            loss = pipe.step(x, y) if stage == 0 else pipe.step()   # the last stage: the loss
+        for x, y in loader:   # the first stage passes the inputs, the last the targets
+            loss = pipe.step(x) if stage == 0 else pipe.step(y=y)   # the last: the loss
         pipe.close()
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int32)
 _MAX_DIMS = 6
 # message tags: each kind of tensor has its own, header and data apart
-_ACT, _GRAD, _TARGET = 10, 20, 30
+_ACT, _GRAD, _EVAL, _RESULT = 10, 20, 40, 50
 
 
 class DownpourStage:
@@ -74,10 +74,11 @@ class DownpourStage:
         peers: the global ranks of this replica's stages, in order.
         loss_fn: ``loss_fn(output, target)``, needed on the last stage.
 
-    ``step(x, y)`` on the first stage, ``step()`` on the others: one forward and
-    backward of the mini-batch through the replica, then this stage's
-    accumulate/push/fetch. The targets travel from the first stage to the last.
-    Every wait for a peer has ``timeout`` as its deadline.
+    ``step(x)`` on the first stage, ``step(y=targets)`` on the last, ``step()``
+    in between (as ``torch.distributed.pipelining`` schedules take them): one
+    forward and backward of the mini-batch through the replica, then this
+    stage's accumulate/push/fetch. Every wait for a peer has ``timeout`` as its
+    deadline.
 
     Example (one replica of one stage, the degenerate pipeline, in one process)::
 
@@ -88,7 +89,7 @@ class DownpourStage:
         >>> t = threading.Thread(target=server.run); t.start()
         >>> pipe = DownpourStage(torch.nn.Linear(4, 2), ["server0"], lr=0.1, stage=0, peers=[0],
         ...                      loss_fn=F.mse_loss, worker=0, rendezvous=rdv)
-        >>> loss = pipe.step(torch.randn(3, 4), torch.randn(3, 2))
+        >>> loss = pipe.step(torch.randn(3, 4), torch.randn(3, 2))   # first and last: x and y
         >>> pipe.close(); t.join()
         >>> sorted(torch.load(f"{rdv}/server0.pt", weights_only=True)["params"])
         ['stage0.bias', 'stage0.weight']
@@ -122,30 +123,26 @@ class DownpourStage:
                                n_push=n_push, timeout=timeout, worker=worker,
                                rendezvous=rendezvous, replay_log=replay_log,
                                part=f"stage{stage}")
-        self.bytes_p2p = 0  # activations, their gradients and targets sent to peers
+        self.bytes_p2p = 0  # activations and their gradients sent to peers by step()
 
     def step(self, x: Optional[torch.Tensor] = None,
              y: Optional[torch.Tensor] = None) -> Optional[float]:
-        """One mini-batch through the replica; the last stage returns the loss."""
-        if self.first and x is None:
-            raise HybridCommError("DownpourStage.step: the first stage passes the inputs "
-                                  "(and the targets)")
-        if not self.first and (x is not None or y is not None):
-            raise HybridCommError(f"DownpourStage.step: stage {self.stage} receives its inputs "
-                                  "from the stage before it: call step() without arguments")
+        """One mini-batch through the replica: the first stage passes the inputs
+        ``x``, the last the targets ``y`` (and gets the loss back)."""
+        if self.first != (x is not None) or self.last != (y is not None):
+            wanted = [w for w, mine in (("the inputs x", self.first), ("the targets y", self.last))
+                      if mine]
+            raise HybridCommError(f"DownpourStage.step: stage {self.stage} of {len(self.peers)} "
+                                  f"passes {' and '.join(wanted) or 'nothing'}")
         self.opt.zero_grad()
-        pending = []
         if self.first:
             inp = x
-            if not self.last:  # the last stage's targets, sent while the pipeline runs
-                pending = self._isend(y, self.peers[-1], _TARGET)
         else:
             inp = self._recv(self.peers[self.stage - 1], _ACT).requires_grad_()
         out = self.module(inp)
         loss = None
         if self.last:
-            target = y if self.first else self._recv(self.peers[0], _TARGET)
-            loss = self.loss_fn(out, target)
+            loss = self.loss_fn(out, y)
             loss.backward()
         else:
             self._wait(self._isend(out.detach(), self.peers[self.stage + 1], _ACT),
@@ -154,9 +151,28 @@ class DownpourStage:
         if not self.first:
             self._wait(self._isend(inp.grad, self.peers[self.stage - 1], _GRAD),
                        "sending gradients to")
-        self._wait(pending, "sending targets to")
         self.opt.step()
         return None if loss is None else loss.item()
+
+    def forward(self, x: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Inference through the replica (no gradients, nothing pushed or fetched):
+        ``forward(x)`` on the first stage returns the last stage's output there;
+        the other stages call ``forward()`` at the same point (None)."""
+        if self.first == (x is None):
+            raise HybridCommError("DownpourStage.forward: the first stage passes the inputs, "
+                                  "the others nothing")
+        with torch.no_grad():
+            inp = x if self.first else self._recv(self.peers[self.stage - 1], _EVAL)
+            out = self.module(inp)
+            if not self.last:
+                self._wait(self._isend(out, self.peers[self.stage + 1], _EVAL, count=False),
+                           "sending activations to")
+                return self._recv(self.peers[-1], _RESULT) if self.first else None
+            if not self.first:
+                self._wait(self._isend(out, self.peers[0], _RESULT, count=False),
+                           "sending the output to")
+                return None
+            return out
 
     def close(self) -> None:
         """Finish the pushes in flight and say goodbye to the servers."""
@@ -186,14 +202,15 @@ class DownpourStage:
         return self.opt.reconnects
 
     # --- point to point: a fixed-size header (dtype, shape), then the data ---------------
-    def _isend(self, t: torch.Tensor, peer: int, tag: int):
+    def _isend(self, t: torch.Tensor, peer: int, tag: int, count: bool = True):
         t = t.detach().contiguous()
         if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
             raise HybridCommError(f"DownpourStage: cannot send a {t.dtype} tensor of "
                                   f"{t.dim()} dims to rank {peer}")
         head = torch.tensor([_DTYPES.index(t.dtype), t.dim()] + list(t.shape)
                             + [0] * (_MAX_DIMS - t.dim()), dtype=torch.int64)
-        self.bytes_p2p += t.numel() * t.element_size()
+        if count:
+            self.bytes_p2p += t.numel() * t.element_size()
         # the tensors are kept with their works: gloo reads them until sent
         return [(dist.isend(head, peer, tag=tag), peer, head),
                 (dist.isend(t, peer, tag=tag + 1), peer, t)]
