@@ -506,7 +506,7 @@ def _stalled_peer(rank, world, how):
             if s == 2:
                 if rank == 1:
                     if how == "stall":
-                        time.sleep(12)
+                        time.sleep(8)  # > rank 0's timeout (3 s) and its issue backstop (2x)
                         return "stalled"
                     opt._hc_sync.transport.comm.inject_async_error()
                 t0 = time.monotonic()
