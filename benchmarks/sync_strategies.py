@@ -32,8 +32,11 @@ against the pushes the workers sent (the loss counted independently).
 
 Per strategy and scenario: the test accuracy over wall time (rank 0's model:
 between averaging rounds, local SGD and Parallel SGD evaluate worker 0's own
-model; ADMM its consensus; Downpour worker 0's latest fetch), the time to the
-target accuracy, and the bytes worker 0 sent.
+model; ADMM its consensus; Downpour worker 0's latest fetch; downpour_mp
+replica 0 through its pipeline), the time to the target accuracy (every
+worker's clock starts at one barrier), the samples the whole job had trained
+on when it got there (Downpour: shard 0's applied pushes x batch), and the
+bytes worker 0 sent (downpour_mp: its pushes and its activations).
 """
 from __future__ import annotations
 
@@ -147,10 +150,12 @@ def _kill_server(rdv, index):
 
 
 def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of, replica=None, replicas=WORKERS,
-                 evaluator=None, compute=1.0):
+                 evaluator=None, compute=1.0, job_steps=None):
     """Train ``cfg['epochs']`` epochs of this replica's shard (``replica`` of
     ``replicas``, default: one per rank); rank 0 records (seconds, accuracy) every
-    ``eval_every`` steps. ``evaluator``: this rank takes part in rank 0's
+    ``eval_every`` steps, and with each point the mini-batches the whole job has
+    trained on (``job_steps()``: Downpour asks its shard; default this replica's
+    steps x replicas). ``evaluator``: this rank takes part in rank 0's
     evaluations (a pipeline's other stages; default rank 0 only); ``compute``:
     the share of ``step_ms`` this rank sleeps."""
     replica = rank if replica is None else replica
@@ -159,7 +164,10 @@ def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of, replica=None, re
     xs, ys = xtr[replica::replicas], ytr[replica::replicas]
     delay = compute * cfg["step_ms"] / 1e3 * (SLOWDOWN if cfg["scenario"] == "straggler"
                                               and rank == STRAGGLER else 1.0)
-    curve, step = [], 0
+    curve, at, step = [], [], 0
+    # one start for every worker (they come up at different times, Downpour's
+    # after connecting to the servers): rank 0's clock is the job's
+    torch.distributed.barrier()
     t0 = time.perf_counter()
     bs = cfg["batch"]
     for epoch in range(cfg["epochs"]):
@@ -171,12 +179,17 @@ def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of, replica=None, re
             step_fn(xs[idx], ys[idx], epoch_end=False)
             step += 1
             if evaluator and step % cfg["eval_every"] == 0:
+                at.append(job_steps() if job_steps else step * replicas)
                 curve.append((time.perf_counter() - t0, evaluate(xte, yte)))
         step_fn(None, None, epoch_end=True)
         if evaluator:
+            at.append(job_steps() if job_steps else step * replicas)
             curve.append((time.perf_counter() - t0, evaluate(xte, yte)))
-    return {"curve": curve if rank == 0 else [], "bytes_sent": bytes_of(),
-            "accuracy": evaluate(xte, yte) if evaluator else None, "steps": step}
+    # curve_steps: the job's mini-batches at each point (x batch: the samples
+    # trained on, which the machine's load does not change)
+    return {"curve": curve if rank == 0 else [], "curve_steps": at if rank == 0 else [],
+            "bytes_sent": bytes_of(), "accuracy": evaluate(xte, yte) if evaluator else None,
+            "steps": step}
 
 
 def _run(rank, world, cfg, rdv):
@@ -200,8 +213,9 @@ def _run(rank, world, cfg, rdv):
             if opt.steps in kills:
                 _kill_server(rdv, 0)
 
+        # each push is one worker's mini-batch: shard 0's count is the job's
         out = _worker_loop(rank, cfg, model, step, lambda x, y: accuracy(model, x, y),
-                           lambda: opt.bytes_sent)
+                           lambda: opt.bytes_sent, job_steps=lambda: opt.links[0].shard_pushes)
         opt.close()
         return dict(out, reconnects=opt.reconnects, replayed=opt.replayed, lost=opt.lost,
                     reconnect_seconds=opt.reconnect_seconds)
@@ -267,7 +281,9 @@ def _run_pipeline(rank, cfg, rdv):
 
     out = _worker_loop(rank, cfg, None, step, evaluate, lambda: pipe.bytes_sent + pipe.bytes_p2p,
                        replica=replica, replicas=WORKERS // STAGES, evaluator=replica == 0,
-                       compute=1.0 / STAGES)
+                       compute=1.0 / STAGES,
+                       # a replica's mini-batch is one push per stage to every shard
+                       job_steps=lambda: pipe.opt.links[0].shard_pushes // STAGES)
     pipe.close()
     return dict(out, reconnects=pipe.reconnects, replayed=pipe.replayed, lost=pipe.lost,
                 reconnect_seconds=pipe.opt.reconnect_seconds, pushes=pipe.pushes,
@@ -356,10 +372,12 @@ def main(argv=None) -> int:
             out = run(strategy, scenario, dict(cfg, kill_at=kills))
             curve = out["curve"]
             t = time_to(curve, args.target)
+            s_at = time_to(list(zip(out["curve_steps"], (a for _, a in curve))), args.target)
+            samples = None if s_at is None else s_at * cfg["batch"]
             label = strategy + (f"+kill@{','.join(map(str, kills))}" if kills else "")
             row = {"strategy": label, "scenario": scenario,
                    "test_accuracy": out["accuracy"], "time_to_target_s": t,
-                   "bytes_sent": out["bytes_sent"]}
+                   "bytes_sent": out["bytes_sent"], "samples_to_target": samples}
             if strategy.startswith("downpour"):
                 row.update({k: out[k] for k in ("kills", "restarts", "reconnects", "replayed",
                                                 "lost", "reconnect_seconds", "shard_pushes",
@@ -377,6 +395,9 @@ def main(argv=None) -> int:
                       f"rank 0: {out['steps']} steps, {out['bytes_pushed']} B pushed + "
                       f"{out['bytes_p2p']} B to its next stage", flush=True)
             if strategy.startswith("downpour"):
+                print(f"  {'':>10} {'':>13} the target after {samples} samples trained on "
+                      "(all replicas: shard 0's pushes x batch, at rank 0's evaluation)",
+                      flush=True)
                 print(f"  {'':>10} {'':>13} servers: {out['kills']} killed, {out['restarts']} "
                       f"restarted; workers: {out['reconnects']} reconnects "
                       f"({out['reconnect_seconds']:.2f} s), {out['replayed']} pushes replayed, "

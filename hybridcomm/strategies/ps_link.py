@@ -55,6 +55,7 @@ class ServerLink:
         self.log: collections.deque = collections.deque()  # (seq, grads) not yet checkpointed
         self.seq = 0  # the last push sent
         self.replayed = self.lost = self.reconnects = 0
+        self.shard_pushes = 0  # the pushes the shard had applied (all workers') at the last ack
         self.reconnect_seconds = 0.0  # spent reconnecting and replaying
         self._lost_through = 0  # pushes up to here were counted lost already
         self._sock = None
@@ -121,6 +122,7 @@ class ServerLink:
         return {"op": "push", "worker": self.worker, "session": self.session, "seq": seq}
 
     def _ack(self, reply) -> None:
+        self.shard_pushes = int(reply[0].get("pushes", self.shard_pushes))
         self._forget_through(int(reply[0]["durable"]))
 
     def _forget_through(self, durable: int) -> None:
