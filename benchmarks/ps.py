@@ -97,7 +97,7 @@ def main(argv=None):
     parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
                         default=[1 << 20, 4 << 20, 16 << 20], help="bytes (fp32)")
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--chunk", type=int, default=256 << 10, help="ps chunk bytes")
+    parser.add_argument("--chunk", type=int, default=64 << 10, help="ps chunk bytes")
     args = parser.parse_args(argv)
 
     from hybridcomm.launch import launch

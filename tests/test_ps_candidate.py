@@ -90,6 +90,14 @@ def test_the_bench_times_and_calibrates_ps(tmp_path, capsys):
     assert saved.ps_servers == 1 and saved.offers("ps", 1)
 
 
+def test_summation_servers_check_their_flow_control_arguments():
+    role = ps.Role(False, [0], [1], None)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        ps.SummationServers(role, window=0)
+    with pytest.raises(ValueError, match="chunk_bytes must be positive"):
+        ps.SummationServers(role, chunk_bytes=0)
+
+
 # ---- the optimizer through the servers (W workers + K servers, real processes) ---------
 
 STEPS = 4
