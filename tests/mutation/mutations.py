@@ -136,7 +136,7 @@ MUTATIONS = [
         what="the watchdog queries NCCL's async error outside the abort lock"),
     Mutation(
         "bench-torch-p2p", "old 10", "hybridcomm/bench/harness.py",
-        old="        base = select_transport(device)\n",
+        old="        base = select_transport(device, group)\n",
         new="        from ..transport.torch_dist import TorchDistTransport\n"
             "        base = TorchDistTransport()\n",
         guards=(GPU + "test_the_bench_times_the_transport_the_optimizer_uses",),
@@ -270,8 +270,8 @@ MUTATIONS = [
         what="a bucket's segments start at any element (split_bytes not rounded to 16 bytes)"),
     Mutation(
         "record-stream-per-submit", "new 7", "hybridcomm/engine.py",
-        old="reserved=True)  # bucket memory: recorded when allocated\n",
-        new="reserved=False)\n",
+        old="reserved=True,  # bucket memory: recorded when allocated\n",
+        new="reserved=False,\n",
         guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",
                 GPU + "test_steady_state_steps_make_no_host_sync[backward]"),
         what="record_stream on every submit of a bucket (bucket memory is recorded once)"),
