@@ -8,13 +8,14 @@ the servers the ranks after them."""
 import os
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from hybridcomm import HybridCommError
+from hybridcomm import HybridCommError, HybridCommTimeout
 from hybridcomm.strategies import DownpourSGD, DownpourStage, init_downpour, serve
 from hybridcomm.strategies.ps_server import ShardServer
 from multiproc import run_ranks
@@ -168,3 +169,29 @@ def test_a_stage_claimed_by_the_wrong_rank_is_refused():
     results = run_ranks(2, _claimed_twice, allow_errors=True, timeout=60)
     assert results[0] is None
     assert "stage 0 of peers [0, 1] is rank 0, but this process is rank 1" in results[1]
+
+
+def _silent_first_stage(rank, world, rdv):
+    role, _ = init_downpour(rank, STAGES, world - STAGES, f"file://{rdv}", timeout=10)
+    if role == "server":
+        return serve(timeout=10)
+    pipe = DownpourStage(_stages()[rank], ["server0"], lr=0.1, stage=rank, peers=[0, 1],
+                         loss_fn=F.mse_loss, timeout=1)
+    error = None
+    if rank == 0:
+        time.sleep(2)  # never sends its activations
+    else:
+        t0 = time.monotonic()
+        with pytest.raises(HybridCommTimeout, match="receiving from rank 0") as e:
+            pipe.step(y=torch.zeros(16, 3))
+        error = (time.monotonic() - t0, str(e.value))
+    pipe.close()
+    return error
+
+
+def test_a_stage_whose_peer_is_silent_raises_within_its_timeout():
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_ranks(STAGES + 1, _silent_first_stage, os.path.join(tmp, "rdv"),
+                            timeout=60)
+    waited, message = results[1]
+    assert 0.9 < waited < 5, message  # the 1 s timeout, not the process group's 60 s
