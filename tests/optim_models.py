@@ -51,13 +51,13 @@ def make_scheduler(name, opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if name == "adamw" else None
 
 
-def train_single(opt_name, steps, cls=ConvNet):
-    """The reference: one process on the whole batch."""
+def train_single(opt_name, steps, cls=ConvNet, data=batch):
+    """The reference: one process on the whole batch (``data(step)``)."""
     model = make_model(cls=cls)
     opt = make_optimizer(opt_name, model.parameters())
     sched = make_scheduler(opt_name, opt)
     for s in range(steps):
-        x, y = batch(s)
+        x, y = data(s)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()

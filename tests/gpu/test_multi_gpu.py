@@ -192,17 +192,7 @@ def _check_cases(results, cases, reference):
 
 def _train_single_24(opt_name):
     """optim_models.train_single over batch24 (the 8-rank case's whole batch)."""
-    model = make_model()
-    opt = make_optimizer(opt_name, model.parameters())
-    sched = make_scheduler(opt_name, opt)
-    for s in range(STEPS):
-        x, y = batch24(s)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        if sched:
-            sched.step()
-    return flat(model.parameters())
+    return flat(train_single(opt_name, STEPS, data=batch24))
 
 
 # --- TorchNcclTransport ------------------------------------------------------------------
