@@ -169,7 +169,14 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5, *,
                                     what="rank 0's start-up probe")
 
 
-def with_ps(model: CostModel, servers, group=None, sizes: Sequence[int] = PROBE_SIZES,
+# ps is probed up to a typical bucket (4 MiB) too: its chunks are pipelined under
+# a window, so below a few chunks per server its time per byte is far above the
+# steady state a bucket sees (fitted on 4 KiB and 1 MiB alone, the line predicted
+# 640 ms for a 4 MiB bucket that took 435 ms, and the planner chose native).
+PS_PROBE_SIZES = PROBE_SIZES + (4 << 20,)
+
+
+def with_ps(model: CostModel, servers, group=None, sizes: Sequence[int] = PS_PROBE_SIZES,
             iters: int = 5, *, timeout: Optional[float] = None) -> CostModel:
     """``model`` with a ``ps`` line for ``servers`` (a :class:`~hybridcomm.ps.SummationServers`):
     as it is where it has one for that many servers, else ``ps`` timed at
