@@ -51,7 +51,6 @@ def control_group(group=None):
     with _lock:
         hit = _groups.get(key)
         if hit is None:
-            ranks = None if group is None else dist.get_process_group_ranks(group)
             hit = _groups[key] = new_group_like(group)
         return hit
 
