@@ -205,10 +205,9 @@ def with_ps(model: CostModel, servers, group=None, sizes: Sequence[int] = PS_PRO
         samples.append((nbytes, statistics.median(times[1:])))
     from .cost_model import _fit_native
 
-    a, b = _fit_native(samples)
-    fitted = rounded(model.with_ps(a, b, k))
-    mine = dataclasses.replace(model, ps_alpha=fitted.ps_alpha, ps_beta=fitted.ps_beta,
-                               ps_servers=k, source=f"{model.source}, ps probed")
+    # rounded to 2 significant digits, as agree()'s fit is, so that plans repeat
+    a, b = (float(f"{v:.1e}") for v in _fit_native(samples))
+    mine = dataclasses.replace(model, source=f"{model.source}, ps probed").with_ps(a, b, k)
     return control.broadcast_object(mine, group=group, timeout=timeout,
                                     what="rank 0's ps probe")
 

@@ -50,7 +50,7 @@ def reduce_operation(buf, transport, algorithm: str, *, scale: Optional[float], 
     world, rank = transport.world_size, transport.rank
     nbytes = buf.numel() * buf.element_size()
     if algorithm == PS:
-        return _ps_operation(buf, servers, scale, stream_ordered, after, range_id, world, nbytes)
+        return _ps_operation(buf, servers, scale, after, range_id, world, nbytes)
     if algorithm == NATIVE:
         def native():
             with trace.bucket_range(range_id, algorithm, nbytes, world):
@@ -78,16 +78,9 @@ def reduce_operation(buf, transport, algorithm: str, *, scale: Optional[float], 
     return hosted
 
 
-def _ps_operation(buf, servers, scale, stream_ordered: bool, after, range_id, world: int,
-                  nbytes: int):
-    """``ps``: the buffer through the summation servers, on the channel's thread."""
-    if servers is None:
-        raise HybridCommError("algorithm 'ps' needs the summation servers: servers= "
-                              "(hybridcomm.ps.SummationServers)")
-    if stream_ordered:  # ps.py moves host tensors over gloo point-to-point
-        raise HybridCommError("algorithm 'ps' runs on the host path only (gloo, CPU tensors); "
-                              "this channel is stream-ordered (GPU)")
-
+def _ps_operation(buf, servers, scale, after, range_id, world: int, nbytes: int):
+    """``ps``: the buffer through the summation servers, on the channel's thread
+    (host path only: :class:`CommEngine` refuses a ``ps`` plan elsewhere)."""
     def hosted():
         with trace.bucket_range(range_id, PS, nbytes, world):
             servers.all_reduce(buf, op="sum" if scale is None else "avg")

@@ -204,13 +204,14 @@ def _with_ps(candidates: List[str], forced: Optional[str], servers: int, model: 
     if forced == PS and not servers:
         raise ValueError("algorithm 'ps' needs summation servers: pass servers= "
                          "(hybridcomm.ps.split_world / SummationServers)")
+    others = [a for a in candidates if a != PS]
     if not servers or forced:
-        return [a for a in candidates if a != PS]
+        return others
     if model.offers(PS, servers):
-        return [a for a in candidates if a != PS] + [PS]
+        return others + [PS]
     notes.append(f"ps not a candidate: the cost model has no ps line for {servers} servers"
                  + (f" (it was measured with {model.ps_servers})" if model.ps_servers else ""))
-    return [a for a in candidates if a != PS]
+    return others
 
 
 def balance_bytes(model: CostModel, world_size: int,

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from . import calibration, control, env
 from .buckets import GradBucket
 from .channel import open_channel
+from .clock import clock_for
 from .compression import TOPK, TopK
 from .engine import CommEngine
 from .errors import HybridCommError
@@ -68,7 +69,6 @@ from .first_use import FirstUse
 from .measure import StepMeasurements
 from .planner import Plan, make_plan, plan_from_dict
 from .registry import ParamRegistry
-from .clock import clock_for
 from .runtime import runtime_for
 from .sparse import all_gather_sparse
 from .stall import StallInspector
