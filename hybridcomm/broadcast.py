@@ -62,6 +62,17 @@ def _to_cpu(obj):
     return obj
 
 
+def _shared_state(optimizer) -> dict:
+    """The root's optimizer state to hand to every rank: with a DistributedOptimizer's
+    plan and step count (so every rank adopts the plan the root loaded), without
+    its per-rank part (top-k's error feedback: each rank keeps its own)."""
+    state = _to_cpu(optimizer.state_dict())
+    ours = state.get("hybridcomm")
+    if isinstance(ours, dict):
+        state["hybridcomm"] = {k: v for k, v in ours.items() if k not in ("topk", "topk_per_rank")}
+    return state
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
                               process_group=None, timeout: Optional[float] = None) -> None:
     """Make every rank's optimizer state (and hyper-parameters) equal ``root_rank``'s.
@@ -87,9 +98,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                 + ("" if [len(g) for g in theirs] != [len(g) for g in groups[root_rank]]
                    else " (same sizes, different shapes or dtypes)"))
     rank = dist.get_rank(process_group)
-    # A DistributedOptimizer's own part (plan, per-rank state) is not the root's to give.
-    local_state = getattr(optimizer, "_hc_state_dict_local", optimizer.state_dict)
-    state = control.broadcast_object(_to_cpu(local_state()) if rank == root_rank else None,
+    state = control.broadcast_object(_shared_state(optimizer) if rank == root_rank else None,
                                      group=process_group, root=root_rank, timeout=timeout,
                                      what="the optimizer state")
     if rank != root_rank:

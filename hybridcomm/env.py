@@ -82,6 +82,10 @@ class Variable:
 VARIABLES = {v.name: v for v in (
     Variable("HYBRIDCOMM_ALGO", _choices(_algorithms), None,
              "force one algorithm for `auto` and for every bucket"),
+    Variable("HYBRIDCOMM_DEFER", _choices(lambda: ("measured", "always")), "measured",
+             "forward mode: keep deferring updates to their first read after the measured "
+             "steps even where the plan finds nothing left to overlap (always; tests, "
+             "debugging) or only where it pays (measured)"),
     Variable("HYBRIDCOMM_TIMEOUT", parse_positive_float, 300.0,
              "seconds any blocking call waits for a peer"),
     Variable("HYBRIDCOMM_STALL_WARN", parse_nonnegative_float, None,

@@ -61,11 +61,6 @@ class StepMeasurements:
         """Whether the step after ``steps`` completed steps is measured."""
         return 0 < self.phase(steps) <= self.measure_iters
 
-    def watching(self, steps: int) -> bool:
-        """Whether the forward after the step that follows ``steps`` completed steps is
-        watched (where forward mode learns each bucket's first use)."""
-        return self.phase(steps) < self.measure_iters
-
     def replan_due(self, steps: int) -> bool:
         return self.measure_iters > 0 and self.phase(steps) == self.measure_iters
 

@@ -258,19 +258,32 @@ class _DistributedOptimizer:
         """The wrapped optimizer's state, every update step() accepted applied, and
         hybridcomm's own under ``"hybridcomm"`` (the agreed plan and the step
         count, plain types: ``torch.load(weights_only=True)`` reads it), so that a
-        resumed run reduces exactly as the uninterrupted one would."""
-        state = self._hc_state_dict_local()
+        resumed run reduces exactly as the uninterrupted one would. No collective:
+        rank 0 alone may save it. Top-k's error feedback is per rank: each rank's
+        state holds its own.
+
+        Example (Horovod's resume: rank 0 saves, rank 0 loads, every rank
+        broadcasts)::
+
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+            ...
+            if rank == 0:
+                ckpt = torch.load(path)
+                model.load_state_dict(ckpt["model"]); opt.load_state_dict(ckpt["opt"])
+            hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0)
+            hybridcomm.broadcast_optimizer_state(opt, root_rank=0)
+        """
+        self._hc_sync.apply_pending()  # the state must include every update step() accepted
+        state = super().state_dict()
         state["hybridcomm"] = self._hc_sync.state_dict()
         return state
 
-    def _hc_state_dict_local(self):
-        """The wrapped optimizer's state alone (no collective: broadcast_optimizer_state)."""
-        self._hc_sync.apply_pending()  # the state must include every update step() accepted
-        return super().state_dict()
-
     def load_state_dict(self, state_dict) -> None:
-        """Load a state from :meth:`state_dict` (collective: every rank calls it; a
-        plan for another world size or other parameters is re-made instead)."""
+        """Load a state from :meth:`state_dict`. No collective: every rank may load the
+        same checkpoint, or rank 0 alone, followed by ``broadcast_optimizer_state``
+        on every rank (Horovod's resume); a plan for another world size or other
+        parameters is not adopted (the current one stays)."""
         state_dict = dict(state_dict)
         ours = state_dict.pop("hybridcomm", None)
         self._hc_sync.drop()  # superseded by the loaded state

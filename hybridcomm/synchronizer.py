@@ -20,8 +20,9 @@ place, and the optimizer reads it: no copy on the data path. A gradient's way:
 4. ``finish()`` (backward and none modes, ``synchronize()``, a closure's
    backward) launches what is left and waits: ``.grad`` holds the reduced
    gradients. ``defer()`` (forward mode) launches what is left and returns;
-   each bucket's update is applied before the first use of its parameters in
-   the next iteration (first_use.py), with the hyper-parameters of the step.
+   each bucket's update is applied before the first read of one of its
+   parameters (pending.py: whatever reads it, in the next forward or not),
+   with the hyper-parameters of the step.
 
 **The step's structure is learned, never assumed.** The synchronization point
 is the step (or a parameter's first use in forward mode), not a count of
@@ -58,14 +59,14 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import calibration, control, env
+from . import calibration, control, env, pending
 from .buckets import GradBucket
 from .channel import open_channel
 from .clock import clock_for
 from .compression import TOPK, TopK
 from .engine import CommEngine
 from .errors import HybridCommError
-from .first_use import FirstUse
+from .pending import ApplyBeforeCompiledForward
 from .measure import StepMeasurements
 from .planner import Plan, make_plan, plan_from_dict
 from .registry import ParamRegistry
@@ -181,6 +182,7 @@ class GradientSynchronizer:
         self._param_groups, self._update = param_groups, update
         self.model, self._named = model, named_parameters
         self.overlap, self.strategy = overlap, strategy
+        self._defer_always = env.get("HYBRIDCOMM_DEFER") == "always"
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
@@ -232,15 +234,10 @@ class GradientSynchronizer:
         self.engine: Optional[CommEngine] = None
         self.slots: List[_Slot] = []
         self._where: Dict[int, Tuple[_Slot, int]] = {}  # id(param) -> (slot, position)
-        self.first_use: Optional[FirstUse] = None
         self._build(self._agree_plan(None, None, None, None))
-        if model is not None and overlap == "forward":
-            self.first_use = FirstUse(model, self.registry.index, self.registry.names,
-                                      bucket_of=lambda i: self._where[id(self.params[i])][0].index,
-                                      pending=lambda b: self.slots[b].phase is Phase.PENDING,
-                                      apply=lambda b: self._apply(self.slots[b]),
-                                      apply_all=self.apply_pending)
-            self._tell_first_use()
+        # The only hook on the model (a plain object: it deep-copies and pickles)
+        self._compiled_hook = model.register_forward_pre_hook(ApplyBeforeCompiledForward()) \
+            if model is not None and overlap == "forward" else None
         self._log_plan("initial plan")
 
     # ---- parameters, plan, buckets ------------------------------------------------------
@@ -352,11 +349,6 @@ class GradientSynchronizer:
                 self._hooks[pid] = [
                     p.register_hook(lambda grad, p=p: self._before_grad(p)),
                     p.register_post_accumulate_grad_hook(self._after_grad)]
-
-    def _tell_first_use(self) -> None:
-        if self.first_use is not None:
-            self.first_use.set_buckets([b.layers for b in self.plan.buckets],
-                                       [s.bucket.params for s in self.slots])
 
     def _log_plan(self, title: str) -> None:
         """The plan at INFO on rank 0 (the same on every rank: DEBUG elsewhere)."""
@@ -636,6 +628,8 @@ class GradientSynchronizer:
             together = [slot] + [s for s in self.slots if s is not slot and
                                  s.phase is Phase.PENDING and
                                  self.engine.done_with(s.index, slot.index)]
+        for s in together:  # before any update reads them
+            self._release(s)
         groups: Dict[bool, tuple] = {}
         for s in together:
             hyper, s.hyper = s.hyper, None
@@ -664,7 +658,7 @@ class GradientSynchronizer:
     def defers(self) -> bool:
         """Whether step() defers the updates to the first uses in the next forward
         (forward mode, unless the plan found that nothing is left to overlap)."""
-        return self.overlap == "forward" and self.plan.defer_updates
+        return self.overlap == "forward" and (self.plan.defer_updates or self._defer_always)
 
     def begin_step(self) -> None:
         """A step begins: a pass whose end autograd never reported (it ran only in
@@ -711,7 +705,10 @@ class GradientSynchronizer:
 
     def defer(self, hyper: list) -> None:
         """Forward mode's step: launch what is left; each bucket's update waits for the
-        first use of its parameters (``hyper``: the groups' hyper-parameters now)."""
+        first read of one of its parameters (``hyper``: the groups' hyper-parameters
+        now). An update still pending from the last step is applied first: this step
+        may update the same parameters again (a step() on the same gradients)."""
+        self.apply_pending()
         self._flush()
         self._reduce_sparse()
         sparse = [p for p, _ in self.registry.sparse if p.grad is not None]
@@ -722,17 +719,25 @@ class GradientSynchronizer:
             taken = {pos for pos in range(len(b.params)) if b.holds(pos)}  # not zeroed since
             if slot.phase is Phase.IN_FLIGHT or (slot.phase is Phase.IDLE and taken & slot.content):
                 slot.hyper, slot.taken, slot.phase = hyper, taken, Phase.PENDING
-        if self.first_use is not None:
-            for b in self.first_use.eager():
-                if self.slots[b].phase is Phase.PENDING:
-                    self._apply(self.slots[b])
-            if self.measure.watching(self._steps) or self.first_use.needs_watch():
-                self.first_use.watch()
+                for pos in taken:
+                    pending.defer(b.params[pos], self._read)
+
+    def _read(self, p) -> None:
+        """Something reads ``p`` while its update is pending (pending.py): apply it."""
+        where = self._where.get(id(p))
+        if where is None or where[0].phase is not Phase.PENDING:
+            pending.release(p)  # a stale mark (its update was dropped)
+            return
+        with self._watched():
+            self._apply(where[0])
+
+    def _release(self, slot: _Slot) -> None:
+        """The slot's update is applied or dropped: its parameters are plain again."""
+        for p in slot.bucket.params:
+            pending.release(p)
 
     def apply_pending(self) -> None:
         """Apply every deferred update now (forward mode)."""
-        if self.first_use is not None:
-            self.first_use.stop_watching()
         # the last issued first: with it, every other (one optimizer call on a GPU)
         for slot in sorted(self.slots, key=lambda s: -self.engine.issue_seq(s.index)):
             if slot.phase is Phase.PENDING:
@@ -808,6 +813,7 @@ class GradientSynchronizer:
         for slot in self.slots:
             if slot.phase in (Phase.IN_FLIGHT, Phase.PENDING):
                 slot.hyper = None
+                self._release(slot)
                 self._settle(slot)
             slot.phase = Phase.IDLE
 
@@ -848,7 +854,6 @@ class GradientSynchronizer:
             return
         self._quiesce()
         self._build(plan)
-        self._tell_first_use()
         self._log_plan(f"re-planned after {self._steps} steps")
 
     def refresh(self) -> None:
@@ -863,17 +868,13 @@ class GradientSynchronizer:
         joined = sum(1 for p in self.params if id(p) not in old)
         plan = self._agree_plan(None, None, None, None, keep=None)
         self._build(plan)
-        if self.first_use is not None:
-            self.first_use.index = self.registry.index
-            self.first_use.names = self.registry.names
-            self._tell_first_use()
         self._log_plan(f"re-planned: the trainable parameters changed ({joined} joined)")
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The agreed plan and the step count, as plain types, and every rank's top-k
-        error feedback (per-rank state: a checkpoint one rank writes must hold all
-        ranks'). A collective when top-k is on."""
+        """The agreed plan and the step count, as plain types, and this rank's top-k
+        error feedback (per-rank state: only this rank's own). No collective: one
+        rank alone may call it (``if rank == 0: torch.save(opt.state_dict(), f)``)."""
         state = {"plan": self.plan.to_dict(), "steps": self._steps,
                  "params": list(self.registry.names)}
         with self._watched():
@@ -881,9 +882,7 @@ class GradientSynchronizer:
         if flat is not None:
             if self._rt is not None:
                 self._rt.synchronize()  # a checkpoint may wait for the device
-            state["topk_per_rank"] = control.all_gather_tensor(
-                flat.cpu(), group=self.group, timeout=self.timeout,
-                what="the top-k residuals for a checkpoint")
+            state["topk"] = {"rank": self.rank, "world": self.world, "residuals": flat.cpu()}
         return state
 
     def _topk_views_flat(self) -> List[torch.Tensor]:
@@ -895,47 +894,54 @@ class GradientSynchronizer:
         return torch.cat([v.reshape(-1).float() for v in views]) if views else None
 
     def load_state_dict(self, state: Optional[dict]) -> None:
-        """Adopt a checkpoint's plan and step count (rank 0's, for every rank), unless
-        it was made for another world size or other parameters: then the plan is
-        re-made (logged). Nothing may be in flight (``drop()`` first). ``None`` (a
-        state without hybridcomm's part) changes nothing, and is no collective."""
+        """Adopt a checkpoint's plan and step count. No collective: every rank that
+        loads the same checkpoint adopts the same plan; a rank loading alone (rank 0,
+        Horovod's resume) is followed by ``broadcast_optimizer_state``, which hands
+        its state, plan included, to the others. A checkpoint made for another
+        world size or other parameters keeps the current plan (logged). ``None`` (a
+        state without hybridcomm's part) changes nothing."""
         if state is None:
             return
-        plan, steps, why = None, None, None
-        if self.rank == 0:
-            saved = plan_from_dict(state["plan"])
-            if saved.world_size != self.world:
-                why = f"it was made for {saved.world_size} ranks, this job has {self.world}"
-            elif list(state.get("params", [])) != list(self.registry.names):
-                why = "it was made for other parameters"
-            else:
-                plan, steps = saved, int(state["steps"])
-        plan, steps, why = control.broadcast_object((plan, steps, why), group=self.group,
-                                                    timeout=self.timeout,
-                                                    what="the checkpoint's plan")
+        saved = plan_from_dict(state["plan"])
+        why = None
+        if saved.world_size != self.world:
+            why = f"it was made for {saved.world_size} ranks, this job has {self.world}"
+        elif list(state.get("params", [])) != list(self.registry.names):
+            why = "it was made for other parameters"
         if why:
-            log.warning("hybridcomm: the checkpoint's plan is not used (%s): re-planning", why)
-            plan = self._agree_plan(None, None, None, None)
+            log.warning("hybridcomm: the checkpoint's plan is not used (%s): the current plan "
+                        "stays", why)
+            return
         self._quiesce()
-        self._build(plan)
-        self._tell_first_use()
-        if steps is not None:
-            self._steps = steps
-        self._load_topk(None if why or not state else state.get("topk_per_rank"))
+        self._build(saved)
+        self._steps = int(state["steps"])
+        self._load_topk(state)
         self._epoch += 1
-        self._log_plan("the checkpoint's plan" if not why else "re-planned after loading")
+        self._log_plan("the checkpoint's plan")
 
-    def _load_topk(self, per_rank) -> None:
-        """This rank's top-k error feedback from a checkpoint's, if it fits."""
+    def _load_topk(self, state: dict) -> None:
+        """This rank's top-k error feedback from a checkpoint, if it holds this rank's
+        and fits (a checkpoint of format 1 held every rank's)."""
         views = self._topk_views_flat()
         if not views:
             return
+        mine = None
+        if "topk_per_rank" in state:
+            per_rank = state["topk_per_rank"]
+            mine = per_rank[self.rank] if per_rank and len(per_rank) == self.world else None
+        elif "topk" in state:
+            saved = state["topk"]
+            if saved["rank"] == self.rank and saved["world"] == self.world:
+                mine = saved["residuals"]
+        else:
+            return  # no residuals in it (broadcast_optimizer_state): this rank keeps its own
         total = sum(v.numel() for v in views)
-        if not per_rank or len(per_rank) != self.world or per_rank[self.rank].numel() != total:
-            log.warning("hybridcomm: the checkpoint holds no top-k residuals for this job's ranks "
-                        "and plan: the error feedback starts from zero")
+        if mine is None or mine.numel() != total:
+            log.warning("hybridcomm: the checkpoint holds no top-k residuals of rank %d for this "
+                        "plan: its error feedback stays as it is (save every rank's "
+                        "opt.state_dict() to resume top-k exactly)", self.rank)
             return
-        at, mine = 0, per_rank[self.rank]
+        at = 0
         with self._watched():
             for v in views:
                 v.copy_(mine[at:at + v.numel()].view(v.shape))
@@ -961,8 +967,6 @@ class GradientSynchronizer:
         if self.engine is None:
             return
         try:
-            if self.first_use is not None:
-                self.first_use.stop_watching()
             if self.channel.failure is None:
                 self.apply_pending()
                 for slot in self.slots:
@@ -977,8 +981,10 @@ class GradientSynchronizer:
                 for h in handles:
                     h.remove()
             self._hooks = {}
-            if self.first_use is not None:
-                self.first_use.close()
+            for slot in self.slots:  # what could not be applied is dropped
+                self._release(slot)
+            if self._compiled_hook is not None:
+                self._compiled_hook.remove()
             for p in self.params + [p for p, _ in self.registry.sparse]:
                 if _owner(p) is self:
                     del _owners[id(p)]

@@ -2,7 +2,8 @@
 the run that never stopped: the parameters, the optimizer's state, and
 hybridcomm's own (the agreed plan, so every bucket is reduced by the same
 algorithm in the same order; the step count). Rank 0 writes it atomically,
-and ``torch.load(weights_only=True)`` reads it. 3 ranks, so the plan's
+and ``torch.load(weights_only=True)`` reads it. Top-k's error feedback is
+each rank's own: with it, every rank saves its own optimizer state too. 3 ranks, so the plan's
 algorithms matter to the bits (with 2, a + b is the same sum in any order)."""
 import os
 
@@ -39,19 +40,24 @@ def _steps(model, opt, rank, world, first, last):
         opt.step()
 
 
-def _save(path, model, opt):
-    state = {"model": model.state_dict(), "opt": opt.state_dict()}
-    if dist.get_rank() == 0:
-        tmp = f"{path}.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # a reader never sees half a file
+def _write(path, state):
+    tmp = f"{path}.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def _save(path, model, opt, overlap):
+    if dist.get_rank() == 0:  # opt.state_dict() on one rank alone: no collective
+        _write(path, {"model": model.state_dict(), "opt": opt.state_dict()})
+    if overlap == "topk":
+        _write(f"{path}.rank{dist.get_rank()}", opt.state_dict())
     dist.barrier()
 
 
 def _uninterrupted(rank, world, overlap, path):
     model, opt = _build(overlap)
     _steps(model, opt, rank, world, 0, AT)
-    _save(path, model, opt)
+    _save(path, model, opt, overlap)
     plan = str(opt.plan)
     _steps(model, opt, rank, world, AT, STEPS)
     opt.synchronize()
@@ -63,7 +69,8 @@ def _resumed(rank, world, overlap, path):
     model, opt = _build(overlap)
     state = torch.load(path, weights_only=True)
     model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"])
+    opt.load_state_dict(state["opt"] if overlap != "topk"
+                        else torch.load(f"{path}.rank{rank}", weights_only=True))
     plan = str(opt.plan)
     _steps(model, opt, rank, world, AT, STEPS)
     opt.synchronize()

@@ -175,13 +175,6 @@ class HybridStrategy(DDPStrategy):
             type(cb).on_before_optimizer_step is not pl.Callback.on_before_optimizer_step
             for cb in trainer.callbacks)
 
-    def lightning_module_state_dict(self) -> dict:
-        """The module's state with every update a step took applied (forward mode
-        defers them to the next forward; a checkpoint must not miss one)."""
-        for opt in self._hybrid_optimizers():
-            opt._hc_sync.apply_pending()
-        return super().lightning_module_state_dict()
-
     def _hybrid_optimizers(self):
         return [o for o in self.optimizers if isinstance(o, _DistributedOptimizer)]
 
