@@ -28,7 +28,7 @@ after its updates, without overlapping them. Logged once at INFO.
 Example::
 
     >>> p = torch.nn.Parameter(torch.zeros(2))
-    >>> defer(p, lambda q: (release(q), q.data.add_(1)))   # the update: +1
+    >>> defer([p], lambda q: (release(q), q.data.add_(1)))  # the update: +1
     >>> is_pending(p), p.shape                             # metadata: still pending
     (True, torch.Size([2]))
     >>> p * 2                                              # a read applies it first
@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Iterable, Tuple
 
 import torch
 
@@ -115,12 +115,14 @@ def is_pending(t) -> bool:
     return isinstance(t, _Pending)
 
 
-def defer(p: torch.Tensor, apply: Callable[[torch.Tensor], None]) -> None:
-    """``p``'s update is pending: the first read of ``p`` calls ``apply(p)``, which
-    must apply it and ``release`` every parameter it updates."""
-    if not is_pending(p):
-        p.__class__ = _pending_class(type(p))
-    _waiting[id(p)] = (weakref.ref(p), apply)
+def defer(params: Iterable[torch.Tensor], apply: Callable[[torch.Tensor], None]) -> None:
+    """The updates of ``params`` are pending: the first read of one of them, ``p``,
+    calls ``apply(p)``, which must apply it and ``release`` every parameter it
+    updates."""
+    for p in params:
+        if not is_pending(p):
+            p.__class__ = _pending_class(type(p))
+        _waiting[id(p)] = (weakref.ref(p), apply)
     _arm_compiled_forward_hook()
 
 

@@ -719,8 +719,7 @@ class GradientSynchronizer:
             taken = {pos for pos in range(len(b.params)) if b.holds(pos)}  # not zeroed since
             if slot.phase is Phase.IN_FLIGHT or (slot.phase is Phase.IDLE and taken & slot.content):
                 slot.hyper, slot.taken, slot.phase = hyper, taken, Phase.PENDING
-                for pos in taken:
-                    pending.defer(b.params[pos], self._read)
+                pending.defer([b.params[pos] for pos in taken], self._read)
 
     def _read(self, p) -> None:
         """Something reads ``p`` while its update is pending (pending.py): apply it."""
