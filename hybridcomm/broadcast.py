@@ -7,7 +7,8 @@ of crashing or copying part of it; every wait honours the timeout.
 """
 from __future__ import annotations
 
-from typing import Optional
+import hashlib
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None,
 
         >>> hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0)
     """
+    control.require_initialized("broadcast_parameters")
     timeout = env.timeout(timeout)
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
     items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
@@ -46,10 +48,56 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None,
                                   + describe_param_difference(root, theirs, r).replace(
                                       "rank 0", f"rank {root_rank}"))
     src = dist.get_global_rank(process_group, root_rank) if process_group is not None else root_rank
-    for name, t in items:
-        control.wait_work(lambda: dist.broadcast(t.data, src=src, group=process_group,
-                                                 async_op=True),
-                          timeout, f"broadcasting {name!r}")
+    _broadcast_coalesced(items, src, process_group, timeout)
+
+
+def _broadcast_coalesced(items, src: int, group, timeout: float) -> None:
+    """One broadcast per (device, dtype): a model of many small tensors costs a few
+    messages, not one each."""
+    by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for _, t in items:
+        if t.numel():
+            by_kind.setdefault((t.device, t.dtype), []).append(t.data)
+    for (device, dtype), tensors in by_kind.items():
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        control.wait_work(lambda: dist.broadcast(flat, src=src, group=group, async_op=True),
+                          timeout, f"broadcasting {len(tensors)} {dtype} tensors")
+        at = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[at:at + t.numel()].view_as(t))
+                at += t.numel()
+
+
+def _digest(t: torch.Tensor) -> str:
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def check_parameters_agree(params, process_group=None, timeout: Optional[float] = None) -> None:
+    """Raise the same ``HybridCommError`` on every rank, naming the first tensor whose
+    values differ between ranks (a digest of each tensor's bytes, compared across
+    ranks); nothing when they are equal (every rank calls it: a collective).
+
+    Example::
+
+        >>> hybridcomm.broadcast.check_parameters_agree(model.named_parameters())
+    """
+    timeout = env.timeout(timeout)
+    items = sorted(params.items()) if isinstance(params, dict) else list(params)
+    items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
+    mine = [(name, tuple(t.shape), str(t.dtype), _digest(t)) for name, t in items]
+    every = control.all_gather_object(mine, group=process_group, timeout=timeout,
+                                      what="the parameters' values (a digest per tensor)")
+    for r, theirs in enumerate(every[1:], start=1):
+        for (name, *ours), (_, *other) in zip(every[0], theirs):
+            if ours != other:
+                raise HybridCommError(
+                    f"the ranks' parameters differ: {name!r} on rank {r} is not rank 0's "
+                    "(a different seed or checkpoint per rank?). Let DistributedOptimizer "
+                    "broadcast them from rank 0 (broadcast_parameters=True, the default) or "
+                    "call hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0) "
+                    "before wrapping")
 
 
 def _to_cpu(obj):
@@ -85,6 +133,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         >>> hybridcomm.broadcast_optimizer_state(opt, root_rank=0)
     """
+    control.require_initialized("broadcast_optimizer_state")
     timeout = env.timeout(timeout)
     mine = [[(tuple(p.shape), str(p.dtype)) for p in g["params"]] for g in optimizer.param_groups]
     groups = control.all_gather_object(mine, group=process_group, timeout=timeout,

@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from . import env
+from . import broadcast, env
 from .compression import parse_topk
 from .errors import HybridCommError
+from .planner import forced_algorithm
 from .synchronizer import GradientSynchronizer
 
 OVERLAPS = ("forward", "backward", "none")
@@ -67,10 +68,11 @@ class _DistributedOptimizer:
     # GradScaler then hands itself to step(), so the inf check sees reduced gradients.
     _step_supports_amp_scaling = True
 
-    def _hc_init(self, model, overlap, passes, compression, **options) -> None:
+    def _hc_init(self, model, overlap, passes, compression, agree, **options) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise HybridCommError("torch.distributed is not initialized: call "
                                   "torch.distributed.init_process_group(...) first")
+        forced_algorithm(options["strategy"])  # every rank refuses a bad name alike
         if overlap not in OVERLAPS:
             raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
         if options["op"] not in ("sum", "avg"):
@@ -94,14 +96,19 @@ class _DistributedOptimizer:
         servers, self._hc_own_servers = _summation_servers(options)
         self._hc_skip = self._hc_synchronized = False
         self._hc_closure_first = evaluates_closure_once(type(self).__bases__[1])  # the wrapped class
+        group, sync = options["process_group"], None
         try:
-            self._hc_sync = GradientSynchronizer(
+            sync = self._hc_sync = GradientSynchronizer(
                 self.param_groups, self._hc_update, model=model, overlap=overlap,
                 backward_passes_per_step=passes, topk=topk,
                 compression=None if topk else COMPRESSIONS[compression],
                 correction_momentum=self._hc_correction_momentum(topk),
                 timeout=env.timeout(options.pop("timeout")), servers=servers, **options)
+            # after the synchronizer agreed on the parameters' names and shapes
+            self._hc_agree_values(model, agree, group, sync.timeout)
         except BaseException:
+            if sync is not None:
+                sync.close()
             if self._hc_own_servers is not None:  # else the servers wait for us until timeout
                 try:
                     self._hc_own_servers.close()
@@ -109,6 +116,21 @@ class _DistributedOptimizer:
                     pass  # the construction's error is the one to raise
             raise
         self._hc_link_topk_state()
+
+    def _hc_agree_values(self, model, broadcast_parameters: bool, group, timeout) -> None:
+        """Every rank starts from rank 0's parameters and buffers (as DDP's
+        constructor does), or, with ``broadcast_parameters=False``, from equal
+        ones: a difference is refused on every rank, naming the first."""
+        if model is not None:
+            named = list(model.named_parameters()) + list(model.named_buffers())
+        else:
+            named = [(f"param_groups[{g}][{i}]", p) for g, group_ in enumerate(self.param_groups)
+                     for i, p in enumerate(group_["params"])]
+        if broadcast_parameters:
+            broadcast.broadcast_parameters(named, root_rank=0, process_group=group,
+                                           timeout=timeout)
+        else:
+            broadcast.check_parameters_agree(named, process_group=group, timeout=timeout)
 
     # ---- what the synchronizer shows -----------------------------------------------------
     @property
@@ -379,7 +401,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
                          split_bytes: Optional[int] = None, measure_iters: int = 3,
                          replan_every: int = 200, trace: bool = False,
                          lazy_bytes: Optional[int] = None, find_unused_parameters: bool = False,
-                         servers=None):
+                         servers=None, broadcast_parameters: bool = True):
     """Wrap ``optimizer`` so each step's gradients are all-reduced across ranks.
 
     Any training loop that runs in one process runs unchanged: several backward
@@ -438,7 +460,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         servers: the job's summation servers (hybridcomm/ps.py, host path
             only): a ``Role`` from ``hybridcomm.ps.split_world`` (the
             optimizer makes the ``SummationServers`` and closes them in
-            ``close()``) or a ``SummationServers``. ``ps`` then competes per
+            ``close()``) or a ``SummationServers``.
+        broadcast_parameters: ``True`` (default): the model's parameters and
+            buffers (without ``model``, the optimizer's parameters) are copied
+            from rank 0 of the group to every rank, as DDP's constructor does,
+            so ranks that were seeded apart train together. ``False``: they
+            must already be equal (a digest per tensor is compared; a
+            difference raises ``HybridCommError`` on every rank naming it). ``ps`` then competes per
             bucket (where the cost model has a line for that many servers; a
             probe adds one) and ``strategy="ps"`` forces it; the reduction
             runs over the workers' group. A server rank runs
@@ -488,5 +516,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
                  cost_model=cost_model, process_group=process_group, timeout=timeout,
                  fusion_bytes=fusion_bytes, split_bytes=split_bytes, lazy_bytes=lazy_bytes,
                  measure_iters=measure_iters, replan_every=replan_every, trace=trace,
-                 find_unused_parameters=find_unused_parameters, servers=servers)
+                 find_unused_parameters=find_unused_parameters, servers=servers,
+                 agree=broadcast_parameters)
     return opt

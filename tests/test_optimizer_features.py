@@ -634,3 +634,50 @@ def test_gradients_set_by_hand_are_reduced_too(overlap):
     # per step the average over ranks of (rank + 1 + s): 2 then 3; SGD lr 1 from 0
     for got in run_ranks(world, _grads_set_by_hand, overlap):
         assert torch.equal(got, torch.full_like(got, -5.0))
+
+
+def _seeded_apart(rank, world, agree):
+    """A user coming from DDP: a different seed per rank and no broadcast of their own."""
+    torch.manual_seed(100 + rank)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[1].running_mean.add_(rank + 1)  # a buffer that differs too
+    try:
+        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              model=model, broadcast_parameters=agree,
+                                              timeout=60)
+    except hybridcomm.HybridCommError as e:
+        return str(e)
+    state = flat(model.state_dict().values())
+    opt.close()
+    return state
+
+
+def test_construction_gives_every_rank_rank_0s_parameters_and_buffers():
+    got = run_ranks(2, _seeded_apart, True)
+    torch.manual_seed(100)  # rank 0's
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[1].running_mean.add_(1)
+    want = flat(model.state_dict().values())
+    assert all(torch.equal(g, want) for g in got)
+
+
+def test_without_the_broadcast_differing_parameters_are_refused_on_every_rank():
+    for msg in run_ranks(2, _seeded_apart, False):
+        assert isinstance(msg, str) and "'0.weight' on rank 1 is not rank 0's" in msg
+
+
+def _bogus_strategy(rank, world):
+    model = make_model()
+    try:
+        hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model=model, strategy="bogus", timeout=60)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_bad_strategy_is_refused_alike_on_every_rank():
+    for msg in run_ranks(2, _bogus_strategy):
+        assert msg.startswith("unknown strategy 'bogus'")
