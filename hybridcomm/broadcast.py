@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import control, env
+from .dtensor import local_data
 from .errors import HybridCommError
 from .registry import describe_param_difference
 
@@ -56,8 +57,9 @@ def _broadcast_coalesced(items, src: int, group, timeout: float) -> None:
     messages, not one each."""
     by_kind: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
     for _, t in items:
+        t = local_data(t)  # a DTensor's shard: the group holds the ranks of the same shard
         if t.numel():
-            by_kind.setdefault((t.device, t.dtype), []).append(t.data)
+            by_kind.setdefault((t.device, t.dtype), []).append(t)
     for (device, dtype), tensors in by_kind.items():
         flat = torch.cat([t.reshape(-1) for t in tensors])
         control.wait_work(lambda: dist.broadcast(flat, src=src, group=group, async_op=True),
@@ -70,7 +72,7 @@ def _broadcast_coalesced(items, src: int, group, timeout: float) -> None:
 
 
 def _digest(t: torch.Tensor) -> str:
-    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    data = local_data(t).cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 

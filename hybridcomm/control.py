@@ -42,9 +42,23 @@ def _host_region():
     return contextlib.nullcontext()
 
 
+def require_initialized(what: str = "this call") -> None:
+    """Raise :class:`HybridCommError` saying what to call first when torch.distributed
+    has no default process group yet (torch's own error there is a bare ValueError).
+    Every public entry point that communicates calls it before anything else.
+
+        >>> require_initialized("broadcast_parameters")   # after init_process_group: silent
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise HybridCommError(f"{what} needs torch.distributed: call "
+                              "torch.distributed.init_process_group(...) first (or run under "
+                              "torchrun)")
+
+
 def control_group(group=None):
     """A gloo group with ``group``'s ranks: ``group`` itself when it is gloo, else one
     made once (collective: the first call happens on every rank of ``group``)."""
+    require_initialized("agreeing across ranks")
     if backend_for("cpu", group) == "gloo":  # (also a "cpu:gloo,cuda:nccl" group)
         return group
     key = id(group)

@@ -38,6 +38,12 @@ def local_shape(p) -> torch.Size:
     return p.to_local().shape if is_dtensor(p) else p.shape
 
 
+def local_data(t) -> torch.Tensor:
+    """This rank's memory of ``t`` (its local shard for a DTensor), detached: writing
+    into it writes ``t``."""
+    return (t.to_local() if is_dtensor(t) else t).detach()
+
+
 def local_numel(p) -> int:
     return local_shape(p).numel()
 
