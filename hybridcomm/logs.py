@@ -27,6 +27,15 @@ class _FallbackHandler(logging.StreamHandler):
             super().emit(record)
 
 
+class _Formatter(logging.Formatter):
+    """``[hybridcomm r0] message``: one prefix (messages that name the library
+    themselves, for the application's own handlers, lose that word here)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text.replace("] hybridcomm: ", "] ", 1)
+
+
 def setup() -> logging.Logger:
     """Configure and return the ``hybridcomm`` logger (idempotent)."""
     log = logging.getLogger("hybridcomm")
@@ -34,6 +43,6 @@ def setup() -> logging.Logger:
     if not any(isinstance(h, _FallbackHandler) for h in log.handlers):
         handler = _FallbackHandler()
         handler.addFilter(_RankFilter())
-        handler.setFormatter(logging.Formatter("[hybridcomm r%(rank)s] %(message)s"))
+        handler.setFormatter(_Formatter("[hybridcomm r%(rank)s] %(message)s"))
         log.addHandler(handler)
     return log

@@ -119,6 +119,16 @@ class Bucket:
         return (self.numel if self.grad_numel is None else self.grad_numel) + len(self.params)
 
 
+# The footer of every printed plan (docs/API.md explains the same columns).
+COLUMNS = ("columns: bytes = the bucket's gradient bytes; algorithm = how it is all-reduced "
+           "(ring, butterfly, ..., native = the process group's own); pred(us) = the cost "
+           "model's time for it; window(us) = measured time from its launch to the first use "
+           "of its parameters in the next forward ('-': not measured yet); need = its place "
+           "in the next forward's order of use; segs = the parts it is issued in (a large "
+           "bucket is split so an urgent one is not stuck behind it); issue order = the one "
+           "sequence every rank sends in")
+
+
 @dataclass
 class Plan:
     world_size: int
@@ -147,7 +157,7 @@ class Plan:
     def __str__(self) -> str:
         head = (f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
                 f"strategy {self.strategy}, fusion {self.fusion_bytes} B, split "
-                f"{self.split_bytes or '-'} B, launched in backward pass {self.launch_pass} "
+                f"{f'{self.split_bytes} B' if self.split_bytes else 'off'}, launched in backward pass {self.launch_pass} "
                 f"of a step" + ("" if self.defer_updates else ", updates in step()") + "\n")
         cols = (f"{'bucket':>6} {'bytes':>10} {'dtype':>8} {'algorithm':>17} {'pred(us)':>9} "
                 f"{'window(us)':>10} {'need':>4} {'segs':>4}  layers\n")
@@ -167,7 +177,7 @@ class Plan:
         tail = f"\nissue order (bucket.segment): {order}"
         if self.notes:
             tail += "\nnotes: " + "; ".join(self.notes)
-        return head + cols + "\n".join(rows) + tail
+        return head + cols + "\n".join(rows) + tail + "\n" + COLUMNS
 
 
 

@@ -74,6 +74,7 @@ from .runtime import runtime_for
 from .sparse import all_gather_sparse
 from .stall import StallInspector
 from .timeline import Timeline
+from .verdict import verdict
 
 log = logging.getLogger("hybridcomm")
 
@@ -350,9 +351,11 @@ class GradientSynchronizer:
                     p.register_hook(lambda grad, p=p: self._before_grad(p)),
                     p.register_post_accumulate_grad_hook(self._after_grad)]
 
-    def _log_plan(self, title: str) -> None:
-        """The plan at INFO on rank 0 (the same on every rank: DEBUG elsewhere)."""
-        log.log(logging.INFO if self.rank == 0 else logging.DEBUG, "%s:\n%s", title, self.plan)
+    def _log_plan(self, title: str, changed: bool = True) -> None:
+        """The plan at INFO on rank 0 when it decides something new (the same on every
+        rank: DEBUG elsewhere, and for a re-plan that changed no decision)."""
+        log.log(logging.INFO if self.rank == 0 and changed else logging.DEBUG, "%s:\n%s",
+                title, self.plan)
 
     # ---- the hooks -----------------------------------------------------------------------
     def _watched(self):
@@ -847,13 +850,23 @@ class GradientSynchronizer:
         windows, ready, need, launch_pass, comm_scale, defer_pays = \
             self.measure.take(self.registry.layers, self.clock)
         first = self._steps == self.measure.measure_iters
+        if first and self.rank == 0:
+            stats = self.last_step_stats
+            log.info("hybridcomm: %s", verdict(
+                total_bytes=sum(b.nbytes for b in self.plan.buckets), world=self.world,
+                model=self.cost_model, busy_s=stats.get("comm_busy_s", 0.0),
+                exposed_s=stats.get("exposed_comm_s", 0.0),
+                backward_s=max(ready.values()) if ready else 0.0, comm_scale=comm_scale))
         plan = self._agree_plan(windows, ready, need, launch_pass, comm_scale, defer_pays,
                                 keep=None if first else self.plan)
         if plan is None:
             return
+        changed = plan.decisions() != self.plan.decisions()
         self._quiesce()
         self._build(plan)
-        self._log_plan(f"re-planned after {self._steps} steps")
+        self._log_plan(f"re-planned after {self._steps} steps" if changed else
+                       f"re-planned after {self._steps} steps (the same decisions, with the "
+                       "measured windows)", changed)
 
     def refresh(self) -> None:
         """The optimizer's trainable parameters changed (a group added, requires_grad
