@@ -9,6 +9,9 @@ usage blocks, not doctests: they cannot run here.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Hermetic tests: a start-up probe one test saved must not decide another's plan
+# (tests/test_calibration.py turns the cache on where it tests it).
+os.environ.setdefault("HYBRIDCOMM_PROBE_CACHE", "0")
 
 import pytest  # noqa: E402
 

@@ -10,6 +10,9 @@
   reduction kernel alone (gamma, seconds per reduced byte), then the
   butterfly, the ring and ``native`` at two sizes (median of several runs),
   and fits alpha and beta with gamma held (cost_model.fit).
+* The first probe of a job is kept (``probe-<world>-<backend>-<device>-...json``
+  beside the calibration file's place; ``HYBRIDCOMM_PROBE_CACHE=0``: not) and
+  later runs of the same job use it, so their plans repeat.
 * With summation servers (ps.py), :func:`with_ps` times ``ps`` at the probe's
   sizes and adds its line, where the agreed model has none for that many
   servers.
@@ -60,6 +63,7 @@ def agree(model: Optional[CostModel] = None, group=None, *, timeout: Optional[fl
         >>> isinstance(agree(timeout=60), CostModel)     # on every rank
         True
     """
+    control.require_initialized("agreeing on a cost model")
     timeout = env.timeout(timeout)
     mine = model or get_active()
     if mine is None and dist.get_rank(group) == 0:
@@ -73,15 +77,57 @@ def agree(model: Optional[CostModel] = None, group=None, *, timeout: Optional[fl
                         "(`hybridcomm-bench --calibrate` on this job's ranks saves one)",
                         mine.source, why)
             mine = None
+    cache = probe_cache_path(group) if probe_if_uncalibrated else None
+    if mine is None and cache is not None and dist.get_rank(group) == 0:
+        mine = _load_probe_cache(cache, group)
     agreed = control.broadcast_object(mine, group=group, timeout=timeout,
                                       what="rank 0's cost model")
     if agreed is not None:
         agreed = dataclasses.replace(agreed, source=f"{agreed.source} (from rank 0)")
+    elif probe_if_uncalibrated:
+        agreed = probe(group, timeout=timeout)
+        if cache is not None and dist.get_rank(group) == 0:
+            _save_probe_cache(agreed, cache, group)
     else:
-        agreed = probe(group, timeout=timeout) if probe_if_uncalibrated else DEFAULT_MODEL
+        agreed = DEFAULT_MODEL
     log.debug("hybridcomm cost model: %s", agreed)
     set_active(agreed)
     return agreed
+
+
+def probe_cache_path(group=None) -> Optional[str]:
+    """Where the start-up probe of a job like this one (world size, backend, device,
+    ranks per host) is kept for the next run, beside the saved calibration's
+    place; None when ``HYBRIDCOMM_PROBE_CACHE`` is off."""
+    if not env.get("HYBRIDCOMM_PROBE_CACHE"):
+        return None
+    import os
+
+    key = (f"w{dist.get_world_size(group)}-{dist.get_backend(group)}-{comm_device(group).type}"
+           f"-local{os.environ.get('LOCAL_WORLD_SIZE', 'na')}").replace(":", "_")
+    return os.path.join(os.path.dirname(os.path.abspath(default_path())), f"probe-{key}.json")
+
+
+def _load_probe_cache(path: str, group) -> Optional[CostModel]:
+    try:
+        model = load(path)
+    except ValueError as e:
+        log.warning("hybridcomm: %s; probing again", e)
+        return None
+    if model is None or _not_for_this_job(model, group):
+        return None
+    log.info("hybridcomm: using the start-up probe an earlier run of this job saved (%s), so "
+             "the plan is the same from run to run; `hybridcomm-bench --calibrate` measures "
+             "properly", path)
+    return dataclasses.replace(model, source=f"probe saved at {path}")
+
+
+def _save_probe_cache(model: CostModel, path: str, group) -> None:
+    try:
+        save(model, path, world_size=dist.get_world_size(group),
+             device=comm_device(group).type, backend=str(dist.get_backend(group)))
+    except OSError as e:  # a read-only home: probe again next time
+        log.debug("hybridcomm: the start-up probe was not saved at %s: %s", path, e)
 
 
 def _not_for_this_job(model: CostModel, group) -> Optional[str]:
@@ -137,6 +183,7 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5, *,
     """
     from .collectives import all_reduce  # the collective the model is for
 
+    control.require_initialized("the cost model's start-up probe")
     timeout = env.timeout(timeout)
     device = comm_device(group)
     world = dist.get_world_size(group)

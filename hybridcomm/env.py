@@ -86,6 +86,9 @@ VARIABLES = {v.name: v for v in (
              "forward mode: keep deferring updates to their first read after the measured "
              "steps even where the plan finds nothing left to overlap (always; tests, "
              "debugging) or only where it pays (measured)"),
+    Variable("HYBRIDCOMM_PROBE_CACHE", parse_bool, True,
+             "keep the start-up probe's cost model for the next run of the same job "
+             "(world size, backend, device) beside the calibration file, so plans repeat"),
     Variable("HYBRIDCOMM_TIMEOUT", parse_positive_float, 300.0,
              "seconds any blocking call waits for a peer"),
     Variable("HYBRIDCOMM_STALL_WARN", parse_nonnegative_float, None,

@@ -112,3 +112,24 @@ def test_a_calibration_for_this_world_is_used(tmp_path):
                         json.dumps({**_GOOD, "world_size": 2, "device": "cpu"}))
     for source, warnings in results:
         assert "model.json" in source and not warnings
+
+
+def _agree_twice_with_the_cache(rank, world, tmp):
+    """Two runs of one job in a fresh cache directory, no calibration saved."""
+    os.environ.pop("HYBRIDCOMM_COST_MODEL", None)
+    os.environ["XDG_CACHE_HOME"] = tmp
+    os.environ["HYBRIDCOMM_PROBE_CACHE"] = "1"
+    out = []
+    for _ in range(2):
+        calibration.set_active(None)
+        model = calibration.agree(timeout=60)
+        out.append((model.source, model.alpha, model.beta, model.gamma, model.native_alpha))
+    return out
+
+
+def test_the_first_run_keeps_its_probe_and_the_next_run_plans_from_it(tmp_path):
+    for first, second in run_ranks(2, _agree_twice_with_the_cache, str(tmp_path)):
+        assert first[0].startswith("probe at start-up")
+        assert second[0].startswith("probe saved at") and second[1:] == first[1:]
+    saved = list((tmp_path / "hybridcomm").glob("probe-w2-gloo-cpu-*.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text())["world_size"] == 2
