@@ -9,9 +9,16 @@ change: the optimizer wrapped by ``hybridcomm.DistributedOptimizer``. Rank 0
 prints the plan, the loss and the test accuracy, and the script checks at the
 end that every rank holds the same parameters.
 
-Flags: ``--epochs``, ``--batch-size`` (per rank), ``--overlap forward|backward|none``,
+Flags: ``--epochs``, ``--batch-size`` (per rank), ``--dtype float32|float64``,
+``--overlap forward|backward|none``,
 ``--strategy hybrid|auto|ring|butterfly|halving_doubling|native``, ``--compression``
 (e.g. ``topk:0.1``), ``--local-sgd H`` (local SGD averaging every H steps instead).
+
+Did it help? ``--compare`` times stock PyTorch (an all-reduce per gradient
+after backward), DDP and hybridcomm side by side on this machine, from the
+same start, in interleaved rounds, and prints one line::
+
+    torchrun --standalone --nproc-per-node=2 examples/train.py --compare
 
 Checkpoints and elastic restarts: ``--checkpoint-dir D --checkpoint-every N``
 writes ``D/checkpoint.pt`` every N steps (rank 0, atomically: write, then
@@ -112,6 +119,66 @@ def load_checkpoint(directory, model, opt, global_batch: int) -> tuple:
     return int(state["step"]), int(state["global_batch"])
 
 
+def _sync(device) -> None:
+    if device.type == "cuda":  # timing only: the step's kernels are done
+        torch.cuda.synchronize()
+
+
+def _compare_step(kind, model, opt, x, y, world) -> None:
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    if kind == "stock":  # the plain PyTorch pattern: one all_reduce per gradient
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+    opt.step()
+
+
+def compare(args, device, dtype) -> None:
+    """Stock PyTorch, DDP and hybridcomm, side by side: ms per step, one line on rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x_train, y_train = synthetic_digits(4096, seed=1)
+    runs = {}
+    for kind in ("stock", "ddp", "hybridcomm"):
+        torch.manual_seed(0)
+        net = Net().to(device, dtype)
+        sgd = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        if kind == "ddp":
+            net = nn.parallel.DistributedDataParallel(net)
+            sgd = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        elif kind == "hybridcomm":
+            sgd = hybridcomm.DistributedOptimizer(sgd, model=net, overlap=args.overlap,
+                                                  strategy=args.strategy)
+        runs[kind] = (net, sgd, [])
+    steps = max(1, args.compare_steps)
+    for r in range(4):  # interleaved rounds: drift on a shared machine hits every config
+        for kind, (net, opt, times) in runs.items():
+            for i in range(steps):
+                lo = ((r * steps + i) * args.batch_size * world) % (len(x_train) - args.batch_size * world)
+                idx = torch.arange(lo, lo + args.batch_size * world)[rank::world]
+                x, y = x_train[idx].to(device, dtype), y_train[idx].to(device)
+                _sync(device)
+                t0 = time.perf_counter()
+                _compare_step(kind, net, opt, x, y, world)
+                _sync(device)
+                if r:  # the first round warms up
+                    times.append(time.perf_counter() - t0)
+    ms = {}
+    for kind, (net, opt, times) in runs.items():
+        mine = torch.tensor(sorted(times)[len(times) // 2] * 1e3, dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        ms[kind] = mine.item()
+        if hasattr(opt, "close"):
+            opt.close()
+    if rank == 0:
+        hc = ms["hybridcomm"]
+        print(f"compare ({world} ranks, {dist.get_backend()}, batch {args.batch_size} per rank, "
+              f"median of {3 * steps} steps): stock {ms['stock']:.1f} ms/step, DDP "
+              f"{ms['ddp']:.1f} ms/step, hybridcomm {hc:.1f} ms/step: "
+              f"{1 - hc / ms['stock']:.0%} less time than stock, "
+              f"{1 - hc / ms['ddp']:.0%} less than DDP", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=3)
@@ -128,6 +195,13 @@ def main() -> None:
     ap.add_argument("--crash-rank", type=int, default=1)
     ap.add_argument("--save-params", default=None, metavar="PATH",
                     help="rank 0 saves the final parameters (flat tensor) here")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float64"),
+                    help="the model's and the data's dtype (float64: runs that differ only in "
+                         "summation order agree to ~1e-12, e.g. across world sizes)")
+    ap.add_argument("--compare", action="store_true",
+                    help="time stock PyTorch, DDP and hybridcomm side by side; print one line")
+    ap.add_argument("--compare-steps", type=int, default=10,
+                    help="timed steps per config and round with --compare")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -137,19 +211,24 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
+    dtype = getattr(torch, args.dtype)
+    if args.compare:
+        compare(args, device, dtype)
+        dist.destroy_process_group()
+        return
     torch.manual_seed(0)
-    model = Net().to(device)
-    hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0)
+    model = Net().to(device, dtype)
     sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if args.local_sgd:
+        hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hybridcomm.strategies.LocalSGD(sgd, model, period=args.local_sgd)
-    else:
+    else:  # the one-line change (it starts every rank from rank 0's parameters)
         opt = hybridcomm.DistributedOptimizer(sgd, model=model, overlap=args.overlap,
                                               strategy=args.strategy,
                                               compression=args.compression)
     x_train, y_train = synthetic_digits(4096, seed=1)
     x_test, y_test = synthetic_digits(1024, seed=2)
-    x_train, y_train = x_train.to(device), y_train.to(device)
+    x_train, y_train, x_test = x_train.to(device, dtype), y_train.to(device), x_test.to(dtype)
 
     start, global_batch = load_checkpoint(args.checkpoint_dir, model, opt,
                                           args.batch_size * world)
@@ -175,8 +254,7 @@ def main() -> None:
             step += 1
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 save_checkpoint(args.checkpoint_dir, model, opt, step, global_batch)
-        opt.synchronize()  # parameters current (forward mode defers the last update)
-        with torch.no_grad():
+        with torch.no_grad():  # forward mode's pending updates apply as the model is read
             acc = (model(x_test.to(device)).argmax(1).cpu() == y_test).float().mean().item()
         if rank == 0:
             print(f"epoch {epoch}: loss {loss.item():.3f}, test accuracy {acc:.3f}, "
