@@ -54,6 +54,7 @@ class TensorAverager:
 
     def average_(self, tensors: Iterable[torch.Tensor]) -> int:
         """Average ``tensors`` in place; the bytes this rank sent."""
+        control.require_initialized("TensorAverager.average_")
         tensors = [t for t in tensors if t.numel()]
         if dist.get_world_size(self.group) == 1 or not tensors:
             return 0

@@ -118,10 +118,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", g
         raise ValueError(f"unknown op {op!r}; choose one of {OPS}")
     mode = check_mode(check)
     timeout = env.timeout(timeout)
-    if not dist.is_available() or not dist.is_initialized():
-        raise HybridCommError("torch.distributed is not initialized: call "
-                              "torch.distributed.init_process_group(...) first (or run under "
-                              "torchrun)")
+    control.require_initialized("hybridcomm.all_reduce")
     transport = select_transport(tensor.device, group, timeout=timeout)
     world = transport.world_size
     topology = Topology(node_size, grid).resolve(world)

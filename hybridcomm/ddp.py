@@ -106,6 +106,7 @@ class HybridState:
         """Agree on the cost model and make the channel for ``device`` now
         (collective: every rank of the group calls it). Idempotent; ``register``
         calls it, else the first hook call does."""
+        control.require_initialized("hybridcomm.ddp.HybridState.prepare")
         if self._world:
             return self
         device = torch.device(device)

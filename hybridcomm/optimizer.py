@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from . import broadcast, env
+from . import broadcast, control, env
 from .compression import parse_topk
 from .errors import HybridCommError
 from .planner import forced_algorithm
@@ -69,9 +69,7 @@ class _DistributedOptimizer:
     _step_supports_amp_scaling = True
 
     def _hc_init(self, model, overlap, passes, compression, agree, **options) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise HybridCommError("torch.distributed is not initialized: call "
-                                  "torch.distributed.init_process_group(...) first")
+        control.require_initialized("DistributedOptimizer")
         forced_algorithm(options["strategy"])  # every rank refuses a bad name alike
         if overlap not in OVERLAPS:
             raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")

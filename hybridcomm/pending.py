@@ -154,22 +154,25 @@ def resolve_all() -> None:
 
 
 # ---- torch.compile ----------------------------------------------------------------------
-_EVAL_FRAME_FILE = None
 _told_compiled = False
+# Frames of torch.compile's entry points (torch/_dynamo/eval_frame.py): a compiled
+# module's call, a compiled function's wrapper. (Not torch._dynamo.disable's own
+# wrapper, which runs this hook once torch.compile is in use.)
+_COMPILED_ENTRIES = ("OptimizedModule.__call__", "compile_wrapper")
 
 
 def _under_torch_compile() -> bool:
-    """Whether this forward was called through torch.compile's frame evaluation
-    (an OptimizedModule, or compiled code calling back into Python)."""
-    global _EVAL_FRAME_FILE
+    """Whether this forward was called through torch.compile (an OptimizedModule,
+    or a compiled function calling the model)."""
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is None:
         return False
-    if _EVAL_FRAME_FILE is None:
-        _EVAL_FRAME_FILE = dynamo.eval_frame.__file__
+    eval_frame = dynamo.eval_frame.__file__
     f = sys._getframe(2)
     while f is not None:
-        if f.f_code.co_filename == _EVAL_FRAME_FILE:
+        code = f.f_code
+        if code.co_filename == eval_frame and \
+                getattr(code, "co_qualname", code.co_name).endswith(_COMPILED_ENTRIES):
             return True
         f = f.f_back
     return False

@@ -49,7 +49,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from . import env
+from . import control, env
 from .errors import HybridCommError
 from .transport.torch_dist import posted, wait_work
 
@@ -81,6 +81,7 @@ def split_world(num_servers: int) -> Role:
         >>> role.is_server, role.workers, role.servers
         (False, [0], [])
     """
+    control.require_initialized("hybridcomm.ps.split_world")
     world, rank = dist.get_world_size(), dist.get_rank()
     if not 0 <= num_servers < world:
         raise ValueError(f"num_servers must be in [0, {world}) with {world} ranks, "

@@ -3,11 +3,12 @@ longer than a warning threshold (well under the timeout), say which ranks it
 waits for, instead of timing out anonymously.
 
 Every rank publishes its progress to the process group's key-value store (how
-many buckets it has launched in all, and its step count: one small write), at
-the end of a step at most every quarter of the threshold, so the store is not
-written on every step of a fast loop; a rank whose wait turns slow publishes
-its own at once. A rank whose wait turns slow reads everyone's: a rank that has
-launched fewer buckets is behind this one (it skipped a backward, left the
+many buckets it has launched in all, and its step count: one write of a short
+string, a few microseconds on torchrun's TCPStore over loopback) at the end of
+every step, so what a report names is current: a rank that stopped publishing
+has stopped stepping, and its numbers are those of its last step. A rank whose
+wait turns slow publishes its own at once and reads everyone's: a rank that
+has launched fewer buckets is behind this one (it skipped a backward, left the
 loop early, or its model's graph differs), and the warning names it with its
 numbers. The store is torch.distributed's own (the rendezvous), so this works
 while the data-plane connections are stuck.
@@ -56,7 +57,7 @@ class StallInspector:
         ranks = dist.get_process_group_ranks(group) if group is not None else \
             list(range(self.world))
         self.prefix = f"hybridcomm/stall/{next(_instances)}/{'-'.join(map(str, ranks))}"
-        self._published = float("-inf")  # when this rank last wrote its progress
+        self._key = f"{self.prefix}/{self.rank}"
         try:
             self.store = dist.distributed_c10d._get_default_store() if self.warn_s > 0 else None
         except Exception:  # noqa: BLE001 - no store (an unusual init): no inspector
@@ -67,13 +68,14 @@ class StallInspector:
         return self.store is not None
 
     def publish(self, launches: int, steps: int, force: bool = False) -> None:
-        """This rank's progress: at a step's end at most every ``warn_s / 4``
-        seconds, and always (``force``) before it reports a stall."""
-        now = time.time()
-        if self.store is None or (not force and now - self._published < self.warn_s / 4):
-            return
-        self._published = now
-        self.store.set(f"{self.prefix}/{self.rank}", f"{launches} {steps} {now:.3f}")
+        """This rank's progress, at every step's end and before it reports a stall
+        (``force``: kept for callers; every call publishes). A store that fails
+        (its host gone) is left alone: the next collective reports the peer."""
+        if self.store is not None:
+            try:
+                self.store.set(self._key, f"{launches} {steps} {time.time():.3f}")
+            except Exception as e:  # noqa: BLE001 - diagnostics must never break a step
+                log.debug("hybridcomm stall inspector: publishing progress failed: %s", e)
 
     def progress(self) -> Dict[int, List[float]]:
         """rank -> [launches, steps, when] for every rank that has published."""

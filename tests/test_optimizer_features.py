@@ -681,3 +681,31 @@ def _bogus_strategy(rank, world):
 def test_a_bad_strategy_is_refused_alike_on_every_rank():
     for msg in run_ranks(2, _bogus_strategy):
         assert msg.startswith("unknown strategy 'bogus'")
+
+
+def _last_layer_pending_when_the_first_runs(rank, world):
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model, overlap="forward", fusion_bytes=0,
+                                          timeout=60)
+    layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+    seen = []
+    layers[0].register_forward_pre_hook(lambda m, a: seen.append(is_pending(layers[-1].weight)))
+    for s in range(2):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    x, _ = batch(2)
+    model(shard(x, rank, world))
+    opt.close()
+    return seen
+
+
+def test_an_eager_forward_applies_each_update_at_its_first_use_not_at_the_start(monkeypatch):
+    """The overlap with the next forward: when the first layer runs, the last
+    layer's update is still pending (an eager script, torch._dynamo imported by
+    torch.optim as usual)."""
+    monkeypatch.setenv("HYBRIDCOMM_DEFER", "always")
+    for seen in run_ranks(2, _last_layer_pending_when_the_first_runs):
+        assert seen == [False, True, True]

@@ -74,3 +74,7 @@ def test_an_installed_wheel_works_outside_the_checkout(built, tmp_path):
     assert version == _version()
     assert where.startswith(str(target)) and csrc.startswith(str(target))
     assert found == "True" and no_top_level == "True"
+    # the front door of an installed copy: python -m hybridcomm
+    out = subprocess.run([sys.executable, "-m", "hybridcomm", "--version"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and f"hybridcomm {_version()}" in out.stdout, out.stderr

@@ -84,7 +84,11 @@ def test_ddp_caps_comm_the_bound_and_the_limit(tmp_path):
         assert r["vs_limit"] == pytest.approx(r["step_ms"] / limit)
         assert r["best_ddp"] == best
         assert r["speedup_vs_ddp"] == pytest.approx(rows[best]["step_ms"] / r["step_ms"])
-        assert 0 <= r["cpu_busy_pct"] <= 100
+        # cpu% is reported, not judged: the machine's /proc/stat jiffies over two short
+        # timed steps may count nothing (None) or run backwards (idle, iowait)
+        assert r["cpu_busy_pct"] is None or math.isfinite(r["cpu_busy_pct"])
+    for c in ("ddp:0.5", "ddp:25", "hybrid-forward"):  # what is checked: the same training
+        assert rows[c]["same"] is True and rows[c]["max_abs_diff_vs_stock"] < 1e-4
     assert rows["limit"]["vs_limit"] == pytest.approx(1.0)
     if LINUX:  # comm and limit hold the model and a flat buffer of all gradients, at least
         for c in ("comm", "limit"):

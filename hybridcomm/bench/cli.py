@@ -65,19 +65,35 @@ def parse_grid(text: str):
     return int(m.group(1)), int(m.group(2))
 
 
+def _version() -> str:
+    from .._version import __version__
+
+    return f"hybridcomm-bench (hybridcomm {__version__})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="hybridcomm-bench", description=__doc__.split("\n\n")[0].replace("\n", " "),
+        prog="hybridcomm-bench",
+        description=__doc__.split("\n\n")[0].replace("\n", " ").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Columns: size count type redop algo time(us) algbw(GB/s) busbw(GB/s) #wrong; "
-               "docs/PERFORMANCE.md explains them.")
-    ap.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"))
-    ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
-    ap.add_argument("-f", "--stepfactor", type=float, default=4.0)
+               "docs/PERFORMANCE.md explains them. The summary warns where a point's spread "
+               f"(p20..p80 of its iterations, or across ranks) exceeds "
+               f"{report.NOISE_THRESHOLD * 100:.0f}% of its time, and checks auto's choice "
+               "against the algorithms timed in the same run.")
+    ap.add_argument("--version", action="version", version=_version())
+    ap.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"), metavar="SIZE",
+                    help="smallest message size in bytes (4K, 1M style; default 4K)")
+    ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), metavar="SIZE",
+                    help="largest message size in bytes (default 64M)")
+    ap.add_argument("-f", "--stepfactor", type=float, default=4.0, metavar="F",
+                    help="multiply the size by F from one point to the next (default 4)")
     ap.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per point")
     ap.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per point")
-    ap.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float32")
-    ap.add_argument("-o", "--op", choices=("sum", "avg"), default="sum")
+    ap.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float32",
+                    help="element type of the buffers (default float32)")
+    ap.add_argument("-o", "--op", choices=("sum", "avg"), default="sum",
+                    help="reduction: sum, or avg (the sum over the world size); default sum")
     ap.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
                     help="check the results after timing (#wrong)")
     ap.add_argument("--algo", default="ring,butterfly,halving_doubling,auto,native",
@@ -361,6 +377,9 @@ def main(argv: Optional[List[str]] = None) -> int:
            "results": report.result_rows(doc["results"], world, cfg.latency_s),
            "calibration": None, "latency_check": None, "two_level_check": None,
            "env": report.machine_info()}
+    doc["noise_threshold"] = report.NOISE_THRESHOLD
+    doc["noisy_sizes"] = sorted({r["bytes"] for r in report.noisy(doc["results"])})
+    doc["auto_check"] = report.auto_check(doc["results"])
     out = sys.stdout
     if not cfg.live:  # else rank 0 printed them as the sweep went
         for line in report.header(doc):

@@ -4,10 +4,11 @@ One harness for every algorithm, ``torch.distributed.all_reduce`` included (the
 baseline, in the same process group and the same run). Per (size, algorithm):
 ``warmup`` untimed calls, then ``iters`` timed ones, each from a barrier, on
 a buffer refilled from the input outside the timed region; the rank keeps the
-median. After timing, one more call checks the data: inputs are small
-integers, so the sum is exact in any order and in any dtype, and ``#wrong`` is
-the number of elements that differ from it (for ``avg``, more than the one
-rounding the scale allows). Rank 0 gathers every rank's medians; the reported
+median, and the 20th and 80th percentiles of its iterations (the spread the
+report's noise warning reads). After timing, one more call checks the data:
+inputs are small integers, so the sum is exact in any order and in any dtype,
+and ``#wrong`` is the number of elements that differ from it (for ``avg``, more
+than the one rounding the scale allows). Rank 0 gathers every rank's medians; the reported
 time is their mean.
 
 With ``servers`` K > 0 the last K processes are summation servers
@@ -128,7 +129,20 @@ class _Runners:
                                timeout=timeout)
 
 
-def _time_one(run, buf, inp, cfg: Config, device, group=None) -> float:
+def percentiles(times: List[float]) -> Tuple[float, float, float]:
+    """(p20, median, p80) of the iterations' times (one time: that time thrice).
+
+        >>> percentiles([5.0, 1.0, 2.0, 3.0, 4.0])
+        (1.8, 3.0, 4.2)
+    """
+    if len(times) < 2:
+        return times[0], times[0], times[0]
+    p20, _, _, p80 = statistics.quantiles(times, n=5, method="inclusive")
+    return p20, statistics.median(times), p80
+
+
+def _time_one(run, buf, inp, cfg: Config, device, group=None) -> Tuple[float, float, float]:
+    """(p20, median, p80) seconds of ``cfg.iters`` timed calls, after the warm-up."""
     for _ in range(cfg.warmup):
         buf.copy_(inp)
         run()
@@ -141,18 +155,21 @@ def _time_one(run, buf, inp, cfg: Config, device, group=None) -> float:
         run()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return percentiles(times)
 
 
 def _merge(per_rank_rows: List[List[dict]]) -> List[dict]:
     """Rows of every rank -> one row each: the time averaged over the ranks (as
-    nccl-tests reports it), the wrong elements summed."""
+    nccl-tests reports it), the wrong elements summed, each rank's median and
+    percentiles kept."""
     out = []
     for i, row in enumerate(per_rank_rows[0]):
         per_rank = [rows[i] for rows in per_rank_rows]
         wrong = -1 if row["wrong"] < 0 else sum(r["wrong"] for r in per_rank)
         out.append({**row, "time_s": statistics.mean(r["time_s"] for r in per_rank),
-                    "wrong": wrong, "time_s_per_rank": [r["time_s"] for r in per_rank]})
+                    "wrong": wrong, "time_s_per_rank": [r["time_s"] for r in per_rank],
+                    "p20_s_per_rank": [r.get("p20_s", r["time_s"]) for r in per_rank],
+                    "p80_s_per_rank": [r.get("p80_s", r["time_s"]) for r in per_rank]})
     return out
 
 
@@ -217,7 +234,7 @@ def _sweep(rank: int, world: int, cfg: Config, group, servers) -> Optional[dict]
         for algo in cfg.algos:
             chosen = runners.resolve(algo, count * esize)
             run = runners.make(chosen, buf)
-            t = _time_one(run, buf, inp, cfg, device, group)
+            p20, t, p80 = _time_one(run, buf, inp, cfg, device, group)
             wrong = -1
             if cfg.check:
                 buf.copy_(inp)
@@ -225,7 +242,7 @@ def _sweep(rank: int, world: int, cfg: Config, group, servers) -> Optional[dict]
                 _sync(device)
                 wrong = count_wrong(buf, total, cfg.op, world)
             rows.append({"algo": algo, "chosen": chosen, "bytes": count * esize, "count": count,
-                         "time_s": t, "wrong": wrong})
+                         "time_s": t, "p20_s": p20, "p80_s": p80, "wrong": wrong})
         if cfg.live:  # as nccl-tests: this size's rows now, times averaged over the ranks
             every = control.all_gather_object(rows[first:], group=group, timeout=cfg.timeout_s,
                                               what="the benchmark rows")

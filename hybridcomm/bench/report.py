@@ -2,6 +2,14 @@
 
 algbw = bytes / time; busbw = algbw * 2(P-1)/P, the all-reduce's bus factor
 (docs/PERFORMANCE.md says why and how to read both).
+
+Noise: a point's ``spread`` is the larger of its iterations' spread (p80 - p20
+over the median, the worst rank's) and its ranks' spread (largest minus
+smallest rank median, over their mean). Above :data:`NOISE_THRESHOLD` the
+summary warns and names the sizes: ratios and the measured crossover there
+are unreliable. ``auto`` is checked against the same run: where the algorithm
+it chose measured slower than the fastest one timed at that size by more than
+both points' spread (at least :data:`AUTO_MARGIN`), the summary says so.
 """
 from __future__ import annotations
 
@@ -14,6 +22,9 @@ from ..units import format_bytes
 # The process group's own all_reduce (gloo's or NCCL's): the rows the others are compared
 # with. harness.py runs it under this name, and imports the name from here.
 BASELINE = "native"
+
+NOISE_THRESHOLD = 0.25  # a point whose spread exceeds 25% of its time is noisy
+AUTO_MARGIN = 0.05  # auto is "slower" only beyond the noise, and never within 5%
 
 COLUMNS = ("size", "count", "type", "redop", "algo", "time(us)", "algbw(GB/s)", "busbw(GB/s)",
            "#wrong")
@@ -30,15 +41,35 @@ def bandwidths(nbytes: int, seconds: float, world_size: int):
     return algbw, algbw * bus_factor(world_size)
 
 
+def spreads(medians: List[float], p20s: List[float], p80s: List[float]):
+    """(iterations' spread, ranks' spread), each relative to the time.
+
+        >>> spreads([100.0, 100.0], [90.0, 80.0], [110.0, 130.0])
+        (0.5, 0.0)
+        >>> spreads([100.0, 150.0], [100.0, 150.0], [100.0, 150.0])
+        (0.0, 0.4)
+    """
+    iters = max(((hi - lo) / m for m, lo, hi in zip(medians, p20s, p80s) if m > 0), default=0.0)
+    mean = sum(medians) / len(medians) if medians else 0.0
+    ranks = (max(medians) - min(medians)) / mean if len(medians) > 1 and mean > 0 else 0.0
+    return round(iters, 4), round(ranks, 4)
+
+
 def result_rows(raw: Iterable[dict], world_size: int, latency_s: float) -> List[dict]:
     """Harness rows -> the JSON ``results`` entries."""
     out = []
     for r in raw:
         algbw, busbw = bandwidths(r["bytes"], r["time_s"], world_size)
+        medians = r.get("time_s_per_rank") or [r["time_s"]]
+        iters, ranks = spreads(medians, r.get("p20_s_per_rank") or medians,
+                               r.get("p80_s_per_rank") or medians)
         row = {"algo": r["algo"], "bytes": r["bytes"], "count": r["count"],
                "time_us": r["time_s"] * 1e6, "algbw_gbps": algbw, "busbw_gbps": busbw,
                "wrong": r["wrong"],
-               "time_us_per_rank": [t * 1e6 for t in r.get("time_s_per_rank", [])]}
+               "time_us_per_rank": [t * 1e6 for t in r.get("time_s_per_rank", [])],
+               "p20_us_per_rank": [t * 1e6 for t in r.get("p20_s_per_rank", [])],
+               "p80_us_per_rank": [t * 1e6 for t in r.get("p80_s_per_rank", [])],
+               "iter_spread": iters, "rank_spread": ranks, "spread": max(iters, ranks)}
         if r["algo"] != BASELINE and r.get("chosen", r["algo"]) != r["algo"]:
             row["chosen"] = r["chosen"]
         row["latency_emulated"] = bool(latency_s > 0 and r["algo"] != BASELINE)
@@ -71,11 +102,14 @@ def header(doc: dict) -> List[str]:
 
 
 def row_line(r: dict, doc: dict) -> str:
-    note = ""
+    notes = []
     if "chosen" in r:
-        note = f"-> {r['chosen']}"
+        notes.append(f"-> {r['chosen']}")
     elif r["algo"] == BASELINE and doc["latency"]:
-        note = "no latency emulation"
+        notes.append("no latency emulation")
+    if r.get("spread", 0.0) > NOISE_THRESHOLD:
+        notes.append(f"noisy ({r['spread'] * 100:.0f}% spread)")
+    note = ", ".join(notes)
     wrong = "N/A" if r["wrong"] < 0 else str(r["wrong"])
     return (f"  {r['bytes']:>10} {r['count']:>11} {doc['dtype']:>8} {doc['op']:>5} {r['algo']:>16} "
             f"{r['time_us']:>11.1f} {r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f} "
@@ -97,6 +131,69 @@ def measured_crossover(results: List[dict], a: str = "butterfly", b: str = "ring
         else:
             break
     return cross
+
+
+def noisy(results: List[dict], threshold: float = NOISE_THRESHOLD) -> List[dict]:
+    """The points whose spread exceeds ``threshold`` (iterations or ranks)."""
+    return [r for r in results if r.get("spread", 0.0) > threshold]
+
+
+def noise_lines(results: List[dict], threshold: float = NOISE_THRESHOLD) -> List[str]:
+    """The summary's noise verdict: a WARNING naming the noisy sizes, or one line
+    saying every point is within ``threshold``."""
+    bad = noisy(results, threshold)
+    if not bad:
+        return [f"# Noise: every point within {threshold * 100:.0f}% (p20..p80 of the "
+                "iterations, and the ranks' medians)"]
+    sizes = sorted({r["bytes"] for r in bad})
+    worst = max(bad, key=lambda r: r["spread"])
+    kind = "across iterations" if worst["iter_spread"] >= worst["rank_spread"] else "across ranks"
+    return [f"# WARNING: noisy measurements at {', '.join(format_bytes(n) for n in sizes)}: "
+            f"spread over {threshold * 100:.0f}% of the time (worst: {worst['algo']} at "
+            f"{format_bytes(worst['bytes'])}, {worst['spread'] * 100:.0f}% {kind}); the "
+            "speed ratios and the crossover verdict at these sizes are unreliable. More "
+            "iterations (-n), a quieter machine, or --json for every rank's numbers."]
+
+
+def auto_check(results: List[dict]) -> List[dict]:
+    """Sizes where the algorithm ``auto`` chose measured slower, beyond the noise,
+    than the fastest algorithm timed at that size in the same run."""
+    out = []
+    for a in (r for r in results if r["algo"] == "auto"):
+        others = [r for r in results if r["bytes"] == a["bytes"] and r["algo"] != "auto"]
+        if not others:
+            continue
+        best = min(others, key=lambda r: r["time_us"])
+        chosen = a.get("chosen", "auto")
+        if best["algo"] == chosen:
+            continue
+        margin = max(a.get("spread", 0.0), best.get("spread", 0.0), AUTO_MARGIN)
+        if a["time_us"] > best["time_us"] * (1 + margin):
+            out.append({"bytes": a["bytes"], "chosen": chosen, "chosen_us": a["time_us"],
+                        "fastest": best["algo"], "fastest_us": best["time_us"],
+                        "margin": margin})
+    return out
+
+
+def auto_lines(results: List[dict], model_source: str = "") -> List[str]:
+    """The summary's check of auto against this run (nothing when auto was not swept)."""
+    if not any(r["algo"] == "auto" for r in results):
+        return []
+    slow = auto_check(results)
+    if not slow:
+        return ["# auto vs this run: its choice was the fastest measured, within the noise, "
+                "at every size"]
+    lines = []
+    for c in slow:
+        lines.append(f"# auto at {format_bytes(c['bytes'])} chose {c['chosen']} "
+                     f"({c['chosen_us']:.0f} us), but {c['fastest']} measured "
+                     f"{c['fastest_us']:.0f} us in this run "
+                     f"({c['chosen_us'] / c['fastest_us']:.2f}x faster, beyond the "
+                     f"{c['margin'] * 100:.0f}% noise)")
+    lines.append("#   auto's cost model" + (f" ({model_source})" if model_source else "")
+                 + " mispredicts this machine there: `hybridcomm-bench --calibrate` (or "
+                 "`python -m hybridcomm calibrate`) fits one to it")
+    return lines
 
 
 def summary(doc: dict) -> List[str]:
@@ -126,7 +223,13 @@ def summary(doc: dict) -> List[str]:
             text = f"ring is no slower than butterfly at every size from {format_bytes(c)}"
         else:
             text = f"ring is no slower than butterfly from {format_bytes(c)} up"
+        shaky = sorted({r["bytes"] for r in noisy(results) if r["algo"] in ("butterfly", "ring")})
+        if shaky:
+            text += (" (UNRELIABLE: noisy at " + ", ".join(format_bytes(n) for n in shaky)
+                     + ")")
         lines.append(f"# Butterfly/ring crossover (measured): {text}")
+    lines += noise_lines(results)
+    lines += auto_lines(results, (doc.get("auto_model") or {}).get("source", ""))
     wrong = sum(max(r["wrong"], 0) for r in results)
     lines.append(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     return lines

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .. import env
+from .. import control, env
 from ..averager import TensorAverager
 from ..broadcast import broadcast_parameters
 from .averaging import gather_per_rank, load_own, state_tensors
@@ -33,6 +33,7 @@ class ADMM:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                  rho: float = 0.1, local_steps: int = 5, group=None,
                  timeout: Optional[float] = None):
+        control.require_initialized("hybridcomm.strategies.ADMM")
         if rho <= 0 or local_steps < 1:
             raise ValueError("rho must be > 0 and local_steps >= 1")
         self.optimizer, self.model, self.rho, self.local_steps = optimizer, model, rho, local_steps

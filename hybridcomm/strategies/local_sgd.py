@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .. import env
+from .. import control, env
 from ..averager import TensorAverager
 from ..broadcast import broadcast_parameters
 from ..synchronizer import GradientSynchronizer
@@ -33,6 +33,7 @@ class LocalSGD:
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                  period: int = 8, average_state: bool = False, warmup_steps: int = 0,
                  group=None, timeout: Optional[float] = None):
+        control.require_initialized("hybridcomm.strategies.LocalSGD")
         if period < 1 or warmup_steps < 0:
             raise ValueError("period must be >= 1 and warmup_steps >= 0")
         self.optimizer, self.model = optimizer, model

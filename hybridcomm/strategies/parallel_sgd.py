@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .. import env
+from .. import control, env
 from ..averager import TensorAverager
 from ..broadcast import broadcast_parameters
 
@@ -27,6 +27,7 @@ class ParallelSGD:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                  average: str = "epoch", group=None, timeout: Optional[float] = None):
+        control.require_initialized("hybridcomm.strategies.ParallelSGD")
         if average not in ("epoch", "end"):
             raise ValueError(f"average must be 'epoch' or 'end', got {average!r}")
         self.optimizer, self.model, self.average = optimizer, model, average

@@ -1,0 +1,99 @@
+"""``python -m hybridcomm``: --version, env, plan (without training) and calibrate, each
+run as a user runs it (a subprocess)."""
+import json
+import os
+import subprocess
+import sys
+
+import hybridcomm
+from hybridcomm import env
+from hybridcomm.cost_model import DEFAULT_MODEL
+from hybridcomm.planner import make_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(*args, env_vars=None, ok=True, timeout=120):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("HYBRIDCOMM_")}
+    environ.update(env_vars or {})
+    r = subprocess.run([sys.executable, "-m", "hybridcomm", *args], capture_output=True,
+                       text=True, timeout=timeout, cwd=ROOT, env=environ)
+    assert (r.returncode == 0) == ok, f"rc {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+def test_version_and_help():
+    r = _run("--version")
+    assert f"hybridcomm {hybridcomm.__version__}" in r.stdout
+    r = _run()
+    for command in ("env", "plan", "calibrate"):
+        assert command in r.stdout
+
+
+def test_env_lists_every_variable_with_its_value_default_and_help():
+    r = _run("env", env_vars={"HYBRIDCOMM_TIMEOUT": "60", "HYBRIDCOMM_TIMOUT": "5"})
+    lines = r.stdout.splitlines()
+    for v in env.VARIABLES.values():
+        line = next((ln for ln in lines if ln.startswith(v.name + " ")), None)
+        assert line is not None, f"{v.name} missing:\n{r.stdout}"
+        assert "default " + ("unset" if v.default is None else repr(v.default)) in line
+        assert lines[lines.index(line) + 1].strip() == v.help
+    timeout = next(ln for ln in lines if ln.startswith("HYBRIDCOMM_TIMEOUT "))
+    assert "value '60' -> 60.0" in timeout and "default 300.0" in timeout
+    algo = next(ln for ln in lines if ln.startswith("HYBRIDCOMM_ALGO "))
+    assert "value unset" in algo
+    typo = next(ln for ln in lines if ln.startswith("HYBRIDCOMM_TIMOUT "))
+    assert "UNKNOWN" in typo and "did you mean HYBRIDCOMM_TIMEOUT?" in typo
+    bad = _run("env", env_vars={"HYBRIDCOMM_TIMEOUT": "soon"}, ok=False)
+    assert bad.returncode == 1 and "INVALID" in bad.stdout
+
+
+def test_plan_of_listed_layers_is_the_planners():
+    spec = "conv1:1728,conv2:18432,fc1:4M,fc2:2560"
+    r = _run("plan", "--layers", spec, "--world", "8", "--cost-model", "default")
+    from hybridcomm.__main__ import parse_layers
+
+    want = str(make_plan(parse_layers(spec), world_size=8, model=DEFAULT_MODEL))
+    assert want in r.stdout, r.stdout
+    assert "# cost model: built-in defaults" in r.stdout and "world size 8" in r.stdout
+    assert "butterfly" in r.stdout and "ring" in r.stdout  # small layers and a large one
+    bad = _run("plan", "--layers", "conv1", ok=False)
+    assert bad.returncode == 2 and "NAME:NUMEL" in bad.stderr
+
+
+def test_plan_of_a_model_groups_its_modules_as_the_optimizer_does(tmp_path):
+    r = _run("plan", "--model", "benchmarks.models:vgg_small", "--world", "4",
+             env_vars={"HYBRIDCOMM_COST_MODEL": str(tmp_path / "none.json")})
+    assert "# cost model: built-in defaults (no saved calibration" in r.stdout
+    table = r.stdout[r.stdout.index("hybridcomm plan:"):]
+    for layer in ("classifier.4", "classifier.2", "classifier.0", "features.0"):
+        assert layer in table  # one layer per module, named as the model names it
+    assert table.index("classifier.4") < table.index("features.0")  # backward order
+
+
+def test_calibrate_saves_what_plan_then_uses(tmp_path):
+    saved = tmp_path / "cm.json"
+    variables = {"HYBRIDCOMM_COST_MODEL": str(saved)}
+    r = _run("calibrate", "--nprocs", "2", "-b", "4K", "-e", "16K", "-n", "2", "-w", "0",
+             "--algo", "ring,butterfly,native", env_vars=variables, timeout=180)
+    assert f"saved to {saved}" in r.stdout, r.stdout
+    model = json.loads(saved.read_text())
+    assert model["world_size"] == 2 and model["alpha_s"] >= 0
+    p = _run("plan", "--layers", "conv:1728,fc:1M", env_vars=variables)
+    assert f"# cost model: {saved}" in p.stdout
+    assert "# world size 2 (the calibration's)" in p.stdout
+    p = _run("plan", "--layers", "conv:1728,fc:1M", "--world", "4", env_vars=variables)
+    assert "the calibration was measured on 2 ranks" in p.stdout
+
+
+def test_without_a_calibration_plan_uses_the_probe_a_job_of_that_size_kept(tmp_path):
+    from hybridcomm.auto_model import save
+    from hybridcomm.cost_model import CostModel
+
+    probe = tmp_path / "probe-w4-gloo-cpu-localna.json"  # as calibration.py keeps it
+    save(CostModel(1e-4, 1e-8, 1e-10), str(probe), world_size=4, device="cpu")
+    variables = {"HYBRIDCOMM_COST_MODEL": str(tmp_path / "cost_model.json")}  # absent
+    p = _run("plan", "--layers", "conv:1728,fc:1M", "--world", "4", env_vars=variables)
+    assert f"# cost model: probe saved at {probe}" in p.stdout
+    p = _run("plan", "--layers", "conv:1728,fc:1M", "--world", "8", env_vars=variables)
+    assert "# cost model: built-in defaults" in p.stdout  # another world size: not that probe
