@@ -139,6 +139,10 @@ def train(accelerator: Accelerator, args, overlap: str, accumulation: int) -> No
                   f"{inner.last_step_stats.get('bytes_sent', 0)} bytes")
         if args.params_out:
             torch.save(params, f"{args.params_out}.{overlap}.acc{accumulation}.pt")
+    # hybridcomm's threads and channels end here, not in the interpreter's teardown
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if hasattr(inner, "close"):
+        inner.close()
 
 
 def main() -> None:
