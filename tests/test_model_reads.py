@@ -65,8 +65,6 @@ import copy
 import functools
 import io
 import os
-import sys
-import traceback
 
 import pytest
 import torch
@@ -76,9 +74,9 @@ import torch.nn.functional as F
 
 import hybridcomm
 from multiproc import run_ranks
-from test_training_loops import (AGREE_TIMEOUT, ATOL, IN, OUT, RTOL, STEPS, HybridComm,
-                                 ManualDataParallel, Reference, _adam, _any_rank_failed,
-                                 _flat, _mlp, _sgd, _watchdog, _whole)
+from test_training_loops import (IN, OUT, STEPS, HybridComm, ManualDataParallel, Reference,
+                                 _adam, _all_patterns, _flat, _mlp, _run, _sgd, _whole)
+from test_training_loops import _compare as compare
 
 DECAY = 0.8  # EMA decay: small, so that a stale read shows in a few steps
 LATE_FROM = 3  # reads that start after the measured steps (measure_iters=2) and the re-plan
@@ -483,45 +481,8 @@ PATTERNS = {
 # ------------------------------------------------------------------ the harness
 # As in test_training_loops (its helpers), over this file's PATTERNS.
 
-def _run(loop, name):
-    try:
-        trained = PATTERNS[name](loop)
-        loop.finish()
-        return _flat(trained)
-    finally:
-        loop.close()
-
-
-def _error():
-    """As test_training_loops' _error, but the first line is the exception's own
-    first line (torch._dynamo's end with a hint to set TORCHDYNAMO_VERBOSE)."""
-    exc = sys.exc_info()[1]
-    lines = traceback.format_exc().strip().splitlines()
-    where = [line.strip() for line in lines if line.strip().startswith("File ")]
-    first = (str(exc).strip().splitlines() or [""])[0]
-    return (f"{type(exc).__name__}: {first} [{where[-1] if where else '?'}]\n"
-            + "\n".join(lines[-16:-1]))
-
-
 def _names(simulate):
     return [name for name in PATTERNS if not (simulate and name in HOST_ONLY)]
-
-
-def _all_patterns(rank, world, make_loop, names):
-    """In a rank: each pattern of ``names`` in turn (pattern -> flat values, or the
-    error text); after a failure on some rank, each pattern gets a fresh group."""
-    out, fresh = {}, False
-    for name in names:
-        group = dist.new_group(backend="gloo", timeout=AGREE_TIMEOUT) if fresh else None
-        timer = _watchdog(rank, name)
-        try:
-            out[name] = _run(make_loop(rank, world, group), name)
-        except Exception:
-            out[name] = _error()
-        finally:
-            timer.cancel()
-        fresh = _any_rank_failed(isinstance(out[name], str), world) or fresh
-    return out
 
 
 def _hybridcomm(rank, world, overlap, simulate, fusion_bytes, defer):
@@ -532,44 +493,20 @@ def _hybridcomm(rank, world, overlap, simulate, fusion_bytes, defer):
         else:
             os.environ[var] = value
     return _all_patterns(rank, world, lambda r, w, g: Hybrid(r, w, g, overlap, fusion_bytes),
-                         _names(simulate))
+                         PATTERNS, _names(simulate))
 
 
 def _manual(rank, world):
-    return _all_patterns(rank, world, Manual, list(PATTERNS))
+    return _all_patterns(rank, world, Manual, PATTERNS)
 
 
 @functools.lru_cache(maxsize=None)
 def _references():
-    return {name: _run(OneProcess(), name) for name in PATTERNS}
+    return {name: _run(OneProcess(), name, PATTERNS) for name in PATTERNS}
 
 
 def _compare(results, names):
-    """One line per pattern that differs from its reference or across ranks."""
-    refs, failures = _references(), []
-    for rank, r in enumerate(results):
-        if isinstance(r, str):  # the whole rank failed
-            return [f"rank {rank} failed:\n{r}"]
-    for name in names:
-        got = [r[name] for r in results]
-        errors = [(rank, g) for rank, g in enumerate(got) if isinstance(g, str)]
-        if errors:
-            rank, text = errors[0]
-            failures.append(f"{name}: raised on ranks {[e[0] for e in errors]}: "
-                            f"{text.splitlines()[0]}")
-            continue
-        ref = refs[name]
-        if got[0].shape != ref.shape:
-            failures.append(f"{name}: {got[0].numel()} values, the reference {ref.numel()}")
-            continue
-        if name not in NO_REFERENCE and not torch.allclose(got[0], ref, rtol=RTOL, atol=ATOL):
-            failures.append(f"{name}: max diff from one process "
-                            f"{(got[0] - ref).abs().max():.3g}")
-        for rank in range(1, len(got)):
-            if not torch.equal(got[rank], got[0]):
-                failures.append(f"{name}: rank {rank} differs from rank 0, max diff "
-                                f"{(got[rank] - got[0]).abs().max():.3g}")
-    return failures
+    return compare(results, _references(), names, NO_REFERENCE)
 
 
 def test_references_really_exercise_their_patterns():
