@@ -70,7 +70,17 @@ _QUIET_METHODS = frozenset({
 })
 
 
+_quiet_seen: Dict[object, bool] = {}  # func -> _quiet(func): zero_grad asks per parameter
+
+
 def _quiet(func) -> bool:
+    quiet = _quiet_seen.get(func)
+    if quiet is None:
+        quiet = _quiet_seen[func] = _classify(func)
+    return quiet
+
+
+def _classify(func) -> bool:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
         attribute = getattr(getattr(func, "__self__", None), "__name__", "")
@@ -79,17 +89,21 @@ def _quiet(func) -> bool:
     return name in _QUIET_METHODS
 
 
+_DISABLED = torch._C.DisableTorchFunctionSubclass
+
+
 class _Pending:
     """Mixed in front of a parameter's class while its update is pending."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         if _quiet(func):
-            with torch._C.DisableTorchFunctionSubclass():
+            with _DISABLED():
                 return func(*args, **kwargs)
         for t in collect(kwargs, collect(args, [])):
-            if is_pending(t):
+            if isinstance(t, _Pending):
                 resolve(t)
         return func(*args, **kwargs)
 
