@@ -740,6 +740,8 @@ class GradientSynchronizer:
 
     def apply_pending(self) -> None:
         """Apply every deferred update now (forward mode)."""
+        if not any(slot.phase is Phase.PENDING for slot in self.slots):
+            return  # the usual case at step(): the forward applied them all
         # the last issued first: with it, every other (one optimizer call on a GPU)
         for slot in sorted(self.slots, key=lambda s: -self.engine.issue_seq(s.index)):
             if slot.phase is Phase.PENDING:
