@@ -242,10 +242,14 @@ def default_fusion(model: CostModel, notes: List[str], world_size: int = 2,
     """Fuse until a bucket's bytes cost FUSION_BALANCE times its fixed cost,
     clamped to [MIN_FUSION, MAX_FUSION]; a degenerate fit takes a bound."""
     if model.beta <= 0:
-        notes.append(f"cost model has beta = 0: fusing up to {MAX_FUSION} B")
+        notes.append(f"the cost model has no per-byte cost (beta = 0), so it cannot size "
+                     f"buckets: small layers are fused up to {MAX_FUSION} B, a safe bound "
+                     "(`hybridcomm-bench --calibrate` fits one)")
         return MAX_FUSION
     if model.alpha <= 0:
-        notes.append(f"cost model has alpha = 0: fusing up to {MIN_FUSION} B")
+        notes.append(f"the cost model has no per-message cost (alpha = 0), so fusing saves "
+                     f"nothing it can see: small layers are fused up to {MIN_FUSION} B only "
+                     "(`hybridcomm-bench --calibrate` fits one)")
         return MIN_FUSION
     balance = balance_bytes(model, world_size, topology)
     return int(min(MAX_FUSION, max(MIN_FUSION, FUSION_BALANCE * balance)))
@@ -256,7 +260,8 @@ def default_split(model: CostModel, world_size: int, notes: List[str],
     """Segments whose extra messages cost < 10% of their transfer, clamped to
     [MIN_SPLIT, MAX_SPLIT]; 0 = no split (a degenerate fit)."""
     if model.beta <= 0 or model.alpha <= 0:
-        notes.append("degenerate cost model: no split")
+        notes.append("large buckets are not split: the cost model lacks a per-message or a "
+                     "per-byte cost to weigh a split against")
         return 0
     balance = balance_bytes(model, world_size, topology)
     return int(min(MAX_SPLIT, max(MIN_SPLIT, SPLIT_BALANCE * balance)))
@@ -448,8 +453,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
             b.predicted_s = sum(model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1),
                                               world_size, topo) for a, z in b.segments)
     if comm_scale is not None and comm_scale != 1.0:
-        notes.append(f"communication measured at {comm_scale:.2f}x the cost model's prediction: "
-                     "the issue order is timed with the measured speed")
+        notes.append(f"in the measured steps communication took {comm_scale:.2f}x the time the "
+                     "cost model predicts: the issue order is timed with the measured speed")
     if defer_pays is False:
         notes.append("forward overlap cannot pay here: in the measured steps every bucket but "
                      "the one the next forward needs first was reduced before step(), so (in "

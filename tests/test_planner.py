@@ -82,7 +82,7 @@ def test_the_measured_communication_speed_times_the_order():
     # than when the wire is four times slower
     first_fc = [b.segments[0] for b in (fast.buckets[0], slow.buckets[0])]
     assert first_fc[0][1] > first_fc[1][1]
-    assert "4.00x the cost model's prediction" in " ".join(slow.notes)
+    assert "communication took 4.00x the time the cost model predicts" in " ".join(slow.notes)
 
 
 def test_priority_order_puts_the_urgent_bucket_between_segments_of_the_big_one():
