@@ -263,8 +263,14 @@ class _DistributedOptimizer:
         """Drop the gradients no step has used yet (in flight or not). An update that
         forward mode deferred is kept: it was taken at ``step()``."""
         if not set_to_none:
-            self._hc_sync.prepare_zero()
-        super().zero_grad(set_to_none=set_to_none)
+            self._hc_sync.prepare_zero()  # (applies the pending updates first)
+        if type(self).__bases__[1].zero_grad is not torch.optim.Optimizer.zero_grad:
+            super().zero_grad(set_to_none=set_to_none)  # the user's own: it may read anything
+            return
+        # torch.optim's zero_grad touches p.grad only: a pending parameter's class
+        # need not see those calls (two per parameter and step, in forward mode)
+        with torch._C.DisableTorchFunctionSubclass():
+            super().zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group) -> None:
         """Add a group; its parameters join the reduction (collective: every rank adds it)."""
