@@ -70,6 +70,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import env
+from ..pending import is_pending, resolve
 from ..tensor_access import collect, reads_data, written
 
 __all__ = ["SimError", "SimRuntime", "SimStream", "SimEvent", "SimNccl", "runtime", "stats",
@@ -405,6 +406,12 @@ class _HostMode(TorchFunctionMode):
             return func(*args, **kwargs)
         dev.raise_pending()
         tensors = collect(kwargs, collect(args, []))
+        for t in tensors:
+            # Forward mode's deferred update (hybridcomm/pending.py) is host work done as
+            # the host reaches this call, before the call's own kernel is queued: on a
+            # GPU the host does not wait for the stream there, so neither may its stamps
+            if is_pending(t):
+                resolve(t)
         if tensors:
             if name in _SYNC_FUNCS:
                 dev.count_sync()
