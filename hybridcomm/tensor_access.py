@@ -1,5 +1,6 @@
-"""Which torch calls touch tensor data: the rule the first-use detector (forward
-mode) and the GPU simulator's race detector share.
+"""Which torch calls touch tensor data: the rule the GPU simulator's race detector
+uses (``collect``, every tensor of a call's arguments, serves forward mode's
+pending parameters too).
 
 Seen through a ``TorchFunctionMode``, a call such as ``F.linear(x, w)`` reads
 ``w``'s elements; ``w.t()``, ``w.shape`` or ``p.grad = None`` do not (metadata
