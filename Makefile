@@ -59,7 +59,7 @@ demo: setup
 
 # The all-reduce microbenchmark: every algorithm next to torch.distributed.
 bench: setup
-	$(PY) -m hybridcomm.bench --nprocs 4 -b 4K -e 16M -f 4 --algo ring,butterfly,halving_doubling,auto,native
+	$(PY) -m hybridcomm.tools.bench --nprocs 4 -b 4K -e 16M -f 4 --algo ring,butterfly,halving_doubling,auto,native
 
 # nsys profiles of both benchmarks (GPU machines with Nsight Systems).
 profile: setup

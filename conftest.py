@@ -38,7 +38,7 @@ def _doctest_process_group(request, tmp_path):
     try:
         yield
     finally:
-        from hybridcomm.calibration import set_active
+        from hybridcomm.comm.calibration import set_active
 
         set_active(None)
         dist.destroy_process_group()

@@ -34,8 +34,8 @@ def _rank(rank: int, world: int, threaded: bool, steps: int, layers: int, width:
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     os.environ["HYBRIDCOMM_ISSUE_THREAD"] = "1" if threaded else "0"
     import hybridcomm
-    from hybridcomm.cost_model import CostModel
-    from hybridcomm.synchronizer import GradientSynchronizer
+    from hybridcomm.plan.cost_model import CostModel
+    from hybridcomm.sync.synchronizer import GradientSynchronizer
 
     spent = []
     launch = GradientSynchronizer._launch
@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=64)
     args = ap.parse_args()
-    from hybridcomm.launch import launch
+    from hybridcomm.tools.launch import launch
 
     rows = []
     for threaded in (False, True):

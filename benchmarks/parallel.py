@@ -112,7 +112,7 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
 
-    from hybridcomm.launch import launch
+    from hybridcomm.tools.launch import launch
     from train import shaped_network
 
     network = shaped_network(4, args.shape) if args.shape else contextlib.nullcontext()

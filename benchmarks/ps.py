@@ -1,6 +1,6 @@
 """Parameter-server-assisted all-reduce against ring and native, one run.
 
-W workers (default 4) and K summation servers (hybridcomm/ps.py) for each K
+W workers (default 4) and K summation servers (hybridcomm/comm/servers.py) for each K
 in ``--servers`` (default 0,2,4; K = 0 runs only ring and native), every
 process in its own network namespace with a tbf-shaped link (``--shape``,
 needs root; loopback otherwise): the servers have links of their own, as
@@ -142,7 +142,7 @@ def _train_config(config, rank, group, srv, train):
 
 def _rank(rank, world, servers, sizes, iters, chunk_bytes, train=None):
     import hybridcomm
-    import hybridcomm.ps as ps
+    import hybridcomm.comm.servers as ps
 
     role = ps.split_world(servers)
     group = role.worker_group
@@ -203,13 +203,13 @@ def main(argv=None):
                  steps=args.steps, configs=args.configs) if args.train else None
     os.environ.setdefault("HYBRIDCOMM_LOG_LEVEL", "WARNING")  # the plans: the table's column
 
-    from hybridcomm.launch import launch
+    from hybridcomm.tools.launch import launch
     from train import shaped_network
 
     where = f"tbf {args.shape} on every process's link" if args.shape else "loopback"
     print(f"all-reduce over {args.workers} workers (fp32), CPU/gloo, {where}; median of "
           f"{args.iters} after a warm-up; ring/native/ps timed in the same launch; "
-          f"ps = BytePS-style summation servers (hybridcomm.ps, {args.chunk} B chunks)")
+          f"ps = BytePS-style summation servers (hybridcomm.comm.servers, {args.chunk} B chunks)")
     print("raw push / raw push+pull: ps's flows as plain gloo isend/irecv (no summing, "
           "no pipelining): what this network gives that pattern")
     print(f"{'servers':>7} {'bytes':>10} {'ring ms':>9} {'native ms':>9} {'ps ms':>9} "

@@ -50,9 +50,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from hybridcomm.algorithms import Topology  # noqa: E402
-from hybridcomm.cost_model import CostModel  # noqa: E402
-from hybridcomm.planner import Layer as PlanLayer  # noqa: E402
-from hybridcomm.planner import make_plan  # noqa: E402
+from hybridcomm.plan.cost_model import CostModel  # noqa: E402
+from hybridcomm.plan.planner import Layer as PlanLayer  # noqa: E402
+from hybridcomm.plan.planner import make_plan  # noqa: E402
 
 MB = 1 << 20
 DDP_FIRST_BUCKET = 1 * MB  # torch's _DEFAULT_FIRST_BUCKET_BYTES
@@ -504,13 +504,13 @@ def calibrate(nprocs: int, shape: Optional[str], sizes=CAL_SIZES, reps: int = 3)
     """alpha/beta (gamma measured apart) of torch's all_reduce on ``nprocs`` ranks on
     the network ``shape`` (tbf; None: loopback): a ring fit of a short sweep, and the
     same points as ``native`` (what the planner's ``native`` is)."""
-    from hybridcomm.cost_model import fit
-    from hybridcomm.launch import launch
+    from hybridcomm.plan.cost_model import fit
+    from hybridcomm.tools.launch import launch
 
     run = lambda setup=None: launch(_calibration_rank, nprocs, sizes, reps,  # noqa: E731
                                     backend="gloo", setup=setup, timeout=900)
     if shape:
-        from hybridcomm.netns import ShapedNetwork
+        from hybridcomm.tools.netns import ShapedNetwork
 
         with ShapedNetwork(nprocs, shape) as net:
             per_rank = run(net.setup)

@@ -56,9 +56,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import hybridcomm  # noqa: E402
-from hybridcomm.launch import launch  # noqa: E402
-from hybridcomm.strategies import (ADMM, DownpourSGD, DownpourStage, LocalSGD,  # noqa: E402
-                                   ParallelSGD, init_downpour, serve)
+from hybridcomm.tools.launch import launch  # noqa: E402
+from hybridcomm.strategies import ADMM, DownpourSGD, DownpourStage, LocalSGD, ParallelSGD, init_downpour, serve
 
 STRATEGIES = ("sync", "parallel_sgd", "local_sgd", "admm", "downpour", "downpour_mp")
 SCENARIOS = ("uniform", "straggler")

@@ -85,8 +85,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py, also when spawned
 import hybridcomm  # noqa: E402
-from hybridcomm.bench.report import machine_info  # noqa: E402
-from hybridcomm.launch import launch  # noqa: E402
+from hybridcomm.tools.bench.report import machine_info  # noqa: E402
+from hybridcomm.tools.launch import launch  # noqa: E402
 from models import (DEFAULT_MODEL, IMAGE_SHAPE, MODELS, NUM_CLASSES, build,  # noqa: E402
                     model_source, param_counts)
 
@@ -144,11 +144,11 @@ def is_ddp(name: str) -> bool:
 
 
 def shaped_network(nprocs: int, shape: str):
-    """One network namespace per rank, each link shaped by ``tbf <shape>`` (hybridcomm.netns).
+    """One network namespace per rank, each link shaped by ``tbf <shape>`` (hybridcomm.tools.netns).
 
     Returns a context manager whose ``setup`` goes to launch(setup=...).
     """
-    from hybridcomm.netns import NetnsError, ShapedNetwork
+    from hybridcomm.tools.netns import NetnsError, ShapedNetwork
 
     @contextlib.contextmanager
     def opened():
@@ -762,7 +762,7 @@ def header_line(args, model, where):
 
 def can_shape() -> Optional[str]:
     """None if this process can make shaped namespaces, else why not."""
-    from hybridcomm.netns import NetnsError, ShapedNetwork
+    from hybridcomm.tools.netns import NetnsError, ShapedNetwork
 
     try:
         ShapedNetwork(1, "rate 100mbit")._check()

@@ -1,5 +1,5 @@
 // torch binding of the CUDA kernels (hybridcomm_kernels.cu), loaded by
-// hybridcomm/cuda_ext.py. Same arguments and checks as the Python launchers in
+// hybridcomm/gpu/cuda_ext.py. Same arguments and checks as the Python launchers in
 // kernels/; every launch goes on the current CUDA stream of the tensors'
 // device, so under `with torch.cuda.stream(comm)` it runs on the comm stream.
 #include <c10/cuda/CUDAGuard.h>

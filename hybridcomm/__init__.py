@@ -10,16 +10,38 @@ Example::
     >>> opt.synchronize(); opt.close()
     >>> hybridcomm.all_reduce(torch.ones(3), op="avg")
     tensor([1., 1., 1.])
+
+The package is laid out by concept (docs/ARCHITECTURE.md): the fronts users
+call sit here (``optimizer``, ``ddp``, ``collectives``, ``broadcast``,
+``averager``); under them ``sync/`` (the synchronizer), ``comm/`` (the wire),
+``plan/`` (the cost model and planner), ``gpu/`` (the device runtime),
+``algorithms/`` (the schedules), ``config/`` and ``base/``; beside them
+``strategies/``, ``integrations/``, ``tools/`` and ``testing/``. The module paths
+of releases before that layout (``hybridcomm.ps``, ``hybridcomm.launch``,
+``hybridcomm.planner``, ...) still import: ``base.moved`` maps them.
 """
-from . import logs
+from .config import logs
 from .algorithms import ALGORITHMS
 from .collectives import all_reduce
-from .errors import HybridCommError, HybridCommTimeout
+from .base.errors import HybridCommError, HybridCommTimeout
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
-from . import ps  # noqa: E402,F401  (hybridcomm.ps: the summation servers)
+from .comm import servers as ps  # noqa: F401  (hybridcomm.ps: the summation servers)
+from .base import moved
+
+moved.install()
 
 from ._version import __version__  # noqa: E402
+from .gpu import runtime as _runtime
+
+
+def _simulated_runtime():  # the runtime for HYBRIDCOMM_SIMULATE_GPU=1, made on first use
+    from .testing import simgpu
+
+    return simgpu.runtime()
+
+
+_runtime.set_simulator(_simulated_runtime)
 logs.setup()
 __all__ = ["ALGORITHMS", "all_reduce", "DistributedOptimizer", "broadcast_parameters",
            "broadcast_optimizer_state", "HybridCommError", "HybridCommTimeout", "__version__"]

@@ -28,7 +28,7 @@ import os
 import sys
 from typing import List, Optional
 
-from . import env
+from .config import env
 from ._version import __version__
 
 
@@ -83,8 +83,8 @@ def parse_layers(text: str, element_size: int = 4, dtype: str = "torch.float32")
         >>> [(l.name, l.numel) for l in parse_layers("conv1:1728, fc:4096000")]
         [('fc', 4096000), ('conv1', 1728)]
     """
-    from .planner import Layer
-    from .units import parse_size
+    from .plan.planner import Layer
+    from .base.units import parse_size
 
     layers = []
     for i, item in enumerate(p.strip() for p in text.split(",") if p.strip()):
@@ -101,7 +101,7 @@ def parse_layers(text: str, element_size: int = 4, dtype: str = "torch.float32")
 def model_layers(spec: str):
     """The layers ``DistributedOptimizer(model=...)`` makes for ``MODULE:FACTORY()``'s
     model (its trainable parameters, one layer per module), in backward order."""
-    from .registry import ParamRegistry
+    from .sync.registry import ParamRegistry
 
     module_name, sep, factory = spec.partition(":")
     if not sep or not module_name or not factory:
@@ -129,7 +129,7 @@ def _saved_probe(world: int):
     import dataclasses
     import glob
 
-    from . import auto_model
+    from .plan import auto_model
 
     if not env.get("HYBRIDCOMM_PROBE_CACHE"):
         return None
@@ -149,8 +149,8 @@ def _load_model(path: Optional[str], world: Optional[int]):
     """The model ``plan`` uses: ``path``'s ('default': the built-in constants), else the
     saved calibration, else the probe an earlier job of ``world`` ranks kept (what a
     job would use), else the built-in constants."""
-    from . import auto_model
-    from .cost_model import DEFAULT_MODEL
+    from .plan import auto_model
+    from .plan.cost_model import DEFAULT_MODEL
 
     if path == "default":
         return DEFAULT_MODEL
@@ -166,7 +166,7 @@ def _plan(args) -> int:
     import torch
 
     from .algorithms import Topology
-    from .planner import make_plan
+    from .plan.planner import make_plan
 
     try:
         model = _load_model(args.cost_model, args.world)
@@ -198,7 +198,7 @@ def _plan(args) -> int:
 # --- calibrate --------------------------------------------------------------------------------
 
 def _calibrate(bench_args: List[str]) -> int:
-    from .bench.cli import main as bench_main
+    from .tools.bench.cli import main as bench_main
 
     if not any(a == "--calibrate" or a.startswith("--calibrate=") for a in bench_args):
         bench_args = ["--calibrate", *bench_args]

@@ -16,14 +16,15 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import calibration, control, env
-from .buckets import GradBucket
-from .channel import open_channel
-from .engine import CommEngine
-from .errors import HybridCommError
+from .comm import calibration, control
+from .config import env
+from .sync.buckets import GradBucket
+from .comm.channel import open_channel
+from .comm.engine import CommEngine
+from .base.errors import HybridCommError
 from .kernels import pack, unpack
-from .planner import Layer, make_plan
-from .runtime import runtime_for
+from .plan.planner import Layer, make_plan
+from .gpu.runtime import runtime_for
 
 
 class TensorAverager:

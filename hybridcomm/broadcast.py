@@ -13,10 +13,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import control, env
-from .dtensor import local_data
-from .errors import HybridCommError
-from .registry import describe_param_difference
+from .comm import control
+from .config import env
+from .base.dtensor import local_data
+from .base.errors import HybridCommError
+from .sync.registry import describe_param_difference
 
 
 def _signature(items):

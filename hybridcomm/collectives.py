@@ -8,15 +8,15 @@ from typing import Set, Tuple
 import torch
 import torch.distributed as dist
 
-from . import control, env
-from .algorithms import ALGORITHMS, TOPOLOGY_AWARE, Topology, get_schedule
-from .auto_model import choose_algorithm
-from .cost_model import NATIVE
-from .errors import HybridCommError
-from .issuer import issue_in_order
-from .executor import execute, execute_async, execute_native
+from .comm import control
+from .config import env
+from .algorithms import ALGORITHMS, TOPOLOGY_AWARE, Topology
+from .plan.auto_model import choose_algorithm
+from .plan.cost_model import NATIVE
+from .base.errors import HybridCommError
+from .comm.reduce import reduce_now
 from .kernels import SUPPORTED_DTYPES
-from .transport.select import select_transport
+from .comm.transport.select import select_transport
 
 log = logging.getLogger("hybridcomm")
 
@@ -137,29 +137,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", g
             with _agreed_lock:
                 _agreed.add(key)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    scale = 1.0 / world if op == "avg" else None
-    if transport.stream_ordered:  # queued after the caller's work, in the transport's order
-        rt = transport.runtime
-        ready = rt.new_event()
-        ready.record(rt.current_stream())
-        if name == NATIVE:
-            def queue():
-                return execute_native(flat, transport, average=op == "avg", ready=ready,
-                                      timeout=timeout)
-        else:
-            schedule = get_schedule(name, transport.rank, world, flat.numel(), topology)
-
-            def queue():
-                return execute_async(schedule, flat, transport, scale=scale, ready=ready,
-                                     timeout=timeout)
-        done = issue_in_order(transport, queue, f"all_reduce ({name}, {nbytes} bytes)", timeout)
-        if done is not None:
-            rt.current_stream().wait_event(done)
-    elif name == NATIVE:
-        execute_native(flat, transport, average=op == "avg", timeout=timeout)
-    else:
-        schedule = get_schedule(name, transport.rank, world, flat.numel(), topology)
-        execute(schedule, flat, transport, scale=scale, timeout=timeout)
+    reduce_now(flat, transport, name, scale=1.0 / world if op == "avg" else None,
+               timeout=timeout, topology=topology, what=f"all_reduce ({name}, {nbytes} bytes)")
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return tensor

@@ -41,14 +41,15 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import calibration, control, env
-from .channel import HostChannel, StreamChannel
+from .comm import calibration, control
+from .config import env
+from .comm.channel import HostChannel, StreamChannel
 from .collectives import resolve_algorithm
-from .cost_model import NATIVE, CostModel
-from .engine import reduce_operation
-from .runtime import runtime_for
-from .transport.select import select_transport
-from .transport.torch_dist import TorchDistTransport
+from .plan.cost_model import NATIVE, CostModel
+from .comm.reduce import reduce_operation
+from .gpu.runtime import runtime_for
+from .comm.transport.select import select_transport
+from .comm.transport.torch_dist import TorchDistTransport
 
 log = logging.getLogger("hybridcomm")
 
@@ -147,7 +148,7 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
 
     Register with ``ddp_model.register_comm_hook(HybridState(), hybrid_hook)``.
     The bucket goes through the same one ordered channel (and the same
-    ``engine.reduce_operation``) as the optimizer's buckets. The future completes
+    ``reduce.reduce_operation``) as the optimizer's buckets. The future completes
     with the averaged buffer; on CUDA it is bound to the comm stream, so DDP's
     wait is a stream wait, not a host synchronization.
     """

@@ -35,11 +35,13 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
-from . import broadcast, control, env
-from .compression import parse_topk
-from .errors import HybridCommError
-from .planner import forced_algorithm
-from .synchronizer import GradientSynchronizer
+from . import broadcast
+from .comm import control
+from .config import env
+from .algorithms.topk import parse_topk
+from .base.errors import HybridCommError
+from .plan.planner import forced_algorithm
+from .sync.synchronizer import GradientSynchronizer
 
 OVERLAPS = ("forward", "backward", "none")
 COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -369,15 +371,15 @@ def _summation_servers(options: dict):
     """(the SummationServers to use or None, the one made here from a Role or None);
     sets ``options["process_group"]`` to the workers' group. Every rank raises
     alike: a forced ``ps`` without servers, a group that is not the workers'."""
-    from . import ps
-    from .cost_model import PS
+    from .comm import servers as ps
+    from .plan.cost_model import PS
 
     given = options.pop("servers")
     forced = env.get("HYBRIDCOMM_ALGO") or options["strategy"]
     if given is None:
         if forced == PS:
             raise HybridCommError("algorithm 'ps' needs the summation servers: pass servers= "
-                                  "(a hybridcomm.ps.Role from split_world, or SummationServers)")
+                                  "(a hybridcomm.comm.servers.Role from split_world, or SummationServers)")
         return None, None
     if isinstance(given, ps.Role):
         made = ps.SummationServers(given, timeout=env.timeout(options["timeout"]))
@@ -385,7 +387,7 @@ def _summation_servers(options: dict):
     elif isinstance(given, ps.SummationServers):
         made, servers = None, given
     else:
-        raise TypeError("servers must be a hybridcomm.ps.Role (split_world) or SummationServers, "
+        raise TypeError("servers must be a hybridcomm.comm.servers.Role (split_world) or SummationServers, "
                         f"got {type(given).__name__}")
     workers = servers.role.workers
     if options["process_group"] is None:
@@ -461,8 +463,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
             posted as the bucket is issued), so no step syncs the host. As in
             DDP, off by default. Parameters no rank used are left alone either
             way (``.grad`` None, as one process leaves them).
-        servers: the job's summation servers (hybridcomm/ps.py, host path
-            only): a ``Role`` from ``hybridcomm.ps.split_world`` (the
+        servers: the job's summation servers (hybridcomm/comm/servers.py, host path
+            only): a ``Role`` from ``hybridcomm.comm.servers.split_world`` (the
             optimizer makes the ``SummationServers`` and closes them in
             ``close()``) or a ``SummationServers``.
         broadcast_parameters: ``True`` (default): the model's parameters and
@@ -474,7 +476,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
             bucket (where the cost model has a line for that many servers; a
             probe adds one) and ``strategy="ps"`` forces it; the reduction
             runs over the workers' group. A server rank runs
-            ``hybridcomm.ps.serve(role)`` instead of training.
+            ``hybridcomm.comm.servers.serve(role)`` instead of training.
 
     Raises:
         HybridCommError: on every rank, naming the parameters, if the ranks'
@@ -498,9 +500,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     With summation servers (W workers + K servers, e.g. ``torchrun
     --nproc-per-node W+K``; host path)::
 
-        role = hybridcomm.ps.split_world(num_servers=K)    # every rank
+        role = hybridcomm.comm.servers.split_world(num_servers=K)    # every rank
         if role.is_server:
-            hybridcomm.ps.serve(role)                      # until the workers close
+            hybridcomm.comm.servers.serve(role)                      # until the workers close
         else:
             opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                                   model=model, servers=role)

@@ -1,5 +1,5 @@
 """Tests run ranks as forked processes (no re-import of torch per rank) over gloo."""
-from hybridcomm.launch import launch
+from hybridcomm.tools.launch import launch
 
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 180, pg_timeout: float = 60,

@@ -85,7 +85,7 @@ def test_step_formula_against_emulated_latency(tmp_path):
     # up in the measured times, loosely.
     out = tmp_path / "lat.json"
     delay = 0.02
-    r = subprocess.run([sys.executable, "-m", "hybridcomm.bench", "--nprocs", "4", "--node-size",
+    r = subprocess.run([sys.executable, "-m", "hybridcomm.tools.bench", "--nprocs", "4", "--node-size",
                         "2", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1", "--latency", "20ms",
                         "--algo", "ring,hierarchical,torus2d", "--json", str(out)],
                        capture_output=True, text=True, timeout=120)

@@ -183,7 +183,8 @@ def _prose_checks(text: str) -> List[Check]:
                 if not re.match(r"^\.?[A-Za-z][\w.]*$", base):
                     continue  # not a name: a value, an expression, `x=`
                 if base.startswith("hybridcomm."):
-                    context = [base, base.rsplit(".", 1)[0]]
+                    parts = base.split(".")  # the name, then each package above it
+                    context = [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
                     if base.rsplit(".", 1)[1][:1].isupper():
                         owner = base
                     continue

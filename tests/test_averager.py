@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridcomm.averager import TensorAverager
-from hybridcomm.runtime import runtime_for
+from hybridcomm.gpu.runtime import runtime_for
 from multiproc import run_ranks
 from plan_counts import schedule_counts
 

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import hybridcomm
-from hybridcomm import backend, control
-from hybridcomm.transport.torch_dist import TorchDistTransport
+from hybridcomm.comm import backend, control
+from hybridcomm.comm.transport.torch_dist import TorchDistTransport
 from multiproc import run_ranks
 
 

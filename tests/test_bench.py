@@ -6,10 +6,10 @@ import sys
 import pytest
 
 import hybridcomm
-from hybridcomm.bench import report
-from hybridcomm.bench.cli import build_parser, sweep_sizes
-from hybridcomm.bench.report import bandwidths, measured_crossover, validate
-from hybridcomm.units import format_bytes as human, parse_size, parse_time
+from hybridcomm.tools.bench import report
+from hybridcomm.tools.bench.cli import build_parser, sweep_sizes
+from hybridcomm.tools.bench.report import bandwidths, measured_crossover, validate
+from hybridcomm.base.units import format_bytes as human, parse_size, parse_time
 
 
 def test_parse_size():
@@ -46,7 +46,7 @@ def test_bus_bandwidth_and_helpers():
 
 
 def _run_cli(args, timeout=120):
-    r = subprocess.run([sys.executable, "-m", "hybridcomm.bench", *args],
+    r = subprocess.run([sys.executable, "-m", "hybridcomm.tools.bench", *args],
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout
@@ -112,19 +112,19 @@ def test_cli_latency_rows_say_native_has_none(tmp_path):
 
 
 def test_cli_rejects_bad_arguments():
-    from hybridcomm.bench.cli import main
+    from hybridcomm.tools.bench.cli import main
 
     for args in (["-b", "4X"], ["-b", "1M", "-e", "4K"]):  # in-process: nothing starts
         with pytest.raises(SystemExit) as e:
             main(["--nprocs", "1", *args])
         assert e.value.code not in (0, None)
-    r = subprocess.run([sys.executable, "-m", "hybridcomm.bench", "--nprocs", "1", "--algo",
+    r = subprocess.run([sys.executable, "-m", "hybridcomm.tools.bench", "--nprocs", "1", "--algo",
                         "tree"], capture_output=True, text=True, timeout=60)  # the module too
     assert r.returncode != 0
 
 
 def test_version_and_a_help_text_for_every_flag():
-    r = subprocess.run([sys.executable, "-m", "hybridcomm.bench", "--version"],
+    r = subprocess.run([sys.executable, "-m", "hybridcomm.tools.bench", "--version"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and hybridcomm.__version__ in r.stdout, r.stdout + r.stderr
     ap = build_parser()

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import hybridcomm
-from hybridcomm import executor
+from hybridcomm.comm import executor
 from multiproc import run_ranks
 
 

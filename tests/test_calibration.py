@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from hybridcomm import calibration
-from hybridcomm.cost_model import DEFAULT_MODEL, MODELED, CostModel, fit
+from hybridcomm.comm import calibration
+from hybridcomm.plan.cost_model import DEFAULT_MODEL, MODELED, CostModel, fit
 from multiproc import run_ranks
 
 

@@ -8,9 +8,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridcomm
-from hybridcomm.compression import TopK, gather_schedule, parse_topk, sparse_bytes_sent
-from hybridcomm.cost_model import CostModel, bytes_sent
-from hybridcomm.planner import Layer, make_plan
+from hybridcomm.algorithms.topk import gather_schedule, parse_topk, sparse_bytes_sent
+from hybridcomm.comm.compression import TopK
+from hybridcomm.plan.cost_model import CostModel, bytes_sent
+from hybridcomm.plan.planner import Layer, make_plan
 from multiproc import run_ranks
 
 

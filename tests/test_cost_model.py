@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hybridcomm.cost_model import MODELED, CostModel, coefficients, fit, rounded
+from hybridcomm.plan.cost_model import MODELED, CostModel, coefficients, fit, rounded
 
 
 @pytest.mark.parametrize("p", [2, 4, 8, 16])

@@ -3,10 +3,9 @@ import json
 
 import pytest
 
-from hybridcomm import cost_model
+from hybridcomm.plan import cost_model
 from hybridcomm.algorithms import Topology
-from hybridcomm.cost_model import (MODELED, TWO_LEVEL, CostModel, LinkCoefficients, coefficients,
-                                   fit, link_coefficients)
+from hybridcomm.plan.cost_model import MODELED, TWO_LEVEL, CostModel, LinkCoefficients, coefficients, fit, link_coefficients
 
 N = 1 << 20
 
@@ -103,7 +102,7 @@ def test_choice_with_a_slow_link_between_nodes(monkeypatch):
     c = m.crossover(4, "ring", "hierarchical", topology=two)
     assert c == 1  # fewer steps and fewer bytes across: ahead at every size
     # auto: hierarchical only where the topology has several nodes
-    from hybridcomm import calibration
+    from hybridcomm.comm import calibration
 
     calibration.set_active(m)
     try:
@@ -116,7 +115,7 @@ def test_choice_with_a_slow_link_between_nodes(monkeypatch):
 
 
 def test_planner_offers_and_forces_them(monkeypatch):
-    from hybridcomm.planner import Layer, make_plan
+    from hybridcomm.plan.planner import Layer, make_plan
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     m = CostModel(300e-6, 1 / 2e9, 1 / 4e9, inter_alpha=400e-6, inter_beta=1 / 12.5e6)

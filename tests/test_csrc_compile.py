@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridcomm import cuda_ext
+from hybridcomm.gpu import cuda_ext
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 

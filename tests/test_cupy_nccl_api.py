@@ -9,8 +9,9 @@ import re
 import pytest
 import torch
 
-from hybridcomm.errors import HybridCommError
-from hybridcomm.transport import cupy_nccl, select
+from hybridcomm.base.errors import HybridCommError
+from hybridcomm.comm.transport import cupy_nccl, select
+from hybridcomm.gpu import runtime
 
 try:  # ImportError too, not only ModuleNotFoundError: a CuPy without its CUDA libraries
     from cupy.cuda import nccl
@@ -58,9 +59,9 @@ def test_unique_id_is_128_bytes_for_the_store():
 
 def test_import_nccl_and_status():
     if nccl.available:
-        assert cupy_nccl.import_nccl() is nccl
+        assert runtime.import_nccl() is nccl
         select.cupy_nccl_status.cache_clear()
         assert select.cupy_nccl_status() == (True, "")
     else:
         with pytest.raises(HybridCommError, match="nvidia-nccl"):
-            cupy_nccl.import_nccl()
+            runtime.import_nccl()

@@ -6,9 +6,10 @@ import sys
 import pytest
 import torch
 
-from hybridcomm.errors import HybridCommError
-from hybridcomm.runtime import CudaRuntime
-from hybridcomm.transport import cupy_nccl, select
+from hybridcomm.base.errors import HybridCommError
+from hybridcomm.gpu import runtime
+from hybridcomm.gpu.runtime import CudaRuntime
+from hybridcomm.comm.transport import cupy_nccl, select
 
 
 class _FakeCudaRuntime:
@@ -72,7 +73,7 @@ def test_import_nccl_without_cupy_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)
     monkeypatch.setitem(sys.modules, "cupy.cuda", None)
     with pytest.raises(HybridCommError, match=r"hybridcomm\[cuda12\]"):
-        cupy_nccl.import_nccl()
+        runtime.import_nccl()
 
 
 def test_cuda_runtime_without_cuda_is_a_clear_error():

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from hybridcomm import HybridCommError, HybridCommTimeout
 from hybridcomm.strategies import DownpourSGD, DownpourStage, init_downpour, serve
-from hybridcomm.strategies.ps_server import ShardServer
+from hybridcomm.strategies.downpour.server import ShardServer
 from multiproc import run_ranks
 
 STAGES = 2

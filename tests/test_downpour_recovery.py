@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from hybridcomm import HybridCommError
 from hybridcomm.strategies import DownpourSGD, init_downpour, serve
-from hybridcomm.strategies import ps_wire
-from hybridcomm.strategies.ps_server import ParameterShard, ShardServer
+from hybridcomm.strategies.downpour import wire as ps_wire
+from hybridcomm.strategies.downpour.server import ParameterShard, ShardServer
 from optim_models import ConvNet, batch, flat, make_model
 
 CTX = mp.get_context("fork")

@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 
-from hybridcomm.buckets import GradBucket
-from hybridcomm.channel import HostChannel
-from hybridcomm.engine import CommEngine
-from hybridcomm.errors import HybridCommError, HybridCommTimeout
-from hybridcomm.planner import ALIGN_BYTES, Bucket, Plan
+from hybridcomm.sync.buckets import GradBucket
+from hybridcomm.comm.channel import HostChannel
+from hybridcomm.comm.engine import CommEngine
+from hybridcomm.base.errors import HybridCommError, HybridCommTimeout
+from hybridcomm.plan.planner import ALIGN_BYTES, Bucket, Plan
 
 
 def test_host_channel_runs_in_submission_order_and_reports_failures():

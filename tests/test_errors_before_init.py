@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import hybridcomm
-import hybridcomm.calibration
-import hybridcomm.ps
+import hybridcomm.comm.calibration
+import hybridcomm.comm.servers
 import hybridcomm.strategies
 from hybridcomm.averager import TensorAverager
 
@@ -38,8 +38,8 @@ CALLS = {
     "all_reduce(ring)": lambda: hybridcomm.all_reduce(torch.ones(3), algorithm="ring"),
     "DistributedOptimizer": lambda: hybridcomm.DistributedOptimizer(_sgd(m := _model()), model=m),
     "TensorAverager.average_": lambda: TensorAverager().average_([torch.ones(3)]),
-    "ps.split_world": lambda: hybridcomm.ps.split_world(1),
-    "calibration.agree": lambda: hybridcomm.calibration.agree(timeout=5),
+    "ps.split_world": lambda: hybridcomm.comm.servers.split_world(1),
+    "calibration.agree": lambda: hybridcomm.comm.calibration.agree(timeout=5),
     "LocalSGD": lambda: hybridcomm.strategies.LocalSGD(_sgd(m := _model()), m, period=2),
     "ParallelSGD": lambda: hybridcomm.strategies.ParallelSGD(_sgd(m := _model()), m),
     "ADMM": lambda: hybridcomm.strategies.ADMM(_sgd(m := _model()), m),

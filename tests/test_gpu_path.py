@@ -92,7 +92,7 @@ def test_three_ranks_on_the_simulated_gpu_equal_one_process():
 def _fixed(optimizer, model, overlap, measure_iters=2, **options):
     """``optimizer`` wrapped under a fixed cost model (no probe on a loaded machine):
     the same plan, with our own schedules (no native), every run."""
-    from hybridcomm.cost_model import CostModel
+    from hybridcomm.plan.cost_model import CostModel
 
     return hybridcomm.DistributedOptimizer(optimizer, model=model, overlap=overlap,
                                            fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
@@ -117,7 +117,7 @@ def _update_calls(plan):
 
 def _steady(rank, world, overlap):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm.issuer import issuer_for
+    from hybridcomm.comm.issuer import issuer_for
     from hybridcomm.testing import simgpu
 
     model = make_model()
@@ -214,8 +214,8 @@ def _issuing_threads(rank, world, threaded):
         os.environ["HYBRIDCOMM_ISSUE_THREAD"] = "0"
     import threading
 
-    from hybridcomm.executor import execute_async
-    from hybridcomm.transport.cupy_nccl import CupyNcclTransport
+    from hybridcomm.comm.executor import execute_async
+    from hybridcomm.comm.transport.cupy_nccl import CupyNcclTransport
 
     seen = set()
     issue = CupyNcclTransport._issue
@@ -224,7 +224,7 @@ def _issuing_threads(rank, world, threaded):
         seen.add(("nccl", threading.current_thread().name))
         return issue(self, calls, what)
     CupyNcclTransport._issue = noting
-    import hybridcomm.engine as engine_module
+    import hybridcomm.comm.engine as engine_module
 
     def launching(*args, **kwargs):
         seen.add(("schedule", threading.current_thread().name))
@@ -326,7 +326,7 @@ def test_the_planners_windows_are_measured_on_the_gpus_clock():
 def _long_run(rank, world):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     os.environ["HYBRIDCOMM_SIM_NCCL_KERNELS"] = "1"  # CUDA_DEVICE_MAX_CONNECTIONS=1
-    from hybridcomm.cost_model import CostModel
+    from hybridcomm.plan.cost_model import CostModel
     from hybridcomm.testing import simgpu
 
     model = make_model()
@@ -360,13 +360,15 @@ def test_twenty_steps_with_one_nccl_kernel_slot_do_not_deadlock():
 
 def _mutated(rank, world, mutation):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm import channel, runtime, synchronizer
+    from hybridcomm.comm import channel
+    from hybridcomm.gpu import runtime
+    from hybridcomm.sync import synchronizer
     from hybridcomm.testing import simgpu
 
     if mutation == "no_wait_before_use":  # defect 1: consume before the done event
         channel.StreamChannel.wait = lambda self, event, what, **kw: 0.0
     elif mutation == "comm_skips_ready":  # defect 6: comm stream not after the gradients
-        from hybridcomm.transport.cupy_nccl import CupyNcclTransport
+        from hybridcomm.comm.transport.cupy_nccl import CupyNcclTransport
         CupyNcclTransport.wait_event = lambda self, event: None
     elif mutation == "rank1_reversed_order" and rank == 1:  # issue orders differ per rank
         real = synchronizer.GradientSynchronizer._build
@@ -413,11 +415,11 @@ def test_each_defect_put_back_is_reported(mutation, expect):
 
 def _scratch_reuse(rank, world, broken):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm import executor
+    from hybridcomm.comm import executor
     from hybridcomm.algorithms import get_schedule
-    from hybridcomm.runtime import runtime_for
+    from hybridcomm.gpu.runtime import runtime_for
     from hybridcomm.testing import simgpu
-    from hybridcomm.transport.select import select_transport
+    from hybridcomm.comm.transport.select import select_transport
 
     rt = runtime_for("cpu")
     trainer = rt.current_stream()
@@ -461,11 +463,11 @@ def test_scratch_reused_across_streams_is_reported(broken):
 
 def _freed_while_queued(rank, world):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm import executor
+    from hybridcomm.comm import executor
     from hybridcomm.algorithms import get_schedule
-    from hybridcomm.runtime import runtime_for
+    from hybridcomm.gpu.runtime import runtime_for
     from hybridcomm.testing import simgpu
-    from hybridcomm.transport.select import select_transport
+    from hybridcomm.comm.transport.select import select_transport
 
     rt = runtime_for("cpu")
     t = select_transport("cpu", timeout=30)
@@ -494,7 +496,7 @@ def _stalled_peer(rank, world, how):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     import time
 
-    from hybridcomm.runtime import runtime_for
+    from hybridcomm.gpu.runtime import runtime_for
 
     model = make_model()
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
@@ -532,9 +534,9 @@ def test_watchdog_turns_a_stalled_peer_or_an_nccl_error_into_our_error(how):
 
 def _transport_errors(rank, world):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm.errors import HybridCommError
-    from hybridcomm.runtime import runtime_for
-    from hybridcomm.transport.select import close_transports, select_transport
+    from hybridcomm.base.errors import HybridCommError
+    from hybridcomm.gpu.runtime import runtime_for
+    from hybridcomm.comm.transport.select import close_transports, select_transport
 
     rt = runtime_for("cpu")
     t = select_transport("cpu", timeout=30)
@@ -578,7 +580,7 @@ def test_transport_errors_name_the_rank_and_the_problem():
 
 def _late_gradient(rank, world, broken):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm import synchronizer
+    from hybridcomm.sync import synchronizer
     from hybridcomm.testing import simgpu
 
     if broken:  # a late gradient added into a bucket still being reduced: no wait
@@ -632,9 +634,9 @@ def _silent_before_first_use(rank, world, how):
 
     import torch.distributed as dist
 
-    from hybridcomm.transport.select import select_transport
+    from hybridcomm.comm.transport.select import select_transport
 
-    from hybridcomm.cost_model import CostModel
+    from hybridcomm.plan.cost_model import CostModel
 
     store = dist.distributed_c10d._get_default_store()
     model = make_model()
@@ -689,7 +691,7 @@ def _query_during_close(rank, world):
     import time
 
     from hybridcomm.testing import simgpu
-    from hybridcomm.transport.select import select_transport
+    from hybridcomm.comm.transport.select import select_transport
 
     t = select_transport("cpu", timeout=30)
     comm, entered = t.comm, threading.Event()
@@ -719,9 +721,9 @@ def test_the_watchdogs_async_error_query_never_races_an_abort():
 
 def _bench_on_the_simulated_gpu(rank, world, iters, warmup):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm import calibration
-    from hybridcomm.bench.harness import Config, run_rank
-    from hybridcomm.cost_model import CostModel
+    from hybridcomm.comm import calibration
+    from hybridcomm.tools.bench.harness import Config, run_rank
+    from hybridcomm.plan.cost_model import CostModel
     from hybridcomm.testing import simgpu
 
     calibration.set_active(CostModel(2e-5, 1e-9, 1e-10))  # no probe

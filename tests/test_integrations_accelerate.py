@@ -25,7 +25,7 @@ from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelK
                                DistributedType)
 
 import hybridcomm.integrations.accelerate as hca
-from hybridcomm.errors import HybridCommError
+from hybridcomm.base.errors import HybridCommError
 from launch_script import ROOT, finish_all, free_port, start
 
 SCRIPT = os.path.join(ROOT, "examples", "accelerate_train.py")
@@ -99,7 +99,7 @@ def one_rank(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
                             world_size=1)
     yield
-    from hybridcomm.calibration import set_active
+    from hybridcomm.comm.calibration import set_active
 
     set_active(None)
     dist.destroy_process_group()

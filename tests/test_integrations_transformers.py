@@ -25,7 +25,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedType
 
 import hybridcomm.integrations.transformers as hct
-from hybridcomm.errors import HybridCommError
+from hybridcomm.base.errors import HybridCommError
 from launch_script import ROOT, finish_all, start
 
 SCRIPT = os.path.join(ROOT, "examples", "hf_trainer.py")
@@ -101,7 +101,7 @@ def stand_in(tmp_path):
     yield trainer
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    from hybridcomm.calibration import set_active
+    from hybridcomm.comm.calibration import set_active
 
     set_active(None)
     dist.destroy_process_group()

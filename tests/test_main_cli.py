@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import hybridcomm
-from hybridcomm import env
-from hybridcomm.cost_model import DEFAULT_MODEL
-from hybridcomm.planner import make_plan
+from hybridcomm.config import env
+from hybridcomm.plan.cost_model import DEFAULT_MODEL
+from hybridcomm.plan.planner import make_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,8 +87,8 @@ def test_calibrate_saves_what_plan_then_uses(tmp_path):
 
 
 def test_without_a_calibration_plan_uses_the_probe_a_job_of_that_size_kept(tmp_path):
-    from hybridcomm.auto_model import save
-    from hybridcomm.cost_model import CostModel
+    from hybridcomm.plan.auto_model import save
+    from hybridcomm.plan.cost_model import CostModel
 
     probe = tmp_path / "probe-w4-gloo-cpu-localna.json"  # as calibration.py keeps it
     save(CostModel(1e-4, 1e-8, 1e-10), str(probe), world_size=4, device="cpu")

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from hybridcomm.netns import NetnsError, ShapedNetwork, parse_shape
+from hybridcomm.tools.netns import NetnsError, ShapedNetwork, parse_shape
 
 
 def test_parse_shape_fills_defaults_and_rejects_nonsense():
@@ -25,7 +25,7 @@ def test_not_root_gives_a_clear_error(monkeypatch):
 
 def test_cli_reports_the_error_instead_of_hanging(tmp_path):
     # As a non-root user (or where namespaces cannot be made) the CLI must say so.
-    code = ("import os, sys; os.geteuid = lambda: 1000; from hybridcomm.bench.cli import main; "
+    code = ("import os, sys; os.geteuid = lambda: 1000; from hybridcomm.tools.bench.cli import main; "
             "sys.exit(main(['--nprocs', '2', '--shape', 'rate 1gbit', '-b', '4K', '-e', '4K']))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
@@ -43,7 +43,7 @@ def _can_make_namespaces():
 @pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and network namespaces")
 def test_shaped_tiny_sweep_runs_and_cleans_up(tmp_path):
     out = tmp_path / "shaped.json"
-    proc = subprocess.Popen([sys.executable, "-m", "hybridcomm.bench", "--nprocs", "2", "--shape",
+    proc = subprocess.Popen([sys.executable, "-m", "hybridcomm.tools.bench", "--nprocs", "2", "--shape",
                              "rate 1gbit", "-b", "4K", "-e", "64K", "-f", "16", "-n", "2", "-w", "1",
                              "--algo", "ring,native", "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hybridcomm.netns import NetnsError, ShapedNetwork
+from hybridcomm.tools.netns import NetnsError, ShapedNetwork
 
 
 def test_two_level_arguments():
@@ -48,7 +48,7 @@ def test_hierarchical_ahead_of_ring_across_a_slow_link(tmp_path):
     # 2 nodes of 2 joined at 100 Mbit/s: at 1 MiB the wire dominates, and ring
     # puts 1.5 MiB through each node's link against hierarchical's 1 MiB.
     out = tmp_path / "two.json"
-    proc = subprocess.Popen([sys.executable, "-m", "hybridcomm.bench", "--nprocs", "4",
+    proc = subprocess.Popen([sys.executable, "-m", "hybridcomm.tools.bench", "--nprocs", "4",
                              "--node-size", "2", "--inter-shape", "rate 100mbit", "-b", "1M",
                              "-e", "1M", "-n", "3", "-w", "1", "--algo", "ring,hierarchical",
                              "--json", str(out)],

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import hybridcomm
-from hybridcomm.pending import is_pending
+from hybridcomm.sync.pending import is_pending
 from multiproc import run_ranks
 from optim_models import GLOBAL_BATCH, batch, flat, make_model, shard
 
@@ -475,7 +475,7 @@ def test_broadcast_parameters_and_optimizer_state():
 
 
 def _drift(rank, world, change):
-    from hybridcomm.cost_model import CostModel
+    from hybridcomm.plan.cost_model import CostModel
     model = make_model()
     opt = hybridcomm.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,

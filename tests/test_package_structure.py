@@ -167,3 +167,97 @@ def test_the_checker_sees_imports_anywhere():
     text = _describe(graph, cycle)
     assert "hybridcomm.a -> hybridcomm.b" in text and ":2)" in text
     assert "hybridcomm.b -> hybridcomm.a" in text and ":4)" in text
+
+
+# ---- the layer rule (docs/ARCHITECTURE.md) -----------------------------------------------
+# Each unit may import itself and the units listed for it, nothing else. Read
+# bottom-up: base is the ground floor; the fronts (the modules at the top of
+# hybridcomm/) wire sync, comm and plan together; strategies and integrations
+# use the fronts; tools and testing may use anything.
+BELOW_COMM = {"base", "algorithms", "config", "gpu", "plan", "kernels"}
+LAYERS = {
+    "base": set(),
+    "kernels": set(),
+    "algorithms": {"base"},
+    "config": {"base", "algorithms"},
+    "gpu": {"base", "config"},
+    "plan": {"base", "config", "algorithms"},
+    "comm": BELOW_COMM,
+    "sync": BELOW_COMM | {"comm"},
+    "fronts": BELOW_COMM | {"comm", "sync"},
+    "strategies": BELOW_COMM | {"comm", "sync", "fronts"},
+    "integrations": BELOW_COMM | {"comm", "sync", "fronts"},
+    "testing": BELOW_COMM | {"comm", "sync", "fronts"},
+    "tools": BELOW_COMM | {"comm", "sync", "fronts", "strategies", "integrations", "testing"},
+    # hybridcomm/__init__: the public names, and the simulated runtime handed to gpu/
+    # (the runtime must not import the simulator that tests it); nothing imports it
+    "package": BELOW_COMM | {"comm", "sync", "fronts", "strategies", "integrations", "testing"},
+}
+TOP_LEVEL_UNIT = {"hybridcomm": "package", "hybridcomm.__main__": "tools",
+                  "hybridcomm._version": "base"}
+
+
+def _unit(module: str) -> str:
+    """The unit a module belongs to: its subpackage under hybridcomm, or "fronts"
+    for the modules at the top (the package itself included)."""
+    parts = module.split(".")
+    if module in TOP_LEVEL_UNIT:
+        return TOP_LEVEL_UNIT[module]
+    if len(parts) >= 2 and parts[1] in LAYERS:
+        return parts[1]
+    return "fronts"
+
+
+def _violations(graph):
+    bad = []
+    for module, edges in sorted(graph.items()):
+        mine = _unit(module)
+        for target, line in sorted(edges.items()):
+            theirs = _unit(target)
+            if theirs != mine and theirs not in LAYERS[mine]:
+                bad.append(f"{module} ({mine}) imports {target} ({theirs}) at line {line}")
+    return bad
+
+
+def test_every_import_follows_the_layer_rule():
+    graph = _graph()
+    units = {_unit(m) for m in graph}
+    assert units == set(LAYERS), f"units without a rule, or rules without a unit: {units ^ set(LAYERS)}"
+    bad = _violations(graph)
+    assert not bad, "imports against the layer rule (docs/ARCHITECTURE.md):\n  " + "\n  ".join(bad)
+
+
+def test_the_layer_rule_has_no_cycle_between_units():
+    assert _cycle({u: {v: 0 for v in allowed} for u, allowed in LAYERS.items()}) is None
+
+
+def test_the_layer_checker_catches_a_back_edge():
+    graph = {"hybridcomm.comm.engine": {"hybridcomm.sync.buckets": 7},
+             "hybridcomm.sync.buckets": {"hybridcomm.plan.planner": 3},
+             "hybridcomm.gpu.runtime": {"hybridcomm.testing.simgpu": 9}}
+    assert _violations(graph) == [
+        "hybridcomm.comm.engine (comm) imports hybridcomm.sync.buckets (sync) at line 7",
+        "hybridcomm.gpu.runtime (gpu) imports hybridcomm.testing.simgpu (testing) at line 9"]
+
+
+def test_the_package_top_holds_few_modules_and_each_unit_says_its_job():
+    top = sorted(p.name for p in (ROOT / "hybridcomm").glob("*.py"))
+    assert len(top) <= 8, f"{len(top)} modules at hybridcomm/'s top: {top}"
+    for unit in set(LAYERS) - {"fronts", "kernels", "package"}:
+        doc = ast.get_docstring(ast.parse((ROOT / "hybridcomm" / unit / "__init__.py").read_text()))
+        assert doc and "May import" in doc, f"hybridcomm/{unit}/__init__.py: say its job and what it may import"
+
+
+def test_no_module_or_class_is_too_big():
+    """No module over 600 lines outside testing/, no class over 350."""
+    big = []
+    for path in (ROOT / "hybridcomm").rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        text = path.read_text()
+        if rel.parts[1] != "testing" and text.count("\n") > 600:
+            big.append(f"{rel}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 350 \
+                    and rel.parts[1] != "testing":
+                big.append(f"{rel}: class {node.name} is {node.end_lineno - node.lineno + 1} lines")
+    assert not big, "too big:\n  " + "\n  ".join(big)

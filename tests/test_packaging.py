@@ -57,7 +57,7 @@ def test_an_installed_wheel_works_outside_the_checkout(built, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                     str(target), str(wheel)], check=True)
     probe = (
-        "import sys, hybridcomm, hybridcomm.kernels, hybridcomm.cuda_ext as c;"
+        "import sys, hybridcomm, hybridcomm.kernels, hybridcomm.gpu.cuda_ext as c;"
         "print(hybridcomm.__version__);"
         "print(hybridcomm.__file__);"
         "print(c.csrc_dir());"

@@ -62,7 +62,7 @@ def test_the_plan_is_logged_once_and_explained_and_rank_0_gives_a_verdict():
 
 
 def test_the_stderr_lines_carry_one_prefix():
-    from hybridcomm.logs import _Formatter
+    from hybridcomm.config.logs import _Formatter
 
     record = logging.LogRecord("hybridcomm", logging.INFO, __file__, 1, "hybridcomm: x", None,
                                None)

@@ -2,10 +2,9 @@
 import pytest
 
 from hybridcomm.algorithms import Topology
-from hybridcomm.cost_model import CostModel
-from hybridcomm.errors import HybridCommError
-from hybridcomm.planner import (FUSION_BALANCE, MAX_FUSION, MIN_FUSION, MIN_SPLIT, Layer, forced_algorithm,
-                                issue_order, make_plan)
+from hybridcomm.plan.cost_model import CostModel
+from hybridcomm.base.errors import HybridCommError
+from hybridcomm.plan.planner import FUSION_BALANCE, MAX_FUSION, MIN_FUSION, MIN_SPLIT, Layer, forced_algorithm, issue_order, make_plan
 
 GOOD = CostModel(1e-3, 1e-9, 1e-10)  # alpha/beta = 1 MB
 
@@ -144,7 +143,7 @@ def test_fusion_grows_with_the_world_size_and_across_nodes():
 
 
 def test_when_nothing_was_left_at_step_the_plan_says_forward_overlap_cannot_pay():
-    from hybridcomm.measure import StepMeasurements
+    from hybridcomm.sync.measure import StepMeasurements
 
     m = StepMeasurements(measure_iters=2, replan_every=0)
     m.window(["conv"], 0.0, 0.001)  # the next forward needed conv first, then fc
@@ -168,7 +167,7 @@ def test_segments_start_at_aligned_offsets(esize, dtype):
     """A bucket's segments start at multiples of ALIGN_BYTES (split_bytes rounded down to
     it), so their chunks, transfers and reductions start aligned too (issue 20, defect 7).
     As above: conv goes between fc's parts, so fc keeps two segments."""
-    from hybridcomm.planner import ALIGN_BYTES
+    from hybridcomm.plan.planner import ALIGN_BYTES
 
     layers = [Layer("fc", [0], 8 << 20, esize, dtype), Layer("conv", [1], 1000, esize, dtype)]
     for split in ((1 << 20) + esize, (1 << 20) + 3 * esize, 3_000_001):

@@ -74,15 +74,15 @@ def test_with_stand_in_nsys(tmp_path, script, args, name):
     profile, stats = log.read_text().splitlines()
     assert "--trace=cuda,nvtx,osrt" in profile and "--trace-fork-before-exec=true" in profile
     assert f"--output={tmp_path / 'out' / name} " in profile
-    target = "python-x -m hybridcomm.bench" if script == "nsys_bench.sh" else \
+    target = "python-x -m hybridcomm.tools.bench" if script == "nsys_bench.sh" else \
         "python-x benchmarks/train.py"
     assert target in profile
     if script == "nsys_bench.sh":  # what it passes, the bench accepts (its own checks)
         import shlex
 
-        from hybridcomm.bench.cli import build_parser, config_from
+        from hybridcomm.tools.bench.cli import build_parser, config_from
 
-        bench_args = shlex.split(profile.split("-m hybridcomm.bench", 1)[1])
+        bench_args = shlex.split(profile.split("-m hybridcomm.tools.bench", 1)[1])
         config_from(build_parser().parse_args(bench_args))
     assert stats.startswith("stats ") and "nvtx_sum" in stats and stats.endswith(str(report))
     assert f"fake stats for {report}" in r.stdout

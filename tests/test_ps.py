@@ -1,11 +1,11 @@
-"""Parameter-server-assisted all-reduce (hybridcomm/ps.py): W workers and K
+"""Parameter-server-assisted all-reduce (hybridcomm/comm/servers.py): W workers and K
 summation servers as real gloo processes. Integer-valued inputs, so every sum
 is exact in every dtype: each worker must hold exactly the sum (or mean), and
 all workers the same bits."""
 import pytest
 import torch
 
-import hybridcomm.ps as ps
+import hybridcomm.comm.servers as ps
 from multiproc import run_ranks
 
 SIZES = [0, 1, 2, 7, 1000]

@@ -1,4 +1,4 @@
-"""The summation servers (hybridcomm/ps.py) as a planner candidate, ``ps``: the
+"""The summation servers (hybridcomm/comm/servers.py) as a planner candidate, ``ps``: the
 plan picks it where its cost model says so, the optimizer runs buckets through
 the servers (same bits as a plain all-reduce on integer-valued gradients), its
 fitted line survives the calibration file, and the bench's ``--servers``."""
@@ -10,12 +10,12 @@ import torch
 import torch.nn as nn
 
 import hybridcomm
-import hybridcomm.ps as ps
-from hybridcomm import calibration
-from hybridcomm.bench import cli
-from hybridcomm.cost_model import CostModel
-from hybridcomm.errors import HybridCommError
-from hybridcomm.planner import Layer, make_plan
+import hybridcomm.comm.servers as ps
+from hybridcomm.comm import calibration
+from hybridcomm.tools.bench import cli
+from hybridcomm.plan.cost_model import CostModel
+from hybridcomm.base.errors import HybridCommError
+from hybridcomm.plan.planner import Layer, make_plan
 from multiproc import run_ranks
 
 BASE = CostModel(alpha=1e-4, beta=1e-9, gamma=1e-10, native_alpha=1e-4, native_beta=1e-9)
@@ -49,7 +49,7 @@ def test_a_fitted_ps_line_round_trips_through_the_calibration_file(tmp_path, mon
     samples = [(a, n, 4, BASE.predict(a, n, 4)) for a in ("ring", "butterfly")
                for n in (4096, 1 << 20)]
     samples += [("ps", n, 4, 2e-3 + n * 3e-9) for n in (4096, 1 << 20, 16 << 20)]
-    model, _ = hybridcomm.cost_model.fit(samples, ps_servers=4)
+    model, _ = hybridcomm.plan.cost_model.fit(samples, ps_servers=4)
     assert model.ps_servers == 4
     assert model.ps_alpha == pytest.approx(2e-3) and model.ps_beta == pytest.approx(3e-9)
     calibration.save(model, world_size=4, backend="gloo")

@@ -190,7 +190,7 @@ def test_broadcast_optimizer_state_checks_groups_first():
 # --- a dead or stalled peer at every blocking point -------------------------------------
 
 def _peer_fails(rank, world, where, how):
-    from hybridcomm import calibration
+    from hybridcomm.comm import calibration
 
     def fail():
         if how == "dies":
@@ -243,7 +243,7 @@ def test_a_dead_or_stalled_peer_is_our_error_within_the_timeout(where, how):
 
 
 def _replan_peer(rank, world, how):
-    from hybridcomm import synchronizer
+    from hybridcomm.sync import synchronizer
 
     real = synchronizer.GradientSynchronizer._agree_plan
     calls = []
@@ -326,9 +326,9 @@ class _RunsCodeWhenLoaded:
 
 
 def _unsafe_agreement(rank, world):
-    from hybridcomm import control
-    from hybridcomm.errors import HybridCommError
-    from hybridcomm.planner import Bucket, Plan
+    from hybridcomm.comm import control
+    from hybridcomm.base.errors import HybridCommError
+    from hybridcomm.plan.planner import Bucket, Plan
 
     plan = Plan(world, "hybrid", [Bucket(0, ["fc"], [0], 3, 12, "ring", 1e-4, segments=[(0, 4)])],
                 [(0, 0)])

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import scale  # noqa: E402
 from scale import Comm, LayerProfile, Network, simulate  # noqa: E402
 
-from hybridcomm.cost_model import CostModel  # noqa: E402
+from hybridcomm.plan.cost_model import CostModel  # noqa: E402
 
 
 def two_layers():

@@ -11,7 +11,7 @@ from hybridcomm.algorithms import ScheduleError, Topology, get_schedule, simulat
 from hybridcomm.algorithms.grouped import runs
 from hybridcomm.algorithms.schedule import Recv, Schedule, Send, Step
 from hybridcomm.algorithms.topology import most_square
-from hybridcomm.cost_model import coefficients
+from hybridcomm.plan.cost_model import coefficients
 
 WORLD_SIZES = range(1, 18)
 

@@ -203,14 +203,14 @@ def test_a_helper_thread_must_bind_to_the_ranks_device(bind):
 def _comm(rt, simgpu, world, rank, name):
     import torch.distributed as dist
 
-    from hybridcomm.transport.cupy_nccl import unique_id_bytes
+    from hybridcomm.comm.transport.cupy_nccl import unique_id_bytes
 
     nccl = rt.nccl()
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
         store.set(name, unique_id_bytes(nccl.get_unique_id()))
     uid = bytes(store.get(name))
-    from hybridcomm.transport.cupy_nccl import make_communicator
+    from hybridcomm.comm.transport.cupy_nccl import make_communicator
 
     return nccl, make_communicator(nccl, world, uid, rank)
 

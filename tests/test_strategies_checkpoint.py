@@ -20,8 +20,8 @@ STEPS, AT = 9, 4  # local SGD's period 3 and ADMM's 3 local steps: AT is mid-per
 
 
 def _build(kind, path):
-    from hybridcomm import calibration
-    from hybridcomm.cost_model import CostModel
+    from hybridcomm.comm import calibration
+    from hybridcomm.plan.cost_model import CostModel
 
     model_file = path + ".cost_model.json"
     if dist.get_rank() == 0 and not os.path.exists(model_file):

@@ -2,7 +2,7 @@
 on CPU the real ``nvtx`` package is a cheap no-op (torch.cuda.nvtx is never used)."""
 import pytest
 
-from hybridcomm import trace
+from hybridcomm.base import trace
 from hybridcomm.algorithms import get_schedule
 
 

@@ -38,8 +38,8 @@ def allreduce(args):
     import torch.distributed as dist
 
     from hybridcomm.algorithms import get_schedule
-    from hybridcomm.executor import execute_async
-    from hybridcomm.transport.select import close_transports, select_transport
+    from hybridcomm.comm.executor import execute_async
+    from hybridcomm.comm.transport.select import close_transports, select_transport
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -73,7 +73,7 @@ def allreduce(args):
 
 
 def kernels(args):
-    from hybridcomm import cuda_ext
+    from hybridcomm.gpu import cuda_ext
     from hybridcomm.kernels import reduce, reduce_ref
 
     ext = cuda_ext.load()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Profile the all-reduce microbenchmark (python -m hybridcomm.bench) under nsys.
+# Profile the all-reduce microbenchmark (python -m hybridcomm.tools.bench) under nsys.
 #
 #   benchmarks/profile/nsys_bench.sh                      # defaults below, one rank per GPU
 #   benchmarks/profile/nsys_bench.sh --algo ring,native -b 1M -e 256M
@@ -27,4 +27,4 @@ ranks="${WORLD_SIZE:-$(arg_value --nprocs "" gpus "$@")}"
 name="$(slug "bench_${algos}_${minb}-${maxb}_${dtype}_np${ranks}")"
 
 cd "${REPO_ROOT}"
-profile_and_summarize "${name}" "${PY}" -m hybridcomm.bench "$@"
+profile_and_summarize "${name}" "${PY}" -m hybridcomm.tools.bench "$@"

@@ -2,6 +2,8 @@
 
 ``SCHEDULES[name](rank, world_size, numel)`` gives the steps one rank runs;
 the two-level ones (``TOPOLOGY_AWARE``) also take a :class:`Topology`.
+
+May import: ``base``. Pure: no torch.distributed, no device.
 """
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DDPCommunicationHookType, DistributedType
 
 from ..ddp import HybridState, hybrid_hook
-from ..errors import HybridCommError
+from ..base.errors import HybridCommError
 from ..optimizer import DistributedOptimizer, _DistributedOptimizer
 
 log = logging.getLogger("hybridcomm")

@@ -16,10 +16,13 @@
 
 Every strategy reports ``bytes_sent`` (by this rank) and raises
 ``HybridCommError`` / ``HybridCommTimeout`` on failure, within its timeout.
+
+May import: the fronts (``averager``, ``broadcast``), ``sync``, ``comm``
+and everything below them; not ``integrations`` or ``tools``.
 """
 from .admm import ADMM
-from .downpour import DownpourSGD, init_downpour, serve
-from .downpour_pipeline import DownpourStage
+from .downpour.client import DownpourSGD, init_downpour, serve
+from .downpour.pipeline import DownpourStage
 from .local_sgd import LocalSGD
 from .parallel_sgd import ParallelSGD
 

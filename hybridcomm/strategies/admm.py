@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch
 
-from .. import control, env
+from ..comm import control
+from ..config import env
 from ..averager import TensorAverager
 from ..broadcast import broadcast_parameters
 from .averaging import gather_per_rank, load_own, state_tensors

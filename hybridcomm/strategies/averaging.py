@@ -6,7 +6,7 @@ from typing import List
 
 import torch
 
-from .. import control
+from ..comm import control
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:

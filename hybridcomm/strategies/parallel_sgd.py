@@ -5,7 +5,8 @@ from typing import Optional
 
 import torch
 
-from .. import control, env
+from ..comm import control
+from ..config import env
 from ..averager import TensorAverager
 from ..broadcast import broadcast_parameters
 

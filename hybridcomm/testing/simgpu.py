@@ -1,6 +1,6 @@
 """A simulated CUDA runtime, so the production GPU path runs (and fails) on CPU.
 
-With ``HYBRIDCOMM_SIMULATE_GPU=1``, ``hybridcomm.runtime.runtime_for`` gives
+With ``HYBRIDCOMM_SIMULATE_GPU=1``, ``hybridcomm.gpu.runtime.runtime_for`` gives
 CPU tensors :class:`SimRuntime`, and everything above it (the CuPy NCCL
 transport, the executor's stream-ordered path, the optimizer's channel, the
 Triton launch path) runs unchanged. Only the bottom layer is simulated, and
@@ -69,9 +69,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import env
-from ..pending import is_pending, resolve
-from ..tensor_access import collect, reads_data, written
+from ..config import env
+from ..sync.pending import is_pending, resolve
+from ..base.tensor_access import collect, reads_data, written
 
 __all__ = ["SimError", "SimRuntime", "SimStream", "SimEvent", "SimNccl", "runtime", "stats",
            "reset_stats", "errors", "check", "configure", "sleep"]
@@ -407,7 +407,7 @@ class _HostMode(TorchFunctionMode):
         dev.raise_pending()
         tensors = collect(kwargs, collect(args, []))
         for t in tensors:
-            # Forward mode's deferred update (hybridcomm/pending.py) is host work done as
+            # Forward mode's deferred update (hybridcomm/sync/pending.py) is host work done as
             # the host reaches this call, before the call's own kernel is queued: on a
             # GPU the host does not wait for the stream there, so neither may its stamps
             if is_pending(t):
@@ -1116,7 +1116,7 @@ class SimNccl:
 # --------------------------------------------------------------------------- the runtime
 
 class SimRuntime:
-    """The runtime interface of ``hybridcomm.runtime.CudaRuntime``, simulated."""
+    """The runtime interface of ``hybridcomm.gpu.runtime.CudaRuntime``, simulated."""
 
     simulated = True
 

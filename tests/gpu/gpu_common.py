@@ -21,7 +21,7 @@ def skip_if_interpreting():
 def require_cupy_nccl():
     """CuPy's NCCL, or the test FAILS naming the extra: on a CUDA machine a missing
     CuPy is a broken setup for these tests, not a reason to skip them quietly."""
-    from hybridcomm.transport.select import cupy_nccl_status
+    from hybridcomm.comm.transport.select import cupy_nccl_status
 
     ok, why = cupy_nccl_status()
     if not ok:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_common import needs_gpus, require_cupy_nccl, skip_if_interpreting
-from hybridcomm.launch import launch
+from hybridcomm.tools.launch import launch
 
 pytestmark = needs_gpus(2)
 
@@ -31,8 +31,8 @@ def _rank(rank, world, algorithm, n, dtype_name, mode):
     import torch
 
     from hybridcomm.algorithms import get_schedule
-    from hybridcomm.executor import execute, execute_async
-    from hybridcomm.transport.select import close_transports, select_transport
+    from hybridcomm.comm.executor import execute, execute_async
+    from hybridcomm.comm.transport.select import close_transports, select_transport
 
     dtype = DTYPES[dtype_name]
     dev = torch.device("cuda", torch.cuda.current_device())

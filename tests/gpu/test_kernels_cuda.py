@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_common import needs_cuda, skip_if_interpreting
-from hybridcomm import cuda_ext
+from hybridcomm.gpu import cuda_ext
 from hybridcomm.kernels import pack, pack_ref, reduce, reduce_ref, unpack, unpack_ref
 
 pytestmark = needs_cuda

@@ -4,7 +4,7 @@
 dead peer. Each compares with one process on the whole batch (the simulated-GPU
 tests' models, data and references, imported from tests/), exactly or within a
 tolerance derived next to it. Launched as tests/gpu/test_optimizer_cuda.py
-launches (``hybridcomm.launch``, spawn, NCCL, a deadline on every launch); the
+launches (``hybridcomm.tools.launch``, spawn, NCCL, a deadline on every launch); the
 world is min(GPUs, 4) (12 samples split evenly), 8 ranks for the 8-rank case.
 
 Written on a machine without a GPU: NOT run on a GPU yet (docs/GPU.md).
@@ -28,7 +28,7 @@ if _TESTS not in sys.path:
 
 import hybridcomm  # noqa: E402
 from gpu_common import needs_gpus, record, require_cupy_nccl, skip_if_interpreting  # noqa: E402
-from hybridcomm.launch import launch  # noqa: E402
+from hybridcomm.tools.launch import launch  # noqa: E402
 from optim_models import (batch, flat, make_model, make_optimizer, make_scheduler,  # noqa: E402
                           shard, train_single)
 from test_allreduce_cupy_gpu import ALGOS, DTYPES, _inputs  # noqa: E402
@@ -50,7 +50,7 @@ RTOL = ATOL = 64 * EPS32
 def fixed_cost_model(native=False):
     """No probe, the same plan on every run (tests/gpu/test_single_gpu.py's); with
     ``native``, one that also predicts NCCL's own all-reduce (for forced native)."""
-    from hybridcomm.cost_model import CostModel
+    from hybridcomm.plan.cost_model import CostModel
 
     if native:
         return CostModel(2e-5, 1e-9, 1e-10, native_alpha=2e-5, native_beta=1e-9)
@@ -135,7 +135,7 @@ def _train(rank, world, cases, data=batch, transport="cupy"):
     """Each case: make_model() trained STEPS steps on this rank's shard of ``data``
     (tests/test_optimizer_equivalence.py's loop, on the GPU); name -> (parameters,
     the plan's algorithms, segments per bucket, the transport's class name)."""
-    from hybridcomm import planner
+    from hybridcomm.plan import planner
 
     dev = _setup(transport)
     merge = planner.merge_adjacent
@@ -198,7 +198,7 @@ def _train_single_24(opt_name):
 # --- TorchNcclTransport ------------------------------------------------------------------
 
 def _torch_transport_sums(rank, world):
-    from hybridcomm.transport.select import close_transports, select_transport
+    from hybridcomm.comm.transport.select import close_transports, select_transport
 
     dev = _setup("torch")
     kind = type(select_transport(dev)).__name__

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from gpu_common import needs_gpus, skip_if_interpreting
-from hybridcomm.launch import launch
+from hybridcomm.tools.launch import launch
 
 STEPS = 4
 

@@ -30,8 +30,8 @@ def group1(tmp_path, monkeypatch):
     """A 1-rank process group (gloo for CPU, NCCL for CUDA) on a FileStore."""
     import torch.distributed as dist
 
-    from hybridcomm.calibration import set_active
-    from hybridcomm.transport.select import close_transports
+    from hybridcomm.comm.calibration import set_active
+    from hybridcomm.comm.transport.select import close_transports
 
     torch.cuda.set_device(0)
     monkeypatch.setenv("HYBRIDCOMM_TRANSPORT", "cupy")  # never a silent torch fallback
@@ -49,9 +49,9 @@ def group1(tmp_path, monkeypatch):
 
 @pytest.fixture
 def cupy_transport(group1):
-    from hybridcomm.runtime import CudaRuntime, runtime_for
-    from hybridcomm.transport.cupy_nccl import CupyNcclTransport
-    from hybridcomm.transport.select import select_transport
+    from hybridcomm.gpu.runtime import CudaRuntime, runtime_for
+    from hybridcomm.comm.transport.cupy_nccl import CupyNcclTransport
+    from hybridcomm.comm.transport.select import select_transport
 
     require_cupy_nccl()
     rt = runtime_for(group1)
@@ -64,7 +64,7 @@ def cupy_transport(group1):
 
 def test_world_one_native_and_every_schedule(cupy_transport):
     import hybridcomm
-    from hybridcomm.executor import execute_native
+    from hybridcomm.comm.executor import execute_native
 
     t, dev = cupy_transport, cupy_transport.device
     want = torch.randn(4099, device=dev)
@@ -85,9 +85,9 @@ def test_world_one_native_and_every_schedule(cupy_transport):
 @pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
 def test_optimizer_steady_steps_make_no_host_sync(group1, overlap):
     import hybridcomm
-    from hybridcomm.cost_model import CostModel
-    from hybridcomm.transport.cupy_nccl import CupyNcclTransport
-    from hybridcomm.transport.select import select_transport
+    from hybridcomm.plan.cost_model import CostModel
+    from hybridcomm.comm.transport.cupy_nccl import CupyNcclTransport
+    from hybridcomm.comm.transport.select import select_transport
     from optim_models import batch, flat, make_model
 
     require_cupy_nccl()
@@ -127,7 +127,7 @@ def test_optimizer_steady_steps_make_no_host_sync(group1, overlap):
 
 
 def test_native_all_reduce_in_a_cuda_graph(cupy_transport):
-    from hybridcomm.executor import execute_native
+    from hybridcomm.comm.executor import execute_native
 
     t, dev = cupy_transport, cupy_transport.device
     orig = torch.randn(1 << 16, device=dev)

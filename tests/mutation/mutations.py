@@ -36,7 +36,7 @@ NONE_PUT_BACK = GPU + "test_each_defect_put_back_is_reported[none-None]"
 MUTATIONS = [
     # ---- issue 8: the ten old defects -------------------------------------------------------
     Mutation(
-        "no-wait-before-use", "old 1", "hybridcomm/channel.py",
+        "no-wait-before-use", "old 1", "hybridcomm/comm/channel.py",
         old="        stream.wait_event(event)\n",
         new="",
         guards=(NONE_PUT_BACK, GPU + "test_three_ranks_on_the_simulated_gpu_equal_one_process"),
@@ -44,7 +44,7 @@ MUTATIONS = [
     # (Dropping comm_scratch's own ``rt.use(transport.stream)`` is an equivalent mutant:
     # its one caller already runs under the transport's stream_context.)
     Mutation(
-        "scratch-on-caller-stream", "old 2", "hybridcomm/executor.py",
+        "scratch-on-caller-stream", "old 2", "hybridcomm/comm/executor.py",
         old="    with transport.stream_context():\n"
             "        if schedule.world_size > 1:\n"
             "            plan = _plan(schedule, 1)  # one part: steps on one stream run in turn anyway\n"
@@ -62,53 +62,53 @@ MUTATIONS = [
         what="the scratch is allocated on the caller's stream and used on the comm stream "
              "without record_stream"),
     Mutation(
-        "buffer-no-record-stream", "old 2", "hybridcomm/executor.py",
+        "buffer-no-record-stream", "old 2", "hybridcomm/comm/executor.py",
         old="rt.record_stream(buf, transport.stream)\n",
         new="pass\n",
         guards=(GPU + "test_a_buffer_freed_while_its_reduction_is_queued_is_not_reused",),
         what="the reduced buffer is not record_stream'd on the comm stream: freed and handed out "
              "again while the comm stream still uses it"),
     Mutation(
-        "rank1-reversed-order", "old 3", "hybridcomm/engine.py",
+        "rank1-reversed-order", "old 3", "hybridcomm/comm/engine.py",
         old="        order = self.plan.order\n        while order:\n",
         new="        order = self.plan.order[::-1] if self.transport.rank == 1 else self.plan.order\n"
             "        while order:\n",
         guards=(NONE_PUT_BACK,),
         what="rank 1 issues the buckets in the reverse of the plan's order"),
     Mutation(
-        "uid-tuple-as-bytes", "old 4", "hybridcomm/transport/cupy_nccl.py",
+        "uid-tuple-as-bytes", "old 4", "hybridcomm/comm/transport/cupy_nccl.py",
         old="    return uid if isinstance(uid, bytes) else bytes(x & 0xFF for x in uid)\n",
         new="    return uid if isinstance(uid, bytes) else bytes(uid)\n",
         guards=("tests/test_cupy_nccl_select.py::test_unique_ids_of_both_cupy_styles_round_trip",
                 SIM + "test_both_cupy_unique_id_styles[tuple]"),
         what="CuPy 13's tuple of signed chars stored with bytes(uid)"),
     Mutation(
-        "uid-unsigned-tuple", "old 4", "hybridcomm/transport/cupy_nccl.py",
+        "uid-unsigned-tuple", "old 4", "hybridcomm/comm/transport/cupy_nccl.py",
         old="        signed = tuple(b - 256 if b > 127 else b for b in uid)\n",
         new="        signed = tuple(uid)\n",
         guards=("tests/test_cupy_nccl_select.py::test_unique_ids_of_both_cupy_styles_round_trip",
                 SIM + "test_both_cupy_unique_id_styles[tuple]"),
         what="the stored id handed to CuPy 13 as unsigned values (0..255), not signed chars"),
     Mutation(
-        "watchdog-unbound", "old 5", "hybridcomm/transport/cupy_nccl.py",
+        "watchdog-unbound", "old 5", "hybridcomm/comm/transport/cupy_nccl.py",
         old="        self.runtime.bind_thread()  # else its event queries make a context on GPU 0\n",
         new="        pass\n",
         guards=(NONE_PUT_BACK,),
         what="the watchdog thread never binds to the rank's device"),
     Mutation(
-        "native-skips-ready", "old 6", "hybridcomm/executor.py",
+        "native-skips-ready", "old 6", "hybridcomm/comm/executor.py",
         old="        return None\n    start = _enter(transport, buf, ready, timed",
         new="        return None\n    start = _enter(transport, buf, transport.record_event(), timed",
         guards=(GPU + "test_twenty_steps_with_one_nccl_kernel_slot_do_not_deadlock",),
         what="native all-reduce ordered after the comm stream itself, not the gradients' event"),
     Mutation(
-        "comm-skips-ready", "old 6", "hybridcomm/executor.py",
+        "comm-skips-ready", "old 6", "hybridcomm/comm/executor.py",
         old="    transport.wait_event(ready)\n",
         new="    pass\n",
         guards=(NONE_PUT_BACK,),
         what="no operation waits for the bucket's ready event"),
     Mutation(
-        "tolist-per-bucket", "old 7", "hybridcomm/synchronizer.py",
+        "tolist-per-bucket", "old 7", "hybridcomm/sync/synchronizer.py",
         old="        if slot.complete:\n            return list(range(len(b.params)))\n",
         new="        if False:\n            return list(range(len(b.params)))\n",
         guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",
@@ -129,13 +129,13 @@ MUTATIONS = [
         guards=("tests/test_averager.py::test_every_rank_gets_the_exact_mean[simgpu]",),
         what="TensorAverager unpacks each tensor with its own launch"),
     Mutation(
-        "async-error-outside-lock", "old 9", "hybridcomm/transport/cupy_nccl.py",
+        "async-error-outside-lock", "old 9", "hybridcomm/comm/transport/cupy_nccl.py",
         old="            with self._lock:  # never races an abort or destroy on another thread\n",
         new="            if True:  # the query outside the lock\n",
         guards=(GPU + "test_the_watchdogs_async_error_query_never_races_an_abort",),
         what="the watchdog queries NCCL's async error outside the abort lock"),
     Mutation(
-        "bench-torch-p2p", "old 10", "hybridcomm/bench/harness.py",
+        "bench-torch-p2p", "old 10", "hybridcomm/tools/bench/harness.py",
         old="        base = select_transport(device, group)\n",
         new="        from ..transport.torch_dist import TorchDistTransport\n"
             "        base = TorchDistTransport()\n",
@@ -144,7 +144,7 @@ MUTATIONS = [
 
     # ---- issue 20: the new defects fixed so far ---------------------------------------------
     Mutation(
-        "lock-across-group-end", "new 1", "hybridcomm/transport/cupy_nccl.py",
+        "lock-across-group-end", "new 1", "hybridcomm/comm/transport/cupy_nccl.py",
         old="        try:\n            calls()\n        except self.nccl.NcclError as e:\n",
         new="        try:\n            with self._lock:\n                calls()\n"
             "        except self.nccl.NcclError as e:\n",
@@ -154,7 +154,7 @@ MUTATIONS = [
                 "[native-native all-reduce]"),
         what="the transport's lock held across groupStart..groupEnd: the watchdog cannot abort"),
     Mutation(
-        "no-issue-deadline", "new 1", "hybridcomm/transport/cupy_nccl.py",
+        "no-issue-deadline", "new 1", "hybridcomm/comm/transport/cupy_nccl.py",
         old="            self._issuing[key] = (time.monotonic() + self.issue_timeout, what,\n"
             "                                  self.issue_timeout)\n",
         new="            self._issuing[key] = (float(\"inf\"), what, self.issue_timeout)\n",
@@ -164,7 +164,7 @@ MUTATIONS = [
                 "[native-native all-reduce]"),
         what="nothing watched while issuing (the watch registered only after the schedule)"),
     Mutation(
-        "backend-undefined", "new 2", "hybridcomm/backend.py",
+        "backend-undefined", "new 2", "hybridcomm/comm/backend.py",
         old="    if name != \"undefined\":\n        return parse_backend_config(name)\n"
             "    return parse_backend_config(str(dist.get_backend_config(group)))\n",
         new="    return parse_backend_config(name)\n",
@@ -172,20 +172,20 @@ MUTATIONS = [
                 "tests/test_backend.py::test_a_group_made_without_a_backend_works"),
         what="get_backend()'s \"undefined\" taken as the backend of every device"),
     Mutation(
-        "comm-device-get-backend", "new 2", "hybridcomm/backend.py",
+        "comm-device-get-backend", "new 2", "hybridcomm/comm/backend.py",
         old="    if backend_for(\"cuda\", group) == \"nccl\" and torch.cuda.is_available():\n",
         new="    if str(dist.get_backend(group)) == \"nccl\" and torch.cuda.is_available():\n",
         guards=("tests/test_backend.py::test_a_mixed_group_communicates_on_the_gpu_when_one_is_there",),
         what="the probe's and the bench's device from get_backend(), not the per-device config"),
     Mutation(
-        "transport-get-backend", "new 2", "hybridcomm/transport/torch_dist.py",
+        "transport-get-backend", "new 2", "hybridcomm/comm/transport/torch_dist.py",
         old="        self.backend = backend_for(\"cuda\" if self.stream_ordered else \"cpu\", group) \\\n"
             "            or str(dist.get_backend(group))\n",
         new="        self.backend = str(dist.get_backend(group))\n",
         guards=("tests/test_backend.py::test_a_group_made_without_a_backend_works",),
         what="TorchDistTransport's backend from get_backend() (\"undefined\")"),
     Mutation(
-        "control-get-backend", "new 2", "hybridcomm/control.py",
+        "control-get-backend", "new 2", "hybridcomm/comm/control.py",
         old="    if backend_for(\"cpu\", group) == \"gloo\":  # (also a \"cpu:gloo,cuda:nccl\" group)\n",
         new="    if str(dist.get_backend(group)) == \"gloo\":\n",
         guards=("tests/test_backend.py::test_a_group_made_without_a_backend_works",),
@@ -200,19 +200,19 @@ MUTATIONS = [
     # Add one mutation per defect here once its fix has landed (git log), re-introducing
     # it, with the test that guards the fix. Landed so far: 3, 4, 5, 6, 7, 8, 9.
     Mutation(
-        "issue-in-hooks", "new 3", "hybridcomm/synchronizer.py",
+        "issue-in-hooks", "new 3", "hybridcomm/sync/synchronizer.py",
         old="issue_thread=env.get(\"HYBRIDCOMM_ISSUE_THREAD\"))\n",
         new="issue_thread=False)\n",
         guards=(GPU + "test_buckets_are_issued_by_the_channels_thread_not_in_the_hooks[True]",),
         what="the optimizer's buckets issued by the gradient hooks, on autograd's thread"),
     Mutation(
-        "issue-thread-off-by-default", "new 3", "hybridcomm/env.py",
+        "issue-thread-off-by-default", "new 3", "hybridcomm/config/env.py",
         old="    Variable(\"HYBRIDCOMM_ISSUE_THREAD\", parse_bool, True,\n",
         new="    Variable(\"HYBRIDCOMM_ISSUE_THREAD\", parse_bool, False,\n",
         guards=(GPU + "test_buckets_are_issued_by_the_channels_thread_not_in_the_hooks[True]",),
         what="the issuing thread off unless HYBRIDCOMM_ISSUE_THREAD=1"),
     Mutation(
-        "unused-read-from-flags", "new 4", "hybridcomm/synchronizer.py",
+        "unused-read-from-flags", "new 4", "hybridcomm/sync/synchronizer.py",
         old="        self._agree_used = bool(find_unused_parameters) and self._rt is not None\n",
         new="        self._agree_used = False\n",
         guards=(GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host[forward]",
@@ -221,14 +221,14 @@ MUTATIONS = [
         what="find_unused_parameters=True still reads the reduced flags back (a host sync per "
              "bucket lacking a gradient, every step)"),
     Mutation(
-        "apply-only-finished", "new 5", "hybridcomm/synchronizer.py",
+        "apply-only-finished", "new 5", "hybridcomm/sync/synchronizer.py",
         old="                                 self.engine.done_with(s.index, slot.index)]\n",
         new="                                 self.engine.done(s.index)]\n",
         guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",),
         what="forward mode applies with a bucket only the others already finished (an event "
              "query), not every one issued before it: an optimizer call per bucket"),
     Mutation(
-        "apply-pending-in-index-order", "new 5", "hybridcomm/synchronizer.py",
+        "apply-pending-in-index-order", "new 5", "hybridcomm/sync/synchronizer.py",
         old="        for slot in sorted(self.slots, key=lambda s: -self.engine.issue_seq(s.index)):\n",
         new="        for slot in self.slots:\n",
         guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",),
@@ -263,26 +263,26 @@ MUTATIONS = [
         guards=("tests/test_schedules.py::test_chunks_start_at_aligned_offsets[halving_doubling]",),
         what="halving-doubling halves split at any element"),
     Mutation(
-        "segments-unaligned", "new 7", "hybridcomm/planner.py",
+        "segments-unaligned", "new 7", "hybridcomm/plan/planner.py",
         old="        step = total if not split_bytes else max(align, split_bytes // esize // align * align)\n",
         new="        step = total if not split_bytes else max(1, split_bytes // esize)\n",
         guards=("tests/test_planner.py::test_segments_start_at_aligned_offsets",),
         what="a bucket's segments start at any element (split_bytes not rounded to 16 bytes)"),
     Mutation(
-        "record-stream-per-submit", "new 7", "hybridcomm/engine.py",
+        "record-stream-per-submit", "new 7", "hybridcomm/comm/engine.py",
         old="reserved=True,  # bucket memory: recorded when allocated\n",
         new="reserved=False,\n",
         guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",
                 GPU + "test_steady_state_steps_make_no_host_sync[backward]"),
         what="record_stream on every submit of a bucket (bucket memory is recorded once)"),
     Mutation(
-        "exposure-not-measured", "new 8", "hybridcomm/channel.py",
+        "exposure-not-measured", "new 8", "hybridcomm/comm/channel.py",
         old="        self._waits.append((point, event))\n",
         new="",
         guards=(GPU + "test_exposed_communication_is_measured_on_the_gpus_clock",),
         what="a stream wait is not timed: exposed communication reads 0 on the GPU path"),
     Mutation(
-        "windows-on-host-clock", "new 8", "hybridcomm/synchronizer.py",
+        "windows-on-host-clock", "new 8", "hybridcomm/sync/synchronizer.py",
         old="        self.clock = clock_for(self._rt)",
         new="        self.clock = clock_for(None)",
         guards=(GPU + "test_the_planners_windows_are_measured_on_the_gpus_clock",),

@@ -162,8 +162,8 @@ class Runner:
     def verify_imports(self, copy: Path) -> None:
         code = ("import importlib, sys\n"
                 "for name in ('hybridcomm', 'hybridcomm.kernels', 'hybridcomm.kernels.pack',\n"
-                "             'hybridcomm.transport.cupy_nccl', 'hybridcomm.testing.simgpu',\n"
-                "             'hybridcomm.bench.harness'):\n"
+                "             'hybridcomm.comm.transport.cupy_nccl', 'hybridcomm.testing.simgpu',\n"
+                "             'hybridcomm.tools.bench.harness'):\n"
                 "    importlib.import_module(name)\n"
                 "for name, mod in sorted(sys.modules.items()):\n"
                 "    if name.split('.')[0] == 'hybridcomm' and getattr(mod, '__file__', None):\n"

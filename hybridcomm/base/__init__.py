@@ -1,0 +1,8 @@
+"""The ground floor: what every other unit may use and that uses nothing of hybridcomm.
+
+Errors (``HybridCommError``, ``HybridCommTimeout``), byte units, tensor access
+helpers, DTensor local shards, the step timeline recorder and the profiler
+ranges (NVTX / ``record_function``).
+
+May import: nothing of hybridcomm outside ``base``.
+"""

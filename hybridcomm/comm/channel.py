@@ -1,0 +1,278 @@
+"""The one ordered channel all of a step's communication goes through.
+
+Every rank issues the same sequence of operations (the plan's fixed issue
+order, engine.py), whatever its local timing, so NCCL's tag-less matching
+pairs the right buffers and several communicators never deadlock. Two:
+
+* :class:`HostChannel` (CPU, gloo): one worker thread runs the operations in
+  order (gloo releases the GIL while it moves bytes); the trainer blocks on an
+  operation only where it needs the result, with the timeout.
+* :class:`StreamChannel` (CUDA, or the simulated GPU): each operation is
+  queued on the transport's comm stream; handles are done events, and the
+  trainer's stream waits on them. No host synchronization on the data path.
+  With ``issue_thread=True`` (the optimizer's channel) the transport's issuing
+  thread (:class:`Issuer`, bound to the rank's device) does the issuing: the NCCL group calls and
+  reduction launches of a bucket cost the backward (autograd's thread, which
+  runs the gradient hooks) only a queue append. The trainer's wait is then a
+  host wait for the issue (never for the device) and a stream wait.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+from .control import new_group_like
+from ..base.errors import HybridCommError, HybridCommTimeout
+from .issuer import _Issue, issue_in_order, issuer_for
+from ..gpu.runtime import runtime_for
+from ..base.timeline import Timeline
+from .transport.select import select_transport
+from .transport.torch_dist import TorchDistTransport
+
+
+class HostChannel:  # host path
+    """CPU: one worker thread runs the submitted operations in submission order.
+
+    Example::
+
+        >>> ch = HostChannel(timeout=60)
+        >>> t = ch.submit(lambda: None, "bucket 0")
+        >>> ch.wait(t, "bucket 0") < 60             # seconds waited
+        True
+        >>> ch.close()
+    """
+
+    stream_ordered = False
+
+    def __init__(self, timeout: float, timeline: Optional[Timeline] = None):
+        self.timeout = timeout
+        self.timeline = timeline or Timeline(enabled=False)
+        self._cv = threading.Condition()
+        self._queue: deque = deque()
+        self._submitted = self._completed = 0
+        self._error: Optional[BaseException] = None
+        self._failed_what = ""
+        self._closed = False
+        self._busy_s = 0.0  # comm time of finished operations, until take_busy()
+        self._thread = threading.Thread(target=self._run, name="hybridcomm-channel", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None], what: str) -> int:
+        with self._cv:
+            if self._closed:
+                raise HybridCommError("the communication channel is closed")
+            self._submitted += 1
+            self._queue.append((self._submitted, fn, what))
+            self._cv.notify_all()
+            return self._submitted
+
+    def done(self, ticket: int) -> bool:
+        with self._cv:
+            return self._completed >= ticket
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error that stopped the channel, if any."""
+        return self._error
+
+    def take_busy(self) -> float:
+        """Seconds of communication finished since the last call."""
+        with self._cv:
+            busy, self._busy_s = self._busy_s, 0.0
+            return busy
+
+    @staticmethod
+    def take_exposed() -> float:
+        """The host path measures its waits itself (the seconds ``wait`` returns)."""
+        return 0.0
+
+    def wait(self, ticket: int, what: str, on_slow=None, slow_after: float = 0.0) -> float:
+        """Block until operation ``ticket`` is done; the seconds waited. ``on_slow()``
+        is called once (without the channel's lock) if it takes over ``slow_after``;
+        what it returns (who the wait is for) ends the timeout's message."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.timeout
+        note = None
+        with self._cv:
+            while self._completed < ticket:
+                if on_slow is not None and time.perf_counter() - t0 > slow_after:
+                    self._cv.release()
+                    try:
+                        note = on_slow()
+                    finally:
+                        self._cv.acquire()
+                    on_slow = None
+                    continue
+                if self._error is not None:
+                    kind = HybridCommTimeout if isinstance(self._error, HybridCommTimeout) \
+                        else HybridCommError
+                    raise kind(f"{what}: communication failed at {self._failed_what}: "
+                               f"{self._error}") from self._error
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise HybridCommTimeout(f"{what} not reduced within {self.timeout:g}s "
+                                            + (f"({note})" if note else
+                                               "(a peer dead or stalled?)"))
+                self._cv.wait(min(left, 1.0))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=self.timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                ticket, fn, what = self._queue.popleft()
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except BaseException as e:  # surfaced to the trainer on its next wait
+                with self._cv:
+                    self._error, self._failed_what = e, what
+                    self._queue.clear()
+                    self._closed = True
+                    self._cv.notify_all()
+                return
+            t1 = time.perf_counter()
+            self.timeline.add(what, "comm/channel", t0, t1)
+            with self._cv:
+                self._busy_s += t1 - t0
+                self._completed = ticket
+                self._cv.notify_all()
+
+
+class StreamChannel:
+    """GPU (or simulated): operations are queued on the transport's comm stream in
+    submission order, by the caller's thread or (``issue_thread=True``) by the
+    transport's :class:`Issuer`; handles are done events (or tickets that lead
+    to them).
+
+    Example (``queue_bucket_0`` queues its work on the comm stream and returns its
+    ``(start, done)`` events, as ``reduce.reduce_operation``'s do)::
+
+        ch = StreamChannel(transport, issue_thread=True, timeout=60)
+        ticket = ch.submit(queue_bucket_0, "bucket 0")   # returns at once
+        ch.wait(ticket, "bucket 0")     # the current stream waits for it
+    """
+
+    stream_ordered = True
+
+    def __init__(self, transport, timeline: Optional[Timeline] = None, *,
+                 issue_thread: bool = False, timeout: float = 300.0):
+        self.transport = transport
+        self.runtime = transport.runtime
+        self.timeline = timeline or Timeline(enabled=False)
+        self.timeout = timeout
+        self._timed: deque = deque()  # (start, done, what) timing events not yet harvested
+        self._waits: deque = deque()  # (where the trainer waited, done) not yet harvested
+        self._exposed_s = 0.0  # harvested from _waits, until take_exposed()
+        self._lock = threading.Lock()  # _timed: appended by the issuing thread
+        self._issuer = issuer_for(transport) if issue_thread else None
+        self._anchor = None
+        if self.timeline.enabled:
+            # One host sync, only when tracing: a comm-stream event at a known host
+            # time places every later event on the host's clock.
+            self._anchor = self.runtime.new_event(timing=True)
+            self._anchor.record(transport.stream)
+            self._anchor.synchronize()
+            self._anchor_s = time.perf_counter()
+
+    def submit(self, fn: Callable[[], object], what: str):
+        """``fn`` queues the work and returns its ``(start, done)`` timing events;
+        returns the done event (inline) or a ticket (threaded)."""
+        self._raise_failure()
+        if self._issuer is None:  # here, unless the transport has an issuing thread
+            return issue_in_order(self.transport, lambda: self._issue(fn, what), what,
+                                  self.timeout)
+        return self._issuer.submit(lambda: self._issue(fn, what), what)
+
+    def _issue(self, fn, what: str):
+        start, done = fn()
+        with self._lock:
+            self._timed.append((start, done, what))
+        return done
+
+    def take_busy(self) -> float:
+        """Seconds the comm stream spent on operations completed since the last call,
+        from timing events read only once complete (never a host sync)."""
+        busy = 0.0
+        while True:
+            with self._lock:
+                if not (self._timed and self._timed[0][1].query()):
+                    return busy
+                start, done, what = self._timed.popleft()
+            busy += start.elapsed_time(done) * 1e-3
+            if self._anchor is not None:
+                t0 = self._anchor_s + self._anchor.elapsed_time(start) * 1e-3
+                self.timeline.add(what, "comm/stream", t0, t0 + start.elapsed_time(done) * 1e-3)
+
+    def done(self, handle) -> bool:
+        """Whether the operation has finished (an error counts: the wait raises it)."""
+        if isinstance(handle, _Issue):
+            return handle.issued and (handle.error is not None or handle.result.query())
+        return handle.query()
+
+    def wait(self, handle, what: str, on_slow=None, slow_after: float = 0.0) -> float:
+        """The trainer's current stream waits for the operation; the host goes on (so
+        ``on_slow`` never fires here: the transport's watchdog bounds the wait)."""
+        self._raise_failure()
+        event = self._issuer.result(handle, what, self.timeout) \
+            if isinstance(handle, _Issue) else handle
+        stream = self.runtime.current_stream()
+        point = self.runtime.new_event(timing=True)  # where the trainer's stream waits
+        point.record(stream)
+        stream.wait_event(event)
+        self._harvest_waits()  # the completed ones: only waits in flight stay queued
+        self._waits.append((point, event))
+        return 0.0
+
+    def _harvest_waits(self) -> None:
+        while self._waits and self._waits[0][0].query() and self._waits[0][1].query():
+            point, done = self._waits.popleft()
+            self._exposed_s += max(0.0, point.elapsed_time(done) * 1e-3)
+
+    def take_exposed(self) -> float:
+        """Seconds the trainer's stream stood waiting for communication, on the GPU's
+        clock, since the last call: for each wait whose events have completed, how
+        long the operation finished after the trainer reached the wait (event
+        queries only, never a host sync; a wait still in progress counts later)."""
+        self._harvest_waits()
+        exposed, self._exposed_s = self._exposed_s, 0.0
+        return exposed
+
+    @property
+    def failure(self) -> Optional[BaseException]:
+        """The error that aborted the transport (watchdog), or stopped the issuing."""
+        return getattr(self.transport, "failure", None) or \
+            (self._issuer.error if self._issuer is not None else None)
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self) -> None:
+        """Nothing to stop: the issuer is the transport's (what this channel
+        submitted is issued in order, before anything submitted later)."""
+
+
+def open_channel(device, group, timeout: float, timeline: Optional[Timeline] = None, *,
+                 issue_thread: bool = False):
+    """``(transport, channel)`` for tensors on ``device`` over ``group``: on a GPU (or
+    the simulated one) the transport's comm stream (issued from a thread of the
+    channel's with ``issue_thread``); on the CPU a gloo group of its own (so the
+    user's collectives never interleave) and a worker thread."""
+    if runtime_for(device) is not None:
+        transport = select_transport(device, group, timeout=timeout)
+        return transport, StreamChannel(transport, timeline, issue_thread=issue_thread,
+                                        timeout=timeout)
+    transport = TorchDistTransport(new_group_like(group, timeout))
+    return transport, HostChannel(timeout, timeline)

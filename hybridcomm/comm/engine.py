@@ -1,0 +1,218 @@
+"""Runs buckets' all-reduces through the one ordered channel, in the plan's issue order.
+
+The synchronizer (synchronizer.py) decides *when* a bucket is ready to go
+(``launch``); the engine decides *when it is issued*: a bucket's segments are
+submitted to the channel only when the plan's fixed sequence of (bucket,
+segment) reaches them, so every rank issues the same sequence whatever its
+local timing. A launch that the order has not reached yet waits in the engine
+(``issued`` tells); ``wait`` makes the trainer (host or stream) wait for a
+bucket's result. Every round of the order launches every bucket once: a
+bucket is launched again only in a round that launches them all.
+
+Per bucket and operation: the algorithm's schedule (or the transport's own
+all-reduce for ``native``, the summation servers' for ``ps``, or top-k's
+all-gather) on the bucket's buffer, in
+place; under compression the wire buffer is cast back into the gradients when
+the last segment is done.
+
+The operation itself (which all-reduce, on which side) is reduce.py's
+:func:`~hybridcomm.comm.reduce.reduce_operation`, shared with ``all_reduce`` and
+the DDP hook.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional
+
+from ..plan.cost_model import PS, bytes_sent
+from ..base.errors import HybridCommError
+from .executor import Workspace, execute, execute_async
+from .reduce import reduce_operation
+from ..plan.planner import Plan
+
+
+class CommEngine:
+    """Issues buckets' all-reduces through ``channel`` in ``plan.order``.
+
+    Example (the order holds whatever order buckets are launched in)::
+
+        engine = CommEngine(plan, buckets, channel, transport, scale=1 / world, timeout=60)
+        engine.launch(1); engine.launch(0)    # issued as plan.order says
+        engine.wait(0); engine.wait(1)
+    """
+
+    def __init__(self, plan: Plan, buckets: list, channel, transport, *,
+                 scale: Optional[float], timeout: float, servers=None):
+        self.plan, self.buckets, self.channel, self.transport = plan, buckets, channel, transport
+        self.scale, self.timeout = scale, timeout
+        self.servers = servers  # SummationServers, for buckets planned 'ps'
+        uses_ps = [b.index for b in plan.buckets if b.algorithm == PS]
+        if uses_ps and (servers is None or channel.stream_ordered):
+            raise HybridCommError(
+                f"buckets {uses_ps} are planned 'ps' (the summation servers), which "
+                + ("needs servers= (hybridcomm.comm.servers.SummationServers)" if servers is None else
+                   "runs on the host path only (gloo, CPU tensors), not on the GPU path"))
+        # A wait slower than slow_after calls on_slow(bucket) once (the stall inspector).
+        self.on_slow: Optional[Callable[[int], Optional[str]]] = None
+        self.slow_after = 0.0
+        # Called with a bucket's index as its launch is issued: in plan order on every
+        # rank, so it may post host collectives (the used-parameter agreement).
+        self.on_issue: Optional[Callable[[int], None]] = None
+        self.round = 0  # passes through plan.order completed
+        self.cursor = 0  # position in plan.order
+        self.bytes_sent = 0  # by this rank, since the trainer last read it
+        n = len(buckets)
+        self._launches = [0] * n  # launches so far, per bucket
+        self._issued = [0] * n  # launches whose every segment is in the channel
+        self._issue_seq = [0] * n  # when its last launch went into the channel (a counter)
+        self._seq = 0
+        self._tickets: List[list] = [[] for _ in range(n)]  # per segment, once submitted
+        self._ready = [None] * n  # device path: the gradients are ready (event)
+        self._versions = [0] * n  # the buffer's version counter after our own writes
+        self._workspace = Workspace()  # host path scratch (the channel thread's alone)
+
+    # -- launching ---------------------------------------------------------------------
+    def launch(self, index: int) -> None:
+        """Bucket ``index`` is ready (its flags set): issue it when the order reaches it."""
+        b = self.buckets[index]
+        b.to_wire()
+        if b.topk is not None:  # this rank's message, from the gradients
+            b.topk.select(b.grads, b.flags)
+        if self.channel.stream_ordered:
+            rt = self.channel.runtime
+            self._ready[index] = rt.new_event()
+            self._ready[index].record(rt.current_stream())
+        self._launches[index] += 1
+        self._tickets[index] = [None] * len(b.spec.segments)
+        self._pump()
+
+    def issued(self, index: int) -> bool:
+        """Whether bucket ``index``'s last launch is wholly in the channel (then it can
+        be waited for; before, its buffer must not be touched: it is still to be sent)."""
+        return self._issued[index] == self._launches[index]
+
+    def _pump(self) -> None:
+        order = self.plan.order
+        while order:
+            i, s = order[self.cursor]
+            if self._launches[i] <= self.round:
+                return  # that bucket is not launched yet: the order waits for it
+            last = s == len(self.buckets[i].spec.segments) - 1
+            if s == 0 and self.on_issue is not None:
+                self.on_issue(i)
+            op = self._operation(i, s, last)
+            if last and self.channel.stream_ordered:
+                op = self._noting_version(i, op)
+            self._tickets[i][s] = self.channel.submit(op, f"bucket {i} segment {s}")
+            if last:
+                self._issued[i] += 1
+                self._seq += 1
+                self._issue_seq[i] = self._seq
+            self.cursor += 1
+            if self.cursor == len(order):
+                self.cursor, self.round = 0, self.round + 1
+
+    def _noting_version(self, index: int, op):
+        """``op``, then the buffer's version counter: our own writes are issued by then
+        (on whichever thread issues; the trainer reads it only after waiting)."""
+        def issue():
+            out = op()
+            self._versions[index] = self.buckets[index].buffer._version
+            return out
+        return issue
+
+    def _operation(self, index: int, s: int, last: bool):
+        b = self.buckets[index]
+        if b.topk is not None:
+            return self._sparse_operation(index)
+        a, z = b.spec.segments[s]
+        seg = b.comm[a:z]
+        world = self.transport.world_size
+        self.bytes_sent += int(bytes_sent(b.spec.algorithm, seg.numel() * seg.element_size(),
+                                          world))
+        label = (f"bucket {index} ({b.spec.algorithm}, segment {s + 1}/{len(b.spec.segments)}, "
+                 f"{seg.numel() * seg.element_size()} bytes)")
+        after = None
+        if last:
+            def after():
+                b.from_wire()
+                if not self.channel.stream_ordered:
+                    self._versions[index] = b.buffer._version
+        return reduce_operation(seg, self.transport, b.spec.algorithm, scale=self.scale,
+                                timeout=self.timeout, label=label, range_id=index,
+                                ready=self._ready[index],
+                                workspace=self._workspace,
+                                stream_ordered=self.channel.stream_ordered, after=after,
+                                reserved=True,  # bucket memory: recorded when allocated
+                                servers=self.servers)
+
+    def _sparse_operation(self, index: int):
+        """A top-k bucket: all-gather the ranks' messages, sum them into the bucket."""
+        b = self.buckets[index]
+        topk = b.topk
+        self.bytes_sent += topk.bytes_sent
+        label = f"bucket {index} (topk, {topk.k} of {b.spec.numel}, {topk.bytes_sent} bytes sent)"
+
+        if self.channel.stream_ordered:
+            def queued():
+                start, _ = execute_async(topk.schedule, topk.gathered, self.transport,
+                                         ready=self._ready[index], timed=True, reserved=True)
+                with self.transport.stream_context():
+                    topk.decode(b.grads, b.flags, self.scale)
+                done = self.transport.runtime.new_event(timing=True)
+                done.record(self.transport.stream)
+                self.transport.watch(done, self.timeout, label)
+                return start, done
+            return queued
+
+        def hosted():  # host path
+            execute(topk.schedule, topk.gathered, self.transport, timeout=self.timeout)
+            topk.decode(b.grads, b.flags, self.scale)
+            self._versions[index] = b.buffer._version
+        return hosted
+
+    # -- waiting -----------------------------------------------------------------------
+    def wait(self, index: int) -> float:
+        """Bucket ``index``'s last launch is reduced and usable (host: done; device:
+        the trainer's stream waits for it); the seconds the host waited."""
+        tickets = self._tickets[index]
+        if not tickets:
+            return 0.0
+        if not self.issued(index):
+            missing = self.plan.order[self.cursor]
+            raise HybridCommError(f"internal error: bucket {index} is needed before its turn in "
+                                  f"the issue order (waiting on bucket {missing[0]})")
+        t0 = time.perf_counter()
+        slow = self.on_slow
+        self.channel.wait(tickets[-1], f"bucket {index}",
+                          on_slow=None if slow is None else (lambda: slow(index)),
+                          slow_after=self.slow_after)
+        return time.perf_counter() - t0
+
+    def done_with(self, index: int, other: int) -> bool:
+        """Whether bucket ``index``'s last launch is done once ``other``'s is: on the
+        device path, issued no later on the one comm stream (FIFO); on the host
+        path, done already."""
+        if not self.channel.stream_ordered:
+            return self.done(index)
+        return (not self._tickets[index] or
+                (self.issued(index) and self.issued(other)
+                 and self._issue_seq[index] <= self._issue_seq[other]))
+
+    def issue_seq(self, index: int) -> int:
+        """When bucket ``index``'s last launch went into the channel (larger: later)."""
+        return self._issue_seq[index]
+
+    def done(self, index: int) -> bool:
+        """Whether bucket ``index``'s last launch has finished (never blocks, never a
+        host sync: a completed-ticket count, or an event query)."""
+        tickets = self._tickets[index]
+        return not tickets or (self.issued(index) and self.channel.done(tickets[-1]))
+
+    def version(self, index: int) -> int:
+        """The bucket buffer's version counter right after the engine's own writes:
+        anything higher when the result is read means someone else wrote to it."""
+        return self._versions[index]
+
+    def close(self) -> None:
+        self.channel.close()

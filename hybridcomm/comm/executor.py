@@ -1,0 +1,322 @@
+"""Run one rank's schedule over a transport, reducing with the kernels.
+
+Receives that are copies land directly in the caller's buffer; receives that
+are reductions land in a scratch buffer, reused across calls (no allocation
+per step), and are then added in with ``kernels.reduce``, which also applies
+the ``avg`` scale on the step that finalizes those elements.
+
+Large buffers are pipelined: the buffer is cut into ``K`` contiguous parts,
+each all-reduced by its own schedule of the same algorithm, and the parts run
+interleaved: all parts' first step is posted, then for each step and each
+part in turn, wait for that part, reduce it, and post its next step at once.
+While one part is being reduced the others' transfers are in flight, and a
+part's next send leaves as soon as its own reduction is done (no step-wide
+barrier). Every rank issues its messages in the same (step, part) order, and
+each part's messages to a peer keep the schedule's order, so pairs match in
+FIFO order without tags (NCCL) as well as with them (gloo). Each part is an
+exact all-reduce of its elements, bitwise identical on every rank.
+
+The index arithmetic of a (schedule, parts) pair is computed once and cached
+(plans hold integer ranges only, never tensors, so no user buffer is kept
+alive by the cache).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import env
+from ..base import trace
+from ..algorithms import SCHEDULES, Schedule, get_schedule
+from ..kernels import reduce
+from .transport import Transport
+
+# Pipeline parts of at least HYBRIDCOMM_PIPELINE_BYTES (default 32 MiB; 0 turns
+# pipelining off), at most MAX_PARTS of them. Measured on 4 gloo ranks sharing
+# 2 cores (docs/PERFORMANCE.md): every extra message costs ~0.2 ms of CPU in
+# wake-ups there, so only very large buffers are cut (64 MiB into 2 parts).
+# Where cores are idle (one GPU or host per rank) smaller parts pay off.
+MAX_PARTS = 4
+
+
+class Workspace:
+    """Scratch buffers kept per (device, dtype), grown on demand, never shrunk.
+
+    ``alloc(numel, dtype, device)`` makes a buffer (default ``torch.empty``);
+    stream-ordered transports pass one that allocates on their comm stream.
+    """
+
+    def __init__(self, alloc=None):
+        self._alloc = alloc or (lambda n, dt, dev: torch.empty(n, dtype=dt, device=dev))
+        self._buffers: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (device, dtype)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._alloc(numel, dtype, device)
+            self._buffers[key] = buf
+        return buf[:numel]
+
+
+def comm_scratch(transport, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Scratch of a stream-ordered transport, allocated on (and only ever used on)
+    its comm stream, so the caching allocator never hands it to another stream
+    while communication still targets it."""
+    ws = getattr(transport, "_scratch", None)
+    if ws is None:
+        rt = transport.runtime
+
+        def alloc(n, dt, _device):
+            with rt.use(transport.stream):
+                return rt.empty(n, dt)
+
+        ws = transport._scratch = Workspace(alloc)
+    return ws.get(numel, dtype, transport.device)
+
+
+# One step of one part, as plain integers:
+#   sends  ((peer, start, stop), ...)            ranges of the buffer
+#   recvs  ((peer, start, stop, slot), ...)      slot: scratch offset, or -1 = straight into buf
+#   reds   ((start, stop, slot, final), ...)     add scratch[slot:slot+len] into buf[start:stop]
+_PlanStep = Tuple[tuple, tuple, tuple]
+
+
+class _Plan:
+    __slots__ = ("parts", "scratch_numel")
+
+    def __init__(self, parts: List[List[_PlanStep]], scratch_numel: int):
+        self.parts, self.scratch_numel = parts, scratch_numel
+
+
+def _plan_part(schedule: Schedule, base: int, slot0: int) -> Tuple[List[_PlanStep], int]:
+    steps = []
+    for st in schedule.steps:
+        recvs, reds, off = [], [], 0
+        for r in st.recvs:
+            if r.reduce:
+                slot = slot0 + off
+                off += r.stop - r.start
+                reds.append((base + r.start, base + r.stop, slot, r.final))
+                recvs.append((r.peer, base + r.start, base + r.stop, slot))
+            else:
+                recvs.append((r.peer, base + r.start, base + r.stop, -1))
+        sends = tuple((s.peer, base + s.start, base + s.stop) for s in st.sends)
+        steps.append((sends, tuple(recvs), tuple(reds)))
+    return steps, schedule.scratch_numel
+
+
+def num_parts(schedule: Schedule, element_size: int) -> int:  # host path
+    """How many pipelined parts ``execute`` cuts this schedule's buffer into."""
+    part_bytes = env.get("HYBRIDCOMM_PIPELINE_BYTES")
+    if part_bytes <= 0 or schedule.algorithm not in SCHEDULES or schedule.world_size < 2:
+        return 1
+    parts = max(1, min(MAX_PARTS, schedule.numel * element_size // part_bytes))
+    # Every part at least P elements: no empty transfer is dropped from any
+    # part, so all parts have the same steps and the (step, part) order holds.
+    return max(1, min(parts, schedule.numel // schedule.world_size))
+
+
+_plans: "OrderedDict[tuple, Tuple[Schedule, _Plan]]" = OrderedDict()
+_plans_lock = threading.Lock()
+_PLAN_CACHE = 256
+
+
+def _plan(schedule: Schedule, parts: int) -> _Plan:
+    key = (id(schedule), parts)
+    with _plans_lock:
+        hit = _plans.get(key)
+        if hit is not None and hit[0] is schedule:
+            _plans.move_to_end(key)
+            return hit[1]
+    if parts == 1:
+        steps, scratch = _plan_part(schedule, 0, 0)
+        plan = _Plan([steps], scratch)
+    else:
+        out, slot = [], 0
+        for k in range(parts):
+            lo = k * schedule.numel // parts
+            hi = (k + 1) * schedule.numel // parts
+            sub = get_schedule(schedule.algorithm, schedule.rank, schedule.world_size, hi - lo,
+                               schedule.topology)
+            steps, scratch = _plan_part(sub, lo, slot)
+            out.append(steps)
+            slot += scratch
+        plan = _Plan(out, slot)
+    with _plans_lock:
+        _plans[key] = (schedule, plan)  # holding the schedule keeps its id unique
+        while len(_plans) > _PLAN_CACHE:
+            _plans.popitem(last=False)
+    return plan
+
+
+_local = threading.local()  # per-thread scratch when the caller's is too small
+
+
+def _scratch(numel: int, like: torch.Tensor,  # host path
+             given: Optional[torch.Tensor]) -> torch.Tensor:
+    if given is not None and given.numel() >= numel and given.dtype == like.dtype \
+            and given.device == like.device:
+        return given
+    ws = getattr(_local, "workspace", None)
+    if ws is None:
+        ws = _local.workspace = Workspace()
+    return ws.get(numel, like.dtype, like.device)
+
+
+def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
+            scale: float | None = None, scratch: torch.Tensor | None = None,
+            timeout: float | None = None) -> torch.Tensor:
+    """All-reduce the 1-D contiguous ``buf`` in place by running ``schedule``.
+
+    ``scale`` multiplies each element once, when its final value is produced
+    (1/P gives an average). Host-ordered transports: blocks until done;
+    ``scratch`` should hold ``schedule.scratch_numel`` elements of ``buf``'s
+    dtype (if None or too small, a per-thread workspace is used).
+    Stream-ordered transports: queued (:func:`execute_async`), and the
+    caller's current stream waits for the result; the host goes on.
+
+    Example::
+
+        >>> from hybridcomm.comm.transport import TorchDistTransport
+        >>> buf = torch.ones(4)
+        >>> s = get_schedule("ring", rank, world, buf.numel())
+        >>> execute(s, buf, TorchDistTransport(), scale=1 / world, timeout=60)
+        tensor([1., 1., 1., 1.])
+    """
+    if schedule.numel != buf.numel():
+        raise ValueError(f"schedule is for {schedule.numel} elements, buffer has {buf.numel()}")
+    if transport.stream_ordered:
+        done = execute_async(schedule, buf, transport, scale=scale, timeout=timeout)
+        transport.runtime.current_stream().wait_event(done)
+        return buf
+    return _execute_on_host(schedule, buf, transport, scale, scratch, timeout)
+
+
+def _execute_on_host(schedule, buf, transport, scale, scratch, timeout):  # host path
+    """:func:`execute` over a host-ordered transport (gloo): blocks until done."""
+    if schedule.world_size == 1:
+        if scale is not None and scale != 1:
+            buf.mul_(scale)
+        return buf
+    plan = _plan(schedule, num_parts(schedule, buf.element_size()))
+    scratch = _scratch(plan.scratch_numel, buf, scratch)
+    exchange = transport.exchange
+
+    def post(step: _PlanStep):
+        sends, recvs, _ = step
+        return exchange([(p, buf[a:b]) for p, a, b in sends],
+                        [(p, buf[a:b] if s < 0 else scratch[s:s + b - a]) for p, a, b, s in recvs])
+
+    def finish(step: _PlanStep, pending) -> None:
+        pending.wait(timeout)
+        for a, b, s, final in step[2]:
+            reduce(buf[a:b], scratch[s:s + b - a], scale=scale if final else None)
+
+    parts = plan.parts
+    if len(parts) == 1:
+        for step in parts[0]:
+            finish(step, post(step))
+        return buf
+    # Pipelined: (step, part) order on every rank; a part's next step is posted
+    # as soon as its current one is reduced. Parts of one schedule have equal
+    # step counts (the same algorithm at the same rank and world size).
+    pending = [post(steps[0]) if steps else None for steps in parts]
+    nsteps = max(len(steps) for steps in parts)
+    for i in range(nsteps):
+        for k, steps in enumerate(parts):
+            if i >= len(steps):
+                continue
+            finish(steps[i], pending[k])
+            pending[k] = post(steps[i + 1]) if i + 1 < len(steps) else None
+    return buf
+
+
+def _enter(transport, buf: torch.Tensor, ready, timed: bool, reserved: bool = False):
+    """The comm stream waits for ``ready`` (default: the caller's stream as it is
+    now), and ``buf``'s memory stays reserved until the comm stream is done
+    (``reserved``: it already is, recorded on the comm stream when allocated, as
+    the optimizer's buckets are: no per-call record_stream). With ``timed``, a
+    timing event marks where the work itself starts."""
+    rt = transport.runtime
+    if ready is None:
+        ready = rt.new_event()
+        ready.record(rt.current_stream())
+    transport.wait_event(ready)
+    if not reserved:
+        rt.record_stream(buf, transport.stream)
+    if timed:
+        start = rt.new_event(timing=True)
+        start.record(transport.stream)
+        return start
+    return None
+
+
+def _leave(transport, start, what: str, timeout: float | None):
+    if start is None:
+        done = transport.record_event()
+    else:
+        done = transport.runtime.new_event(timing=True)
+        done.record(transport.stream)
+    if timeout is not None:
+        transport.watch(done, timeout, what)
+    return done if start is None else (start, done)
+
+
+def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
+                  scale: float | None = None, ready=None, timeout: float | None = None,
+                  label: str | None = None, timed: bool = False, reserved: bool = False):
+    """Queue the whole schedule on a stream-ordered transport's comm stream and
+    return the event that completes with it.
+
+    The comm stream first waits for ``ready`` (e.g. the gradients' event;
+    default: the caller's current stream as it is now). Each step's NCCL group
+    and then its reductions go on the comm stream, in stream order, with
+    scratch the transport owns on that stream: no host synchronization
+    anywhere. ``timeout`` arms the transport's watchdog (abort, then
+    HybridCommTimeout on the next call, instead of a hang). A consumer makes
+    its stream wait: ``stream.wait_event(done)``. With ``timed``, returns
+    ``(start, done)`` timing events instead (``start.elapsed_time(done)`` once
+    both completed: the communication's own time, without the wait for ready).
+    """
+    if schedule.numel != buf.numel():
+        raise ValueError(f"schedule is for {schedule.numel} elements, buffer has {buf.numel()}")
+    start = _enter(transport, buf, ready, timed, reserved)
+    with transport.stream_context():
+        if schedule.world_size > 1:
+            plan = _plan(schedule, 1)  # one part: steps on one stream run in turn anyway
+            scratch = comm_scratch(transport, plan.scratch_numel, buf.dtype)
+            nsteps, itemsize, exchange = len(schedule.steps), buf.element_size(), transport.exchange
+            for i, (sends, recvs, reds) in enumerate(plan.parts[0]):
+                with trace.step_range(schedule.algorithm, i, nsteps, schedule.steps[i], itemsize):
+                    exchange([(p, buf[a:b]) for p, a, b in sends],
+                             [(p, buf[a:b] if s < 0 else scratch[s:s + b - a])
+                              for p, a, b, s in recvs],
+                             label=(schedule.algorithm, i))
+                    for a, b, s, final in reds:
+                        reduce(buf[a:b], scratch[s:s + b - a], scale=scale if final else None)
+        elif scale is not None and scale != 1:
+            buf.mul_(scale)
+    return _leave(transport, start, label or f"{schedule.algorithm} all-reduce of "
+                  f"{buf.numel()} x {buf.dtype}", timeout)
+
+
+def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
+                   timeout: float | None = None, label: str | None = None, timed: bool = False,
+                   reserved: bool = False):
+    """The transport's own all-reduce (``native``: gloo's or NCCL's) of ``buf``.
+
+    Host-ordered: blocks (with ``timeout``) and returns None. Stream-ordered:
+    queued on the comm stream after ``ready``, like :func:`execute_async`, and
+    returns its done event (``(start, done)`` with ``timed``).
+    """
+    if not transport.stream_ordered:
+        transport.all_reduce(buf, average=average, timeout=timeout)
+        return None
+    start = _enter(transport, buf, ready, timed, reserved)
+    transport.all_reduce(buf, average=average)
+    return _leave(transport, start, label or f"native all-reduce of {buf.numel()} x "
+                  f"{buf.dtype}", timeout)

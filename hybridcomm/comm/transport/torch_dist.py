@@ -1,0 +1,159 @@
+"""Point-to-point over torch.distributed: gloo on CPU (host-ordered), NCCL on CUDA
+(stream-ordered, the fallback when CuPy is not installed).
+
+One step's sends and receives go out in one ``batch_isend_irecv`` (a single
+NCCL group on CUDA). Messages between a pair are matched in issue order.
+
+* gloo: ``exchange`` returns a pending handle; ``wait(timeout)`` blocks the
+  host, and a dead or stalled peer is a :class:`HybridCommTimeout` /
+  :class:`HybridCommError` naming the transfer.
+* NCCL: issued under the transport's comm stream; ``work.wait()`` with no
+  timeout only makes that stream wait (a timeout would busy-wait on the host,
+  a host sync per step). Hangs are caught by torch's own NCCL watchdog (the
+  process group's timeout); this path is not covered by the GPU simulator,
+  which models CuPy's NCCL (docs/GPU.md).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import List, Sequence
+
+import torch.distributed as dist
+
+from ..backend import backend_for
+from ...base.errors import HybridCommError, HybridCommTimeout
+from .base import CommStream, Transfer
+
+
+class TorchDistPending:
+    __slots__ = ("works", "labels", "rank")
+
+    def __init__(self, works, labels, rank):
+        self.works, self.labels, self.rank = works, labels, rank
+
+    def wait(self, timeout: float | None = None) -> None:
+        for work, label in zip(self.works, self.labels):
+            wait_work(work, self.rank, label, timeout)
+
+
+def wait_work(work, rank: int, label: str, timeout: float | None) -> None:
+    """``work.wait`` with every failure as our error, naming the rank and the work."""
+    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    try:
+        done = work.wait(**kwargs)
+    except Exception as e:  # gloo raises RuntimeError for timeouts and dead peers
+        kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
+        raise kind(f"rank {rank}: {label} failed (timeout {timeout}s): {e}") from e
+    if done is False:
+        raise HybridCommTimeout(f"rank {rank}: {label} did not complete within {timeout}s")
+
+
+def posted(post, rank: int, label: str):
+    """``post()`` (an isend/irecv/collective call) with a failure at posting time (a
+    peer's socket already closed) as our error too, naming the rank and the work."""
+    try:
+        return post()
+    except RuntimeError as e:
+        kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
+        raise kind(f"rank {rank}: posting {label} failed (a peer dead?): {e}") from e
+
+
+def looks_like_timeout(e: Exception) -> bool:
+    text = str(e).lower()
+    return "timeout" in text or "timed out" in text
+
+
+class TorchDistTransport:
+    """Transport over a torch.distributed process group (host-ordered: gloo).
+
+    Example::
+
+        >>> t = TorchDistTransport()                      # default group
+        >>> t.rank, t.world_size, t.backend
+        (0, 1, 'gloo')
+        >>> t.exchange([], []).wait(timeout=60)          # one step's sends and receives
+    """
+
+    kind = "torch"
+    stream_ordered = False
+
+    def __init__(self, group=None, tag: int = 0):
+        if not dist.is_available() or not dist.is_initialized():
+            raise HybridCommError(
+                "torch.distributed is not initialized: call "
+                "torch.distributed.init_process_group(...) first (or run under torchrun)")
+        self.group = group
+        self.tag = tag
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.backend = backend_for("cuda" if self.stream_ordered else "cpu", group) \
+            or str(dist.get_backend(group))
+        # P2P calls take global ranks; map the group's ranks once.
+        self._global = [dist.get_global_rank(group, r) if group is not None else r
+                        for r in range(self.world_size)]
+
+    def _post(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]):
+        ops: List[dist.P2POp] = []
+        labels: List[str] = []
+        for peer, t in sends:
+            ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group, self.tag))
+            labels.append(f"send of {t.numel()} x {t.dtype} to rank {peer}")
+        for peer, t in recvs:
+            ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group, self.tag))
+            labels.append(f"receive of {t.numel()} x {t.dtype} from rank {peer}")
+        works = posted(lambda: dist.batch_isend_irecv(ops), self.rank, "; ".join(labels)) \
+            if ops else []
+        return works, labels
+
+    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *,
+                 label=None) -> TorchDistPending:
+        works, labels = self._post(sends, recvs)
+        return TorchDistPending(works, labels, self.rank)
+
+    def all_reduce(self, t, *, average: bool, timeout: float | None = None) -> None:
+        """The group's own all-reduce (``native``) in place. Every rank gets the same
+        bits back (gloo copies each reduced chunk around) and scales them alike."""
+        label = f"native all_reduce of {t.numel()} x {t.dtype}"
+        work = posted(lambda: dist.all_reduce(t, group=self.group, async_op=True), self.rank,
+                      label)
+        wait_work(work, self.rank, label, timeout)
+        if average:
+            t.mul_(1.0 / self.world_size)
+
+
+class TorchNcclTransport(TorchDistTransport, CommStream):
+    """torch.distributed over NCCL, stream-ordered on its own comm stream.
+
+    Usage (on a GPU)::
+
+        t = TorchNcclTransport(runtime=runtime_for(grad))
+        with t.stream_context():
+            t.exchange([(1, buf[:4])], [(1, scratch[:4])])
+    """
+
+    stream_ordered = True
+
+    def __init__(self, group=None, *, runtime, priority: int = -1):
+        super().__init__(group)
+        if self.backend != "nccl":
+            raise HybridCommError(f"TorchNcclTransport needs an NCCL process group, got "
+                                  f"{self.backend}")
+        self._init_stream(runtime, priority)
+        self.failure = None
+
+    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *, label=None) -> None:
+        with self.stream_context():
+            works, _ = self._post(sends, recvs)
+            for w in works:
+                w.wait()  # the comm stream waits; the host does not
+
+    def all_reduce(self, t, *, average: bool, timeout: float | None = None) -> None:
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        with self.stream_context():
+            dist.all_reduce(t, op=op, group=self.group, async_op=True).wait()
+
+    def watch(self, event, timeout: float, label: str = "") -> None:
+        """Hangs are torch's NCCL watchdog's to catch (the process group's timeout)."""
+
+    def check_async_error(self) -> None:
+        """Errors surface through torch's NCCL watchdog."""

@@ -1,0 +1,93 @@
+"""The synchronizer's settings, read once from the arguments and the environment.
+
+``DistributedOptimizer`` (and LocalSGD) build one :class:`SyncConfig` from
+their keywords and the ``HYBRIDCOMM_*`` variables, and hand it down: the
+synchronizer and its parts read their settings here, never from the
+environment or a keyword threaded through three signatures. Values are
+checked once, at construction, with the message the user needs.
+
+Example::
+
+    >>> cfg = SyncConfig.build(overlap="backward", compression="fp16", timeout=60)
+    >>> cfg.overlap, cfg.wire_dtype, cfg.topk, cfg.timeout
+    ('backward', torch.float16, None, 60.0)
+    >>> SyncConfig.build(compression="topk:0.01").topk
+    0.01
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..algorithms.topk import parse_topk
+from . import env
+
+OVERLAPS = ("forward", "backward", "none")
+OPS = ("sum", "avg")
+# compression= -> the wire dtype (top-k is parsed apart: "topk:RATIO")
+COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16,
+                torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class SyncConfig:
+    """What a :class:`~hybridcomm.sync.synchronizer.GradientSynchronizer` does;
+    the fields are ``DistributedOptimizer``'s keywords of the same names
+    (``compression`` split into ``wire_dtype`` and ``topk``), plus:
+
+    Attributes:
+        defer_always: forward mode defers updates even where the plan finds
+            nothing to overlap (``HYBRIDCOMM_DEFER=always``).
+        issue_thread: buckets are issued by the channel's own thread, not in
+            autograd's hooks (``HYBRIDCOMM_ISSUE_THREAD``, default on).
+    """
+
+    overlap: str = "forward"
+    strategy: str = "hybrid"
+    op: str = "avg"
+    backward_passes_per_step: Optional[int] = None
+    wire_dtype: Optional[torch.dtype] = None
+    topk: Optional[float] = None
+    correction_momentum: float = 0.0
+    cost_model: Any = None  # a CostModel, a path, "default", or None (probe or saved)
+    timeout: float = 300.0
+    fusion_bytes: Optional[int] = None
+    split_bytes: Optional[int] = None
+    lazy_bytes: Optional[int] = None
+    measure_iters: int = 3
+    replan_every: int = 200
+    trace: bool = False
+    find_unused_parameters: bool = False
+    defer_always: bool = False
+    issue_thread: bool = True
+
+    def __post_init__(self):
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"overlap must be one of {OVERLAPS}, got {self.overlap!r}")
+        if self.op not in OPS:
+            raise ValueError(f"op must be 'sum' or 'avg', got {self.op!r}")
+        if self.backward_passes_per_step is not None and self.backward_passes_per_step < 1:
+            raise ValueError("backward_passes_per_step must be >= 1 (or None: learned)")
+        if self.lazy_bytes is not None and self.lazy_bytes <= 0:
+            raise ValueError(f"lazy_bytes must be > 0 bytes, got {self.lazy_bytes}")
+
+    @classmethod
+    def build(cls, *, compression=None, timeout: Optional[float] = None,
+              **arguments) -> "SyncConfig":
+        """From ``DistributedOptimizer``'s keywords and the environment."""
+        topk = parse_topk(compression)
+        if compression not in COMPRESSIONS and topk is None:
+            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', 'topk:RATIO', "
+                             f"got {compression!r}")
+        return cls(wire_dtype=None if topk else COMPRESSIONS[compression], topk=topk,
+                   timeout=env.timeout(timeout),
+                   defer_always=env.get("HYBRIDCOMM_DEFER") == "always",
+                   issue_thread=env.get("HYBRIDCOMM_ISSUE_THREAD"), **arguments)
+
+    def replace(self, **changes) -> "SyncConfig":
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+

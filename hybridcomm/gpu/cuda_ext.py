@@ -1,0 +1,90 @@
+"""The optional CUDA C++ extension (csrc/): pack / unpack / reduce without Triton.
+
+Built on first use with ``torch.utils.cpp_extension.load`` (nvcc and a CUDA
+build of torch needed; torch caches the build under
+``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), only where CUDA is
+present. It is the fallback where Triton is missing and the baseline the
+Triton kernels are measured against on GPU. Same arguments and semantics as
+``hybridcomm.kernels`` (fp32 math, one rounding), CUDA tensors only; kernels
+go on the current CUDA stream.
+
+``HYBRIDCOMM_CSRC`` points at another csrc folder (the default is the one
+beside the package, as in a source checkout or an editable install).
+
+Example::
+
+    >>> from hybridcomm import cuda_ext
+    >>> ext = cuda_ext.load()              # None (with cuda_ext.why_not()) without CUDA
+    >>> if ext is not None:
+    ...     ext.reduce(dst, src, 0.5, None)
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+EXTENSION_NAME = "hybridcomm_cuda"
+SOURCES = ("bindings.cpp", "hybridcomm_kernels.cu")
+NVCC_FLAGS = ("-O3",)  # no --use_fast_math: it flushes denormals, unlike the reference
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def csrc_dir() -> Path:
+    """Where the sources are: ``HYBRIDCOMM_CSRC``, else ``hybridcomm/csrc`` (an
+    installed wheel), else ``<checkout>/csrc`` (a source tree, editable install)."""
+    from ..config import env
+
+    given = env.get("HYBRIDCOMM_CSRC")
+    if given:
+        return Path(given)
+    here = Path(__file__).resolve().parent.parent  # hybridcomm/
+    installed = here / "csrc"
+    return installed if installed.is_dir() else here.parent / "csrc"
+
+
+def _why_not_buildable() -> str | None:
+    if torch.version.cuda is None:
+        return "this torch is a CPU build (the extension needs a CUDA build of torch)"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    missing = [s for s in SOURCES if not (csrc_dir() / s).is_file()]
+    if missing:
+        return f"sources {missing} not found in {csrc_dir()} (set HYBRIDCOMM_CSRC)"
+    return None
+
+
+def load(verbose: bool = False):
+    """The built extension module, or None where it cannot be built (see :func:`why_not`).
+
+    Builds once per process (and once per machine, thanks to torch's cache);
+    a failed build is reported once through :func:`why_not`, not retried.
+    """
+    with _lock:
+        if "module" in _state:
+            return _state["module"]
+        module, reason = None, _why_not_buildable()
+        if reason is None:
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                d = csrc_dir()
+                module = build(name=EXTENSION_NAME, sources=[str(d / s) for s in SOURCES],
+                               extra_include_paths=[str(d)],
+                               extra_cuda_cflags=list(NVCC_FLAGS), verbose=verbose)
+            except Exception as e:  # compiler missing, build error, ABI mismatch...
+                reason = f"building the extension failed: {e}"
+        _state["module"], _state["reason"] = module, reason
+        return module
+
+
+def why_not() -> str | None:
+    """Why :func:`load` returned None (None if it has not been tried or it worked)."""
+    return _state.get("reason")
+
+
+def available() -> bool:
+    return load() is not None

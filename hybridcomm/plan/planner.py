@@ -1,0 +1,464 @@
+"""Layers -> buckets -> (algorithm, issue order): the plan every rank follows.
+
+Inputs, all agreed across ranks (rank 0 plans, every rank follows): the
+trainable parameters grouped into layers (a module's own parameters), in
+the order backward produces them; the cost model; optionally measurements:
+each layer's overlap window (gradient ready -> needed by the next forward),
+when its gradient is ready, and the order the next forward needs the layers.
+
+- **Fusion**: consecutive layers of one dtype share a bucket while it stays
+  under ``fusion_bytes``: by default alpha/beta (the size below which a
+  message costs mostly its latency), clamped to [64 KiB, 32 MiB]. A fit
+  with beta = 0 ("bytes are free") fuses up to the cap; alpha = 0 fuses to
+  the floor: a degenerate probe never makes hundreds of tiny buckets.
+- **Lazy all-reduce** (``lazy_bytes``): instead, gradients collect in a pool
+  that is all-reduced once it has passed ``lazy_bytes`` (the last pool when
+  backward ends); it pays where many tiny layers would each pay a message's
+  latency, and the plan's notes say by how much.
+- **Split**: a bucket over ``split_bytes`` is all-reduced in segments, so
+  an urgent small bucket can go between them. Default: where a segment's
+  extra messages cost under 10% of its transfer (10 P alpha/beta), at least
+  1 MiB; no split when beta = 0. Segments the issue order sends back to back
+  are merged again: a split stays only where another bucket goes between.
+- **Algorithm** (``strategy="hybrid"``, the thesis's pair): per bucket,
+  ``CostModel.choose`` with the bucket's window: among the candidates
+  predicted to finish within it, the one that sends the fewest bytes, else
+  the fastest. Small buckets with short windows get the butterfly, large
+  ones with long windows a ring (hybridcomm's, or ``native``, the process
+  group's own in C++, where the measured model offers and predicts it
+  faster); on several nodes (``LOCAL_WORLD_SIZE``), hierarchical too.
+  ``"auto"`` lets every algorithm compete. With ``servers`` (the job's
+  summation servers, ps.py), ``ps`` competes too, where the model has a
+  line for that many servers. ``strategy`` naming an algorithm, or
+  ``HYBRIDCOMM_ALGO``, forces it for every bucket (``ps`` needs servers).
+- **Issue order**: every rank issues all of a step's communication through
+  one ordered channel (one communicator, one stream), in ``Plan.order``: a
+  fixed sequence of (bucket, segment). Without measurements it is backward
+  order. With them, it is what a priority queue would do under the model's
+  timings (ByteScheduler's idea, fixed ahead so that every rank issues the
+  same sequence whatever its local timing): whenever the channel is free,
+  the ready segment of the bucket the next forward needs first goes next.
+  The timings are the cost model's, scaled by ``comm_scale`` when the
+  measured steps found the communication slower (or faster) than predicted.
+
+``print(plan)`` shows the table and the order; every default it chose is in
+``plan.notes``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..config import env
+from ..algorithms import ALGORITHMS, Topology
+from ..algorithms.topk import TOPK, segment_numel, sparse_bytes_sent
+from .cost_model import NATIVE, PS, CostModel, bytes_sent
+
+BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
+STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS}
+MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
+FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
+MIN_SPLIT, MAX_SPLIT = 1 << 20, 256 << 20
+SPLIT_BALANCE = 10  # a segment's bytes cost >= 10x its fixed cost (<= 10% overhead)
+
+
+# Each gradient in a bucket's buffer starts at a multiple of this many bytes, so
+# kernels, NCCL and the optimizer's multi-tensor paths get aligned 16-byte
+# (vectorized) access; the padding between gradients stays zero and costs at
+# most 12 bytes per parameter on the wire.
+ALIGN_BYTES = 16
+
+
+@dataclass
+class Layer:
+    """A module's own trainable parameters (indices into the optimizer's list)."""
+
+    name: str
+    params: List[int]
+    numel: int
+    element_size: int = 4  # of the dtype its bucket carries on the wire
+    dtype: str = "torch.float32"
+    sizes: Optional[List[int]] = None  # each parameter's numel (for the bucket's layout)
+
+
+def layout(sizes: Sequence[int], element_size: int) -> Tuple[List[int], int]:
+    """Each gradient's offset in a bucket's buffer (aligned to ALIGN_BYTES) and
+    the length of the gradient region, padding included.
+
+        >>> layout([3, 40, 1], 4)
+        ([0, 4, 44], 45)
+    """
+    step = max(1, ALIGN_BYTES // element_size)
+    offsets, end = [], 0
+    for n in sizes:
+        start = -(-end // step) * step
+        offsets.append(start)
+        end = start + n
+    return offsets, end
+
+
+@dataclass
+class Bucket:
+    index: int
+    layers: List[str]
+    params: List[int]  # parameter indices, in buffer order
+    numel: int  # gradient elements (the buffer also holds one flag per parameter)
+    nbytes: int
+    algorithm: str
+    predicted_s: float
+    dtype: str = "torch.float32"
+    window_s: Optional[float] = None
+    segments: List[Tuple[int, int]] = field(default_factory=list)  # over the whole buffer
+    need: Optional[int] = None  # position in the next forward's order of need
+    offsets: Optional[List[int]] = None  # each gradient's start in the buffer (None: packed)
+    grad_numel: Optional[int] = None  # the gradient region, padding included (None: numel)
+
+    @property
+    def buffer_numel(self) -> int:
+        """Gradients (with padding), then one usage flag per parameter."""
+        return (self.numel if self.grad_numel is None else self.grad_numel) + len(self.params)
+
+
+# The footer of every printed plan (docs/API.md explains the same columns).
+COLUMNS = ("columns: bytes = the bucket's gradient bytes; algorithm = how it is all-reduced "
+           "(ring, butterfly, ..., native = the process group's own); pred(us) = the cost "
+           "model's time for it; window(us) = measured time from its launch to the first use "
+           "of its parameters in the next forward ('-': not measured yet); need = its place "
+           "in the next forward's order of use; segs = the parts it is issued in (a large "
+           "bucket is split so an urgent one is not stuck behind it); issue order = the one "
+           "sequence every rank sends in")
+
+
+@dataclass
+class Plan:
+    world_size: int
+    strategy: str
+    buckets: List[Bucket]
+    order: List[Tuple[int, int]]  # (bucket, segment): the one issue order of a step
+    fusion_bytes: int = 0
+    split_bytes: int = 0
+    notes: List[str] = field(default_factory=list)
+    # The step's learned structure: buckets are launched in the backward pass with
+    # this number (counted since the last step(), no_sync passes excluded).
+    launch_pass: int = 1
+    # Forward mode: updates wait for the first use of their parameters in the next
+    # forward (False: nothing was left to overlap with it; step() applies them).
+    defer_updates: bool = True
+
+    def to_dict(self) -> dict:
+        """Plain types (a checkpoint's): :func:`plan_from_dict` makes the plan again."""
+        return asdict(self)
+
+    def decisions(self):
+        """What the ranks must agree on (a re-plan that changes none of it is skipped)."""
+        return ([(b.layers, b.algorithm, b.segments) for b in self.buckets], self.order,
+                self.launch_pass, self.defer_updates)
+
+    def __str__(self) -> str:
+        head = (f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
+                f"strategy {self.strategy}, fusion {self.fusion_bytes} B, split "
+                f"{f'{self.split_bytes} B' if self.split_bytes else 'off'}, launched in backward pass {self.launch_pass} "
+                f"of a step" + ("" if self.defer_updates else ", updates in step()") + "\n")
+        cols = (f"{'bucket':>6} {'bytes':>10} {'dtype':>8} {'algorithm':>17} {'pred(us)':>9} "
+                f"{'window(us)':>10} {'need':>4} {'segs':>4}  layers\n")
+        rows = []
+        for b in self.buckets:
+            win = "-" if b.window_s is None else f"{b.window_s * 1e6:.0f}"
+            need = "-" if b.need is None else str(b.need)
+            layers = ", ".join(b.layers)
+            if len(layers) > 60:
+                layers = layers[:57] + "..."
+            rows.append(f"{b.index:>6} {b.nbytes:>10} {b.dtype.replace('torch.', ''):>8} "
+                        f"{b.algorithm:>17} {b.predicted_s * 1e6:>9.0f} {win:>10} {need:>4} "
+                        f"{len(b.segments):>4}  {layers}")
+        order = " ".join(f"{b}.{s}" for b, s in self.order[:40])
+        if len(self.order) > 40:
+            order += f" ... ({len(self.order)} in all)"
+        tail = f"\nissue order (bucket.segment): {order}"
+        if self.notes:
+            tail += "\nnotes: " + "; ".join(self.notes)
+        return head + cols + "\n".join(rows) + tail + "\n" + COLUMNS
+
+
+
+def plan_from_dict(d: dict) -> Plan:
+    """The plan :meth:`Plan.to_dict` wrote (a checkpoint's).
+
+        >>> p = Plan(2, "hybrid", [Bucket(0, ["fc"], [0], 3, 12, "ring", 1e-4, segments=[(0, 4)])],
+        ...          [(0, 0)])
+        >>> plan_from_dict(p.to_dict()) == p
+        True
+    """
+    d = dict(d)
+    buckets = [Bucket(**{**b, "segments": [tuple(s) for s in b["segments"]]})
+               for b in d.pop("buckets")]
+    return Plan(buckets=buckets, order=[tuple(o) for o in d.pop("order")], **d)
+
+def forced_algorithm(strategy: str) -> Optional[str]:
+    """The algorithm every bucket must use, or None for a per-bucket choice."""
+    forced = env.get("HYBRIDCOMM_ALGO")
+    if forced:
+        return forced
+    if strategy in STRATEGY_CANDIDATES:
+        return None
+    if strategy not in BUCKET_ALGORITHMS:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of "
+                         f"{tuple(STRATEGY_CANDIDATES) + BUCKET_ALGORITHMS}")
+    return strategy
+
+
+def _with_ps(candidates: List[str], forced: Optional[str], servers: int, model: CostModel,
+             notes: List[str]) -> List[str]:
+    """``candidates`` plus ``ps`` where the job has servers and the model a line for
+    that many; a forced ``ps`` without servers is an error."""
+    if forced == PS and not servers:
+        raise ValueError("algorithm 'ps' needs summation servers: pass servers= "
+                         "(hybridcomm.comm.servers.split_world / SummationServers)")
+    others = [a for a in candidates if a != PS]
+    if not servers or forced:
+        return others
+    if model.offers(PS, servers):
+        return others + [PS]
+    notes.append(f"ps not a candidate: the cost model has no ps line for {servers} servers"
+                 + (f" (it was measured with {model.ps_servers})" if model.ps_servers else ""))
+    return others
+
+
+def balance_bytes(model: CostModel, world_size: int,
+                  topology: Optional[Topology] = None) -> float:
+    """Bytes at which one all-reduce's fixed cost equals its bytes' cost, for the
+    bandwidth algorithm at this world size (the ring; hierarchical across
+    nodes). A ring's fixed cost grows with P, so this is about P alpha/beta."""
+    p = max(world_size, 2)  # one rank sends nothing: size as for two
+    topo = Topology(node_size=topology.node_size if topology else None).resolve(p)
+    algo = "hierarchical" if 1 < topo.node_size < p else "ring"
+    fixed = model.predict(algo, 0, p, topo)
+    per_byte = (model.predict(algo, 1 << 20, p, topo) - fixed) / (1 << 20)
+    return fixed / per_byte
+
+
+def default_fusion(model: CostModel, notes: List[str], world_size: int = 2,
+                   topology: Optional[Topology] = None) -> int:
+    """Fuse until a bucket's bytes cost FUSION_BALANCE times its fixed cost,
+    clamped to [MIN_FUSION, MAX_FUSION]; a degenerate fit takes a bound."""
+    if model.beta <= 0:
+        notes.append(f"the cost model has no per-byte cost (beta = 0), so it cannot size "
+                     f"buckets: small layers are fused up to {MAX_FUSION} B, a safe bound "
+                     "(`hybridcomm-bench --calibrate` fits one)")
+        return MAX_FUSION
+    if model.alpha <= 0:
+        notes.append(f"the cost model has no per-message cost (alpha = 0), so fusing saves "
+                     f"nothing it can see: small layers are fused up to {MIN_FUSION} B only "
+                     "(`hybridcomm-bench --calibrate` fits one)")
+        return MIN_FUSION
+    balance = balance_bytes(model, world_size, topology)
+    return int(min(MAX_FUSION, max(MIN_FUSION, FUSION_BALANCE * balance)))
+
+
+def default_split(model: CostModel, world_size: int, notes: List[str],
+                  topology: Optional[Topology] = None) -> int:
+    """Segments whose extra messages cost < 10% of their transfer, clamped to
+    [MIN_SPLIT, MAX_SPLIT]; 0 = no split (a degenerate fit)."""
+    if model.beta <= 0 or model.alpha <= 0:
+        notes.append("large buckets are not split: the cost model lacks a per-message or a "
+                     "per-byte cost to weigh a split against")
+        return 0
+    balance = balance_bytes(model, world_size, topology)
+    return int(min(MAX_SPLIT, max(MIN_SPLIT, SPLIT_BALANCE * balance)))
+
+
+def _fuse(layers: Sequence[Layer], fusion_bytes: int, lazy_bytes: Optional[int] = None
+          ) -> List[List[Layer]]:
+    """Consecutive layers of one dtype in one bucket while it stays under
+    ``fusion_bytes``; with ``lazy_bytes``, a pool instead takes layers until it
+    has passed ``lazy_bytes`` (the last pool goes when backward ends)."""
+    groups: List[List[Layer]] = []
+    for layer in layers:
+        if layer.numel == 0:
+            continue
+        last = groups[-1] if groups else None
+        size = sum(x.numel * x.element_size for x in last) if last else 0
+        if last is not None and last[0].dtype == layer.dtype and (
+                size < lazy_bytes if lazy_bytes is not None
+                else size + layer.numel * layer.element_size <= fusion_bytes):
+            last.append(layer)
+        else:
+            groups.append([layer])
+    return groups
+
+
+def explain_lazy(layers: Sequence[Layer], pools: Sequence[Sequence[Layer]], model: CostModel,
+                 world_size: int) -> str:
+    """Why pooling pays (or not): the predicted time of all per-layer all-reduces
+    against the pools', with the model's fastest algorithm for each. Many tiny
+    layers pay a message latency each; pools pay it once per pool."""
+    def best(nbytes):
+        return min(model.predict(a, nbytes, world_size) for a in ALGORITHMS[:3])
+
+    per_layer = sum(best(layer.numel * layer.element_size) for layer in layers if layer.numel)
+    pooled = sum(best(sum(x.numel * x.element_size for x in pool)) for pool in pools)
+    verdict = "pools win" if pooled < per_layer else "per-layer buckets win"
+    return (f"lazy: {len(pools)} pools for {sum(1 for x in layers if x.numel)} layers, predicted "
+            f"{pooled * 1e3:.2f} ms against {per_layer * 1e3:.2f} ms per layer ({verdict}: "
+            f"{world_size}-rank messages cost {model.alpha * 1e6:.0f} us each before any byte)")
+
+
+def issue_order(buckets: Sequence[Bucket], ready: Optional[Dict[int, float]] = None,
+                comm_scale: Optional[float] = None) -> List[Tuple[int, int]]:
+    """The fixed (bucket, segment) sequence. Without ``ready`` (bucket -> seconds into
+    backward when its gradients are ready): backward order. With it: a priority
+    queue run under the buckets' predicted times (times ``comm_scale``: how much
+    slower the measured communication ran than predicted), the bucket needed first
+    going first."""
+    if not ready:
+        return [(b.index, s) for b in buckets for s in range(len(b.segments))]
+    todo = {b.index: 0 for b in buckets}
+    now, order = 0.0, []
+    by_index = {b.index: b for b in buckets}
+    while todo:
+        avail = [i for i in todo if ready.get(i, 0.0) <= now]
+        if not avail:
+            now = min(ready.get(i, 0.0) for i in todo)
+            continue
+        i = min(avail, key=lambda i: (by_index[i].need if by_index[i].need is not None
+                                      else len(buckets) + i, i))
+        b, s = by_index[i], todo[i]
+        a, z = b.segments[s]
+        share = b.predicted_s * (z - a) / max(b.segments[-1][1], 1) * (comm_scale or 1.0)
+        now += share if share == share else 0.0  # nan: the model cannot predict it
+        order.append((i, s))
+        todo[i] += 1
+        if todo[i] == len(b.segments):
+            del todo[i]
+    return order
+
+
+def merge_adjacent(buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]]
+                   ) -> List[Tuple[int, int]]:
+    """Segments of a bucket that ``order`` issues back to back become one segment (and
+    ``buckets``' segments are rewritten to match): a split pays only where another
+    bucket goes between its parts; elsewhere it would only add calls.
+
+        >>> b = [Bucket(0, ["fc"], [0], 9, 36, "ring", 0.0, segments=[(0, 4), (4, 8), (8, 10)]),
+        ...      Bucket(1, ["conv"], [1], 1, 4, "ring", 0.0, segments=[(0, 2)])]
+        >>> merge_adjacent(b, [(0, 0), (0, 1), (1, 0), (0, 2)]), b[0].segments
+        ([(0, 0), (1, 0), (0, 1)], [(0, 8), (8, 10)])
+    """
+    runs: List[Tuple[int, int, int]] = []  # (bucket, first segment, last segment)
+    for b, seg in order:
+        if runs and runs[-1][0] == b and runs[-1][2] == seg - 1:
+            runs[-1] = (b, runs[-1][1], seg)
+        else:
+            runs.append((b, seg, seg))
+    by_index = {b.index: b for b in buckets}
+    merged: Dict[int, List[Tuple[int, int]]] = {}
+    out = []
+    for b, first, last in runs:
+        segs = by_index[b].segments
+        merged.setdefault(b, []).append((segs[first][0], segs[last][1]))
+        out.append((b, len(merged[b]) - 1))
+    for b, segs in merged.items():
+        by_index[b].segments = segs
+    return out
+
+
+def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
+              strategy: str = "hybrid", fusion_bytes: Optional[int] = None,
+              split_bytes: Optional[int] = None, windows: Optional[dict] = None,
+              ready: Optional[dict] = None, need: Optional[dict] = None,
+              topk: Optional[float] = None, lazy_bytes: Optional[int] = None,
+              topology: Optional[Topology] = None, launch_pass: int = 1,
+              comm_scale: Optional[float] = None, defer_pays: Optional[bool] = None,
+              servers: int = 0) -> Plan:
+    """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
+
+    ``windows`` maps a layer name to its measured overlap window in seconds
+    (a bucket's is its smallest layer's); ``ready`` maps it to when its
+    gradient is ready, in seconds from the first one (a bucket's is its last
+    layer's); ``need`` maps it to its place in the next forward's order;
+    ``topology``: the ranks' nodes (default ``Topology()``, from the environment);
+    ``launch_pass``: the backward pass buckets are launched in (the synchronizer's
+    learned step structure, carried by the plan); ``comm_scale``: measured over
+    predicted communication time (the issue order is timed with it);
+    ``defer_pays``: whether the measured steps left reductions running at step()
+    besides the first-needed bucket's (False: forward mode's deferred updates
+    cannot pay, step() applies them); ``servers``: how many summation servers
+    the job has (``ps`` a candidate, and allowed forced, only with some).
+
+    Example::
+
+        >>> model = CostModel(alpha=1e-3, beta=1e-9, gamma=1e-10)
+        >>> plan = make_plan([Layer("fc", [0, 1], 1 << 22), Layer("conv", [2], 500)],
+        ...                  world_size=8, model=model, fusion_bytes=64 << 10)
+        >>> [b.algorithm for b in plan.buckets], plan.order[:2]
+        (['ring', 'butterfly'], [(0, 0), (1, 0)])
+    """
+    notes: List[str] = []
+    forced = forced_algorithm(strategy)
+    topo = (topology or Topology()).resolve(world_size)
+    if fusion_bytes is None:
+        fusion_bytes = default_fusion(model, notes, world_size, topo)
+    if split_bytes is None:
+        split_bytes = default_split(model, world_size, notes, topo)
+    candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)]
+    groups = _fuse(layers, fusion_bytes, lazy_bytes)
+    if lazy_bytes is not None:
+        notes.append(explain_lazy(layers, groups, model, world_size))
+    if strategy == "hybrid" and 1 < topo.node_size < world_size:
+        candidates.append("hierarchical")  # several nodes: reduce inside them first
+    candidates = _with_ps(candidates, forced, servers, model, notes)
+    buckets = []
+    for i, group in enumerate(groups):
+        params = [p for layer in group for p in layer.params]
+        numel = sum(layer.numel for layer in group)
+        esize = group[0].element_size
+        nbytes = numel * esize
+        sizes = [n for layer in group for n in (layer.sizes or [])]
+        offsets, grad_numel = layout(sizes, esize) if len(sizes) == len(params) else (None, None)
+        total = (numel if grad_numel is None else grad_numel) + len(params)  # then the flags
+        # segments start aligned (their chunks then do too)
+        align = max(1, ALIGN_BYTES // esize)
+        step = total if not split_bytes else max(align, split_bytes // esize // align * align)
+        segments = [(s, min(s + step, total)) for s in range(0, total, step)]
+        known = [windows[layer.name] for layer in group if windows and layer.name in windows]
+        window = min(known) if known else None
+        if forced:
+            algorithm = forced
+        else:
+            # At P <= 2 our algorithms are all one exchange of the same bytes.
+            pool = [a for a in candidates if a in ("butterfly", NATIVE, PS)] if world_size <= 2 \
+                else candidates
+            algorithm = model.choose(nbytes, world_size, window, pool or ["butterfly"], topo)
+        pred = sum(model.predict(algorithm, (b - a) * esize, world_size, topo)
+                   for a, b in segments) \
+            if model.offers(algorithm) else float("nan")
+        if topk and world_size > 1 and sparse_bytes_sent(numel, len(params), topk, world_size) \
+                < bytes_sent(algorithm, nbytes, world_size):
+            algorithm, segments = TOPK, [(0, total)]
+            seg_bytes = segment_numel(numel, len(params), topk) * 4
+            pred = (world_size - 1) * (model.alpha + seg_bytes * model.beta)
+        needs = [need[layer.name] for layer in group if need and layer.name in need]
+        buckets.append(Bucket(i, [layer.name for layer in group], params, numel, nbytes,
+                              algorithm, pred, group[0].dtype, window, segments,
+                              min(needs) if needs else None, offsets, grad_numel))
+    bucket_ready = None
+    if ready:
+        bucket_ready = {}
+        for b, group in zip(buckets, groups):
+            times = [ready[layer.name] for layer in group if layer.name in ready]
+            bucket_ready[b.index] = max(times) if times else 0.0
+    order = merge_adjacent(buckets, issue_order(buckets, bucket_ready, comm_scale))
+    for b in buckets:  # fewer segments after the merge: fewer fixed costs
+        if b.algorithm not in (TOPK,) and model.offers(b.algorithm):
+            b.predicted_s = sum(model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1),
+                                              world_size, topo) for a, z in b.segments)
+    if comm_scale is not None and comm_scale != 1.0:
+        notes.append(f"in the measured steps communication took {comm_scale:.2f}x the time the "
+                     "cost model predicts: the issue order is timed with the measured speed")
+    if defer_pays is False:
+        notes.append("forward overlap cannot pay here: in the measured steps every bucket but "
+                     "the one the next forward needs first was reduced before step(), so (in "
+                     "forward mode) step() applies the updates at once, in one optimizer call, "
+                     "as backward mode does")
+    return Plan(world_size, strategy, buckets, order, fusion_bytes, split_bytes, notes,
+                launch_pass, defer_pays is not False)

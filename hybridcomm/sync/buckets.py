@@ -1,0 +1,125 @@
+"""Gradient buckets: one contiguous buffer per bucket, each parameter's ``.grad`` a view of it.
+
+A bucket's buffer, laid out by the plan (``planner.layout``) identically on
+every rank::
+
+    [ grad p0 | pad | grad p1 | pad | ... | flag p0 | flag p1 | ... ]
+
+Backward accumulates straight into the views (autograd adds in place into an
+existing ``.grad``), the all-reduce runs in place on the buffer, and the
+optimizer reads the same views: nothing is packed or unpacked on the data
+path. Gradients start at aligned offsets; the padding stays zero. The flags
+travel with the gradients: 1 where this rank's buffer holds a gradient for the
+parameter, so after the sum a flag is > 0 exactly where some rank had one (a
+parameter no rank used is left alone, as a single process would).
+
+With a wire dtype (``compression="fp16"``/``"bf16"``) the reduction runs on a
+second buffer of that dtype: one cast in at launch, one cast back when done.
+That is the only copy, and only under compression.
+
+This module holds data only; when a bucket may be written, launched or read
+is the synchronizer's (synchronizer.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable, List, Optional
+
+import torch
+
+from ..base.dtensor import grad_view, local_numel, local_shape
+from ..plan.planner import Bucket, layout
+
+Alloc = Callable[[int, torch.dtype], torch.Tensor]
+
+
+class GradBucket:
+    """One bucket's memory: the buffer, each parameter's gradient view, the flags.
+
+    Example::
+
+        >>> from hybridcomm.plan.planner import Bucket
+        >>> ps = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+        >>> spec = Bucket(0, ["l"], [0, 1], 5, 20, "ring", 0.0)
+        >>> b = GradBucket(spec, ps, torch.float32, None, lambda n, dt: torch.empty(n, dtype=dt))
+        >>> b.bind(0); ps[0].grad is b.views[0], b.offsets
+        (True, [0, 4])
+    """
+
+    __slots__ = ("spec", "params", "buffer", "grads", "flags", "views", "offsets", "wire",
+                 "topk")
+
+    def __init__(self, spec: Bucket, params: List[torch.nn.Parameter], dtype: torch.dtype,
+                 wire_dtype: Optional[torch.dtype], alloc: Alloc):
+        self.spec, self.params = spec, params
+        sizes = [local_numel(p) for p in params]  # a DTensor: this rank's shard
+        if spec.offsets is not None:
+            self.offsets, grad_numel = list(spec.offsets), spec.grad_numel
+        else:
+            self.offsets, grad_numel = layout(sizes, torch.empty((), dtype=dtype).element_size())
+        total = grad_numel + len(params)
+        self.buffer = alloc(total, dtype)
+        self.buffer.zero_()
+        self.grads = self.buffer[:grad_numel]
+        self.flags = self.buffer[grad_numel:]
+        self.views = [grad_view(self.buffer[o:o + n].view(local_shape(p)), p)
+                      for o, n, p in zip(self.offsets, sizes, params)]
+        self.wire = None
+        if wire_dtype is not None and wire_dtype != dtype:
+            self.wire = alloc(total, wire_dtype)
+            self.wire.zero_()
+        self.topk = None  # compression.TopK when the plan sparsifies this bucket
+
+    @property
+    def comm(self) -> torch.Tensor:
+        """The buffer the all-reduce runs on (the wire buffer under compression)."""
+        return self.buffer if self.wire is None else self.wire
+
+    def topk_state(self, pos: int):
+        """(residual, velocity or None) views of parameter ``pos`` in a top-k bucket
+        (its error feedback, kept across steps), else None."""
+        tk = self.topk
+        if tk is None:
+            return None
+        o, shape = self.offsets[pos], self.views[pos].shape
+        n = shape.numel()
+        vel = None if tk.velocity is None else tk.velocity[o:o + n].view(shape)
+        return tk.residual[o:o + n].view(shape), vel
+
+    def holds(self, pos: int) -> bool:
+        """Whether parameter ``pos``'s ``.grad`` is its view of this buffer."""
+        return self.params[pos].grad is self.views[pos]
+
+    def bind(self, pos: int) -> None:
+        self.params[pos].grad = self.views[pos]
+
+    def zero(self, positions: Iterable[int]) -> None:
+        """Zero these gradients (the whole buffer at once when all of them)."""
+        positions = list(positions)
+        if len(positions) == len(self.params):
+            self.buffer.zero_()
+            return
+        for pos in positions:
+            self.views[pos].zero_()
+
+    def set_flags(self, positions: set) -> None:
+        """Flag 1 where this rank holds a gradient, 0 elsewhere (one write when all)."""
+        if len(positions) == len(self.params):
+            self.flags.fill_(1)
+        else:
+            mask = torch.zeros(len(self.params), dtype=self.flags.dtype)
+            if positions:
+                mask[list(positions)] = 1
+            self.flags.copy_(mask)
+
+    def used(self) -> List[int]:
+        """Positions some rank had a gradient for, read from the reduced flags (a host
+        sync on a GPU: the synchronizer asks only when this rank lacked one)."""
+        return [i for i, f in enumerate(self.flags.tolist()) if f > 0]
+
+    def to_wire(self) -> None:
+        if self.wire is not None:
+            self.wire.copy_(self.buffer)
+
+    def from_wire(self) -> None:
+        if self.wire is not None:
+            self.buffer.copy_(self.wire)

@@ -1,0 +1,122 @@
+"""What the measured steps teach the planner, and when it learns it.
+
+Steps 1..``measure_iters`` of every ``replan_every`` steps are measured (only
+the first cycle when ``replan_every`` is 0); the plan is re-made after them
+(the first time always, later only if the measurements change a decision).
+Measured on the planning rank, per layer: when its gradient is ready (seconds
+into the backward pass that launches it), its overlap window (launch to the
+update's application, forward mode) and the order the next forward needs the
+layers in, and how fast the communication ran against the cost model's
+prediction (it times the issue order); on every rank and every step: how
+many backward passes it had
+(``no_sync`` passes and the passes inside ``step(closure)`` excluded), whose
+largest value since the last plan is the pass the buckets are launched in.
+Times are stamps of the device's clock (:mod:`hybridcomm.gpu.clock`): on a GPU,
+timing events on the trainer's stream, read when the plan is re-made.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+from ..gpu.clock import HostClock
+from ..plan.planner import Layer
+
+
+def quantize(seconds: float) -> float:
+    """A measured time rounded to 2 significant digits, so that plans repeat.
+
+        >>> quantize(0.0012345)
+        0.0012
+    """
+    return float(f"{seconds:.1e}")
+
+
+class StepMeasurements:
+    """Collects the measurements of the measured steps; ``take`` hands them to the planner.
+
+    Example::
+
+        >>> m = StepMeasurements(measure_iters=2, replan_every=0)
+        >>> [m.measuring(step) for step in range(4)]      # steps done so far
+        [False, True, True, False]
+    """
+
+    def __init__(self, measure_iters: int, replan_every: int):
+        if replan_every and replan_every <= measure_iters:
+            raise ValueError(f"replan_every ({replan_every}) must exceed measure_iters "
+                             f"({measure_iters}), or be 0")
+        self.measure_iters, self.replan_every = measure_iters, replan_every
+        self._ready: Dict[int, object] = {}  # param index -> stamp: its gradient was ready
+        self._windows: Dict[str, List[tuple]] = {}  # layer -> (launch, first use) stamps
+        self._need: Dict[str, int] = {}  # layer -> order the next forward needed it in
+        self._passes: List[int] = []  # backward passes per measured step
+        self._comm: List[float] = []  # per measured step: channel busy / predicted time
+        self._running: List[List[List[str]]] = []  # per measured step: unfinished buckets' layers
+
+    def phase(self, steps: int) -> int:
+        """Position in the measuring cycle after ``steps`` steps."""
+        return steps % self.replan_every if self.replan_every else steps
+
+    def measuring(self, steps: int) -> bool:
+        """Whether the step after ``steps`` completed steps is measured."""
+        return 0 < self.phase(steps) <= self.measure_iters
+
+    def replan_due(self, steps: int) -> bool:
+        return self.measure_iters > 0 and self.phase(steps) == self.measure_iters
+
+    # -- recording ---------------------------------------------------------------------
+    def ready(self, param: int, stamp) -> None:
+        """``stamp`` (a clock's, :mod:`hybridcomm.gpu.clock`): when its gradient was ready."""
+        self._ready[param] = stamp
+
+    def window(self, layers: Sequence[str], launched, used) -> None:
+        """The layers' bucket was launched at stamp ``launched`` and its update needed
+        at ``used`` (their first use in the next forward)."""
+        for layer in layers:
+            self._windows.setdefault(layer, []).append((launched, used))
+            self._need.setdefault(layer, len(self._need))
+
+    def passes(self, n: int) -> None:
+        self._passes.append(n)
+
+    def comm(self, busy_s: float, predicted_s: float) -> None:
+        """A measured step's communication: the channel's busy seconds against the
+        plan's prediction for one round of every bucket."""
+        if busy_s > 0 and predicted_s > 0:
+            self._comm.append(busy_s / predicted_s)
+
+    def running_at_step(self, buckets: List[List[str]]) -> None:
+        """The buckets (their layers) not yet reduced when a measured step's step()
+        began: what forward overlap could still hide behind the next forward."""
+        self._running.append(buckets)
+
+    # -- handing over ------------------------------------------------------------------
+    def take(self, layers: Sequence[Layer], clock=HostClock()):
+        """(windows, ready, need, launch_pass, comm_scale, defer_pays) for the planner,
+        and forget them. ``defer_pays``: whether any measured step had a bucket still
+        unreduced at step() other than the one the next forward needs first (that one
+        is waited for at once anyway); None: not measured. The stamps are read on
+        ``clock``, the one they were taken on (a GPU's: one host sync here)."""
+        clock.settle([stamp for pairs in self._windows.values() for pair in pairs
+                      for stamp in pair] + list(self._ready.values()))
+        windows = {k: quantize(sorted(clock.seconds(*w) for w in v)[len(v) // 2])
+                   for k, v in self._windows.items()}
+        ready: Optional[Dict[str, float]] = None
+        if self._ready:
+            stamps = list(self._ready.values())
+            since = {i: clock.seconds(stamps[0], s) for i, s in self._ready.items()}
+            first = min(since.values())
+            ready = {}
+            for layer in layers:
+                times = [since[i] for i in layer.params if i in since]
+                if times:
+                    ready[layer.name] = quantize(max(times) - first)
+        need = dict(self._need) or None
+        launch_pass = max(self._passes) if self._passes and max(self._passes) > 0 else None
+        comm_scale = quantize(sorted(self._comm)[len(self._comm) // 2]) if self._comm else None
+        first = {layer for layer, order in self._need.items() if order == 0}
+        defer_pays = any(first.isdisjoint(layers) for step in self._running
+                         for layers in step) if self._running else None
+        self._ready, self._windows, self._need, self._passes = {}, {}, {}, []
+        self._comm, self._running = [], []
+        return windows or None, ready, need, launch_pass, comm_scale, defer_pays

@@ -1,0 +1,220 @@
+"""Forward mode's deferred updates, invisible by construction.
+
+Forward mode's ``step()`` returns before a parameter's update is applied: the
+update waits for the parameter's first use in the next iteration, so that its
+all-reduce overlaps the next forward. Whatever reads the parameter in between
+must still see what one process would. So while its update is pending, a
+parameter carries a class of its own (a subclass of its class, as
+``torch.nn.UninitializedParameter`` does before it is materialized), whose
+``__torch_function__`` applies the update before any call that reads or
+aliases the parameter's data runs: ``F.linear(x, w)`` in any module (the owner,
+a parent reading ``self.head.weight``, a module swapped in around the same
+parameters), ``p.data``, ``p.detach()``, ``model.state_dict()``, an EMA, a
+``no_grad`` evaluation, an optimizer of the user's own, ``copy.deepcopy`` and
+``pickle`` / ``torch.save``. The update is applied once, its class restored,
+and nothing is left on the module or the parameter: a copy is a plain model.
+Calls that touch no element data (``p.grad``, ``p.shape``, ``p.requires_grad``,
+hooks) leave it pending, so ``zero_grad()`` before the forward costs nothing.
+
+What this cannot see: a tensor that already aliased the parameter's memory
+before ``step()`` (``w = p.data`` kept from an earlier step) is no parameter;
+read the parameter itself.
+
+``torch.compile``: compiled code runs no ``__torch_function__``, so a forward
+pre-hook on the model applies every pending update when a compiled forward
+begins (the model compiled before or after wrapping); the forward then runs
+after its updates, without overlapping them. Logged once at INFO.
+
+Example::
+
+    >>> p = torch.nn.Parameter(torch.zeros(2))
+    >>> defer([p], lambda q: (release(q), q.data.add_(1)))  # the update: +1
+    >>> is_pending(p), p.shape                             # metadata: still pending
+    (True, torch.Size([2]))
+    >>> p * 2                                              # a read applies it first
+    tensor([2., 2.], grad_fn=<MulBackward0>)
+    >>> is_pending(p), type(p) is torch.nn.Parameter
+    (False, True)
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from typing import Callable, Dict, Iterable, Tuple
+
+import torch
+
+from ..base.errors import HybridCommError
+from ..base.tensor_access import collect
+
+log = logging.getLogger("hybridcomm")
+
+# id(param) -> (weak reference to it, the callable that applies its update)
+_waiting: Dict[int, Tuple[weakref.ref, Callable[[torch.Tensor], None]]] = {}
+_classes: Dict[type, type] = {}  # a parameter's class -> its pending class
+
+# Attributes and methods that read no element data and return no alias of it:
+# they leave the update pending (the gradient, metadata, hooks).
+_QUIET_ATTRIBUTES = frozenset({
+    "grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout",
+    "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested",
+    "names", "output_nr", "_version", "_backward_hooks", "_post_accumulate_grad_hooks",
+    "retains_grad", "itemsize", "nbytes", "_grad", "_grad_fn", "_cdata",
+})
+_QUIET_METHODS = frozenset({
+    "size", "dim", "numel", "nelement", "stride", "is_contiguous", "element_size",
+    "is_floating_point", "is_complex", "get_device", "register_hook",
+    "register_post_accumulate_grad_hook", "requires_grad_", "retain_grad", "__hash__",
+    "data_ptr", "storage_offset", "__len__", "is_shared", "is_pinned", "__dlpack_device__",
+})
+
+
+_quiet_seen: Dict[object, bool] = {}  # func -> _quiet(func): zero_grad asks per parameter
+
+
+def _quiet(func) -> bool:
+    quiet = _quiet_seen.get(func)
+    if quiet is None:
+        quiet = _quiet_seen[func] = _classify(func)
+    return quiet
+
+
+def _classify(func) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+        # p.data = x replaces the memory the update writes into: apply it first
+        return attribute in _QUIET_ATTRIBUTES and not (name == "__set__" and attribute == "data")
+    return name in _QUIET_METHODS
+
+
+_DISABLED = torch._C.DisableTorchFunctionSubclass
+
+
+class _Pending:
+    """Mixed in front of a parameter's class while its update is pending."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if _quiet(func):
+            with _DISABLED():
+                return func(*args, **kwargs)
+        for t in collect(kwargs, collect(args, [])):
+            if isinstance(t, _Pending):
+                resolve(t)
+        return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        resolve(self)
+        return self.__deepcopy__(memo)
+
+    def __reduce_ex__(self, protocol):
+        resolve(self)
+        return self.__reduce_ex__(protocol)
+
+
+def _pending_class(base: type) -> type:
+    cls = _classes.get(base)
+    if cls is None:
+        cls = _classes[base] = type(f"Pending{base.__name__}", (_Pending, base),
+                                    {"_hc_base": base, "__module__": __name__})
+    return cls
+
+
+def is_pending(t) -> bool:
+    """Whether ``t`` is a parameter whose deferred update is not applied yet."""
+    return isinstance(t, _Pending)
+
+
+def defer(params: Iterable[torch.Tensor], apply: Callable[[torch.Tensor], None]) -> None:
+    """The updates of ``params`` are pending: the first read of one of them, ``p``,
+    calls ``apply(p)``, which must apply it and ``release`` every parameter it
+    updates."""
+    for p in params:
+        if not is_pending(p):
+            p.__class__ = _pending_class(type(p))
+        _waiting[id(p)] = (weakref.ref(p), apply)
+    _arm_compiled_forward_hook()
+
+
+def release(p: torch.Tensor) -> None:
+    """``p``'s update was applied (or dropped): it is an ordinary parameter again."""
+    if is_pending(p):
+        p.__class__ = type(p)._hc_base
+    _waiting.pop(id(p), None)
+
+
+def resolve(p: torch.Tensor) -> None:
+    """Apply ``p``'s pending update now."""
+    entry = _waiting.get(id(p))
+    if entry is not None and entry[0]() is p:
+        entry[1](p)
+    if is_pending(p):  # its synchronizer is gone, or did not release it
+        release(p)
+        if entry is not None and entry[0]() is p:
+            raise HybridCommError("internal error: a deferred update was applied but its "
+                                  "parameter is still marked pending")
+
+
+def resolve_all() -> None:
+    """Apply every pending update in this process."""
+    for ref, _ in list(_waiting.values()):
+        p = ref()
+        if p is not None and is_pending(p):
+            resolve(p)
+
+
+# ---- torch.compile ----------------------------------------------------------------------
+_told_compiled = False
+# Frames of torch.compile's entry points (torch/_dynamo/eval_frame.py): a compiled
+# module's call, a compiled function's wrapper. (Not torch._dynamo.disable's own
+# wrapper, which runs this hook once torch.compile is in use.)
+_COMPILED_ENTRIES = ("OptimizedModule.__call__", "compile_wrapper")
+
+
+def _under_torch_compile() -> bool:
+    """Whether this forward was called through torch.compile (an OptimizedModule,
+    or a compiled function calling the model)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return False
+    eval_frame = dynamo.eval_frame.__file__
+    f = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        if code.co_filename == eval_frame and \
+                getattr(code, "co_qualname", code.co_name).endswith(_COMPILED_ENTRIES):
+            return True
+        f = f.f_back
+    return False
+
+
+class ApplyBeforeCompiledForward:
+    """The model's forward pre-hook: a compiled forward (``torch.compile``) starts
+    after every pending update (compiled code calls no ``__torch_function__``).
+    A plain object, so the model still deep-copies and pickles; in a copy it
+    only applies what is pending, which is never wrong."""
+
+    def __call__(self, module, args) -> None:
+        global _told_compiled
+        if _waiting and _under_torch_compile():
+            if not _told_compiled:
+                _told_compiled = True
+                log.info("hybridcomm: the model's forward is compiled (torch.compile): "
+                         "forward mode applies the pending updates when it begins, so they "
+                         "do not overlap the forward")
+            resolve_all()
+
+
+def _arm_compiled_forward_hook() -> None:
+    """Once torch.compile is in use, run the hook outside dynamo's tracing: traced, it
+    would be frozen into the graph (``torch._dynamo.disable`` makes it a graph break
+    that runs eagerly). Checked where updates are deferred: importing dynamo here
+    would cost every process a second."""
+    call = ApplyBeforeCompiledForward.__call__
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and not getattr(call, "_torchdynamo_disable", False):
+        ApplyBeforeCompiledForward.__call__ = dynamo.disable(call)

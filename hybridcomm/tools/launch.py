@@ -1,0 +1,131 @@
+"""Run a function on N local processes joined by a torch.distributed group.
+
+Used by the benchmark CLI (``--nprocs``), the demo, the training benchmark and
+the tests. Rendezvous goes through a FileStore in a fresh temporary folder: no
+port to pick, and it works across network namespaces too. Gloo is pinned to
+the loopback interface unless the caller says otherwise. A rank that raises,
+dies, or outlives the deadline fails the launch with that rank's traceback;
+nothing is left running, Ctrl-C included.
+
+Example::
+
+    >>> import operator
+    >>> launch(operator.add, 2, backend="gloo")    # each rank: fn(rank, world_size)
+    [2, 3]
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Callable, Optional
+
+from ..base.errors import HybridCommError
+
+
+def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_timeout):
+    status, payload = "error", None
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if setup is not None:
+            setup(rank, world_size)  # e.g. enter this rank's network namespace
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(1)  # ranks share the machine's cores
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        status, payload = "ok", fn(rank, world_size, *args)
+    except BaseException:
+        payload = traceback.format_exc()
+    try:
+        # Plain pickle: torch's queue pickler would share tensors through file
+        # descriptors that die with this process.
+        blob = pickle.dumps(payload)
+    except Exception:
+        status, blob = "error", pickle.dumps(f"rank {rank}: result not picklable:\n"
+                                             + traceback.format_exc())
+    results.put((rank, status, blob))
+    # Leave without tearing gloo down: a peer may have died on purpose, and a
+    # teardown would wait for it. os._exit skips atexit, so a coverage run
+    # (make coverage) saves this rank's data first.
+    results.close()
+    results.join_thread()
+    _save_coverage()
+    os._exit(0)
+
+
+def _save_coverage() -> None:
+    import sys
+
+    coverage = sys.modules.get("coverage")
+    cov = coverage.Coverage.current() if coverage is not None else None
+    if cov is not None:
+        cov.stop()
+        cov.save()
+
+
+def default_backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
+           setup: Optional[Callable[[int, int], None]] = None, timeout: float = 600,
+           pg_timeout: float = 120, start_method: str = "spawn", allow_errors: bool = False):
+    """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` processes; return their results.
+
+    ``fn``, ``setup`` and ``args`` must be picklable with ``start_method="spawn"``
+    (module-level functions). ``setup(rank, nprocs)`` runs in the child before
+    the process group is made. With ``allow_errors`` a failed rank's traceback
+    (a string) stands in its place instead of raising.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    backend = backend or default_backend()
+    ctx = mp.get_context(start_method)
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="hybridcomm-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, daemon=True,
+                             args=(fn, r, nprocs, store, backend, setup, args, results, pg_timeout))
+                 for r in range(nprocs)]
+        for p in procs:
+            p.start()
+        out, dead_once, deadline = {}, set(), time.monotonic() + timeout
+        try:
+            while len(out) < nprocs:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(nprocs)) - set(out))
+                    raise HybridCommError(f"ranks {missing} did not finish within {timeout:.0f}s")
+                try:
+                    rank, status, payload = results.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    # A rank dead for two polls in a row has nothing left in the pipe.
+                    for r in [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]:
+                        if r in dead_once:
+                            out[r] = ("error", f"rank {r} exited with code {procs[r].exitcode} "
+                                               "without reporting")
+                        dead_once.add(r)
+                    continue
+                out[rank] = (status, pickle.loads(payload))
+        finally:  # also on Ctrl-C: no orphans
+            for p in procs:
+                p.join(timeout=5 if len(out) == nprocs else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    errors = {r: v for r, (s, v) in out.items() if s != "ok"}
+    if errors and not allow_errors:
+        r = min(errors)
+        raise HybridCommError(f"rank {r} failed:\n{errors[r]}")
+    return [out[r][1] for r in range(nprocs)]
