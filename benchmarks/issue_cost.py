@@ -7,7 +7,7 @@ issue thread (the default) the hook only records the ready event and queues
 the bucket. This measures, on the simulated GPU (HYBRIDCOMM_SIMULATE_GPU=1:
 the library's own Python issue path, the NCCL and kernel costs of the
 simulator, not a GPU's), the host seconds per bucket launch spent in the
-hook (``GradientSynchronizer._launch``) and the backward pass's wall time,
+hook (``BucketGroup.launch``) and the backward pass's wall time,
 both ways, in the same run.
 
     python benchmarks/issue_cost.py                  # 4 ranks, ring, 8 buckets
@@ -35,16 +35,16 @@ def _rank(rank: int, world: int, threaded: bool, steps: int, layers: int, width:
     os.environ["HYBRIDCOMM_ISSUE_THREAD"] = "1" if threaded else "0"
     import hybridcomm
     from hybridcomm.plan.cost_model import CostModel
-    from hybridcomm.sync.synchronizer import GradientSynchronizer
+    from hybridcomm.sync.bucket_group import BucketGroup
 
     spent = []
-    launch = GradientSynchronizer._launch
+    launch = BucketGroup.launch
 
-    def timed(self, slot):
+    def timed(self, s, pass_id):
         t0 = time.perf_counter()
-        launch(self, slot)
+        launch(self, s, pass_id)
         spent.append(time.perf_counter() - t0)
-    GradientSynchronizer._launch = timed
+    BucketGroup.launch = timed
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])

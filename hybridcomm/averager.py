@@ -19,6 +19,7 @@ import torch.distributed as dist
 from .comm import calibration, control
 from .config import env
 from .sync.buckets import GradBucket
+from .sync.memory import bucket_allocator
 from .comm.channel import open_channel
 from .comm.engine import CommEngine
 from .base.errors import HybridCommError
@@ -93,25 +94,18 @@ class TensorAverager:
             self._cost_model = calibration.resolve(self._cost_model, self.group, self.timeout)
         layers = [Layer(f"tensor{i}", [i], t.numel(), t.element_size(), str(t.dtype),
                         [t.numel()]) for i, t in enumerate(tensors)][::-1]
-        plan = None
-        if dist.get_rank(self.group) == 0:
-            plan = make_plan(layers, world_size=dist.get_world_size(self.group),
-                             model=self._cost_model, strategy=self.strategy)
-        plan = control.broadcast_object(plan, group=self.group, timeout=self.timeout,
-                                        what="the averaging plan")
-        rt = runtime_for(tensors[0].device)
-
-        def alloc(n, dt):
-            if rt is None:
-                return torch.empty(n, dtype=dt, device=tensors[0].device)
-            buf = rt.empty(n, dt)
-            rt.record_stream(buf, self._transport.stream)
-            return buf
-
+        world = dist.get_world_size(self.group)
+        plan = control.rank0_decides(
+            lambda: make_plan(layers, world_size=world, model=self._cost_model,
+                              strategy=self.strategy),
+            group=self.group, timeout=self.timeout, what="the averaging plan")
+        device = tensors[0].device
+        rt = runtime_for(device)
+        alloc = bucket_allocator(rt, device, self._transport.stream if rt is not None else None)
         buckets = [GradBucket(b, [tensors[i] for i in b.params], tensors[b.params[0]].dtype, None,
                               alloc) for b in plan.buckets]
         engine = CommEngine(plan, buckets, self._channel, self._transport,
-                            scale=1.0 / dist.get_world_size(self.group), timeout=self.timeout)
+                            scale=1.0 / world, timeout=self.timeout)
         return buckets, engine
 
     def close(self) -> None:

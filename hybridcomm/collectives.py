@@ -6,7 +6,6 @@ import threading
 from typing import Set, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .comm import control
 from .config import env
@@ -26,14 +25,18 @@ _agreed: Set[Tuple] = set()  # (group, call signature) pairs every rank has agre
 _agreed_lock = threading.Lock()
 
 
-def resolve_algorithm(algorithm: str, nbytes: int, world_size: int, topology=None) -> str:
-    """The concrete algorithm for a request ("auto" honours ``HYBRIDCOMM_ALGO``)."""
+def resolve_algorithm(algorithm: str, nbytes: int, world_size: int, topology=None, *,
+                      model=None, candidates=None) -> str:
+    """The concrete algorithm for a request ("auto" honours ``HYBRIDCOMM_ALGO``, else
+    :func:`~hybridcomm.plan.auto_model.choose_algorithm` with ``model`` and
+    ``candidates``: the DDP hook passes its agreed cost model and ``native``)."""
     if algorithm == "auto":
         forced = env.get("HYBRIDCOMM_ALGO")
         if forced == "ps":  # the summation servers are a DistributedOptimizer option
             raise ValueError("HYBRIDCOMM_ALGO=ps applies to DistributedOptimizer(servers=...); "
                              "this all-reduce has no summation servers")
-        return forced or choose_algorithm(nbytes, world_size, topology)
+        return forced or choose_algorithm(nbytes, world_size, topology, model=model,
+                                          candidates=candidates)
     if algorithm not in ALGORITHMS + (NATIVE,):
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
                          f"{ALGORITHMS + (NATIVE, 'auto')}")

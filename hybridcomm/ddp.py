@@ -43,15 +43,16 @@ import torch.distributed as dist
 
 from .comm import calibration, control
 from .config import env
-from .comm.channel import HostChannel, StreamChannel
+from .comm.channel import open_channel
 from .collectives import resolve_algorithm
-from .plan.cost_model import NATIVE, CostModel
+from .plan.cost_model import MODELED, NATIVE, CostModel
 from .comm.reduce import reduce_operation
-from .gpu.runtime import runtime_for
-from .comm.transport.select import select_transport
-from .comm.transport.torch_dist import TorchDistTransport
 
 log = logging.getLogger("hybridcomm")
+
+# auto's three plus the process group's own all-reduce where the agreed model
+# measured it (DDP's ``native`` baseline); not hierarchical, which the hook never offered.
+_CANDIDATES = MODELED + (NATIVE,)
 
 
 class HybridState:
@@ -118,26 +119,17 @@ class HybridState:
         else:  # given or saved on rank 0: rank 0's
             self.cost_model = calibration.agree(self.cost_model, group=self.process_group,
                                                 timeout=self.timeout)
-        if runtime_for(device) is not None:
-            self._transport = select_transport(device, self.process_group,
-                                               timeout=self.timeout)
-            self._channel = StreamChannel(self._transport)
-        else:
-            self._transport = TorchDistTransport(control.new_group_like(self.process_group,
-                                                                        self.timeout))
-            self._channel = HostChannel(self.timeout)
+        self._transport, self._channel = open_channel(device, self.process_group, self.timeout)
         return self
 
     def algorithm(self, index: int, nbytes: int) -> str:
-        """The algorithm for DDP bucket ``index`` (chosen once, from its size)."""
+        """The algorithm for DDP bucket ``index`` (chosen once, from its size): ``auto``'s
+        choice under the agreed cost model, with ``native`` competing
+        (``HYBRIDCOMM_ALGO`` forces one)."""
         algo = self.algorithms.get(index)
         if algo is None:
-            forced = env.get("HYBRIDCOMM_ALGO")
-            model = self.cost_model
-            algo = forced or ("butterfly" if self._world <= 2 and not model.offers(NATIVE)
-                              else model.choose(nbytes, self._world,
-                                                candidates=("ring", "butterfly",
-                                                            "halving_doubling", NATIVE)))
+            algo = resolve_algorithm("auto", nbytes, self._world, model=self.cost_model,
+                                     candidates=_CANDIDATES)
             self.algorithms[index] = algo
             log.info("hybridcomm DDP hook: bucket %d, %d bytes -> %s", index, nbytes, algo)
         return algo
@@ -159,7 +151,7 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
         state.prepare(buf.device)
     t, channel = state._transport, state._channel
     nbytes = buf.numel() * buf.element_size()
-    name = resolve_algorithm(state.algorithm(bucket.index(), nbytes), nbytes, state._world)
+    name = state.algorithm(bucket.index(), nbytes)
     what = f"DDP bucket {bucket.index()} ({name}, {nbytes} bytes)"
     op = reduce_operation(buf, t, name, scale=1.0 / state._world, timeout=state.timeout,
                           label=what, range_id=f"DDP {bucket.index()}",

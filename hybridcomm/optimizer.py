@@ -38,14 +38,11 @@ from torch.amp.grad_scaler import OptState
 from . import broadcast
 from .comm import control
 from .config import env
-from .algorithms.topk import parse_topk
 from .base.errors import HybridCommError
+from .config.config import SyncConfig
 from .plan.planner import forced_algorithm
 from .sync.synchronizer import GradientSynchronizer
 
-OVERLAPS = ("forward", "backward", "none")
-COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16,
-                torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
 # Optimizers whose step needs every gradient at once (or re-evaluates a closure).
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
 
@@ -70,21 +67,11 @@ class _DistributedOptimizer:
     # GradScaler then hands itself to step(), so the inf check sees reduced gradients.
     _step_supports_amp_scaling = True
 
-    def _hc_init(self, model, overlap, passes, compression, agree, **options) -> None:
+    def _hc_init(self, model, agree: bool, named_parameters, servers, process_group,
+                 **options) -> None:
         control.require_initialized("DistributedOptimizer")
         forced_algorithm(options["strategy"])  # every rank refuses a bad name alike
-        if overlap not in OVERLAPS:
-            raise ValueError(f"overlap must be one of {OVERLAPS}, got {overlap!r}")
-        if options["op"] not in ("sum", "avg"):
-            raise ValueError(f"op must be 'sum' or 'avg', got {options['op']!r}")
-        if passes is not None and passes < 1:
-            raise ValueError("backward_passes_per_step must be >= 1 (or None: learned)")
-        topk = parse_topk(compression)
-        if compression not in COMPRESSIONS and topk is None:
-            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', 'topk:RATIO', "
-                             f"got {compression!r}")
-        if options["lazy_bytes"] is not None and options["lazy_bytes"] <= 0:
-            raise ValueError(f"lazy_bytes must be > 0 bytes, got {options['lazy_bytes']}")
+        overlap = options["overlap"]
         if overlap == "forward" and model is None:
             warnings.warn("hybridcomm: overlap='forward' needs model= to hook its forward; "
                           "using overlap='backward'", stacklevel=3)
@@ -93,19 +80,20 @@ class _DistributedOptimizer:
             warnings.warn(f"hybridcomm: {type(self).__name__} needs all gradients at once; "
                           "using overlap='backward'", stacklevel=3)
             overlap = "backward"
-        servers, self._hc_own_servers = _summation_servers(options)
+        config = SyncConfig.build(**dict(options, overlap=overlap))  # checks every value
+        config = config.replace(correction_momentum=self._hc_correction_momentum(config.topk))
+        servers, process_group, self._hc_own_servers = _summation_servers(
+            servers, process_group, config)
         self._hc_skip = self._hc_synchronized = False
         self._hc_closure_first = evaluates_closure_once(type(self).__bases__[1])  # the wrapped class
-        group, sync = options["process_group"], None
+        sync = None
         try:
             sync = self._hc_sync = GradientSynchronizer(
-                self.param_groups, self._hc_update, model=model, overlap=overlap,
-                backward_passes_per_step=passes, topk=topk,
-                compression=None if topk else COMPRESSIONS[compression],
-                correction_momentum=self._hc_correction_momentum(topk),
-                timeout=env.timeout(options.pop("timeout")), servers=servers, **options)
+                self.param_groups, self._hc_update, config, model=model,
+                named_parameters=named_parameters, process_group=process_group,
+                servers=servers)
             # after the synchronizer agreed on the parameters' names and shapes
-            self._hc_agree_values(model, agree, group, sync.timeout)
+            self._hc_agree_values(model, agree, process_group, config.timeout)
         except BaseException:
             if sync is not None:
                 sync.close()
@@ -255,11 +243,11 @@ class _DistributedOptimizer:
     @contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients locally, with no communication."""
-        self._hc_sync.no_sync_active = True
+        self._hc_sync.set_no_sync(True)
         try:
             yield
         finally:
-            self._hc_sync.no_sync_active = False
+            self._hc_sync.set_no_sync(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients no step has used yet (in flight or not). An update that
@@ -278,7 +266,7 @@ class _DistributedOptimizer:
         """Add a group; its parameters join the reduction (collective: every rank adds it)."""
         super().add_param_group(param_group)
         sync = getattr(self, "_hc_sync", None)
-        if sync is not None and sync.engine is not None:
+        if sync is not None and not sync.closed:
             sync.refresh()
             self._hc_link_topk_state()
 
@@ -367,36 +355,37 @@ class _DistributedOptimizer:
                 state[key] = view
 
 
-def _summation_servers(options: dict):
-    """(the SummationServers to use or None, the one made here from a Role or None);
-    sets ``options["process_group"]`` to the workers' group. Every rank raises
-    alike: a forced ``ps`` without servers, a group that is not the workers'."""
+def _summation_servers(given, process_group, config: SyncConfig):
+    """(the SummationServers to use or None, the process group to reduce over, the
+    servers made here from a Role or None): the workers' group when ``process_group``
+    is left out. Every rank raises alike: a forced ``ps`` without servers, a group
+    that is not the workers'."""
     from .comm import servers as ps
     from .plan.cost_model import PS
 
-    given = options.pop("servers")
-    forced = env.get("HYBRIDCOMM_ALGO") or options["strategy"]
+    forced = env.get("HYBRIDCOMM_ALGO") or config.strategy
     if given is None:
         if forced == PS:
             raise HybridCommError("algorithm 'ps' needs the summation servers: pass servers= "
-                                  "(a hybridcomm.comm.servers.Role from split_world, or SummationServers)")
-        return None, None
+                                  "(a hybridcomm.comm.servers.Role from split_world, or "
+                                  "SummationServers)")
+        return None, process_group, None
     if isinstance(given, ps.Role):
-        made = ps.SummationServers(given, timeout=env.timeout(options["timeout"]))
+        made = ps.SummationServers(given, timeout=config.timeout)
         servers = made
     elif isinstance(given, ps.SummationServers):
         made, servers = None, given
     else:
-        raise TypeError("servers must be a hybridcomm.comm.servers.Role (split_world) or SummationServers, "
-                        f"got {type(given).__name__}")
+        raise TypeError("servers must be a hybridcomm.comm.servers.Role (split_world) or "
+                        f"SummationServers, got {type(given).__name__}")
     workers = servers.role.workers
-    if options["process_group"] is None:
-        options["process_group"] = servers.role.worker_group
-    elif dist.get_world_size(options["process_group"]) != len(workers):
-        raise HybridCommError(f"process_group has {dist.get_world_size(options['process_group'])} "
+    if process_group is None:
+        process_group = servers.role.worker_group
+    elif dist.get_world_size(process_group) != len(workers):
+        raise HybridCommError(f"process_group has {dist.get_world_size(process_group)} "
                               f"ranks but the summation servers' workers are {len(workers)}: "
                               "leave process_group out (the workers' group is used)")
-    return servers, made
+    return servers, process_group, made
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None,
@@ -517,11 +506,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     # Share the wrapped optimizer's state, but not a `step` an LR scheduler may
     # have patched onto the instance: it would call the unwrapped step.
     opt.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
-    opt._hc_init(model, overlap, backward_passes_per_step, compression,
-                 named_parameters=named_parameters, strategy=strategy, op=op,
-                 cost_model=cost_model, process_group=process_group, timeout=timeout,
-                 fusion_bytes=fusion_bytes, split_bytes=split_bytes, lazy_bytes=lazy_bytes,
-                 measure_iters=measure_iters, replan_every=replan_every, trace=trace,
-                 find_unused_parameters=find_unused_parameters, servers=servers,
-                 agree=broadcast_parameters)
+    opt._hc_init(model, broadcast_parameters, named_parameters, servers, process_group,
+                 overlap=overlap, backward_passes_per_step=backward_passes_per_step,
+                 compression=compression, strategy=strategy, op=op, cost_model=cost_model,
+                 timeout=timeout, fusion_bytes=fusion_bytes, split_bytes=split_bytes,
+                 lazy_bytes=lazy_bytes, measure_iters=measure_iters,
+                 replan_every=replan_every, trace=trace,
+                 find_unused_parameters=find_unused_parameters)
     return opt

@@ -30,7 +30,7 @@ def _train(rank, world, hook, algo):
         for mod, name in ((hybridcomm.ddp.calibration, "agree"),
                           (hybridcomm.ddp.calibration, "resolve"),
                           (hybridcomm.ddp.control, "new_group_like"),
-                          (hybridcomm.ddp, "select_transport")):
+                          (hybridcomm.ddp, "open_channel")):
             setattr(mod, name, refused)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     for s in range(4):

@@ -123,9 +123,9 @@ def _steady(rank, world, overlap):
     model = make_model()
     opt = _fixed(torch.optim.SGD(model.parameters(), lr=0.05), model, overlap)
     calls, recorded = [], []
-    update = opt._hc_sync._update
-    opt._hc_sync._update = lambda *a: (calls.append(len(a[0])), update(*a))
-    rt = opt._hc_sync._rt
+    update = opt._hc_sync.deferred.update
+    opt._hc_sync.deferred.update = lambda *a: (calls.append(len(a[0])), update(*a))
+    rt = opt._hc_sync.rt
     record = rt.record_stream
     rt.record_stream = lambda *a: (recorded.append(1), record(*a))
     for s in range(8):
@@ -224,7 +224,7 @@ def _issuing_threads(rank, world, threaded):
         seen.add(("nccl", threading.current_thread().name))
         return issue(self, calls, what)
     CupyNcclTransport._issue = noting
-    import hybridcomm.comm.engine as engine_module
+    import hybridcomm.comm.reduce as engine_module  # the dispatch the engine calls
 
     def launching(*args, **kwargs):
         seen.add(("schedule", threading.current_thread().name))
@@ -580,14 +580,14 @@ def test_transport_errors_name_the_rank_and_the_problem():
 
 def _late_gradient(rank, world, broken):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm.sync import synchronizer
+    from hybridcomm.sync import bucket_group
     from hybridcomm.testing import simgpu
 
     if broken:  # a late gradient added into a bucket still being reduced: no wait
-        def open_(self, slot):
-            slot.phase = synchronizer.Phase.ACCUMULATING
+        def open_(self, s, apply_pending):
+            s._phase = bucket_group.Phase.ACCUMULATING
             return True
-        synchronizer.GradientSynchronizer._open = open_
+        bucket_group.BucketGroup.open = open_
     model = make_model()
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                           model=model, overlap="backward", fusion_bytes=0,

@@ -51,7 +51,7 @@ def test_env_lists_every_variable_with_its_value_default_and_help():
 def test_plan_of_listed_layers_is_the_planners():
     spec = "conv1:1728,conv2:18432,fc1:4M,fc2:2560"
     r = _run("plan", "--layers", spec, "--world", "8", "--cost-model", "default")
-    from hybridcomm.__main__ import parse_layers
+    from hybridcomm.tools.cli import parse_layers
 
     want = str(make_plan(parse_layers(spec), world_size=8, model=DEFAULT_MODEL))
     assert want in r.stdout, r.stdout

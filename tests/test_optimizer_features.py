@@ -484,8 +484,8 @@ def _drift(rank, world, change):
     plans = []
     for s in range(9):
         if s == 4 and change:  # the network got faster for the group's own all_reduce
-            opt._hc_sync.cost_model = CostModel(1e-3, 1e-9, 1e-10, native_alpha=1e-7,
-                                                native_beta=1e-13)
+            opt._hc_sync.planning.cost_model = CostModel(1e-3, 1e-9, 1e-10, native_alpha=1e-7,
+                                                         native_beta=1e-13)
         x, y = batch(s % 4)
         opt.zero_grad()
         nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()

@@ -150,10 +150,10 @@ def test_when_nothing_was_left_at_step_the_plan_says_forward_overlap_cannot_pay(
     m.window(["fc"], 0.0, 0.5)
     m.running_at_step([])
     m.running_at_step([["conv"]])  # only the first-needed bucket: it is waited for at once
-    assert m.take([])[-1] is False
+    assert m.take([]).defer_pays is False
     m.window(["conv"], 0.0, 0.001)
     m.running_at_step([["conv"], ["fc"]])  # fc still running: the forward can hide it
-    assert m.take([])[-1] is True and m.take([])[-1] is None  # taken: forgotten
+    assert m.take([]).defer_pays is True and m.take([]).defer_pays is None  # taken: forgotten
     layers = [Layer("fc", [0], 1 << 20)]
     plan = make_plan(layers, world_size=4, model=GOOD, defer_pays=False)
     assert not plan.defer_updates and "updates in step()" in str(plan)

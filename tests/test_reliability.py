@@ -243,9 +243,9 @@ def test_a_dead_or_stalled_peer_is_our_error_within_the_timeout(where, how):
 
 
 def _replan_peer(rank, world, how):
-    from hybridcomm.sync import synchronizer
+    from hybridcomm.sync import planning
 
-    real = synchronizer.GradientSynchronizer._agree_plan
+    real = planning.Planning.agree
     calls = []
 
     def agree(self, *args, **kwargs):
@@ -256,7 +256,7 @@ def _replan_peer(rank, world, how):
             time.sleep(TIMEOUT + 5)
         return real(self, *args, **kwargs)
 
-    synchronizer.GradientSynchronizer._agree_plan = agree
+    planning.Planning.agree = agree
     model = make_model()
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                           model=model, measure_iters=2, timeout=TIMEOUT)

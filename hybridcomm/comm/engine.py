@@ -57,7 +57,8 @@ class CommEngine:
         self.slow_after = 0.0
         # Called with a bucket's index as its launch is issued: in plan order on every
         # rank, so it may post host collectives (the used-parameter agreement).
-        self.on_issue: Optional[Callable[[int], None]] = None
+        self.on_issue: Optional[Callable[[int], None]] = None  # a bucket's first segment goes
+        self.on_issued: Optional[Callable[[int], None]] = None  # its last one went
         self.round = 0  # passes through plan.order completed
         self.cursor = 0  # position in plan.order
         self.bytes_sent = 0  # by this rank, since the trainer last read it
@@ -108,6 +109,8 @@ class CommEngine:
                 self._issued[i] += 1
                 self._seq += 1
                 self._issue_seq[i] = self._seq
+                if self.on_issued is not None:
+                    self.on_issued(i)
             self.cursor += 1
             if self.cursor == len(order):
                 self.cursor, self.round = 0, self.round + 1

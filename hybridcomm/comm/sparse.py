@@ -66,3 +66,14 @@ def all_gather_sparse(grad: Optional[torch.Tensor], shape, dtype, group, *, aver
                                   check_invariants=True)  # indices from the wire: check them
     return out.coalesce()
 
+
+def reduce_sparse_grads(sparse, channel, group, *, average: bool, timeout: float) -> None:
+    """``p.grad`` of each ``(param, name)`` in ``sparse`` <- its sum (avg) over ranks,
+    through ``channel`` (after whatever it holds: the same order on every rank)."""
+    for p, name in sparse:
+        out = []
+        what = f"sparse gradient of {name!r}"
+        fn = (lambda p=p, what=what: out.append(all_gather_sparse(
+            p.grad, p.shape, p.dtype, group, average=average, timeout=timeout, what=what)))
+        channel.wait(channel.submit(fn, what), what)
+        p.grad = out[0]

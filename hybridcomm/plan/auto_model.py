@@ -15,7 +15,7 @@ import logging
 import os
 import platform
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from ..config import env
 from .cost_model import DEFAULT_MODEL, MODELED, CostModel, FitReport
@@ -105,11 +105,16 @@ def active_model() -> CostModel:
     return hit[1] or DEFAULT_MODEL
 
 
-def choose_algorithm(nbytes: int, world_size: int, topology=None) -> str:
+def choose_algorithm(nbytes: int, world_size: int, topology=None, *,
+                     model: Optional[CostModel] = None,
+                     candidates: Optional[Sequence[str]] = None) -> str:
     """The algorithm ``"auto"`` uses for ``nbytes`` over ``world_size`` ranks:
-    the fastest under :func:`active_model`, among ring, butterfly and
-    halving-doubling, and ``hierarchical`` where ``topology`` (default: from
-    ``LOCAL_WORLD_SIZE``) has several nodes of several ranks.
+    the fastest under ``model`` (default :func:`active_model`), among ring,
+    butterfly and halving-doubling, and ``hierarchical`` where ``topology``
+    (default: from ``LOCAL_WORLD_SIZE``) has several nodes of several ranks.
+    ``candidates`` replaces that list (the DDP hook's adds ``native``); those
+    ``model`` does not offer drop out. At P <= 2 it is the butterfly unless
+    ``model`` offers a candidate other than ring, butterfly and halving-doubling.
 
     Example::
 
@@ -120,9 +125,14 @@ def choose_algorithm(nbytes: int, world_size: int, topology=None) -> str:
     """
     from ..algorithms import Topology
 
-    if world_size <= 2:
+    others = [a for a in candidates or () if a not in MODELED]  # e.g. native
+    if others and model is None:
+        model = active_model()
+    if world_size <= 2 and not any(model.offers(a) for a in others):
         return "butterfly"  # at P <= 2 all three send the same bytes; butterfly in one step
     topo = (topology or Topology()).resolve(world_size)
-    many_nodes = 1 < topo.node_size < world_size
-    candidates = MODELED + (("hierarchical",) if many_nodes else ())
-    return active_model().choose(nbytes, world_size, candidates=candidates, topology=topo)
+    if candidates is None:
+        many_nodes = 1 < topo.node_size < world_size
+        candidates = MODELED + (("hierarchical",) if many_nodes else ())
+    return (model or active_model()).choose(nbytes, world_size, candidates=candidates,
+                                            topology=topo)

@@ -16,6 +16,7 @@ timing events on the trainer's stream, read when the plan is re-made.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from ..gpu.clock import HostClock
@@ -29,6 +30,29 @@ def quantize(seconds: float) -> float:
         0.0012
     """
     return float(f"{seconds:.1e}")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the measured steps saw, in seconds, as the planner takes it (each None
+    when not measured).
+
+    Attributes:
+        windows: per layer, from its bucket's launch to its first use.
+        ready: per layer, when backward finished its gradients (since the first).
+        need: per layer, its order of first use in the next forward (0: first).
+        launch_pass: the most backward passes a measured step had.
+        comm_scale: measured over predicted communication time (median).
+        defer_pays: whether a bucket other than the first needed was still being
+            reduced at some measured step() (forward mode's deferral can pay).
+    """
+
+    windows: Optional[Dict[str, float]] = None
+    ready: Optional[Dict[str, float]] = None
+    need: Optional[Dict[str, int]] = None
+    launch_pass: Optional[int] = None
+    comm_scale: Optional[float] = None
+    defer_pays: Optional[bool] = None
 
 
 class StepMeasurements:
@@ -91,9 +115,9 @@ class StepMeasurements:
         self._running.append(buckets)
 
     # -- handing over ------------------------------------------------------------------
-    def take(self, layers: Sequence[Layer], clock=HostClock()):
-        """(windows, ready, need, launch_pass, comm_scale, defer_pays) for the planner,
-        and forget them. ``defer_pays``: whether any measured step had a bucket still
+    def take(self, layers: Sequence[Layer], clock=HostClock()) -> "Measured":
+        """What the measured steps saw, for the planner (:class:`Measured`), and
+        forget it. ``defer_pays``: whether any measured step had a bucket still
         unreduced at step() other than the one the next forward needs first (that one
         is waited for at once anyway); None: not measured. The stamps are read on
         ``clock``, the one they were taken on (a GPU's: one host sync here)."""
@@ -119,4 +143,4 @@ class StepMeasurements:
                          for layers in step) if self._running else None
         self._ready, self._windows, self._need, self._passes = {}, {}, {}, []
         self._comm, self._running = [], []
-        return windows or None, ready, need, launch_pass, comm_scale, defer_pays
+        return Measured(windows or None, ready, need, launch_pass, comm_scale, defer_pays)

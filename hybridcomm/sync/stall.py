@@ -106,3 +106,15 @@ class StallInspector:
                 + "; ".join(parts) + ". A rank behind skipped a backward, left the training "
                 "loop early, or runs a model whose graph differs; it must launch the same "
                 "buckets (or this wait ends in a timeout)")
+
+    def bucket_is_slow(self, plan, index: int, launches: int, steps: int) -> Optional[str]:
+        """A wait on bucket ``index`` of ``plan`` turned slow: name the ranks behind,
+        if any (logged, and returned for the timeout's message). Never raises."""
+        layers = ", ".join(plan.buckets[index].layers)
+        try:
+            why = self.explain(f"bucket {index} ({layers})", launches, steps)
+        except Exception as e:  # noqa: BLE001 - the inspector must never break a wait
+            why = f"hybridcomm stall: bucket {index} ({layers}) is slow; the inspector failed: {e}"
+        if why:
+            log.warning(why)
+        return why

@@ -108,8 +108,8 @@ MUTATIONS = [
         guards=(NONE_PUT_BACK,),
         what="no operation waits for the bucket's ready event"),
     Mutation(
-        "tolist-per-bucket", "old 7", "hybridcomm/sync/synchronizer.py",
-        old="        if slot.complete:\n            return list(range(len(b.params)))\n",
+        "tolist-per-bucket", "old 7", "hybridcomm/sync/used.py",
+        old="        if state.complete:\n            return list(range(len(b.params)))\n",
         new="        if False:\n            return list(range(len(b.params)))\n",
         guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",
                 GPU + "test_steady_state_steps_make_no_host_sync[backward]"),
@@ -201,7 +201,7 @@ MUTATIONS = [
     # it, with the test that guards the fix. Landed so far: 3, 4, 5, 6, 7, 8, 9.
     Mutation(
         "issue-in-hooks", "new 3", "hybridcomm/sync/synchronizer.py",
-        old="issue_thread=env.get(\"HYBRIDCOMM_ISSUE_THREAD\"))\n",
+        old="issue_thread=cfg.issue_thread)\n",
         new="issue_thread=False)\n",
         guards=(GPU + "test_buckets_are_issued_by_the_channels_thread_not_in_the_hooks[True]",),
         what="the optimizer's buckets issued by the gradient hooks, on autograd's thread"),
@@ -213,24 +213,24 @@ MUTATIONS = [
         what="the issuing thread off unless HYBRIDCOMM_ISSUE_THREAD=1"),
     Mutation(
         "unused-read-from-flags", "new 4", "hybridcomm/sync/synchronizer.py",
-        old="        self._agree_used = bool(find_unused_parameters) and self._rt is not None\n",
-        new="        self._agree_used = False\n",
+        old="    used = UsedAgreement(cfg.find_unused_parameters and rt is not None, sync.rank,\n",
+        new="    used = UsedAgreement(False, sync.rank,\n",
         guards=(GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host[forward]",
                 GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host"
                 "[backward]"),
         what="find_unused_parameters=True still reads the reduced flags back (a host sync per "
              "bucket lacking a gradient, every step)"),
     Mutation(
-        "apply-only-finished", "new 5", "hybridcomm/sync/synchronizer.py",
-        old="                                 self.engine.done_with(s.index, slot.index)]\n",
-        new="                                 self.engine.done(s.index)]\n",
+        "apply-only-finished", "new 5", "hybridcomm/sync/deferred.py",
+        old="                              group.engine.done_with(o.index, s.index)]\n",
+        new="                              group.engine.done(o.index)]\n",
         guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",),
         what="forward mode applies with a bucket only the others already finished (an event "
              "query), not every one issued before it: an optimizer call per bucket"),
     Mutation(
-        "apply-pending-in-index-order", "new 5", "hybridcomm/sync/synchronizer.py",
-        old="        for slot in sorted(self.slots, key=lambda s: -self.engine.issue_seq(s.index)):\n",
-        new="        for slot in self.slots:\n",
+        "apply-pending-in-index-order", "new 5", "hybridcomm/sync/deferred.py",
+        old="        for s in sorted(group.states, key=lambda s: -group.engine.issue_seq(s.index)):\n",
+        new="        for s in group.states:\n",
         guards=(GPU + "test_steady_state_steps_make_no_host_sync[forward]",),
         what="synchronize() applies the pending buckets in index order, not from the last issued"),
     Mutation(
@@ -283,7 +283,7 @@ MUTATIONS = [
         what="a stream wait is not timed: exposed communication reads 0 on the GPU path"),
     Mutation(
         "windows-on-host-clock", "new 8", "hybridcomm/sync/synchronizer.py",
-        old="        self.clock = clock_for(self._rt)",
+        old="        self.clock = clock_for(self.rt)",
         new="        self.clock = clock_for(None)",
         guards=(GPU + "test_the_planners_windows_are_measured_on_the_gpus_clock",),
         what="the planner's windows and ready times taken on the host's clock"),

@@ -1,0 +1,383 @@
+"""The buckets of one plan: their memory, their phases, their engine.
+
+Each parameter's ``.grad`` is a view of its bucket's contiguous buffer
+(buckets.py); backward accumulates into it in place, the all-reduce runs in
+place, and the optimizer reads it: no copy on the data path. A bucket's
+host-side state (:class:`BucketState`) moves through these phases, and only
+:meth:`BucketGroup.to` writes one (it refuses an edge not drawn here)::
+
+    IDLE --first gradient of a round--> ACCUMULATING --launch--> LAUNCHED
+    LAUNCHED --the issue order reaches it (engine)--> IN_FLIGHT
+    IN_FLIGHT --finish (step, synchronize)--> IDLE      .grad: the reduced gradients
+    IN_FLIGHT --defer (forward-mode step)--> PENDING --first read--> IDLE
+    IN_FLIGHT --another gradient (late pass, or dropped)--> ACCUMULATING
+    IDLE --defer (reduced by synchronize(), then step())--> PENDING
+    ACCUMULATING --finish with nothing added (a no-op round)--> IDLE
+
+A LAUNCHED bucket is never written: its launch waits for its turn in the plan's
+fixed issue order (every rank issues the same sequence), so a gradient that
+comes meanwhile goes into a tensor of autograd's own (``detached``) and is
+folded in when the bucket next opens.
+
+Example::
+
+    >>> group = BucketGroup(plan, params, names, links, config, state=StepState())
+    >>> group.open(group.states[0]); group.launch(group.states[0])
+    >>> group.consume(group.states[0])       # waits: .grad holds the reduced gradients
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..algorithms.topk import TOPK
+from ..base.errors import HybridCommError
+from ..comm.compression import TopK
+from ..comm.engine import CommEngine
+from ..config.config import SyncConfig
+from ..plan.planner import Plan
+from .buckets import GradBucket
+from .memory import Allocator
+from .used import UsedAgreement
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # not in a round: holds the last reduced gradients, or nothing
+    ACCUMULATING = "accumulating"  # backward adds this rank's gradients into the views
+    LAUNCHED = "launched"  # waits for its turn in the issue order: not to be touched
+    IN_FLIGHT = "in flight"  # issued: neither read nor written until waited for
+    PENDING = "pending"  # forward mode: step() took it; the update waits for a first read
+
+
+# the diagram above, as data: the edges BucketGroup.to accepts
+EDGES = {
+    Phase.IDLE: {Phase.IDLE, Phase.ACCUMULATING, Phase.PENDING},
+    Phase.ACCUMULATING: {Phase.ACCUMULATING, Phase.LAUNCHED, Phase.IDLE},
+    Phase.LAUNCHED: {Phase.IN_FLIGHT},
+    Phase.IN_FLIGHT: {Phase.IDLE, Phase.ACCUMULATING, Phase.PENDING},
+    Phase.PENDING: {Phase.IDLE},
+}
+
+
+class BucketState:
+    """A bucket's bookkeeping on the host (its memory is ``bucket``)."""
+
+    __slots__ = ("index", "bucket", "_phase", "content", "touched", "pass_id", "launched_pass",
+                 "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
+                 "detached", "marked", "agreed")
+
+    def __init__(self, index: int, bucket: GradBucket):
+        self.index, self.bucket = index, bucket
+        self._phase = Phase.IDLE
+        self.content: set = set()  # positions whose view holds a gradient (local or reduced)
+        self.touched: set = set()  # positions autograd added to in pass ``pass_id``
+        self.pass_id = -1
+        self.launched_pass = -1
+        self.launched_epoch = -1  # the step state's epoch at its last launch
+        self.launched_at = None  # a clock stamp, on measured launches only
+        self.complete = False  # launched with a gradient at every position
+        self.hyper = None  # PENDING: the hyper-parameters of the deferring step()
+        self.taken: set = set()  # PENDING: positions whose .grad the step took (not zeroed)
+        self.reopened = False  # a gradient came after its launch: it must be launched again
+        self.detached: set = set()  # positions whose late additions wait in autograd's tensor
+        self.marked: List[int] = []  # the positions this rank launched with a gradient
+        self.agreed = None  # control.HostMax over ``marked``, posted as the launch is issued
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def launched(self) -> bool:
+        """Launched and not yet waited for (issued or not)."""
+        return self._phase in (Phase.LAUNCHED, Phase.IN_FLIGHT)
+
+
+@dataclass
+class StepState:
+    """Counters the synchronizer's parts share; they outlive a re-plan's buckets."""
+
+    steps: int = 0  # completed steps
+    epoch: int = 0  # a step, or a closure call in one: each bucket launched once in it
+    launches: int = 0  # buckets launched in all (the stall inspector compares them)
+    exposed_s: float = 0.0  # the host waited for communication since the last step
+
+
+@dataclass
+class Links:
+    """What a bucket group talks to (made once per synchronizer)."""
+
+    channel: object
+    transport: object
+    alloc: Allocator
+    used: UsedAgreement
+    clock: object  # stamps on the planner's clock (the GPU's on a GPU)
+    timeline: object
+    rank: int
+    world: int
+    scale: Optional[float]  # 1/P for an average
+    servers: object = None
+    on_device: bool = False
+    on_slow: Optional[Callable[[int], Optional[str]]] = None  # a wait turned slow
+    slow_after: float = 0.0
+
+
+class BucketGroup:
+    """The buckets of ``plan`` over ``params`` and the engine that reduces them.
+
+    ``carry``: the group this one replaces (a re-plan): the gradients its buckets
+    held move into the new views, each ``.grad`` bound to its new view, and
+    top-k's error feedback survives; any other ``.grad`` (a parameter that just
+    joined) is folded in when its bucket next opens.
+    """
+
+    def __init__(self, plan: Plan, params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                 links: Links, config: SyncConfig, state: StepState,
+                 measuring_next: Callable[[], bool], carry: Optional["BucketGroup"] = None):
+        self.plan, self.names, self.links, self.config = plan, names, links, config
+        self.state = state
+        self._measuring_next = measuring_next  # stamp launches whose next use is measured
+        old_where = carry.where if carry is not None else {}
+        self.states: List[BucketState] = []
+        self.where: Dict[int, Tuple[BucketState, int]] = {}  # id(param) -> (state, position)
+        for b in plan.buckets:
+            ps = [params[i] for i in b.params]
+            dtype = getattr(torch, b.dtype.replace("torch.", ""))
+            bucket = GradBucket(b, ps, dtype, config.wire_dtype, links.alloc)
+            if b.algorithm == TOPK:
+                bucket.topk = TopK(bucket.grads.numel(), len(ps), config.topk, links.rank,
+                                   links.world, config.correction_momentum, links.alloc)
+            s = BucketState(b.index, bucket)
+            for pos, p in enumerate(ps):
+                self.where[id(p)] = (s, pos)
+                old = old_where.get(id(p))
+                if old is not None:
+                    self._carry(s, pos, *old)
+            self.states.append(s)
+        self.engine: Optional[CommEngine] = CommEngine(
+            plan, [s.bucket for s in self.states], links.channel, links.transport,
+            scale=links.scale, timeout=config.timeout, servers=links.servers)
+        if links.on_slow is not None:
+            self.engine.on_slow, self.engine.slow_after = links.on_slow, links.slow_after
+        if links.used.on_host:
+            self.engine.on_issue = lambda i: links.used.post(self.states[i])
+        self.engine.on_issued = lambda i: self.to(self.states[i], Phase.IN_FLIGHT)
+
+    @staticmethod
+    def _carry(s: BucketState, pos: int, old: BucketState, old_pos: int) -> None:
+        b = s.bucket
+        if old.bucket.holds(old_pos):
+            b.views[pos].copy_(old.bucket.views[old_pos])
+            b.bind(pos)
+            if old_pos in old.content:
+                s.content.add(pos)
+        carried = b.topk and old.bucket.topk_state(old_pos)
+        if carried:  # top-k's error feedback survives a re-plan
+            for new_view, old_view in zip(b.topk_state(pos), carried):
+                if new_view is not None and old_view is not None:
+                    new_view.copy_(old_view)
+
+    # ---- the one writer of a phase -------------------------------------------------------
+    def to(self, s: BucketState, phase: Phase) -> None:
+        """Move bucket ``s`` to ``phase`` along an edge of the diagram (module doc)."""
+        if phase not in EDGES[s.phase]:
+            raise HybridCommError(f"internal error: bucket {s.index} cannot go from "
+                                  f"{s.phase.value} to {phase.value}")
+        s._phase = phase
+
+    # ---- a round: open, launch, wait ---------------------------------------------------
+    def open(self, s: BucketState, apply_pending: Callable[[BucketState], None]) -> bool:
+        """Start (or resume) a round: afterwards backward may add into the bucket.
+        False, and nothing changed, when its launch is still to be issued.
+        ``apply_pending(s)``: a PENDING bucket's deferred update is applied first."""
+        if s.phase is Phase.PENDING:
+            apply_pending(s)
+        elif s.phase is Phase.LAUNCHED:
+            s.reopened = True
+            return False
+        elif s.phase is Phase.IN_FLIGHT:
+            self.settle(s)  # a late gradient, or a dropped one: the reduction ends first
+        b = s.bucket
+        fresh = []
+        for pos, p in enumerate(b.params):
+            g = p.grad
+            if g is b.views[pos]:
+                continue
+            if pos in s.detached and g is not None:
+                b.views[pos].add_(g)  # what came while the launch was still to be issued
+                s.content.add(pos)
+            else:
+                s.content.discard(pos)  # dropped (None) or replaced: the view is stale
+                if g is None:
+                    fresh.append(pos)
+                    continue
+                if g.is_sparse:
+                    raise HybridCommError(
+                        f"parameter {self.names[b.spec.params[pos]]!r} has a sparse gradient; "
+                        "hybridcomm reduces dense gradients (sparse=True modules only on the "
+                        "CPU path)")
+                b.views[pos].copy_(g)
+                s.content.add(pos)
+            b.bind(pos)
+        s.detached.clear()
+        if fresh:
+            b.zero(fresh)
+            for pos in fresh:
+                b.bind(pos)
+        self.to(s, Phase.ACCUMULATING)
+        return True
+
+    def launch(self, s: BucketState, pass_id: int) -> None:
+        """Hand the bucket to the engine (it issues it when the order reaches it)."""
+        if s.phase is not Phase.ACCUMULATING:
+            raise HybridCommError(f"internal error: bucket {s.index} launched from "
+                                  f"{s.phase.value}")
+        s.complete = len(s.content) == len(s.bucket.params)
+        used = self.links.used
+        if used.on_host:
+            used.mark(s)
+        if not used.on_host or s.bucket.topk is not None:  # top-k sends its flags
+            s.bucket.set_flags(s.content)
+        self.to(s, Phase.LAUNCHED)
+        s.reopened = False
+        s.launched_pass, s.launched_epoch = pass_id, self.state.epoch
+        # A stamp only where the next forward's use is measured (an event each on a GPU)
+        s.launched_at = self.links.clock.stamp() if self._measuring_next() else None
+        self.state.launches += 1
+        self.engine.launch(s.index)  # issued now if its turn came: then IN_FLIGHT
+
+    def launch_rest(self, open_: Callable[[BucketState], bool], pass_id: int) -> None:
+        """Launch every bucket not launched in this epoch yet."""
+        for s in self.states:
+            if s.launched_epoch != self.state.epoch:
+                self.open_and_launch(s, open_, pass_id)
+
+    def launch_round(self, open_: Callable[[BucketState], bool], pass_id: int) -> None:
+        """Launch every bucket again (a relaunch is always a whole round of the order)."""
+        self.launch_rest(open_, pass_id)
+        for s in self.states:
+            self.open_and_launch(s, open_, pass_id)
+
+    def open_and_launch(self, s: BucketState, open_: Callable[[BucketState], bool],
+                        pass_id: int) -> None:
+        """Launch ``s``, opening it first if it is not accumulating."""
+        if s.phase is not Phase.ACCUMULATING and not open_(s):
+            raise HybridCommError(f"internal error: bucket {s.index} launched again before "
+                                  "its last launch was issued")
+        self.launch(s, pass_id)
+
+    def wait(self, s: BucketState) -> None:
+        """The bucket's reduction is done (host) or the trainer's stream waits for it."""
+        waited = self.engine.wait(s.index)
+        self.state.exposed_s += waited
+        if waited > 1e-5:
+            now = time.perf_counter()
+            self.links.timeline.add(f"wait bucket {s.index}", "wait", now - waited, now)
+
+    def settle(self, s: BucketState) -> List[int]:
+        """Wait for the bucket's reduction; its content is now the reduced gradients
+        of the positions some rank used (returned). The phase is the caller's to set."""
+        self.wait(s)
+        b = s.bucket
+        if b.buffer._version != self.engine.version(s.index):
+            raise HybridCommError(
+                f"bucket {s.index} ({', '.join(b.spec.layers)}): a gradient was written in "
+                "place while it was being all-reduced or while its update waited for the next "
+                "forward (e.g. p.grad.zero_() or zero_grad(set_to_none=False) on the module "
+                "after backward, or a torch.distributed.pipelining schedule's gradient scaling: "
+                "build it with scale_grads=False and divide the loss by the micro-batch count): "
+                "modify gradients only after opt.synchronize(), and zero them with zero_grad() "
+                "(set_to_none=True, the default)")
+        used = self.links.used.positions(s, self.links.on_device)
+        s.content = {pos for pos in used if b.holds(pos)}
+        return used
+
+    def consume(self, s: BucketState) -> None:
+        """``.grad`` <- the reduced gradients; None where no rank had one (as one
+        process on the whole batch would leave it)."""
+        used = set(self.settle(s))
+        b = s.bucket
+        for pos, p in enumerate(b.params):
+            if p.grad is b.views[pos]:
+                if pos not in used:
+                    p.grad = None
+            elif p.grad is not None and pos in used:
+                raise HybridCommError(
+                    f"p.grad of {self.names[b.spec.params[pos]]!r} was replaced while it was "
+                    "being all-reduced: gradients are reduced in place; change them after "
+                    "opt.synchronize() (then step inside opt.skip_synchronize())")
+        self.to(s, Phase.IDLE)
+
+    # ---- whole-group verbs -------------------------------------------------------------
+    def set_by_hand(self) -> bool:
+        """Whether some ``.grad`` is neither None nor its view: set without a backward
+        pass (``p.grad = g`` after ``torch.autograd.grad``), to be reduced too."""
+        return any(p.grad is not None and p.grad is not s.bucket.views[pos]
+                   for s in self.states for pos, p in enumerate(s.bucket.params))
+
+    def needs_round(self) -> bool:
+        """A gradient came after some bucket's launch: every bucket goes again."""
+        return any(s.reopened or s.phase is Phase.ACCUMULATING for s in self.states)
+
+    def finish(self) -> None:
+        """Every launched bucket consumed (after a flush: every bucket is issued)."""
+        for s in self.states:
+            if s.launched:
+                self.consume(s)
+            elif s.phase is Phase.ACCUMULATING:  # opened, never added to: a no-op round
+                self.to(s, Phase.IDLE)
+
+    def quiesce(self) -> None:
+        """Nothing in flight (after a flush, with nothing pending): every bucket IDLE."""
+        for s in self.states:
+            if s.launched:
+                self.settle(s)
+            self.to(s, Phase.IDLE)
+
+    def zero_in_place(self) -> None:
+        """Before gradients are zeroed in place: a reduction in flight is waited for;
+        a bucket whose launch is still to be issued keeps its content, and its
+        gradients become separate zero tensors (its result is dropped when done)."""
+        for s in self.states:
+            if s.phase is Phase.IN_FLIGHT:
+                self.settle(s)
+                self.to(s, Phase.ACCUMULATING)
+            elif s.phase is Phase.LAUNCHED:
+                s.reopened = True
+                b = s.bucket
+                for pos, p in enumerate(b.params):
+                    if b.holds(pos):
+                        p.grad = torch.zeros_like(p)
+                        s.detached.discard(pos)
+
+    def drop(self, release: Callable[[BucketState], None]) -> None:
+        """A loaded checkpoint supersedes what is in flight or deferred."""
+        for s in self.states:
+            if s.launched or s.phase is Phase.PENDING:
+                s.hyper = None
+                release(s)
+                self.settle(s)
+            self.to(s, Phase.IDLE)
+
+    def running(self) -> List[List[str]]:
+        """The layers of each bucket not launched in this epoch or still running."""
+        return [s.bucket.spec.layers for s in self.states
+                if s.launched_epoch != self.state.epoch
+                or (s.launched and not self.engine.done(s.index))]
+
+    def topk_views(self) -> List[tuple]:
+        """(param, residual view, velocity view or None) of every top-k bucket."""
+        return [(p, *s.bucket.topk_state(pos)) for s in self.states
+                if s.bucket.topk is not None for pos, p in enumerate(s.bucket.params)]
+
+    def topk_param_ids(self) -> set:
+        return {id(p) for s in self.states if s.bucket.topk is not None for p in s.bucket.params}
+
+    def close(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()

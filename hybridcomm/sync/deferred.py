@@ -1,0 +1,131 @@
+"""Forward mode's deferred updates: a bucket's update waits for the first read of
+one of its parameters.
+
+``step()`` in forward mode launches what is left and returns; each bucket
+becomes PENDING with the step's hyper-parameters, and its parameters are
+marked (pending.py): whatever reads one first (the next forward's layer, an
+EMA, a checkpoint) applies the bucket's update before the read, with the
+reduced gradients. After the measured steps a bucket's update is applied
+together with every other deferred bucket whose reduction is done by then, in
+one optimizer call (the multi-tensor path): on the host path those already
+finished, on a GPU those issued before it on the one comm stream (the stream
+waits for them anyway).
+
+Example::
+
+    >>> deferred = DeferredUpdates(group_of, update, measure, state, clock, timeline, rt, momentum=0.0)
+    >>> deferred.defer(hyper)                # step(): every reduced bucket PENDING
+    >>> model(x)                             # each bucket applied before its first read
+    >>> deferred.apply_pending()             # or all now
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Dict, Optional
+
+from . import pending
+from .bucket_group import BucketGroup, BucketState, Phase, StepState
+from .measure import StepMeasurements
+
+Update = Callable[[list, list, list, bool], None]
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+class DeferredUpdates:
+    """Holds forward mode's pending updates and applies them (module doc).
+
+    ``update(params, grads, hyper, momentum_free)`` is the optimizer's step on
+    those parameters; ``group_of()`` the synchronizer's current bucket group.
+    """
+
+    def __init__(self, group_of: Callable[[], BucketGroup], update: Optional[Update],
+                 measure: StepMeasurements, state: StepState, clock, timeline, rt,
+                 momentum: float):
+        self._group_of, self.update = group_of, update
+        self.measure, self.state, self.clock, self.timeline = measure, state, clock, timeline
+        self._rt, self._momentum = rt, momentum
+
+    def _watched(self):
+        return self._rt.watched() if self._rt is not None else _NO_CONTEXT
+
+    def defer(self, hyper: list) -> None:
+        """Every bucket reduced in this step becomes PENDING (``hyper``: the groups'
+        hyper-parameters now); its parameters apply it before their first read."""
+        group = self._group_of()
+        for s in group.states:
+            b = s.bucket
+            taken = {pos for pos in range(len(b.params)) if b.holds(pos)}  # not zeroed since
+            if s.launched or (s.phase is Phase.IDLE and taken & s.content):
+                s.hyper, s.taken = hyper, taken
+                group.to(s, Phase.PENDING)
+                pending.defer([b.params[pos] for pos in taken], self.read)
+
+    def read(self, p) -> None:
+        """Something reads ``p`` while its update is pending (pending.py): apply it."""
+        where = self._group_of().where.get(id(p))
+        if where is None or where[0].phase is not Phase.PENDING:
+            pending.release(p)  # a stale mark (its update was dropped)
+            return
+        with self._watched():
+            self.apply(where[0])
+
+    @staticmethod
+    def release(s: BucketState) -> None:
+        """The bucket's update is applied or dropped: its parameters are plain again."""
+        for p in s.bucket.params:
+            pending.release(p)
+
+    def any_pending(self) -> bool:
+        return any(s.phase is Phase.PENDING for s in self._group_of().states)
+
+    def apply_pending(self) -> None:
+        """Apply every deferred update now."""
+        if not self.any_pending():
+            return  # the usual case at step(): the forward applied them all
+        group = self._group_of()
+        # the last issued first: with it, every other (one optimizer call on a GPU)
+        for s in sorted(group.states, key=lambda s: -group.engine.issue_seq(s.index)):
+            if s.phase is Phase.PENDING:
+                self.apply(s)
+
+    def apply(self, s: BucketState) -> None:
+        """Apply bucket ``s``'s deferred update with its reduced gradients (with it,
+        the others done by then, after the measured steps: module doc). A plan that
+        issues buckets in their order of need takes one call per step; one that
+        issues an early-needed bucket sooner takes one more per such break."""
+        t0 = time.perf_counter()
+        group = self._group_of()
+        if self.measure.measuring(self.state.steps):
+            if s.launched_at is not None:
+                self.measure.window(s.bucket.spec.layers, s.launched_at, self.clock.stamp())
+            together = [s]  # one by one: each bucket's window and need are measured
+        else:
+            group.wait(s)  # first: what was issued before it is done by then too
+            together = [s] + [o for o in group.states if o is not s and
+                              o.phase is Phase.PENDING and
+                              group.engine.done_with(o.index, s.index)]
+        for o in together:  # before any update reads them
+            self.release(o)
+        groups: Dict[bool, tuple] = {}
+        for o in together:
+            hyper, o.hyper = o.hyper, None
+            used = group.settle(o)
+            group.to(o, Phase.IDLE)
+            b = o.bucket
+            for pos, p in enumerate(b.params):
+                if pos not in used and p.grad is b.views[pos]:
+                    p.grad = None
+            free = b.topk is not None and bool(self._momentum)
+            params, grads, _ = groups.setdefault(free, ([], [], hyper))
+            for pos in used:
+                if pos in o.taken:
+                    params.append(b.params[pos])
+                    grads.append(b.views[pos])
+        if self.update is not None:
+            for free, (params, grads, hyper) in groups.items():
+                if params:
+                    self.update(params, grads, hyper, free)
+        self.timeline.add(f"update bucket {s.index}" + (f" (+{len(together) - 1})"
+                                                       if len(together) > 1 else ""),
+                          "compute", t0, time.perf_counter())
