@@ -13,7 +13,7 @@ from .algorithms import ALGORITHMS, TOPOLOGY_AWARE, Topology
 from .plan.auto_model import choose_algorithm
 from .plan.cost_model import NATIVE
 from .base.errors import HybridCommError
-from .comm.reduce import reduce_now
+from .comm.executor import reduce_now
 from .kernels import SUPPORTED_DTYPES
 from .comm.transport.select import select_transport
 

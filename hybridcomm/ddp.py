@@ -46,7 +46,7 @@ from .config import env
 from .comm.channel import open_channel
 from .collectives import resolve_algorithm
 from .plan.cost_model import MODELED, NATIVE, CostModel
-from .comm.reduce import reduce_operation
+from .comm.executor import reduce_operation
 
 log = logging.getLogger("hybridcomm")
 
@@ -140,7 +140,7 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
 
     Register with ``ddp_model.register_comm_hook(HybridState(), hybrid_hook)``.
     The bucket goes through the same one ordered channel (and the same
-    ``reduce.reduce_operation``) as the optimizer's buckets. The future completes
+    ``executor.reduce_operation``) as the optimizer's buckets. The future completes
     with the averaged buffer; on CUDA it is bound to the comm stream, so DDP's
     wait is a stream wait, not a host synchronization.
     """

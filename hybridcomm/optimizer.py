@@ -1,8 +1,8 @@
 """DistributedOptimizer: the one-line change that turns on hybrid all-reduce.
 
-A thin front over the gradient synchronizer (synchronizer.py), which owns the
-buckets, the hooks, forward mode's first-use updates, measurement, re-planning
-and the engine. This module maps the optimizer API onto it:
+A thin front over the gradient synchronizer (sync/synchronizer.py), which wires
+the buckets, the hooks, forward mode's deferred updates, measurement,
+re-planning and the engine. This module maps the optimizer API onto it:
 
 - ``step()``: backward and none modes: the gradients are reduced in ``.grad``
   (views of the buckets), then the wrapped optimizer steps. Forward mode (the

@@ -117,7 +117,7 @@ def _update_calls(plan):
 
 def _steady(rank, world, overlap):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    from hybridcomm.comm.issuer import issuer_for
+    from hybridcomm.comm.channel import issuer_for
     from hybridcomm.testing import simgpu
 
     model = make_model()
@@ -224,7 +224,7 @@ def _issuing_threads(rank, world, threaded):
         seen.add(("nccl", threading.current_thread().name))
         return issue(self, calls, what)
     CupyNcclTransport._issue = noting
-    import hybridcomm.comm.reduce as engine_module  # the dispatch the engine calls
+    import hybridcomm.comm.executor as engine_module  # the dispatch the engine calls
 
     def launching(*args, **kwargs):
         seen.add(("schedule", threading.current_thread().name))

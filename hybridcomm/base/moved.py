@@ -27,7 +27,7 @@ MOVED = {
     "cost_model": "plan.cost_model", "auto_model": "plan.auto_model",
     "planner": "plan.planner", "verdict": "plan.verdict",
     "compression": "comm.compression", "backend": "comm.backend", "control": "comm.control",
-    "transport": "comm.transport", "issuer": "comm.issuer", "executor": "comm.executor",
+    "transport": "comm.transport", "issuer": "comm.channel", "executor": "comm.executor",
     "channel": "comm.channel", "engine": "comm.engine", "calibration": "comm.calibration",
     "ps": "comm.servers", "sparse": "comm.sparse",
     "registry": "sync.registry", "buckets": "sync.buckets", "pending": "sync.pending",

@@ -45,7 +45,7 @@ from . import control
 from ..config import env
 from ..plan.auto_model import ENV_PATH, active_model, choose_algorithm, default_path, get_active, load, save, set_active
 from .backend import comm_device
-from .reduce import reduce_now
+from .executor import reduce_now
 from .transport.select import select_transport
 from ..plan.cost_model import DEFAULT_MODEL, NATIVE, PS, CostModel, fit, rounded
 

@@ -1,7 +1,7 @@
 """Runs buckets' all-reduces through the one ordered channel, in the plan's issue order.
 
-The synchronizer (synchronizer.py) decides *when* a bucket is ready to go
-(``launch``); the engine decides *when it is issued*: a bucket's segments are
+The synchronizer's bucket group (sync/bucket_group.py) decides *when* a bucket
+is ready to go (``launch``); the engine decides *when it is issued*: a bucket's segments are
 submitted to the channel only when the plan's fixed sequence of (bucket,
 segment) reaches them, so every rank issues the same sequence whatever its
 local timing. A launch that the order has not reached yet waits in the engine
@@ -15,8 +15,8 @@ all-gather) on the bucket's buffer, in
 place; under compression the wire buffer is cast back into the gradients when
 the last segment is done.
 
-The operation itself (which all-reduce, on which side) is reduce.py's
-:func:`~hybridcomm.comm.reduce.reduce_operation`, shared with ``all_reduce`` and
+The operation itself (which all-reduce, on which side) is executor.py's
+:func:`~hybridcomm.comm.executor.reduce_operation`, shared with ``all_reduce`` and
 the DDP hook.
 """
 from __future__ import annotations
@@ -26,8 +26,7 @@ from typing import Callable, List, Optional
 
 from ..plan.cost_model import PS, bytes_sent
 from ..base.errors import HybridCommError
-from .executor import Workspace, execute, execute_async
-from .reduce import reduce_operation
+from .executor import Workspace, execute, execute_async, reduce_operation
 from ..plan.planner import Plan
 
 

@@ -26,8 +26,8 @@ ENV_PATH = "HYBRIDCOMM_COST_MODEL"
 
 
 def default_path() -> str:
-    """``$HYBRIDCOMM_COST_MODEL``, else ``$XDG_CACHE_HOME/hybridcomm/plan/cost_model.json``
-    (``~/.cache/hybridcomm/plan/cost_model.json``)."""
+    """``$HYBRIDCOMM_COST_MODEL``, else ``$XDG_CACHE_HOME/hybridcomm/cost_model.json``
+    (``~/.cache/hybridcomm/cost_model.json``)."""
     path = env.get(ENV_PATH)
     if path:
         return path

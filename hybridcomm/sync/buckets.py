@@ -18,7 +18,7 @@ second buffer of that dtype: one cast in at launch, one cast back when done.
 That is the only copy, and only under compression.
 
 This module holds data only; when a bucket may be written, launched or read
-is the synchronizer's (synchronizer.py).
+is the bucket group's (bucket_group.py).
 """
 from __future__ import annotations
 

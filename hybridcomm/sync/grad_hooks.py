@@ -110,4 +110,4 @@ class GradientHooks:
                 if passes.measuring:
                     sync.measure.ready(b.spec.params[pos], sync.clock.stamp())
                 if len(s.touched) == len(b.params) and s.launched_epoch != sync.state.epoch:
-                    sync.launch(s)
+                    sync.group.open_and_launch(s, sync.open, passes.id)

@@ -56,7 +56,7 @@ class StallInspector:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else \
             list(range(self.world))
-        self.prefix = f"hybridcomm/sync/stall/{next(_instances)}/{'-'.join(map(str, ranks))}"
+        self.prefix = f"hybridcomm/stall/{next(_instances)}/{'-'.join(map(str, ranks))}"
         self._key = f"{self.prefix}/{self.rank}"
         try:
             self.store = dist.distributed_c10d._get_default_store() if self.warn_s > 0 else None

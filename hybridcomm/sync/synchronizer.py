@@ -181,13 +181,10 @@ class GradientSynchronizer:
     def measuring(self) -> bool:
         return self.measure.measuring(self.state.steps)
 
-    # ---- opening and launching (the hooks' verbs) ----------------------------------------
+    # ---- opening and launching (with the hooks) ---------------------------------------------
     def open(self, s: BucketState) -> bool:
         """Bucket ``s`` writable for backward (False: its launch is still to be issued)."""
         return self.group.open(s, self.deferred.apply)
-
-    def launch(self, s: BucketState) -> None:
-        self.group.open_and_launch(s, self.open, self.passes.id)
 
     def _pass_ended(self, kind: str) -> None:
         """The launching pass launches every bucket not launched yet in this step; a
