@@ -709,3 +709,31 @@ def test_an_eager_forward_applies_each_update_at_its_first_use_not_at_the_start(
     monkeypatch.setenv("HYBRIDCOMM_DEFER", "always")
     for seen in run_ranks(2, _last_layer_pending_when_the_first_runs):
         assert seen == [False, True, True]
+
+
+def _replaced_buckets(rank, world):
+    import gc
+    import weakref
+
+    gc.disable()  # only reference counting may free them: no cycle may hold them
+    try:
+        model = make_model()
+        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                              model=model, measure_iters=2, timeout=60)
+        first = weakref.ref(opt._hc_sync.group.states[0].bucket.buffer)
+        for s in range(4):
+            x, y = batch(s)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            opt.step()
+        freed = first() is None
+        opt.close()
+        return freed
+    finally:
+        gc.enable()
+
+
+def test_a_replan_frees_the_old_buckets_memory_at_once():
+    """A re-plan's new buckets replace the old: the old memory must go when they do,
+    not at some later cycle collection (a peak-memory premium over DDP otherwise)."""
+    assert run_ranks(2, _replaced_buckets) == [True, True]

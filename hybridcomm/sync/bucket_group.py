@@ -377,6 +377,12 @@ class BucketGroup:
     def topk_param_ids(self) -> set:
         return {id(p) for s in self.states if s.bucket.topk is not None for p in s.bucket.params}
 
+    def retire(self) -> None:
+        """A re-plan replaced this group: the engine's callbacks hold it, and with it
+        its buckets' memory, in a reference cycle; dropping them frees it at once."""
+        if self.engine is not None:
+            self.engine.on_issue = self.engine.on_issued = self.engine.on_slow = None
+
     def close(self) -> None:
         engine, self.engine = self.engine, None
         if engine is not None:

@@ -167,10 +167,11 @@ class GradientSynchronizer:
 
     def _build(self, plan: Plan) -> None:
         """Buckets for ``plan``, taking over the current ones' gradients."""
-        self.group = BucketGroup(plan, self.params, self.registry.names, self._links,
-                                 self.config, self.state,
-                                 lambda: self.measure.measuring(self.state.steps + 1),
-                                 carry=self.group)
+        old, self.group = self.group, BucketGroup(
+            plan, self.params, self.registry.names, self._links, self.config, self.state,
+            lambda: self.measure.measuring(self.state.steps + 1), carry=self.group)
+        if old is not None:
+            old.retire()
         self.hooks.attach(self.params)
 
     def watched(self):
