@@ -211,8 +211,8 @@ def rank0_decides(decide: Callable[[], Any], *, group=None, timeout: float, what
 
     Example::
 
-        >>> plan = rank0_decides(lambda: make_plan(layers, world_size=4), timeout=60,
-        ...                      what="the bucket plan")
+        plan = rank0_decides(lambda: make_plan(layers, world_size=4), timeout=60,
+                             what="the bucket plan")
     """
     mine = decide() if dist.get_rank(group) == 0 else None
     return broadcast_object(mine, group=group, timeout=timeout, what=what)

@@ -29,8 +29,8 @@ the comm stream (NCCL, the simulated GPU).
 
 Example::
 
-    >>> transport = select_transport(buf.device, None, timeout=60)
-    >>> reduce_now(buf, transport, "ring", scale=1 / transport.world_size, timeout=60)
+    transport = select_transport(buf.device, None, timeout=60)
+    reduce_now(buf, transport, "ring", scale=1 / transport.world_size, timeout=60)
 """
 from __future__ import annotations
 

@@ -21,9 +21,9 @@ folded in when the bucket next opens.
 
 Example::
 
-    >>> group = BucketGroup(plan, params, names, links, config, state=StepState())
-    >>> group.open(group.states[0]); group.launch(group.states[0])
-    >>> group.consume(group.states[0])       # waits: .grad holds the reduced gradients
+    group = BucketGroup(plan, params, names, links, config, state=StepState())
+    group.open(group.states[0]); group.launch(group.states[0])
+    group.consume(group.states[0])       # waits: .grad holds the reduced gradients
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ checkpoint holds the saving rank's (format 1 held every rank's, still read).
 
 Example::
 
-    >>> state = checkpoint.save(sync)        # plain types and a CPU tensor
-    >>> checkpoint.load(sync, state)         # the plan adopted, the residuals restored
+    state = checkpoint.save(sync)        # plain types and a CPU tensor
+    checkpoint.load(sync, state)         # the plan adopted, the residuals restored
 """
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ waits for them anyway).
 
 Example::
 
-    >>> deferred = DeferredUpdates(group_of, update, measure, state, clock, timeline, rt, momentum=0.0)
-    >>> deferred.defer(hyper)                # step(): every reduced bucket PENDING
-    >>> model(x)                             # each bucket applied before its first read
-    >>> deferred.apply_pending()             # or all now
+    deferred = DeferredUpdates(group_of, update, measure, state, clock, timeline, rt, momentum=0.0)
+    deferred.defer(hyper)                # step(): every reduced bucket PENDING
+    model(x)                             # each bucket applied before its first read
+    deferred.apply_pending()             # or all now
 """
 from __future__ import annotations
 

@@ -15,9 +15,9 @@
 
 Example::
 
-    >>> hooks = GradientHooks(sync)
-    >>> hooks.attach(params)          # again after the parameters change
-    >>> hooks.detach()                # close()
+    hooks = GradientHooks(sync)
+    hooks.attach(params)          # again after the parameters change
+    hooks.detach()                # close()
 """
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ a parameter or synchronizer that is gone frees its entry.
 
 Example::
 
-    >>> claim(params, sync, names)          # raises if another holds one of them
-    >>> owner_of(params[0]) is sync
+    claim(params, sync, names)          # raises if another holds one of them
+    owner_of(params[0]) is sync
     True
-    >>> release(params, sync)
+    release(params, sync)
 """
 from __future__ import annotations
 

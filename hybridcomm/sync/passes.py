@@ -19,9 +19,9 @@ unless it runs inside a backward started by another backward's node
 
 Example::
 
-    >>> passes = PassTracker("backward", on_end=print, timeline=Timeline())
-    >>> passes.gradient_arrived(launch_pass=1, measuring=False)   # in a hook
-    >>> passes.kind
+    passes = PassTracker("backward", on_end=print, timeline=Timeline())
+    passes.gradient_arrived(launch_pass=1, measuring=False)   # in a hook
+    passes.kind
     'launch'
 """
 from __future__ import annotations

@@ -10,9 +10,9 @@ logs the one-line verdict (plan/verdict.py).
 
 Example::
 
-    >>> planning = Planning(config, cost_model, world=4, rank=0, group=None, servers=0)
-    >>> plan = planning.agree(registry.layers)                   # at construction
-    >>> new = planning.agree(registry.layers, measured, keep=plan)   # None: nothing new
+    planning = Planning(config, cost_model, world=4, rank=0, group=None, servers=0)
+    plan = planning.agree(registry.layers)                   # at construction
+    new = planning.agree(registry.layers, measured, keep=plan)   # None: nothing new
 """
 from __future__ import annotations
 

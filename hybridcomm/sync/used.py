@@ -13,10 +13,10 @@ bucket (a complete one needs neither):
 
 Example::
 
-    >>> used = UsedAgreement(on_host=True, rank=0, group=None, timeout=60)
-    >>> used.mark(state)        # at launch: this rank's positions with a gradient
-    >>> used.post(state)        # as the engine issues it
-    >>> used.positions(state)   # after the reduction: every rank's, merged
+    used = UsedAgreement(on_host=True, rank=0, group=None, timeout=60)
+    used.mark(state)        # at launch: this rank's positions with a gradient
+    used.post(state)        # as the engine issues it
+    used.positions(state)   # after the reduction: every rank's, merged
 """
 from __future__ import annotations
 
