@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -43,6 +44,8 @@ from ..plan.planner import Plan
 from .buckets import GradBucket
 from .memory import Allocator
 from .used import UsedAgreement
+
+log = logging.getLogger("hybridcomm")
 
 
 class Phase(enum.Enum):
@@ -95,6 +98,25 @@ class BucketState:
     def launched(self) -> bool:
         """Launched and not yet waited for (issued or not)."""
         return self._phase in (Phase.LAUNCHED, Phase.IN_FLIGHT)
+
+
+def memory_beyond_gradients(bucket: GradBucket) -> Dict[str, int]:
+    """Bytes a bucket holds beyond its parameters' gradients, by what they are for
+    (alignment padding between views, the usage flags, the wire copy under
+    compression, top-k's residual, velocity and gathered messages)."""
+    item = bucket.buffer.element_size()
+    grads = sum(v.numel() for v in bucket.views) * item
+    extra = {"padding": bucket.grads.numel() * item - grads,
+             "flags": bucket.flags.numel() * item}
+    if bucket.wire is not None:
+        extra["wire copy"] = bucket.wire.numel() * bucket.wire.element_size()
+    tk = bucket.topk
+    if tk is not None:
+        for name in ("residual", "velocity", "gathered"):
+            t = getattr(tk, name, None)
+            if t is not None:
+                extra[f"top-k {name}"] = t.numel() * t.element_size()
+    return extra
 
 
 @dataclass
@@ -158,6 +180,12 @@ class BucketGroup:
                 if old is not None:
                     self._carry(s, pos, *old)
             self.states.append(s)
+            if log.isEnabledFor(logging.DEBUG):
+                extra = memory_beyond_gradients(bucket)
+                log.debug("hybridcomm bucket %d: %d bytes of gradients, %d bytes more (%s)",
+                          b.index, sum(v.numel() for v in bucket.views) *
+                          bucket.buffer.element_size(), sum(extra.values()),
+                          ", ".join(f"{k} {v}" for k, v in extra.items() if v))
         self.engine: Optional[CommEngine] = CommEngine(
             plan, [s.bucket for s in self.states], links.channel, links.transport,
             scale=links.scale, timeout=config.timeout, servers=links.servers)
