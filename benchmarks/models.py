@@ -9,9 +9,9 @@ size where one step on 4 ranks sharing 2 cores takes tens of milliseconds.
 
 ``build(name, seed)`` also makes two real architectures for the same 32x32, 10-class data,
 adapted the usual CIFAR way (``MODELS`` says how): ``resnet18`` and ``vgg11`` from
-``torchvision.models`` where torchvision imports, else from ``torchvision_arch.py``, an
-in-repo copy of torchvision 0.28.0's (PyPI's torchvision cannot load beside the CPU torch
-build). Both paths give the same parameter names and shapes, and the same weights for a seed.
+``torchvision.models`` where torchvision imports, else from ``vision_arch.py``, the two
+architectures written here from their papers with torchvision's names (PyPI's torchvision
+cannot load beside the CPU torch build). Both paths give the same parameter names and shapes, and the same weights for a seed.
 """
 from __future__ import annotations
 
@@ -79,19 +79,19 @@ def _arch_module(use_torchvision=None):
         raise RuntimeError("torchvision cannot be imported here")
     if tv is not None:
         return tv
-    import torchvision_arch
+    import vision_arch
 
-    return torchvision_arch
+    return vision_arch
 
 
 def model_source(name: str, use_torchvision=None) -> str:
     """Where ``build(name)`` takes the architecture from, in words."""
     if name == "vgg_small":
         return "in-repo"
-    if _arch_module(use_torchvision).__name__ == "torchvision_arch":
-        import torchvision_arch
+    if _arch_module(use_torchvision).__name__ == "vision_arch":
+        import vision_arch
 
-        return f"in-repo copy of torchvision {torchvision_arch.__version__}"
+        return f"in-repo: {vision_arch.__version__}"
     import torchvision
 
     return f"torchvision {torchvision.__version__}"

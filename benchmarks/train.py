@@ -668,8 +668,9 @@ def parse_args(argv=None):
                     help=f"what trains (default {DEFAULT_MODEL}; --demo and --regime-map "
                          "run only that): "
                          + "; ".join(f"{name} = {what}" for name, what in MODELS.items())
-                         + ". resnet18, vgg11: torchvision.models where it imports, else an "
-                         "in-repo copy of torchvision 0.28.0's; the same weights either way")
+                         + ". resnet18, vgg11: torchvision.models where it imports, else "
+                         "benchmarks/vision_arch.py (written here from the papers, with "
+                         "torchvision's names; the same weights either way)")
     ap.add_argument("--batch-sizes", default=None, help="per rank, comma-separated (default 8,16,32,64)")
     ap.add_argument("--configs", default="all",
                     help=f"comma-separated from {','.join(CONFIGS)}, ddp:CAP_MB, or all")
@@ -743,8 +744,8 @@ def measure(args, shape, batch_sizes):
 
 
 def model_line(model) -> str:
-    """The model, where it comes from and its size: ``resnet18 (in-repo copy of torchvision
-    0.28.0; 11.17M params, 44.7 MB of gradients, 0.0% in FC layers)``."""
+    """The model, where it comes from and its size: ``resnet18 (torchvision 0.28.0; 11.17M
+    params, 44.7 MB of gradients, 0.0% in FC layers)``."""
     return (f"{model['arch']} ({model['source']}; {model['params'] / 1e6:.2f}M params, "
             f"{model['bytes'] / 1e6:.1f} MB of gradients, "
             f"{model['fc_params'] / model['params']:.1%} in FC layers)")

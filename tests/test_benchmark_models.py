@@ -5,8 +5,9 @@ wheel, imported beside torch 2.13.0+cpu after defining the two op schemas its C 
 fails to register, torchvision::nms and ::qnms) as
 ``[(n, tuple(p.shape)) for n, p in models.build(name, use_torchvision=True).named_parameters()]``,
 i.e. ``torchvision.models.resnet18/vgg11(num_classes=10)`` with models.py's CIFAR adaptation.
-The in-repo copy (benchmarks/torchvision_arch.py), which these tests build where torchvision
-cannot load, must give the same; it also gave bitwise the same state_dict for a seed then.
+The in-repo architectures (benchmarks/vision_arch.py, written from the papers with
+torchvision's names), which these tests build where torchvision cannot load, must give the
+same; where torchvision loads, the two must give bitwise the same state_dict for a seed.
 vgg_small's are the thesis model's (2,389,034 params, as benchmarks/README.md shows).
 """
 import os
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 import models  # noqa: E402
-import torchvision_arch  # noqa: E402
+import vision_arch  # noqa: E402
 
 VGG_SMALL_PARAMS = 2389034
 VGG_SMALL_SHAPES = [
@@ -98,18 +99,18 @@ def test_every_name_is_offered_and_the_default_is_the_thesis_model():
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_parameters_are_torchvisions(name):
     params, shapes = EXPECTED[name]
-    model = models.build(name, seed=0)  # torchvision where it imports, else the copy
+    model = models.build(name, seed=0)  # torchvision where it imports, else vision_arch
     assert _shapes(model) == shapes
     counts = models.param_counts(model)
     assert counts["params"] == params and counts["bytes"] == 4 * params
-    if name != "vgg_small":  # the copy in particular, whichever build() took
+    if name != "vgg_small":  # vision_arch in particular, whichever build() took
         assert _shapes(models.build(name, seed=0, use_torchvision=False)) == shapes
 
 
 @pytest.mark.parametrize("name", ["resnet18", "vgg11"])
-def test_the_copy_before_the_cifar_adaptation_has_torchvisions_size(name):
+def test_the_in_repo_architecture_before_the_cifar_adaptation_has_torchvisions_size(name):
     with torch.device("meta"):  # vgg11's 128.8M parameters are never allocated
-        model = getattr(torchvision_arch, name)(num_classes=10)
+        model = getattr(vision_arch, name)(num_classes=10)
     assert sum(p.numel() for p in model.parameters()) == UNADAPTED_PARAMS[name]
 
 
@@ -144,20 +145,20 @@ def test_weights_depend_on_the_seed_alone_and_follow_torchvisions_init(name):
 
 @pytest.mark.skipif(not TORCHVISION, reason="torchvision cannot be imported here")
 @pytest.mark.parametrize("name", ["resnet18", "vgg11"])
-def test_torchvision_and_the_copy_give_the_same_model(name):
+def test_torchvision_and_the_in_repo_architecture_give_the_same_model(name):
     real = models.build(name, seed=1234, use_torchvision=True)
     copy = models.build(name, seed=1234, use_torchvision=False)
     assert type(real).__module__.startswith("torchvision.")
-    assert type(copy).__module__ == "torchvision_arch"
+    assert type(copy).__module__ == "vision_arch"
     ra, ca = real.state_dict(), copy.state_dict()
     assert list(ra) == list(ca) and all(torch.equal(ra[k], ca[k]) for k in ra)
     assert models.model_source(name).startswith("torchvision ")
 
 
 @pytest.mark.skipif(TORCHVISION, reason="torchvision imports here")
-def test_without_torchvision_the_copy_is_used_and_said_so():
-    assert type(models.build("resnet18")).__module__ == "torchvision_arch"
-    assert models.model_source("resnet18") == "in-repo copy of torchvision 0.28.0"
+def test_without_torchvision_the_in_repo_architecture_is_used_and_said_so():
+    assert type(models.build("resnet18")).__module__ == "vision_arch"
+    assert models.model_source("resnet18") == f"in-repo: {vision_arch.__version__}"
     assert models.model_source("vgg_small") == "in-repo"
     with pytest.raises(RuntimeError, match="torchvision cannot be imported"):
         models.build("vgg11", use_torchvision=True)
