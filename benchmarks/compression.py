@@ -1,0 +1,288 @@
+"""Time to accuracy: hybridcomm's compression against DDP's own compression hooks.
+
+DDP users already have ``fp16_compress_hook``, ``bf16_compress_hook`` and PowerSGD.
+This trains one real model on one real data set to a stated test accuracy with each,
+4 ranks on a shaped link, and reports the seconds and steps to the target and the
+final accuracy, over several seeds (the run-to-run spread):
+
+- ``ddp``: DistributedDataParallel, its default all-reduce;
+- ``ddp-fp16``, ``ddp-bf16``: DDP with ``fp16_compress_hook`` / ``bf16_compress_hook``;
+- ``ddp-powersgd-r1``, ``-r2``, ``-r4``: DDP with PowerSGD of rank 1, 2, 4 and its
+  defaults otherwise, except ``start_powerSGD_iter``: its default (1,000) is longer than
+  this whole run (it would be plain all-reduce throughout), so it is 10% of the run's
+  steps (at least 2), the starting point PowerSGD's own documentation recommends;
+- ``hybrid``, ``hybrid-fp16``, ``hybrid-bf16``, ``hybrid-topk-0.01``, ``hybrid-topk-0.1``:
+  ``hybridcomm.DistributedOptimizer`` in forward mode (the default), plain, with the
+  fp16 or bf16 wire, and top-k with error feedback at two ratios.
+
+**The task**: scikit-learn's digits (1,797 8x8 handwritten digits, bundled with the
+package: no download), upscaled to 16x16, 80/20 split with a fixed shuffle. **The
+model**: two 3x3 convolutions (32, 64 channels), a 2x2 max pool, a 256-wide fully
+connected layer and the 10-way output: 1.07M parameters, 98% of them in the first
+fully connected layer, so most bytes sit in one large late layer and a few small
+early ones, the shape of the thesis's model and of VGG; at 100 Mbit/s a plain
+all-reduce of its 4.3 MB takes about as long as the step's compute here, so the wire
+decides the time to accuracy, which is what compression is for. **Training**:
+momentum SGD (lr 0.05, momentum 0.9), 32 samples per rank per step (128 in all), every
+rank the same initial weights and its own quarter of each shuffled global batch; every
+rank evaluates the test split every ``--eval-every`` steps, outside the clock.
+
+    python benchmarks/compression.py                       # the default run (< 30 minutes)
+    python benchmarks/compression.py --shape "rate 100mbit" --seeds 0,1,2 --json out.json
+    python benchmarks/compression.py --quick --shape none  # loopback, 1 seed, a smoke run
+
+Needs root for the shaped link (one network namespace per rank, tbf); ``--shape none``
+runs on loopback. The JSON holds one row per (config, seed): ``config``, ``seed``,
+``steps_to_target``, ``seconds_to_target`` (null if not reached), ``final_accuracy``,
+``seconds``, ``bytes_sent`` and the accuracy curve.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+WORLD = 4
+PER_RANK = 32
+DDP_CONFIGS = ("ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r2",
+               "ddp-powersgd-r4")
+HYBRID_CONFIGS = ("hybrid", "hybrid-fp16", "hybrid-bf16", "hybrid-topk-0.01",
+                  "hybrid-topk-0.1")
+CONFIGS = DDP_CONFIGS + HYBRID_CONFIGS
+
+
+def digits(size: int = 16):
+    """(train x, train y, test x, test y): digits upscaled to ``size`` pixels, 80/20."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    x = (x - x.mean()) / x.std()
+    y = torch.tensor(d.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
+    x, y = x[order], y[order]
+    cut = int(0.8 * len(y))
+    return x[:cut], y[:cut], x[cut:], y[cut:]
+
+
+class DigitsNet(nn.Module):
+    """Two convolutions, a pool, a wide fully connected layer, the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.fc1 = nn.Linear(64 * 8 * 8, 256)
+        self.fc2 = nn.Linear(256, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv2(F.relu(self.conv1(x)))), 2)
+        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+
+
+def accuracy(model: nn.Module, x, y) -> float:
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+def _wrap(config: str, model: nn.Module, opt, total_steps: int):
+    """(the module to call, the optimizer to step) for ``config``."""
+    if config.startswith("hybrid"):
+        import hybridcomm
+
+        compression = {"hybrid": None, "hybrid-fp16": "fp16", "hybrid-bf16": "bf16"}.get(
+            config, "topk:" + config.rsplit("-", 1)[-1])
+        return model, hybridcomm.DistributedOptimizer(opt, model=model, compression=compression,
+                                                      timeout=120)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    if config in ("ddp-fp16", "ddp-bf16"):
+        hook = default_hooks.fp16_compress_hook if config == "ddp-fp16" \
+            else default_hooks.bf16_compress_hook
+        ddp.register_comm_hook(None, hook)
+    elif config.startswith("ddp-powersgd-r"):
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=int(config[len("ddp-powersgd-r"):]),
+            start_powerSGD_iter=max(2, total_steps // 10))
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp, opt
+
+
+def _rank(rank: int, world: int, config: str, seed: int, cfg: dict) -> dict:
+    torch.set_num_threads(1)
+    xtr, ytr, xte, yte = digits()
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    model = DigitsNet()
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
+    steps_per_epoch = len(ytr) // (PER_RANK * world)
+    total = steps_per_epoch * cfg["epochs"]
+    net, opt = _wrap(config, model, opt, total)
+    shuffle = torch.Generator().manual_seed(seed + 1)
+    curve, clock, step, sent = [], 0.0, 0, 0
+    for _ in range(cfg["epochs"]):
+        order = torch.randperm(len(ytr), generator=shuffle)
+        for b in range(steps_per_epoch):
+            idx = order[b * PER_RANK * world:(b + 1) * PER_RANK * world][rank::world]
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            F.cross_entropy(net(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+            clock += time.perf_counter() - t0
+            step += 1
+            sent += getattr(opt, "last_step_stats", {}).get("bytes_sent", 0)
+            if step % cfg["eval_every"] == 0 or step == total:
+                curve.append((step, clock, accuracy(model, xte, yte)))  # outside the clock
+    if hasattr(opt, "close"):
+        opt.close()
+    return {"curve": curve, "seconds": clock, "steps": total, "bytes_sent": sent}
+
+
+def to_target(curve, target: float):
+    """(steps, seconds) of the first evaluation at or above ``target``, else (None, None)."""
+    for step, seconds, acc in curve:
+        if acc >= target:
+            return step, seconds
+    return None, None
+
+
+def run_one(config: str, seed: int, cfg: dict, setup=None) -> dict:
+    from hybridcomm.tools.launch import launch
+
+    out = launch(_rank, WORLD, config, seed, cfg, setup=setup, timeout=cfg["timeout"])[0]
+    steps, seconds = to_target(out["curve"], cfg["target"])
+    return {"config": config, "seed": seed, "steps_to_target": steps,
+            "seconds_to_target": seconds, "final_accuracy": out["curve"][-1][2],
+            "seconds": out["seconds"], "steps": out["steps"], "bytes_sent": out["bytes_sent"],
+            "curve": out["curve"]}
+
+
+def summarize(rows: List[dict], target: float) -> Dict[str, dict]:
+    """Per config: the median seconds to the target over the seeds (None unless every
+    seed reached it), the final accuracy's mean and spread."""
+    out = {}
+    for config in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == config]
+        times = [r["seconds_to_target"] for r in mine]
+        finals = [r["final_accuracy"] for r in mine]
+        out[config] = {
+            "seconds_to_target": statistics.median(times) if None not in times else None,
+            "steps_to_target": statistics.median(r["steps_to_target"] for r in mine)
+            if None not in times else None,
+            "final_accuracy": statistics.mean(finals),
+            "final_spread": max(finals) - min(finals),
+            "reached": sum(t is not None for t in times), "seeds": len(mine)}
+    return out
+
+
+def _best(summary: Dict[str, dict], prefix: str) -> Optional[str]:
+    reached = [c for c, s in summary.items() if c.startswith(prefix)
+               and s["seconds_to_target"] is not None]
+    return min(reached, key=lambda c: summary[c]["seconds_to_target"]) if reached else None
+
+
+def report(rows: List[dict], cfg: dict) -> str:
+    summary = summarize(rows, cfg["target"])
+    lines = [f"time to {cfg['target']:.0%} test accuracy on digits (16x16), {WORLD} ranks, "
+             f"network: {cfg['shape'] or 'loopback (unshaped)'}, {cfg['epochs']} epochs, "
+             f"seeds {cfg['seeds']}; median over seeds",
+             f"{'config':>18} {'s to target':>12} {'steps':>6} {'final acc':>10} {'spread':>7} "
+             f"{'reached':>8} {'MB sent/rank':>13}"]
+    for config, s in summary.items():
+        mb = "-" if not config.startswith("hybrid") else \
+            f"{statistics.mean(r['bytes_sent'] for r in rows if r['config'] == config) / 1e6:.1f}"
+        t = "-" if s["seconds_to_target"] is None else f"{s['seconds_to_target']:.1f}"
+        st = "-" if s["steps_to_target"] is None else f"{s['steps_to_target']:.0f}"
+        lines.append(f"{config:>18} {t:>12} {st:>6} {s['final_accuracy']:>10.3f} "
+                     f"{s['final_spread']:>7.3f} {s['reached']:>4}/{s['seeds']:<3} "
+                     f"{mb:>13}")
+    ddp, hyb = _best(summary, "ddp"), _best(summary, "hybrid")
+    if ddp and hyb:
+        ratio = summary[hyb]["seconds_to_target"] / summary[ddp]["seconds_to_target"]
+        lines.append(f"best DDP: {ddp} {summary[ddp]['seconds_to_target']:.1f} s; best "
+                     f"hybridcomm: {hyb} {summary[hyb]['seconds_to_target']:.1f} s: {ratio:.2f}x "
+                     "(goal <= 0.80x), final accuracy "
+                     f"{summary[hyb]['final_accuracy']:.3f} vs {summary[ddp]['final_accuracy']:.3f}")
+    lines.append("(MB sent/rank: the library's bytes_sent; DDP's hooks do not report theirs)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="rate 100mbit",
+                    help='tbf shape of each rank\'s link ("rate 100mbit"; "none": loopback)')
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
+    ap.add_argument("--eval-every", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
+    ap.add_argument("--quick", action="store_true",
+                    help="one seed, one epoch; ddp and hybrid unless --configs (a smoke run)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        ap.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.quick:  # ddp and hybrid only, unless --configs says otherwise
+        seeds, args.epochs = seeds[:1], 1
+        if args.configs == ",".join(CONFIGS):
+            configs = ["ddp", "hybrid"]
+    shape = None if args.shape in ("", "none") else args.shape
+    cfg = {"epochs": args.epochs, "target": args.target, "eval_every": args.eval_every,
+           "lr": args.lr, "timeout": args.timeout, "shape": shape, "seeds": seeds}
+    rows, t0 = [], time.time()
+    net = None
+    if shape:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        from train import shaped_network
+
+        net = shaped_network(WORLD, shape)
+    with (net if net is not None else _nothing()) as opened:
+        for seed in seeds:
+            for config in configs:  # interleaved: drift hits every config alike
+                row = run_one(config, seed, cfg, setup=opened.setup if opened else None)
+                rows.append(row)
+                print(f"[compression] seed {seed} {config}: "
+                      f"{row['seconds_to_target'] if row['seconds_to_target'] is not None else '-'}"
+                      f" s to target, final {row['final_accuracy']:.3f} "
+                      f"({time.time() - t0:.0f} s so far)", flush=True)
+    text = report(rows, cfg)
+    print(text)
+    if args.json:
+        doc = {"command": " ".join([sys.executable] + sys.argv), "config": cfg,
+               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                           "torch": torch.__version__},
+               "summary": summarize(rows, cfg["target"]), "results": rows}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
