@@ -260,20 +260,23 @@ def main(argv=None) -> int:
             for config in configs:  # interleaved: drift hits every config alike
                 row = run_one(config, seed, cfg, setup=opened.setup if opened else None)
                 rows.append(row)
+                if args.json:  # after every run: a cut-short run keeps what it measured
+                    _write(args.json, rows, cfg)
                 print(f"[compression] seed {seed} {config}: "
                       f"{row['seconds_to_target'] if row['seconds_to_target'] is not None else '-'}"
                       f" s to target, final {row['final_accuracy']:.3f} "
                       f"({time.time() - t0:.0f} s so far)", flush=True)
-    text = report(rows, cfg)
-    print(text)
-    if args.json:
-        doc = {"command": " ".join([sys.executable] + sys.argv), "config": cfg,
-               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                           "torch": torch.__version__},
-               "summary": summarize(rows, cfg["target"]), "results": rows}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+    print(report(rows, cfg))
     return 0
+
+
+def _write(path: str, rows: List[dict], cfg: dict) -> None:
+    doc = {"command": " ".join([sys.executable] + sys.argv), "config": cfg,
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                       "torch": torch.__version__, "loadavg": os.getloadavg()},
+           "summary": summarize(rows, cfg["target"]), "results": rows}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
 
 
 class _nothing:
