@@ -162,7 +162,15 @@ def to_target(curve, target: float):
 def run_one(config: str, seed: int, cfg: dict, setup=None) -> dict:
     from hybridcomm.tools.launch import launch
 
-    out = launch(_rank, WORLD, config, seed, cfg, setup=setup, timeout=cfg["timeout"])[0]
+    from hybridcomm import HybridCommError
+
+    try:
+        out = launch(_rank, WORLD, config, seed, cfg, setup=setup, timeout=cfg["timeout"])[0]
+    except HybridCommError as e:  # e.g. DDP's bf16 hook, which needs NCCL
+        why = str(e).strip().splitlines()[-1]
+        return {"config": config, "seed": seed, "steps_to_target": None,
+                "seconds_to_target": None, "final_accuracy": None, "seconds": None,
+                "steps": None, "bytes_sent": 0, "curve": [], "error": why}
     steps, seconds = to_target(out["curve"], cfg["target"])
     return {"config": config, "seed": seed, "steps_to_target": steps,
             "seconds_to_target": seconds, "final_accuracy": out["curve"][-1][2],
@@ -175,7 +183,10 @@ def summarize(rows: List[dict], target: float) -> Dict[str, dict]:
     seed reached it), the final accuracy's mean and spread."""
     out = {}
     for config in dict.fromkeys(r["config"] for r in rows):
-        mine = [r for r in rows if r["config"] == config]
+        mine = [r for r in rows if r["config"] == config and not r.get("error")]
+        if not mine:
+            out[config] = {"error": next(r["error"] for r in rows if r["config"] == config)}
+            continue
         times = [r["seconds_to_target"] for r in mine]
         finals = [r["final_accuracy"] for r in mine]
         out[config] = {
@@ -190,7 +201,7 @@ def summarize(rows: List[dict], target: float) -> Dict[str, dict]:
 
 def _best(summary: Dict[str, dict], prefix: str) -> Optional[str]:
     reached = [c for c, s in summary.items() if c.startswith(prefix)
-               and s["seconds_to_target"] is not None]
+               and s.get("seconds_to_target") is not None]
     return min(reached, key=lambda c: summary[c]["seconds_to_target"]) if reached else None
 
 
@@ -202,8 +213,11 @@ def report(rows: List[dict], cfg: dict) -> str:
              f"{'config':>18} {'s to target':>12} {'steps':>6} {'final acc':>10} {'spread':>7} "
              f"{'reached':>8} {'MB sent/rank':>13}"]
     for config, s in summary.items():
-        mb = "-" if not config.startswith("hybrid") else \
-            f"{statistics.mean(r['bytes_sent'] for r in rows if r['config'] == config) / 1e6:.1f}"
+        if "error" in s:
+            lines.append(f"{config:>18}  did not run here: {s['error']}")
+            continue
+        sent = [r["bytes_sent"] for r in rows if r["config"] == config and not r.get("error")]
+        mb = f"{statistics.mean(sent) / 1e6:.1f}" if config.startswith("hybrid") else "-"
         t = "-" if s["seconds_to_target"] is None else f"{s['seconds_to_target']:.1f}"
         st = "-" if s["steps_to_target"] is None else f"{s['steps_to_target']:.0f}"
         lines.append(f"{config:>18} {t:>12} {st:>6} {s['final_accuracy']:>10.3f} "
@@ -262,10 +276,11 @@ def main(argv=None) -> int:
                 rows.append(row)
                 if args.json:  # after every run: a cut-short run keeps what it measured
                     _write(args.json, rows, cfg)
-                print(f"[compression] seed {seed} {config}: "
+                print(f"[compression] seed {seed} {config}: " + (
+                      f"failed: {row['error']}" if row.get("error") else
                       f"{row['seconds_to_target'] if row['seconds_to_target'] is not None else '-'}"
-                      f" s to target, final {row['final_accuracy']:.3f} "
-                      f"({time.time() - t0:.0f} s so far)", flush=True)
+                      f" s to target, final {row['final_accuracy']:.3f}") +
+                      f" ({time.time() - t0:.0f} s so far)", flush=True)
     print(report(rows, cfg))
     return 0
 

@@ -140,9 +140,11 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
 
     Register with ``ddp_model.register_comm_hook(HybridState(), hybrid_hook)``.
     The bucket goes through the same one ordered channel (and the same
-    ``executor.reduce_operation``) as the optimizer's buckets. The future completes
-    with the averaged buffer; on CUDA it is bound to the comm stream, so DDP's
-    wait is a stream wait, not a host synchronization.
+    ``executor.reduce_operation``) as the optimizer's buckets. On a GPU the
+    reduction waits for an event on the caller's current stream (where DDP wrote
+    the bucket), whichever thread issues it. The future completes with the
+    averaged buffer; on CUDA it is bound to the comm stream, so DDP's wait is a
+    stream wait, not a host synchronization.
     """
     buf = bucket.buffer()
     if not state._world:
@@ -153,13 +155,23 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
     nbytes = buf.numel() * buf.element_size()
     name = state.algorithm(bucket.index(), nbytes)
     what = f"DDP bucket {bucket.index()} ({name}, {nbytes} bytes)"
+    ready = None
+    if channel.stream_ordered:
+        rt = t.runtime
+        rt.expect_write(buf)  # the reducer's copies into the bucket (for the simulator)
+        # DDP wrote the bucket (in autograd's hooks) on this thread's current stream:
+        # the reduction waits for it there (an issuing thread's is another stream).
+        ready = rt.new_event()
+        ready.record(rt.current_stream())
     op = reduce_operation(buf, t, name, scale=1.0 / state._world, timeout=state.timeout,
-                          label=what, range_id=f"DDP {bucket.index()}",
+                          label=what, range_id=f"DDP {bucket.index()}", ready=ready,
                           stream_ordered=channel.stream_ordered)
     if channel.stream_ordered:  # device path: queued on the comm stream
         channel.take_busy()  # forget finished operations' timing events (no host sync)
-        channel.submit(op, what)
-        fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+        channel.submit(op, what)  # issued when it returns (by an issuing thread or here)
+        if not buf.is_cuda:  # the simulated GPU: a CPU tensor's future has no stream
+            return rt.stream_future(buf, t.stream)
+        fut = torch.futures.Future(devices=[buf.device])
         with t.stream_context():
             fut.set_result(buf)  # recorded on the comm stream, after the work
         return fut

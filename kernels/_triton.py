@@ -106,7 +106,9 @@ def check_same_device(t: torch.Tensor, ref: torch.Tensor, name: str, ref_name: s
 
 
 def check_scale(scale):
-    """None, or the scale as a Python float (a 0-dim CUDA tensor would sync)."""
+    """None, or the scale as a Python float (a 0-dim CUDA tensor would sync). The
+    kernels declare it ``tl.float64``: a plain float parameter would be compiled
+    as fp32 (``.param .f32``), rounding 1/P for fp64 data on a GPU."""
     if scale is None:
         return None
     if isinstance(scale, torch.Tensor):
@@ -137,10 +139,12 @@ def simulated(name: str, tensor: torch.Tensor, impl, ref, args: tuple, *, reads,
 if triton_available:
     _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
                   torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
-# Per (device, stream, rows): the device copy of a table, so a bucket whose
-# gradients keep their addresses (the common case) builds it once. Least
-# recently used first out, so a model with many buckets keeps every one's
-# table (clearing the whole cache at a limit would rebuild them all each step).
+# Per (device, stream, dtype, block, layout): the device copy of a table and its
+# row count. The layout is each tensor's (address, numel, offset), so a launch
+# of a seen bucket costs a per-tensor key and one lookup, never per-block work
+# (a 100 MiB bucket at block 1024 is 25,600 rows). Least recently used first
+# out, so a model with many buckets keeps every one's table (clearing the
+# whole cache at a limit would rebuild them all each step).
 _tables: "collections.OrderedDict" = collections.OrderedDict()
 _TABLES_MAX = 4096
 _table_stats = {"built": 0, "reused": 0}
@@ -155,30 +159,34 @@ def table_stats() -> dict:
     return dict(_table_stats)
 
 
-def tensor_table(rows, device: torch.device) -> torch.Tensor:
-    """The rows (address, numel, offset in the flat buffer) as int64 on ``device``.
+def tensor_table(members, block: int, device: torch.device):
+    """(table, rows): the launch table of ``members`` ((tensor, flat offset) pairs,
+    one dtype) as int64 on ``device``, built by ``block_rows`` only the first time
+    this layout is seen on this stream.
 
     On CUDA the rows go through pinned memory with a non-blocking copy on the
     current stream (the pinned allocator keeps the staging buffer until the
     copy is done), so building a table never blocks the host.
     """
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    key = (device, stream, tuple(rows))
-    table = _tables.get(key)
-    if table is not None:
+    key = (device, stream, members[0][0].dtype, block,
+           tuple([(t.data_ptr(), t.numel(), offset) for t, offset in members]))
+    hit = _tables.get(key)
+    if hit is not None:
         _tables.move_to_end(key)
         _table_stats["reused"] += 1
-        return table
+        return hit
+    rows = block_rows(members, block)
     if device.type == "cuda":
         host = torch.tensor(rows, dtype=torch.int64, pin_memory=True).view(-1)
         table = host.to(device, non_blocking=True)
     else:
         table = torch.tensor(rows, dtype=torch.int64).view(-1)
-    _tables[key] = table
+    _tables[key] = hit = (table, len(rows))
     if len(_tables) > _TABLES_MAX:
         _tables.popitem(last=False)
     _table_stats["built"] += 1
-    return table
+    return hit
 
 
 def block_rows(members, block: int) -> list:
@@ -232,7 +240,7 @@ def launch_table(kernel, flat: torch.Tensor, tensors, offsets, scale, block) -> 
     """Move every tensor to or from its slice of ``flat`` (starting at its offset)
     with ONE launch per dtype (one in practice: a bucket holds one dtype). The
     kernel reads each block's address, size and offset from a device table
-    (``block_rows``): one program per block."""
+    (``block_rows``, built once per layout): one program per block."""
     groups: dict = {}
     for t, offset in zip(tensors, offsets):
         if t.numel():
@@ -242,7 +250,6 @@ def launch_table(kernel, flat: torch.Tensor, tensors, offsets, scale, block) -> 
             blk = block_size(max(t.numel() for t, _ in members)) if block is None else block
             if blk <= 0 or blk & (blk - 1):
                 raise ValueError(f"block must be a positive power of two, got {blk}")
-            rows = block_rows(members, blk)
-            table = tensor_table(rows, flat.device)
-            kernel[(len(rows),)](table, flat, 1.0 if scale is None else scale,
+            table, programs = tensor_table(members, blk, flat.device)
+            kernel[(programs,)](table, flat, 1.0 if scale is None else scale,
                                  TENSOR=_TL_DTYPES[dtype], HAS_SCALE=scale is not None, BLOCK=blk)

@@ -21,7 +21,7 @@ if triton_available:
     def _pack_kernel(
         table_ptr,
         out_ptr,
-        scale,
+        scale: tl.float64,  # a plain float parameter would be fp32 on a GPU (check_scale)
         TENSOR: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -36,8 +36,13 @@ if triton_available:
         mask = offs < numel
         x = tl.load(src_ptr + offs, mask=mask)
         if HAS_SCALE:
-            # fp32 math (the interpreter gets bf16 arithmetic wrong, too); fp64 stays fp64.
-            x = x.to(tl.float64) * scale if TENSOR == tl.float64 else x.to(tl.float32) * scale
+            # fp64 math with the fp64 scale where either side is fp64, else fp32 math
+            # with its fp32 rounding, as the reference (the interpreter gets bf16
+            # arithmetic wrong, too).
+            if TENSOR == tl.float64 or out_ptr.dtype.element_ty == tl.float64:
+                x = x.to(tl.float64) * scale
+            else:
+                x = x.to(tl.float32) * tl.cast(scale, tl.float32)
         if out_ptr.dtype.element_ty == tl.bfloat16:
             x = x.to(tl.float32)  # fp64 -> bf16 through fp32 (see _triton.py)
         tl.store(out_ptr + offset + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
@@ -81,10 +86,11 @@ def _prepare(tensors, out, dtype, offsets):
 def pack(tensors, out=None, *, scale=None, dtype=None, offsets=None, impl=None, _block=None):
     """Concatenate the flattened ``tensors``, in order, into one flat 1-D buffer.
 
-    Each element is multiplied by ``scale`` (in fp32) if given and cast to the
-    buffer's dtype (e.g. fp32 gradients -> a bf16 wire buffer). Without
-    ``offsets`` the tensors go one after another and ``out`` must hold exactly
-    as many elements; with ``offsets`` (increasing element offsets, e.g. a
+    Each element is multiplied by ``scale`` if given (in fp32; in fp64 where a
+    tensor or the buffer is fp64) and cast to the buffer's dtype (e.g. fp32
+    gradients -> a bf16 wire buffer). Without ``offsets`` the tensors go one
+    after another and ``out`` must hold exactly as many elements; with
+    ``offsets`` (increasing element offsets, e.g. a
     bucket's aligned layout) tensor i starts at ``offsets[i]`` and the gaps are
     left as they are. ``out`` must be contiguous; if None it is allocated with
     ``dtype``, or the tensors' common dtype (gaps zeroed). Inputs must be
@@ -133,8 +139,11 @@ def _pack_torch(tensors, out, scale, offsets):
         dst = flat[offset : offset + t.numel()]
         if scale is None:
             dst.copy_(t.view(-1))  # casts with one rounding
+        elif dst.dtype == torch.float64 and t.dtype != torch.float64:
+            # fp64 multiply like the kernel: the upcast is exact, one rounding.
+            dst.copy_(t.view(-1)).mul_(scale)
         elif t.dtype in (torch.float32, torch.float64):
-            # fp32 multiply, one rounding into dst's dtype, no temporary.
+            # a multiply in t's dtype, one rounding into dst's dtype, no temporary.
             torch.mul(t.view(-1), scale, out=dst)
         else:
             # fp16/bf16: multiply in fp32 like the kernel, then round once.

@@ -22,7 +22,7 @@ if triton_available:
         src_ptr,
         out_ptr,
         numel,
-        scale,
+        scale: tl.float64,  # a plain float parameter would be fp32 on a GPU (check_scale)
         ACC: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         HAS_OUT: tl.constexpr,
@@ -38,7 +38,8 @@ if triton_available:
         r = tl.load(dst_ptr + offs, mask=mask).to(ACC)
         r += tl.load(src_ptr + offs, mask=mask).to(ACC)
         if HAS_SCALE:
-            r *= scale
+            # fp64 data: the fp64 scale; else rounded to fp32 as torch's reference does.
+            r *= scale if ACC == tl.float64 else tl.cast(scale, tl.float32)
         tl.store(dst_ptr + offs, r.to(dst_ptr.dtype.element_ty), mask=mask)
         if HAS_OUT:
             if out_ptr.dtype.element_ty == tl.bfloat16:
@@ -65,8 +66,8 @@ def _check(dst, src, out):
 def reduce(dst, src, *, scale=None, out=None, impl=None, _block=None):
     """Reduce ``src`` into ``dst`` in place: ``dst[:] = (dst + src) * scale``.
 
-    The sum and the scale are computed in fp32 (fp64 for an fp64 ``dst``)
-    whatever the dtypes (fp16/bf16 round once, at the end), then cast to ``dst.dtype``; ``src`` may have
+    The sum and the scale are computed in fp32 (fp64, with the fp64 scale, for
+    an fp64 ``dst``) whatever the dtypes (fp16/bf16 round once, at the end), then cast to ``dst.dtype``; ``src`` may have
     another float dtype (fp16 wire data into an fp32 buffer). If ``out`` is
     given (the last reduce-scatter step's copy-out), the same fp32 result is
     also written there, cast to ``out.dtype``. All tensors are contiguous, on

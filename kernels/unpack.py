@@ -20,7 +20,7 @@ if triton_available:
     def _unpack_kernel(
         table_ptr,
         flat_ptr,
-        scale,
+        scale: tl.float64,  # a plain float parameter would be fp32 on a GPU (check_scale)
         TENSOR: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -35,8 +35,13 @@ if triton_available:
         mask = offs < numel
         x = tl.load(flat_ptr + offset + offs, mask=mask)
         if HAS_SCALE:
-            # fp32 math (the interpreter gets bf16 arithmetic wrong, too); fp64 stays fp64.
-            x = x.to(tl.float64) * scale if flat_ptr.dtype.element_ty == tl.float64 or TENSOR == tl.float64 else x.to(tl.float32) * scale
+            # fp64 math with the fp64 scale where either side is fp64, else fp32 math
+            # with its fp32 rounding, as the reference (the interpreter gets bf16
+            # arithmetic wrong, too).
+            if flat_ptr.dtype.element_ty == tl.float64 or TENSOR == tl.float64:
+                x = x.to(tl.float64) * scale
+            else:
+                x = x.to(tl.float32) * tl.cast(scale, tl.float32)
         if TENSOR == tl.bfloat16:
             x = x.to(tl.float32)  # fp64 -> bf16 through fp32 (see _triton.py)
         tl.store(dst_ptr + offs, x.to(TENSOR), mask=mask)
@@ -57,8 +62,9 @@ def _check(flat, tensors, offsets):
 def unpack(flat, tensors, *, scale=None, offsets=None, impl=None, _block=None):
     """Scatter consecutive slices of ``flat`` into ``tensors``, in order (inverse of pack).
 
-    Each element is multiplied by ``scale`` (in fp32) if given and cast to its
-    tensor's dtype (e.g. a bf16 wire buffer back into fp32 gradients).
+    Each element is multiplied by ``scale`` if given (in fp32; in fp64 where
+    ``flat`` or the tensor is fp64) and cast to its tensor's dtype (e.g. a bf16
+    wire buffer back into fp32 gradients).
     Without ``offsets``, ``flat.numel()`` must equal the tensors' total; with
     them, tensor i is read from ``offsets[i]`` on (as :func:`pack` wrote it).
     All are contiguous and on one device. CUDA runs the Triton kernel, other devices :func:`unpack_ref`;
@@ -106,8 +112,11 @@ def _unpack_torch(flat, tensors, scale, offsets):
         dst = t.view(-1)
         if scale is None:
             dst.copy_(src)  # casts with one rounding
+        elif dst.dtype == torch.float64 and flat.dtype != torch.float64:
+            # fp64 multiply like the kernel: the upcast is exact, one rounding.
+            dst.copy_(src).mul_(scale)
         elif flat.dtype in (torch.float32, torch.float64):
-            # fp32 multiply, one rounding into t's dtype, no temporary.
+            # a multiply in flat's dtype, one rounding into t's dtype, no temporary.
             torch.mul(src, scale, out=dst)
         else:
             # fp16/bf16: multiply in fp32 like the kernel, then round once.

@@ -1,12 +1,21 @@
-"""What the kernel tests share: awkward sizes, dtypes, and the ulp check.
+"""What the kernel tests share: awkward sizes, dtypes, the ulp check, and the
+launch a launcher makes, compiled for a GPU.
 
 bf16 outputs may be 1 bf16 ulp off under the interpreter (its casts to bf16
 truncate where torch and the GPU round to nearest even), and from fp64 sources
 anywhere (the kernels round fp64 -> bf16 through fp32). Everything else must
 match the reference bitwise.
+
+The interpreter passes scalar arguments as Python floats (fp64), where a GPU
+compiles them to the parameter type Triton's binder picks (fp32 for a plain
+float). ``launched_ptx`` runs that binder on the arguments a launcher really
+passes and compiles for sm_90 on CPU, so a test can read the GPU's parameter
+types and arithmetic.
 """
+import importlib
 import os
 
+import pytest
 import torch
 
 SIZES = [0, 1, 2, 7, 127, 1000, 4099]
@@ -45,3 +54,44 @@ def assert_within_ulps(actual, expected, ulps):
         f"e.g. {actual[bad][:4]} vs {expected[bad][:4]}"
     )
 
+
+
+class _Captured:
+    """Stands in for a Triton kernel: records the arguments of ``kernel[grid](...)``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((args, kwargs))
+
+
+def launched_ptx(monkeypatch, op: str, launch):
+    """(signature, ptx, scale's parameter index) of the one launch ``launch()`` makes
+    of ``hybridcomm.kernels.<op>``'s kernel, as Triton would compile it for sm_90."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+    except ImportError as e:  # a Triton without the NVIDIA backend
+        pytest.skip(f"cannot compile for CUDA here: {e}")
+    module = importlib.import_module(f"hybridcomm.kernels.{op}")
+    kernel = getattr(module, f"_{op}_kernel")
+    captured = _Captured()
+    monkeypatch.setattr(module, f"_{op}_kernel", captured)
+    launch()
+    assert len(captured.calls) == 1
+    args, kwargs = captured.calls[0]
+    fn = JITFunction(getattr(kernel, "fn", kernel))  # the interpreter wraps the Python function
+    target = GPUTarget("cuda", 90, 32)
+    binder = create_function_from_signature(fn.signature, fn.params,
+                                            CUDABackend(target))
+    bound, spec, _ = binder(*args, **kwargs)
+    signature = {p.name: s[0] for p, s in zip(fn.params, spec)}
+    constexprs = {(i,): bound[p.name] for i, p in enumerate(fn.params)
+                  if spec[i][0] == "constexpr"}
+    compiled = triton.compile(triton.compiler.ASTSource(fn, signature, constexprs),
+                              target=target)
+    runtime_params = [p.name for p, s in zip(fn.params, spec) if s[0] != "constexpr"]
+    return signature, compiled.asm["ptx"], runtime_params.index("scale")

@@ -38,3 +38,11 @@ def test_the_summary_takes_the_median_and_needs_every_seed_to_reach_the_target()
     assert abs(s["final_spread"] - 0.02) < 1e-12
     rows[0]["seconds_to_target"] = None
     assert compression.summarize(rows, 0.95)["hybrid"]["seconds_to_target"] is None
+
+
+def test_a_config_that_cannot_run_here_is_a_row_with_its_reason(tmp_path):
+    out = tmp_path / "c.json"
+    assert compression.main(["--quick", "--shape", "none", "--configs", "ddp-bf16",
+                             "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert row["final_accuracy"] is None and "BF16" in row["error"]

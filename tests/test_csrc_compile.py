@@ -1,5 +1,8 @@
 """csrc/ compiles: the CUDA kernels with nvcc (compile only, nothing runs here),
-and the loader says plainly why it cannot build on a machine without CUDA."""
+the loader says plainly why it cannot build on a machine without CUDA, and a
+build that fails (faked here) is reported: logged, ``build_failed()``, an error
+with ``required=True``, and a failure (not a skip) in the GPU tests' fixture."""
+import logging
 import os
 import shutil
 import subprocess
@@ -12,6 +15,7 @@ import torch
 from hybridcomm.gpu import cuda_ext
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
+GPU_TESTS = str(Path(__file__).resolve().parent / "gpu")
 
 
 def test_kernels_compile_with_nvcc(tmp_path):
@@ -72,3 +76,51 @@ def test_loader_explains_why_not_on_cpu():
     assert cuda_ext.load() is None
     assert "CPU build" in cuda_ext.why_not() or "no CUDA device" in cuda_ext.why_not()
     assert all((cuda_ext.csrc_dir() / s).is_file() for s in cuda_ext.SOURCES)
+
+
+@pytest.fixture
+def failing_build(monkeypatch):
+    """The loader as on a CUDA machine with a toolkit, whose build raises."""
+    monkeypatch.setattr(cuda_ext, "_state", {})
+    monkeypatch.setattr(cuda_ext, "_why_not_buildable", lambda: None)
+    calls = []
+
+    def build(verbose):
+        calls.append(verbose)
+        raise RuntimeError("hybridcomm_kernels.cu(12): error: expected a \";\"")
+
+    monkeypatch.setattr(cuda_ext, "_build", build)
+    return calls
+
+
+def test_a_failing_build_is_reported_not_swallowed(failing_build, caplog):
+    with caplog.at_level(logging.WARNING, logger="hybridcomm"):
+        assert cuda_ext.load() is None  # optional: None, but never quietly
+    assert cuda_ext.build_failed()
+    assert 'expected a ";"' in cuda_ext.why_not()
+    assert any('expected a ";"' in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records), caplog.text
+    with pytest.raises(cuda_ext.CsrcBuildError, match='expected a ";"'):
+        cuda_ext.load(required=True)
+    assert failing_build == [False]  # tried once, not retried
+
+
+def test_the_gpu_tests_fail_on_a_failed_build_and_skip_only_without_a_toolkit(
+        failing_build, monkeypatch):
+    monkeypatch.syspath_prepend(GPU_TESTS)
+    from gpu_common import require_csrc
+
+    def outcome():  # pytest's Failed and Skipped, told apart (a skip must not pass here)
+        with pytest.raises((pytest.fail.Exception, pytest.skip.Exception)) as e:
+            require_csrc()
+        return e.type, str(e.value)
+
+    kind, why = outcome()
+    assert kind is pytest.fail.Exception and "csrc build failed" in why, (kind, why)
+    monkeypatch.setattr(cuda_ext, "_state", {})
+    monkeypatch.setattr(cuda_ext, "_why_not_buildable", lambda: "no CUDA toolkit found")
+    kind, why = outcome()
+    assert kind is pytest.skip.Exception and "no CUDA toolkit found" in why, (kind, why)
+    assert not cuda_ext.build_failed()
+    with pytest.raises(cuda_ext.CsrcBuildError, match="no CUDA toolkit found"):
+        cuda_ext.load(required=True)

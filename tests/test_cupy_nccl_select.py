@@ -104,3 +104,86 @@ def test_unique_ids_of_both_cupy_styles_round_trip():
         module = type("M", (), {"NcclCommunicator": staticmethod(
             lambda n, uid, r, want=want: Comm(n, uid, r, want))})
         assert cupy_nccl.make_communicator(module, 2, raw, 0).uid == expect
+
+
+def test_the_watchdog_exempts_its_thread_from_global_graph_capture(monkeypatch, caplog):
+    """Issue 29, defect 3: the watchdog's event queries must not invalidate a graph
+    another thread captures in global mode (torch's default). On its own thread it
+    sets the thread-local capture mode (cudaStreamCaptureModeThreadLocal = 1) through
+    the driver, CuPy having no wrapper; without a driver it says so. Only the call is
+    checked here: tests/gpu/test_watchdog_cuda.py checks the capture on a GPU."""
+    import ctypes
+    import threading
+
+    from hybridcomm.comm.transport import cupy_nccl
+
+    calls = []
+
+    class Driver:
+        @staticmethod
+        def cuThreadExchangeStreamCaptureMode(mode):
+            calls.append((mode._obj.value, threading.current_thread().name))
+            return 0  # CUDA_SUCCESS
+
+    class Runtime(_FakeCudaRuntime):
+        def bind_thread(self):
+            pass
+
+    def watchdog_round(cdll):
+        monkeypatch.setattr(ctypes, "CDLL", cdll)
+        t = cupy_nccl.CupyNcclTransport.__new__(cupy_nccl.CupyNcclTransport)
+        t.runtime, t.rank, t._aborted = Runtime(), 3, True  # one round, then out
+        t._failure = None
+        thread = threading.Thread(target=t._watch_loop, name="watchdog")
+        thread.start()
+        thread.join(10)
+        return t
+
+    t = watchdog_round(lambda name: Driver())
+    assert calls == [(1, "watchdog")] and t._failure is None
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    with caplog.at_level("WARNING", logger="hybridcomm"):
+        t = watchdog_round(missing)
+    assert calls == [(1, "watchdog")] and t._failure is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "rank 3: the NCCL watchdog could not set its CUDA stream-capture mode to "
+        "thread-local: its queries invalidate a graph captured in global mode on another "
+        "thread"]
+
+
+def test_the_communicators_thread_exempts_itself_and_makes_the_last_call(monkeypatch):
+    """The thread that owns the communicator is exempt from global capture too (NCCL's
+    async-error query runs there), and makes the communicator's last call itself."""
+    import ctypes
+    import threading
+    import types
+
+    from hybridcomm.comm.transport import cupy_nccl
+
+    calls = []
+
+    class Driver:
+        @staticmethod
+        def cuThreadExchangeStreamCaptureMode(mode):
+            calls.append((mode._obj.value, threading.current_thread().name))
+            return 0
+
+    class Runtime(_FakeCudaRuntime):
+        def bind_thread(self):
+            pass
+
+    class Comm:
+        def abort(self):
+            calls.append(("abort", threading.current_thread().name))
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver())
+    t = cupy_nccl.CupyNcclTransport.__new__(cupy_nccl.CupyNcclTransport)
+    t.runtime, t.rank, t.comm, t.nccl = Runtime(), 3, Comm(), types.SimpleNamespace(
+        NcclError=RuntimeError)
+    t._cv, t._aborted, t._failure, t._destroy_on_close = threading.Condition(), True, None, False
+    owner = cupy_nccl._Owner(t)  # failed already: exempt, then straight to the abort
+    owner.thread.join(10)
+    assert owner.released
+    assert calls == [(1, "hybridcomm-nccl-r3"), ("abort", "hybridcomm-nccl-r3")]

@@ -1,4 +1,6 @@
-"""hybridcomm as a DDP communication hook: DDP's numbers, identical on every rank."""
+"""hybridcomm as a DDP communication hook: DDP's numbers, identical on every rank,
+on the host path and on the simulated GPU (there also with backward on a side
+stream while the transport has an issuing thread: no race)."""
 import pickle
 
 import pytest
@@ -57,6 +59,78 @@ def test_hook_gives_ddps_numbers_on_every_rank(hook, algo):
     assert len(algos) > 1 and unpickled == algos  # several buckets; the state pickles
     if algo:
         assert set(algos.values()) == {algo}
+
+
+def _train_simulated(rank, world, hook, algo):
+    import os
+
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    from hybridcomm.testing import simgpu
+
+    out = _train(rank, world, hook, algo)
+    simgpu.check()
+    return out
+
+
+@pytest.mark.parametrize("hook", ["hand", "register"])
+def test_hook_gives_ddps_numbers_on_the_simulated_gpu(hook):
+    """The stream path: DDP's reducer reads (and next writes) the bucket only after
+    the reduction queued on the comm stream, through the hook's future (on CUDA
+    a future bound to the comm stream; a CPU tensor's would complete at once)."""
+    plain = run_ranks(2, _train, False, None)[0][0]
+    results = run_ranks(2, _train_simulated, hook, None, timeout=120)
+    eps = torch.finfo(torch.float32).eps
+    assert torch.allclose(results[0][0], plain, rtol=64 * eps, atol=64 * eps)
+    assert torch.equal(results[0][0], results[1][0])
+
+
+def _side_stream(rank, world, algo):
+    """DDP with the hook on the simulated GPU, backward on a side stream, while the
+    transport has an issuing thread (the optimizer's channel makes one): the
+    parameters after _train's four steps and the defects the simulator found."""
+    import os
+
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    os.environ["HYBRIDCOMM_ALGO"] = algo
+    from hybridcomm.comm.channel import issuer_for
+    from hybridcomm.testing import simgpu
+
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.01)
+    state = hybridcomm.ddp.register(ddp, hybridcomm.ddp.HybridState(timeout=60))
+    issuer_for(state._transport)  # issues everything on the transport from now on
+    rt = state._transport.runtime
+    side = rt.new_stream()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for s in range(4):  # as _train
+        x, y = batch(s)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ddp(shard(x, rank, world)), shard(y, rank, world))
+        forward = rt.new_event()
+        forward.record(rt.current_stream())
+        side.wait_event(forward)
+        with rt.use(side):
+            loss.backward()
+        backward = rt.new_event()
+        backward.record(side)
+        rt.current_stream().wait_event(backward)
+        opt.step()
+    simgpu.check()
+    return flat(model.parameters()), [str(e) for e in simgpu.errors()]
+
+
+@pytest.mark.parametrize("algo", ["ring", "native"])
+def test_backward_on_a_side_stream_with_an_issuing_thread(algo):
+    """Issue 29's defect 4: the bucket's ready event must be recorded on the stream
+    backward wrote it on (the hook's caller's), not on the issuing thread's current
+    stream, or NCCL reads the gradients before they are written (a race here)."""
+    plain = run_ranks(2, _train, False, None)[0][0]
+    results = run_ranks(2, _side_stream, algo, timeout=120)
+    eps = torch.finfo(torch.float32).eps
+    for params, errors in results:
+        assert errors == []
+        assert torch.allclose(params, plain, rtol=64 * eps, atol=64 * eps)
+    assert torch.equal(results[0][0], results[1][0])
 
 
 def test_state_takes_the_optimizers_cost_model_names_and_refuses_others():

@@ -4,15 +4,21 @@ Tolerances: integer-valued data is exact in every dtype, so it must match
 bitwise. Random data: fp32 and fp16 outputs come from the same math as the
 reference (fp32 scale, one rounding), so they must match bitwise too. bf16
 outputs may be 1 bf16 ulp off, and only under the interpreter: its casts to
-bf16 truncate where torch (and the GPU) round to nearest even.
+bf16 truncate where torch (and the GPU) round to nearest even. The scale's
+type on a GPU is read from the PTX Triton compiles from the launcher's own
+arguments. A launch of a bucket layout seen before must do no per-block Python
+work (the table's rows are built once per layout).
 """
 
 import importlib
+import re
+import sys
 
 import pytest
 import torch
 
-from kernel_checks import BLOCKS, DTYPES, SIZES, allowed_ulps, assert_within_ulps
+from kernel_checks import (BLOCKS, DTYPES, SIZES, allowed_ulps, assert_within_ulps,
+                           launched_ptx)
 
 from hybridcomm import kernels as K
 
@@ -304,3 +310,115 @@ def test_offsets_rejected_when_they_overlap_or_overrun(fn, impl):
     with pytest.raises(ValueError, match="1 offsets for 2 tensors"):
         call(torch.zeros(10), [0])
     call(torch.zeros(8), [0, 4])  # a gap of one element, and room: fine
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("op", ["pack", "unpack"])
+def test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32(monkeypatch, op, dtype):
+    """Issue 29, defect 1 (see the reduce test of the same name): compiled for sm_90
+    from the launcher's own arguments, the scale is an fp64 parameter, fp64 data
+    is multiplied by it in fp64, fp32 data by its fp32 rounding in fp32."""
+    tensors, flat = [torch.ones(10, dtype=dtype)], torch.ones(10, dtype=dtype)
+    if op == "pack":
+        def launch():
+            K.pack(tensors, flat, scale=1 / 3, impl="triton")
+    else:
+        def launch():
+            K.unpack(flat, tensors, scale=1 / 3, impl="triton")
+    signature, ptx, i = launched_ptx(monkeypatch, op, launch)
+    assert signature["scale"] == "fp64"
+    assert re.search(rf"\.param \.f64 _{op}_kernel_param_{i}\b", ptx)
+    mul64 = re.search(r"\bmul(\.rn)?\.f64\b", ptx)
+    if dtype == torch.float64:
+        assert mul64 and "cvt.rn.f32.f64" not in ptx
+    else:
+        assert "cvt.rn.f32.f64" in ptx and re.search(r"\bmul(\.rn)?\.f32\b", ptx)
+        assert not mul64
+
+
+@pytest.mark.parametrize("world", [3, 5, 6, 7])
+def test_fp64_pack_and_unpack_scale_in_exact_fp64(world):
+    gen = torch.Generator().manual_seed(world)
+    tensors = [torch.randn(n, generator=gen, dtype=torch.float64) for n in (7, 1000, 1)]
+    flat = K.pack(tensors, scale=1.0 / world, impl="triton", _block=128)
+    assert torch.equal(flat, torch.cat(tensors) * (1.0 / world))
+    back = K.unpack(flat, [torch.empty_like(t) for t in tensors], scale=1.0 / world,
+                    impl="triton", _block=128)
+    for b, f in zip(back, flat.split([t.numel() for t in tensors])):
+        assert torch.equal(b, f * (1.0 / world))
+
+
+class _NoLaunch:
+    """Stands in for a kernel: ``kernel[grid](...)`` runs nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("op", ["pack", "unpack"])
+def test_a_seen_layout_builds_no_rows_and_costs_the_same_whatever_its_blocks(monkeypatch, op):
+    """Issue 29, defect 5: one Python row per block was rebuilt and hashed at every
+    launch (25,600 rows, ~9 ms of host time for a 100 MiB bucket at block 1024).
+    Rows are built once per layout; a launch of a seen layout makes the same
+    Python calls for 4 blocks as for 4096."""
+    from hybridcomm.kernels import _triton
+    module = importlib.import_module(f"hybridcomm.kernels.{op}")
+    monkeypatch.setattr(module, f"_{op}_kernel", _NoLaunch())
+    real_rows, built = _triton.block_rows, []
+
+    def counted_rows(members, block):
+        built.append(block)
+        return real_rows(members, block)
+    monkeypatch.setattr(_triton, "block_rows", counted_rows)
+
+    def launch(tensors, flat):
+        if op == "pack":
+            K.pack(tensors, flat, impl="triton", _block=16)
+        else:
+            K.unpack(flat, tensors, impl="triton", _block=16)
+
+    def python_calls(tensors, flat):
+        calls = [0]
+
+        def profile(frame, event, arg):
+            calls[0] += event in ("call", "c_call")
+        sys.setprofile(profile)
+        try:
+            launch(tensors, flat)
+        finally:
+            sys.setprofile(None)
+        return calls[0]
+
+    small = [torch.zeros(16) for _ in range(4)]  # 4 blocks
+    large = [torch.zeros(16 * 1024) for _ in range(4)]  # 4096 blocks
+    buckets = [(small, torch.zeros(64)), (large, torch.zeros(16 * 4096))]
+    for bucket in buckets:
+        launch(*bucket)  # the first launch of this layout may build its rows
+    seen = len(built)
+    costs = [python_calls(*bucket) for bucket in buckets for _ in range(2)]
+    assert len(built) == seen  # no rows built for a layout seen before
+    assert costs[0] == costs[1] == costs[2] == costs[3], costs
+
+
+@pytest.mark.parametrize("dst_dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("src_dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_every_dtype_pair_scales_like_the_reference_in_fp64_where_either_is(src_dtype,
+                                                                           dst_dtype):
+    """Scaled in fp64 (the fp64 scale) where the source or the destination is fp64,
+    else in fp32: the kernels and the references alike, at a scale fp32 cannot hold."""
+    gen = torch.Generator().manual_seed(11)
+    sizes = (7, 1000, 1)
+    tensors = [torch.randn(n, generator=gen).to(src_dtype) for n in sizes]
+    packed = K.pack(tensors, scale=1 / 3, dtype=dst_dtype, impl="triton", _block=128)
+    assert_within_ulps(packed, K.pack_ref(tensors, scale=1 / 3, dtype=dst_dtype),
+                       allowed_ulps(dst_dtype, src_dtype))
+    flat = torch.randn(sum(sizes), generator=gen).to(src_dtype)
+    got = [torch.empty(n, dtype=dst_dtype) for n in sizes]
+    ref = [torch.empty(n, dtype=dst_dtype) for n in sizes]
+    K.unpack(flat, got, scale=1 / 3, impl="triton", _block=128)
+    K.unpack_ref(flat, ref, scale=1 / 3)
+    for g, r in zip(got, ref):
+        assert_within_ulps(g, r, allowed_ulps(dst_dtype, src_dtype))
+    if dst_dtype == torch.float64:  # one fp64 rounding of the exact product
+        assert torch.equal(packed, torch.cat(tensors).double() * (1 / 3))
+        assert torch.equal(torch.cat(got), flat.double() * (1 / 3))

@@ -4,13 +4,17 @@ Tolerances: integer-valued data is exact in every dtype, so it must match
 bitwise. Random data: fp32 and fp16 do the same math as the reference (fp32
 add and scale, one rounding), so they must match bitwise too. bf16 outputs may
 be 1 bf16 ulp off, and only under the interpreter: its fp32->bf16 cast
-truncates where torch (and the GPU) round to nearest even.
+truncates where torch (and the GPU) round to nearest even. fp64 averages are
+exact fp64 arithmetic (an fp64 scale), checked in the interpreter and in the
+PTX Triton compiles for a GPU from the launcher's own arguments.
 """
+
+import re
 
 import pytest
 import torch
 
-from kernel_checks import BLOCKS, DTYPES, SIZES, allowed_ulps, assert_within_ulps
+from kernel_checks import BLOCKS, DTYPES, SIZES, allowed_ulps, assert_within_ulps, launched_ptx
 
 from hybridcomm import kernels as K
 from hybridcomm.kernels._triton import use_triton
@@ -153,3 +157,35 @@ def test_reduce_into_a_chunk_of_a_larger_buffer(impl):
     assert torch.equal(buf, expected)
     assert torch.equal(out[7:307], expected[101:401].float())
     assert not out[:7].any() and not out[307:].any()
+
+
+@pytest.mark.parametrize("world", [3, 5, 6, 7])
+def test_fp64_average_is_exact_fp64_arithmetic(world):
+    gen = torch.Generator().manual_seed(world)
+    dst = torch.randn(4099, generator=gen, dtype=torch.float64)
+    src = torch.randn(4099, generator=gen, dtype=torch.float64)
+    exact = (dst + src) * (1.0 / world)  # torch: fp64 add, fp64 scale
+    got = dst.clone()
+    K.reduce(got, src, scale=1.0 / world, impl="triton", _block=1024)
+    assert torch.equal(got, exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+def test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32(monkeypatch, dtype):
+    """Issue 29, defect 1: a Python float kernel argument is an fp32 parameter on a
+    GPU, so fp64 averages were scaled by fp32(1/P) (3e-8 relative off at P=3); the
+    interpreter passes fp64 and could not tell. Compiled for sm_90 from the
+    launcher's own arguments: the scale is an fp64 parameter, fp64 data is
+    multiplied by it in fp64, and other data by its fp32 rounding in fp32 (as
+    torch's reference does)."""
+    dst, src = torch.ones(10, dtype=dtype), torch.ones(10, dtype=dtype)
+    signature, ptx, i = launched_ptx(
+        monkeypatch, "reduce", lambda: K.reduce(dst, src, scale=1 / 3, impl="triton"))
+    assert signature["scale"] == "fp64"
+    assert re.search(rf"\.param \.f64 _reduce_kernel_param_{i}\b", ptx)
+    mul64 = re.search(r"\bmul(\.rn)?\.f64\b", ptx)
+    if dtype == torch.float64:
+        assert mul64 and "cvt.rn.f32.f64" not in ptx
+    else:
+        assert "cvt.rn.f32.f64" in ptx and re.search(r"\bmul(\.rn)?\.f32\b", ptx)
+        assert not mul64

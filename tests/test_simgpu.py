@@ -135,6 +135,40 @@ def test_a_kernel_on_another_stream_without_an_event_is_a_race(wait):
         # it names both operations and their streams
         assert result[1].count("reduce") >= 2 and "stream" in result[1]
 
+def _h2d_copies(rank, world, rt, simgpu):
+    """Host syncs of copies into device memory, one kind of source at a time."""
+    dev = rt.empty(8, torch.float32)
+    dev.zero_()
+    made_on_device = torch.zeros(8, device=rt.device)  # device= given: device memory on a GPU
+    host = torch.zeros(8)  # no device: pageable host memory
+    host[[1, 3]] = 1
+    counts = {}
+    for name, copy in (("pageable", lambda: dev.copy_(host)),
+                       ("pageable view", lambda: dev[:4].copy_(host[:4])),
+                       ("made from host", lambda: dev.copy_(host.float() * 2)),
+                       ("pageable non_blocking", lambda: dev.copy_(host, non_blocking=True)),
+                       ("device", lambda: dev.copy_(made_on_device)),
+                       ("made from device", lambda: dev.copy_(made_on_device + 1)),
+                       ("device to host", lambda: host.copy_(dev)),
+                       ("host to host", lambda: host.copy_(host.float() * 2)),
+                       ("fill", lambda: dev[2:5].fill_(1))):
+        before = simgpu.stats()["host_syncs"]
+        copy()
+        counts[name] = simgpu.stats()["host_syncs"] - before
+    return counts
+
+
+def test_a_copy_between_pageable_host_memory_and_the_device_is_a_host_sync():
+    """ATen copies between host and device with memcpy_and_sync (the stream
+    synchronized) unless non_blocking with the host side pinned (no pinned memory
+    exists without CUDA); a copy between device tensors, or a fill, is queued."""
+    (status, counts, errors), = run(1, _h2d_copies)
+    assert status == "ok" and errors == [], (status, errors)
+    assert counts == {"pageable": 1, "pageable view": 1, "made from host": 1,
+                      "pageable non_blocking": 1, "device": 0, "made from device": 0,
+                      "device to host": 1, "host to host": 0, "fill": 0}, counts
+
+
 
 # --- the allocator ----------------------------------------------------------------------
 
@@ -167,6 +201,38 @@ def test_reusing_a_block_used_on_another_stream_needs_record_stream(record):
     else:
         assert result[0] == "SimError"
         assert "allocator" in result[1] and "record_stream" in result[1]
+
+
+def _user_memory_recorded(rank, world, rt, simgpu):
+    """A user tensor given to record_stream, then work queued on that stream, then
+    the tensor dropped: whether the simulator still holds it while that work runs,
+    and once the stream is idle."""
+    import gc
+    import weakref
+
+    side = rt.new_stream()
+    user = torch.zeros(1000)  # not from the simulated allocator (a DDP bucket, say)
+    rt.record_stream(user, side)
+    with rt.use(side):
+        simgpu.sleep(1.0)  # queued after record_stream, before the free
+    ref = weakref.ref(user)
+    del user
+    gc.collect()
+    time.sleep(0.2)  # whatever was queued before record_stream has run by now
+    rt.record_stream(torch.zeros(1), side)  # the next call lets go of what is done
+    held_while_busy = ref() is not None
+    side.synchronize()
+    rt.record_stream(torch.zeros(1), side)
+    gc.collect()
+    return held_while_busy, ref() is None
+
+
+def test_user_memory_given_to_record_stream_outlives_the_work_queued_before_its_free():
+    """The caching allocator reuses a block only after the work its recorded streams
+    had queued when it was freed: memory DDP made is held as long."""
+    (status, (held_while_busy, freed_when_idle), errors), = run(1, _user_memory_recorded)
+    assert status == "ok" and errors == []
+    assert held_while_busy and freed_when_idle
 
 
 # --- devices ----------------------------------------------------------------------------
@@ -304,7 +370,11 @@ def _first_use(rank, world, rt, simgpu):
 
 def test_group_end_blocks_on_first_use_until_the_peer_posts_or_an_abort():
     (status, (first, again, error, aborted_after), errors), _ = run(2, _first_use)
-    assert status == "ok" and errors == []
+    # The abort from another thread overlaps the blocked groupEnd: it unblocks it (as
+    # NCCL's abort flag does) and is reported, the one communicator used by two threads
+    assert status == "ok" and len(errors) == 1, errors
+    assert "abort() on thread 'Thread-" in errors[0] and "inside groupEnd()" in errors[0]
+    assert "two threads at once" in errors[0]
     assert first > 0.8  # waited for rank 1's first group (posted 1 s late)
     assert again < 0.5  # connected: queued without waiting
     assert error == 3 and 0.4 < aborted_after < 3  # ncclInternalError once aborted

@@ -11,6 +11,12 @@ go on the current CUDA stream.
 ``HYBRIDCOMM_CSRC`` points at another csrc folder (the default is the one
 beside the package, as in a source checkout or an editable install).
 
+Optional by default: :func:`load` returns None where there is nothing to build
+with (no CUDA, no toolkit). A build that was tried and failed is not quiet: it
+is logged as a warning with the compiler's message, :func:`build_failed` says
+so, and ``load(required=True)`` raises :class:`CsrcBuildError` (what the GPU
+tests and ``make gpu-check`` use, so a compile error fails them, never skips).
+
 Example::
 
     >>> from hybridcomm import cuda_ext
@@ -20,10 +26,15 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
 import torch
+
+from ..base.errors import HybridCommError
+
+log = logging.getLogger("hybridcomm")
 
 EXTENSION_NAME = "hybridcomm_cuda"
 SOURCES = ("bindings.cpp", "hybridcomm_kernels.cu")
@@ -54,36 +65,57 @@ def _why_not_buildable() -> str | None:
     missing = [s for s in SOURCES if not (csrc_dir() / s).is_file()]
     if missing:
         return f"sources {missing} not found in {csrc_dir()} (set HYBRIDCOMM_CSRC)"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None:
+        return "no CUDA toolkit found to build with (nvcc; set CUDA_HOME)"
     return None
 
 
-def load(verbose: bool = False):
+class CsrcBuildError(HybridCommError):
+    """The CUDA C++ extension is required but could not be had (see :func:`why_not`)."""
+
+
+def _build(verbose: bool):
+    from torch.utils.cpp_extension import load as build
+
+    d = csrc_dir()
+    return build(name=EXTENSION_NAME, sources=[str(d / s) for s in SOURCES],
+                 extra_include_paths=[str(d)], extra_cuda_cflags=list(NVCC_FLAGS),
+                 verbose=verbose)
+
+
+def load(verbose: bool = False, required: bool = False):
     """The built extension module, or None where it cannot be built (see :func:`why_not`).
 
     Builds once per process (and once per machine, thanks to torch's cache);
-    a failed build is reported once through :func:`why_not`, not retried.
+    a failed build is logged once as a warning and not retried. With
+    ``required``, no module raises :class:`CsrcBuildError` naming why.
     """
     with _lock:
-        if "module" in _state:
-            return _state["module"]
-        module, reason = None, _why_not_buildable()
-        if reason is None:
-            try:
-                from torch.utils.cpp_extension import load as build
-
-                d = csrc_dir()
-                module = build(name=EXTENSION_NAME, sources=[str(d / s) for s in SOURCES],
-                               extra_include_paths=[str(d)],
-                               extra_cuda_cflags=list(NVCC_FLAGS), verbose=verbose)
-            except Exception as e:  # compiler missing, build error, ABI mismatch...
-                reason = f"building the extension failed: {e}"
-        _state["module"], _state["reason"] = module, reason
-        return module
+        if "module" not in _state:
+            module, reason, failed = None, _why_not_buildable(), False
+            if reason is None:
+                try:
+                    module = _build(verbose)
+                except Exception as e:  # build error, ABI mismatch...: never silent
+                    reason, failed = f"building the extension failed: {e}", True
+                    log.warning("hybridcomm: the CUDA C++ extension (csrc/) did not build: %s", e)
+            _state.update(module=module, reason=reason, failed=failed)
+        module = _state["module"]
+    if module is None and required:
+        raise CsrcBuildError(f"the CUDA C++ extension is required: {_state['reason']}")
+    return module
 
 
 def why_not() -> str | None:
     """Why :func:`load` returned None (None if it has not been tried or it worked)."""
     return _state.get("reason")
+
+
+def build_failed() -> bool:
+    """Whether a build was tried (CUDA, sources and toolkit there) and failed."""
+    return bool(_state.get("failed"))
 
 
 def available() -> bool:

@@ -102,14 +102,20 @@ class GradBucket:
             self.views[pos].zero_()
 
     def set_flags(self, positions: set) -> None:
-        """Flag 1 where this rank holds a gradient, 0 elsewhere (one write when all)."""
-        if len(positions) == len(self.params):
-            self.flags.fill_(1)
-        else:
-            mask = torch.zeros(len(self.params), dtype=self.flags.dtype)
-            if positions:
-                mask[list(positions)] = 1
-            self.flags.copy_(mask)
+        """Flag 1 where this rank holds a gradient, 0 elsewhere: one fill, then one per
+        run of the positions that differ from it. Fills only: a copy from a host
+        mask is ATen's memcpy_and_sync on a GPU (a host sync in backward)."""
+        n = len(self.params)
+        most = 1 if 2 * len(positions) >= n else 0
+        self.flags.fill_(most)
+        start = None
+        for i in range(n + 1):
+            differs = i < n and (i in positions) != bool(most)
+            if differs and start is None:
+                start = i
+            elif not differs and start is not None:
+                self.flags[start:i].fill_(1 - most)
+                start = None
 
     def used(self) -> List[int]:
         """Positions some rank had a gradient for, read from the reduced flags (a host

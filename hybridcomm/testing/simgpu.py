@@ -18,7 +18,10 @@ it is simulated with the semantics that make GPU bugs show:
   writes (kernels through the launch hook, NCCL calls by pointer and count);
   host ops are read from their arguments. Two accesses to overlapping memory,
   one a write, neither ordered before the other, is a :class:`SimError`
-  naming both operations and their streams.
+  naming both operations and their streams. Memory the allocator did not hand
+  out (a DDP bucket) is tracked once a write to it is declared
+  (``expect_write``); ``stream_future`` gives such a buffer the stream-bound
+  future CUDA tensors get.
 * **Caching allocator** (``SimRuntime.empty``): blocks are pooled per
   allocation stream; ``record_stream`` defers reuse until the other stream's
   work is done. A block handed out again while work of a stream it was used
@@ -35,9 +38,13 @@ it is simulated with the semantics that make GPU bugs show:
   call) that first uses a connection to a peer blocks the host until that peer
   posts its side, and returns an error once the communicator is aborted from
   another thread (as ``ncclCommAbort`` unblocks NCCL's set-up). ``abort``,
-  async errors and injected errors work.
+  async errors and injected errors work. Calls on one communicator from two
+  threads at once (an abort during another thread's ``groupEnd``) are reported.
 * **Host syncs** are counted: ``tolist``/``item``/``bool``/... on device
-  tensors, ``Event.synchronize``, ``Stream.synchronize``, device sync.
+  tensors, ``Event.synchronize``, ``Stream.synchronize``, device sync, and a
+  ``copy_`` between device memory and host memory (a tensor a watched thread
+  made without a device), ATen's ``memcpy_and_sync`` unless ``non_blocking``
+  with the host side pinned.
 * **Devices**: a per-thread current device and stream, as in torch; a thread
   that uses the runtime without binding to the rank's device creates a
   "context" on another device, which is reported.
@@ -283,6 +290,18 @@ class _Block:
         self.accesses: List[_Access] = []  # executed accesses (the race detector's shadow)
 
 
+class _ForeignBlock(_Block):
+    """Memory the allocator did not hand out, tracked for races (``_Allocator.track``):
+    live for good, so never in a pool."""
+
+    __slots__ = ()
+
+    def __init__(self, bid, storage: torch.Tensor):  # pylint: disable=super-init-not-called
+        self.id, self.nbytes, self.stream = bid, storage.numel(), None
+        self.storage, self.lo = storage, storage.data_ptr()
+        self.uses, self.live, self.free_events, self.accesses = set(), True, [], []
+
+
 class _Allocator:
     """Blocks pooled per allocation stream, as torch's CUDA caching allocator."""
 
@@ -372,6 +391,22 @@ class _Allocator:
                 ev.record(s)
                 block.free_events.append(ev)
 
+    def track(self, tensor: torch.Tensor) -> None:
+        """Race-check ``tensor``'s memory from now on though this allocator did not
+        hand it out (a DDP bucket the reducer made): a block over its storage, never
+        pooled, that holds the storage so its addresses are not reused while tracked."""
+        span = _span(tensor)
+        if span is None or self.block_of(span[0]) is not None:
+            return
+        _tls.host_depth += 1  # the simulator's own bookkeeping, not host work
+        try:
+            storage = tensor.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+        finally:
+            _tls.host_depth -= 1
+        with self.device.cv:
+            self.blocks.append(_ForeignBlock(next(self._ids), whole))
+
     def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
         span = _span(tensor)
         if span is None:
@@ -413,10 +448,54 @@ class _HostMode(TorchFunctionMode):
             if is_pending(t):
                 resolve(t)
         if tensors:
-            if name in _SYNC_FUNCS:
+            if name in _SYNC_FUNCS or (name == "copy_" and _syncing_copy(dev, args, kwargs)):
                 dev.count_sync()
             dev.host_op(name, tensors, written(name, args, kwargs))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        _note_host_made(name, tensors, kwargs, out)
+        return out
+
+
+# Factories that make a tensor in host memory unless given a device. The
+# simulated device's tensors are CPU tensors too, so "host" is what a watched
+# thread made this way (device= given: device memory on a GPU), or made from
+# host tensors only.
+_HOST_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange",
+                             "linspace", "rand", "randn", "randint", "eye", "from_numpy"})
+_HOST = "_hc_sim_host"
+
+
+def _is_host(t: torch.Tensor) -> bool:
+    base = t._base
+    return getattr(t, _HOST, False) or (base is not None and getattr(base, _HOST, False))
+
+
+def _note_host_made(name: str, tensors: list, kwargs: dict, out) -> None:
+    """Mark ``out`` as pageable host memory when the call made it there."""
+    if not isinstance(out, torch.Tensor):
+        return
+    if (not tensors and name in _HOST_FACTORIES and kwargs.get("device") is None) or \
+            (tensors and all(_is_host(t) for t in tensors)):
+        try:
+            setattr(out, _HOST, True)
+        except (AttributeError, RuntimeError):  # a tensor type without attributes: not known
+            pass
+
+
+def _syncing_copy(dev: "_Device", args, kwargs) -> bool:
+    """``dst.copy_(src)`` between host and device memory: ATen copies with
+    ``memcpy_and_sync`` (a stream sync) unless ``non_blocking`` with the host side
+    pinned."""
+    if len(args) < 2 or not isinstance(args[1], torch.Tensor):
+        return False
+    dst, src = args[0], args[1]
+    host = src if _is_host(src) else dst if _is_host(dst) else None
+    device = dst if host is src else src
+    span = _span(device)
+    if host is None or span is None or dev.allocator.block_of(span[0]) is None:
+        return False
+    non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+    return not (non_blocking and host.is_pinned())
 
 
 class _TLS(threading.local):
@@ -446,7 +525,7 @@ class _Device:
         self.stats = _zero_stats()
         self.errors: List[SimError] = []
         self._raised = 0
-        self._alive: List[Tuple[torch.Tensor, SimEvent]] = []
+        self._alive: List[Tuple[torch.Tensor, SimStream]] = []
         self.allocator = _Allocator(self)
         self.nccl_running: List[Tuple[str, str, float]] = []  # (comm, stream, since)
         self.nccl_waiting: List[Tuple[str, str, float]] = []
@@ -487,13 +566,13 @@ class _Device:
                 raise err
 
     def keep_alive(self, tensor: torch.Tensor, stream: SimStream) -> None:
-        """record_stream on memory not from the simulated allocator: hold it until the
-        stream's work so far is done (what the caching allocator guarantees)."""
-        ev = SimEvent(self, _internal=True)
-        ev.record(stream)
+        """record_stream on memory not from the simulated allocator: hold it until a
+        later call finds the stream idle. The caching allocator keeps a block for the
+        work queued before its *free*; the work comes after this call, so an event
+        recorded now would let it go early (NCCL then writes freed memory)."""
         with self.cv:
-            self._alive = [(t, e) for t, e in self._alive if not e.query()]
-            self._alive.append((tensor, ev))
+            self._alive = [(t, s) for t, s in self._alive if s._done < s._seq]
+            self._alive.append((tensor, stream))
 
     def current_stream(self) -> SimStream:
         return _tls.current.get(self.index) or self.default
@@ -857,6 +936,38 @@ def _all_reduce(comm, sendptr, recvptr, count, dtype, redop) -> None:
     _alias(recvptr, nbytes).view(tdtype).copy_(acc)
 
 
+class _CommUsers:
+    """The threads inside calls on one simulated communicator. NCCL calls on one
+    communicator must not overlap from two threads: CuPy's communicators are
+    blocking, and an ``ncclCommAbort`` racing a ``groupEnd`` (or a send) on another
+    thread frees what that call still uses. An overlap is reported, naming both."""
+
+    def __init__(self, comm: "SimNcclCommunicator"):
+        self.comm, self.lock = comm, threading.Lock()
+        self.inside: Dict[int, Tuple[str, str]] = {}  # thread ident: (thread name, call)
+
+    @contextlib.contextmanager
+    def entered(self, what: str):
+        me, name = threading.get_ident(), threading.current_thread().name
+        with self.lock:
+            others = [v for k, v in self.inside.items() if k != me]
+            outer = me not in self.inside
+            if outer:
+                self.inside[me] = (name, what)
+        if others:
+            c = self.comm
+            c.module.device.report(SimError(
+                f"NCCL {c.name}: rank {c.rank}: {what}() on thread {name!r} while thread "
+                f"{others[0][0]!r} is inside {others[0][1]}(): one communicator used by two "
+                "threads at once (NCCL calls on a communicator are not thread-safe)"))
+        try:
+            yield
+        finally:
+            if outer:
+                with self.lock:
+                    del self.inside[me]
+
+
 class SimNcclCommunicator:
     """``cupy.cuda.nccl.NcclCommunicator``, simulated (one rank's side)."""
 
@@ -885,6 +996,7 @@ class SimNcclCommunicator:
         self.connect_tag = _CONNECT_TAG_BASE + (int.from_bytes(digest[:3], "little") << 2)
         self.connected: set = set()  # ("send" | "recv" | "coll", peer): set up on first use
         self.aborted = self.destroyed = False
+        self.users = _CommUsers(self)
         self.async_error = 0
         store = dist.distributed_c10d._get_default_store()
         key = f"hybridcomm-simnccl/{digest.hex()}"
@@ -906,11 +1018,12 @@ class SimNcclCommunicator:
         with dev.cv:
             dev.stats["nccl_ops"] += 1
         call = (self, kind, ptr, count, datatype, peer, extra)
-        if _tls.group is not None:
-            _tls.group.append((s, call, ranges))
-        else:  # outside a group NCCL makes the call a group of one: it connects the same way
-            self.module._connect([call])
-            self.module._launch(s, [call], list(ranges))
+        with self.users.entered(kind):
+            if _tls.group is not None:
+                _tls.group.append((s, call, ranges))
+            else:  # outside a group NCCL makes the call a group of one: it connects the same way
+                self.module._connect([call])
+                self.module._launch(s, [call], list(ranges))
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         n = count * _TORCH_OF[datatype].itemsize
@@ -931,6 +1044,10 @@ class SimNcclCommunicator:
 
     # -- state ----------------------------------------------------------------------------
     def check_async_error(self) -> None:
+        with self.users.entered("check_async_error"):
+            self._check_async_error()
+
+    def _check_async_error(self) -> None:
         if self._freed("check_async_error"):
             raise SimNcclError(ERROR_INVALID_USAGE, f"{self.name} was aborted or destroyed")
         if self.async_error:
@@ -941,6 +1058,10 @@ class SimNcclCommunicator:
         self.async_error = status
 
     def abort(self) -> None:
+        with self.users.entered("abort"):  # still unblocks a groupEnd elsewhere, as NCCL's flag
+            self._abort()
+
+    def _abort(self) -> None:
         if self._freed("abort"):
             return
         self.aborted = True
@@ -948,6 +1069,10 @@ class SimNcclCommunicator:
             self.module.device.cv.notify_all()
 
     def destroy(self) -> None:
+        with self.users.entered("destroy"):
+            self._destroy()
+
+    def _destroy(self) -> None:
         if self._freed("destroy"):
             return
         self.destroyed = True
@@ -1012,6 +1137,12 @@ class SimNccl:
         calls, _tls.group = _tls.group, None
         if calls is None:
             raise SimNcclError(ERROR_INVALID_USAGE, "groupEnd without groupStart")
+        with contextlib.ExitStack() as inside:  # every communicator of the group is in use
+            for comm in dict.fromkeys(call[0] for _, call, _ in calls):
+                inside.enter_context(comm.users.entered("groupEnd"))
+            self._group_end(calls)
+
+    def _group_end(self, calls) -> None:
         self._connect([call for _, call, _ in calls])
         by_stream: Dict[SimStream, tuple] = {}
         for s, call, ranges in calls:
@@ -1190,11 +1321,29 @@ class SimRuntime:
             yield
 
     def expect_write(self, tensor: torch.Tensor) -> None:
-        """Autograd's AccumulateGrad is about to add into ``tensor`` in place (C++ the
-        watch cannot see): a write on the current stream, checked for races and run
-        after the stream's queued work, as its kernel would."""
+        """Autograd's AccumulateGrad is about to add into ``tensor`` in place, or DDP's
+        reducer has copied gradients into it (C++ the watch cannot see): a write on
+        the current stream, checked for races and run after the stream's queued
+        work, as its kernel would. Memory not from the allocator is tracked from
+        now on."""
         self._dev.touch()
+        self._dev.allocator.track(tensor)
         self._dev.host_op("AccumulateGrad", [tensor], [tensor])
+
+    def stream_future(self, value, stream: SimStream) -> torch.futures.Future:
+        """What ``torch.futures.Future(devices=[cuda])`` set with ``stream`` current
+        gives DDP: its wait makes the waiter's stream wait for ``stream``'s work so
+        far. A CPU tensor's future knows no streams, so here it completes when
+        ``stream`` gets there (DDP's wait, in C++, waits on the host), and the
+        current stream waits for that point (the stream wait, made at once)."""
+        dev = self._dev
+        dev.touch()
+        fut: torch.futures.Future = torch.futures.Future()
+        ev = SimEvent(dev)
+        ev.record(stream)
+        dev.current_stream().wait_event(ev)
+        stream._issue(_Op("kernel", "future", stream, fn=lambda: fut.set_result(value)))
+        return fut
 
     @contextlib.contextmanager
     def host_region(self):

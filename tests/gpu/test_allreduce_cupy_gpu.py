@@ -7,10 +7,10 @@ Run: TRITON_INTERPRET=0 pytest tests/gpu   (one process per GPU is spawned)
 import pytest
 import torch
 
-from gpu_common import needs_gpus, require_cupy_nccl, skip_if_interpreting
+from gpu_common import require_cupy_nccl, skip_if_interpreting
 from hybridcomm.tools.launch import launch
 
-pytestmark = needs_gpus(2)
+pytestmark = pytest.mark.gpus(2)  # tests/gpu/conftest.py skips with fewer
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,8 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 import hybridcomm  # noqa: E402
-from gpu_common import needs_gpus, record, require_cupy_nccl, skip_if_interpreting  # noqa: E402
+from gpu_common import (ieee_fp32, ieee_fp32_here, no_host_sync, record,  # noqa: E402
+                        require_cupy_nccl, skip_if_interpreting)
 from hybridcomm.tools.launch import launch  # noqa: E402
 from optim_models import (batch, flat, make_model, make_optimizer, make_scheduler,  # noqa: E402
                           shard, train_single)
@@ -36,7 +37,7 @@ from test_optimizer_features import (Branchy, branchy_data, branchy_loss,  # noq
                                      branchy_reference)
 from test_training_loops import IN, INF_STEP, MAX_NORM, OUT, _mlp, _whole  # noqa: E402
 
-pytestmark = needs_gpus(2)
+pytestmark = pytest.mark.gpus(2)  # tests/gpu/conftest.py skips with fewer
 
 STEPS = 4  # as tests/test_optimizer_equivalence.py (train_single's references)
 TIMEOUT = 60  # the library's timeout in the ranks
@@ -66,34 +67,10 @@ def _world():
     return min(torch.cuda.device_count(), 4)
 
 
-def _ieee():
-    """fp32 as IEEE in the ranks and the references: no TF32 in matmuls or
-    convolutions, and no cuDNN, whose algorithm choice depends on the batch
-    size (a shard and the whole batch would round differently, beyond the
-    summation-order tolerance). torch 2.13's fp32_precision API (the legacy
-    allow_tf32 flags must not be mixed with it)."""
-    torch.backends.cuda.matmul.fp32_precision = "ieee"
-    torch.backends.cudnn.conv.fp32_precision = "ieee"
-    torch.backends.cudnn.enabled = False
-
-
-@contextlib.contextmanager
-def _ieee_here():
-    """_ieee() in the test process for a GPU reference, then the flags as they were."""
-    saved = (torch.backends.cuda.matmul.fp32_precision,
-             torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.enabled)
-    _ieee()
-    try:
-        yield
-    finally:
-        (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
-         torch.backends.cudnn.enabled) = saved
-
-
 def _setup(transport="cupy"):
     """In a rank: the transport pinned (never a silent fallback), IEEE fp32."""
     os.environ["HYBRIDCOMM_TRANSPORT"] = transport
-    _ieee()
+    ieee_fp32()
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -242,8 +219,9 @@ SYNC_STEPS, WARMUP = 8, 5  # as test_single_gpu.py: steps 5-7 are steady (past t
 def _unused(rank, world, overlap):
     """tests/test_optimizer_features.py's Branchy: ``a`` used by rank 0's shard only,
     ``never`` by nobody, ``frozen``, ``tied_*``. find_unused_parameters=True: the
-    steady steps run under set_sync_debug_mode("error"); the last step reads .grad
-    after synchronize() (under it too) and steps inside skip_synchronize()."""
+    steady steps run under gpu_common.no_host_sync() (set_sync_debug_mode("error")
+    and the explicit waits it misses); the last step reads .grad after
+    synchronize() (under it too) and steps inside skip_synchronize()."""
     dev = _setup()
     torch.manual_seed(0)
     model = Branchy().to(dev)
@@ -255,11 +233,11 @@ def _unused(rank, world, overlap):
         cost_model=fixed_cost_model(), fusion_bytes=0, measure_iters=2, timeout=TIMEOUT)
     no_grad = None
     t_steady = None
-    try:
+    with contextlib.ExitStack() as checked:
         for s, (x, y) in enumerate(data):
             if s == WARMUP:
                 torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")  # a host sync from here on raises
+                checked.enter_context(no_host_sync())  # a host sync from here on fails
                 t_steady = time.perf_counter()
             opt.zero_grad()
             branchy_loss(model, shard(x, rank, world), shard(y, rank, world), rank).backward()
@@ -271,8 +249,6 @@ def _unused(rank, world, overlap):
             else:
                 opt.step()
         opt.synchronize()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     steady_s = (time.perf_counter() - t_steady) / (SYNC_STEPS - WARMUP)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -603,7 +579,7 @@ def test_amp_with_clipping_matches_one_process(overlap):
     require_cupy_nccl()
     world = _world()
     results = _run(f"amp_clip[{overlap}]", _amp, world, overlap)
-    with _ieee_here():
+    with ieee_fp32_here():
         ref_model, ref_norms, ref_scales = _amp_loop(torch.device("cuda", 0), lambda t: t,
                                                      None)
         ref = flat(ref_model.parameters()).cpu()
@@ -639,7 +615,7 @@ def test_amp_with_clipping_matches_one_process(overlap):
 
 # --- 8 ranks -----------------------------------------------------------------------------
 
-@needs_gpus(8)
+@pytest.mark.gpus(8)
 def test_eight_ranks_match_one_process():
     """8 ranks (3 samples each of batch24): every algorithm forced, and the hybrid
     plan (the library's default cost model: a probe) in every overlap mode."""

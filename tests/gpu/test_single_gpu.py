@@ -3,8 +3,9 @@
 * the real ``CudaRuntime`` and ``CupyNcclTransport`` over a 1-rank NCCL
   communicator (valid in NCCL): native all-reduce and every schedule;
 * ``DistributedOptimizer`` in all three overlap modes, whose steady-state steps
-  run under ``torch.cuda.set_sync_debug_mode("error")`` (a host sync raises),
-  against plain torch training;
+  run under ``gpu_common.no_host_sync()`` (``set_sync_debug_mode("error")`` and
+  the Event/Stream/device synchronize it does not see: a host sync fails),
+  against plain torch training in IEEE fp32;
 * native all-reduce captured in a CUDA graph and replayed;
 * the Triton table kernels (pack/unpack, one launch for many tensors) checked
   against and timed next to ``torch.cat`` and ``torch._foreach_copy_`` (timings
@@ -13,11 +14,13 @@
 On a CUDA machine without CuPy the CuPy tests FAIL (naming the extra to
 install). Run: TRITON_INTERPRET=0 pytest tests/gpu   (or make gpu-check)
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
 
-from gpu_common import needs_cuda, record, require_cupy_nccl, skip_if_interpreting
+from gpu_common import needs_cuda, no_host_sync, record, require_cupy_nccl, skip_if_interpreting
 
 pytestmark = needs_cuda
 
@@ -83,7 +86,7 @@ def test_world_one_native_and_every_schedule(cupy_transport):
 
 
 @pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
-def test_optimizer_steady_steps_make_no_host_sync(group1, overlap):
+def test_optimizer_steady_steps_make_no_host_sync(group1, ieee, overlap):
     import hybridcomm
     from hybridcomm.plan.cost_model import CostModel
     from hybridcomm.comm.transport.cupy_nccl import CupyNcclTransport
@@ -108,16 +111,14 @@ def test_optimizer_steady_steps_make_no_host_sync(group1, overlap):
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
         overlap=overlap, fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
         measure_iters=2, timeout=120)
-    try:
+    with contextlib.ExitStack() as checked:
         for s, (x, y) in enumerate(batches):
             if s == WARMUP:
                 torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")  # a host sync from here on raises
+                checked.enter_context(no_host_sync())  # a host sync from here on fails
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     opt.synchronize()
     got = flat(model.parameters()).cpu()
     assert isinstance(select_transport(dev), CupyNcclTransport)

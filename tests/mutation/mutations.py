@@ -32,6 +32,12 @@ class Mutation:
 GPU = "tests/test_gpu_path.py::"
 SIM = "tests/test_simgpu.py::"
 NONE_PUT_BACK = GPU + "test_each_defect_put_back_is_reported[none-None]"
+DDP = "tests/test_ddp_hook.py::"
+GC = "tests/test_gpu_check.py::"
+CS = "tests/test_csrc_compile.py::"
+KR = "tests/test_kernels_reduce.py::"
+KP = "tests/test_kernels_pack.py::"
+NCCL_SELECT = "tests/test_cupy_nccl_select.py::"
 
 MUTATIONS = [
     # ---- issue 8: the ten old defects -------------------------------------------------------
@@ -128,12 +134,15 @@ MUTATIONS = [
             "                    unpack(b.grads[o:o + tensors[j].numel()], [tensors[j]])\n",
         guards=("tests/test_averager.py::test_every_rank_gets_the_exact_mean[simgpu]",),
         what="TensorAverager unpacks each tensor with its own launch"),
-    Mutation(
-        "async-error-outside-lock", "old 9", "hybridcomm/comm/transport/cupy_nccl.py",
-        old="            with self._lock:  # never races an abort or destroy on another thread\n",
-        new="            if True:  # the query outside the lock\n",
+    Mutation(  # (the query now runs on the communicator's own thread: its race is close's)
+        "close-destroys-on-callers-thread", "old 9", "hybridcomm/comm/transport/cupy_nccl.py",
+        old="                self._failure = HybridCommError(f\"rank {self.rank}: the NCCL transport was \"\n"
+            "                                                \"closed\")\n",
+        new="                self._failure = HybridCommError(f\"rank {self.rank}: the NCCL transport was \"\n"
+            "                                                \"closed\")\n"
+            "                self.comm.destroy()  # on the caller's thread, racing the owner's query\n",
         guards=(GPU + "test_the_watchdogs_async_error_query_never_races_an_abort",),
-        what="the watchdog queries NCCL's async error outside the abort lock"),
+        what="close() destroys while the async-error query runs on another thread"),
     Mutation(
         "bench-torch-p2p", "old 10", "hybridcomm/tools/bench/harness.py",
         old="        base = select_transport(device, group)\n",
@@ -146,7 +155,7 @@ MUTATIONS = [
     Mutation(
         "lock-across-group-end", "new 1", "hybridcomm/comm/transport/cupy_nccl.py",
         old="        try:\n            calls()\n        except self.nccl.NcclError as e:\n",
-        new="        try:\n            with self._lock:\n                calls()\n"
+        new="        try:\n            with self.t._lock:\n                calls()\n"
             "        except self.nccl.NcclError as e:\n",
         guards=(GPU + "test_a_peer_silent_before_its_first_operation_is_a_timeout_not_a_hang"
                 "[step-step 0]",
@@ -310,4 +319,257 @@ MUTATIONS = [
         new="        for dtype, members in [(d, [m]) for d, ms in groups.items() for m in ms]:\n",
         guards=("tests/test_kernels_pack.py::test_one_launch_per_bucket_whatever_its_tensor_count",),
         what="the Triton table launch: one kernel per tensor instead of one per bucket"),
+    # ---- issue 29: the review's GPU defects -----------------------------------------------
+    # 1: fp64 averages scaled by an fp32 scale (a plain float kernel argument is .param .f32)
+    Mutation(
+        "reduce-scale-fp32-param", "i29 1", "kernels/reduce.py",
+        old="        scale: tl.float64,  # a plain float parameter would be fp32 on a GPU (check_scale)\n",
+        new="        scale,\n",
+        guards=(KR + "test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32[fp64]",),
+        what="reduce's scale a plain float parameter: fp32 on a GPU, fp64 averages off by up to "
+             "3e-8 relative"),
+    Mutation(
+        "pack-scale-fp32-param", "i29 1", "kernels/pack.py",
+        old="        scale: tl.float64,  # a plain float parameter would be fp32 on a GPU (check_scale)\n",
+        new="        scale,\n",
+        guards=(KP + "test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32[pack-fp64]",),
+        what="pack's scale a plain float parameter: fp32 on a GPU"),
+    Mutation(
+        "unpack-scale-fp32-param", "i29 1", "kernels/unpack.py",
+        old="        scale: tl.float64,  # a plain float parameter would be fp32 on a GPU (check_scale)\n",
+        new="        scale,\n",
+        guards=(KP + "test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32[unpack-fp64]",),
+        what="unpack's scale a plain float parameter: fp32 on a GPU"),
+    Mutation(
+        "reduce-fp32-data-fp64-scale", "i29 1", "kernels/reduce.py",
+        old="            r *= scale if ACC == tl.float64 else tl.cast(scale, tl.float32)\n",
+        new="            r *= scale\n",
+        guards=(KR + "test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32[fp32]",),
+        what="fp32 data multiplied by the fp64 scale in fp64 on a GPU (not the reference's fp32)"),
+    Mutation(
+        "pack-fp32-data-fp64-scale", "i29 1", "kernels/pack.py",
+        old="                x = x.to(tl.float32) * tl.cast(scale, tl.float32)\n",
+        new="                x = x.to(tl.float32) * scale\n",
+        guards=(KP + "test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32[pack-fp32]",),
+        what="pack: fp32 data multiplied by the fp64 scale in fp64 on a GPU"),
+    Mutation(
+        "unpack-fp32-data-fp64-scale", "i29 1", "kernels/unpack.py",
+        old="                x = x.to(tl.float32) * tl.cast(scale, tl.float32)\n",
+        new="                x = x.to(tl.float32) * scale\n",
+        guards=(KP + "test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32[unpack-fp32]",),
+        what="unpack: fp32 data multiplied by the fp64 scale in fp64 on a GPU"),
+    Mutation(
+        "pack-fp32-into-fp64-in-fp32", "i29 1", "kernels/pack.py",
+        old="            if TENSOR == tl.float64 or out_ptr.dtype.element_ty == tl.float64:\n",
+        new="            if TENSOR == tl.float64:\n",
+        guards=(KP + "test_every_dtype_pair_scales_like_the_reference_in_fp64_where_either_is"
+                "[float32-float64]",),
+        what="pack scales fp32 tensors bound for an fp64 buffer in fp32 (the reference: fp64)"),
+    Mutation(
+        "unpack-ref-fp32-into-fp64-in-fp32", "i29 1", "kernels/unpack.py",
+        old="        elif dst.dtype == torch.float64 and flat.dtype != torch.float64:\n",
+        new="        elif False:\n",
+        guards=(KP + "test_every_dtype_pair_scales_like_the_reference_in_fp64_where_either_is"
+                "[float32-float64]",),
+        what="unpack's reference scales an fp32 buffer into fp64 tensors in fp32, the kernel in fp64"),
+    # 2: a rank missing a gradient paid a host sync in backward (pageable mask copied in)
+    Mutation(
+        "flags-from-host-mask", "i29 2", "hybridcomm/sync/buckets.py",
+        old="        most = 1 if 2 * len(positions) >= n else 0\n"
+            "        self.flags.fill_(most)\n",
+        new="        if len(positions) < n:  # the host mask copied in (memcpy_and_sync)\n"
+            "            mask = torch.zeros(n, dtype=self.flags.dtype)\n"
+            "            mask[list(positions)] = 1\n"
+            "            self.flags.copy_(mask)\n"
+            "            return\n"
+            "        most = 1 if 2 * len(positions) >= n else 0\n"
+            "        self.flags.fill_(most)\n",
+        guards=(GPU + "test_flags_are_written_on_the_device_without_a_host_sync",
+                GPU + "test_a_missing_gradient_in_a_topk_bucket_costs_no_host_sync[backward]",
+                GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host[forward]"),
+        what="GradBucket.set_flags copies a pageable host mask into the device flags: a host sync "
+             "in backward per incomplete bucket"),
+    Mutation(
+        "sim-h2d-copy-uncounted", "i29 2 (simulator)", "hybridcomm/testing/simgpu.py",
+        old='            if name in _SYNC_FUNCS or (name == "copy_" and _syncing_copy(dev, args, kwargs)):\n',
+        new="            if name in _SYNC_FUNCS:\n",
+        guards=(SIM + "test_a_copy_between_pageable_host_memory_and_the_device_is_a_host_sync",),
+        what="the simulator does not count a copy_ between pageable host memory and the device"),
+    # 3: the watchdog died silently and broke CUDA graph capture
+    Mutation(
+        "watchdog-dies-silently", "i29 3", "hybridcomm/comm/transport/cupy_nccl.py",
+        old="        try:\n"
+            "            self.runtime.bind_thread()  # else its event queries make a context on GPU 0\n"
+            "            self._watch()\n"
+            "        except BaseException as e:  # noqa: BLE001 - a sticky CUDA error: fail, never die silently\n"
+            "            self._fail(HybridCommError(\n"
+            "                f\"rank {self.rank}: the NCCL watchdog failed ({type(e).__name__}: {e}): NCCL \"\n"
+            "                \"work could no longer be watched for hangs, so the communicator was aborted; \"\n"
+            "                \"create a new transport\"))\n",
+        new="        self.runtime.bind_thread()  # else its event queries make a context on GPU 0\n"
+            "        self._watch()\n",
+        guards=(GPU + "test_an_exception_in_the_watchdog_fails_the_transport",),
+        what="no try/except in the watchdog: an exception (a sticky CUDA error) ends it silently"),
+    Mutation(
+        "watchdog-global-capture-mode", "i29 3", "hybridcomm/comm/transport/cupy_nccl.py",
+        old="CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1  # CUstreamCaptureMode (cuda.h)\n",
+        new="CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 0  # CUstreamCaptureMode (cuda.h)\n",
+        guards=(NCCL_SELECT + "test_the_watchdog_exempts_its_thread_from_global_graph_capture",),
+        what="the watchdog's thread left in global capture mode"),
+    Mutation(
+        "watchdog-queries-in-global-mode", "i29 3", "hybridcomm/comm/transport/cupy_nccl.py",
+        old="        self._exempt_from_capture(\"NCCL watchdog\")\n",
+        new="",
+        guards=(NCCL_SELECT + "test_the_watchdog_exempts_its_thread_from_global_graph_capture",),
+        what="the watchdog queries events without the thread-local capture mode"),
+    Mutation(
+        "nccl-thread-in-global-mode", "i29 3", "hybridcomm/comm/transport/cupy_nccl.py",
+        old="            t._exempt_from_capture(\"NCCL communicator's thread\")\n",
+        new="",
+        guards=(NCCL_SELECT + "test_the_communicators_thread_exempts_itself_and_makes_the_last_call",),
+        what="the thread polling NCCL's async error left in global capture mode"),
+    # the abort path: a communicator is never used by two threads at once
+    Mutation(
+        "close-aborts-on-callers-thread", "i29 abort", "hybridcomm/comm/transport/cupy_nccl.py",
+        old="                self._aborted, self._destroy_on_close = True, not self._issuing\n",
+        new="                self._aborted, self._destroy_on_close = True, not self._issuing\n"
+            "                if self._issuing:\n"
+            "                    self.comm.abort()  # on the caller's thread, under the call in flight\n",
+        guards=(GPU + "test_an_abort_never_overlaps_a_blocked_group_end[close]",),
+        what="close() aborts on its own thread while groupEnd blocks on the owner's"),
+    Mutation(
+        "watchdog-aborts-at-issue-deadline", "i29 abort", "hybridcomm/comm/transport/cupy_nccl.py",
+        old="                what, timeout = late[0]\n",
+        new="                what, timeout = late[0]\n"
+            "                self.comm.abort()  # on the watchdog's thread, under the blocked groupEnd\n",
+        guards=(GPU + "test_an_abort_never_overlaps_a_blocked_group_end[deadline]",),
+        what="the watchdog aborts a blocked groupEnd from its own thread"),
+    # 4: the DDP hook's ready event on the wrong stream
+    Mutation(
+        "ddp-ready-on-issuing-thread", "i29 4", "hybridcomm/ddp.py",
+        old='                          label=what, range_id=f"DDP {bucket.index()}", ready=ready,\n',
+        new='                          label=what, range_id=f"DDP {bucket.index()}",\n',
+        guards=(DDP + "test_backward_on_a_side_stream_with_an_issuing_thread[ring]",
+                DDP + "test_backward_on_a_side_stream_with_an_issuing_thread[native]"),
+        what="the DDP hook's ready event is recorded on the issuing thread's current stream"),
+    Mutation(
+        "ddp-future-not-stream-ordered", "i29 4 (simulator)", "hybridcomm/ddp.py",
+        old="        if not buf.is_cuda:  # the simulated GPU: a CPU tensor's future has no stream\n"
+            "            return rt.stream_future(buf, t.stream)\n"
+            "        fut = torch.futures.Future(devices=[buf.device])\n",
+        new="        fut = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)\n",
+        guards=(DDP + "test_hook_gives_ddps_numbers_on_the_simulated_gpu[hand]",
+                DDP + "test_hook_gives_ddps_numbers_on_the_simulated_gpu[register]",
+                DDP + "test_backward_on_a_side_stream_with_an_issuing_thread[ring]"),
+        what="the DDP hook's future on the simulated GPU completes before the reduction"),
+    Mutation(
+        "sim-keep-alive-at-record", "i29 4 (simulator)", "hybridcomm/testing/simgpu.py",
+        old="        with self.cv:\n"
+            "            self._alive = [(t, s) for t, s in self._alive if s._done < s._seq]\n"
+            "            self._alive.append((tensor, stream))\n",
+        new="        ev = SimEvent(self, _internal=True)\n"
+            "        ev.record(stream)\n"
+            "        with self.cv:\n"
+            "            self._alive = [(t, e) for t, e in self._alive if not e.query()]\n"
+            "            self._alive.append((tensor, ev))\n",
+        guards=(SIM + "test_user_memory_given_to_record_stream_outlives_the_work_queued_before_its_free",),
+        what="record_stream on user memory holds it only for work queued before the call"),
+    # 5: the table kernels rebuilt one Python row per block at every launch
+    Mutation(
+        "table-rows-per-launch", "i29 5", "kernels/_triton.py",
+        old="           tuple([(t.data_ptr(), t.numel(), offset) for t, offset in members]))\n",
+        new="           tuple(block_rows(members, block)))\n",
+        guards=(KP + "test_a_seen_layout_builds_no_rows_and_costs_the_same_whatever_its_blocks[pack]",),
+        what="the table cache keyed by the rows: a Python row per block built and hashed at every "
+             "launch (9 ms host time for a 100 MiB bucket)"),
+    # 6: the 2+-GPU optimizer test ran TF32 against a 64-eps bound
+    Mutation(
+        "optimizer-cuda-tf32", "i29 6", "tests/gpu/test_optimizer_cuda.py",
+        old="    ieee_fp32()  # TF32 keeps 10 mantissa bits (~5e-4 relative); the tolerance is 7.6e-6\n",
+        new="",
+        guards=(GC + "test_gpu_ranks_pin_ieee_fp32_first[test_optimizer_cuda]",),
+        what="the optimizer test's ranks run TF32 convolutions on their shards against a 12-sample "
+             "reference at 64 eps"),
+    Mutation(
+        "optimizer-cuda-reference-tf32", "i29 6", "tests/gpu/test_optimizer_cuda.py",
+        old="def test_training_on_gpus_matches_one_process(ieee, overlap):",
+        new="def test_training_on_gpus_matches_one_process(overlap):",
+        guards=(GC + "test_gpu_ranks_pin_ieee_fp32_first[test_optimizer_cuda]",),
+        what="the same test's one-process GPU reference runs under TF32"),
+    # 7: failures that hide
+    Mutation(
+        "csrc-build-error-swallowed", "i29 7", "hybridcomm/gpu/cuda_ext.py",
+        old="                    reason, failed = f\"building the extension failed: {e}\", True\n"
+            "                    log.warning(\"hybridcomm: the CUDA C++ extension (csrc/) did not build: %s\", e)\n",
+        new="                    reason = f\"building the extension failed: {e}\"\n",
+        guards=(CS + "test_a_failing_build_is_reported_not_swallowed",
+                CS + "test_the_gpu_tests_fail_on_a_failed_build_and_skip_only_without_a_toolkit"),
+        what="cuda_ext.load() turns a failed csrc build into None, quietly: the GPU tests skip"),
+    Mutation(
+        "csrc-required-ignored", "i29 7", "hybridcomm/gpu/cuda_ext.py",
+        old="    if module is None and required:\n",
+        new="    if module is None and required and not _state[\"failed\"]:\n",
+        guards=(CS + "test_a_failing_build_is_reported_not_swallowed",),
+        what="load(required=True) returns None after a failed build"),
+    Mutation(
+        "csrc-failed-build-skips", "i29 7", "tests/gpu/gpu_common.py",
+        old="    if cuda_ext.build_failed():\n"
+            "        pytest.fail(f\"the csrc build failed: {cuda_ext.why_not()}\", pytrace=False)\n",
+        new="",
+        guards=(CS + "test_the_gpu_tests_fail_on_a_failed_build_and_skip_only_without_a_toolkit",),
+        what="the csrc kernel tests skip when the build failed"),
+    Mutation(
+        "gpu-check-csrc-failure-ok", "i29 7", "tests/gpu/gpu_check.py",
+        old="    if csrc[\"build_failed\"]:\n", new="    if False:\n",
+        guards=(GC + "test_the_verdict",),
+        what="make gpu-check passes though the csrc build failed"),
+    Mutation(
+        "gpu-check-exit-5-ok", "i29 7", "tests/gpu/gpu_check.py",
+        old="    if rc == 5:\n"
+            "        found.append(\"pytest collected no tests (exit 5): nothing was checked\")\n"
+            "    elif rc != 0:\n"
+            "        found.append(f\"pytest exited {rc}\")\n"
+            "    if not tests and rc != 5:\n"
+            "        found.append(\"no test reported an outcome\")\n",
+        new="    if rc not in (0, 5):  # 5: nothing collected\n"
+            "        found.append(f\"pytest exited {rc}\")\n",
+        guards=(GC + "test_nothing_collected_is_a_failure_not_a_dry_run", GC + "test_the_verdict"),
+        what="make gpu-check exits 0 when pytest collected nothing (exit 5)"),
+    Mutation(
+        "gpu-check-collection-error-unnamed", "i29 7", "tests/gpu/gpu_check.py",
+        old="            t[\"outcome\"] = {\"call\": \"failed\", \"collect\": \"collection_error\"}.get(r[\"when\"], \"error\")\n",
+        new="            t[\"outcome\"] = \"failed\" if r[\"when\"] == \"call\" else \"error\"\n",
+        guards=(GC + "test_a_module_that_does_not_collect_is_a_failure",),
+        what="a module that does not collect reads as one test's error in the report"),
+    Mutation(
+        "gpu-check-all-skipped-on-gpu-ok", "i29 7", "tests/gpu/gpu_check.py",
+        old="    if not dry_run and tests and not any(t[\"outcome\"] == \"passed\" for t in tests):\n",
+        new="    if False:\n",
+        guards=(GC + "test_the_verdict",),
+        what="on a GPU machine, every test skipping (nothing checked) passes the check"),
+    Mutation(
+        "gpu-check-no-gpus-needed", "i29 report", "tests/gpu/gpu_check.py",
+        old="    item.user_properties.append((\"gpus_needed\", gpus_needed(item)))  # copied to each report\n",
+        new="    pass\n",
+        guards=(GC + "test_dry_run_writes_the_report_and_exits_zero",),
+        what="the report gives every test gpus_needed 1, the multi-GPU ones too"),
+    Mutation(
+        "gpu-check-share-of-all", "i29 report", "tests/gpu/gpu_check.py",
+        old="round(by_gpus.get(\"1\", 0) / counted, 4)",
+        new="round(by_gpus.get(\"1\", 0) / len(tests), 4)",
+        guards=(GC + "test_the_summary_counts_tests_by_gpus_needed",),
+        what="the one-GPU share counts collection errors as tests"),
+    Mutation(
+        "sync-watch-misses-event", "i29 7", "tests/gpu/gpu_common.py",
+        old="    points = [(torch.cuda.Event, \"synchronize\", \"torch.cuda.Event.synchronize\"),\n"
+            "              (torch.cuda.Stream,",
+        new="    points = [(torch.cuda.Stream,",
+        guards=(GC + "test_the_host_sync_watch_sees_the_waits_sync_debug_mode_misses",),
+        what="the no-host-sync check relies on set_sync_debug_mode, which misses Event.synchronize"),
+    Mutation(
+        "sync-watch-caught-syncs-pass", "i29 7", "tests/gpu/gpu_common.py",
+        old="    assert not seen.found, f\"{len(seen.found)} host sync(s):\\n\" + \"\\n\".join(seen.found)\n",
+        new="",
+        guards=(GC + "test_the_host_sync_watch_sees_the_waits_sync_debug_mode_misses",),
+        what="a host sync whose error the library (or a helper thread) caught passes"),
 ]

@@ -13,18 +13,23 @@ ordered channel: no second communicator can race the first.
   stream wait for its data (:meth:`wait_event`), queues the steps and the
   reduction kernels under :meth:`stream_context`, and records one done event
   (:meth:`record_event`) that consumers' streams wait on.
-* A watchdog thread (bound to the rank's device) aborts the communicator
-  when watched work misses its deadline or NCCL reports an async error; the
-  next call on any thread then raises :class:`HybridCommTimeout` /
-  :class:`HybridCommError` naming the rank and the work.
-* Issuing can block the host: ``ncclGroupEnd`` (and a collective, a group of
-  one) sets up a connection on its first use and waits there for the peer to
-  post its side, or waits for room in a full work queue. So no lock is held
-  across an NCCL call that can wait on a peer, and each such call runs under
-  an issue deadline (:attr:`issue_timeout`) the watchdog enforces: past it, the
-  watchdog aborts the communicator, which makes the blocked call return with
-  an error (NCCL's set-up polls the abort flag), and the issuing thread raises
-  the :class:`HybridCommTimeout`.
+* One thread per transport (``hybridcomm-nccl-r<rank>``) makes every call on
+  the communicator: groups, all-reduce, the async-error query, abort, destroy.
+  NCCL calls on one communicator must not overlap from several threads, and
+  CuPy makes only blocking communicators (no ``ncclConfig_t.blocking``), whose
+  ``groupEnd`` (and a collective, a group of one) can block the host: it sets
+  up a connection on first use and waits there for the peer to post its side,
+  or waits for room in a full work queue. Other threads hand it the calls and
+  wait, up to an issue deadline (:attr:`issue_timeout`).
+* A watchdog thread (bound to the rank's device, in thread-local capture
+  mode) flags watched work that misses its deadline and issues past theirs; it
+  never calls the communicator. A flagged failure makes every wait and the
+  next call on any thread raise :class:`HybridCommTimeout` /
+  :class:`HybridCommError` naming the rank and the work, and the
+  communicator's thread aborts as soon as it is free: at once when idle (a
+  GPU-side hang), or when its blocked call returns. A call blocked on a peer
+  that never posts stays blocked (only a concurrent abort could end it, and
+  that is the race this design avoids): its caller has had the timeout.
 
 The CUDA layer comes from a runtime (``hybridcomm.gpu.runtime``): ``CudaRuntime``
 in production, the simulator's ``SimRuntime`` in tests, which runs this exact
@@ -33,7 +38,9 @@ code over a simulated ``cupy.cuda.nccl``.
 from __future__ import annotations
 
 import collections
+import ctypes
 import itertools
+import logging
 import threading
 import time
 from typing import Dict, Sequence, Tuple
@@ -60,6 +67,9 @@ NCCL_DTYPE_NAMES: Dict[torch.dtype, str] = {
 NCCL_MODULE_ATTRS = ("NcclCommunicator", "NcclError", "get_unique_id", "groupStart", "groupEnd",
                      "NCCL_SUM", "NCCL_AVG", *NCCL_DTYPE_NAMES.values())
 NCCL_COMM_METHODS = ("send", "recv", "allReduce", "check_async_error", "abort", "destroy")
+
+CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1  # CUstreamCaptureMode (cuda.h)
+log = logging.getLogger("hybridcomm")
 
 UNIQUE_ID_KEY = "hybridcomm/cupy_nccl/{ranks}/{serial}"
 _serials: Dict[Tuple[Tuple[int, ...], int], itertools.count] = {}
@@ -136,10 +146,11 @@ class CupyNcclTransport(CommStream):
         self._dtypes = nccl_dtypes(self.nccl)
         self._aborted = False
         self._failure: HybridCommError | None = None  # set by the watchdog
-        # The communicator's life: no call starts after an abort or destroy, and
-        # abort, destroy and the async-error query never race each other. Never
-        # held across an NCCL call that can block on a peer (see _issue).
+        # The transport's state (failed, closing, calls issuing, the owner's tasks);
+        # never held across an NCCL call: only the owner thread calls the communicator.
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._closing = self._destroy_on_close = False
         self.issue_timeout = env.timeout(timeout)
         self._issuing: Dict[int, Tuple[float, str, float]] = {}  # id: (deadline, what, timeout)
         self._issue_ids = itertools.count()
@@ -149,6 +160,7 @@ class CupyNcclTransport(CommStream):
         self.comm = self._make_comm(store, ranks)
         self._init_stream(runtime, priority)
         self._handle = runtime.handle(self.stream)
+        self._owner = _Owner(self)  # from here on, the only thread calling self.comm
 
     def _make_comm(self, store, ranks):
         # The n-th communicator this rank makes for these ranks: the same n on
@@ -209,37 +221,40 @@ class CupyNcclTransport(CommStream):
                     "native all-reduce")
 
     def _issue(self, calls, what: str) -> None:
-        """Run ``calls`` (NCCL calls that may block the host on a peer) under an issue
-        deadline, outside the lock, so the watchdog can abort while they block.
+        """Have the communicator's thread run ``calls`` (NCCL calls that may block the
+        host on a peer) and wait for them, up to the issue deadline.
 
         The deadline is registered before the first call: a peer that never posts
         its side of a first-use connection is a HybridCommTimeout within
-        :attr:`issue_timeout`, not a hang. The lock covers only the check that the
-        communicator is usable and the registration, so no call starts after an
-        abort; an abort during the calls is what unblocks them (``ncclCommAbort``
-        sets the abort flag NCCL's set-up polls: the blocked call returns an
-        error), and the abort's error is raised here.
+        :attr:`issue_timeout`, not a hang. This thread never touches the
+        communicator: past the deadline the watchdog flags the failure, this wait
+        raises it, and the communicator's thread aborts once the blocked call
+        returns (an abort from another thread would race that call).
         """
-        with self._lock:
+        with self._cv:
             self._usable()
             key = next(self._issue_ids)
             self._issuing[key] = (time.monotonic() + self.issue_timeout, what,
                                   self.issue_timeout)
             self._start_watchdog()
-        try:
-            calls()
-        except self.nccl.NcclError as e:
-            with self._lock:
-                if not self._aborted:
-                    self._abort_locked(HybridCommError(
-                        f"rank {self.rank}: {what}: NCCL failed while issuing it: {e}; the "
-                        "communicator was aborted"))
-                err = self._failure or self._aborted_error()
-            raise err from e
-        finally:
-            with self._lock:
+            try:
+                task = self._wait(self._owner.submit(calls))
+            finally:
                 del self._issuing[key]
-        self._usable()  # aborted while issuing: what was queued may be garbage
+        if isinstance(task.error, self.nccl.NcclError):
+            self._fail(HybridCommError(
+                f"rank {self.rank}: {what}: NCCL failed while issuing it: {task.error}; the "
+                "communicator was aborted"))
+            raise (self._failure or self._aborted_error()) from task.error
+        if task.error is not None:
+            raise task.error
+        self._usable()  # failed while issuing: what was queued may be garbage
+
+    def _wait(self, task: "_Task") -> "_Task":  # caller holds the lock
+        """Until the communicator's thread has run ``task`` or the transport failed."""
+        while not task.done and not self._aborted:
+            self._cv.wait(self.WATCHDOG_PERIOD_S)
+        return task
 
     def _call(self, peer: int, t: torch.Tensor, op: str, label):
         if op != "allReduce" and (not 0 <= peer < self.world_size or peer == self.rank):
@@ -273,16 +288,15 @@ class CupyNcclTransport(CommStream):
                                "earlier error; create a new transport")
 
     def check_async_error(self) -> None:
-        """Raise HybridCommError (after aborting) if NCCL reported an asynchronous error."""
-        with self._lock:
+        """Raise HybridCommError (after aborting) if NCCL reported an asynchronous error.
+        The query runs on the communicator's thread (it polls by itself when idle)."""
+        with self._cv:
             self._usable()
-            try:
-                self.comm.check_async_error()
-            except self.nccl.NcclError as e:
-                err = HybridCommError(f"rank {self.rank}: NCCL reported an error: {e}; the "
-                                      "communicator was aborted")
-                self._abort_locked(err)
-                raise err from e
+            task = self._wait(self._owner.submit(self.comm.check_async_error))
+        if isinstance(task.error, self.nccl.NcclError):
+            self._fail(HybridCommError(f"rank {self.rank}: NCCL reported an error: "
+                                       f"{task.error}; the communicator was aborted"))
+        self._usable()
 
     def watch(self, event, timeout: float, label: str = "") -> None:
         """Abort the communicator if ``event`` is not done within ``timeout`` seconds.
@@ -304,9 +318,21 @@ class CupyNcclTransport(CommStream):
             self._watchdog.start()
 
     WATCHDOG_PERIOD_S = 0.05
+    CLOSE_WAIT_S = 10.0  # close()/abort() wait this long for a call blocked on a peer
 
     def _watch_loop(self) -> None:
-        self.runtime.bind_thread()  # else its event queries make a context on GPU 0
+        try:
+            self.runtime.bind_thread()  # else its event queries make a context on GPU 0
+            self._watch()
+        except BaseException as e:  # noqa: BLE001 - a sticky CUDA error: fail, never die silently
+            self._fail(HybridCommError(
+                f"rank {self.rank}: the NCCL watchdog failed ({type(e).__name__}: {e}): NCCL "
+                "work could no longer be watched for hangs, so the communicator was aborted; "
+                "create a new transport"))
+
+    def _watch(self) -> None:
+        """Flag late issues and late watched events; never calls the communicator."""
+        self._exempt_from_capture("NCCL watchdog")
         while not self._aborted:
             with self._lock:
                 issuing = list(self._issuing.values())
@@ -333,44 +359,165 @@ class CupyNcclTransport(CommStream):
                         "issuing its operations in another order?). NCCL_DEBUG=INFO shows more."))
                     return
                 break
-            with self._lock:  # never races an abort or destroy on another thread
-                if self._aborted:
-                    return
-                try:
-                    self.comm.check_async_error()
-                except self.nccl.NcclError as e:
-                    self._abort_locked(HybridCommError(
-                        f"rank {self.rank}: NCCL reported an error (watchdog): {e}; the "
-                        "communicator was aborted"))
-                    return
             time.sleep(self.WATCHDOG_PERIOD_S)
 
-    def _fail(self, error: HybridCommError) -> None:
-        with self._lock:
-            self._abort_locked(error)
+    def _exempt_from_capture(self, who: str) -> None:
+        """This thread's CUDA calls (event queries; NCCL's async-error query) must not
+        invalidate a graph another thread captures in global mode."""
+        if not getattr(self.runtime, "simulated", False) and not exempt_from_global_capture():
+            log.warning("rank %d: the %s could not set its CUDA stream-capture mode to "
+                        "thread-local: its queries invalidate a graph captured in global mode "
+                        "on another thread", self.rank, who)
 
-    def _abort_locked(self, error: HybridCommError | None) -> None:
-        if not self._aborted:
-            self._aborted = True
-            self._failure = error
-            self.comm.abort()
+    def _fail(self, error: HybridCommError | None) -> None:
+        """Flag the transport failed: no call starts after this, waits raise ``error``,
+        and the communicator's thread aborts as soon as no call of its is in progress
+        (never from here: an abort racing a call on the communicator is a use after free)."""
+        with self._cv:
+            if not self._aborted:
+                self._aborted, self._failure = True, error
+                self._cv.notify_all()
 
     def abort(self) -> None:
-        """Abort the communicator: its GPU work is released and it cannot be used again."""
-        with self._lock:
-            self._abort_locked(None)
+        """Abort the communicator: its GPU work is released and it cannot be used again
+        (by its own thread; this waits for that, up to :attr:`CLOSE_WAIT_S`)."""
+        self._fail(None)
+        self._wait_released("abort")
 
     def close(self) -> None:
         """Free the communicator (collective in NCCL: call it on every rank). With a
-        call still issuing on another thread (blocked on a peer), abort instead:
-        destroying would wait for it, or free the communicator under it."""
-        with self._lock:
+        call still issuing (blocked on a peer), abort instead: destroying would wait
+        for it. Either is done by the communicator's own thread, after its call
+        returns; this waits up to :attr:`CLOSE_WAIT_S` for it."""
+        with self._cv:
+            if self._closing:
+                return
+            self._closing = True
             if not self._aborted:
-                self._aborted = True
-                if self._issuing:
-                    self.comm.abort()
-                else:
-                    self.comm.destroy()
+                self._aborted, self._destroy_on_close = True, not self._issuing
+                self._failure = HybridCommError(f"rank {self.rank}: the NCCL transport was "
+                                                "closed")
+                self._cv.notify_all()
+        self._wait_released("close")
+
+    def _wait_released(self, what: str) -> None:
+        deadline = time.monotonic() + self.CLOSE_WAIT_S
+        with self._cv:
+            while not self._owner.released:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning("rank %d: %s: an NCCL call is still blocked on a peer after "
+                                "%gs; its thread aborts the communicator when it returns",
+                                self.rank, what, self.CLOSE_WAIT_S)
+                    return
+                self._cv.wait(min(left, 1.0))
+
+
+class _Task:
+    """Work for the communicator's thread: done once run (``error``: what it raised)."""
+
+    __slots__ = ("fn", "done", "error")
+
+    def __init__(self, fn):
+        self.fn, self.done, self.error = fn, False, None
+
+
+class _Owner:
+    """The one thread that calls a transport's communicator (see the module docstring).
+
+    It runs the submitted tasks in turn (groups, all-reduce, async-error queries),
+    polls NCCL's async error while idle, and once the transport has failed or is
+    closed it makes the communicator's last call, abort or destroy, and ends.
+    """
+
+    def __init__(self, transport: CupyNcclTransport):
+        self.t, self.nccl = transport, transport.nccl
+        self.tasks: collections.deque = collections.deque()
+        self.released = False
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"hybridcomm-nccl-r{transport.rank}")
+        self.thread.start()
+
+    def submit(self, fn) -> _Task:  # caller holds the transport's lock
+        task = _Task(fn)
+        self.tasks.append(task)
+        self.t._cv.notify_all()
+        return task
+
+    def _run(self) -> None:
+        t = self.t
+        try:
+            t.runtime.bind_thread()  # NCCL's calls from this thread: the rank's device
+            t._exempt_from_capture("NCCL communicator's thread")
+            while True:
+                with t._cv:
+                    while not self.tasks and not t._aborted:
+                        if not t._cv.wait(t.WATCHDOG_PERIOD_S):
+                            break
+                    if t._aborted:
+                        break
+                    task = self.tasks.popleft() if self.tasks else None
+                if task is None:
+                    self._poll()
+                    continue
+                self._execute(task)
+                with t._cv:
+                    task.done = True
+                    t._cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - fail the transport, then still release
+            t._fail(HybridCommError(f"rank {t.rank}: the NCCL communicator's thread failed "
+                                    f"({type(e).__name__}: {e}); the communicator was aborted"))
+        finally:
+            self._release()
+
+    def _execute(self, task: _Task) -> None:
+        calls = task.fn
+        try:
+            calls()
+        except self.nccl.NcclError as e:
+            task.error = e
+        except BaseException as e:  # noqa: BLE001 - the waiting caller raises it
+            task.error = e
+
+    def _poll(self) -> None:
+        try:
+            self.t.comm.check_async_error()
+        except self.nccl.NcclError as e:
+            self.t._fail(HybridCommError(f"rank {self.t.rank}: NCCL reported an error "
+                                         f"(watchdog): {e}; the communicator was aborted"))
+
+    def _release(self) -> None:
+        """The communicator's last call: destroy on a clean close, else abort."""
+        t = self.t
+        with t._cv:
+            error = t._failure or t._aborted_error()
+            for task in self.tasks:  # submitted after the failure: never run
+                task.error, task.done = error, True
+            self.tasks.clear()
+            destroy = t._destroy_on_close
+        try:
+            t.comm.destroy() if destroy else t.comm.abort()
+        except Exception as e:  # noqa: BLE001 - nothing left to tell it to
+            log.warning("rank %d: releasing the NCCL communicator failed: %s", t.rank, e)
+        finally:
+            with t._cv:
+                self.released = True
+                t._cv.notify_all()
+
+
+def exempt_from_global_capture() -> bool:
+    """Set the calling thread's CUDA stream-capture mode to thread-local, so its event
+    queries never invalidate a graph another thread captures in global mode (torch's
+    default; PyTorch's NCCL watchdog does the same). CuPy has no wrapper for
+    ``cudaThreadExchangeStreamCaptureMode``: this calls the driver's
+    ``cuThreadExchangeStreamCaptureMode``, which keeps the mode per thread. False
+    where the driver or the call is missing."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
+    except (OSError, AttributeError):
+        return False
+    mode = ctypes.c_int(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+    return fn(ctypes.byref(mode)) == 0
 
 
 def _step_name(label) -> str:
