@@ -95,3 +95,19 @@ def launched_ptx(monkeypatch, op: str, launch):
                               target=target)
     runtime_params = [p.name for p, s in zip(fn.params, spec) if s[0] != "constexpr"]
     return signature, compiled.asm["ptx"], runtime_params.index("scale")
+
+
+def assert_scale_is_fp64(signature, ptx: str, index: int, op: str, dtype) -> None:
+    """The launched ``op`` kernel takes its scale as an fp64 parameter and multiplies
+    fp64 data in fp64, other data by the scale's fp32 rounding in fp32."""
+    import re
+
+    assert signature["scale"] == "fp64"
+    assert re.search(rf"\.param \.f64 _{op}_kernel_param_{index}\b", ptx)
+    mul64 = re.search(r"\bmul(\.rn)?\.f64\b", ptx)
+    if dtype == torch.float64:
+        assert mul64 and "cvt.rn.f32.f64" not in ptx
+    else:
+        assert "cvt.rn.f32.f64" in ptx and re.search(r"\bmul(\.rn)?\.f32\b", ptx)
+        assert not mul64
+

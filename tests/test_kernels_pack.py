@@ -11,14 +11,13 @@ work (the table's rows are built once per layout).
 """
 
 import importlib
-import re
 import sys
 
 import pytest
 import torch
 
-from kernel_checks import (BLOCKS, DTYPES, SIZES, allowed_ulps, assert_within_ulps,
-                           launched_ptx)
+from kernel_checks import (BLOCKS, DTYPES, SIZES, allowed_ulps, assert_scale_is_fp64,
+                           assert_within_ulps, launched_ptx)
 
 from hybridcomm import kernels as K
 
@@ -325,15 +324,7 @@ def test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32(monkeypatch,
     else:
         def launch():
             K.unpack(flat, tensors, scale=1 / 3, impl="triton")
-    signature, ptx, i = launched_ptx(monkeypatch, op, launch)
-    assert signature["scale"] == "fp64"
-    assert re.search(rf"\.param \.f64 _{op}_kernel_param_{i}\b", ptx)
-    mul64 = re.search(r"\bmul(\.rn)?\.f64\b", ptx)
-    if dtype == torch.float64:
-        assert mul64 and "cvt.rn.f32.f64" not in ptx
-    else:
-        assert "cvt.rn.f32.f64" in ptx and re.search(r"\bmul(\.rn)?\.f32\b", ptx)
-        assert not mul64
+    assert_scale_is_fp64(*launched_ptx(monkeypatch, op, launch), op, dtype)
 
 
 @pytest.mark.parametrize("world", [3, 5, 6, 7])

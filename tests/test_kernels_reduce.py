@@ -9,12 +9,12 @@ exact fp64 arithmetic (an fp64 scale), checked in the interpreter and in the
 PTX Triton compiles for a GPU from the launcher's own arguments.
 """
 
-import re
 
 import pytest
 import torch
 
-from kernel_checks import BLOCKS, DTYPES, SIZES, allowed_ulps, assert_within_ulps, launched_ptx
+from kernel_checks import (BLOCKS, DTYPES, SIZES, allowed_ulps, assert_scale_is_fp64,
+                           assert_within_ulps, launched_ptx)
 
 from hybridcomm import kernels as K
 from hybridcomm.kernels._triton import use_triton
@@ -179,13 +179,6 @@ def test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32(monkeypatch,
     multiplied by it in fp64, and other data by its fp32 rounding in fp32 (as
     torch's reference does)."""
     dst, src = torch.ones(10, dtype=dtype), torch.ones(10, dtype=dtype)
-    signature, ptx, i = launched_ptx(
-        monkeypatch, "reduce", lambda: K.reduce(dst, src, scale=1 / 3, impl="triton"))
-    assert signature["scale"] == "fp64"
-    assert re.search(rf"\.param \.f64 _reduce_kernel_param_{i}\b", ptx)
-    mul64 = re.search(r"\bmul(\.rn)?\.f64\b", ptx)
-    if dtype == torch.float64:
-        assert mul64 and "cvt.rn.f32.f64" not in ptx
-    else:
-        assert "cvt.rn.f32.f64" in ptx and re.search(r"\bmul(\.rn)?\.f32\b", ptx)
-        assert not mul64
+    assert_scale_is_fp64(*launched_ptx(
+        monkeypatch, "reduce", lambda: K.reduce(dst, src, scale=1 / 3, impl="triton")),
+        "reduce", dtype)
