@@ -2,6 +2,7 @@
 import logging
 
 import torch
+from multiproc import run_ranks
 
 from hybridcomm.comm.compression import TopK
 from hybridcomm.plan.planner import Bucket
@@ -36,29 +37,27 @@ def test_the_wire_copy_and_top_k_state_are_counted():
     assert extra["top-k gathered"] == 4 * b.topk.seg * 4
 
 
-def test_the_debug_line_names_each_bucket(caplog, monkeypatch):
-    import os
-    import socket
-
-    import torch.distributed as dist
-
+def _debug_lines(rank, world):
     import hybridcomm
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    monkeypatch.setitem(os.environ, "MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setitem(os.environ, "MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        model = torch.nn.Linear(4, 2)
-        with caplog.at_level(logging.DEBUG, logger="hybridcomm"):
-            opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                                  model=model, cost_model="default",
-                                                  timeout=30)
-        opt.close()
-    finally:
-        dist.destroy_process_group()
-    assert any("bytes of gradients" in r.getMessage() and "flags" in r.getMessage()
-               for r in caplog.records)
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("hybridcomm")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.DEBUG)
+    model = torch.nn.Linear(4, 2)
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model, cost_model="default", timeout=30)
+    opt.close()
+    return [line for line in lines if "bytes of gradients" in line]
+
+
+def test_the_debug_line_names_each_bucket():
+    # in a rank process: a process group made in pytest's own process would be
+    # inherited by every rank forked after it
+    (lines,) = run_ranks(1, _debug_lines)
+    assert lines and all("flags" in line for line in lines), lines

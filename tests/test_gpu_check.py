@@ -196,6 +196,8 @@ def test_gpu_ranks_pin_ieee_fp32_first(module, call, monkeypatch):
     import inspect
 
     m = importlib.import_module(module)
+    # _setup() pins the rank's transport in os.environ: undone after the test
+    monkeypatch.setenv("HYBRIDCOMM_TRANSPORT", "auto")
 
     def pinned():
         raise _Pinned
