@@ -109,7 +109,11 @@ def _wrap(config: str, model: nn.Module, opt, total_steps: int):
                                                       timeout=120)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    ddp = nn.parallel.DistributedDataParallel(model)
+    # PowerSGD's hook chains all-reduces in future callbacks: over gloo two buckets'
+    # chains interleave differently on each rank (a collective mismatch, gloo aborts),
+    # so PowerSGD gets one bucket (NCCL orders them on its stream; gloo does not)
+    one_bucket = config.startswith("ddp-powersgd")
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=64 if one_bucket else 25)
     if config in ("ddp-fp16", "ddp-bf16"):
         hook = default_hooks.fp16_compress_hook if config == "ddp-fp16" \
             else default_hooks.bf16_compress_hook
@@ -148,6 +152,9 @@ def _rank(rank: int, world: int, config: str, seed: int, cfg: dict) -> dict:
                 curve.append((step, clock, accuracy(model, xte, yte)))  # outside the clock
     if hasattr(opt, "close"):
         opt.close()
+    import torch.distributed as dist
+
+    dist.barrier()  # no rank leaves while another's last hook callbacks may still talk
     return {"curve": curve, "seconds": clock, "steps": total, "bytes_sent": sent}
 
 
