@@ -89,7 +89,8 @@ class GradientHooks:
         s, pos = where
         passes = sync.passes
         with sync.watched():
-            passes.gradient_arrived(sync.plan.launch_pass, sync.measuring())
+            if not passes.active or passes.end_due:  # (the plan is read once per pass)
+                passes.gradient_arrived(sync.plan.launch_pass, sync.measuring())
             b = s.bucket
             if s.launched:
                 return  # waits in autograd's tensor until the launch is done (open)

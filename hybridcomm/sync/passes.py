@@ -72,7 +72,7 @@ class PassTracker:
         self.measuring = False  # a launching pass of a measured step: ready times are taken
         self.closure_depth = 0
         self.no_sync = False
-        self._end_due = False  # the end-of-backward callback is still to be queued
+        self.end_due = False  # the end-of-backward callback is still to be queued
         self._t0 = 0.0
 
     def gradient_arrived(self, launch_pass: int, measuring: bool) -> None:
@@ -80,7 +80,7 @@ class PassTracker:
         and its end is queued from the first hook outside a nested backward."""
         if not self.active:
             self._begin(launch_pass, measuring)
-        elif self._end_due and not in_nested_backward():
+        elif self.end_due and not in_nested_backward():
             self._queue_end()
 
     def _begin(self, launch_pass: int, measuring: bool) -> None:
@@ -98,12 +98,12 @@ class PassTracker:
         else:
             self.kind = LOCAL
         self.measuring = self.kind == LAUNCH and measuring
-        self._end_due = True
+        self.end_due = True
         if not in_nested_backward():
             self._queue_end()
 
     def _queue_end(self) -> None:
-        self._end_due = False
+        self.end_due = False
         torch.autograd.Variable._execution_engine.queue_callback(self.end)
 
     def end(self) -> None:
