@@ -98,8 +98,12 @@ VARIABLES = {v.name: v for v in (
              "first", "all_reduce's cross-rank agreement check: always, first (once per "
              "call signature), off"),
     Variable("HYBRIDCOMM_COST_MODEL", str, None, "path of a calibrated cost model (JSON)"),
-    Variable("HYBRIDCOMM_TRANSPORT", _choices(lambda: ("auto", "cupy", "torch")), "auto",
-             "point-to-point transport for CUDA tensors"),
+    Variable("HYBRIDCOMM_TRANSPORT", _choices(lambda: ("auto", "cupy", "torch", "one-device")),
+             "auto", "point-to-point transport for CUDA tensors (one-device: every rank "
+             "process on one GPU, exchanging by device-to-device copies; tests)"),
+    Variable("HYBRIDCOMM_ONE_DEVICE_MAILBOX", parse_size, 4 << 20,
+             "one-device transport: bytes of each rank pair's mailbox (a message moves in "
+             "pieces of this size)"),
     Variable("HYBRIDCOMM_ISSUE_THREAD", parse_bool, True,
              "GPU path: the optimizer's buckets are issued by a thread of the channel "
              "(off: by the gradient hook, on autograd's thread)"),

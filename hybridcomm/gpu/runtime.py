@@ -103,11 +103,38 @@ class CudaRuntime:
     def nccl():
         return import_nccl()
 
+    def stream_of(self, handle: int):
+        """The stream behind a raw handle (what NCCL-style calls are given)."""
+        return torch.cuda.ExternalStream(handle, device=self.device)
+
+    def at(self, ptr: int, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` of device memory at ``ptr`` as a uint8 tensor (no copy)."""
+        return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=self.device)
+
+    @staticmethod
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A device-to-device copy queued on the current stream."""
+        dst.copy_(src, non_blocking=True)
+
+    def ipc(self):
+        """Memory and events shared with other processes on this device."""
+        from .ipc import CudaIpc
+
+        return CudaIpc(self.device)
+
     def communicator_device(self):
         """CuPy's device context for making a communicator (NCCL binds it to the device)."""
         import cupy
 
         return cupy.cuda.Device(self.device.index)
+
+
+class _DeviceBytes:
+    """Raw device memory, seen by torch through the CUDA array interface."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
+                                         "data": (ptr, False), "version": 3}
 
 
 def import_nccl():  # needs the real CuPy: tests/test_cupy_nccl_api.py, tests/gpu

@@ -40,6 +40,8 @@ it is simulated with the semantics that make GPU bugs show:
   another thread (as ``ncclCommAbort`` unblocks NCCL's set-up). ``abort``,
   async errors and injected errors work. Calls on one communicator from two
   threads at once (an abort during another thread's ``groupEnd``) are reported.
+* **CUDA IPC** (``SimRuntime.ipc()``): memory and events shared by the rank
+  processes of one device, for the one-device transport (below).
 * **Host syncs** are counted: ``tolist``/``item``/``bool``/... on device
   tensors, ``Event.synchronize``, ``Stream.synchronize``, device sync, and a
   ``copy_`` between device memory and host memory (a tensor a watched thread
@@ -65,10 +67,14 @@ import contextlib
 import ctypes
 import hashlib
 import itertools
+import mmap
 import os
+import pickle
 import random
+import tempfile
 import threading
 import time
+import uuid
 import weakref
 from collections import deque
 from typing import Dict, List, Optional, Tuple
@@ -172,6 +178,9 @@ class SimStream:
     def wait_event(self, event: "SimEvent") -> None:
         """Later operations of this stream wait for the event's recorded position."""
         self.device.touch()
+        if hasattr(event, "wait_on"):  # another process's shared event (SimOpenedEvent)
+            event.wait_on(self)
+            return
         with self.device.cv:
             if event._stream is None:
                 return  # never recorded: nothing to wait for (as CUDA)
@@ -1244,6 +1253,138 @@ class SimNccl:
             stream._issue(op)
 
 
+# --------------------------------------------------------------------------- CUDA IPC
+# CUDA IPC, simulated: memory and events shared by the rank processes of one
+# simulated GPU (``hybridcomm.gpu.ipc.CudaIpc``'s interface).
+#
+# Shared memory is a file in ``/dev/shm`` mapped by every process. A shared event
+# is two counters in such a file: how many times its owner has *recorded* it
+# (bumped on the host at ``record``) and how many of those records its stream
+# has *reached* (set by the stream's worker when it runs the record). A peer's
+# ``stream.wait_event(e)`` reads the record count at the call, as CUDA takes the
+# event's latest record, and queues a wait until the owner's stream has reached
+# that record: a wait that comes before the record it needs waits for nothing,
+# as on a GPU. The race detector does not see across processes; the transport's
+# ordering there is checked by the results (exact sums under random stream
+# delays) and by mutations that drop a wait.
+
+_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else \
+    tempfile.gettempdir()
+
+
+def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.ftruncate(fd, max(nbytes, 8))
+        return mmap.mmap(fd, max(nbytes, 8))
+    finally:
+        os.close(fd)
+
+
+def _tensor(mm: mmap.mmap, nbytes: int) -> torch.Tensor:
+    _tls.host_depth += 1  # the simulator's own bookkeeping, not work on a stream
+    try:
+        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else \
+            torch.empty(0, dtype=torch.uint8)
+    finally:
+        _tls.host_depth -= 1
+
+
+class _SharedCounters:
+    """[recorded, reached] of one shared event, in shared memory."""
+
+    def __init__(self, mm: mmap.mmap):
+        self.mm = mm
+        self.values = (ctypes.c_int64 * 2).from_buffer(mm)
+
+
+class SimSharedEvent(SimEvent):
+    """The owner's side of a shared event: records as any event, and publishes it."""
+
+    def __init__(self, device, counters: _SharedCounters):
+        super().__init__(device)
+        self.counters = counters
+
+    def record(self, stream=None) -> None:
+        stream = stream or self.device.current_stream()
+        super().record(stream)
+        c = self.counters.values
+        n = c[0] + 1
+        c[0] = n
+
+        def reached():
+            c[1] = n
+
+        stream._issue(_Op("kernel", "shared event reached", stream, fn=reached))
+
+
+class SimOpenedEvent:
+    """A peer's shared event, opened here: streams may only wait on it."""
+
+    def __init__(self, device, counters: _SharedCounters):
+        self.device, self.counters = device, counters
+
+    def wait_on(self, stream: SimStream) -> None:
+        """``stream.wait_event(self)``: wait for the owner's latest record so far."""
+        c = self.counters.values
+        target = c[0]
+        if target == 0:
+            return  # never recorded: nothing to wait for (as CUDA)
+        dev = self.device
+
+        def wait():
+            while c[1] < target and not dev.closed:
+                time.sleep(20e-6)
+
+        stream._issue(_Op("kernel", f"wait shared event #{target}", stream, fn=wait))
+
+
+class SimIpc:
+    """Shared memory and events between the rank processes of one simulated GPU."""
+
+    def __init__(self, device):
+        self.device = device
+        self._maps = []  # keep every mapping alive as long as this runtime
+
+    def _new(self, nbytes: int) -> Tuple[mmap.mmap, bytes]:
+        path = os.path.join(_DIR, f"hybridcomm-simipc-{os.getpid()}-{uuid.uuid4().hex}")
+        mm = _map(path, nbytes, create=True)
+        self._maps.append(mm)
+        return mm, pickle.dumps((path, nbytes))
+
+    def _open(self, handle: bytes) -> Tuple[mmap.mmap, int]:
+        path, nbytes = pickle.loads(handle)
+        mm = _map(path, nbytes, create=False)
+        self._maps.append(mm)
+        return mm, nbytes
+
+    def buffer(self, nbytes: int) -> Tuple[torch.Tensor, bytes]:
+        mm, handle = self._new(nbytes)
+        return _tensor(mm, nbytes), handle
+
+    def open_buffer(self, handle: bytes) -> torch.Tensor:
+        mm, nbytes = self._open(handle)
+        return _tensor(mm, nbytes)
+
+    def event(self):
+        mm, handle = self._new(16)
+        return SimSharedEvent(self.device, _SharedCounters(mm)), handle
+
+    def open_event(self, handle: bytes) -> SimOpenedEvent:
+        mm, _ = self._open(handle)
+        return SimOpenedEvent(self.device, _SharedCounters(mm))
+
+    @staticmethod
+    def forget(handle: bytes) -> None:
+        """Every peer has mapped it: remove the file (the mappings stay)."""
+        path, _ = pickle.loads(handle)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 # --------------------------------------------------------------------------- the runtime
 
 class SimRuntime:
@@ -1256,6 +1397,7 @@ class SimRuntime:
         self.device = torch.device("cpu")
         self.index = device.index
         self._nccl = SimNccl(device)
+        self._ipc = None
 
     def new_stream(self, priority: int = 0) -> SimStream:
         return SimStream(self._dev, priority, name=f"p{priority}-{next(_stream_names)}")
@@ -1357,6 +1499,32 @@ class SimRuntime:
 
     def nccl(self) -> SimNccl:
         return self._nccl
+
+    def stream_of(self, handle: int) -> SimStream:
+        """The stream behind a raw handle (what NCCL-style calls are given)."""
+        return self._dev.streams[handle]
+
+    @staticmethod
+    def at(ptr: int, nbytes: int) -> torch.Tensor:
+        """The ``nbytes`` of simulated device memory at ``ptr`` (no copy)."""
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        _tls.host_depth += 1  # the simulator's own bookkeeping, not host work
+        try:
+            return _alias(ptr, nbytes)
+        finally:
+            _tls.host_depth -= 1
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A device-to-device copy queued on the current stream (run late, as a
+        ``cudaMemcpyAsync`` would; its reads and writes race-checked)."""
+        self._dev.launch("copy", lambda d, s: d.copy_(s), (dst, src), {}, [src], [dst])
+
+    def ipc(self):
+        """Memory and events shared with the other rank processes (CUDA IPC, below)."""
+        if self._ipc is None:
+            self._ipc = SimIpc(self._dev)
+        return self._ipc
 
     @staticmethod
     def communicator_device():

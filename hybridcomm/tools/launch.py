@@ -28,7 +28,8 @@ from typing import Callable, Optional
 from ..base.errors import HybridCommError
 
 
-def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_timeout):
+def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_timeout,
+            one_device=False):
     status, payload = "error", None
     try:
         import torch
@@ -38,7 +39,10 @@ def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_
             setup(rank, world_size)  # e.g. enter this rank's network namespace
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         torch.set_num_threads(1)  # ranks share the machine's cores
-        if backend == "nccl":
+        if one_device:  # every rank on GPU 0, the one-device transport between them
+            os.environ["HYBRIDCOMM_TRANSPORT"] = "one-device"
+            torch.cuda.set_device(0)
+        elif backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=pg_timeout))
@@ -80,8 +84,13 @@ def default_backend() -> str:
 
 def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
            setup: Optional[Callable[[int, int], None]] = None, timeout: float = 600,
-           pg_timeout: float = 120, start_method: str = "spawn", allow_errors: bool = False):
+           pg_timeout: float = 120, start_method: str = "spawn", allow_errors: bool = False,
+           one_device: bool = False):
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` processes; return their results.
+
+    ``one_device``: every rank on GPU 0 over a gloo group, the GPU path between
+    them over the one-device transport (``HYBRIDCOMM_TRANSPORT=one-device``):
+    a single GPU runs the multi-rank path (NCCL refuses two ranks on a GPU).
 
     ``fn``, ``setup`` and ``args`` must be picklable with ``start_method="spawn"``
     (module-level functions). ``setup(rank, nprocs)`` runs in the child before
@@ -90,13 +99,16 @@ def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    backend = backend or default_backend()
+    if one_device and backend not in (None, "gloo"):
+        raise ValueError(f"one_device ranks share one GPU over gloo, not {backend!r}")
+    backend = "gloo" if one_device else backend or default_backend()
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hybridcomm-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker, daemon=True,
-                             args=(fn, r, nprocs, store, backend, setup, args, results, pg_timeout))
+                             args=(fn, r, nprocs, store, backend, setup, args, results, pg_timeout,
+                                   one_device))
                  for r in range(nprocs)]
         for p in procs:
             p.start()

@@ -38,6 +38,9 @@ CS = "tests/test_csrc_compile.py::"
 KR = "tests/test_kernels_reduce.py::"
 KP = "tests/test_kernels_pack.py::"
 NCCL_SELECT = "tests/test_cupy_nccl_select.py::"
+OD = "tests/test_one_device.py::"
+OD_EXACT = OD + "test_every_algorithm_is_exact_over_one_device[3-float32]"
+OD_FILE = "hybridcomm/comm/transport/one_device.py"
 
 MUTATIONS = [
     # ---- issue 8: the ten old defects -------------------------------------------------------
@@ -572,4 +575,36 @@ MUTATIONS = [
         new="",
         guards=(GC + "test_the_host_sync_watch_sees_the_waits_sync_debug_mode_misses",),
         what="a host sync whose error the library (or a helper thread) caught passes"),
+    # ---- issue 29: the one-device transport's ordering and failure paths -----------------------
+    Mutation(
+        "one-device-no-consumed-wait", "i29 one-device", OD_FILE,
+        old="                op.stream.wait_event(self.peer_consumed[q])  # q read the mailbox out\n",
+        new="                pass\n",
+        guards=(OD_EXACT,),
+        what="the sender overwrites the mailbox before the receiver's copy out of it has run"),
+    Mutation(
+        "one-device-no-filled-wait", "i29 one-device", OD_FILE,
+        old="            op.stream.wait_event(self.peer_filled[q])  # q's piece is in the mailbox\n",
+        new="",
+        guards=(OD_EXACT,),
+        what="the receiver copies out of the mailbox before the sender's copy into it has run"),
+    Mutation(
+        "one-device-no-posted-check", "i29 one-device", OD_FILE,
+        old="        if host.get(self.rank, q, CONSUMED) < k - 1:\n",
+        new="        if False:\n",
+        guards=(OD_EXACT,),
+        what="the sender fills the next piece before the receiver has posted the previous one's "
+             "copy out (its stream wait then finds an older record)"),
+    Mutation(
+        "one-device-no-size-check", "i29 one-device", OD_FILE,
+        old="        if got != (op.data.numel(), op.dtype):\n",
+        new="        if False:\n",
+        guards=(OD + "test_a_wrong_size_is_reported_and_a_peers_abort_ends_a_wait",),
+        what="a receive of another size than the send takes the bytes silently"),
+    Mutation(
+        "one-device-abort-unpublished", "i29 one-device", OD_FILE,
+        old="            self._host.set_aborted(self.rank)\n",
+        new="",
+        guards=(OD + "test_a_wrong_size_is_reported_and_a_peers_abort_ends_a_wait",),
+        what="a rank's abort is not seen by peers blocked on it (they wait for good)"),
 ]

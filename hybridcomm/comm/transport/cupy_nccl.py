@@ -110,6 +110,8 @@ class CupyNcclTransport(CommStream):
             (default ``HYBRIDCOMM_TIMEOUT``); each :meth:`watch` sets it to the
             latest operation's timeout.
         store, rank, world_size: override the group's (tests).
+        nccl: the NCCL module (default: the runtime's, ``cupy.cuda.nccl``); the
+            one-device transport passes ``one_device.OneDeviceNccl``.
 
     Creating one is collective over the group: every rank creates its
     transports for a group in the same order.
@@ -127,10 +129,11 @@ class CupyNcclTransport(CommStream):
 
     def __init__(self, group=None, *, runtime, priority: int = -1, store=None,
                  rank: int | None = None, world_size: int | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, nccl=None):
         import torch.distributed as dist
 
-        self.nccl = runtime.nccl()
+        self.nccl = nccl if nccl is not None else runtime.nccl()
+        self.kind = getattr(self.nccl, "transport_kind", "cupy")
         if rank is None or world_size is None:
             if not dist.is_available() or not dist.is_initialized():
                 raise HybridCommError(

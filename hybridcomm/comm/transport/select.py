@@ -7,7 +7,11 @@ by ``transport`` (argument, else ``HYBRIDCOMM_TRANSPORT``, else ``"auto"``):
 * ``"auto"``: :class:`CupyNcclTransport` when CuPy with NCCL imports, else
   :class:`TorchNcclTransport`;
 * ``"cupy"`` / ``"torch"``: that one, or an error saying why not (a transport
-  asked for by name never falls back).
+  asked for by name never falls back);
+* ``"one-device"``: :class:`CupyNcclTransport` over
+  :class:`~.one_device.OneDeviceNccl`, for rank processes that share one GPU
+  (NCCL refuses them): the proving ground on a single GPU, and in the
+  simulator. Needs neither CuPy nor an NCCL group (gloo is enough).
 
 Device transports are made once per (group, device) and shared by everything
 in the process (the optimizer and ``all_reduce``): one communicator and one
@@ -32,7 +36,7 @@ from .torch_dist import TorchDistTransport, TorchNcclTransport
 
 log = logging.getLogger("hybridcomm")
 
-TRANSPORTS = ("auto", "cupy", "torch")
+TRANSPORTS = ("auto", "cupy", "torch", "one-device")
 ENV_VAR = "HYBRIDCOMM_TRANSPORT"
 
 _device_transports: Dict[Tuple[int, str, str], object] = {}
@@ -83,7 +87,9 @@ def select_transport(device, group=None, transport: str | None = None, *,
         if name == "cupy":
             raise HybridCommError(f"transport 'cupy' needs CUDA tensors; this one is on {device}")
         return TorchDistTransport(group)
-    if rt.simulated:
+    if name == "one-device":
+        choice = name
+    elif rt.simulated:
         choice = "cupy"
         if name == "torch":
             raise HybridCommError("transport 'torch' cannot run on the simulated GPU (it models "
@@ -107,6 +113,7 @@ def select_transport(device, group=None, transport: str | None = None, *,
 def _device_transport(group, rt, choice: str, timeout: float):
     from .. import control
     from .cupy_nccl import CupyNcclTransport
+    from .one_device import OneDeviceNccl
 
     key = (id(group), str(rt.device) + (f":{rt.index}" if rt.simulated else ""), choice)
     with _lock:
@@ -114,8 +121,11 @@ def _device_transport(group, rt, choice: str, timeout: float):
         if t is None:
             control.barrier(group=group, timeout=timeout,
                             what=f"creating the {choice} NCCL communicator")
-            t = CupyNcclTransport(group, runtime=rt, timeout=timeout) if choice == "cupy" else \
-                TorchNcclTransport(group, runtime=rt)
+            if choice == "torch":
+                t = TorchNcclTransport(group, runtime=rt)
+            else:
+                nccl = OneDeviceNccl(rt) if choice == "one-device" else None
+                t = CupyNcclTransport(group, runtime=rt, timeout=timeout, nccl=nccl)
             _device_transports[key] = t
     return t
 
