@@ -48,26 +48,23 @@ def test_dry_run_writes_the_report_and_exits_zero(tmp_path):
     assert len(single) == 7, single  # 1 transport + 3 overlap modes + 1 graph + 2 kernel cases
     assert r["kernel_timings"] == [] and r["wall_seconds"] > 0
 
-    # GPUs needed: the gpus(n) markers (module-wide 2, the 8-rank case 8), else 1
+    # GPUs needed: the gpus(2) markers (torch's NCCL, a CUDA graph across ranks: one GPU
+    # per rank), else 1 (the multi-rank cases run on one GPU over the one-device transport)
     need = {t["nodeid"]: t["gpus_needed"] for t in r["tests"]}
     for nodeid, n in need.items():
-        path = nodeid.split("::")[0]
-        if nodeid.endswith("::test_eight_ranks_match_one_process"):
-            assert n == 8
-        elif path in ("tests/gpu/test_multi_gpu.py", "tests/gpu/test_allreduce_cupy_gpu.py",
-                      "tests/gpu/test_optimizer_cuda.py"):
+        if "torch_nccl" in nodeid or "cuda_graph" in nodeid and "allreduce_cupy" in nodeid:
             assert n == 2, nodeid
         else:
             assert n == 1, nodeid
     eight = next(t for t in r["tests"]
                  if t["nodeid"].endswith("::test_eight_ranks_match_one_process"))
-    assert eight["reason"].endswith("needs 8 CUDA GPUs")  # tests/gpu/conftest.py's skip
+    assert eight["reason"].endswith("needs 1 CUDA GPU")  # tests/gpu/conftest.py's skip
     ones = sum(n == 1 for n in need.values())
     assert r["summary"] == {
         "tests": len(r["tests"]), "outcomes": {"skipped": len(r["tests"])},
-        "gpus_needed": {str(k): sum(n == k for n in need.values()) for k in (1, 2, 8)},
+        "gpus_needed": {str(k): sum(n == k for n in need.values()) for k in (1, 2)},
         "one_gpu_share": round(ones / len(r["tests"]), 4)}
-    assert 0 < r["summary"]["one_gpu_share"] < 1
+    assert 0.9 <= r["summary"]["one_gpu_share"] < 1  # issue 29: at least 90% on one GPU
 
 
 @cpu_only

@@ -115,7 +115,7 @@ def _mismatch_and_abort(rank, world):
 
 
 def test_a_wrong_size_is_reported_and_a_peers_abort_ends_a_wait():
-    found = run_ranks(2, _mismatch_and_abort, timeout=60)[1]
+    found = run_ranks(2, _mismatch_and_abort, timeout=30)[1]
     assert "receive of 32 bytes" in found["mismatch"] and "sent 16 bytes" in found["mismatch"]
     assert "rank 0 aborted" in found["abort"][0]
     assert "rank 0 aborted" in found["async"]

@@ -1,7 +1,9 @@
 """tests/gpu: the ``gpus(n)`` marker and the ``ieee`` fixture. A test marked
 ``@pytest.mark.gpus(n)`` needs n CUDA GPUs (NCCL takes one GPU per rank) and skips
-with fewer; unmarked tests need one (``needs_cuda``). ``make gpu-check`` reports
+with fewer; unmarked tests need one. ``make gpu-check`` reports
 each test's number."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,11 +14,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpus(n): the test needs n CUDA GPUs (skipped with fewer)")
 
 
+HERE = Path(__file__).resolve().parent
+
+
 def pytest_collection_modifyitems(config, items):
     have = torch.cuda.device_count()
-    for item in items:  # every item of the session: only the marked ones are ours
-        if item.get_closest_marker("gpus") is not None and gpus_needed(item) > have:
-            item.add_marker(pytest.mark.skip(reason=f"needs {gpus_needed(item)} CUDA GPUs"))
+    for item in items:  # every item of the session: only those under tests/gpu are ours
+        if HERE in Path(item.path).resolve().parents and gpus_needed(item) > have:
+            need = gpus_needed(item)
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs {need} CUDA GPU{'s' if need > 1 else ''}"))
 
 
 @pytest.fixture

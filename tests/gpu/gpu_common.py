@@ -25,6 +25,20 @@ def gpus_needed(item) -> int:
     return int(mark.args[0]) if mark is not None else 1
 
 
+def placement(world):
+    """How ``world`` rank processes run on this machine, as (``launch`` keyword
+    arguments, transport name): one per GPU over CuPy's NCCL where there are that
+    many GPUs, else all on GPU 0 over the one-device transport (NCCL refuses two
+    ranks on a GPU; docs/GPU.md). ``HYBRIDCOMM_GPU_TESTS_ONE_DEVICE=1`` takes the
+    one-device transport on a machine with more GPUs too. With CuPy's NCCL, a
+    machine without CuPy fails the test naming the extra."""
+    forced = os.environ.get("HYBRIDCOMM_GPU_TESTS_ONE_DEVICE", "0") == "1"
+    if not forced and torch.cuda.device_count() >= world:
+        require_cupy_nccl()
+        return {"backend": "nccl"}, "cupy"
+    return {"one_device": True}, "one-device"
+
+
 def skip_if_interpreting():
     # tests/conftest.py sets TRITON_INTERPRET=1 for the CPU suite; on a GPU run
     # the kernels must compile for the device: TRITON_INTERPRET=0 pytest tests/gpu

@@ -1,11 +1,15 @@
-"""Two or more GPUs, one process per GPU over NCCL (issue 20's missing cases):
+"""The multi-rank GPU path (issue 20's missing cases): one process per GPU over
+NCCL where there are enough GPUs, else every rank on GPU 0 over the one-device
+transport (issue 29; ``gpu_common.placement``), so one GPU runs them all but the
+``TorchNcclTransport`` cases (``gpus(2)``: torch's NCCL refuses two ranks on a GPU):
 ``TorchNcclTransport``, unused parameters, fp16/bf16/top-k compression, forced
 ``native``, ``split_bytes`` segments, Adam, AMP with clipping, 8 ranks, and a
 dead peer. Each compares with one process on the whole batch (the simulated-GPU
 tests' models, data and references, imported from tests/), exactly or within a
 tolerance derived next to it. Launched as tests/gpu/test_optimizer_cuda.py
 launches (``hybridcomm.tools.launch``, spawn, NCCL, a deadline on every launch); the
-world is min(GPUs, 4) (12 samples split evenly), 8 ranks for the 8-rank case.
+world is 4 (12 samples split evenly; with 2-3 GPUs, one per GPU), 8 ranks for the 8-rank
+case.
 
 Written on a machine without a GPU: NOT run on a GPU yet (docs/GPU.md).
 Run: TRITON_INTERPRET=0 pytest tests/gpu/test_multi_gpu.py   (or make gpu-check)
@@ -27,8 +31,8 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 import hybridcomm  # noqa: E402
-from gpu_common import (ieee_fp32, ieee_fp32_here, no_host_sync, record,  # noqa: E402
-                        require_cupy_nccl, skip_if_interpreting)
+from gpu_common import (ieee_fp32, ieee_fp32_here, no_host_sync, placement,  # noqa: E402
+                        record, skip_if_interpreting)
 from hybridcomm.tools.launch import launch  # noqa: E402
 from optim_models import (batch, flat, make_model, make_optimizer, make_scheduler,  # noqa: E402
                           shard, train_single)
@@ -37,7 +41,6 @@ from test_optimizer_features import (Branchy, branchy_data, branchy_loss,  # noq
                                      branchy_reference)
 from test_training_loops import IN, INF_STEP, MAX_NORM, OUT, _mlp, _whole  # noqa: E402
 
-pytestmark = pytest.mark.gpus(2)  # tests/gpu/conftest.py skips with fewer
 
 STEPS = 4  # as tests/test_optimizer_equivalence.py (train_single's references)
 TIMEOUT = 60  # the library's timeout in the ranks
@@ -64,23 +67,30 @@ def _compiled_kernels():
 
 
 def _world():
-    return min(torch.cuda.device_count(), 4)
+    """4 ranks: one per GPU with 4+ GPUs, else on one GPU; 2-3 GPUs: one per GPU."""
+    n = torch.cuda.device_count()
+    return min(n, 4) if n >= 2 else 4
 
 
 def _setup(transport="cupy"):
-    """In a rank: the transport pinned (never a silent fallback), IEEE fp32."""
-    os.environ["HYBRIDCOMM_TRANSPORT"] = transport
+    """In a rank: the transport pinned (never a silent fallback), IEEE fp32. Ranks
+    that share one GPU keep the one-device transport ``launch`` gave them."""
+    if os.environ.get("HYBRIDCOMM_TRANSPORT") != "one-device":
+        os.environ["HYBRIDCOMM_TRANSPORT"] = transport
     ieee_fp32()
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _run(name, fn, world, *args, allow_errors=False, timeout=LAUNCH_S):
-    """``launch`` on ``world`` GPUs, its wall time recorded for make gpu-check."""
+def _run(name, fn, world, *args, allow_errors=False, timeout=LAUNCH_S, torch_nccl=False):
+    """``launch`` of ``world`` ranks (``gpu_common.placement``: one per GPU, or all on
+    one), its wall time recorded for make gpu-check. ``torch_nccl``: one per GPU over
+    torch's NCCL group (the TorchNcclTransport cases)."""
+    how, transport = ({"backend": "nccl"}, "torch") if torch_nccl else placement(world)
     t0 = time.monotonic()
-    out = launch(fn, world, *args, backend="nccl", start_method="spawn", timeout=timeout,
-                 allow_errors=allow_errors)
-    record("multi_gpu", test=name, world=world, launch_s=round(time.monotonic() - t0, 2),
-           device=torch.cuda.get_device_name(0))
+    out = launch(fn, world, *args, start_method="spawn", timeout=timeout,
+                 allow_errors=allow_errors, **how)
+    record("multi_gpu", test=name, world=world, transport=transport,
+           launch_s=round(time.monotonic() - t0, 2), device=torch.cuda.get_device_name(0))
     return out
 
 
@@ -193,20 +203,24 @@ def _torch_transport_sums(rank, world):
     return kind, wrong
 
 
+@pytest.mark.gpus(2)
 def test_torch_nccl_transport_all_reduce_is_exact():
     """HYBRIDCOMM_TRANSPORT=torch (select.py: a transport asked for by name never
     falls back): every algorithm and native over torch.distributed's NCCL. Small
     integers (tests/gpu/test_allreduce_cupy_gpu.py's inputs): every partial sum is
     an integer below 2**8, exact in fp32, fp16 and bf16, so the sum is exact."""
-    for kind, wrong in _run("torch_transport_sums", _torch_transport_sums, _world()):
+    for kind, wrong in _run("torch_transport_sums", _torch_transport_sums, _world(),
+                            torch_nccl=True):
         assert kind == "TorchNcclTransport"
         assert wrong == [], wrong
 
 
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
 def test_training_over_torch_nccl_transport_matches_one_process(overlap):
     cases = [_case(f"torch-{overlap}", overlap=overlap)]
-    results = _run(f"torch_transport_train[{overlap}]", _train, _world(), cases, batch, "torch")
+    results = _run(f"torch_transport_train[{overlap}]", _train, _world(), cases, batch, "torch",
+                   torch_nccl=True)
     assert all(r[cases[0]["name"]][3] == "TorchNcclTransport" for r in results)
     _check_cases(results, cases, lambda case: flat(train_single("sgd", STEPS)))
 
@@ -258,7 +272,6 @@ def _unused(rank, world, overlap):
 
 @pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
 def test_unused_parameters_without_a_host_sync(overlap):
-    require_cupy_nccl()
     world = _world()
     results = _run(f"unused[{overlap}]", _unused, world, overlap)
     ref = branchy_reference(world, SYNC_STEPS).state_dict()
@@ -326,7 +339,6 @@ def _shard_grads(world):
 @pytest.mark.parametrize("overlap", ["forward", "backward"])
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
 def test_wire_compression_within_its_dtype_of_one_process(compression, overlap):
-    require_cupy_nccl()
     world = _world()
     results = _run(f"compression[{compression}-{overlap}]", _compressed, world, compression,
                    overlap)
@@ -422,7 +434,6 @@ def test_topk_error_feedback_is_exact_against_one_process(overlap):
     gradients; top-k applied exactly that minus what is still in the ranks'
     residuals (tests/test_compression.py's bookkeeping invariant, through the GPU's
     top-k, ring all-gather and decode). Integers below 2**8: no rounding at all."""
-    require_cupy_nccl()
     world = _world()
     results = _run(f"topk[{overlap}]", _topk, world, overlap)
     whole = sum(_topk_grad(r, s) for r in range(world) for s in range(TOPK_STEPS))
@@ -441,7 +452,6 @@ def test_topk_error_feedback_is_exact_against_one_process(overlap):
 def test_forced_native_matches_one_process():
     """strategy="native" and HYBRIDCOMM_ALGO=native: NCCL's own all-reduce for
     every bucket (CuPy's ncclAllReduce on the comm stream), every overlap mode."""
-    require_cupy_nccl()
     cases = [_case(f"{how}-{overlap}", overlap=overlap,
                    env={"HYBRIDCOMM_ALGO": "native"} if how == "env" else None,
                    cost_model=fixed_cost_model(native=True),
@@ -459,7 +469,6 @@ SPLIT_BYTES = 4000  # rounded down to 16-byte multiples: fc1's 4640 + 2 elements
 def test_split_bytes_segments_match_one_process():
     """Buckets over split_bytes reduced segment by segment (each its own all-reduce;
     the last holds the usage flags), per algorithm and overlap mode."""
-    require_cupy_nccl()
     cases = [_case(f"{strategy}-{overlap}", strategy=strategy, overlap=overlap,
                    split_bytes=SPLIT_BYTES, keep_splits=True,
                    cost_model=fixed_cost_model(native=strategy == "native"))
@@ -477,7 +486,6 @@ def test_adam_and_adamw_match_one_process():
     """Adam, and AdamW with an lr schedule that changes every step (optim_models'),
     in every overlap mode (forward: deferred updates with the hyper-parameters of
     the step() that deferred them)."""
-    require_cupy_nccl()
     cases = [_case(f"{name}-{overlap}", opt=name, overlap=overlap)
              for name in ("adam", "adamw") for overlap in ("forward", "backward", "none")]
     results = _run("adam", _train, _world(), cases)
@@ -576,7 +584,6 @@ def _amp_shard_norms(world):
 
 @pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
 def test_amp_with_clipping_matches_one_process(overlap):
-    require_cupy_nccl()
     world = _world()
     results = _run(f"amp_clip[{overlap}]", _amp, world, overlap)
     with ieee_fp32_here():
@@ -615,11 +622,9 @@ def test_amp_with_clipping_matches_one_process(overlap):
 
 # --- 8 ranks -----------------------------------------------------------------------------
 
-@pytest.mark.gpus(8)
 def test_eight_ranks_match_one_process():
     """8 ranks (3 samples each of batch24): every algorithm forced, and the hybrid
     plan (the library's default cost model: a probe) in every overlap mode."""
-    require_cupy_nccl()
     cases = [_case(f"{strategy}-backward", strategy=strategy, overlap="backward",
                    cost_model=fixed_cost_model(native=strategy == "native"))
              for strategy in ("ring", "butterfly", "halving_doubling", "native")]
@@ -685,7 +690,6 @@ def test_a_dead_peer_is_our_error_within_the_timeout(overlap):
     transport's watchdog aborts the communicator at the timeout (or NCCL reports
     the error) and the next call raises, naming the rank. Never a hang: the launch's
     own deadline bounds the test."""
-    require_cupy_nccl()
     world = _world()
     results = _run(f"dead_peer[{overlap}]", _dead_peer, world, overlap, allow_errors=True,
                    timeout=240)

@@ -2,14 +2,15 @@
 overlap mode gives one process's numbers (within 64 fp32 eps: IEEE fp32 pinned
 in the ranks and the reference, as shards of 2-6 samples under TF32 or cuDNN
 would round unlike the 12-sample batch), bitwise identical on every rank.
-Needs 2+ GPUs (NCCL takes one GPU per rank); skipped elsewhere."""
+One rank per GPU over NCCL with 2+ GPUs, else 4 ranks on one GPU over the
+one-device transport (``gpu_common.placement``)."""
 import os
 
 import pytest
 import torch
 import torch.nn as nn
 
-from gpu_common import ieee_fp32, skip_if_interpreting
+from gpu_common import ieee_fp32, placement, skip_if_interpreting
 from hybridcomm.tools.launch import launch
 
 STEPS = 4
@@ -42,15 +43,16 @@ def _rank(rank, world, overlap):
     return out
 
 
-@pytest.mark.gpus(2)
 @pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
 def test_training_on_gpus_matches_one_process(ieee, overlap):
     skip_if_interpreting()
     from optim_models import batch, flat, make_model
 
-    # ranks that split the 12-sample batch evenly, as many as there are GPUs
-    world = max(w for w in (2, 3, 4, 6) if w <= torch.cuda.device_count())
-    results = launch(_rank, world, overlap, backend="nccl", start_method="spawn", timeout=600)
+    # ranks that split the 12-sample batch evenly: as many as there are GPUs, or 4 on one
+    n = torch.cuda.device_count()
+    world = max(w for w in (2, 3, 4, 6) if w <= n) if n >= 2 else 4
+    how, _ = placement(world)
+    results = launch(_rank, world, overlap, start_method="spawn", timeout=600, **how)
     model = make_model().cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for s in range(STEPS):

@@ -183,7 +183,10 @@ class CupyNcclTransport(CommStream):
                     f"{key!r} (is every rank creating its transports in the same order?): "
                     f"{e}") from e
         try:
-            with self.runtime.communicator_device():
+            # CuPy's device context binds an NCCL communicator; the one-device module
+            # needs none (and no CuPy)
+            ctx = getattr(self.nccl, "communicator_device", self.runtime.communicator_device)
+            with ctx():
                 return make_communicator(self.nccl, self.world_size, uid, self.rank)
         except self.nccl.NcclError as e:
             raise HybridCommError(f"rank {self.rank}: creating the NCCL communicator over "

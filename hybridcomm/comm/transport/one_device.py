@@ -312,6 +312,11 @@ class OneDeviceNccl:
         self._tls = threading.local()
 
     @staticmethod
+    def communicator_device():
+        """No CuPy device context to enter (CuPy's communicators need one)."""
+        return contextlib.nullcontext()
+
+    @staticmethod
     def get_unique_id() -> bytes:
         return os.urandom(128)
 
