@@ -97,7 +97,7 @@ class OneDeviceCommunicator:
         self.received = [0] * ndev  # pieces this rank has consumed, per sender
         key = f"hybridcomm-one-device/{hashlib.sha256(commId).hexdigest()[:24]}"
         store = dist.distributed_c10d._get_default_store()
-        self._host = _HostCounters(key, ndev, rank)
+        self._host = _HostCounters(key, ndev)
         ipc = self.rt.ipc()
         self.boxes, self.filled, self.consumed, mine = {}, {}, {}, {}
         for q in range(ndev):  # what this rank owns of each pair it is in
@@ -254,7 +254,7 @@ class _HostCounters:
 
     DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
-    def __init__(self, key: str, ndev: int, rank: int):
+    def __init__(self, key: str, ndev: int):
         self.ndev = ndev
         self.path = os.path.join(self.DIR, key.replace("/", "-"))
         n = ndev * ndev * PAIR_SLOTS + ndev
