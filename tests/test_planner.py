@@ -47,6 +47,22 @@ def test_fusion_threshold_balances_the_rings_fixed_and_byte_costs_and_never_mixe
     assert plan.buckets[1].nbytes == 4000
 
 
+def test_small_layers_ride_with_the_large_layer_after_them():
+    """ResNet's backward order: a BatchNorm (small) before its convolution (large).
+    Each BN joins the next conv's bucket instead of paying a message of its own; a
+    medium layer that does not fit starts a bucket; nothing joins a bucket already
+    past the threshold; fusion_bytes=0 keeps one bucket per layer."""
+    fusion = 100_000
+    layers = [Layer("fc", [0], 5000), Layer("bn2", [1], 1000), Layer("conv2", [2], 1 << 20),
+              Layer("bn1", [3], 1000), Layer("conv1", [4], 1 << 20), Layer("conv0", [5], 1 << 20),
+              Layer("mid", [6], 20_000), Layer("tail", [7], 10_000)]
+    plan = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=fusion, split_bytes=0)
+    assert [b.layers for b in plan.buckets] == [["fc", "bn2", "conv2"], ["bn1", "conv1"],
+                                                ["conv0"], ["mid"], ["tail"]]
+    plan = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=0, split_bytes=0)
+    assert len(plan.buckets) == len(layers)
+
+
 def test_without_measurements_the_order_is_backward_order_and_no_split_survives():
     layers = [Layer("fc", [0, 1], 10 << 20), Layer("conv", [2], 1000)]
     plan = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=0)

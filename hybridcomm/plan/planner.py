@@ -8,7 +8,10 @@ when its gradient is ready, and the order the next forward needs the layers.
 
 - **Fusion**: consecutive layers of one dtype share a bucket while it stays
   under ``fusion_bytes``: by default alpha/beta (the size below which a
-  message costs mostly its latency), clamped to [64 KiB, 32 MiB]. A fit
+  message costs mostly its latency), clamped to [64 KiB, 32 MiB]; small
+  layers just before a layer over ``fusion_bytes`` in backward order (a
+  BatchNorm before its convolution) join its bucket rather than pay a message
+  of their own (``fusion_bytes=0``: one bucket per layer). A fit
   with beta = 0 ("bytes are free") fuses up to the cap; alpha = 0 fuses to
   the floor: a degenerate probe never makes hundreds of tiny buckets.
 - **Lazy all-reduce** (``lazy_bytes``): instead, gradients collect in a pool
@@ -278,9 +281,15 @@ def _fuse(layers: Sequence[Layer], fusion_bytes: int, lazy_bytes: Optional[int] 
             continue
         last = groups[-1] if groups else None
         size = sum(x.numel * x.element_size for x in last) if last else 0
-        if last is not None and last[0].dtype == layer.dtype and (
-                size < lazy_bytes if lazy_bytes is not None
-                else size + layer.numel * layer.element_size <= fusion_bytes):
+        nbytes = layer.numel * layer.element_size
+        if lazy_bytes is not None:
+            joins = size < lazy_bytes
+        else:
+            # Small layers ride with the large one after them (a BN before its conv):
+            # backward makes it right after them and the next forward needs it before
+            # them, so they lose nothing and a message is saved.
+            joins = size + nbytes <= fusion_bytes or size < fusion_bytes <= nbytes
+        if last is not None and last[0].dtype == layer.dtype and joins:
             last.append(layer)
         else:
             groups.append([layer])
