@@ -52,7 +52,7 @@ def test_dry_run_writes_the_report_and_exits_zero(tmp_path):
     # per rank), else 1 (the multi-rank cases run on one GPU over the one-device transport)
     need = {t["nodeid"]: t["gpus_needed"] for t in r["tests"]}
     for nodeid, n in need.items():
-        if "torch_nccl" in nodeid or "cuda_graph" in nodeid and "allreduce_cupy" in nodeid:
+        if "torch_nccl" in nodeid or ("cuda_graph" in nodeid and "allreduce_cupy" in nodeid):
             assert n == 2, nodeid
         else:
             assert n == 1, nodeid
