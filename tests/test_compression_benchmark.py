@@ -46,3 +46,28 @@ def test_a_config_that_cannot_run_here_is_a_row_with_its_reason(tmp_path):
                              "--json", str(out)]) == 0
     row = json.loads(out.read_text())["results"][0]
     assert row["final_accuracy"] is None and "BF16" in row["error"]
+
+
+def test_what_an_evaluation_waits_for_goes_on_the_clock():
+    """The first read of the model after step() waits for the deferred updates (forward
+    mode): that wait is training time; the evaluation's own compute is not."""
+    import time
+
+    import torch
+
+    class WaitsOnce(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pending = True
+
+        def forward(self, x):
+            if self.pending:  # as a deferred update's wait would
+                time.sleep(0.3)
+                self.pending = False
+            time.sleep(0.2)  # the evaluation's own compute
+            return torch.nn.functional.one_hot(x, 3).float()
+
+    y = torch.tensor([0, 1, 2, 2])
+    acc, waited = compression.timed_accuracy(WaitsOnce(), y, y)
+    assert acc == 1.0
+    assert 0.25 < waited < 0.45  # the wait (0.3 s), not the compute (0.2 s more)
