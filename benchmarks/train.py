@@ -119,13 +119,47 @@ DEMO_LOOPBACK_BATCHES = [32]  # without namespaces: loopback, a quick batch
 UNSYNCED = ("compute", "limit")  # configs that train on local gradients (no averaging)
 
 
+# A hybridcomm config may carry DistributedOptimizer options after slashes:
+# "hybrid-forward/fusion_bytes=4M/split_bytes=0" (sizes take K/M/G), to compare plans.
+HYBRID_OPTIONS = {"fusion_bytes": "size", "split_bytes": "size", "lazy_bytes": "size",
+                  "measure_iters": int, "replan_every": int}
+
+
+def hybrid_options(name: str):
+    """(base config, DistributedOptimizer keywords) of ``name``; ValueError for an
+    option that is not one of HYBRID_OPTIONS or a config that takes none.
+
+        >>> hybrid_options("hybrid-forward/fusion_bytes=4M/split_bytes=0")
+        ('hybrid-forward', {'fusion_bytes': 4194304, 'split_bytes': 0})
+        >>> hybrid_options("ddp:2")
+        ('ddp:2', {})
+    """
+    from hybridcomm.base.units import parse_size
+
+    base, *parts = name.split("/")
+    if parts and CONFIGS.get(base) is None:
+        raise ValueError(f"{name!r}: only hybridcomm's configs take options")
+    options = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        kind = HYBRID_OPTIONS.get(key)
+        if kind is None or not value:
+            raise ValueError(f"{name!r}: expected KEY=VALUE with KEY one of "
+                             f"{', '.join(HYBRID_OPTIONS)}")
+        options[key] = parse_size(value) if kind == "size" else kind(value)
+    return base, options
+
+
 def config_kind(name: str):
-    """("ddp", cap_mb or None) for DDP configs, (name, None) for the others;
-    ValueError for an unknown name.
+    """("ddp", cap_mb or None) for DDP configs, (name, None) for the others (options
+    after a slash belong to the name); ValueError for an unknown name.
 
         >>> config_kind("ddp:2"), config_kind("ddp"), config_kind("stock")
         (('ddp', 2.0), ('ddp', None), ('stock', None))
     """
+    if "/" in name:
+        hybrid_options(name)  # checks them
+        return name, None
     if name.startswith("ddp:"):
         try:
             cap = float(name[4:])
@@ -231,10 +265,12 @@ class _Trainer:
         elif kind == "ddp":
             extra = {} if cap is None else {"bucket_cap_mb": cap, "gradient_as_bucket_view": True}
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, **extra)
-        elif CONFIGS.get(config) is not None:
-            strategy, overlap = CONFIGS[config]
+        elif CONFIGS.get(hybrid_options(config)[0]) is not None:
+            name, options = hybrid_options(config)
+            strategy, overlap = CONFIGS[name]
             self.opt = hybridcomm.DistributedOptimizer(base, model=self.model, strategy=strategy,
-                                                       overlap=overlap, op="avg", trace=trace)
+                                                       overlap=overlap, op="avg", trace=trace,
+                                                       **options)
 
     def step(self, x, y):
         if self.config == "comm":
@@ -255,7 +291,8 @@ class _Trainer:
 
     def plan(self):
         """hybridcomm's plan table as it stands now, or None."""
-        plan = getattr(self.opt, "plan", None) if CONFIGS.get(self.config) else None
+        plan = getattr(self.opt, "plan", None) \
+            if CONFIGS.get(hybrid_options(self.config)[0]) else None
         return None if plan is None else str(plan)
 
     def library_stats(self):
@@ -673,7 +710,10 @@ def parse_args(argv=None):
                          "torchvision's names; the same weights either way)")
     ap.add_argument("--batch-sizes", default=None, help="per rank, comma-separated (default 8,16,32,64)")
     ap.add_argument("--configs", default="all",
-                    help=f"comma-separated from {','.join(CONFIGS)}, ddp:CAP_MB, or all")
+                    help=f"comma-separated from {','.join(CONFIGS)}, ddp:CAP_MB, or all; "
+                         "hybridcomm's take DistributedOptimizer options after slashes, "
+                         "e.g. hybrid-forward/fusion_bytes=4M/split_bytes=0 (keys: "
+                         f"{', '.join(HYBRID_OPTIONS)})")
     ap.add_argument("--iters", type=int, default=None, help="timed steps per config (default 20)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; "
                     "keep it above DistributedOptimizer's measure_iters=3, when it re-plans)")

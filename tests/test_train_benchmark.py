@@ -194,6 +194,19 @@ def test_config_names_are_checked_before_anything_runs(capsys):
     assert proc.returncode == 2 and "nccl" in proc.stderr
 
 
+def test_a_hybridcomm_config_takes_optimizer_options(tmp_path, capsys):
+    config = "hybrid-forward/fusion_bytes=32M/split_bytes=0"
+    doc, _ = _run(tmp_path, "--configs", "stock," + config)
+    _check(doc, ["stock", config])
+    plan = doc["plans"][f"loopback {config} batch 4"]
+    assert plan.startswith("hybridcomm plan: 1 buckets") and "split off" in plan
+    train = _train_module()
+    for bad in ("hybrid-forward/fusion=4M", "hybrid-forward/split_bytes=", "ddp:2/fusion_bytes=1"):
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(["--configs", bad])
+        assert e.value.code == 2 and bad in capsys.readouterr().err
+
+
 def test_regime_cells_and_the_demo_line():
     train = _train_module()
 
