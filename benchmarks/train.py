@@ -486,7 +486,7 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
             for c, t in trainers.items():
                 if hasattr(t.opt, "export_trace"):
                     t.opt.export_trace(os.path.join(
-                        trace_dir, f"{label}-b{batch_size}-{c}-rank{rank}.json"))
+                        trace_dir, f"{label}-b{batch_size}-{c.replace('/', '+')}-rank{rank}.json"))
     finally:
         for t in trainers.values():
             t.close()
