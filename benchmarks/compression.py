@@ -11,6 +11,8 @@ final accuracy, over several seeds (the run-to-run spread):
   defaults otherwise, except ``start_powerSGD_iter``: its default (1,000) is longer than
   this whole run (it would be plain all-reduce throughout), so it is 10% of the run's
   steps (at least 2), the starting point PowerSGD's own documentation recommends;
+- ``compute``: no communication at all, each rank alone on its shard: the floor of
+  the step time (its accuracy is one rank's local model, not a contender);
 - ``hybrid``, ``hybrid-fp16``, ``hybrid-bf16``, ``hybrid-topk-0.01``, ``hybrid-topk-0.1``:
   ``hybridcomm.DistributedOptimizer`` in forward mode (the default), plain, with the
   fp16 or bf16 wire, and top-k with error feedback at two ratios.
@@ -62,7 +64,11 @@ DDP_CONFIGS = ("ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r
                "ddp-powersgd-r4")
 HYBRID_CONFIGS = ("hybrid", "hybrid-fp16", "hybrid-bf16", "hybrid-topk-0.01",
                   "hybrid-topk-0.1")
-CONFIGS = DDP_CONFIGS + HYBRID_CONFIGS
+# The floor: every rank trains on its own shard with no communication at all. Its
+# accuracy is one rank's local model (not comparable); its step time is what no
+# synchronization scheme can beat, so it bounds any time to the target.
+FLOOR = "compute"
+CONFIGS = (FLOOR,) + DDP_CONFIGS + HYBRID_CONFIGS
 
 
 def digits(size: int = 16):
@@ -120,6 +126,8 @@ def timed_accuracy(model: nn.Module, x, y):
 
 def _wrap(config: str, model: nn.Module, opt, total_steps: int):
     """(the module to call, the optimizer to step) for ``config``."""
+    if config == FLOOR:
+        return model, opt
     if config.startswith("hybrid"):
         import hybridcomm
 
@@ -224,6 +232,7 @@ def summarize(rows: List[dict], target: float) -> Dict[str, dict]:
             if None not in times else None,
             "final_accuracy": statistics.mean(finals),
             "final_spread": max(finals) - min(finals),
+            "ms_per_step": statistics.median(1e3 * r["seconds"] / r["steps"] for r in mine),
             "reached": sum(t is not None for t in times), "seeds": len(mine)}
     return out
 
@@ -240,10 +249,14 @@ def report(rows: List[dict], cfg: dict) -> str:
              f"network: {cfg['shape'] or 'loopback (unshaped)'}, {cfg['epochs']} epochs, "
              f"seeds {cfg['seeds']}; median over seeds",
              f"{'config':>18} {'s to target':>12} {'steps':>6} {'final acc':>10} {'spread':>7} "
-             f"{'reached':>8} {'MB sent/rank':>13}"]
+             f"{'reached':>8} {'MB sent/rank':>13} {'ms/step':>8}"]
     for config, s in summary.items():
         if "error" in s:
             lines.append(f"{config:>18}  did not run here: {s['error']}")
+            continue
+        if config == FLOOR:
+            lines.append(f"{config:>18} {'':>58} {s['ms_per_step']:>8.1f}  (no communication: "
+                         "each rank alone on its shard, the floor of any step)")
             continue
         sent = [r["bytes_sent"] for r in rows if r["config"] == config and not r.get("error")]
         mb = f"{statistics.mean(sent) / 1e6:.1f}" if config.startswith("hybrid") else "-"
@@ -251,8 +264,14 @@ def report(rows: List[dict], cfg: dict) -> str:
         st = "-" if s["steps_to_target"] is None else f"{s['steps_to_target']:.0f}"
         lines.append(f"{config:>18} {t:>12} {st:>6} {s['final_accuracy']:>10.3f} "
                      f"{s['final_spread']:>7.3f} {s['reached']:>4}/{s['seeds']:<3} "
-                     f"{mb:>13}")
+                     f"{mb:>13} {s['ms_per_step']:>8.1f}")
     ddp, hyb = _best(summary, "ddp"), _best(summary, "hybrid")
+    if ddp and FLOOR in summary and "error" not in summary[FLOOR]:
+        # any scheme that needs as many steps as DDP's best takes at least this long
+        floor = summary[FLOOR]["ms_per_step"] * summary[ddp]["steps_to_target"] / 1e3
+        lines.append(f"floor: compute alone for {ddp}'s {summary[ddp]['steps_to_target']:.0f} "
+                     f"steps takes {floor:.1f} s, {floor / summary[ddp]['seconds_to_target']:.2f}x "
+                     f"{ddp}'s time to the target")
     if ddp and hyb:
         ratio = summary[hyb]["seconds_to_target"] / summary[ddp]["seconds_to_target"]
         lines.append(f"best DDP: {ddp} {summary[ddp]['seconds_to_target']:.1f} s; best "

@@ -32,9 +32,11 @@ def test_time_to_target_is_the_first_evaluation_that_reaches_it():
 
 def test_the_summary_takes_the_median_and_needs_every_seed_to_reach_the_target():
     rows = [{"config": "hybrid", "seconds_to_target": t, "steps_to_target": 10,
-             "final_accuracy": a} for t, a in ((3.0, 0.96), (1.0, 0.97), (2.0, 0.98))]
+             "final_accuracy": a, "seconds": 2 * t, "steps": 20}
+            for t, a in ((3.0, 0.96), (1.0, 0.97), (2.0, 0.98))]
     s = compression.summarize(rows, 0.95)["hybrid"]
     assert s["seconds_to_target"] == 2.0 and s["reached"] == 3
+    assert s["ms_per_step"] == 200.0  # the median run's 4 s over 20 steps
     assert abs(s["final_spread"] - 0.02) < 1e-12
     rows[0]["seconds_to_target"] = None
     assert compression.summarize(rows, 0.95)["hybrid"]["seconds_to_target"] is None
@@ -71,3 +73,17 @@ def test_what_an_evaluation_waits_for_goes_on_the_clock():
     acc, waited = compression.timed_accuracy(WaitsOnce(), y, y)
     assert acc == 1.0
     assert 0.25 < waited < 0.45  # the wait (0.3 s), not the compute (0.2 s more)
+
+
+def test_the_report_sets_the_best_hook_against_the_compute_floor():
+    def row(config, to_target, steps, seconds):
+        return {"config": config, "seed": 0, "seconds_to_target": to_target,
+                "steps_to_target": steps, "final_accuracy": 0.96, "seconds": seconds,
+                "steps": 50, "bytes_sent": 0}
+
+    rows = [row("compute", None, None, 4.0), row("ddp-powersgd-r4", 6.0, 40, 7.5),
+            row("hybrid-fp16", 9.0, 40, 11.0)]
+    text = compression.report(rows, {"target": 0.95, "shape": None, "epochs": 5, "seeds": [0]})
+    # compute alone: 80 ms a step, so DDP's 40 steps cannot take under 3.2 s
+    assert "floor: compute alone for ddp-powersgd-r4's 40 steps takes 3.2 s, 0.53x" in text
+    assert "1.50x (goal <= 0.80x)" in text
