@@ -769,11 +769,30 @@ def parse_args(argv=None):
     return args
 
 
+@contextlib.contextmanager
+def cost_models_of(label: str):
+    """The ranks' saved cost model and start-up probe kept per network (one folder
+    per ``label``): a probe of the 100 Mbit/s link must not plan the 1 Gbit/s run
+    (the probe cache is keyed by the job, which is the same on every network here).
+    A ``HYBRIDCOMM_COST_MODEL`` set by the caller is theirs: kept as it is."""
+    from hybridcomm.plan.auto_model import default_path
+
+    if os.environ.get("HYBRIDCOMM_COST_MODEL"):
+        yield
+        return
+    base = os.path.dirname(default_path())
+    os.environ["HYBRIDCOMM_COST_MODEL"] = os.path.join(base, f"bench-{label}", "cost_model.json")
+    try:
+        yield
+    finally:
+        del os.environ["HYBRIDCOMM_COST_MODEL"]
+
+
 def measure(args, shape, batch_sizes):
     """One launch of every config on every batch size, on ``shape`` (None: loopback)."""
     network = contextlib.nullcontext() if not shape else shaped_network(args.nprocs, shape)
     label = shape.replace("rate ", "") if shape else "loopback"
-    with network as net:
+    with network as net, cost_models_of(label):
         per_rank = launch(_rank, args.nprocs, batch_sizes, args.configs, args.warmup,
                           args.iters, args.rounds, label, args.trace, args.model, backend="gloo",
                           setup=net and net.setup, timeout=args.timeout)

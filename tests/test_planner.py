@@ -192,3 +192,44 @@ def test_segments_start_at_aligned_offsets(esize, dtype):
         segments = plan.buckets[0].segments
         assert len(segments) == 2 and segments[-1][1] == plan.buckets[0].numel + 1  # + flag
         assert all(a * esize % ALIGN_BYTES == 0 for a, _ in segments), (split, segments)
+
+
+def _deep_net_measured():
+    """ResNet/VGG-like (64 MB layers: over the default split): big layers first in backward and needed last, the small first
+    layer ready last and needed first (seconds from the first gradient)."""
+    layers = [Layer("top", [0], 16 << 20), Layer("upper", [1], 16 << 20),
+              Layer("lower", [2], 16 << 20), Layer("stem", [3], 1000)]
+    return layers, dict(world_size=4, model=GOOD, fusion_bytes=0,
+                        ready={"top": 0.0, "upper": 0.002, "lower": 0.004, "stem": 0.006},
+                        need={"stem": 0, "lower": 1, "upper": 2, "top": 3})
+
+
+def test_a_default_split_that_cannot_pay_is_dropped_and_the_plan_says_why():
+    layers, kw = _deep_net_measured()
+    split = make_plan(layers, **kw)  # forward's compute unknown: the cost model's split
+    assert any(len(b.segments) > 1 for b in split.buckets)
+    # Without a split, ~3 buckets' reductions are still queued once the stem's is done:
+    # far more than a 5 ms forward needs to hide behind, so the split only adds calls.
+    plan = make_plan(layers, forward_s=0.005, **kw)
+    assert all(len(b.segments) == 1 for b in plan.buckets) and plan.split_bytes == 0
+    assert plan.order == [(0, 0), (3, 0), (2, 0), (1, 0)]  # top first (ready), then by need
+    note = next(n for n in plan.notes if n.startswith("no split"))
+    assert "than that forward's ~5 ms of compute" in note and "split off" in str(plan)
+    assert sum(b.predicted_s for b in plan.buckets) < sum(b.predicted_s for b in split.buckets)
+
+
+def test_a_split_that_lets_the_forward_start_early_is_kept():
+    # the thesis's shape: one large late layer, ready first and needed last; the small
+    # conv, ready last and needed first, would wait for all of it, and then nothing
+    # would be left on the wire for the forward to overlap
+    layers = [Layer("fc", [0], 16 << 20), Layer("conv", [1], 1000)]  # 64 MB: 2 segments
+    plan = make_plan(layers, world_size=4, model=GOOD, fusion_bytes=0, forward_s=0.005,
+                     ready={"fc": 0.0, "conv": 0.004}, need={"conv": 0, "fc": 1})
+    assert len(plan.buckets[0].segments) == 2 and plan.order[1] == (1, 0)
+    assert not any(n.startswith("no split") for n in plan.notes)
+
+
+def test_a_split_the_user_asked_for_is_kept():
+    layers, kw = _deep_net_measured()
+    plan = make_plan(layers, forward_s=0.005, split_bytes=1 << 20, **kw)
+    assert any(len(b.segments) > 1 for b in plan.buckets) and plan.split_bytes == 1 << 20

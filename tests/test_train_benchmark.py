@@ -229,3 +229,19 @@ def test_regime_cells_and_the_demo_line():
     assert "38% less time than stock" in line and "17% less than the best DDP" in line
     assert "1.25x the bound" in line and "1.20x the limit" in line
     assert "peak memory 700 MB vs 650 MB (ddp:2)" in line
+
+
+def test_each_network_keeps_its_own_probe(monkeypatch, tmp_path):
+    train = _train_module()
+    monkeypatch.delenv("HYBRIDCOMM_COST_MODEL", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with train.cost_models_of("100mbit"):
+        fast = os.environ["HYBRIDCOMM_COST_MODEL"]
+    with train.cost_models_of("1gbit"):
+        slow = os.environ["HYBRIDCOMM_COST_MODEL"]
+    assert "HYBRIDCOMM_COST_MODEL" not in os.environ
+    assert os.path.dirname(fast) != os.path.dirname(slow)  # the probe cache sits beside it
+    assert fast.startswith(str(tmp_path)) and "bench-100mbit" in fast
+    monkeypatch.setenv("HYBRIDCOMM_COST_MODEL", str(tmp_path / "mine.json"))
+    with train.cost_models_of("1gbit"):  # the caller's own model is kept
+        assert os.environ["HYBRIDCOMM_COST_MODEL"] == str(tmp_path / "mine.json")

@@ -23,6 +23,11 @@ when its gradient is ready, and the order the next forward needs the layers.
   extra messages cost under 10% of its transfer (10 P alpha/beta), at least
   1 MiB; no split when beta = 0. Segments the issue order sends back to back
   are merged again: a split stays only where another bucket goes between.
+  With measurements, a default split is also dropped where it cannot pay:
+  if, without it, the reductions still queued behind the bucket the next
+  forward needs first would outlast that forward's compute, the forward
+  overlaps them either way, and a split only adds collectives (and, on a
+  busy machine, rounds in which the ranks wait for each other mid-backward).
 - **Algorithm** (``strategy="hybrid"``, the thesis's pair): per bucket,
   ``CostModel.choose`` with the bucket's window: among the candidates
   predicted to finish within it, the one that sends the fewest bytes, else
@@ -332,14 +337,40 @@ def issue_order(buckets: Sequence[Bucket], ready: Optional[Dict[int, float]] = N
         i = min(avail, key=lambda i: (by_index[i].need if by_index[i].need is not None
                                       else len(buckets) + i, i))
         b, s = by_index[i], todo[i]
-        a, z = b.segments[s]
-        share = b.predicted_s * (z - a) / max(b.segments[-1][1], 1) * (comm_scale or 1.0)
-        now += share if share == share else 0.0  # nan: the model cannot predict it
+        now += _share(b, s, comm_scale)
         order.append((i, s))
         todo[i] += 1
         if todo[i] == len(b.segments):
             del todo[i]
     return order
+
+
+def _share(b: Bucket, s: int, comm_scale: Optional[float]) -> float:
+    """Predicted seconds of segment ``s`` of ``b`` (times ``comm_scale``; 0 if unknown)."""
+    a, z = b.segments[s]
+    share = b.predicted_s * (z - a) / max(b.segments[-1][1], 1) * (comm_scale or 1.0)
+    return share if share == share else 0.0  # nan: the model cannot predict it
+
+
+def completion(buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]],
+               ready: Dict[int, float], comm_scale: Optional[float] = None
+               ) -> Dict[int, float]:
+    """When each bucket's last segment is done, in seconds from the first gradient,
+    if the channel runs ``order`` as every rank does: each segment once the one
+    before it is done and its bucket is ready, at the predicted (scaled) speed.
+
+        >>> b = [Bucket(0, ["fc"], [0], 9, 36, "ring", 2.0, segments=[(0, 4), (4, 10)]),
+        ...      Bucket(1, ["conv"], [1], 1, 4, "ring", 1.0, segments=[(0, 2)])]
+        >>> completion(b, [(0, 0), (1, 0), (0, 1)], {0: 0.0, 1: 1.5})
+        {1: 2.5, 0: 3.7}
+    """
+    by_index = {b.index: b for b in buckets}
+    now, done = 0.0, {}
+    for i, s in order:
+        now = max(now, ready.get(i, 0.0)) + _share(by_index[i], s, comm_scale)
+        if s == len(by_index[i].segments) - 1:
+            done[i] = round(now, 9)
+    return done
 
 
 def merge_adjacent(buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]]
@@ -371,6 +402,23 @@ def merge_adjacent(buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]]
     return out
 
 
+def _unsplit(buckets: Sequence[Bucket]) -> List[Bucket]:
+    """Copies of ``buckets``, each in one segment."""
+    return [Bucket(**{**asdict(b), "segments": [(0, b.segments[-1][1])]}) for b in buckets]
+
+
+def _queued_behind_first_need(buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]],
+                              ready: Dict[int, float], comm_scale: Optional[float]) -> float:
+    """Predicted seconds of reduction still to run once the bucket the next forward
+    needs first is done: what that forward's compute can overlap."""
+    needed = [b for b in buckets if b.need is not None]
+    if not needed:
+        return 0.0
+    done = completion(buckets, order, ready, comm_scale)
+    first = min(needed, key=lambda b: b.need).index
+    return max(done.values()) - done[first]
+
+
 def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               strategy: str = "hybrid", fusion_bytes: Optional[int] = None,
               split_bytes: Optional[int] = None, windows: Optional[dict] = None,
@@ -378,7 +426,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               topk: Optional[float] = None, lazy_bytes: Optional[int] = None,
               topology: Optional[Topology] = None, launch_pass: int = 1,
               comm_scale: Optional[float] = None, defer_pays: Optional[bool] = None,
-              servers: int = 0) -> Plan:
+              servers: int = 0, forward_s: Optional[float] = None) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
@@ -392,7 +440,9 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     ``defer_pays``: whether the measured steps left reductions running at step()
     besides the first-needed bucket's (False: forward mode's deferred updates
     cannot pay, step() applies them); ``servers``: how many summation servers
-    the job has (``ps`` a candidate, and allowed forced, only with some).
+    the job has (``ps`` a candidate, and allowed forced, only with some);
+    ``forward_s``: the next forward's compute in seconds, measured or estimated
+    (with ``ready``, a default split is kept only where it can pay: module doc).
 
     Example::
 
@@ -407,7 +457,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     topo = (topology or Topology()).resolve(world_size)
     if fusion_bytes is None:
         fusion_bytes = default_fusion(model, notes, world_size, topo)
-    if split_bytes is None:
+    split_default = split_bytes is None
+    if split_default:
         split_bytes = default_split(model, world_size, notes, topo)
     candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)]
     groups = _fuse(layers, fusion_bytes, lazy_bytes)
@@ -457,6 +508,17 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
             times = [ready[layer.name] for layer in group if layer.name in ready]
             bucket_ready[b.index] = max(times) if times else 0.0
     order = merge_adjacent(buckets, issue_order(buckets, bucket_ready, comm_scale))
+    if split_default and bucket_ready and forward_s is not None and \
+            any(len(b.segments) > 1 for b in buckets):
+        whole = _unsplit(buckets)
+        whole_order = issue_order(whole, bucket_ready, comm_scale)
+        behind = _queued_behind_first_need(whole, whole_order, bucket_ready, comm_scale)
+        if behind >= forward_s:
+            buckets, order, split_bytes = whole, whole_order, 0
+            notes.append(f"no split: without one, {behind * 1e3:.0f} ms of reductions are "
+                         "still queued behind the bucket the next forward needs first, more "
+                         f"than that forward's ~{forward_s * 1e3:.0f} ms of compute, so it "
+                         "overlaps them either way and a split would only add collectives")
     for b in buckets:  # fewer segments after the merge: fewer fixed costs
         if b.algorithm not in (TOPK,) and model.offers(b.algorithm):
             b.predicted_s = sum(model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1),
