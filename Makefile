@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml setup.py Makefile
 SIM_TESTS := tests/test_gpu_path.py tests/test_simgpu.py tests/test_optimizer_equivalence.py \
              tests/test_optimizer_features.py tests/test_allreduce_multiprocess.py \
              tests/test_forward_mode.py tests/test_compression.py tests/test_checkpoint.py \
-             tests/test_one_device.py
+             tests/test_one_device.py tests/test_powersgd.py
 COV := $(PY) -m coverage
 COVRC := --rcfile=tests/coverage_gpu_path.rc
 
@@ -45,7 +45,7 @@ test: setup
 	$(PY) -m pytest -q --doctest-modules hybridcomm kernels
 	$(PY) -m pytest -q tests --ignore=tests/test_gpu_path.py --ignore=tests/test_simgpu.py \
 	    --ignore=tests/test_forward_mode.py --ignore=tests/test_compression.py \
-	    --ignore=tests/test_one_device.py \
+	    --ignore=tests/test_one_device.py --ignore=tests/test_powersgd.py \
 	    -k "not ((test_training_loops or test_model_reads) and simgpu)"
 	@echo "[test] the same suites on the simulated GPU (HYBRIDCOMM_SIMULATE_GPU=1), with coverage"
 	@rm -rf .coverage-data

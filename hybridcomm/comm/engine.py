@@ -13,7 +13,9 @@ Per bucket and operation: the algorithm's schedule (or the transport's own
 all-reduce for ``native``, the summation servers' for ``ps``, or top-k's
 all-gather) on the bucket's buffer, in
 place; under compression the wire buffer is cast back into the gradients when
-the last segment is done.
+the last segment is done. A PowerSGD bucket (powersgd.py) is one operation of
+two all-reduces with the algorithm, its factors computed between them on the
+same side (thread or comm stream).
 
 The operation itself (which all-reduce, on which side) is executor.py's
 :func:`~hybridcomm.comm.executor.reduce_operation`, shared with ``all_reduce`` and
@@ -78,6 +80,8 @@ class CommEngine:
         b.to_wire()
         if b.topk is not None:  # this rank's message, from the gradients
             b.topk.select(b.grads, b.flags)
+        if b.lowrank is not None and b.lowrank.active:  # its first message, likewise
+            b.lowrank.compress(b.grads, b.flags)
         if self.channel.stream_ordered:
             rt = self.channel.runtime
             self._ready[index] = rt.new_event()
@@ -127,6 +131,8 @@ class CommEngine:
         b = self.buckets[index]
         if b.topk is not None:
             return self._sparse_operation(index)
+        if b.lowrank is not None and b.lowrank.active:
+            return self._lowrank_operation(index)
         a, z = b.spec.segments[s]
         seg = b.comm[a:z]
         world = self.transport.world_size
@@ -170,6 +176,41 @@ class CommEngine:
         def hosted():  # host path
             execute(topk.schedule, topk.gathered, self.transport, timeout=self.timeout)
             topk.decode(b.grads, b.flags, self.scale)
+            self._versions[index] = b.buffer._version
+        return hosted
+
+    def _lowrank_operation(self, index: int):
+        """A PowerSGD bucket: all-reduce P, project, all-reduce Q, decode (powersgd.py);
+        sums both times (the average is decode's)."""
+        b = self.buckets[index]
+        lr, algo, world = b.lowrank, b.spec.algorithm, self.transport.world_size
+        p_numel, q_numel = lr.bytes_sent_numel
+        self.bytes_sent += int(bytes_sent(algo, 4 * p_numel, world) +
+                               bytes_sent(algo, 4 * q_numel, world))
+        label = f"bucket {index} (powersgd rank {lr.rank}, {algo}, {4 * (p_numel + q_numel)} bytes)"
+        ordered = self.channel.stream_ordered
+
+        def reduce(buf, ready=None, after=None):
+            return reduce_operation(buf, self.transport, algo, scale=None, timeout=self.timeout,
+                                    label=label, range_id=index, ready=ready,
+                                    workspace=self._workspace, stream_ordered=ordered,
+                                    after=after, reserved=True, servers=self.servers)
+
+        def decode():
+            lr.decode(b.grads, b.flags, self.scale)
+
+        if ordered:
+            def queued():
+                start, projected = reduce(lr.p, self._ready[index], lr.project)()
+                _, done = reduce(lr.q, projected, decode)()
+                return start, done
+            return queued
+
+        def hosted():  # host path
+            reduce(lr.p)()
+            lr.project()
+            reduce(lr.q)()
+            decode()
             self._versions[index] = b.buffer._version
         return hosted
 

@@ -13,15 +13,18 @@ Example::
     ('backward', torch.float16, None, 60.0)
     >>> SyncConfig.build(compression="topk:0.01").topk
     0.01
+    >>> SyncConfig.build(compression="powersgd:4:100").low_rank     # (rank, start)
+    (4, 100)
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
+from ..algorithms.lowrank import parse_powersgd
 from ..algorithms.topk import parse_topk
 from . import env
 
@@ -36,7 +39,7 @@ COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.b
 class SyncConfig:
     """What a :class:`~hybridcomm.sync.synchronizer.GradientSynchronizer` does;
     the fields are ``DistributedOptimizer``'s keywords of the same names
-    (``compression`` split into ``wire_dtype`` and ``topk``), plus:
+    (``compression`` split into ``wire_dtype``, ``topk`` and ``low_rank``), plus:
 
     Attributes:
         defer_always: forward mode defers updates even where the plan finds
@@ -51,6 +54,7 @@ class SyncConfig:
     backward_passes_per_step: Optional[int] = None
     wire_dtype: Optional[torch.dtype] = None
     topk: Optional[float] = None
+    low_rank: Optional[Tuple[int, int]] = None  # PowerSGD's (rank, start)
     correction_momentum: float = 0.0
     cost_model: Any = None  # a CostModel, a path, "default", or None (probe or saved)
     timeout: float = 300.0
@@ -78,11 +82,13 @@ class SyncConfig:
     def build(cls, *, compression=None, timeout: Optional[float] = None,
               **arguments) -> "SyncConfig":
         """From ``DistributedOptimizer``'s keywords and the environment."""
-        topk = parse_topk(compression)
-        if compression not in COMPRESSIONS and topk is None:
+        topk, low_rank = parse_topk(compression), parse_powersgd(compression)
+        if compression not in COMPRESSIONS and topk is None and low_rank is None:
             raise ValueError(f"compression must be one of None, 'fp16', 'bf16', 'topk:RATIO', "
+                             "'powersgd:RANK[:START]', "
                              f"got {compression!r}")
-        return cls(wire_dtype=None if topk else COMPRESSIONS[compression], topk=topk,
+        return cls(wire_dtype=None if topk or low_rank else COMPRESSIONS[compression],
+                   topk=topk, low_rank=low_rank,
                    timeout=env.timeout(timeout),
                    defer_always=env.get("HYBRIDCOMM_DEFER") == "always",
                    issue_thread=env.get("HYBRIDCOMM_ISSUE_THREAD"), **arguments)

@@ -39,6 +39,11 @@ when its gradient is ready, and the order the next forward needs the layers.
   summation servers, ps.py), ``ps`` competes too, where the model has a
   line for that many servers. ``strategy`` naming an algorithm, or
   ``HYBRIDCOMM_ALGO``, forces it for every bucket (``ps`` needs servers).
+- **Low rank** (``compression="powersgd:RANK[:START]"``): a bucket is
+  compressed (compressor ``powersgd``, comm/powersgd.py) where its two
+  messages, the low-rank factors (with its 1-D gradients and flags whole) and
+  the other factors, send fewer bytes with its algorithm than the bucket does
+  whole; it is never split.
 - **Issue order**: every rank issues all of a step's communication through
   one ordered channel (one communicator, one stream), in ``Plan.order``: a
   fixed sequence of (bucket, segment). Without measurements it is backward
@@ -59,6 +64,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import env
 from ..algorithms import ALGORITHMS, Topology
+from ..algorithms.lowrank import POWERSGD, message_numels
 from ..algorithms.topk import TOPK, segment_numel, sparse_bytes_sent
 from .cost_model import NATIVE, PS, CostModel, bytes_sent
 
@@ -87,6 +93,7 @@ class Layer:
     element_size: int = 4  # of the dtype its bucket carries on the wire
     dtype: str = "torch.float32"
     sizes: Optional[List[int]] = None  # each parameter's numel (for the bucket's layout)
+    shapes: Optional[List[Tuple[int, ...]]] = None  # each parameter's shape (low rank's)
 
 
 def layout(sizes: Sequence[int], element_size: int) -> Tuple[List[int], int]:
@@ -120,6 +127,7 @@ class Bucket:
     need: Optional[int] = None  # position in the next forward's order of need
     offsets: Optional[List[int]] = None  # each gradient's start in the buffer (None: packed)
     grad_numel: Optional[int] = None  # the gradient region, padding included (None: numel)
+    compressor: Optional[str] = None  # "powersgd": its messages go with ``algorithm``
 
     @property
     def buffer_numel(self) -> int:
@@ -159,8 +167,8 @@ class Plan:
 
     def decisions(self):
         """What the ranks must agree on (a re-plan that changes none of it is skipped)."""
-        return ([(b.layers, b.algorithm, b.segments) for b in self.buckets], self.order,
-                self.launch_pass, self.defer_updates)
+        return ([(b.layers, b.algorithm, b.segments, b.compressor) for b in self.buckets],
+                self.order, self.launch_pass, self.defer_updates)
 
     def __str__(self) -> str:
         head = (f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
@@ -176,8 +184,9 @@ class Plan:
             layers = ", ".join(b.layers)
             if len(layers) > 60:
                 layers = layers[:57] + "..."
+            algo = b.algorithm if b.compressor is None else f"{b.compressor}+{b.algorithm}"
             rows.append(f"{b.index:>6} {b.nbytes:>10} {b.dtype.replace('torch.', ''):>8} "
-                        f"{b.algorithm:>17} {b.predicted_s * 1e6:>9.0f} {win:>10} {need:>4} "
+                        f"{algo:>17} {b.predicted_s * 1e6:>9.0f} {win:>10} {need:>4} "
                         f"{len(b.segments):>4}  {layers}")
         order = " ".join(f"{b}.{s}" for b, s in self.order[:40])
         if len(self.order) > 40:
@@ -426,7 +435,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               topk: Optional[float] = None, lazy_bytes: Optional[int] = None,
               topology: Optional[Topology] = None, launch_pass: int = 1,
               comm_scale: Optional[float] = None, defer_pays: Optional[bool] = None,
-              servers: int = 0, forward_s: Optional[float] = None) -> Plan:
+              servers: int = 0, forward_s: Optional[float] = None,
+              low_rank: Optional[Tuple[int, int]] = None) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
@@ -442,7 +452,11 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     cannot pay, step() applies them); ``servers``: how many summation servers
     the job has (``ps`` a candidate, and allowed forced, only with some);
     ``forward_s``: the next forward's compute in seconds, measured or estimated
-    (with ``ready``, a default split is kept only where it can pay: module doc).
+    (with ``ready``, a default split is kept only where it can pay: module doc);
+    ``low_rank``: PowerSGD's ``(rank, start)``: a bucket whose two low-rank
+    messages send fewer bytes than it does whole is compressed (compressor
+    ``powersgd``; its messages, and the whole bucket in the first ``start``
+    steps, go with the bucket's algorithm).
 
     Example::
 
@@ -492,6 +506,17 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         pred = sum(model.predict(algorithm, (b - a) * esize, world_size, topo)
                    for a, b in segments) \
             if model.offers(algorithm) else float("nan")
+        compressor = None
+        shapes = [s for layer in group for s in (layer.shapes or [])]
+        if low_rank and world_size > 1 and len(shapes) == len(params):
+            p_numel, q_numel = message_numels(shapes, low_rank[0])
+            if bytes_sent(algorithm, 4 * p_numel, world_size, topo) + \
+                    bytes_sent(algorithm, 4 * q_numel, world_size, topo) < \
+                    bytes_sent(algorithm, nbytes, world_size, topo):
+                compressor, segments = POWERSGD, [(0, total)]
+                pred = sum(model.predict(algorithm, 4 * n, world_size, topo)
+                           for n in (p_numel, q_numel)) \
+                    if model.offers(algorithm) else float("nan")
         if topk and world_size > 1 and sparse_bytes_sent(numel, len(params), topk, world_size) \
                 < bytes_sent(algorithm, nbytes, world_size):
             algorithm, segments = TOPK, [(0, total)]
@@ -500,7 +525,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         needs = [need[layer.name] for layer in group if need and layer.name in need]
         buckets.append(Bucket(i, [layer.name for layer in group], params, numel, nbytes,
                               algorithm, pred, group[0].dtype, window, segments,
-                              min(needs) if needs else None, offsets, grad_numel))
+                              min(needs) if needs else None, offsets, grad_numel, compressor))
     bucket_ready = None
     if ready:
         bucket_ready = {}
@@ -520,7 +545,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
                          f"than that forward's ~{forward_s * 1e3:.0f} ms of compute, so it "
                          "overlaps them either way and a split would only add collectives")
     for b in buckets:  # fewer segments after the merge: fewer fixed costs
-        if b.algorithm not in (TOPK,) and model.offers(b.algorithm):
+        if b.algorithm not in (TOPK,) and b.compressor is None and model.offers(b.algorithm):
             b.predicted_s = sum(model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1),
                                               world_size, topo) for a, z in b.segments)
     if comm_scale is not None and comm_scale != 1.0:

@@ -35,10 +35,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..algorithms.lowrank import POWERSGD
 from ..algorithms.topk import TOPK
 from ..base.errors import HybridCommError
 from ..comm.compression import TopK
 from ..comm.engine import CommEngine
+from ..comm.powersgd import PowerSGD
 from ..config.config import SyncConfig
 from ..plan.planner import Plan
 from .buckets import GradBucket
@@ -116,6 +118,10 @@ def memory_beyond_gradients(bucket: GradBucket) -> Dict[str, int]:
             t = getattr(tk, name, None)
             if t is not None:
                 extra[f"top-k {name}"] = t.numel() * t.element_size()
+    lr = bucket.lowrank
+    if lr is not None:
+        for name, t in (("residual", lr.residual), ("P", lr.p), ("Q", lr.q)):
+            extra[f"powersgd {name}"] = t.numel() * t.element_size()
     return extra
 
 
@@ -173,6 +179,10 @@ class BucketGroup:
             if b.algorithm == TOPK:
                 bucket.topk = TopK(bucket.grads.numel(), len(ps), config.topk, links.rank,
                                    links.world, config.correction_momentum, links.alloc)
+            if b.compressor == POWERSGD:
+                rank, start = config.low_rank
+                bucket.lowrank = PowerSGD([v.shape for v in bucket.views], bucket.offsets,
+                                          b.params, rank, start, links.world, links.alloc)
             s = BucketState(b.index, bucket)
             for pos, p in enumerate(ps):
                 self.where[id(p)] = (s, pos)
@@ -208,6 +218,11 @@ class BucketGroup:
             for new_view, old_view in zip(b.topk_state(pos), carried):
                 if new_view is not None and old_view is not None:
                     new_view.copy_(old_view)
+        mine = b.lowrank and b.lowrank.state(pos)
+        theirs = old.bucket.lowrank and old.bucket.lowrank.state(old_pos)
+        if mine and theirs:  # so do PowerSGD's error feedback and warm start
+            for new_view, old_view in zip(mine, theirs):
+                new_view.copy_(old_view)
 
     # ---- the one writer of a phase -------------------------------------------------------
     def to(self, s: BucketState, phase: Phase) -> None:
@@ -268,8 +283,11 @@ class BucketGroup:
         used = self.links.used
         if used.on_host:
             used.mark(s)
-        if not used.on_host or s.bucket.topk is not None:  # top-k sends its flags
-            s.bucket.set_flags(s.content)
+        lowrank = s.bucket.lowrank
+        if not used.on_host or s.bucket.topk is not None or lowrank is not None:
+            s.bucket.set_flags(s.content)  # top-k and PowerSGD send them in their messages
+        if lowrank is not None:  # exact for its first steps, then low rank
+            lowrank.active = self.state.steps >= lowrank.start
         self.to(s, Phase.LAUNCHED)
         s.reopened = False
         s.launched_pass, s.launched_epoch = pass_id, self.state.epoch

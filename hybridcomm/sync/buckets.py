@@ -46,7 +46,7 @@ class GradBucket:
     """
 
     __slots__ = ("spec", "params", "buffer", "grads", "flags", "views", "offsets", "wire",
-                 "topk")
+                 "topk", "lowrank")
 
     def __init__(self, spec: Bucket, params: List[torch.nn.Parameter], dtype: torch.dtype,
                  wire_dtype: Optional[torch.dtype], alloc: Alloc):
@@ -68,6 +68,7 @@ class GradBucket:
             self.wire = alloc(total, wire_dtype)
             self.wire.zero_()
         self.topk = None  # compression.TopK when the plan sparsifies this bucket
+        self.lowrank = None  # powersgd.PowerSGD when the plan compresses it to low rank
 
     @property
     def comm(self) -> torch.Tensor:

@@ -1,12 +1,13 @@
 """The synchronizer's part of ``opt.state_dict()``: the agreed plan, the step
-count, and this rank's top-k error feedback.
+count, and this rank's error feedback (top-k's; PowerSGD's, with its warm start).
 
 No collective either way: one rank alone may save (``if rank == 0:
 torch.save(opt.state_dict(), f)``) or load (Horovod's resume, followed by
 ``broadcast_optimizer_state``). Every rank that loads the same checkpoint
 adopts the same plan; a checkpoint made for another world size or other
-parameters keeps the current plan (logged). Top-k residuals are per rank: a
-checkpoint holds the saving rank's (format 1 held every rank's, still read).
+parameters keeps the current plan (logged). Error feedback is per rank: a
+checkpoint holds the saving rank's (format 1 held every rank's top-k
+residuals, still read).
 
 Example::
 
@@ -29,13 +30,14 @@ def save(sync) -> dict:
     """``sync``'s (a GradientSynchronizer's) checkpoint state."""
     state = {"plan": sync.plan.to_dict(), "steps": sync.state.steps,
              "params": list(sync.registry.names)}
-    with sync.watched():
-        views = _residual_views(sync)
-        flat = torch.cat([v.reshape(-1).float() for v in views]) if views else None
-    if flat is not None:
-        if sync.rt is not None:
-            sync.rt.synchronize()  # a checkpoint may wait for the device
-        state["topk"] = {"rank": sync.rank, "world": sync.world, "residuals": flat.cpu()}
+    for key, views_of in FEEDBACK.items():
+        with sync.watched():
+            views = views_of(sync)
+            flat = torch.cat([v.reshape(-1).float() for v in views]) if views else None
+        if flat is not None:
+            if sync.rt is not None:
+                sync.rt.synchronize()  # a checkpoint may wait for the device
+            state[key] = {"rank": sync.rank, "world": sync.world, "residuals": flat.cpu()}
     return state
 
 
@@ -65,33 +67,43 @@ def mismatch(sync, state: dict) -> Optional[str]:
 
 
 def load_residuals(sync, state: dict) -> None:
-    """This rank's top-k error feedback from ``state``, if it holds this rank's and fits."""
-    views = _residual_views(sync)
-    if not views:
-        return
-    mine = None
-    if "topk_per_rank" in state:
-        per_rank = state["topk_per_rank"]
-        mine = per_rank[sync.rank] if per_rank and len(per_rank) == sync.world else None
-    elif "topk" in state:
-        saved = state["topk"]
-        if saved["rank"] == sync.rank and saved["world"] == sync.world:
-            mine = saved["residuals"]
-    else:
-        return  # no residuals in it (broadcast_optimizer_state): this rank keeps its own
-    total = sum(v.numel() for v in views)
-    if mine is None or mine.numel() != total:
-        log.warning("hybridcomm: the checkpoint holds no top-k residuals of rank %d for this "
-                    "plan: its error feedback stays as it is (save every rank's "
-                    "opt.state_dict() to resume top-k exactly)", sync.rank)
-        return
-    at = 0
-    with sync.watched():
-        for v in views:
-            v.copy_(mine[at:at + v.numel()].view(v.shape))
-            at += v.numel()
+    """This rank's error feedback from ``state``, where it holds this rank's and fits."""
+    for key, views_of in FEEDBACK.items():
+        views = views_of(sync)
+        if not views:
+            continue
+        mine = None
+        if key == "topk" and "topk_per_rank" in state:  # format 1
+            per_rank = state["topk_per_rank"]
+            mine = per_rank[sync.rank] if per_rank and len(per_rank) == sync.world else None
+        elif key in state:
+            saved = state[key]
+            if saved["rank"] == sync.rank and saved["world"] == sync.world:
+                mine = saved["residuals"]
+        else:
+            continue  # none in it (broadcast_optimizer_state): this rank keeps its own
+        total = sum(v.numel() for v in views)
+        if mine is None or mine.numel() != total:
+            log.warning("hybridcomm: the checkpoint holds no %s error feedback of rank %d for "
+                        "this plan: it stays as it is (save every rank's opt.state_dict() to "
+                        "resume exactly)", key, sync.rank)
+            continue
+        at = 0
+        with sync.watched():
+            for v in views:
+                v.copy_(mine[at:at + v.numel()].view(v.shape))
+                at += v.numel()
 
 
-def _residual_views(sync) -> List[torch.Tensor]:
+def _topk_views(sync) -> List[torch.Tensor]:
     return [v for _, residual, velocity in sync.group.topk_views()
             for v in (residual, velocity) if v is not None]
+
+
+def _powersgd_views(sync) -> List[torch.Tensor]:
+    return [v for s in sync.group.states if s.bucket.lowrank is not None
+            for v in s.bucket.lowrank.states()]
+
+
+# what a checkpoint keeps of each compression's state, under its key
+FEEDBACK = {"topk": _topk_views, "powersgd": _powersgd_views}

@@ -182,4 +182,4 @@ class ParamRegistry:
         wire = self.wire(p)
         sizes = [local_numel(self.params[i]) for i in idx]  # a DTensor: this rank's shard
         return Layer(name, list(idx), sum(sizes), torch.empty((), dtype=wire).element_size(),
-                     str(p.dtype), sizes)
+                     str(p.dtype), sizes, [tuple(local_shape(self.params[i])) for i in idx])
