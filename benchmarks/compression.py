@@ -13,9 +13,11 @@ final accuracy, over several seeds (the run-to-run spread):
   steps (at least 2), the starting point PowerSGD's own documentation recommends;
 - ``compute``: no communication at all, each rank alone on its shard: the floor of
   the step time (its accuracy is one rank's local model, not a contender);
-- ``hybrid``, ``hybrid-fp16``, ``hybrid-bf16``, ``hybrid-topk-0.01``, ``hybrid-topk-0.1``:
-  ``hybridcomm.DistributedOptimizer`` in forward mode (the default), plain, with the
-  fp16 or bf16 wire, and top-k with error feedback at two ratios.
+- ``hybrid``, ``hybrid-fp16``, ``hybrid-bf16``, ``hybrid-topk-0.01``, ``hybrid-topk-0.1``,
+  ``hybrid-powersgd-r1``, ``-r2``, ``-r4``: ``hybridcomm.DistributedOptimizer`` in
+  forward mode (the default), plain, with the fp16 or bf16 wire, top-k with error
+  feedback at two ratios, and its own PowerSGD at DDP's ranks with DDP's exact first
+  steps (``dense_steps``).
 
 **The task**: scikit-learn's digits (1,797 8x8 handwritten digits, bundled with the
 package: no download), upscaled to 16x16, 80/20 split with a fixed shuffle. **The
@@ -29,7 +31,7 @@ momentum SGD (lr 0.05, momentum 0.9), 32 samples per rank per step (128 in all),
 rank the same initial weights and its own quarter of each shuffled global batch; every
 rank evaluates the test split every ``--eval-every`` steps. The evaluation's own compute
 is kept off the clock, but not what reading the model waits for: in forward mode that
-is the last step's communication, and it is training time (``timed_accuracy``).
+is the last step's communication, and it is training time (``settle``).
 
     python benchmarks/compression.py                       # the default run (< 30 minutes)
     python benchmarks/compression.py --shape "rate 100mbit" --seeds 0,1,2 --json out.json
@@ -63,7 +65,8 @@ PER_RANK = 32
 DDP_CONFIGS = ("ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r2",
                "ddp-powersgd-r4")
 HYBRID_CONFIGS = ("hybrid", "hybrid-fp16", "hybrid-bf16", "hybrid-topk-0.01",
-                  "hybrid-topk-0.1")
+                  "hybrid-topk-0.1", "hybrid-powersgd-r1", "hybrid-powersgd-r2",
+                  "hybrid-powersgd-r4")
 # The floor: every rank trains on its own shard with no communication at all. Its
 # accuracy is one rank's local model (not comparable); its step time is what no
 # synchronization scheme can beat, so it bounds any time to the target.
@@ -106,22 +109,23 @@ def accuracy(model: nn.Module, x, y) -> float:
         return (model(x).argmax(1) == y).float().mean().item()
 
 
-def timed_accuracy(model: nn.Module, x, y):
-    """(test accuracy, seconds of it that belong to training).
-
-    Reading the model waits for whatever the optimizer still has in flight (forward
-    mode defers each update to the first read of its parameters): that wait is
-    training time, and a clock stopped around the evaluation would hand it to the
-    optimizer for free. So the evaluation runs twice, the second time with nothing
-    pending; the first one's excess over the second is the wait, and goes on the clock.
-    """
+def settle(model: nn.Module) -> float:
+    """Seconds a first read of every parameter waits: forward mode defers each update
+    to the first read of its parameters, so reading them applies whatever the
+    optimizer still has in flight, as the evaluation's first read would. That wait
+    is training time (a clock stopped around the evaluation would hand it to the
+    optimizer for free); the evaluation's own compute is not."""
     t0 = time.perf_counter()
-    acc = accuracy(model, x, y)
-    t1 = time.perf_counter()
-    again = accuracy(model, x, y)
-    t2 = time.perf_counter()
-    assert again == acc, "the model changed between two evaluations"
-    return acc, max(0.0, (t1 - t0) - (t2 - t1))
+    for p in model.parameters():
+        p.detach()
+    return time.perf_counter() - t0
+
+
+def dense_steps(total_steps: int) -> int:
+    """PowerSGD's exact steps before it compresses, for DDP's hook and hybridcomm's
+    alike: 10% of the run (at least 2), the starting point PowerSGD's documentation
+    recommends; its default (1,000) is longer than this whole run."""
+    return max(2, total_steps // 10)
 
 
 def _wrap(config: str, model: nn.Module, opt, total_steps: int):
@@ -131,8 +135,11 @@ def _wrap(config: str, model: nn.Module, opt, total_steps: int):
     if config.startswith("hybrid"):
         import hybridcomm
 
-        compression = {"hybrid": None, "hybrid-fp16": "fp16", "hybrid-bf16": "bf16"}.get(
-            config, "topk:" + config.rsplit("-", 1)[-1])
+        compression = {"hybrid": None, "hybrid-fp16": "fp16", "hybrid-bf16": "bf16"}.get(config)
+        if config.startswith("hybrid-topk-"):
+            compression = "topk:" + config.rsplit("-", 1)[-1]
+        elif config.startswith("hybrid-powersgd-r"):  # exact first steps as DDP's below
+            compression = f"powersgd:{config[len('hybrid-powersgd-r'):]}:{dense_steps(total_steps)}"
         return model, hybridcomm.DistributedOptimizer(opt, model=model, compression=compression,
                                                       timeout=120)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -149,7 +156,7 @@ def _wrap(config: str, model: nn.Module, opt, total_steps: int):
     elif config.startswith("ddp-powersgd-r"):
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=int(config[len("ddp-powersgd-r"):]),
-            start_powerSGD_iter=max(2, total_steps // 10))
+            start_powerSGD_iter=dense_steps(total_steps))
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return ddp, opt
 
@@ -177,9 +184,8 @@ def _rank(rank: int, world: int, config: str, seed: int, cfg: dict) -> dict:
             step += 1
             sent += getattr(opt, "last_step_stats", {}).get("bytes_sent", 0)
             if step % cfg["eval_every"] == 0 or step == total:
-                acc, waited = timed_accuracy(model, xte, yte)
-                clock += waited
-                curve.append((step, clock, acc))
+                clock += settle(model)
+                curve.append((step, clock, accuracy(model, xte, yte)))
     if hasattr(opt, "close"):
         opt.close()
     import torch.distributed as dist

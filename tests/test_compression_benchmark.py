@@ -51,28 +51,26 @@ def test_a_config_that_cannot_run_here_is_a_row_with_its_reason(tmp_path):
 
 
 def test_what_an_evaluation_waits_for_goes_on_the_clock():
-    """The first read of the model after step() waits for the deferred updates (forward
-    mode): that wait is training time; the evaluation's own compute is not."""
+    """A first read of a parameter whose update is pending waits for it (forward
+    mode): settle() reads every parameter once and times that wait."""
     import time
 
     import torch
 
-    class WaitsOnce(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pending = True
+    class Pending(torch.Tensor):  # as a deferred update's first read would
+        waits = []
 
-        def forward(self, x):
-            if self.pending:  # as a deferred update's wait would
-                time.sleep(0.3)
-                self.pending = False
-            time.sleep(0.2)  # the evaluation's own compute
-            return torch.nn.functional.one_hot(x, 3).float()
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if Pending.waits:
+                time.sleep(Pending.waits.pop())
+            return super().__torch_function__(func, types, args, kwargs or {})
 
-    y = torch.tensor([0, 1, 2, 2])
-    acc, waited = compression.timed_accuracy(WaitsOnce(), y, y)
-    assert acc == 1.0
-    assert 0.25 < waited < 0.45  # the wait (0.3 s), not the compute (0.2 s more)
+    model = torch.nn.Linear(3, 3)
+    model.weight = torch.nn.Parameter(torch.zeros(3, 3).as_subclass(Pending))
+    Pending.waits.append(0.3)  # step() left its update pending
+    assert 0.25 < compression.settle(model) < 0.6
+    assert compression.settle(model) < 0.05  # nothing pending any more
 
 
 def test_the_report_sets_the_best_hook_against_the_compute_floor():

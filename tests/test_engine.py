@@ -44,7 +44,7 @@ class _Recording:
     def __init__(self):
         self.log = []
 
-    def submit(self, fn, what):
+    def submit(self, fn, what, key=None):
         self.log.append(what)
         return len(self.log)
 

@@ -233,3 +233,38 @@ def test_a_split_the_user_asked_for_is_kept():
     layers, kw = _deep_net_measured()
     plan = make_plan(layers, forward_s=0.005, split_bytes=1 << 20, **kw)
     assert any(len(b.segments) > 1 for b in plan.buckets) and plan.split_bytes == 1 << 20
+
+
+def test_what_each_call_cost_beyond_the_model_widens_fusion():
+    fast = CostModel(1e-5, 1e-9, 1e-10)  # 60 us before any byte: fusion ~150 KB
+    layers = [Layer(f"l{i}", [i], 20_000) for i in range(8)]  # 80 KB each
+    plain = make_plan(layers, world_size=4, model=fast)
+    measured = make_plan(layers, world_size=4, model=fast, call_s=0.01)
+    assert len(plain.buckets) == 8 and len(measured.buckets) == 1
+    # 10 ms a call at the ring's ~1.6 ns a byte (P=4): ~6.3 MB more of balance
+    assert measured.fusion_bytes - plain.fusion_bytes == pytest.approx(
+        FUSION_BALANCE * 0.01 / (1.5e-9 + 0.75e-10), rel=1e-6)
+    assert any("10 ms each all-reduce call cost beyond the cost model" in n
+               for n in measured.notes)
+    assert make_plan(layers, world_size=4, model=fast, call_s=0.0).fusion_bytes == \
+        plain.fusion_bytes
+
+
+def test_the_measured_steps_price_each_call():
+    from hybridcomm.plan.planner import Bucket, Plan
+    from hybridcomm.sync.measure import StepMeasurements, op_samples
+
+    plan = Plan(4, "hybrid", [Bucket(0, ["fc"], [0], 9, 36, "native", 0.020, segments=[(0, 10)],
+                                     compressor="powersgd"),
+                              Bucket(1, ["conv"], [1], 1, 4, "ring", 0.004,
+                                     segments=[(0, 1), (1, 2)])], [(0, 0), (1, 0), (1, 1)])
+    old = Plan(4, "hybrid", plan.buckets, plan.order)
+    ops = [((plan, 0, 0), 0.030), ((plan, 1, 0), 0.012), ((plan, 1, 1), 0.012),
+           ((old, 0, 0), 9.0)]  # a replaced plan's operation, finished late: left out
+    samples = op_samples(plan, ops)
+    assert samples == [(0.020, 2, 0.030), (0.002, 1, 0.012), (0.002, 1, 0.012)]
+    m = StepMeasurements(measure_iters=1, replan_every=0)
+    m.ops(samples)
+    call = m.take([]).call_s  # 30 ms = x 20 ms + 2c and 12 ms = x 2 ms + c: c ~ 11 ms
+    assert 0.010 < call < 0.012
+    assert m.take([]).call_s is None  # taken: forgotten

@@ -161,6 +161,18 @@ def test_the_planner_compresses_a_bucket_where_its_messages_are_smaller():
     assert plan.decisions() != dense.decisions()
 
 
+def test_fusion_weighs_the_compressed_messages():
+    """Two 4 MB layers put ~70 KB each on the wire compressed: under a 256 KB
+    fusion they share one bucket (two all-reduces a step instead of four)."""
+    fc = [Layer(f"fc{i}", [i], 4096 * 256, sizes=[4096 * 256], shapes=[(256, 4096)])
+          for i in range(2)]
+    model = CostModel(1e-4, 1e-9, 1e-10)
+    low = make_plan(fc, world_size=4, model=model, fusion_bytes=256 << 10, low_rank=(4, 0))
+    dense = make_plan(fc, world_size=4, model=model, fusion_bytes=256 << 10)
+    assert [b.layers for b in low.buckets] == [["fc0", "fc1"]]
+    assert len(dense.buckets) == 2
+
+
 # --- training ---------------------------------------------------------------------------
 
 def _data(n, seed):

@@ -181,15 +181,18 @@ class HostChannel:  # host path
         self._failed_what = ""
         self._closed = False
         self._busy_s = 0.0  # comm time of finished operations, until take_busy()
+        self._ops: list = []  # (key, seconds) of finished keyed operations, until take_ops()
         self._thread = threading.Thread(target=self._run, name="hybridcomm-channel", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], None], what: str) -> int:
+    def submit(self, fn: Callable[[], None], what: str, key=None) -> int:
+        """Queue ``fn``; its ticket. With a ``key``, its duration is kept for
+        :meth:`take_ops`."""
         with self._cv:
             if self._closed:
                 raise HybridCommError("the communication channel is closed")
             self._submitted += 1
-            self._queue.append((self._submitted, fn, what))
+            self._queue.append((self._submitted, fn, what, key))
             self._cv.notify_all()
             return self._submitted
 
@@ -207,6 +210,12 @@ class HostChannel:  # host path
         with self._cv:
             busy, self._busy_s = self._busy_s, 0.0
             return busy
+
+    def take_ops(self) -> list:
+        """``(key, seconds)`` of each keyed operation finished since the last call."""
+        with self._cv:
+            ops, self._ops = self._ops, []
+            return ops
 
     @staticmethod
     def take_exposed() -> float:
@@ -256,7 +265,7 @@ class HostChannel:  # host path
                     self._cv.wait()
                 if not self._queue:
                     return
-                ticket, fn, what = self._queue.popleft()
+                ticket, fn, what, key = self._queue.popleft()
             t0 = time.perf_counter()
             try:
                 fn()
@@ -271,6 +280,8 @@ class HostChannel:  # host path
             self.timeline.add(what, "comm/channel", t0, t1)
             with self._cv:
                 self._busy_s += t1 - t0
+                if key is not None:
+                    self._ops.append((key, t1 - t0))
                 self._completed = ticket
                 self._cv.notify_all()
 
@@ -297,7 +308,8 @@ class StreamChannel:
         self.runtime = transport.runtime
         self.timeline = timeline or Timeline(enabled=False)
         self.timeout = timeout
-        self._timed: deque = deque()  # (start, done, what) timing events not yet harvested
+        self._timed: deque = deque()  # (start, done, what, key) timing events not yet harvested
+        self._ops: list = []  # (key, seconds) of harvested keyed operations, until take_ops()
         self._waits: deque = deque()  # (where the trainer waited, done) not yet harvested
         self._exposed_s = 0.0  # harvested from _waits, until take_exposed()
         self._lock = threading.Lock()  # _timed: appended by the issuing thread
@@ -311,19 +323,20 @@ class StreamChannel:
             self._anchor.synchronize()
             self._anchor_s = time.perf_counter()
 
-    def submit(self, fn: Callable[[], object], what: str):
+    def submit(self, fn: Callable[[], object], what: str, key=None):
         """``fn`` queues the work and returns its ``(start, done)`` timing events;
-        returns the done event (inline) or a ticket (threaded)."""
+        returns the done event (inline) or a ticket (threaded). With a ``key``, its
+        duration is kept for :meth:`take_ops`."""
         self._raise_failure()
         if self._issuer is None:  # here, unless the transport has an issuing thread
-            return issue_in_order(self.transport, lambda: self._issue(fn, what), what,
+            return issue_in_order(self.transport, lambda: self._issue(fn, what, key), what,
                                   self.timeout)
-        return self._issuer.submit(lambda: self._issue(fn, what), what)
+        return self._issuer.submit(lambda: self._issue(fn, what, key), what)
 
-    def _issue(self, fn, what: str):
+    def _issue(self, fn, what: str, key):
         start, done = fn()
         with self._lock:
-            self._timed.append((start, done, what))
+            self._timed.append((start, done, what, key))
         return done
 
     def take_busy(self) -> float:
@@ -334,11 +347,19 @@ class StreamChannel:
             with self._lock:
                 if not (self._timed and self._timed[0][1].query()):
                     return busy
-                start, done, what = self._timed.popleft()
+                start, done, what, key = self._timed.popleft()
             busy += start.elapsed_time(done) * 1e-3
+            if key is not None:
+                self._ops.append((key, start.elapsed_time(done) * 1e-3))
             if self._anchor is not None:
                 t0 = self._anchor_s + self._anchor.elapsed_time(start) * 1e-3
                 self.timeline.add(what, "comm/stream", t0, t0 + start.elapsed_time(done) * 1e-3)
+
+    def take_ops(self) -> list:
+        """``(key, seconds)`` of each keyed operation whose timing events
+        :meth:`take_busy` has read (on the GPU's clock) since the last call."""
+        ops, self._ops = self._ops, []
+        return ops
 
     def done(self, handle) -> bool:
         """Whether the operation has finished (an error counts: the wait raises it)."""

@@ -107,7 +107,8 @@ class CommEngine:
             op = self._operation(i, s, last)
             if last and self.channel.stream_ordered:
                 op = self._noting_version(i, op)
-            self._tickets[i][s] = self.channel.submit(op, f"bucket {i} segment {s}")
+            self._tickets[i][s] = self.channel.submit(op, f"bucket {i} segment {s}",
+                                                      key=(self.plan, i, s))
             if last:
                 self._issued[i] += 1
                 self._seq += 1

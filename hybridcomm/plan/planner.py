@@ -8,7 +8,8 @@ when its gradient is ready, and the order the next forward needs the layers.
 
 - **Fusion**: consecutive layers of one dtype share a bucket while it stays
   under ``fusion_bytes``: by default alpha/beta (the size below which a
-  message costs mostly its latency), clamped to [64 KiB, 32 MiB]; small
+  message costs mostly its latency; with measurements, plus what each call
+  cost beyond the model in the training steps), clamped to [64 KiB, 32 MiB]; small
   layers just before a layer over ``fusion_bytes`` in backward order (a
   BatchNorm before its convolution) join its bucket rather than pay a message
   of their own (``fusion_bytes=0``: one bucket per layer). A fit
@@ -43,7 +44,8 @@ when its gradient is ready, and the order the next forward needs the layers.
   compressed (compressor ``powersgd``, comm/powersgd.py) where its two
   messages, the low-rank factors (with its 1-D gradients and flags whole) and
   the other factors, send fewer bytes with its algorithm than the bucket does
-  whole; it is never split.
+  whole; it is never split, and fusion weighs the bytes these messages put on
+  the wire (a compressed layer's are a few per cent of its gradient's).
 - **Issue order**: every rank issues all of a step's communication through
   one ordered channel (one communicator, one stream), in ``Plan.order``: a
   fixed sequence of (bucket, segment). Without measurements it is backward
@@ -242,22 +244,25 @@ def _with_ps(candidates: List[str], forced: Optional[str], servers: int, model: 
 
 
 def balance_bytes(model: CostModel, world_size: int,
-                  topology: Optional[Topology] = None) -> float:
-    """Bytes at which one all-reduce's fixed cost equals its bytes' cost, for the
-    bandwidth algorithm at this world size (the ring; hierarchical across
-    nodes). A ring's fixed cost grows with P, so this is about P alpha/beta."""
+                  topology: Optional[Topology] = None, extra_s: float = 0.0) -> float:
+    """Bytes at which one all-reduce's fixed cost (plus ``extra_s`` per call) equals
+    its bytes' cost, for the bandwidth algorithm at this world size (the ring;
+    hierarchical across nodes). A ring's fixed cost grows with P, so this is about
+    P alpha/beta."""
     p = max(world_size, 2)  # one rank sends nothing: size as for two
     topo = Topology(node_size=topology.node_size if topology else None).resolve(p)
     algo = "hierarchical" if 1 < topo.node_size < p else "ring"
     fixed = model.predict(algo, 0, p, topo)
     per_byte = (model.predict(algo, 1 << 20, p, topo) - fixed) / (1 << 20)
-    return fixed / per_byte
+    return (fixed + extra_s) / per_byte
 
 
 def default_fusion(model: CostModel, notes: List[str], world_size: int = 2,
-                   topology: Optional[Topology] = None) -> int:
+                   topology: Optional[Topology] = None, call_s: Optional[float] = None) -> int:
     """Fuse until a bucket's bytes cost FUSION_BALANCE times its fixed cost,
-    clamped to [MIN_FUSION, MAX_FUSION]; a degenerate fit takes a bound."""
+    clamped to [MIN_FUSION, MAX_FUSION]; a degenerate fit takes a bound. ``call_s``:
+    what each call cost beyond the model in the measured steps, added to the fixed
+    cost (an idle-link probe does not see the peers' waits and the link's start-up)."""
     if model.beta <= 0:
         notes.append(f"the cost model has no per-byte cost (beta = 0), so it cannot size "
                      f"buckets: small layers are fused up to {MAX_FUSION} B, a safe bound "
@@ -268,7 +273,10 @@ def default_fusion(model: CostModel, notes: List[str], world_size: int = 2,
                      f"nothing it can see: small layers are fused up to {MIN_FUSION} B only "
                      "(`hybridcomm-bench --calibrate` fits one)")
         return MIN_FUSION
-    balance = balance_bytes(model, world_size, topology)
+    balance = balance_bytes(model, world_size, topology, call_s or 0.0)
+    if call_s:
+        notes.append(f"fusion counts the {call_s * 1e3:.2g} ms each all-reduce call cost beyond "
+                     "the cost model in the measured steps")
     return int(min(MAX_FUSION, max(MIN_FUSION, FUSION_BALANCE * balance)))
 
 
@@ -284,18 +292,31 @@ def default_split(model: CostModel, world_size: int, notes: List[str],
     return int(min(MAX_SPLIT, max(MIN_SPLIT, SPLIT_BALANCE * balance)))
 
 
-def _fuse(layers: Sequence[Layer], fusion_bytes: int, lazy_bytes: Optional[int] = None
-          ) -> List[List[Layer]]:
-    """Consecutive layers of one dtype in one bucket while it stays under
-    ``fusion_bytes``; with ``lazy_bytes``, a pool instead takes layers until it
-    has passed ``lazy_bytes`` (the last pool goes when backward ends)."""
+def wire_bytes(layer: Layer, low_rank: Optional[Tuple[int, int]] = None) -> int:
+    """Bytes ``layer`` puts on the wire: its gradients, or with PowerSGD's
+    ``(rank, start)`` its two low-rank messages (fp32).
+
+        >>> wire_bytes(Layer("fc", [0, 1], 4096 * 256 + 256, shapes=[(256, 4096), (256,)]), (4, 0))
+        70664
+    """
+    if low_rank is None or layer.shapes is None:
+        return layer.numel * layer.element_size
+    return 4 * sum(message_numels(layer.shapes, low_rank[0]))
+
+
+def _fuse(layers: Sequence[Layer], fusion_bytes: int, lazy_bytes: Optional[int] = None,
+          low_rank: Optional[Tuple[int, int]] = None) -> List[List[Layer]]:
+    """Consecutive layers of one dtype in one bucket while what they put on the wire
+    (:func:`wire_bytes`) stays under ``fusion_bytes``; with ``lazy_bytes``, a pool
+    instead takes layers until it has passed ``lazy_bytes`` (the last pool goes when
+    backward ends)."""
     groups: List[List[Layer]] = []
     for layer in layers:
         if layer.numel == 0:
             continue
         last = groups[-1] if groups else None
-        size = sum(x.numel * x.element_size for x in last) if last else 0
-        nbytes = layer.numel * layer.element_size
+        size = sum(wire_bytes(x, low_rank) for x in last) if last else 0
+        nbytes = wire_bytes(layer, low_rank)
         if lazy_bytes is not None:
             joins = size < lazy_bytes
         else:
@@ -436,7 +457,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               topology: Optional[Topology] = None, launch_pass: int = 1,
               comm_scale: Optional[float] = None, defer_pays: Optional[bool] = None,
               servers: int = 0, forward_s: Optional[float] = None,
-              low_rank: Optional[Tuple[int, int]] = None) -> Plan:
+              low_rank: Optional[Tuple[int, int]] = None, call_s: Optional[float] = None
+              ) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
@@ -456,7 +478,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     ``low_rank``: PowerSGD's ``(rank, start)``: a bucket whose two low-rank
     messages send fewer bytes than it does whole is compressed (compressor
     ``powersgd``; its messages, and the whole bucket in the first ``start``
-    steps, go with the bucket's algorithm).
+    steps, go with the bucket's algorithm); ``call_s``: seconds each all-reduce
+    call cost beyond the model in the measured steps (the default fusion counts it).
 
     Example::
 
@@ -470,12 +493,12 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     forced = forced_algorithm(strategy)
     topo = (topology or Topology()).resolve(world_size)
     if fusion_bytes is None:
-        fusion_bytes = default_fusion(model, notes, world_size, topo)
+        fusion_bytes = default_fusion(model, notes, world_size, topo, call_s)
     split_default = split_bytes is None
     if split_default:
         split_bytes = default_split(model, world_size, notes, topo)
     candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)]
-    groups = _fuse(layers, fusion_bytes, lazy_bytes)
+    groups = _fuse(layers, fusion_bytes, lazy_bytes, low_rank)
     if lazy_bytes is not None:
         notes.append(explain_lazy(layers, groups, model, world_size))
     if strategy == "hybrid" and 1 < topo.node_size < world_size:

@@ -7,7 +7,8 @@ Measured on the planning rank, per layer: when its gradient is ready (seconds
 into the backward pass that launches it), its overlap window (launch to the
 update's application, forward mode) and the order the next forward needs the
 layers in, and how fast the communication ran against the cost model's
-prediction (it times the issue order); on every rank and every step: how
+prediction (it times the issue order), and what each all-reduce costs beyond
+that prediction, per call (fusion weighs it); on every rank and every step: how
 many backward passes it had
 (``no_sync`` passes and the passes inside ``step(closure)`` excluded), whose
 largest value since the last plan is the pass the buckets are launched in.
@@ -17,10 +18,10 @@ timing events on the trainer's stream, read when the plan is re-made.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..gpu.clock import HostClock
-from ..plan.planner import Layer
+from ..plan.planner import Layer, Plan
 
 
 def quantize(seconds: float) -> float:
@@ -45,6 +46,9 @@ class Measured:
         comm_scale: measured over predicted communication time (median).
         defer_pays: whether a bucket other than the first needed was still being
             reduced at some measured step() (forward mode's deferral can pay).
+        call_s: seconds each all-reduce call cost beyond the cost model's bytes
+            (:func:`call_cost`: the waits and start-up a probe on an idle link
+            does not see).
     """
 
     windows: Optional[Dict[str, float]] = None
@@ -53,33 +57,90 @@ class Measured:
     launch_pass: Optional[int] = None
     comm_scale: Optional[float] = None
     defer_pays: Optional[bool] = None
+    call_s: Optional[float] = None
+
+
+def op_samples(plan: Plan, ops) -> List[Tuple[float, int, float]]:
+    """``(predicted seconds, all-reduce calls, measured seconds)`` of the channel's
+    finished operations ``ops`` (``((plan, bucket, segment), seconds)``, the engine's
+    keys) that ``plan``'s engine issued: a PowerSGD bucket's operation is two calls."""
+    out = []
+    for (issued_by, index, seg), seconds in ops:
+        if issued_by is not plan:  # a replaced plan's, finished after the re-plan
+            continue
+        b = plan.buckets[index]
+        a, z = b.segments[seg]
+        predicted = b.predicted_s * (z - a) / max(b.segments[-1][1], 1)
+        if predicted == predicted:  # nan: the model cannot predict it
+            out.append((predicted, 2 if b.compressor else 1, seconds))
+    return out
+
+
+def call_cost(samples: Sequence[Tuple[float, int, float]]) -> Optional[float]:
+    """Seconds per all-reduce call beyond the cost model, from ``(predicted, calls,
+    measured)`` samples: the least-squares ``c >= 0`` of ``measured = x predicted +
+    c calls`` (``x >= 0``: the bytes' speed, as measured), each sample weighted by
+    1/measured (relative error, small operations count as much as large ones).
+    None with fewer than three samples or a single ratio of calls to prediction.
+
+        >>> round(call_cost([(0.024, 2, 0.030), (0.0036, 2, 0.026), (0.024, 2, 0.031)]), 4)
+        0.0126
+        >>> call_cost([(0.1, 1, 0.11), (1.0, 1, 1.1), (0.01, 1, 0.011)])   # bytes only
+        0.0
+    """
+    import numpy as np
+
+    if len(samples) < 3 or len({round(k / p, 12) for p, k, _ in samples if p > 0}) < 2:
+        return None
+    p, k, t = (np.array(v, dtype=np.float64) for v in zip(*samples))
+    w = 1.0 / np.maximum(t, 1e-9)
+    (x, c), *_ = np.linalg.lstsq(np.stack([p, k], axis=1) * w[:, None], t * w, rcond=None)
+    if c < 0:
+        c = 0.0
+    elif x < 0:  # all of it per call
+        c = float(np.sum(k * t * w * w) / np.sum((k * w) ** 2))
+    return float(c)
 
 
 class StepMeasurements:
     """Collects the measurements of the measured steps; ``take`` hands them to the planner.
+
+    ``after``: steps that are not measured first (PowerSGD's exact steps: the
+    plan is measured once it compresses).
 
     Example::
 
         >>> m = StepMeasurements(measure_iters=2, replan_every=0)
         >>> [m.measuring(step) for step in range(4)]      # steps done so far
         [False, True, True, False]
+        >>> m = StepMeasurements(measure_iters=2, replan_every=0, after=3)
+        >>> [m.measuring(step) for step in range(7)], m.replan_due(5)
+        ([False, False, False, False, True, True, False], True)
     """
 
-    def __init__(self, measure_iters: int, replan_every: int):
+    def __init__(self, measure_iters: int, replan_every: int, after: int = 0):
         if replan_every and replan_every <= measure_iters:
             raise ValueError(f"replan_every ({replan_every}) must exceed measure_iters "
                              f"({measure_iters}), or be 0")
-        self.measure_iters, self.replan_every = measure_iters, replan_every
+        self.measure_iters, self.replan_every, self.after = measure_iters, replan_every, after
         self._ready: Dict[int, object] = {}  # param index -> stamp: its gradient was ready
         self._windows: Dict[str, List[tuple]] = {}  # layer -> (launch, first use) stamps
         self._need: Dict[str, int] = {}  # layer -> order the next forward needed it in
         self._passes: List[int] = []  # backward passes per measured step
         self._comm: List[float] = []  # per measured step: channel busy / predicted time
         self._running: List[List[List[str]]] = []  # per measured step: unfinished buckets' layers
+        self._ops: List[Tuple[float, int, float]] = []  # (predicted, calls, measured) per operation
 
     def phase(self, steps: int) -> int:
-        """Position in the measuring cycle after ``steps`` steps."""
+        """Position in the measuring cycle after ``steps`` steps (-1: before it)."""
+        steps -= self.after
+        if steps < 0:
+            return -1
         return steps % self.replan_every if self.replan_every else steps
+
+    def first_replan(self, steps: int) -> bool:
+        """Whether the re-plan after ``steps`` steps is the first."""
+        return steps == self.after + self.measure_iters
 
     def measuring(self, steps: int) -> bool:
         """Whether the step after ``steps`` completed steps is measured."""
@@ -108,6 +169,10 @@ class StepMeasurements:
         plan's prediction for one round of every bucket."""
         if busy_s > 0 and predicted_s > 0:
             self._comm.append(busy_s / predicted_s)
+
+    def ops(self, samples: Sequence[Tuple[float, int, float]]) -> None:
+        """Finished channel operations of a measured step (:func:`op_samples`)."""
+        self._ops.extend(samples)
 
     def running_at_step(self, buckets: List[List[str]]) -> None:
         """The buckets (their layers) not yet reduced when a measured step's step()
@@ -141,6 +206,8 @@ class StepMeasurements:
         first = {layer for layer, order in self._need.items() if order == 0}
         defer_pays = any(first.isdisjoint(layers) for step in self._running
                          for layers in step) if self._running else None
+        call_s = call_cost(self._ops)
         self._ready, self._windows, self._need, self._passes = {}, {}, {}, []
-        self._comm, self._running = [], []
-        return Measured(windows or None, ready, need, launch_pass, comm_scale, defer_pays)
+        self._comm, self._running, self._ops = [], [], []
+        return Measured(windows or None, ready, need, launch_pass, comm_scale, defer_pays,
+                        None if call_s is None else quantize(call_s))

@@ -46,7 +46,7 @@ from . import checkpoint, ownership
 from .bucket_group import BucketGroup, BucketState, Links, Phase, StepState
 from .deferred import DeferredUpdates, Update
 from .grad_hooks import GradientHooks
-from .measure import StepMeasurements
+from .measure import StepMeasurements, op_samples
 from .memory import bucket_allocator
 from .passes import LATE, LAUNCH, PassTracker
 from .pending import ApplyBeforeCompiledForward
@@ -101,7 +101,9 @@ class GradientSynchronizer:
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.state = StepState()
-        self.measure = StepMeasurements(cfg.measure_iters, cfg.replan_every)
+        # PowerSGD's exact steps are not what the plan will carry: measured after them
+        self.measure = StepMeasurements(cfg.measure_iters, cfg.replan_every,
+                                        after=cfg.low_rank[1] if cfg.low_rank else 0)
         self.timeline = Timeline(enabled=bool(cfg.trace))
         self.last_step_stats: Dict[str, float] = {}
         self._step_t0 = time.perf_counter()
@@ -258,6 +260,7 @@ class GradientSynchronizer:
         """A step ended: statistics, measurements, re-plan."""
         t0, state, engine = self._step_t0, self.state, self.group.engine
         busy = self.channel.take_busy()
+        ops = self.channel.take_ops()  # after take_busy: on a GPU it reads their events
         state.exposed_s += self.channel.take_exposed()  # GPU: stream waits, on its clock
         sent, engine.bytes_sent = engine.bytes_sent, 0
         self.last_step_stats = {"exposed_comm_s": state.exposed_s, "comm_busy_s": busy,
@@ -269,6 +272,8 @@ class GradientSynchronizer:
         self.timeline.add("step", "compute", t0, time.perf_counter())
         if self.passes.any:
             self.measure.passes(self.passes.counted)
+        if self.measuring():
+            self.measure.ops(op_samples(self.plan, ops))
         if self.measuring() and engine.round - self._round0 == 1:
             self.measure.comm(busy, sum(b.predicted_s for b in self.plan.buckets
                                         if b.predicted_s == b.predicted_s))
@@ -332,7 +337,7 @@ class GradientSynchronizer:
         """Re-plan from rank 0's measurements: always the first time, later only if
         they change a decision."""
         measured = self.measure.take(self.registry.layers, self.clock)
-        first = self.state.steps == self.measure.measure_iters
+        first = self.measure.first_replan(self.state.steps)
         if first:
             self.planning.say_verdict(self.plan, measured, self.last_step_stats)
         plan = self.planning.agree(self.registry.layers, measured,
