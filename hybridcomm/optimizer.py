@@ -426,9 +426,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
             None: learned from the measured steps (the most passes a step had),
             1 until then. A pass after it is still reduced, at a cost: the
             buckets are sent again.
-        compression: ``None``, ``"fp16"`` or ``"bf16"`` (the wire dtype), or
+        compression: ``None``, ``"fp16"`` or ``"bf16"`` (the wire dtype),
             ``"topk:RATIO"``: send each bucket's largest RATIO of entries, with
-            error feedback and DGC's momentum correction (compression.py).
+            error feedback and DGC's momentum correction (compression.py), or
+            ``"powersgd:RANK[:START]"``: PowerSGD's rank-RANK factors with error
+            feedback, after START exact steps (powersgd.py).
         cost_model: a ``CostModel``; None (default): rank 0's saved calibration
             (``hybridcomm-bench --calibrate``), else a quick probe; ``"probe"``:
             always probe; ``"default"``: built-in constants.
@@ -441,7 +443,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
             past this many bytes, whatever the layer boundaries (pays with many
             tiny layers; the plan's notes give the predicted gain).
         measure_iters: steps measured (passes per step, gradient order, windows,
-            first uses) before the plan is re-made (0: never).
+            first uses, each call's cost) before the plan is re-made (0: never);
+            with PowerSGD, the steps after its exact ones.
         replan_every: measure again every this many steps and re-plan if the
             measurements change a decision (drift); 0: only once.
         trace: record a timeline; ``opt.export_trace("trace.json")``.

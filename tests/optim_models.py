@@ -68,3 +68,50 @@ def train_single(opt_name, steps, cls=ConvNet, data=batch):
 
 def flat(params):
     return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+# ---- the compression tests' task --------------------------------------------------------
+
+def teacher_task(n, seed):
+    """``n`` inputs of 64 features, labelled by a fixed random linear teacher (10
+    classes): learnable, so compression's cost shows in the accuracy."""
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(64, 10, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(n, 64, generator=g)
+    return x, (x @ teacher).argmax(1)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def train_compressed(rank, world, compression, overlap, *, samples, batch, epochs, steps=None):
+    """hybridcomm with ``compression`` on this rank's share of the teacher task:
+    test accuracy, bytes sent, the parameters, the plan and the optimizer's state."""
+    import hybridcomm
+
+    model = mlp()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                          momentum=0.9),
+                                          model=model, compression=compression,
+                                          overlap=overlap, timeout=60)
+    x, y = teacher_task(samples, 1)
+    x, y = x[rank::world], y[rank::world]
+    sent, done = 0, 0
+    for _ in range(epochs):
+        for i in range(0, len(x) - batch + 1, batch):
+            if steps is not None and done == steps:
+                break
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[i:i + batch]), y[i:i + batch]).backward()
+            opt.step()
+            sent += opt.last_step_stats["bytes_sent"]
+            done += 1
+    opt.synchronize()
+    xt, yt = teacher_task(1000, 2)
+    acc = (model(xt).argmax(1) == yt).float().mean().item()
+    out = {"acc": acc, "sent": sent, "params": flat(model.parameters()),
+           "plan": str(opt.plan), "state": opt.state_dict()}
+    opt.close()
+    return out

@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridcomm
@@ -13,6 +12,7 @@ from hybridcomm.comm.compression import TopK
 from hybridcomm.plan.cost_model import CostModel, bytes_sent
 from hybridcomm.plan.planner import Layer, make_plan
 from multiproc import run_ranks
+from optim_models import mlp, teacher_task, train_compressed
 
 
 def _alloc(n, dt):
@@ -107,44 +107,14 @@ def test_parse():
 
 # --- training ---------------------------------------------------------------------------
 
-def _data(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(64, 10, generator=torch.Generator().manual_seed(0))
-    x = torch.randn(n, 64, generator=g)
-    return x, (x @ teacher).argmax(1)
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-
-
 def _train(rank, world, compression, simulate_gpu, overlap):
     if simulate_gpu:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    model = _net()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
-                                                          momentum=0.9),
-                                          model=model, compression=compression,
-                                          overlap=overlap, timeout=60)
-    x, y = _data(3000, 1)
-    x, y = x[rank::world], y[rank::world]
-    sent = 0
-    for epoch in range(8):
-        for i in range(0, len(x) - 49, 50):
-            opt.zero_grad()
-            F.cross_entropy(model(x[i:i + 50]), y[i:i + 50]).backward()
-            opt.step()
-            sent += opt.last_step_stats["bytes_sent"]
-    opt.synchronize()
-    xt, yt = _data(1000, 2)
-    acc = (model(xt).argmax(1) == yt).float().mean().item()
-    state = opt.state_dict()
+    out = train_compressed(rank, world, compression, overlap, samples=3000, batch=50, epochs=8)
+    state = out["state"]
     has_residuals = all("hc_topk_residual" in s for s in state["state"].values()) \
         if compression else None
-    opt.close()
-    return acc, sent, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), \
-        has_residuals
+    return out["acc"], out["sent"], out["params"], has_residuals
 
 
 def test_topk_trains_close_to_dense_at_a_tenth_of_the_bytes():
@@ -167,11 +137,11 @@ def test_topk_on_the_simulated_gpu_keeps_ranks_identical(overlap):
 
 
 def _resume(rank, world):
-    model = _net()
+    model = mlp()
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
                                                           momentum=0.9),
                                           model=model, compression="topk:0.01", timeout=60)
-    x, y = _data(300, 3)
+    x, y = teacher_task(300, 3)
     for i in range(3):
         opt.zero_grad()
         F.cross_entropy(model(x[rank::world]), y[rank::world]).backward()

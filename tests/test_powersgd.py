@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import hybridcomm
@@ -14,6 +13,7 @@ from hybridcomm.comm.powersgd import PowerSGD
 from hybridcomm.plan.cost_model import CostModel
 from hybridcomm.plan.planner import Layer, make_plan
 from multiproc import run_ranks
+from optim_models import mlp, teacher_task, train_compressed
 
 EPS = torch.finfo(torch.float32).eps
 
@@ -175,39 +175,11 @@ def test_fusion_weighs_the_compressed_messages():
 
 # --- training ---------------------------------------------------------------------------
 
-def _data(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    teacher = torch.randn(64, 10, generator=torch.Generator().manual_seed(0))
-    x = torch.randn(n, 64, generator=g)
-    return x, (x @ teacher).argmax(1)
-
-
 def _train(rank, world, compression, simulate_gpu, overlap, steps=None):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1" if simulate_gpu else "0"
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
-                                                          momentum=0.9),
-                                          model=model, compression=compression,
-                                          overlap=overlap, timeout=60)
-    x, y = _data(2400, 1)
-    x, y = x[rank::world], y[rank::world]
-    sent, done = 0, 0
-    for epoch in range(5):
-        for i in range(0, len(x) - 39, 40):
-            if steps is not None and done == steps:
-                break
-            opt.zero_grad()
-            F.cross_entropy(model(x[i:i + 40]), y[i:i + 40]).backward()
-            opt.step()
-            sent += opt.last_step_stats["bytes_sent"]
-            done += 1
-    opt.synchronize()
-    xt, yt = _data(1000, 2)
-    acc = (model(xt).argmax(1) == yt).float().mean().item()
-    compressed = "powersgd+" in str(opt.plan)
-    opt.close()
-    return acc, sent, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), compressed
+    out = train_compressed(rank, world, compression, overlap, samples=2400, batch=40, epochs=5,
+                           steps=steps)
+    return out["acc"], out["sent"], out["params"], "powersgd+" in out["plan"]
 
 
 def test_powersgd_trains_close_to_dense_at_a_fifth_of_the_bytes():
@@ -241,11 +213,10 @@ def test_powersgd_on_the_simulated_gpu_keeps_ranks_identical(overlap):
 
 def _resume(rank, world):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "0"
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    model = mlp()
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                           model=model, compression="powersgd:2", timeout=60)
-    x, y = _data(300, 3)
+    x, y = teacher_task(300, 3)
     for _ in range(3):
         opt.zero_grad()
         F.cross_entropy(model(x[rank::world]), y[rank::world]).backward()

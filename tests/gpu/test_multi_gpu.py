@@ -447,6 +447,68 @@ def test_topk_error_feedback_is_exact_against_one_process(overlap):
     assert max(sent) <= 0.1 * dense, (sent, dense)
 
 
+# --- PowerSGD ----------------------------------------------------------------------------
+
+PSGD_N, PSGD_M, PSGD_STEPS = 256, 192, 5
+
+
+class Frobenius(nn.Module):
+    """loss = <W, C>: the gradient is C exactly, whatever W."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(PSGD_N, PSGD_M))
+
+    def forward(self, c):
+        return (self.w * c).sum()
+
+
+def _psgd_grad(rank, step):
+    return torch.randn(PSGD_N, PSGD_M, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _psgd(rank, world, overlap):
+    """compression="powersgd:2:1", op="sum", plain SGD at lr 1 from W = 0: the first
+    step exact, then rank 2 through P, its orthogonalization, Q and the decode on the
+    comm stream."""
+    dev = _setup()
+    model = Frobenius().to(dev)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), model=model, overlap=overlap, op="sum",
+        compression="powersgd:2:1", cost_model=fixed_cost_model(), measure_iters=2,
+        timeout=TIMEOUT)
+    for s in range(PSGD_STEPS):
+        opt.zero_grad()
+        model(_psgd_grad(rank, s).to(dev)).backward()
+        opt.step()
+    opt.synchronize()
+    compressors = sorted({str(b.compressor) for b in opt.plan.buckets})
+    applied = -model.w.detach().cpu().reshape(-1)
+    residual = opt.state_dict()["hybridcomm"]["powersgd"]["residuals"][:PSGD_N * PSGD_M]
+    opt.close()
+    return applied, residual, compressors
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
+def test_powersgd_error_feedback_keeps_what_was_not_sent(overlap):
+    """What PowerSGD applied (op="sum") plus what every rank's error feedback still
+    holds is the sum of every rank's gradients (tests/test_powersgd.py's bookkeeping,
+    through the comm stream's P, orthogonalization, Q and decode), to fp32 rounding;
+    the same bits on every rank."""
+    world = _world()
+    results = _run(f"powersgd[{overlap}]", _psgd, world, overlap)
+    whole = sum(_psgd_grad(r, s) for r in range(world) for s in range(PSGD_STEPS)).reshape(-1)
+    applied, _, compressors = results[0]
+    assert compressors == ["powersgd"], compressors
+    held = sum(r[1] for r in results)
+    scale = max(whole.abs().max().item(), held.abs().max().item(), applied.abs().max().item())
+    # a few roundings of the largest term per step and rank
+    tol = 64 * torch.finfo(torch.float32).eps * scale * PSGD_STEPS * world
+    assert (applied + held - whole).abs().max().item() <= tol
+    assert held.abs().sum() > 0  # low rank: not everything went
+    _same_on_every_rank([r[0] for r in results], "PowerSGD parameters")
+
+
 # --- forced native, split_bytes segments, Adam -------------------------------------------
 
 def test_forced_native_matches_one_process():

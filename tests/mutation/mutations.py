@@ -38,6 +38,8 @@ CS = "tests/test_csrc_compile.py::"
 KR = "tests/test_kernels_reduce.py::"
 KP = "tests/test_kernels_pack.py::"
 NCCL_SELECT = "tests/test_cupy_nccl_select.py::"
+PSGD = "tests/test_powersgd.py::"
+PSGD_FILE = "hybridcomm/comm/powersgd.py"
 OD = "tests/test_one_device.py::"
 OD_EXACT = OD + "test_every_algorithm_is_exact_over_one_device[3-float32]"
 OD_FILE = "hybridcomm/comm/transport/one_device.py"
@@ -607,4 +609,31 @@ MUTATIONS = [
         new="",
         guards=(OD + "test_a_wrong_size_is_reported_and_a_peers_abort_ends_a_wait",),
         what="a rank's abort is not seen by peers blocked on it (they wait for good)"),
+    # issue 30: PowerSGD (comm/powersgd.py, engine.py)
+    Mutation(
+        "powersgd-no-orthogonalize", "i30 powersgd", PSGD_FILE,
+        old="            orthogonalize(p)\n",
+        new="",
+        guards=(PSGD + "test_one_step_matches_the_reference_and_every_rank_agrees",),
+        what="P is used as summed, not orthogonalized: the estimate P Q^T is scaled wrong"),
+    Mutation(
+        "powersgd-q-not-averaged", "i30 powersgd", PSGD_FILE,
+        old="        self.q.div_(self.world)\n",
+        new="",
+        guards=(PSGD + "test_one_step_matches_the_reference_and_every_rank_agrees",),
+        what="Q is the ranks' sum, not their average: the gradient comes out world times too large"),
+    Mutation(
+        "powersgd-no-error-feedback", "i30 powersgd", PSGD_FILE,
+        old="            x.sub_(approx)\n",
+        new="            x.zero_()\n",
+        guards=(PSGD + "test_error_feedback_keeps_what_was_not_sent",),
+        what="what low rank did not send is dropped instead of kept for the next step"),
+    Mutation(
+        "powersgd-project-before-its-all-reduce", "i30 powersgd", "hybridcomm/comm/engine.py",
+        old="                start, projected = reduce(lr.p, self._ready[index], lr.project)()\n",
+        new="                lr.project()\n"
+            "                start, projected = reduce(lr.p, self._ready[index])()\n",
+        guards=(PSGD + "test_powersgd_on_the_simulated_gpu_keeps_ranks_identical",),
+        what="the comm stream's P is orthogonalized on the issuing thread before it is all-reduced "
+             "(each rank's own P: the ranks' estimates differ)"),
 ]
