@@ -117,7 +117,10 @@ class PowerSGD:
         return None
 
     def states(self) -> List[torch.Tensor]:
-        """Every tensor of state, in a fixed order (a checkpoint's)."""
+        """Every tensor of state, in a fixed order (a checkpoint's). Between a launch
+        and the end of its reduction the error feedback holds X = G + E (what is
+        being sent); ``opt.state_dict()`` after ``step()`` waits for the reductions
+        first, so it saves E."""
         return [self.residual, self.q]
 
     @property
