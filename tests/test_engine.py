@@ -42,10 +42,11 @@ class _Recording:
     stream_ordered = False
 
     def __init__(self):
-        self.log = []
+        self.log, self.keys = [], []
 
     def submit(self, fn, what, key=None):
         self.log.append(what)
+        self.keys.append(key)
         return len(self.log)
 
     def wait(self, ticket, what):
@@ -86,6 +87,19 @@ def test_the_issue_order_is_the_plans_whatever_the_launch_order():
     for i in (2, 1, 0):
         engine.launch(i)
     assert ch.log[6:] == ch.log[:6]
+
+
+def test_operations_are_keyed_for_timing_only_when_asked():
+    """The synchronizer takes each operation's time every step; an engine whose
+    owner never takes them (the averager's) must not have the channel keep them."""
+    params = [torch.nn.Parameter(torch.ones(2))]
+    plan = Plan(2, "hybrid", [Bucket(0, ["l0"], [0], 2, 8, "ring", 0.0, segments=[(0, 3)])],
+                [(0, 0)])
+    for timed, want in ((False, [None]), (True, [(plan, 0, 0)])):
+        ch = _Recording()
+        CommEngine(plan, _buckets(plan, params), ch, _Transport(), scale=None, timeout=5,
+                   timed_ops=timed).launch(0)
+        assert ch.keys == want
 
 
 def test_waiting_for_a_bucket_before_its_turn_is_an_error_not_a_hang():

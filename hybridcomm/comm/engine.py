@@ -43,9 +43,13 @@ class CommEngine:
     """
 
     def __init__(self, plan: Plan, buckets: list, channel, transport, *,
-                 scale: Optional[float], timeout: float, servers=None):
+                 scale: Optional[float], timeout: float, servers=None,
+                 timed_ops: bool = False):
         self.plan, self.buckets, self.channel, self.transport = plan, buckets, channel, transport
         self.scale, self.timeout = scale, timeout
+        # each operation's time kept for the channel's take_ops (the synchronizer's
+        # measured steps; a caller that never takes them leaves them off)
+        self.timed_ops = timed_ops
         self.servers = servers  # SummationServers, for buckets planned 'ps'
         uses_ps = [b.index for b in plan.buckets if b.algorithm == PS]
         if uses_ps and (servers is None or channel.stream_ordered):
@@ -107,8 +111,8 @@ class CommEngine:
             op = self._operation(i, s, last)
             if last and self.channel.stream_ordered:
                 op = self._noting_version(i, op)
-            self._tickets[i][s] = self.channel.submit(op, f"bucket {i} segment {s}",
-                                                      key=(self.plan, i, s))
+            self._tickets[i][s] = self.channel.submit(
+                op, f"bucket {i} segment {s}", key=(self.plan, i, s) if self.timed_ops else None)
             if last:
                 self._issued[i] += 1
                 self._seq += 1

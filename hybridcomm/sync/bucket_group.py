@@ -198,7 +198,7 @@ class BucketGroup:
                           ", ".join(f"{k} {v}" for k, v in extra.items() if v))
         self.engine: Optional[CommEngine] = CommEngine(
             plan, [s.bucket for s in self.states], links.channel, links.transport,
-            scale=links.scale, timeout=config.timeout, servers=links.servers)
+            scale=links.scale, timeout=config.timeout, servers=links.servers, timed_ops=True)
         if links.on_slow is not None:
             self.engine.on_slow, self.engine.slow_after = links.on_slow, links.slow_after
         if links.used.on_host:
