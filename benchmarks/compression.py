@@ -11,13 +11,17 @@ final accuracy, over several seeds (the run-to-run spread):
   defaults otherwise, except ``start_powerSGD_iter``: its default (1,000) is longer than
   this whole run (it would be plain all-reduce throughout), so it is 10% of the run's
   steps (at least 2), the starting point PowerSGD's own documentation recommends;
+- ``ddp-powersgd-r4-fp16``: the same rank-4 PowerSGD inside DDP's own
+  ``fp16_compress_wrapper`` (everything it sends, exact steps included, in fp16);
 - ``compute``: no communication at all, each rank alone on its shard: the floor of
   the step time (its accuracy is one rank's local model, not a contender);
 - ``hybrid``, ``hybrid-fp16``, ``hybrid-bf16``, ``hybrid-topk-0.01``, ``hybrid-topk-0.1``,
   ``hybrid-powersgd-r1``, ``-r2``, ``-r4``: ``hybridcomm.DistributedOptimizer`` in
   forward mode (the default), plain, with the fp16 or bf16 wire, top-k with error
   feedback at two ratios, and its own PowerSGD at DDP's ranks with DDP's exact first
-  steps (``dense_steps``).
+  steps (``dense_steps``); ``hybrid-powersgd-r4-fp16``: rank 4 with what it sends
+  whole (the exact steps) in fp16 (``compression="powersgd:4:START+fp16"``), against
+  ``ddp-powersgd-r4-fp16``.
 
 **The task**: scikit-learn's digits (1,797 8x8 handwritten digits, bundled with the
 package: no download), upscaled to 16x16, 80/20 split with a fixed shuffle. **The
@@ -63,10 +67,10 @@ sys.path.insert(0, ROOT)
 WORLD = 4
 PER_RANK = 32
 DDP_CONFIGS = ("ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r2",
-               "ddp-powersgd-r4")
+               "ddp-powersgd-r4", "ddp-powersgd-r4-fp16")
 HYBRID_CONFIGS = ("hybrid", "hybrid-fp16", "hybrid-bf16", "hybrid-topk-0.01",
                   "hybrid-topk-0.1", "hybrid-powersgd-r1", "hybrid-powersgd-r2",
-                  "hybrid-powersgd-r4")
+                  "hybrid-powersgd-r4", "hybrid-powersgd-r4-fp16")
 # The floor: every rank trains on its own shard with no communication at all. Its
 # accuracy is one rank's local model (not comparable); its step time is what no
 # synchronization scheme can beat, so it bounds any time to the target.
@@ -139,7 +143,9 @@ def _wrap(config: str, model: nn.Module, opt, total_steps: int):
         if config.startswith("hybrid-topk-"):
             compression = "topk:" + config.rsplit("-", 1)[-1]
         elif config.startswith("hybrid-powersgd-r"):  # exact first steps as DDP's below
-            compression = f"powersgd:{config[len('hybrid-powersgd-r'):]}:{dense_steps(total_steps)}"
+            rank, _, wire = config[len("hybrid-powersgd-r"):].partition("-")
+            compression = f"powersgd:{rank}:{dense_steps(total_steps)}" + \
+                (f"+{wire}" if wire else "")
         return model, hybridcomm.DistributedOptimizer(opt, model=model, compression=compression,
                                                       timeout=120)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -154,10 +160,12 @@ def _wrap(config: str, model: nn.Module, opt, total_steps: int):
             else default_hooks.bf16_compress_hook
         ddp.register_comm_hook(None, hook)
     elif config.startswith("ddp-powersgd-r"):
+        rank, _, wire = config[len("ddp-powersgd-r"):].partition("-")
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=int(config[len("ddp-powersgd-r"):]),
+            process_group=None, matrix_approximation_rank=int(rank),
             start_powerSGD_iter=dense_steps(total_steps))
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+        ddp.register_comm_hook(state, default_hooks.fp16_compress_wrapper(hook) if wire else hook)
     return ddp, opt
 
 
@@ -254,21 +262,21 @@ def report(rows: List[dict], cfg: dict) -> str:
     lines = [f"time to {cfg['target']:.0%} test accuracy on digits (16x16), {WORLD} ranks, "
              f"network: {cfg['shape'] or 'loopback (unshaped)'}, {cfg['epochs']} epochs, "
              f"seeds {cfg['seeds']}; median over seeds",
-             f"{'config':>18} {'s to target':>12} {'steps':>6} {'final acc':>10} {'spread':>7} "
+             f"{'config':>23} {'s to target':>12} {'steps':>6} {'final acc':>10} {'spread':>7} "
              f"{'reached':>8} {'MB sent/rank':>13} {'ms/step':>8}"]
     for config, s in summary.items():
         if "error" in s:
-            lines.append(f"{config:>18}  did not run here: {s['error']}")
+            lines.append(f"{config:>23}  did not run here: {s['error']}")
             continue
         if config == FLOOR:
-            lines.append(f"{config:>18} {'':>58} {s['ms_per_step']:>8.1f}  (no communication: "
+            lines.append(f"{config:>23} {'':>58} {s['ms_per_step']:>8.1f}  (no communication: "
                          "each rank alone on its shard, the floor of any step)")
             continue
         sent = [r["bytes_sent"] for r in rows if r["config"] == config and not r.get("error")]
         mb = f"{statistics.mean(sent) / 1e6:.1f}" if config.startswith("hybrid") else "-"
         t = "-" if s["seconds_to_target"] is None else f"{s['seconds_to_target']:.1f}"
         st = "-" if s["steps_to_target"] is None else f"{s['steps_to_target']:.0f}"
-        lines.append(f"{config:>18} {t:>12} {st:>6} {s['final_accuracy']:>10.3f} "
+        lines.append(f"{config:>23} {t:>12} {st:>6} {s['final_accuracy']:>10.3f} "
                      f"{s['final_spread']:>7.3f} {s['reached']:>4}/{s['seeds']:<3} "
                      f"{mb:>13} {s['ms_per_step']:>8.1f}")
     ddp, hyb = _best(summary, "ddp"), _best(summary, "hybrid")

@@ -430,7 +430,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
             ``"topk:RATIO"``: send each bucket's largest RATIO of entries, with
             error feedback and DGC's momentum correction (compression.py), or
             ``"powersgd:RANK[:START]"``: PowerSGD's rank-RANK factors with error
-            feedback, after START exact steps (powersgd.py).
+            feedback, after START exact steps (powersgd.py); with ``"+fp16"`` or
+            ``"+bf16"`` (``"powersgd:4:10+fp16"``) what it sends whole (the
+            exact steps, buckets it leaves uncompressed) goes in that dtype.
         cost_model: a ``CostModel``; None (default): rank 0's saved calibration
             (``hybridcomm-bench --calibrate``), else a quick probe; ``"probe"``:
             always probe; ``"default"``: built-in constants.

@@ -76,6 +76,12 @@ def test_parse():
             parse_powersgd(bad)
     with pytest.raises(ValueError, match="powersgd:RANK"):
         hybridcomm.config.config.SyncConfig.build(compression="lowrank")
+    build = hybridcomm.config.config.SyncConfig.build
+    assert build(compression="powersgd:2:3+bf16").wire_dtype == torch.bfloat16
+    assert build(compression="powersgd:2").wire_dtype is None
+    for bad in ("topk:0.1+fp16", "powersgd:2+fp32", "fp16+powersgd:2", "fp16+bf16"):
+        with pytest.raises(ValueError, match="only PowerSGD takes a wire dtype"):
+            build(compression=bad)
 
 
 def test_what_is_compressed_and_the_message_sizes():
@@ -208,9 +214,23 @@ def test_the_first_steps_are_the_exact_all_reduce():
     assert five[0][1] < five_exact[0][1]  # fewer bytes by the fifth step
 
 
-@pytest.mark.parametrize("overlap", ["backward", "forward"])
-def test_powersgd_on_the_simulated_gpu_keeps_ranks_identical(overlap):
-    results = run_ranks(2, _train, "powersgd:2:2", True, overlap, 30, timeout=300)
+def test_with_a_wire_dtype_the_exact_steps_travel_in_it():
+    """"powersgd:4:4+fp16": its four exact steps are compression="fp16"'s, bit for
+    bit and byte for byte; the fifth is compressed (and its messages fp32)."""
+    half = run_ranks(2, _train, "fp16", False, "backward", 4)
+    start = run_ranks(2, _train, "powersgd:4:4+fp16", False, "backward", 4)
+    assert torch.equal(half[0][2], start[0][2]) and half[0][1] == start[0][1]
+    five = run_ranks(2, _train, "powersgd:4:4+fp16", False, "backward", 5)
+    five_half = run_ranks(2, _train, "fp16", False, "backward", 5)
+    assert not torch.equal(five[0][2], five_half[0][2])
+    assert five[0][1] < five_half[0][1] and five[0][3]
+
+
+@pytest.mark.parametrize("overlap,compression", [("backward", "powersgd:2:2"),
+                                                 ("forward", "powersgd:2:2"),
+                                                 ("forward", "powersgd:2:2+bf16")])
+def test_powersgd_on_the_simulated_gpu_keeps_ranks_identical(overlap, compression):
+    results = run_ranks(2, _train, compression, True, overlap, 30, timeout=300)
     assert results[0][3] and torch.equal(results[0][2], results[1][2])
     assert results[0][0] > 0.5
 

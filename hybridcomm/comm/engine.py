@@ -81,11 +81,12 @@ class CommEngine:
     def launch(self, index: int) -> None:
         """Bucket ``index`` is ready (its flags set): issue it when the order reaches it."""
         b = self.buckets[index]
-        b.to_wire()
         if b.topk is not None:  # this rank's message, from the gradients
             b.topk.select(b.grads, b.flags)
         if b.lowrank is not None and b.lowrank.active:  # its first message, likewise
             b.lowrank.compress(b.grads, b.flags)
+        else:  # sent whole (PowerSGD's exact steps too: "powersgd:4+fp16")
+            b.to_wire()
         if self.channel.stream_ordered:
             rt = self.channel.runtime
             self._ready[index] = rt.new_event()

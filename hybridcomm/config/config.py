@@ -15,6 +15,9 @@ Example::
     0.01
     >>> SyncConfig.build(compression="powersgd:4:100").low_rank     # (rank, start)
     (4, 100)
+    >>> cfg = SyncConfig.build(compression="powersgd:4:100+fp16")  # exact steps in fp16
+    >>> cfg.low_rank, cfg.wire_dtype
+    ((4, 100), torch.float16)
 """
 from __future__ import annotations
 
@@ -33,6 +36,23 @@ OPS = ("sum", "avg")
 # compression= -> the wire dtype (top-k is parsed apart: "topk:RATIO")
 COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16,
                 torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
+
+
+def split_wire(compression) -> Tuple[Any, Optional[str]]:
+    """``"powersgd:4+fp16"`` -> ``("powersgd:4", "fp16")``: PowerSGD with what it
+    sends whole (its first START steps, buckets it leaves uncompressed) in a
+    16-bit wire dtype; anything without ``+`` is returned as is.
+
+        >>> split_wire("powersgd:4:10+bf16"), split_wire("fp16")
+        (('powersgd:4:10', 'bf16'), ('fp16', None))
+    """
+    if not isinstance(compression, str) or "+" not in compression:
+        return compression, None
+    base, wire = compression.rsplit("+", 1)
+    if wire not in ("fp16", "bf16") or parse_powersgd(base) is None:
+        raise ValueError(f"compression={compression!r}: only PowerSGD takes a wire dtype, "
+                         "as 'powersgd:RANK[:START]+fp16' or '+bf16'")
+    return base, wire
 
 
 @dataclass(frozen=True)
@@ -82,12 +102,17 @@ class SyncConfig:
     def build(cls, *, compression=None, timeout: Optional[float] = None,
               **arguments) -> "SyncConfig":
         """From ``DistributedOptimizer``'s keywords and the environment."""
+        compression, wire = split_wire(compression)
         topk, low_rank = parse_topk(compression), parse_powersgd(compression)
         if compression not in COMPRESSIONS and topk is None and low_rank is None:
             raise ValueError(f"compression must be one of None, 'fp16', 'bf16', 'topk:RATIO', "
-                             "'powersgd:RANK[:START]', "
+                             "'powersgd:RANK[:START]', 'powersgd:RANK[:START]+fp16' (or +bf16), "
                              f"got {compression!r}")
-        return cls(wire_dtype=None if topk or low_rank else COMPRESSIONS[compression],
+        if topk or low_rank:
+            wire_dtype = COMPRESSIONS[wire]
+        else:
+            wire_dtype = COMPRESSIONS[compression]
+        return cls(wire_dtype=wire_dtype,
                    topk=topk, low_rank=low_rank,
                    timeout=env.timeout(timeout),
                    defer_always=env.get("HYBRIDCOMM_DEFER") == "always",
