@@ -83,3 +83,31 @@ def _mismatched(rank, world):
 def test_ranks_with_different_tensors_are_told_so():
     for msg in run_ranks(2, _mismatched, timeout=120):
         assert "tensors differ from this rank's" in msg
+
+
+def _live_events(rank, world, rounds):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    import gc
+
+    from hybridcomm.testing.simgpu import SimEvent
+
+    avg = TensorAverager(timeout=60, cost_model="default")
+    tensors = [torch.full((1000,), float(rank))]
+    for _ in range(rounds):
+        avg.average_(tensors)
+        runtime_for("cpu").synchronize()
+    gc.collect()
+    live = sum(isinstance(o, SimEvent) for o in gc.get_objects())
+    avg.close()
+    return live
+
+
+def test_averaging_often_keeps_no_more_events_than_averaging_once():
+    """The channel times every operation with two events; the averager never asks
+    for those times, so the channel must drop them once complete (a strategy
+    averages every few steps for a whole run: they would pile up on a GPU)."""
+    few, many = run_ranks(2, _live_events, 3), run_ranks(2, _live_events, 40)
+    # kept ones would be two more per round (74 here); those in flight and not yet
+    # collected vary by a few, independent of the rounds
+    for f, m in zip(few, many):
+        assert m < f + (40 - 3), (few, many)

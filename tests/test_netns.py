@@ -1,5 +1,6 @@
 """--shape: spec parsing, the clear error without root, and (as root) the namespaces."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -67,3 +68,24 @@ def test_close_removes_everything_even_after_a_failure():
     net.close()
     assert net.leftovers() == []
     net.close()  # idempotent
+
+
+@pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and network namespaces")
+def test_a_second_signal_during_cleanup_does_not_cut_it_short(monkeypatch):
+    """``timeout`` forwards its SIGTERM to a run that pkill signalled too: the second
+    signal lands while close() is deleting; it must not stop it halfway."""
+    import hybridcomm.tools.netns as netns
+
+    net = ShapedNetwork(2, "rate 1gbit").open()
+    real, sent = netns._quiet, []
+
+    def quiet_and_signalled(*cmd):
+        if not sent:  # the second SIGTERM, in the middle of the cleanup
+            sent.append(cmd)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*cmd)
+
+    monkeypatch.setattr(netns, "_quiet", quiet_and_signalled)
+    with pytest.raises(SystemExit):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert sent and net.leftovers() == []

@@ -315,6 +315,7 @@ class StreamChannel:
         self.timeout = timeout
         self._timed: deque = deque()  # (start, done, what, key) timing events not yet harvested
         self._ops: list = []  # (key, seconds) of harvested keyed operations, until take_ops()
+        self._busy_s = 0.0  # seconds of harvested operations, until take_busy()
         self._waits: deque = deque()  # (where the trainer waited, done) not yet harvested
         self._exposed_s = 0.0  # harvested from _waits, until take_exposed()
         self._lock = threading.Lock()  # _timed: appended by the issuing thread
@@ -341,29 +342,36 @@ class StreamChannel:
     def _issue(self, fn, what: str, key):
         start, done = fn()
         with self._lock:
-            self._timed.append((start, done, what, key))
+            self._harvest_timed()  # the completed ones: a caller that never takes
+            self._timed.append((start, done, what, key))  # them (the averager) keeps none
         return done
+
+    def _harvest_timed(self) -> None:
+        """Completed operations' timing events into ``_busy_s`` and ``_ops`` (with
+        ``_lock`` held; events are read only once complete: never a host sync)."""
+        while self._timed and self._timed[0][1].query():
+            start, done, what, key = self._timed.popleft()
+            seconds = start.elapsed_time(done) * 1e-3
+            self._busy_s += seconds
+            if key is not None:
+                self._ops.append((key, seconds))
+            if self._anchor is not None:
+                t0 = self._anchor_s + self._anchor.elapsed_time(start) * 1e-3
+                self.timeline.add(what, "comm/stream", t0, t0 + seconds)
 
     def take_busy(self) -> float:
         """Seconds the comm stream spent on operations completed since the last call,
         from timing events read only once complete (never a host sync)."""
-        busy = 0.0
-        while True:
-            with self._lock:
-                if not (self._timed and self._timed[0][1].query()):
-                    return busy
-                start, done, what, key = self._timed.popleft()
-            busy += start.elapsed_time(done) * 1e-3
-            if key is not None:
-                self._ops.append((key, start.elapsed_time(done) * 1e-3))
-            if self._anchor is not None:
-                t0 = self._anchor_s + self._anchor.elapsed_time(start) * 1e-3
-                self.timeline.add(what, "comm/stream", t0, t0 + start.elapsed_time(done) * 1e-3)
+        with self._lock:
+            self._harvest_timed()
+            busy, self._busy_s = self._busy_s, 0.0
+        return busy
 
     def take_ops(self) -> list:
         """``(key, seconds)`` of each keyed operation whose timing events
         :meth:`take_busy` has read (on the GPU's clock) since the last call."""
-        ops, self._ops = self._ops, []
+        with self._lock:
+            ops, self._ops = self._ops, []
         return ops
 
     def done(self, handle) -> bool:

@@ -182,6 +182,8 @@ class ShapedNetwork:
         return self
 
     def _on_signal(self, signum, frame):
+        if not self._made:  # a second signal while close() runs: let it finish
+            return
         self.close()
         old = self._old_handlers.get(signum)
         if callable(old):
