@@ -132,12 +132,23 @@ def dense_steps(total_steps: int) -> int:
     return max(2, total_steps // 10)
 
 
+def config_options(config: str):
+    """(base config, DistributedOptimizer keywords): hybridcomm's configs take
+    train.py's options after slashes (``hybrid-powersgd-r4/fusion_bytes=64K``)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from train import hybrid_options
+
+    return hybrid_options(config, takes_options=lambda base: base in HYBRID_CONFIGS)
+
+
 def _wrap(config: str, model: nn.Module, opt, total_steps: int):
     """(the module to call, the optimizer to step) for ``config``."""
     if config == FLOOR:
         return model, opt
     if config.startswith("hybrid"):
         import hybridcomm
+
+        config, options = config_options(config)
 
         compression = {"hybrid": None, "hybrid-fp16": "fp16", "hybrid-bf16": "bf16"}.get(config)
         if config.startswith("hybrid-topk-"):
@@ -147,7 +158,7 @@ def _wrap(config: str, model: nn.Module, opt, total_steps: int):
             compression = f"powersgd:{rank}:{dense_steps(total_steps)}" + \
                 (f"+{wire}" if wire else "")
         return model, hybridcomm.DistributedOptimizer(opt, model=model, compression=compression,
-                                                      timeout=120)
+                                                      timeout=120, **options)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     # PowerSGD's hook chains all-reduces in future callbacks: over gloo two buckets'
@@ -315,9 +326,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
-    unknown = sorted(set(configs) - set(CONFIGS))
+    try:
+        unknown = sorted({c for c in configs if config_options(c)[0] not in CONFIGS})
+    except ValueError as e:  # an option not one of train.py's, or on a DDP config
+        ap.error(str(e))
     if unknown:
-        ap.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+        ap.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)} (hybridcomm's "
+                 "take options after slashes: hybrid-powersgd-r4/fusion_bytes=64K)")
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:  # ddp and hybrid only, unless --configs says otherwise
         seeds, args.epochs = seeds[:1], 1

@@ -125,9 +125,10 @@ HYBRID_OPTIONS = {"fusion_bytes": "size", "split_bytes": "size", "lazy_bytes": "
                   "measure_iters": int, "replan_every": int}
 
 
-def hybrid_options(name: str):
+def hybrid_options(name: str, takes_options=lambda base: CONFIGS.get(base) is not None):
     """(base config, DistributedOptimizer keywords) of ``name``; ValueError for an
-    option that is not one of HYBRID_OPTIONS or a config that takes none.
+    option that is not one of HYBRID_OPTIONS or a config that takes none
+    (``takes_options(base)`` False: by default, any but this script's hybrid ones).
 
         >>> hybrid_options("hybrid-forward/fusion_bytes=4M/split_bytes=0")
         ('hybrid-forward', {'fusion_bytes': 4194304, 'split_bytes': 0})
@@ -137,7 +138,7 @@ def hybrid_options(name: str):
     from hybridcomm.base.units import parse_size
 
     base, *parts = name.split("/")
-    if parts and CONFIGS.get(base) is None:
+    if parts and not takes_options(base):
         raise ValueError(f"{name!r}: only hybridcomm's configs take options")
     options = {}
     for part in parts:

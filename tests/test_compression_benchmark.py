@@ -3,6 +3,8 @@ import json
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
@@ -85,3 +87,12 @@ def test_the_report_sets_the_best_hook_against_the_compute_floor():
     # compute alone: 80 ms a step, so DDP's 40 steps cannot take under 3.2 s
     assert "floor: compute alone for ddp-powersgd-r4's 40 steps takes 3.2 s, 0.53x" in text
     assert "1.50x (goal <= 0.80x)" in text
+
+
+def test_hybridcomm_configs_take_options_and_ddp_ones_do_not():
+    assert compression.config_options("hybrid-powersgd-r4-fp16/fusion_bytes=64K") == \
+        ("hybrid-powersgd-r4-fp16", {"fusion_bytes": 65536})
+    assert compression.config_options("ddp-fp16") == ("ddp-fp16", {})
+    for bad in ("ddp-fp16/fusion_bytes=64K", "hybrid/colour=blue"):
+        with pytest.raises(SystemExit):
+            compression.main(["--configs", bad, "--shape", "none"])

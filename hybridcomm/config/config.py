@@ -108,11 +108,7 @@ class SyncConfig:
             raise ValueError(f"compression must be one of None, 'fp16', 'bf16', 'topk:RATIO', "
                              "'powersgd:RANK[:START]', 'powersgd:RANK[:START]+fp16' (or +bf16), "
                              f"got {compression!r}")
-        if topk or low_rank:
-            wire_dtype = COMPRESSIONS[wire]
-        else:
-            wire_dtype = COMPRESSIONS[compression]
-        return cls(wire_dtype=wire_dtype,
+        return cls(wire_dtype=COMPRESSIONS[wire if topk or low_rank else compression],
                    topk=topk, low_rank=low_rank,
                    timeout=env.timeout(timeout),
                    defer_always=env.get("HYBRIDCOMM_DEFER") == "always",
