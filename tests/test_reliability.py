@@ -348,34 +348,3 @@ def test_agreements_load_only_safe_types_from_peers():
     an object that would run code when loaded is refused by name."""
     for same, refused in run_ranks(2, _unsafe_agreement):
         assert same and refused
-
-
-# --- closing releases what construction opened ------------------------------------------
-
-def _sockets() -> int:
-    fd = "/proc/self/fd"
-    return sum(os.readlink(os.path.join(fd, f)).startswith("socket:") for f in os.listdir(fd)
-               if os.path.exists(os.path.join(fd, f)))
-
-
-def _build_and_close(rank, world):
-    counts = []
-    for _ in range(3):
-        model = make_model()
-        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                              model=model, timeout=60)
-        x, y = batch(0)
-        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
-        opt.step()
-        opt.close()
-        counts.append(_sockets())
-    return counts
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts sockets in /proc")
-def test_close_releases_the_optimizers_own_process_group():
-    """Each optimizer makes a gloo group of its own (its connections to every peer);
-    close() destroys it: optimizers built and closed one after another (a sweep, an
-    elastic restart) hold no more sockets than one."""
-    for counts in run_ranks(3, _build_and_close):
-        assert counts[0] == counts[1] == counts[2], counts

@@ -171,11 +171,9 @@ class HostChannel:  # host path
 
     stream_ordered = False
 
-    def __init__(self, timeout: float, timeline: Optional[Timeline] = None,
-                 on_close: Optional[Callable[[], None]] = None):
+    def __init__(self, timeout: float, timeline: Optional[Timeline] = None):
         self.timeout = timeout
         self.timeline = timeline or Timeline(enabled=False)
-        self._on_close = on_close  # after the worker stopped: release what it used
         self._cv = threading.Condition()
         self._queue: deque = deque()
         self._submitted = self._completed = 0
@@ -259,9 +257,6 @@ class HostChannel:  # host path
             self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout=self.timeout)
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None and not self._thread.is_alive():  # (else still in a call)
-            on_close()
 
     def _run(self) -> None:
         while True:
@@ -433,5 +428,5 @@ def open_channel(device, group, timeout: float, timeline: Optional[Timeline] = N
         transport = select_transport(device, group, timeout=timeout)
         return transport, StreamChannel(transport, timeline, issue_thread=issue_thread,
                                         timeout=timeout)
-    transport = TorchDistTransport(new_group_like(group, timeout), owns_group=True)
-    return transport, HostChannel(timeout, timeline, on_close=transport.close)
+    transport = TorchDistTransport(new_group_like(group, timeout))
+    return transport, HostChannel(timeout, timeline)

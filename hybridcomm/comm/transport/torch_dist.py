@@ -77,15 +77,13 @@ class TorchDistTransport:
     kind = "torch"
     stream_ordered = False
 
-    def __init__(self, group=None, tag: int = 0, *, owns_group: bool = False):
+    def __init__(self, group=None, tag: int = 0):
         if not dist.is_available() or not dist.is_initialized():
             raise HybridCommError(
                 "torch.distributed is not initialized: call "
                 "torch.distributed.init_process_group(...) first (or run under torchrun)")
         self.group = group
         self.tag = tag
-        self._owns_group = owns_group  # made for this transport: close() destroys it
-        self._closed = False
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = backend_for("cuda" if self.stream_ordered else "cpu", group) \
@@ -94,28 +92,7 @@ class TorchDistTransport:
         self._global = [dist.get_global_rank(group, r) if group is not None else r
                         for r in range(self.world_size)]
 
-    def close(self) -> None:
-        """Destroy the group made for this transport (``owns_group``) now, while every
-        thread and the interpreter are alive: left to the interpreter's exit, gloo's
-        threads and sockets are torn down during finalization, and each optimizer
-        built and closed would keep a full mesh of connections until then. Local:
-        the caller's collectives on it have completed."""
-        if self._closed:
-            return
-        self._closed = True
-        group, self.group = self.group, None
-        if self._owns_group and group is not None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except ValueError:  # gone already: the user's destroy_process_group()
-                pass
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise HybridCommError(f"rank {self.rank}: this transport is closed")
-
     def _post(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]):
-        self._check_open()
         ops: List[dist.P2POp] = []
         labels: List[str] = []
         for peer, t in sends:
@@ -136,7 +113,6 @@ class TorchDistTransport:
     def all_reduce(self, t, *, average: bool, timeout: float | None = None) -> None:
         """The group's own all-reduce (``native``) in place. Every rank gets the same
         bits back (gloo copies each reduced chunk around) and scales them alike."""
-        self._check_open()
         label = f"native all_reduce of {t.numel()} x {t.dtype}"
         work = posted(lambda: dist.all_reduce(t, group=self.group, async_op=True), self.rank,
                       label)
