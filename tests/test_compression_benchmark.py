@@ -96,3 +96,13 @@ def test_hybridcomm_configs_take_options_and_ddp_ones_do_not():
     for bad in ("ddp-fp16/fusion_bytes=64K", "hybrid/colour=blue"):
         with pytest.raises(SystemExit):
             compression.main(["--configs", bad, "--shape", "none"])
+
+
+def test_the_report_names_the_goals_baseline_when_a_config_outside_it_is_fastest():
+    rows = [{"config": c, "seed": 0, "seconds_to_target": t, "steps_to_target": 10,
+             "final_accuracy": 0.95, "seconds": 2 * t, "steps": 20, "bytes_sent": 1}
+            for c, t in (("ddp-powersgd-r4", 6.0), ("ddp-powersgd-r4-fp16", 5.0),
+                         ("hybrid-powersgd-r4-fp16", 4.0))]
+    out = compression.report(rows, {"target": 0.93, "shape": None, "epochs": 1, "seeds": [0]})
+    assert "best DDP: ddp-powersgd-r4-fp16 5.0 s" in out and "0.80x (goal" in out
+    assert "best of the issue's DDP hooks: ddp-powersgd-r4 6.0 s" in out and "0.67x" in out
