@@ -86,7 +86,25 @@ def mlp():
     return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def train_compressed(rank, world, compression, overlap, *, samples, batch, epochs, steps=None):
+def compressed_steps(rank, world, compression, steps=3, momentum=0.0):
+    """An MLP and hybridcomm with ``compression`` after ``steps`` steps on this
+    rank's share of a small teacher task: ``(model, optimizer)``."""
+    import hybridcomm
+
+    model = mlp()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                          momentum=momentum),
+                                          model=model, compression=compression, timeout=60)
+    x, y = teacher_task(300, 3)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[rank::world]), y[rank::world]).backward()
+        opt.step()
+    return model, opt
+
+
+def train_compressed(rank, world, compression, overlap, *, samples, batch, epochs, steps=None,
+                     **options):
     """hybridcomm with ``compression`` on this rank's share of the teacher task:
     test accuracy, bytes sent, the parameters, the plan and the optimizer's state."""
     import hybridcomm
@@ -95,7 +113,7 @@ def train_compressed(rank, world, compression, overlap, *, samples, batch, epoch
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
                                                           momentum=0.9),
                                           model=model, compression=compression,
-                                          overlap=overlap, timeout=60)
+                                          overlap=overlap, timeout=60, **options)
     x, y = teacher_task(samples, 1)
     x, y = x[rank::world], y[rank::world]
     sent, done = 0, 0

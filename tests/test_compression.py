@@ -4,15 +4,13 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-import hybridcomm
 from hybridcomm.algorithms.topk import gather_schedule, parse_topk, sparse_bytes_sent
 from hybridcomm.comm.compression import TopK
 from hybridcomm.plan.cost_model import CostModel, bytes_sent
 from hybridcomm.plan.planner import Layer, make_plan
 from multiproc import run_ranks
-from optim_models import mlp, teacher_task, train_compressed
+from optim_models import compressed_steps, train_compressed
 
 
 def _alloc(n, dt):
@@ -137,15 +135,7 @@ def test_topk_on_the_simulated_gpu_keeps_ranks_identical(overlap):
 
 
 def _resume(rank, world):
-    model = mlp()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
-                                                          momentum=0.9),
-                                          model=model, compression="topk:0.01", timeout=60)
-    x, y = teacher_task(300, 3)
-    for i in range(3):
-        opt.zero_grad()
-        F.cross_entropy(model(x[rank::world]), y[rank::world]).backward()
-        opt.step()
+    model, opt = compressed_steps(rank, world, "topk:0.01", momentum=0.9)
     saved = opt.state_dict()
     residual = torch.cat([saved["state"][i]["hc_topk_residual"].reshape(-1).clone()
                           for i in sorted(saved["state"])])  # keys: parameter positions
