@@ -6,12 +6,15 @@ buckets through one ordered channel. The strategies (strategies/) use it.
 The buckets are made once per signature (shapes and dtypes, in order), after
 the ranks agree on it, and reused: each call packs the tensors into their
 buckets (one kernel per bucket on a GPU: kernels/pack.py, at the bucket's
-aligned offsets), reduces, and unpacks the averages back.
+aligned offsets), reduces, and unpacks the averages back. A bucket's pack and
+unpack are prepared once (``pack_plan``/``unpack_plan``: checked once, no
+per-tensor work in the launch) and prepared again only when a tensor or the
+bucket's buffer has moved.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +26,7 @@ from .sync.memory import bucket_allocator
 from .comm.channel import open_channel
 from .comm.engine import CommEngine
 from .base.errors import HybridCommError
-from .kernels import pack, unpack
+from .kernels import pack_plan, unpack_plan
 from .plan.planner import Layer, make_plan
 from .gpu.runtime import runtime_for
 
@@ -53,6 +56,8 @@ class TensorAverager:
         self._cost_model = cost_model
         self._transport = self._channel = None
         self._made: Dict[Tuple, Tuple[List[GradBucket], CommEngine]] = {}
+        # (op, buffer address) -> (where its tensors are, the prepared copy)
+        self._plans: Dict[Tuple, Tuple[Tuple, Callable]] = {}
 
     def average_(self, tensors: Iterable[torch.Tensor]) -> int:
         """Average ``tensors`` in place; the bytes this rank sent."""
@@ -66,6 +71,7 @@ class TensorAverager:
             made = self._made[signature] = self._make(tensors)
         buckets, engine = made
         rt = runtime_for(tensors[0].device)
+        pack, unpack = self._pack, self._unpack
         with torch.no_grad(), rt.watched() if rt is not None else contextlib.nullcontext():
             for b in buckets:  # one pack kernel per bucket on a GPU
                 pack([tensors[i] for i in b.spec.params], b.grads, offsets=b.offsets)
@@ -77,6 +83,28 @@ class TensorAverager:
                 unpack(b.grads, [tensors[j] for j in b.spec.params], offsets=b.offsets)
         sent, engine.bytes_sent = engine.bytes_sent, 0
         return sent
+
+    def _pack(self, tensors: List[torch.Tensor], flat: torch.Tensor, *, offsets=None) -> None:
+        """kernels.pack, through a plan kept per buffer (its layout repeats)."""
+        self._planned("pack", flat, tensors, offsets)()
+
+    def _unpack(self, flat: torch.Tensor, tensors: List[torch.Tensor], *, offsets=None) -> None:
+        """kernels.unpack, through a plan kept per buffer (its layout repeats)."""
+        self._planned("unpack", flat, tensors, offsets)()
+
+    def _planned(self, op: str, flat: torch.Tensor, tensors: List[torch.Tensor],
+                 offsets) -> Callable:
+        """The prepared ``op`` between ``flat`` and ``tensors``, prepared again when one
+        of them is somewhere else than last time (or no longer contiguous: the plan's
+        checks then say so)."""
+        where = (flat.numel(), flat.dtype, None if offsets is None else tuple(offsets),
+                 tuple([(t.data_ptr(), t.numel(), t.is_contiguous()) for t in tensors]))
+        held = self._plans.get((op, flat.data_ptr()))
+        if held is None or held[0] != where:
+            plan = (pack_plan(tensors, flat, offsets=offsets) if op == "pack"
+                    else unpack_plan(flat, tensors, offsets=offsets))
+            held = self._plans[(op, flat.data_ptr())] = (where, plan)
+        return held[1]
 
     def _make(self, tensors: List[torch.Tensor]):
         """Buckets and an engine for this signature (collective: every rank)."""
@@ -113,4 +141,5 @@ class TensorAverager:
             self._channel.close()
             self._channel = None
         self._made = {}
+        self._plans = {}
 

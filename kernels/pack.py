@@ -2,13 +2,15 @@
 import torch
 
 from ._triton import (
+    check_devices,
     check_dtype,
-    check_same_device,
     check_scale,
     check_tensor,
+    checked_sizes,
     flat_offsets,
     launch_table,
     simulated,
+    table_plan,
     tl,
     triton,
     triton_available,
@@ -18,23 +20,8 @@ from ._triton import (
 if triton_available:
 
     @triton.jit
-    def _pack_kernel(
-        table_ptr,
-        out_ptr,
-        scale: tl.float64,  # a plain float parameter would be fp32 on a GPU (check_scale)
-        TENSOR: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # Program t: one block, whose (address, element count, offset in the
-        # flat buffer) is row t of the table (_triton.block_rows).
-        t = tl.program_id(0)
-        src_ptr = tl.load(table_ptr + 3 * t).to(tl.pointer_type(TENSOR))
-        numel = tl.load(table_ptr + 3 * t + 1)
-        offset = tl.load(table_ptr + 3 * t + 2)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < numel
-        x = tl.load(src_ptr + offs, mask=mask)
+    def _packed(x, out_ptr, scale, TENSOR: tl.constexpr, HAS_SCALE: tl.constexpr):
+        # x scaled and cast to the flat buffer's dtype.
         if HAS_SCALE:
             # fp64 math with the fp64 scale where either side is fp64, else fp32 math
             # with its fp32 rounding, as the reference (the interpreter gets bf16
@@ -45,7 +32,38 @@ if triton_available:
                 x = x.to(tl.float32) * tl.cast(scale, tl.float32)
         if out_ptr.dtype.element_ty == tl.bfloat16:
             x = x.to(tl.float32)  # fp64 -> bf16 through fp32 (see _triton.py)
-        tl.store(out_ptr + offset + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+        return x.to(out_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _pack_kernel(
+        table_ptr,
+        out_ptr,
+        scale: tl.float64,  # a plain float parameter would be fp32 on a GPU (check_scale)
+        TENSOR: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        ALIGN: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # Program t: one block, whose (address, element count, offset in the
+        # flat buffer) is row t of the table (_triton.block_rows).
+        t = tl.program_id(0)
+        src_ptr = tl.load(table_ptr + 3 * t).to(tl.pointer_type(TENSOR))
+        numel = tl.load(table_ptr + 3 * t + 1)
+        offset = tl.load(table_ptr + 3 * t + 2)
+        if ALIGN:
+            # Every row starts 16 bytes aligned on both sides (_triton.flat_vec): said
+            # so, a full block moves 16 bytes per access.
+            src_ptr = tl.multiple_of(src_ptr, 16)
+            offset = tl.multiple_of(offset, ALIGN)
+        dst_ptr = out_ptr + offset
+        offs = tl.arange(0, BLOCK)
+        if numel == BLOCK:  # a full block, unmasked (a mask keeps the accesses scalar)
+            x = tl.load(src_ptr + offs)
+            tl.store(dst_ptr + offs, _packed(x, out_ptr, scale, TENSOR, HAS_SCALE))
+        else:
+            mask = offs < numel
+            x = tl.load(src_ptr + offs, mask=mask)
+            tl.store(dst_ptr + offs, _packed(x, out_ptr, scale, TENSOR, HAS_SCALE), mask=mask)
 
 else:
     _pack_kernel = None
@@ -55,8 +73,7 @@ def _prepare(tensors, out, dtype, offsets):
     """Validate; return (tensors as a list, out as a flat view, allocated if None,
     each tensor's offset in it)."""
     tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        check_tensor(t, f"tensors[{i}]")
+    sizes = checked_sizes(tensors)
     if out is None:
         if dtype is None:
             dtypes = {t.dtype for t in tensors}
@@ -67,7 +84,6 @@ def _prepare(tensors, out, dtype, offsets):
             dtype = dtypes.pop() if dtypes else torch.float32
         check_dtype(dtype, "dtype")
         device = tensors[0].device if tensors else torch.device("cpu")
-        sizes = [t.numel() for t in tensors]
         total = sum(sizes) if offsets is None else max(
             [int(o) + n for o, n in zip(offsets, sizes)], default=0)
         # Gaps between offset tensors are zero in a buffer pack allocates.
@@ -77,9 +93,8 @@ def _prepare(tensors, out, dtype, offsets):
         check_tensor(out, "out")
         if dtype is not None and dtype != out.dtype:
             raise TypeError(f"dtype={dtype} but out has dtype {out.dtype}")
-    offsets = flat_offsets(tensors, offsets, out.numel(), "out")
-    for i, t in enumerate(tensors):
-        check_same_device(t, out, f"tensors[{i}]", "out")
+    offsets = flat_offsets(tensors, offsets, out.numel(), "out", sizes)
+    check_devices(tensors, out, "out")
     return tensors, out, offsets
 
 
@@ -96,7 +111,8 @@ def pack(tensors, out=None, *, scale=None, dtype=None, offsets=None, impl=None, 
     ``dtype``, or the tensors' common dtype (gaps zeroed). Inputs must be
     contiguous and on ``out``'s device. CUDA runs the Triton kernel, other
     devices :func:`pack_ref`; ``impl`` ("triton" or "torch") forces one.
-    ``_block`` overrides elements per program (tests only).
+    ``_block`` overrides elements per program (tests only). A layout packed
+    again and again is cheaper through :func:`pack_plan`.
 
     Example::
 
@@ -110,13 +126,58 @@ def pack(tensors, out=None, *, scale=None, dtype=None, offsets=None, impl=None, 
     """
     tensors, out, offsets = _prepare(tensors, out, dtype, offsets)
     scale = check_scale(scale)
+    if not _packed_without_triton(tensors, out, scale, offsets, impl):
+        launch_table(_pack_kernel, out, tensors, offsets, scale, _block)  # one launch per bucket
+    return out
+
+
+def pack_plan(tensors, out, *, offsets=None, scale=None, impl=None, _block=None):
+    """:func:`pack` prepared for a layout that repeats (a bucket's views packed into
+    its buffer step after step): checks ``tensors`` and ``out`` once, works out
+    the launch once (its table of blocks, one launch per dtype) and returns a
+    function of no arguments that packs them again, with no per-tensor work, and
+    returns ``out``. It reads the tensors' memory where it was when planned: the
+    tensors and ``out`` must stay allocated where they are (their values may
+    change; a tensor replaced, e.g. ``p.data = ...``, needs a new plan). Other
+    arguments as :func:`pack`'s.
+
+    Example::
+
+        >>> grads = [torch.ones(2, 2), torch.full((3,), 2.0)]
+        >>> flat = torch.empty(7)
+        >>> again = pack_plan(grads, flat, scale=0.5)
+        >>> grads[1].fill_(4.0)
+        tensor([4., 4., 4.])
+        >>> again()
+        tensor([0.5000, 0.5000, 0.5000, 0.5000, 2.0000, 2.0000, 2.0000])
+
+    Returns the function.
+    """
+    tensors, out, offsets = _prepare(tensors, out, None, offsets)
+    scale = check_scale(scale)
+    if use_triton(out, impl):
+        launch = table_plan(_pack_kernel, out, tensors, offsets, scale, _block)
+
+        def packed():
+            launch()
+            return out
+    else:
+        def packed():
+            _packed_without_triton(tensors, out, scale, offsets, impl)
+            return out
+    return packed
+
+
+def _packed_without_triton(tensors, out, scale, offsets, impl) -> bool:
+    """The simulated GPU takes the launch, or the torch reference packs; False if
+    neither does (the Triton kernel is the one to run)."""
     if simulated("pack", out, impl, _pack_torch, (tensors, out, scale, offsets), reads=tensors,
                  writes=[out]):
-        return out
+        return True
     if not use_triton(out, impl):
-        return _pack_torch(tensors, out, scale, offsets)
-    launch_table(_pack_kernel, out, tensors, offsets, scale, _block)  # one launch per bucket
-    return out
+        _pack_torch(tensors, out, scale, offsets)
+        return True
+    return False
 
 
 def pack_ref(tensors, out=None, *, scale=None, dtype=None, offsets=None):

@@ -5,8 +5,9 @@ from ._triton import (
     check_same_device,
     check_scale,
     check_tensor,
-    device_guard,
-    launch_geometry,
+    fine,
+    geometry,
+    launch,
     tl,
     triton,
     triton_available,
@@ -17,21 +18,8 @@ from ._triton import (
 if triton_available:
 
     @triton.jit
-    def _reduce_kernel(
-        dst_ptr,
-        src_ptr,
-        out_ptr,
-        numel,
-        scale: tl.float64,  # a plain float parameter would be fp32 on a GPU (check_scale)
-        ACC: tl.constexpr,
-        HAS_SCALE: tl.constexpr,
-        HAS_OUT: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        # int64 so buffers past 2**31 elements index correctly.
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
+    def _reduce_block(dst_ptr, src_ptr, out_ptr, offs, mask, scale, ACC: tl.constexpr,
+                      HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr):
         # Upcast before any math (ACC: fp32, or fp64 for fp64): fp16/bf16 sums
         # must not round (or overflow) per step, and the interpreter gets bf16
         # arithmetic wrong.
@@ -46,11 +34,41 @@ if triton_available:
                 r = r.to(tl.float32)  # fp64 -> bf16 through fp32 (see _triton.py)
             tl.store(out_ptr + offs, r.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _reduce_kernel(
+        dst_ptr,
+        src_ptr,
+        out_ptr,
+        numel,
+        scale: tl.float64,  # a plain float parameter would be fp32 on a GPU (check_scale)
+        ACC: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        HAS_OUT: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # int64 so buffers past 2**31 elements index correctly.
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= numel:
+            # A full block takes no mask, so 16-byte aligned buffers move 16 bytes
+            # per access (a mask against a numel that is no multiple of 16 would
+            # keep every access scalar); only the last block is masked.
+            _reduce_block(dst_ptr, src_ptr, out_ptr, offs, None, scale, ACC, HAS_SCALE, HAS_OUT)
+        else:
+            _reduce_block(dst_ptr, src_ptr, out_ptr, offs, offs < numel, scale, ACC, HAS_SCALE,
+                          HAS_OUT)
+
 else:
     _reduce_kernel = None
 
 
 def _check(dst, src, out):
+    # A valid call (the common one) costs a few attribute reads; anything else
+    # goes through the full checks, which name the culprit.
+    if (fine(dst) and fine(src) and src.numel() == dst.numel() and src.device == dst.device
+            and (out is None or (fine(out) and out.numel() == dst.numel()
+                                 and out.device == dst.device))):
+        return
     check_tensor(dst, "dst")
     check_tensor(src, "src")
     check_same_device(src, dst, "src", "dst")
@@ -84,28 +102,29 @@ def reduce(dst, src, *, scale=None, out=None, impl=None, _block=None):
     Returns ``dst``.
     """
     _check(dst, src, out)
-    scale = check_scale(scale)
-    if simulated("reduce", dst, impl, _reduce_torch, (dst, src, scale, out), reads=[src],
-                 writes=[dst] if out is None else [dst, out]):
-        return dst
-    if not use_triton(dst, impl):
-        return _reduce_torch(dst, src, scale, out)
+    if scale is not None:
+        scale = check_scale(scale)
+    if not (impl is None and triton_available and dst.is_cuda):  # else: the GPU kernel, at once
+        if simulated("reduce", dst, impl, _reduce_torch, (dst, src, scale, out), reads=[src],
+                     writes=[dst] if out is None else [dst, out]):
+            return dst
+        if not use_triton(dst, impl):
+            return _reduce_torch(dst, src, scale, out)
     numel = dst.numel()
     if numel == 0:
         return dst
-    grid, block = launch_geometry(numel, _block)
-    with device_guard(dst):
-        _reduce_kernel[grid](
-            dst,
-            src,
-            dst if out is None else out,  # never written when HAS_OUT is False
-            numel,
-            1.0 if scale is None else scale,
-            ACC=tl.float64 if dst.dtype == torch.float64 else tl.float32,
-            HAS_SCALE=scale is not None,
-            HAS_OUT=out is not None,
-            BLOCK=block,
-        )
+    block, warps = geometry(numel, dst.is_cuda, _block)
+    launch(_reduce_kernel, -(-numel // block), warps, dst.get_device(), (
+        dst,
+        src,
+        dst if out is None else out,  # never written when HAS_OUT is False
+        numel,
+        1.0 if scale is None else scale,
+        tl.float64 if dst.dtype is torch.float64 else tl.float32,  # ACC
+        scale is not None,  # HAS_SCALE
+        out is not None,  # HAS_OUT
+        block,  # BLOCK
+    ))
     return dst
 
 

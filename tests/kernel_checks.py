@@ -84,6 +84,9 @@ def launched_ptx(monkeypatch, op: str, launch):
     assert len(captured.calls) == 1
     args, kwargs = captured.calls[0]
     fn = JITFunction(getattr(kernel, "fn", kernel))  # the interpreter wraps the Python function
+    for name, helper in list(vars(module).items()):  # the @triton.jit helpers it calls, likewise
+        if name.startswith("_") and type(helper).__name__ == "InterpretedFunction":
+            monkeypatch.setattr(module, name, JITFunction(helper.fn))
     target = GPUTarget("cuda", 90, 32)
     binder = create_function_from_signature(fn.signature, fn.params,
                                             CUDABackend(target))

@@ -49,10 +49,11 @@ def test_dry_run_writes_the_report_and_exits_zero(tmp_path):
     assert r["kernel_timings"] == [] and r["wall_seconds"] > 0
 
     # GPUs needed: the gpus(2) markers (torch's NCCL, a CUDA graph across ranks: one GPU
-    # per rank), else 1 (the multi-rank cases run on one GPU over the one-device transport)
+    # per rank; a Triton launch on the second GPU while the first is current), else 1 (the multi-rank cases run on one GPU over the one-device transport)
     need = {t["nodeid"]: t["gpus_needed"] for t in r["tests"]}
     for nodeid, n in need.items():
-        if "torch_nccl" in nodeid or ("cuda_graph" in nodeid and "allreduce_cupy" in nodeid):
+        if "torch_nccl" in nodeid or ("cuda_graph" in nodeid and "allreduce_cupy" in nodeid) \
+                or nodeid.endswith("::test_triton_direct_launches_run_on_the_tensors_gpu"):
             assert n == 2, nodeid
         else:
             assert n == 1, nodeid

@@ -7,9 +7,11 @@ outputs may be 1 bf16 ulp off, and only under the interpreter: its casts to
 bf16 truncate where torch (and the GPU) round to nearest even. The scale's
 type on a GPU is read from the PTX Triton compiles from the launcher's own
 arguments. A launch of a bucket layout seen before must do no per-block Python
-work (the table's rows are built once per layout).
+work (the table's rows are built once per layout), and a prepared one
+(pack_plan, unpack_plan) no per-tensor work either.
 """
 
+import gc
 import importlib
 import sys
 
@@ -413,3 +415,159 @@ def test_every_dtype_pair_scales_like_the_reference_in_fp64_where_either_is(src_
     if dst_dtype == torch.float64:  # one fp64 rounding of the exact product
         assert torch.equal(packed, torch.cat(tensors).double() * (1 / 3))
         assert torch.equal(torch.cat(got), flat.double() * (1 / 3))
+
+
+# -- prepared pack and unpack (pack_plan, unpack_plan) -------------------------------------
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("wire", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_plans_equal_the_one_shot_calls_and_the_references(n, dtype, wire, block):
+    """Integer-valued data and a power-of-two scale: every dtype pair is exact, so
+    the plans, the one-shot calls and the references agree bitwise, run after run
+    (the second run reads the tensors' new values from the same memory)."""
+    gen = torch.Generator().manual_seed(4000 + n)
+    tensors = _tensors(n, dtype, gen, integer=True)
+    offsets, total = _aligned_offsets(tensors)
+    flat = torch.full((total + 3,), -99.0, dtype=wire)
+    pack_again = K.pack_plan(tensors, flat, offsets=offsets, scale=0.5, impl="triton",
+                             _block=block)
+    back = [torch.empty_like(t) for t in tensors]
+    unpack_again = K.unpack_plan(flat, back, offsets=offsets, scale=2.0, impl="triton",
+                                 _block=block)
+    for run in range(2):
+        for t in tensors:
+            t.copy_(torch.randint(-8, 8, t.shape, generator=gen))
+        assert pack_again() is flat
+        one_shot = torch.full_like(flat, -99.0)
+        K.pack(tensors, one_shot, offsets=offsets, scale=0.5, impl="triton", _block=block)
+        ref = K.pack_ref(tensors, torch.full_like(flat, -99.0), offsets=offsets, scale=0.5)
+        assert torch.equal(flat, one_shot) and torch.equal(flat, ref)
+        assert unpack_again() == back
+        for b, t in zip(back, tensors):
+            assert torch.equal(b, t)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_plans_of_random_data_match_the_references(impl):
+    gen = torch.Generator().manual_seed(12)
+    tensors = [torch.randn(s, generator=gen) for s in [(1000,), (3, 5), (0,), (1,), (4099,)]]
+    wire = torch.empty(sum(t.numel() for t in tensors), dtype=torch.bfloat16)
+    K.pack_plan(tensors, wire, scale=1 / 3, impl=impl)()
+    assert_within_ulps(wire, K.pack_ref(tensors, torch.empty_like(wire), scale=1 / 3),
+                       allowed_ulps(torch.bfloat16) if impl == "triton" else 0)
+    got = [torch.empty_like(t) for t in tensors]
+    ref = K.unpack_ref(wire, [torch.empty_like(t) for t in tensors], scale=3.0)
+    K.unpack_plan(wire, got, scale=3.0, impl=impl)()
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r)  # bf16 -> fp32 and the fp32 multiply: exact on both
+
+
+@pytest.mark.parametrize("op", ["pack", "unpack"])
+def test_a_plan_launches_once_per_call_with_no_per_tensor_work(monkeypatch, op):
+    """The plan does its per-tensor and per-block work once: each call is one launch
+    (one dtype), builds no rows, and makes the same Python calls for 4 tensors of
+    one block as for 64 tensors of many blocks."""
+    from hybridcomm.kernels import _triton
+    module = importlib.import_module(f"hybridcomm.kernels.{op}")
+    counter = _CountingKernel(_NoLaunch())
+    monkeypatch.setattr(module, f"_{op}_kernel", counter)
+    real_rows, built = _triton.block_rows, []
+    monkeypatch.setattr(_triton, "block_rows",
+                        lambda members, block: built.append(block) or real_rows(members, block))
+
+    def plan(count, size):
+        tensors = [torch.zeros(size) for _ in range(count)]
+        flat = torch.zeros(count * size)
+        if op == "pack":
+            return K.pack_plan(tensors, flat, impl="triton", _block=16)
+        return K.unpack_plan(flat, tensors, impl="triton", _block=16)
+
+    plans = [plan(4, 16), plan(64, 16 * 100)]
+    plans[0](), plans[1]()  # the first run on this stream moves its table to the device
+    rows_built, launches = len(built), counter.launches
+
+    def python_calls(run):
+        calls = [0]
+
+        def profile(frame, event, arg):
+            calls[0] += event in ("call", "c_call")
+        sys.setprofile(profile)
+        try:
+            run()
+        finally:
+            sys.setprofile(None)
+        return calls[0]
+
+    costs = [python_calls(p) for p in plans for _ in range(2)]
+    assert len(built) == rows_built and counter.launches == launches + 4
+    assert costs[0] == costs[1] == costs[2] == costs[3], costs
+
+
+def test_plans_reject_what_the_one_shot_calls_reject():
+    a, b = torch.zeros(3), torch.zeros(4)
+    with pytest.raises(ValueError, match=r"tensors\[1\] is not contiguous"):
+        K.pack_plan([a, torch.zeros(4, 2).t()], torch.empty(11))
+    with pytest.raises(TypeError, match=r"tensors\[0\] has dtype torch\.int32; supported dtypes"):
+        K.pack_plan([torch.zeros(3, dtype=torch.int32)], torch.empty(3))
+    with pytest.raises(ValueError, match="out has 8 elements but the tensors hold 7"):
+        K.pack_plan([a, b], torch.empty(8))
+    with pytest.raises(ValueError, match=r"tensors\[1\] is on meta but out is on cpu"):
+        K.pack_plan([a, torch.zeros(4, device="meta")], torch.empty(7))
+    with pytest.raises(ValueError, match=r"offsets\[1\]=2 overlaps the tensor before it"):
+        K.pack_plan([a, b], torch.zeros(10), offsets=[0, 2])
+    with pytest.raises(TypeError, match="scale must be a Python number"):
+        K.pack_plan([a, b], torch.zeros(7), scale=torch.tensor(0.5))
+    with pytest.raises(ValueError, match="flat has 8 elements but the tensors hold 7"):
+        K.unpack_plan(torch.zeros(8), [a, b])
+    with pytest.raises(TypeError, match=r"flat has dtype torch\.int64"):
+        K.unpack_plan(torch.zeros(7, dtype=torch.int64), [a, b])
+    with pytest.raises(ValueError, match=r"tensors\[0\] is on meta but flat is on cpu"):
+        K.unpack_plan(torch.zeros(7), [torch.zeros(3, device="meta"), b])
+    with pytest.raises(ValueError, match="impl must be"):
+        K.unpack_plan(torch.zeros(7), [a, b], impl="cuda")
+
+
+def test_a_plan_keeps_the_memory_it_writes_alive():
+    """A tensor given new memory after planning: the plan writes into the old memory,
+    which it keeps alive as long as it lives, never into memory freed and handed
+    to someone else."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    p = torch.nn.Parameter(torch.zeros(1000))
+    old = StorageWeakRef(p.untyped_storage())
+    again = K.unpack_plan(torch.ones(1000), [p], impl="triton")
+    p.data = torch.zeros(1000)
+    assert not old.expired()
+    again()
+    assert not p.detach().any()  # the new memory is not the plan's
+    del again
+    gc.collect()
+    assert old.expired()
+
+
+@pytest.mark.parametrize("members, aligned", [
+    ([(0, 0), (0, 24)], True),  # 16-byte addresses, offsets multiples of 4 fp32 elements
+    ([(0, 0), (0, 22)], False),  # an offset that is no multiple of 4
+    ([(1, 0)], False),  # a misaligned view
+])
+def test_the_table_kernels_assume_alignment_only_where_every_row_has_it(members, aligned):
+    from hybridcomm.kernels import _triton
+    buf, flat = torch.zeros(1 << 12), torch.zeros(64)
+    members = [(buf[start:start + 100], offset) for start, offset in members]
+    alignment = _triton.row_alignment(members, 16)
+    vec = _triton.flat_vec(alignment, flat)
+    assert vec == (4 if aligned else 0)
+    for t, offset in members:
+        for addr, _, row_offset in _triton.block_rows([(t, offset)], 16):
+            assert not vec or (addr % 16 == 0 and row_offset % vec == 0)
+    # bf16 rows of a block of 4 elements are 8 bytes: no 16-byte promise at any offset
+    assert _triton.row_alignment([(torch.zeros(64, dtype=torch.bfloat16), 0)], 4) == 0
+
+
+def test_the_gpu_launch_geometry():
+    from hybridcomm.kernels import _triton
+    assert _triton.geometry(1000, True) == (1024, 4)
+    assert _triton.geometry(1 << 22, True) == (4096, 8)
+    assert _triton.geometry(10, True, 128) == (128, 4)
+    with pytest.raises(ValueError, match="positive power of two"):
+        _triton.geometry(10, False, 100)

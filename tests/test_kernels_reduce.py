@@ -8,7 +8,8 @@ truncates where torch (and the GPU) round to nearest even. fp64 averages are
 exact fp64 arithmetic (an fp64 scale), checked in the interpreter and in the
 PTX Triton compiles for a GPU from the launcher's own arguments.
 """
-
+import importlib
+import types
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from hybridcomm import kernels as K
 from hybridcomm.kernels._triton import use_triton
 
 pytestmark = pytest.mark.skipif(not K.triton_available, reason="triton is not installed")
+if K.triton_available:
+    import triton.language as tl
 
 
 def _ints(n, dtype, gen):
@@ -182,3 +185,169 @@ def test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32(monkeypatch,
     assert_scale_is_fp64(*launched_ptx(
         monkeypatch, "reduce", lambda: K.reduce(dst, src, scale=1 / 3, impl="triton")),
         "reduce", dtype)
+
+
+# -- the direct launch (kernels/_triton.py: launch) ---------------------------------------
+def _reduce_args(dst, src, out=None, scale=None, block=1024):
+    return (dst, src, dst if out is None else out, dst.numel(), 1.0 if scale is None else scale,
+            tl.float32, scale is not None, out is not None, block)
+
+
+def _reduce_arg_sets():
+    """Arguments the launcher could pass: aligned and misaligned views (16 bytes =
+    4 fp32 elements), numel 1 (folded into the kernel), multiples of 16 and not,
+    dtypes, flags and blocks."""
+    buf, other = torch.zeros(4200), torch.zeros(4200)
+    half = torch.zeros(4200, dtype=torch.bfloat16)
+    sets = []
+    for start in (0, 1, 4):
+        for n in (1, 16, 17, 32, 4099):
+            sets.append(_reduce_args(buf[start:start + n], other[:n]))
+    sets += [_reduce_args(buf[:16], half[:16]), _reduce_args(buf[:16], half[1:17]),
+             _reduce_args(buf[:16], other[:16], scale=0.5),
+             _reduce_args(buf[:16], other[:16], scale=0.25),
+             _reduce_args(buf[:16], other[:16], out=half[:16]),
+             _reduce_args(buf[:16], other[:16], block=4096)]
+    return sets
+
+
+def test_the_launch_key_separates_exactly_what_tritons_binder_specializes():
+    """Two launches share a compiled kernel on the direct path iff their keys are
+    equal: the key must split every pair of argument sets that Triton's own binder
+    (this Triton's, for CUDA) specializes differently (a misaligned view run by a
+    kernel compiled for 16-byte aligned pointers faults; a numel of 17 run by one
+    compiled for multiples of 16 reads past the end), and should split no other."""
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import CUDABackend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+    except ImportError as e:
+        pytest.skip(f"no CUDA backend to compare with: {e}")
+    from hybridcomm.kernels import _triton
+
+    module = importlib.import_module("hybridcomm.kernels.reduce")
+    fn = JITFunction(getattr(module._reduce_kernel, "fn", module._reduce_kernel))
+    binder = create_function_from_signature(fn.signature, fn.params,
+                                            CUDABackend(GPUTarget("cuda", 90, 32)))
+    constexpr = [p.is_constexpr for p in fn.params]
+    sets = _reduce_arg_sets()
+    ours = [_triton.specialization_key(args, constexpr) for args in sets]
+    theirs = [list(binder(*args)[1]) for args in sets]
+    for i in range(len(sets)):
+        for j in range(i):
+            assert (ours[i] == ours[j]) == (theirs[i] == theirs[j]), (i, j, ours[i], theirs[i])
+
+
+def _direct_kernel(a_ptr, n, scale: tl.float64, FLAG: tl.constexpr, BLOCK: tl.constexpr):
+    pass  # never compiled: the test replaces Triton's path (JITFunction.run)
+
+
+class _FakeCompiled:
+    """Triton's CompiledKernel, as far as the direct launch reads it."""
+
+    def __init__(self, takes, log):
+        self.src = types.SimpleNamespace(signature={name: "?" for name in takes})
+        self.function, self.packed_metadata = "function", ("packed",)
+        self.log, self.fail = log, False
+
+    def run(self, *args):
+        if self.fail:
+            raise RuntimeError("launcher refused")
+        self.log.append(("direct",) + args)
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """A JIT kernel whose Triton path is recorded, on a pretend GPU (device 0)."""
+    from triton.runtime.jit import JITFunction
+    from hybridcomm.kernels import _triton
+
+    kernel = JITFunction(_direct_kernel)
+    log, compiled = [], {}
+
+    def run(*args, grid, warmup, **kwargs):  # Triton's path: returns the compiled kernel
+        log.append(("triton", grid, args, kwargs))
+        key = _triton.specialization_key(args, [False, False, False, True, True])
+        return compiled.setdefault((key, kwargs["num_warps"]), _FakeCompiled(direct.takes, log))
+
+    kernel.run = run
+    monkeypatch.setattr(_triton, "FAST_LAUNCH", True)
+    monkeypatch.setattr(_triton, "CompiledKernel", _FakeCompiled)
+    monkeypatch.setattr(_triton, "interpreting", lambda: False)
+    monkeypatch.setattr(_triton, "_raw_stream", lambda device: 7000 + device)
+    monkeypatch.setattr(_triton, "_current_device", lambda: 0)
+    monkeypatch.setattr(_triton, "_HOOK_OWNERS", [])
+    monkeypatch.setattr(_triton, "_compiled", {})
+    direct = types.SimpleNamespace(kernel=kernel, log=log, compiled=compiled,
+                                   takes=["a_ptr", "n", "scale", "FLAG", "BLOCK"],
+                                   launch=lambda args, warps=4: _triton.launch(kernel, 3, warps, 0,
+                                                                               args))
+    return direct
+
+
+def test_a_seen_specialization_is_launched_through_its_compiled_launcher(direct):
+    x = torch.zeros(64)
+    direct.launch((x, 32, 0.5, True, 128))
+    direct.launch((x, 48, 0.25, True, 128))  # same specialization: 32 and 48 are multiples of 16
+    assert [e[0] for e in direct.log] == ["triton", "direct"]
+    assert direct.log[0][1] == (3,) and direct.log[0][3] == {"num_warps": 4}
+    # As JITFunction.run calls it with no hook set: grid, stream, function, metadata,
+    # no launch metadata and no hooks, then every argument (Triton 3.3 on).
+    assert direct.log[1] == ("direct", 3, 1, 1, 7000, "function", ("packed",), None, None, None,
+                             x.data_ptr(), 48, 0.25, True, 128)  # a tensor as its address
+    for args, warps in [((x, 33, 0.5, True, 128), 4),  # another specialization each
+                        ((x[1:], 32, 0.5, True, 128), 4), ((x, 32, 0.5, False, 128), 4),
+                        ((x, 1, 0.5, True, 128), 4), ((x, 32, 0.5, True, 256), 4),
+                        ((x.double(), 32, 0.5, True, 128), 4), ((x, 32, 0.5, True, 128), 8)]:
+        del direct.log[:]
+        direct.launch(args, warps)
+        direct.launch(args, warps)
+        assert [e[0] for e in direct.log] == ["triton", "direct"], args
+
+
+def test_triton_3_0_to_3_2_launchers_take_no_constexprs(direct):
+    direct.takes = ["a_ptr", "n", "scale"]  # what their compiled kernels' signatures name
+    x = torch.zeros(64)
+    direct.launch((x, 32, 0.5, True, 128))
+    direct.launch((x, 32, 0.5, True, 128))
+    assert direct.log[1][-3:] == (x.data_ptr(), 32, 0.5)
+
+
+def test_the_direct_launch_falls_back_to_tritons_path(direct, monkeypatch):
+    from hybridcomm.kernels import _triton
+
+    x = torch.zeros(64)
+    direct.launch((x, 32, 0.5, True, 128))
+    for compiled in direct.compiled.values():
+        compiled.fail = True  # the launcher refuses: Triton's path, then and from then on
+    direct.launch((x, 32, 0.5, True, 128))
+    direct.launch((x, 32, 0.5, True, 128))
+    assert [e[0] for e in direct.log] == ["triton", "triton", "triton"]
+
+    del direct.log[:]  # a launch hook (a profiler): Triton's path, which calls it
+    monkeypatch.setattr(_triton, "_HOOK_OWNERS", [types.SimpleNamespace(
+        launch_enter_hook=types.SimpleNamespace(calls=[print]), launch_exit_hook=None)])
+    direct.launch((x, 17, 0.5, True, 128))
+    direct.launch((x, 17, 0.5, True, 128))
+    assert [e[0] for e in direct.log] == ["triton", "triton"]
+    monkeypatch.setattr(_triton, "_HOOK_OWNERS", [types.SimpleNamespace(  # empty chains: unwatched
+        launch_enter_hook=types.SimpleNamespace(calls=[]), launch_exit_hook=None)])
+    direct.launch((x, 17, 0.5, True, 128))
+    direct.launch((x, 17, 0.5, True, 128))
+    assert [e[0] for e in direct.log] == ["triton", "triton", "triton", "direct"]
+
+    del direct.log[:]  # HYBRIDCOMM_TRITON_FAST_LAUNCH=0
+    monkeypatch.setattr(_triton, "FAST_LAUNCH", False)
+    monkeypatch.setattr(_triton, "_compiled", {})
+    for _ in range(3):
+        direct.launch((x, 32, 0.5, True, 128))
+    assert [e[0] for e in direct.log] == ["triton"] * 3
+    assert not _triton.fast_launch_wanted({"HYBRIDCOMM_TRITON_FAST_LAUNCH": "off"})
+
+
+def test_the_interpreter_and_stand_ins_take_tritons_path():
+    from hybridcomm.kernels import _triton
+
+    module = importlib.import_module("hybridcomm.kernels.reduce")
+    assert _triton._compiled_for(module._reduce_kernel) is None  # interpreted (or no GPU)
+    assert _triton._compiled_for(object()) is None

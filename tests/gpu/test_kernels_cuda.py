@@ -4,13 +4,15 @@ Exact equality: both sides compute in fp32 (fp64 for fp64 data, with an fp64
 scale) and round once to nearest even, on the device (the CPU interpreter's
 truncating bf16 cast does not apply here).
 The csrc cases FAIL when the extension's build fails (they skip only without a
-CUDA toolkit to build with).
+CUDA toolkit to build with). Each Triton case runs more than once where it
+matters: the first launch of a specialization goes through Triton's
+JITFunction.run, the later ones straight to the compiled kernel's launcher.
 Run: TRITON_INTERPRET=0 pytest tests/gpu
 """
 import pytest
 import torch
 
-from gpu_common import needs_cuda, require_csrc, skip_if_interpreting
+from gpu_common import needs_cuda, needs_gpus, require_csrc, skip_if_interpreting
 from hybridcomm.kernels import pack, pack_ref, reduce, reduce_ref, unpack, unpack_ref
 
 pytestmark = needs_cuda
@@ -121,3 +123,121 @@ def test_triton_other_dtypes_average_with_the_references_fp32_scale(dtype, world
     assert torch.equal(got, want)
     assert torch.equal(flat, flat_ref)
     assert all(torch.equal(a, b) for a, b in zip(back, back_ref))
+
+
+# -- the direct launch and the prepared pack/unpack (kernels/_triton.py) ------------------
+def _direct_runs(kernel):
+    """The direct launches ``kernel`` has kept (None: every launch takes Triton's path)."""
+    from hybridcomm.kernels import _triton
+    state = _triton._compiled_for(kernel)
+    return None if state is None else {k for k, run in state.runs.items() if run}
+
+
+def _kernel(op):
+    import importlib
+    return getattr(importlib.import_module(f"hybridcomm.kernels.{op}"), f"_{op}_kernel")
+
+
+@pytest.mark.parametrize("scale", [None, 0.125])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("n", [1, 16, 4099, (1 << 18) + 5])
+def test_triton_reduce_is_exact_on_the_direct_launch_too(n, start, dtype, scale):
+    """The first launch of a specialization goes through Triton, the later ones
+    straight to its launcher: all exact against the reference, on views 16-byte
+    aligned and not (buf[1:]), at numel 1 (folded into the kernel), a multiple of
+    16, a masked tail, and the large blocks; with scale and copy-out."""
+    from hybridcomm.kernels import _triton
+    skip_if_interpreting()
+    buf = torch.empty(n + start, dtype=dtype, device="cuda")
+    dst = buf[start:]
+    out = torch.empty(n, dtype=torch.float16, device="cuda") if scale else None
+    for call in range(3):
+        dst.copy_(rand(n, dtype, 10 + call))
+        src = rand(n, dtype, 20 + call)
+        out_ref = None if out is None else torch.empty_like(out)
+        want = reduce_ref(dst.clone(), src, scale=scale, out=out_ref)
+        reduce(dst, src, scale=scale, out=out)
+        torch.cuda.synchronize()
+        assert torch.equal(dst, want), call
+        assert out is None or torch.equal(out, out_ref), call
+    if _direct_runs(_kernel("reduce")) is not None:  # HYBRIDCOMM_TRITON_FAST_LAUNCH on
+        import triton.language as tl
+        block, warps = _triton.geometry(n, True)
+        args = (dst, src, dst if out is None else out, n, scale or 1.0, tl.float32,
+                scale is not None, out is not None, block)  # as reduce() launches it
+        key = (dst.get_device(), warps, _triton.launch_key(_kernel("reduce"), args)[0])
+        assert key in _direct_runs(_kernel("reduce")), "the later calls took Triton's path"
+
+
+def test_triton_direct_launches_follow_the_current_stream():
+    skip_if_interpreting()
+    n = 1 << 22
+    dst = torch.zeros(n, device="cuda")
+    src = torch.ones(n, device="cuda")
+    reduce(dst, src)  # Triton's path, on the default stream: this specialization is now seen
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # keep s busy, so a launch elsewhere would run first
+        src.fill_(2.0)
+        reduce(dst, src)  # the direct launch: on s, after the fill
+    torch.cuda.synchronize()
+    assert torch.equal(dst, torch.full_like(dst, 3.0))
+
+
+@needs_gpus(2)
+def test_triton_direct_launches_run_on_the_tensors_gpu():
+    skip_if_interpreting()
+    for _ in range(2):  # Triton's path, then the direct launch
+        dst = torch.zeros(4099, device="cuda:1")
+        with torch.cuda.device(0):
+            reduce(dst, torch.ones(4099, device="cuda:1"), scale=0.5)
+        torch.cuda.synchronize(1)
+        assert torch.equal(dst, torch.full_like(dst, 0.5))
+
+
+def _bucket(sizes, start, dtype=torch.float32):
+    """Tensors that are views of one buffer at a bucket's 16-element aligned offsets,
+    shifted by ``start`` elements (1: no tensor 16-byte aligned), and those offsets."""
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += -(-n // 16) * 16
+    base = torch.empty(at + start, dtype=dtype, device="cuda")
+    return [base[start + o:start + o + n] for o, n in zip(offsets, sizes)], offsets, at
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("sizes", [[(1 << 20) + 3] * 8, [2048] * 511 + [1]],
+                         ids=["8-large", "512-small"])
+def test_triton_plans_are_exact_on_every_stream(sizes, start, wire):
+    """pack_plan / unpack_plan (a bucket's layout, aligned and misaligned views)
+    against the references, exact, over several runs (Triton's path, then the direct
+    launch) and on a second stream (its own table), next to the one-shot calls."""
+    skip_if_interpreting()
+    from hybridcomm.kernels import pack_plan, unpack_plan
+    tensors, offsets, total = _bucket(sizes, start)
+    flat = torch.zeros(total, dtype=wire, device="cuda")
+    back, _, _ = _bucket(sizes, start)
+    pack_again = pack_plan(tensors, flat, offsets=offsets, scale=0.5)
+    unpack_again = unpack_plan(flat, back, offsets=offsets, scale=2.0)
+    s = torch.cuda.Stream()
+    for run in range(4):
+        with torch.cuda.stream(s if run == 3 else torch.cuda.current_stream()):
+            for i, t in enumerate(tensors):
+                t.copy_(rand(t.numel(), torch.float32, 100 * run + i))
+            if run == 3:
+                torch.cuda._sleep(20_000_000)  # the plan's launches must wait on s
+            assert pack_again() is flat
+            want = pack_ref(tensors, torch.zeros_like(flat), offsets=offsets, scale=0.5)
+            one_shot = pack(tensors, torch.zeros_like(flat), offsets=offsets, scale=0.5)
+            unpack_again()
+            back_ref = unpack_ref(flat, [torch.empty_like(t) for t in tensors], offsets=offsets,
+                                  scale=2.0)
+        torch.cuda.synchronize()
+        assert torch.equal(flat, want) and torch.equal(one_shot, want), run
+        assert all(torch.equal(a, b) for a, b in zip(back, back_ref)), run
+    if _direct_runs(_kernel("pack")) is not None:
+        assert _direct_runs(_kernel("pack")) and _direct_runs(_kernel("unpack"))
