@@ -208,20 +208,28 @@ class _DistributedOptimizer:
         ``momentum_free``: momentum 0 (DGC applied it before sparsifying)."""
         if momentum_free:
             hyper = [dict(h, momentum=0.0) for h in hyper]
-        saved_grads = [p.grad for p in params]
-        for p, g in zip(params, grads):
-            p.grad = g
-        chosen = {id(p) for p in params}
+        # What would change nothing is skipped (the usual deferred update: every
+        # parameter, its .grad the reduced view, the hyper-parameters of now)
+        saved_grads = None if all(p.grad is g for p, g in zip(params, grads)) \
+            else [p.grad for p in params]
+        if saved_grads is not None:
+            for p, g in zip(params, grads):
+                p.grad = g
         saved_groups = self.param_groups
-        groups = [dict(h, params=[p for p in g["params"] if id(p) in chosen])
-                  for g, h in zip(saved_groups, hyper)]
-        self.param_groups = [g for g in groups if g["params"]]
+        if len(params) != sum(len(g["params"]) for g in saved_groups) or any(
+                len(h) != len(g) - 1 or any(g[k] is not v and g[k] != v for k, v in h.items())
+                for g, h in zip(saved_groups, hyper)):
+            chosen = {id(p) for p in params}
+            groups = [dict(h, params=[p for p in g["params"] if id(p) in chosen])
+                      for g, h in zip(saved_groups, hyper)]
+            self.param_groups = [g for g in groups if g["params"]]
         try:
             super().step()
         finally:
             self.param_groups = saved_groups
-            for p, g in zip(params, saved_grads):
-                p.grad = g
+            if saved_grads is not None:
+                for p, g in zip(params, saved_grads):
+                    p.grad = g
 
     def synchronize(self) -> None:
         """Finish all communication and every pending update; ``.grad`` then holds

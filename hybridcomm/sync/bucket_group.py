@@ -43,7 +43,7 @@ from ..comm.engine import CommEngine
 from ..comm.powersgd import PowerSGD
 from ..config.config import SyncConfig
 from ..plan.planner import Plan
-from .buckets import GradBucket
+from .buckets import GradBucket, copy_into
 from .memory import Allocator
 from .used import UsedAgreement
 
@@ -244,41 +244,58 @@ class BucketGroup:
             return False
         elif s.phase is Phase.IN_FLIGHT:
             self.settle(s)  # a late gradient, or a dropped one: the reduction ends first
-        b = s.bucket
-        fresh = []
-        for pos, p in enumerate(b.params):
-            g = p.grad
-            if g is b.views[pos]:
-                continue
-            if pos in s.detached and g is not None:
-                b.views[pos].add_(g)  # what came while the launch was still to be issued
-                s.content.add(pos)
-            else:
-                s.content.discard(pos)  # dropped (None) or replaced: the view is stale
-                if g is None:
-                    fresh.append(pos)
-                    continue
-                if g.is_sparse:
-                    raise HybridCommError(
-                        f"parameter {self.names[b.spec.params[pos]]!r} has a sparse gradient; "
-                        "hybridcomm reduces dense gradients (sparse=True modules only on the "
-                        "CPU path)")
-                b.views[pos].copy_(g)
-                s.content.add(pos)
-            b.bind(pos)
-        s.detached.clear()
-        if fresh:
-            b.zero(fresh)
-            for pos in fresh:
-                b.bind(pos)
+        if s.detached:
+            b = s.bucket
+            for pos in s.detached:
+                g = b.params[pos].grad
+                if g is not None and g is not b.views[pos]:
+                    b.views[pos].add_(g)  # what came while the launch was still to be issued
+                    b.bind(pos)
+                    s.content.add(pos)
+            s.detached.clear()
         self.to(s, Phase.ACCUMULATING)
         return True
+
+    def absorb(self, s: BucketState) -> None:
+        """Every gradient of the accumulating bucket ``s`` into its view, each ``.grad``
+        the view: those autograd (or the user) put in tensors of their own are
+        copied in, in one multi-tensor copy; a view whose ``.grad`` is None holds
+        nothing of this round: it is zeroed (it is summed with the other ranks')
+        and bound, so that what other ranks send lands in ``.grad``."""
+        b = s.bucket
+        views, grads, taken, stale = [], [], [], []
+        for pos, p in enumerate(b.params):
+            g = p.grad
+            view = b.views[pos]
+            if g is view:
+                continue
+            if g is None:
+                stale.append(pos)
+                continue
+            if g.is_sparse:
+                raise HybridCommError(
+                    f"parameter {self.names[b.spec.params[pos]]!r} has a sparse gradient; "
+                    "hybridcomm reduces dense gradients (sparse=True modules only on the "
+                    "CPU path)")
+            views.append(view)
+            grads.append(g)
+            taken.append(pos)
+        if views:
+            copy_into(views, grads)
+            s.content.update(taken)
+        if stale:
+            b.zero(stale)
+            s.content.difference_update(stale)
+            taken += stale
+        for pos in taken:
+            b.bind(pos)
 
     def launch(self, s: BucketState, pass_id: int) -> None:
         """Hand the bucket to the engine (it issues it when the order reaches it)."""
         if s.phase is not Phase.ACCUMULATING:
             raise HybridCommError(f"internal error: bucket {s.index} launched from "
                                   f"{s.phase.value}")
+        self.absorb(s)
         s.complete = len(s.content) == len(s.bucket.params)
         used = self.links.used
         if used.on_host:
@@ -324,10 +341,12 @@ class BucketGroup:
             now = time.perf_counter()
             self.links.timeline.add(f"wait bucket {s.index}", "wait", now - waited, now)
 
-    def settle(self, s: BucketState) -> List[int]:
-        """Wait for the bucket's reduction; its content is now the reduced gradients
-        of the positions some rank used (returned). The phase is the caller's to set."""
-        self.wait(s)
+    def settle(self, s: BucketState, waited: bool = False) -> List[int]:
+        """Wait for the bucket's reduction (unless the caller just ``waited``); its
+        content is now the reduced gradients of the positions some rank used
+        (returned). The phase is the caller's to set."""
+        if not waited:
+            self.wait(s)
         b = s.bucket
         if b.buffer._version != self.engine.version(s.index):
             raise HybridCommError(

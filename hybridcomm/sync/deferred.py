@@ -96,7 +96,8 @@ class DeferredUpdates:
         issues an early-needed bucket sooner takes one more per such break."""
         t0 = time.perf_counter()
         group = self._group_of()
-        if self.measure.measuring(self.state.steps):
+        measuring = self.measure.measuring(self.state.steps)
+        if measuring:
             if s.launched_at is not None:
                 self.measure.window(s.bucket.spec.layers, s.launched_at, self.clock.stamp())
             together = [s]  # one by one: each bucket's window and need are measured
@@ -110,7 +111,7 @@ class DeferredUpdates:
         groups: Dict[bool, tuple] = {}
         for o in together:
             hyper, o.hyper = o.hyper, None
-            used = group.settle(o)
+            used = group.settle(o, waited=o is s and not measuring)
             group.to(o, Phase.IDLE)
             b = o.bucket
             for pos, p in enumerate(b.params):

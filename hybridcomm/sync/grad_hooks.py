@@ -1,17 +1,26 @@
 """The two autograd hooks on every reduced parameter: where a gradient enters.
 
-1. **Before autograd adds it** (a tensor hook): the bucket must be writable. A
-   reduction in flight is waited for (a *late* gradient: the result is kept and
-   the addition reduced again, all-reduce being linear), a deferred
-   forward-mode update is applied first, and a ``.grad`` that is None (zeroed
-   with ``set_to_none``) is bound to its zeroed view, so autograd adds in
-   place. A bucket whose launch the issue order has not reached yet is never
-   written: the gradient goes into a tensor of autograd's own and is folded in
-   once the launch is done.
-2. **After autograd added it** (a post-accumulate hook): a gradient autograd
-   put elsewhere (the user rebound ``.grad``) is copied in once. In the step's
-   launching pass (passes.py) a bucket is launched as soon as all its
-   gradients are in; the end of the pass launches the rest.
+Per parameter and backward pass these are the library's only Python work, so
+each is a look-up and a counter in the usual case; what costs more is done
+once per bucket (bucket_group.py).
+
+1. **Before autograd adds it** (a tensor hook). A ``.grad`` that is None
+   (``zero_grad()``, the default ``set_to_none=True``) needs nothing: autograd
+   puts the gradient in a tensor of its own, as in plain PyTorch (no zeroing,
+   no in-place add), and the bucket takes it in once per bucket (below). Only
+   a ``.grad`` that is its bucket's view is written in place, so then the
+   bucket must be writable: a reduction in flight is waited for (a *late*
+   gradient: the result is kept and the addition reduced again, all-reduce
+   being linear), a deferred forward-mode update is applied first, and a
+   bucket whose launch the issue order has not reached yet is never written:
+   the gradient goes into a tensor of autograd's own and is added in when the
+   bucket next opens.
+2. **After autograd added it** (a post-accumulate hook): the bucket is opened
+   if it was not accumulating, and the parameter counted. Once all of a
+   bucket's parameters are in, the bucket takes every gradient autograd kept
+   apart into its views in one multi-tensor copy (``BucketGroup.absorb``), and
+   in the step's launching pass (passes.py) it is launched; the end of the pass
+   launches the rest.
 
 Example::
 
@@ -23,9 +32,10 @@ from __future__ import annotations
 
 from typing import Dict, Iterable
 
-from ..base.errors import HybridCommError
 from .bucket_group import Phase
 from .passes import LAUNCH
+
+_ACCUMULATING = Phase.ACCUMULATING
 
 
 class GradientHooks:
@@ -44,9 +54,8 @@ class GradientHooks:
                 h.remove()
         for pid, p in want.items():
             if pid not in self._handles:
-                self._handles[pid] = [
-                    p.register_hook(lambda grad, p=p: self.before_grad(p)),
-                    p.register_post_accumulate_grad_hook(self.after_grad)]
+                self._handles[pid] = [p.register_hook(self._before(p)),
+                                      p.register_post_accumulate_grad_hook(self.after_grad)]
 
     def detach(self) -> None:
         for handles in self._handles.values():
@@ -54,30 +63,36 @@ class GradientHooks:
                 h.remove()
         self._handles = {}
 
+    def _before(self, p):
+        before_grad = self.before_grad
+
+        def hook(grad):
+            if p.grad is not None:  # None (the usual case): autograd keeps it apart
+                before_grad(p)
+        return hook
+
     def before_grad(self, p) -> None:
-        """Autograd is about to add a gradient into ``p.grad``: make that in place
-        and safe (tensor hook; returns None: the gradient is left as it is)."""
+        """Autograd is about to add a gradient into ``p.grad`` (not None): if that is
+        the bucket's view, make the in-place add safe."""
         sync = self.sync
         where = sync.group.where.get(id(p))
         if where is None:
             return
         s, pos = where
-        rt = sync.rt
-        if s.phase is Phase.ACCUMULATING and p.grad is not None and rt is None:
-            return  # the usual case: autograd adds into the view (or a tensor it was given)
         b = s.bucket
+        if p.grad is not b.views[pos]:
+            return  # a tensor of autograd's (or the user's): taken in at the launch
+        rt = sync.rt
+        if s.phase is _ACCUMULATING and rt is None:
+            return
         with sync.watched():
-            if s.phase is not Phase.ACCUMULATING:
-                if not sync.open(s):  # its launch is still to be issued
-                    if b.holds(pos):
-                        p.grad = None  # autograd starts a tensor of its own; folded in later
-                        s.detached.add(pos)
-                    return
-            elif p.grad is None:  # zeroed (set_to_none) in the middle of a round
-                s.content.discard(pos)
-                b.views[pos].zero_()
-                b.bind(pos)
-            if rt is not None and b.holds(pos):
+            if s.phase is not _ACCUMULATING and not sync.open(s):
+                # its launch is still to be issued: autograd starts a tensor of its own,
+                # added in when the bucket next opens
+                p.grad = None
+                s.detached.add(pos)
+                return
+            if rt is not None:
                 rt.expect_write(b.views[pos])  # autograd's in-place add, on this stream
 
     def after_grad(self, p) -> None:
@@ -88,27 +103,23 @@ class GradientHooks:
             return
         s, pos = where
         passes = sync.passes
-        with sync.watched():
-            if not passes.active or passes.end_due:  # (the plan is read once per pass)
-                passes.gradient_arrived(sync.plan.launch_pass, sync.measuring())
-            b = s.bucket
-            if s.launched:
-                return  # waits in autograd's tensor until the launch is done (open)
-            if p.grad is not b.views[pos]:  # autograd put it elsewhere (.grad was rebound)
-                if p.grad.is_sparse:
-                    raise HybridCommError(f"parameter {sync.group.names[b.spec.params[pos]]!r}"
-                                          " got a sparse gradient; hybridcomm reduces dense "
-                                          "gradients (use sparse=True only on the CPU path)")
-                if s.phase is not Phase.ACCUMULATING and not sync.open(s):
-                    return
-                b.views[pos].copy_(p.grad)
-                b.bind(pos)
-            s.content.add(pos)
-            if s.pass_id != passes.id:
-                s.pass_id, s.touched = passes.id, set()
-            s.touched.add(pos)
-            if passes.kind == LAUNCH:
-                if passes.measuring:
-                    sync.measure.ready(b.spec.params[pos], sync.clock.stamp())
-                if len(s.touched) == len(b.params) and s.launched_epoch != sync.state.epoch:
+        if not passes.active or passes.end_due:  # (the plan is read once per pass)
+            passes.gradient_arrived(sync.plan.launch_pass, sync.measuring())
+        if s.phase is not _ACCUMULATING:
+            with sync.watched():
+                if not sync.open(s):
+                    return  # launched, not issued: waits in p.grad until it opens again
+        if s.pass_id != passes.id:
+            s.pass_id, s.touched = passes.id, set()
+        touched = s.touched
+        touched.add(pos)
+        s.content.add(pos)
+        launching = passes.kind == LAUNCH
+        if launching and passes.measuring:
+            sync.measure.ready(s.bucket.spec.params[pos], sync.clock.stamp())
+        if len(touched) == len(s.bucket.params):  # the bucket's last gradient of this pass
+            with sync.watched():
+                if not launching:
+                    sync.group.absorb(s)  # (a local pass: the memory autograd held, freed)
+                elif s.launched_epoch != sync.state.epoch:
                     sync.group.open_and_launch(s, sync.open, passes.id)
