@@ -9,7 +9,7 @@ import torch
 from hybridcomm.base.errors import HybridCommError
 from hybridcomm.gpu import runtime
 from hybridcomm.gpu.runtime import CudaRuntime
-from hybridcomm.comm.transport import cupy_nccl, select
+from hybridcomm.comm.transport import comm_thread, cupy_nccl, select
 
 
 class _FakeCudaRuntime:
@@ -183,7 +183,8 @@ def test_the_communicators_thread_exempts_itself_and_makes_the_last_call(monkeyp
     t.runtime, t.rank, t.comm, t.nccl = Runtime(), 3, Comm(), types.SimpleNamespace(
         NcclError=RuntimeError)
     t._cv, t._aborted, t._failure, t._destroy_on_close = threading.Condition(), True, None, False
-    owner = cupy_nccl._Owner(t)  # failed already: exempt, then straight to the abort
+    t.stream = None
+    owner = comm_thread.CommThread(t)  # failed already: exempt, then straight to the abort
     owner.thread.join(10)
     assert owner.released
     assert calls == [(1, "hybridcomm-nccl-r3"), ("abort", "hybridcomm-nccl-r3")]

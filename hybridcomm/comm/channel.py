@@ -42,24 +42,18 @@ import time
 from collections import deque
 from typing import Callable, Optional
 
+import torch.distributed as dist
+
 from .control import new_group_like
 from ..base.errors import HybridCommError, HybridCommTimeout
 from ..gpu.runtime import runtime_for
 from ..base.timeline import Timeline
+from .transport.base import OrderedTask
 from .transport.select import select_transport
 from .transport.torch_dist import TorchDistTransport
 
 
-class _Issue:
-    """An operation submitted to an :class:`Issuer`: its result once the thread has
-    issued it (or the error issuing it raised)."""
-
-    __slots__ = ("fn", "what", "result", "error", "issued")
-
-    def __init__(self, fn, what: str):
-        self.fn, self.what = fn, what
-        self.result = self.error = None
-        self.issued = False
+_Issue = OrderedTask  # an operation submitted to an Issuer: its result once issued
 
 
 class Issuer:
@@ -68,18 +62,35 @@ class Issuer:
     One per transport (``issuer_for``), shared by every channel on it and by
     ``all_reduce`` and the DDP hook once it exists: two threads issuing on one
     communicator would interleave differently on each rank (NCCL matches by
-    order). Bound to the rank's device; lives as long as the process (a daemon).
+    order). A transport with a thread of its own that makes every call on its
+    communicator (``CupyNcclTransport.comm_thread``) runs the operations
+    there, whole: one hand-off per operation, none per NCCL call. Otherwise a
+    thread of the issuer's, bound to the rank's device, lives as long as the
+    process (a daemon).
     """
 
     def __init__(self, transport):
         self.transport = transport
+        # the transport's own thread, where it has one that calls its communicator
+        self._thread_of = getattr(transport, "comm_thread", None)
+        self._error: Optional[BaseException] = None
+        if self._thread_of is not None:
+            return
         self._cv = threading.Condition()
         self._queue: deque = deque()
-        self.error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="hybridcomm-issue", daemon=True)
         self._thread.start()
 
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What stopped the issuing (nothing is issued after a failure)."""
+        if self._thread_of is not None:
+            return self.transport.failure
+        return self._error
+
     def submit(self, fn, what: str) -> _Issue:
+        if self._thread_of is not None:
+            return self._thread_of.submit_ordered(fn, what)
         issue = _Issue(fn, what)
         with self._cv:
             self._queue.append(issue)
@@ -94,13 +105,13 @@ class Issuer:
                     self._cv.wait()
                 issue = self._queue[0]
             try:
-                if self.error is not None:
-                    raise self.error  # nothing is issued after a failure
+                if self._error is not None:
+                    raise self._error  # nothing is issued after a failure
                 issue.result = issue.fn()
             except BaseException as e:  # noqa: BLE001 - surfaced by the waits
                 issue.error = e
-                if self.error is None:
-                    self.error = e
+                if self._error is None:
+                    self._error = e
             with self._cv:
                 issue.issued, issue.fn = True, None
                 self._queue.popleft()
@@ -118,15 +129,18 @@ class Issuer:
             # at the timeout, and the issuing thread's error (naming the rank and the
             # step) is what the wait raises.
             limit = 2 * timeout
-            deadline = time.perf_counter() + limit
-            with self._cv:
-                while not issue.issued:
-                    left = deadline - time.perf_counter()
-                    if left <= 0:
-                        raise HybridCommTimeout(
-                            f"rank {self.transport.rank}: {what} not issued within {limit:g}s "
-                            "(the issuing thread is blocked on a peer?)")
-                    self._cv.wait(min(left, 1.0))
+            if self._thread_of is not None:
+                self._thread_of.wait_ordered(issue, what, limit)
+            else:
+                deadline = time.perf_counter() + limit
+                with self._cv:
+                    while not issue.issued:
+                        left = deadline - time.perf_counter()
+                        if left <= 0:
+                            raise HybridCommTimeout(
+                                f"rank {self.transport.rank}: {what} not issued within "
+                                f"{limit:g}s (the issuing thread is blocked on a peer?)")
+                        self._cv.wait(min(left, 1.0))
         if issue.error is not None:
             raise issue.error
         return issue.result
@@ -159,6 +173,8 @@ def issue_in_order(transport, fn, what: str, timeout: float):
 
 class HostChannel:  # host path
     """CPU: one worker thread runs the submitted operations in submission order.
+    ``inline``: they run at once, in the caller (a group of one rank, whose
+    operations communicate nothing: a thread would only cost a hand-off each).
 
     Example::
 
@@ -171,7 +187,8 @@ class HostChannel:  # host path
 
     stream_ordered = False
 
-    def __init__(self, timeout: float, timeline: Optional[Timeline] = None):
+    def __init__(self, timeout: float, timeline: Optional[Timeline] = None, *,
+                 inline: bool = False):
         self.timeout = timeout
         self.timeline = timeline or Timeline(enabled=False)
         self._cv = threading.Condition()
@@ -182,8 +199,12 @@ class HostChannel:  # host path
         self._closed = False
         self._busy_s = 0.0  # comm time of finished operations, until take_busy()
         self._ops: list = []  # (key, seconds) of finished keyed operations, until take_ops()
-        self._thread = threading.Thread(target=self._run, name="hybridcomm-channel", daemon=True)
-        self._thread.start()
+        self._inline = inline
+        self._thread = None
+        if not inline:
+            self._thread = threading.Thread(target=self._run, name="hybridcomm-channel",
+                                            daemon=True)
+            self._thread.start()
 
     def submit(self, fn: Callable[[], None], what: str, key=None) -> int:
         """Queue ``fn``; its ticket. With a ``key``, its duration is kept for
@@ -193,7 +214,10 @@ class HostChannel:  # host path
                 raise HybridCommError("the communication channel is closed")
             self._submitted += 1
             self._queue.append((self._submitted, fn, what, key))
-            self._cv.notify_all()
+            if self._inline:
+                self._run_next()
+            else:
+                self._cv.notify_all()
             return self._submitted
 
     def done(self, ticket: int) -> bool:
@@ -256,34 +280,47 @@ class HostChannel:  # host path
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout=self.timeout)
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout)
 
     def _run(self) -> None:
-        while True:
-            with self._cv:
+        with self._cv:
+            while True:
                 while not self._queue and not self._closed:
                     self._cv.wait()
                 if not self._queue:
                     return
-                ticket, fn, what, key = self._queue.popleft()
-            t0 = time.perf_counter()
-            try:
-                fn()
-            except BaseException as e:  # surfaced to the trainer on its next wait
-                with self._cv:
-                    self._error, self._failed_what = e, what
-                    self._queue.clear()
-                    self._closed = True
-                    self._cv.notify_all()
-                return
-            t1 = time.perf_counter()
-            self.timeline.add(what, "comm/channel", t0, t1)
-            with self._cv:
-                self._busy_s += t1 - t0
-                if key is not None:
-                    self._ops.append((key, t1 - t0))
-                self._completed = ticket
-                self._cv.notify_all()
+                self._run_next()
+                if self._error is not None:
+                    return
+
+    def _run_next(self) -> None:
+        """Run the next queued operation (caller holds the lock, released while it runs)."""
+        ticket, fn, what, key = self._queue.popleft()
+        self._cv.release()
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except BaseException as e:  # surfaced to the trainer on its next wait
+            self._cv.acquire()
+            self._error, self._failed_what = e, what
+            self._queue.clear()
+            self._closed = True
+            self._cv.notify_all()
+            return
+        t1 = time.perf_counter()
+        self.timeline.add(what, "comm/channel", t0, t1)
+        self._cv.acquire()
+        self._busy_s += t1 - t0
+        if key is not None:
+            self._ops.append((key, t1 - t0))
+        self._completed = ticket
+        self._cv.notify_all()
+
+
+# Completed timing events are read (queried) when taken, at the end of a step, or
+# once this many are queued: a few queries per operation, whatever the caller.
+_HARVEST_AT = 8
 
 
 class StreamChannel:
@@ -337,8 +374,9 @@ class StreamChannel:
     def _issue(self, fn, what: str, key):
         start, done = fn()
         with self._lock:
-            self._harvest_timed()  # the completed ones: a caller that never takes
-            self._timed.append((start, done, what, key))  # them (the averager) keeps none
+            if len(self._timed) >= _HARVEST_AT:  # a caller that never takes them (the
+                self._harvest_timed()  # averager) keeps few; the optimizer takes each step
+            self._timed.append((start, done, what, key))
         return done
 
     def _harvest_timed(self) -> None:
@@ -385,7 +423,8 @@ class StreamChannel:
         point = self.runtime.new_event(timing=True)  # where the trainer's stream waits
         point.record(stream)
         stream.wait_event(event)
-        self._harvest_waits()  # the completed ones: only waits in flight stay queued
+        if len(self._waits) >= _HARVEST_AT:  # (the optimizer takes them each step)
+            self._harvest_waits()
         self._waits.append((point, event))
         return 0.0
 
@@ -423,10 +462,14 @@ def open_channel(device, group, timeout: float, timeline: Optional[Timeline] = N
     """``(transport, channel)`` for tensors on ``device`` over ``group``: on a GPU (or
     the simulated one) the transport's comm stream (issued from a thread of the
     channel's with ``issue_thread``); on the CPU a gloo group of its own (so the
-    user's collectives never interleave) and a worker thread."""
+    user's collectives never interleave) and a worker thread. A group of one rank
+    communicates nothing: its operations are issued (or run) in the caller, as
+    they come, without a thread's hand-off."""
+    alone = dist.get_world_size(group) == 1
     if runtime_for(device) is not None:
         transport = select_transport(device, group, timeout=timeout)
-        return transport, StreamChannel(transport, timeline, issue_thread=issue_thread,
+        return transport, StreamChannel(transport, timeline,
+                                        issue_thread=issue_thread and not alone,
                                         timeout=timeout)
     transport = TorchDistTransport(new_group_like(group, timeout))
-    return transport, HostChannel(timeout, timeline)
+    return transport, HostChannel(timeout, timeline, inline=alone)

@@ -147,7 +147,8 @@ class CommEngine:
         label = (f"bucket {index} ({b.spec.algorithm}, segment {s + 1}/{len(b.spec.segments)}, "
                  f"{seg.numel() * seg.element_size()} bytes)")
         after = None
-        if last:
+        if last and (b.wire is not None or not self.channel.stream_ordered):
+            # (on a stream nothing to do without a wire copy: no kernel, no second event)
             def after():
                 b.from_wire()
                 if not self.channel.stream_ordered:

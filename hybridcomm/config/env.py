@@ -105,8 +105,12 @@ VARIABLES = {v.name: v for v in (
              "one-device transport: bytes of each rank pair's mailbox (a message moves in "
              "pieces of this size)"),
     Variable("HYBRIDCOMM_ISSUE_THREAD", parse_bool, True,
-             "GPU path: the optimizer's buckets are issued by a thread of the channel "
-             "(off: by the gradient hook, on autograd's thread)"),
+             "GPU path: the optimizer's buckets are issued by the transport's communicator "
+             "thread, whole (off: by the gradient hook, on autograd's thread)"),
+    Variable("HYBRIDCOMM_TRITON_FAST_LAUNCH", parse_bool, True,
+             "kernels: launch a seen specialization through its compiled kernel's launcher "
+             "directly (off: Triton's own path every call); read by hybridcomm.kernels at "
+             "import"),
     Variable("HYBRIDCOMM_PIPELINE_BYTES", parse_size, 32 << 20,
              "pipeline parts of large host-path buffers (0: off)"),
     Variable("HYBRIDCOMM_NVTX", parse_bool, None, "NVTX ranges on/off (default: when nsys attaches)"),

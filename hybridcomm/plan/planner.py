@@ -492,11 +492,18 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     notes: List[str] = []
     forced = forced_algorithm(strategy)
     topo = (topology or Topology()).resolve(world_size)
-    if fusion_bytes is None:
+    if fusion_bytes is None and world_size == 1:
+        # Nothing crosses a wire, so nothing overlaps: a bucket only costs host time
+        # per step (its launch, its events, its wait)
+        fusion_bytes = sum(layer.numel * layer.element_size for layer in layers)
+        notes.append("world size 1: nothing is communicated, so the layers share one bucket "
+                     "per dtype (each bucket costs host time every step); fusion_bytes= "
+                     "overrides")
+    elif fusion_bytes is None:
         fusion_bytes = default_fusion(model, notes, world_size, topo, call_s)
     split_default = split_bytes is None
     if split_default:
-        split_bytes = default_split(model, world_size, notes, topo)
+        split_bytes = 0 if world_size == 1 else default_split(model, world_size, notes, topo)
     candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)]
     groups = _fuse(layers, fusion_bytes, lazy_bytes, low_rank)
     if lazy_bytes is not None:

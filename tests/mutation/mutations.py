@@ -169,9 +169,9 @@ MUTATIONS = [
         what="the transport's lock held across groupStart..groupEnd: the watchdog cannot abort"),
     Mutation(
         "no-issue-deadline", "new 1", "hybridcomm/comm/transport/cupy_nccl.py",
-        old="            self._issuing[key] = (time.monotonic() + self.issue_timeout, what,\n"
-            "                                  self.issue_timeout)\n",
-        new="            self._issuing[key] = (float(\"inf\"), what, self.issue_timeout)\n",
+        old="        self._issuing[key] = (time.monotonic() + self.issue_timeout, what,\n"
+            "                              self.issue_timeout)\n",
+        new="        self._issuing[key] = (float(\"inf\"), what, self.issue_timeout)\n",
         guards=(GPU + "test_a_peer_silent_before_its_first_operation_is_a_timeout_not_a_hang"
                 "[step-step 0]",
                 GPU + "test_a_peer_silent_before_its_first_operation_is_a_timeout_not_a_hang"
@@ -428,7 +428,7 @@ MUTATIONS = [
         guards=(NCCL_SELECT + "test_the_watchdog_exempts_its_thread_from_global_graph_capture",),
         what="the watchdog queries events without the thread-local capture mode"),
     Mutation(
-        "nccl-thread-in-global-mode", "i29 3", "hybridcomm/comm/transport/cupy_nccl.py",
+        "nccl-thread-in-global-mode", "i29 3", "hybridcomm/comm/transport/comm_thread.py",
         old="            t._exempt_from_capture(\"NCCL communicator's thread\")\n",
         new="",
         guards=(NCCL_SELECT + "test_the_communicators_thread_exempts_itself_and_makes_the_last_call",),

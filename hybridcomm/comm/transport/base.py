@@ -12,11 +12,26 @@ buffers: a transport never copies or allocates on the data path. Two kinds:
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Protocol, Sequence, Tuple
 
 import torch
 
 Transfer = Tuple[int, torch.Tensor]  # (peer rank in the group, 1-D contiguous tensor)
+_ALREADY = contextlib.nullcontext()
+
+
+class OrderedTask:
+    """Work run in a transport's issue order by the thread that issues for it: its
+    ``result`` once ``issued`` (or the ``error`` running it raised)."""
+
+    __slots__ = ("fn", "what", "result", "error", "issued")
+
+    def __init__(self, fn, what: str = ""):
+        self.fn, self.what = fn, what
+        self.result = self.error = None
+        self.issued = False
 
 
 class Pending(Protocol):
@@ -38,6 +53,9 @@ class CommStream:
     there, in issue order, ordered against other streams by events only."""
 
     stream_ordered = True
+    # a thread whose current stream is the comm stream for its whole life (the
+    # communicator's thread): stream_context costs nothing there
+    _stream_thread = None
 
     def _init_stream(self, runtime, priority: int) -> None:
         self.runtime = runtime
@@ -46,6 +64,8 @@ class CommStream:
     def stream_context(self):
         """``with t.stream_context():`` makes the comm stream current (kernels
         launched inside queue after the communication issued so far)."""
+        if threading.current_thread() is self._stream_thread:
+            return _ALREADY
         return self.runtime.use(self.stream)
 
     def wait_event(self, event) -> None:

@@ -49,7 +49,8 @@ import torch
 
 from ...config import env
 from ...base.errors import HybridCommError, HybridCommTimeout
-from .base import CommStream, Transfer
+from .base import CommStream, OrderedTask, Transfer
+from .comm_thread import CommThread
 
 # torch dtype -> name of the ncclDataType_t constant in ``cupy.cuda.nccl``.
 NCCL_DTYPE_NAMES: Dict[torch.dtype, str] = {
@@ -163,7 +164,9 @@ class CupyNcclTransport(CommStream):
         self.comm = self._make_comm(store, ranks)
         self._init_stream(runtime, priority)
         self._handle = runtime.handle(self.stream)
-        self._owner = _Owner(self)  # from here on, the only thread calling self.comm
+        # from here on the only thread calling self.comm; it runs whole operations too
+        # (comm_thread.submit_ordered: the channel's issuing, one hand-off per operation)
+        self.comm_thread = CommThread(self)
 
     def _make_comm(self, store, ranks):
         # The n-th communicator this rank makes for these ranks: the same n on
@@ -237,14 +240,13 @@ class CupyNcclTransport(CommStream):
         raises it, and the communicator's thread aborts once the blocked call
         returns (an abort from another thread would race that call).
         """
+        if threading.current_thread() is self.comm_thread.thread:
+            self._issue_here(calls, what)  # a whole operation run in order (submit_ordered)
+            return
         with self._cv:
-            self._usable()
-            key = next(self._issue_ids)
-            self._issuing[key] = (time.monotonic() + self.issue_timeout, what,
-                                  self.issue_timeout)
-            self._start_watchdog()
+            key = self._deadline(what)
             try:
-                task = self._wait(self._owner.submit(calls))
+                task = self._wait(self.comm_thread.submit(calls))
             finally:
                 del self._issuing[key]
         if isinstance(task.error, self.nccl.NcclError):
@@ -256,9 +258,36 @@ class CupyNcclTransport(CommStream):
             raise task.error
         self._usable()  # failed while issuing: what was queued may be garbage
 
-    def _wait(self, task: "_Task") -> "_Task":  # caller holds the lock
+    def _deadline(self, what: str) -> int:  # caller holds the lock
+        """Register an issue's deadline before its first call (the watchdog flags it
+        late); returns its key in ``_issuing``."""
+        self._usable()
+        key = next(self._issue_ids)
+        self._issuing[key] = (time.monotonic() + self.issue_timeout, what,
+                              self.issue_timeout)
+        self._start_watchdog()
+        return key
+
+    def _issue_here(self, calls, what: str) -> None:
+        """:meth:`_issue` on the communicator's own thread (inside an operation it runs
+        for :meth:`submit_ordered`): the calls run here, under the same deadline."""
+        with self._cv:
+            key = self._deadline(what)
+        try:
+            calls()
+        except self.nccl.NcclError as e:
+            self._fail(HybridCommError(
+                f"rank {self.rank}: {what}: NCCL failed while issuing it: {e}; the "
+                "communicator was aborted"))
+            raise (self._failure or self._aborted_error()) from e
+        finally:
+            with self._cv:
+                del self._issuing[key]
+        self._usable()  # failed while issuing: what was queued may be garbage
+
+    def _wait(self, task: OrderedTask) -> OrderedTask:  # caller holds the lock
         """Until the communicator's thread has run ``task`` or the transport failed."""
-        while not task.done and not self._aborted:
+        while not task.issued and not self._aborted:
             self._cv.wait(self.WATCHDOG_PERIOD_S)
         return task
 
@@ -298,7 +327,7 @@ class CupyNcclTransport(CommStream):
         The query runs on the communicator's thread (it polls by itself when idle)."""
         with self._cv:
             self._usable()
-            task = self._wait(self._owner.submit(self.comm.check_async_error))
+            task = self._wait(self.comm_thread.submit(self.comm.check_async_error))
         if isinstance(task.error, self.nccl.NcclError):
             self._fail(HybridCommError(f"rank {self.rank}: NCCL reported an error: "
                                        f"{task.error}; the communicator was aborted"))
@@ -409,7 +438,7 @@ class CupyNcclTransport(CommStream):
     def _wait_released(self, what: str) -> None:
         deadline = time.monotonic() + self.CLOSE_WAIT_S
         with self._cv:
-            while not self._owner.released:
+            while not self.comm_thread.released:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.warning("rank %d: %s: an NCCL call is still blocked on a peer after "
@@ -417,98 +446,6 @@ class CupyNcclTransport(CommStream):
                                 self.rank, what, self.CLOSE_WAIT_S)
                     return
                 self._cv.wait(min(left, 1.0))
-
-
-class _Task:
-    """Work for the communicator's thread: done once run (``error``: what it raised)."""
-
-    __slots__ = ("fn", "done", "error")
-
-    def __init__(self, fn):
-        self.fn, self.done, self.error = fn, False, None
-
-
-class _Owner:
-    """The one thread that calls a transport's communicator (see the module docstring).
-
-    It runs the submitted tasks in turn (groups, all-reduce, async-error queries),
-    polls NCCL's async error while idle, and once the transport has failed or is
-    closed it makes the communicator's last call, abort or destroy, and ends.
-    """
-
-    def __init__(self, transport: CupyNcclTransport):
-        self.t, self.nccl = transport, transport.nccl
-        self.tasks: collections.deque = collections.deque()
-        self.released = False
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"hybridcomm-nccl-r{transport.rank}")
-        self.thread.start()
-
-    def submit(self, fn) -> _Task:  # caller holds the transport's lock
-        task = _Task(fn)
-        self.tasks.append(task)
-        self.t._cv.notify_all()
-        return task
-
-    def _run(self) -> None:
-        t = self.t
-        try:
-            t.runtime.bind_thread()  # NCCL's calls from this thread: the rank's device
-            t._exempt_from_capture("NCCL communicator's thread")
-            while True:
-                with t._cv:
-                    while not self.tasks and not t._aborted:
-                        if not t._cv.wait(t.WATCHDOG_PERIOD_S):
-                            break
-                    if t._aborted:
-                        break
-                    task = self.tasks.popleft() if self.tasks else None
-                if task is None:
-                    self._poll()
-                    continue
-                self._execute(task)
-                with t._cv:
-                    task.done = True
-                    t._cv.notify_all()
-        except BaseException as e:  # noqa: BLE001 - fail the transport, then still release
-            t._fail(HybridCommError(f"rank {t.rank}: the NCCL communicator's thread failed "
-                                    f"({type(e).__name__}: {e}); the communicator was aborted"))
-        finally:
-            self._release()
-
-    def _execute(self, task: _Task) -> None:
-        calls = task.fn
-        try:
-            calls()
-        except self.nccl.NcclError as e:
-            task.error = e
-        except BaseException as e:  # noqa: BLE001 - the waiting caller raises it
-            task.error = e
-
-    def _poll(self) -> None:
-        try:
-            self.t.comm.check_async_error()
-        except self.nccl.NcclError as e:
-            self.t._fail(HybridCommError(f"rank {self.t.rank}: NCCL reported an error "
-                                         f"(watchdog): {e}; the communicator was aborted"))
-
-    def _release(self) -> None:
-        """The communicator's last call: destroy on a clean close, else abort."""
-        t = self.t
-        with t._cv:
-            error = t._failure or t._aborted_error()
-            for task in self.tasks:  # submitted after the failure: never run
-                task.error, task.done = error, True
-            self.tasks.clear()
-            destroy = t._destroy_on_close
-        try:
-            t.comm.destroy() if destroy else t.comm.abort()
-        except Exception as e:  # noqa: BLE001 - nothing left to tell it to
-            log.warning("rank %d: releasing the NCCL communicator failed: %s", t.rank, e)
-        finally:
-            with t._cv:
-                self.released = True
-                t._cv.notify_all()
 
 
 def exempt_from_global_capture() -> bool:
