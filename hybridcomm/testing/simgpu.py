@@ -178,6 +178,7 @@ class SimStream:
     def wait_event(self, event: "SimEvent") -> None:
         """Later operations of this stream wait for the event's recorded position."""
         self.device.touch()
+        _count(self.device, "stream_waits")
         if hasattr(event, "wait_on"):  # another process's shared event (SimOpenedEvent)
             event.wait_on(self)
             return
@@ -240,6 +241,8 @@ class SimEvent:
     def __init__(self, device: "_Device", _internal: bool = False, timing: bool = False):
         if not _internal:
             device.touch()
+            _count(device, "events")
+        self._internal = _internal  # the simulator's own (allocator): not counted
         self.device = device
         self.timing = timing  # torch.cuda.Event(enable_timing=...)
         self._stream: Optional[SimStream] = None
@@ -262,6 +265,8 @@ class SimEvent:
         stream = stream or self.device.current_stream()
         op = _Op("record", "record_event", stream, fn=self)
         with self.device.cv:
+            if not self._internal:
+                self.device.stats["event_records"] += 1
             self._when = None
             stream._issue(op)
             self._stream, self._seq, self._vc = stream, op.seq, op.vc
@@ -269,6 +274,9 @@ class SimEvent:
     def query(self) -> bool:
         self.device.touch()
         with self.device.cv:
+            if not self._internal:  # a watchdog's polls depend on time, not on the step
+                watchdog = "watchdog" in threading.current_thread().name
+                self.device.stats["watchdog_queries" if watchdog else "event_queries"] += 1
             return self._stream is None or self._stream._done >= self._seq
 
     def synchronize(self) -> None:
@@ -786,7 +794,13 @@ class _Device:
 
 def _zero_stats() -> Dict[str, int]:
     return {"nccl_ops": 0, "kernel_launches": 0, "host_syncs": 0, "stream_ops": 0,
-            "allocations": 0, "defects": 0}
+            "allocations": 0, "defects": 0, "events": 0, "event_records": 0,
+            "event_queries": 0, "watchdog_queries": 0, "stream_waits": 0}
+
+
+def _count(dev: "_Device", key: str) -> None:
+    with dev.cv:
+        dev.stats[key] += 1
 
 
 class _Held:
@@ -1596,8 +1610,10 @@ def _launch_hook(name, fn, args, kwargs, reads, writes) -> bool:
 
 def stats() -> Dict[str, int]:
     """Counters since the last :func:`reset_stats`: ``nccl_ops``, ``kernel_launches``,
-    ``host_syncs``, ``stream_ops``, ``allocations``, ``defects``, and
-    ``launches:<kernel>`` per kernel launched (``launches:pack``, ...)."""
+    ``host_syncs``, ``stream_ops``, ``allocations``, ``defects``, ``events`` (made),
+    ``event_records``, ``event_queries`` (``watchdog_queries`` apart: they follow the
+    clock), ``stream_waits``, and ``launches:<kernel>`` per kernel launched
+    (``launches:pack``, ...). The simulator's own events are not counted."""
     if _device is None:
         return _zero_stats()
     with _device.cv:

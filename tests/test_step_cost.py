@@ -1,0 +1,117 @@
+"""What a steady training step asks of the CUDA runtime and of Python, counted
+exactly on the simulated GPU, per bucket and per parameter (issue 38's guard).
+
+On a fast GPU a step of a small model is bound by host time, and whatever the
+library does per parameter and step is paid on every step. So the GPU path's
+cost is pinned here as counts, not times: per bucket, the events it records,
+the stream waits, the allocations (none), the schedule's kernels and NCCL
+calls; per parameter, the two hook calls autograd makes and nothing else (no
+event, no kernel, no slow path: a cleared ``.grad`` is taken in per bucket,
+in one multi-tensor copy). Event queries depend on how far the (simulated)
+GPU has got, so they have a bound per bucket; the watchdog's, which follow
+the clock, are apart. A per-parameter event or launch creeping back in fails
+here with the count it added.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from multiproc import run_ranks
+from optim_models import batch, make_model, shard
+from plan_counts import schedule_counts
+
+STEADY = 3  # steps counted, after the measured steps and the re-plan
+
+
+def _counted_step(rank, world, overlap):
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    import hybridcomm
+    from hybridcomm.plan.cost_model import CostModel
+    from hybridcomm.sync.bucket_group import BucketGroup
+    from hybridcomm.sync.grad_hooks import GradientHooks
+    from hybridcomm.testing import simgpu
+
+    calls = {}
+
+    def counting(cls, name):
+        method = getattr(cls, name)
+
+        def counted(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return method(*args, **kwargs)
+        setattr(cls, name, counted)
+
+    for name in ("before_grad", "after_grad"):
+        counting(GradientHooks, name)
+    make_pre_hook = GradientHooks._before
+
+    def counted_pre_hook(self, p):  # the hook autograd calls before it accumulates
+        hook = make_pre_hook(self, p)
+
+        def pre_hook(grad):
+            calls["pre_hook"] = calls.get("pre_hook", 0) + 1
+            return hook(grad)
+        return pre_hook
+    GradientHooks._before = counted_pre_hook
+    for name in ("open", "absorb", "launch", "wait"):
+        counting(BucketGroup, name)
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
+        overlap=overlap, fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
+        measure_iters=2, timeout=60)
+    calls_before = {}
+    for s in range(5 + STEADY):
+        if s == 5:  # past the measured steps and the re-plan: the steady state
+            opt.synchronize()
+            simgpu.reset_stats()
+            calls_before = dict(calls)
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    opt.synchronize()  # forward mode: the last step's updates applied
+    stats = simgpu.stats()
+    hooks = {k: v - calls_before.get(k, 0) for k, v in calls.items()}
+    plan = opt.plan
+    kernels, nccl = schedule_counts(plan, rank, world)
+    params = sum(len(b.params) for b in plan.buckets)
+    opt.close()
+    return stats, hooks, len(plan.buckets), params, kernels, nccl, \
+        sorted({b.algorithm for b in plan.buckets})
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
+def test_a_steady_step_costs_a_fixed_count_per_bucket_and_none_per_parameter(overlap):
+    for stats, hooks, buckets, params, kernels, nccl, algos in run_ranks(
+            2, _counted_step, overlap, timeout=180):
+        assert buckets > 1 and set(algos) <= {"butterfly", "ring"}, algos
+        per_step = {k: v / STEADY for k, v in stats.items()}
+        # the schedules' own work, nothing per parameter
+        assert stats["kernel_launches"] == STEADY * kernels, (stats, kernels)
+        assert stats["nccl_ops"] == STEADY * nccl, (stats, nccl)
+        assert stats["host_syncs"] == 0 and stats["defects"] == 0, stats
+        assert stats["allocations"] == 0, stats  # scratch and buckets are reused
+        # per bucket: a ready event on the trainer's stream, a start and a done event
+        # on the comm stream (timed: the channel's busy time), and where the trainer's
+        # stream waits (timed: the exposed time); the comm stream waits for the first,
+        # the trainer's stream for the done one
+        assert per_step["event_records"] == 4 * buckets, (per_step, buckets)
+        assert per_step["events"] == 4 * buckets, (per_step, buckets)
+        assert per_step["stream_waits"] == 2 * buckets, (per_step, buckets)
+        # queries read events already recorded, a few per bucket whatever the progress
+        assert per_step["event_queries"] <= 4 * buckets, (per_step, buckets)
+        # Python: autograd calls the two hooks of each parameter once; a cleared .grad
+        # never enters the pre-hook's body; opening, taking in and launching: per bucket
+        assert hooks["pre_hook"] == STEADY * params, (hooks, params)
+        assert hooks["after_grad"] == STEADY * params, (hooks, params)
+        assert hooks.get("before_grad", 0) == 0, hooks
+        assert hooks["open"] == STEADY * buckets, (hooks, buckets)
+        assert hooks["launch"] == STEADY * buckets, (hooks, buckets)
+        # (overlap="none": also where backward completes a bucket, freeing autograd's
+        # tensors then, not at step())
+        taken_in = 2 if overlap == "none" else 1
+        assert hooks["absorb"] == STEADY * taken_in * buckets, (hooks, buckets)
+        assert hooks["wait"] == STEADY * buckets, (hooks, buckets)
