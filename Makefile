@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hybridcomm-setup
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup test demo bench profile gpu-check mutation clean
+.PHONY: setup test demo bench profile gpu-check gpu-bench mutation clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile
@@ -73,6 +73,14 @@ profile: setup
 GPU_CHECK_JSON ?= gpu-check.json
 gpu-check: setup
 	$(PY) tests/gpu/gpu_check.py --output $(GPU_CHECK_JSON)
+
+# hybridcomm's speed on one GPU in ~4 minutes (at most 6): kernels against torch and the
+# copy bandwidth, a training step at world 1 against plain torch and DDP, 2 and 4 ranks
+# on the one GPU, profiles; tables, a verdict line and a JSON report. Not part of
+# `make test`; without CUDA it is a dry run on the simulated GPU (tiny sizes, ~30 s).
+GPU_BENCH_JSON ?= gpu-bench.json
+gpu-bench: setup
+	$(PY) benchmarks/gpu_bench.py --json $(GPU_BENCH_JSON)
 
 # Mutation check of the GPU path (not part of `make test`): each mutation listed in
 # tests/mutation/mutations.py (the known defects put back), applied to a copy of the
