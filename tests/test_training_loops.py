@@ -466,6 +466,40 @@ def unfreeze(loop, at):
     return [model]
 
 
+def freeze(loop, at):
+    """A layer frozen at step ``at``, its parameters still in the optimizer (a
+    backbone frozen to fine-tune a head): momentum must not move it, its
+    ``.grad`` None from then on, as one process leaves it (issue 39)."""
+    torch.manual_seed(11)
+    model = _mlp(IN, 16, 16, OUT)
+    opt = loop.wrap(_sgd(model.parameters()), model)
+    for s in range(STEPS):
+        x, y = map(loop.data, _whole(11000 + s, (IN,), (OUT,)))
+        if s == at:
+            model[0].requires_grad_(False)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        if s >= at:
+            assert all(p.grad is None for p in model[0].parameters())
+    return [model]
+
+
+def toggled(loop):
+    """A GAN's discriminator: frozen on every other step (``requires_grad = False``
+    while the generator trains through it), trained on the others."""
+    torch.manual_seed(12)
+    model = _mlp(IN, 16, 16, OUT)
+    opt = loop.wrap(_sgd(model.parameters()), model)
+    for s in range(STEPS):
+        x, y = map(loop.data, _whole(12000 + s, (IN,), (OUT,)))
+        model[2].requires_grad_(s % 2 == 0)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return [model]
+
+
 def two_optimizers(loop):
     """Two wrapped optimizers over one model, each with its own parameters."""
     torch.manual_seed(9)
@@ -513,6 +547,8 @@ PATTERNS = {
     **{f"add_param_group_frozen_head_at_step{at}": P(add_param_group, frozen=True, at=at)
        for at in CHANGE_STEPS},
     **{f"unfreeze_layer_at_step{at}": P(unfreeze, at=at) for at in CHANGE_STEPS},
+    **{f"freeze_layer_at_step{at}": P(freeze, at=at) for at in CHANGE_STEPS},
+    "freeze_every_other_step": toggled,
     "two_optimizers_one_model": two_optimizers,
     "micro_batches": micro_batches,
 }

@@ -397,10 +397,16 @@ class BucketGroup:
                 self.to(s, Phase.IDLE)
 
     def quiesce(self) -> None:
-        """Nothing in flight (after a flush, with nothing pending): every bucket IDLE."""
+        """Nothing in flight (after a flush, with nothing pending): every bucket IDLE,
+        ``.grad`` None where no rank had a gradient (as ``consume`` leaves it: a
+        parameter frozen since must not be stepped on a zeroed view)."""
         for s in self.states:
             if s.launched:
-                self.settle(s)
+                used = set(self.settle(s))
+                b = s.bucket
+                for pos, p in enumerate(b.params):
+                    if pos not in used and p.grad is b.views[pos]:
+                        p.grad = None
             self.to(s, Phase.IDLE)
 
     def zero_in_place(self) -> None:
