@@ -61,6 +61,31 @@ def evaluates_closure_once(base: type) -> bool:
             and getattr(step, "__qualname__", "").split(".")[0] not in _WHOLE_MODEL_OPTIMIZERS)
 
 
+def _refuse_wrapped(model) -> None:
+    """A model (or a module in it) that DDP or FSDP already synchronizes: both would
+    write the gradients, DDP's average into the buckets while hybridcomm's is in
+    flight. Refused on every rank alike, naming the wrapper and the fix."""
+    if model is None:
+        return
+    from torch.nn.parallel import DistributedDataParallel
+    kinds = [DistributedDataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        kinds.append(FullyShardedDataParallel)
+        from torch.distributed.fsdp import FSDPModule  # fully_shard (FSDP2)
+        kinds.append(FSDPModule)
+    except ImportError:
+        pass
+    for name, m in model.named_modules():
+        if isinstance(m, tuple(kinds)):
+            where = f"the module {name!r}" if name else "the model"
+            raise HybridCommError(
+                f"{where} is wrapped in {type(m).__name__}, which synchronizes gradients "
+                "itself: hybridcomm.DistributedOptimizer replaces it. Pass the plain module "
+                "(ddp_model.module) and drop the wrapper; to keep DDP, register hybridcomm's "
+                "all-reduce as its comm hook instead (hybridcomm.ddp.register)")
+
+
 class _DistributedOptimizer:
     """Mixin placed in front of the user's optimizer class; see DistributedOptimizer()."""
 
@@ -71,6 +96,7 @@ class _DistributedOptimizer:
                  **options) -> None:
         control.require_initialized("DistributedOptimizer")
         forced_algorithm(options["strategy"])  # every rank refuses a bad name alike
+        _refuse_wrapped(model)  # (every rank alike: no collective has started)
         overlap = options["overlap"]
         if overlap == "forward" and model is None:
             warnings.warn("hybridcomm: overlap='forward' needs model= to hook its forward; "

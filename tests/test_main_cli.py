@@ -97,3 +97,17 @@ def test_without_a_calibration_plan_uses_the_probe_a_job_of_that_size_kept(tmp_p
     assert f"# cost model: probe saved at {probe}" in p.stdout
     p = _run("plan", "--layers", "conv:1728,fc:1M", "--world", "8", env_vars=variables)
     assert "# cost model: built-in defaults" in p.stdout  # another world size: not that probe
+
+
+def test_python_m_on_an_old_module_path_runs_it_where_it_moved():
+    """Issue 39: ``python -m hybridcomm.bench`` (the flat layout's path, which
+    base/moved.py keeps importing) ended in ``'_Alias' object has no attribute
+    'get_code'``; it now says where the module is and runs it there."""
+    for old, new, args, says in (("hybridcomm.bench", "hybridcomm.tools.bench", ["--help"],
+                                  "usage: hybridcomm-bench"),
+                                 ("hybridcomm.planner", "hybridcomm.plan.planner", [], "")):
+        r = subprocess.run([sys.executable, "-m", old, *args], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert f"hybridcomm: {old} is now {new}" in r.stderr, r.stderr
+        assert says in r.stdout

@@ -63,6 +63,20 @@ class _Alias(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         module.__spec__ = self.spec
 
+    # ``python -m hybridcomm.<old path>`` (runpy) asks the loader for these: it says
+    # where the module moved and runs it there, as ``python -m <new path>`` would
+    # (its relative imports resolve from the new package, not the old name's)
+    def is_package(self, fullname) -> bool:
+        spec = importlib.util.find_spec(self.target)
+        return spec is not None and spec.submodule_search_locations is not None
+
+    def get_code(self, fullname):
+        old, new = (name.removesuffix(".__main__") for name in (fullname, self.target))
+        source = ("import runpy, sys\n"
+                  f"print('hybridcomm: {old} is now {new}', file=sys.stderr)\n"
+                  f"runpy.run_module({self.target!r}, run_name='__main__', alter_sys=True)\n")
+        return compile(source, f"<{old}: moved to {new}>", "exec")
+
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):

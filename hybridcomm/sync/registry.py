@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Dict, List, Sequence, Tuple
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..comm import control
 from ..base.dtensor import group_problem, local_numel, local_shape
@@ -118,6 +119,14 @@ class ParamRegistry:
         HybridCommError on every rank, naming the parameters and what to do."""
         owned = sparse_owned(self.model)
         problems = []
+        lazy = [n for n, p in zip(names, params) if is_lazy(p)]
+        if lazy:  # (no shape to agree on: the other checks would fail on it)
+            problems.append(f"{', '.join(map(repr, lazy[:5]))} "
+                            f"{'is' if len(lazy) == 1 else 'are'} not initialized yet (a lazy "
+                            "module: nn.LazyLinear, ...): run one forward pass (a dummy batch) "
+                            "before making the DistributedOptimizer")
+            params = [p for p in params if not is_lazy(p)]
+            names = [n for n in names if n not in lazy]
         for n, p in zip(names, params):
             if p.is_complex():
                 problems.append(f"{n!r} is complex ({p.dtype}): not supported; keep it as a "
