@@ -72,9 +72,9 @@ class Issuer:
     def __init__(self, transport):
         self.transport = transport
         # the transport's own thread, where it has one that calls its communicator
-        self._thread_of = getattr(transport, "comm_thread", None)
+        self._comm_thread = getattr(transport, "comm_thread", None)
         self._error: Optional[BaseException] = None
-        if self._thread_of is not None:
+        if self._comm_thread is not None:
             return
         self._cv = threading.Condition()
         self._queue: deque = deque()
@@ -84,13 +84,13 @@ class Issuer:
     @property
     def error(self) -> Optional[BaseException]:
         """What stopped the issuing (nothing is issued after a failure)."""
-        if self._thread_of is not None:
+        if self._comm_thread is not None:
             return self.transport.failure
         return self._error
 
     def submit(self, fn, what: str) -> _Issue:
-        if self._thread_of is not None:
-            return self._thread_of.submit_ordered(fn, what)
+        if self._comm_thread is not None:
+            return self._comm_thread.submit_ordered(fn, what)
         issue = _Issue(fn, what)
         with self._cv:
             self._queue.append(issue)
@@ -129,8 +129,8 @@ class Issuer:
             # at the timeout, and the issuing thread's error (naming the rank and the
             # step) is what the wait raises.
             limit = 2 * timeout
-            if self._thread_of is not None:
-                self._thread_of.wait_ordered(issue, what, limit)
+            if self._comm_thread is not None:
+                self._comm_thread.wait_ordered(issue, what, limit)
             else:
                 deadline = time.perf_counter() + limit
                 with self._cv:
