@@ -243,7 +243,8 @@ class _DistributedOptimizer:
                 p.grad = g
         saved_groups = self.param_groups
         if len(params) != sum(len(g["params"]) for g in saved_groups) or any(
-                len(h) != len(g) - 1 or any(g[k] is not v and g[k] != v for k, v in h.items())
+                len(h) != len(g) - 1 or any(k not in g or (g[k] is not v and g[k] != v)
+                                            for k, v in h.items())
                 for g, h in zip(saved_groups, hyper)):
             chosen = {id(p) for p in params}
             groups = [dict(h, params=[p for p in g["params"] if id(p) in chosen])

@@ -514,6 +514,24 @@ def launch_table(kernel, flat: torch.Tensor, tensors, offsets, scale, block) -> 
                    table_args(table, flat, scale, dtype, alignment, blk))
 
 
+def copy_plan(kernel, flat: torch.Tensor, tensors, offsets, scale, block, impl, elsewhere,
+              result):
+    """The function ``pack_plan`` / ``unpack_plan`` return: on a Triton device the
+    prepared table launch (:func:`table_plan`), else ``elsewhere()`` (the simulated
+    GPU or the torch reference) every call; either returns ``result``."""
+    if use_triton(flat, impl):
+        launch = table_plan(kernel, flat, tensors, offsets, scale, block)
+
+        def copied():
+            launch()
+            return result
+    else:
+        def copied():
+            elsewhere()
+            return result
+    return copied
+
+
 def table_plan(kernel, flat: torch.Tensor, tensors, offsets, scale, block):
     """``launch_table(kernel, flat, tensors, offsets, scale, block)`` prepared: the
     groups, rows and geometry worked out once; returns a function that launches

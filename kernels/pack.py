@@ -10,7 +10,7 @@ from ._triton import (
     flat_offsets,
     launch_table,
     simulated,
-    table_plan,
+    copy_plan,
     tl,
     triton,
     triton_available,
@@ -155,17 +155,8 @@ def pack_plan(tensors, out, *, offsets=None, scale=None, impl=None, _block=None)
     """
     tensors, out, offsets = _prepare(tensors, out, None, offsets)
     scale = check_scale(scale)
-    if use_triton(out, impl):
-        launch = table_plan(_pack_kernel, out, tensors, offsets, scale, _block)
-
-        def packed():
-            launch()
-            return out
-    else:
-        def packed():
-            _packed_without_triton(tensors, out, scale, offsets, impl)
-            return out
-    return packed
+    return copy_plan(_pack_kernel, out, tensors, offsets, scale, _block, impl,
+                     lambda: _packed_without_triton(tensors, out, scale, offsets, impl), out)
 
 
 def _packed_without_triton(tensors, out, scale, offsets, impl) -> bool:

@@ -9,7 +9,7 @@ from ._triton import (
     flat_offsets,
     launch_table,
     simulated,
-    table_plan,
+    copy_plan,
     tl,
     triton,
     triton_available,
@@ -131,17 +131,9 @@ def unpack_plan(flat, tensors, *, offsets=None, scale=None, impl=None, _block=No
     """
     tensors, offsets = _check(flat, tensors, offsets)
     scale = check_scale(scale)
-    if use_triton(flat, impl):
-        launch = table_plan(_unpack_kernel, flat, tensors, offsets, scale, _block)
-
-        def unpacked():
-            launch()
-            return tensors
-    else:
-        def unpacked():
-            _unpacked_without_triton(flat, tensors, scale, offsets, impl)
-            return tensors
-    return unpacked
+    return copy_plan(_unpack_kernel, flat, tensors, offsets, scale, _block, impl,
+                     lambda: _unpacked_without_triton(flat, tensors, scale, offsets, impl),
+                     tensors)
 
 
 def _unpacked_without_triton(flat, tensors, scale, offsets, impl) -> bool:

@@ -53,9 +53,6 @@ from .transport.select import select_transport
 from .transport.torch_dist import TorchDistTransport
 
 
-_Issue = OrderedTask  # an operation submitted to an Issuer: its result once issued
-
-
 class Issuer:
     """The thread that issues a transport's work, in submission order.
 
@@ -88,10 +85,10 @@ class Issuer:
             return self.transport.failure
         return self._error
 
-    def submit(self, fn, what: str) -> _Issue:
+    def submit(self, fn, what: str) -> OrderedTask:
         if self._comm_thread is not None:
             return self._comm_thread.submit_ordered(fn, what)
-        issue = _Issue(fn, what)
+        issue = OrderedTask(fn, what)
         with self._cv:
             self._queue.append(issue)
             self._cv.notify_all()
@@ -121,7 +118,7 @@ class Issuer:
         """Until everything submitted so far is issued (tests, shutdown)."""
         self.result(self.submit(lambda: None, "drain"), "draining the issue queue", timeout)
 
-    def result(self, issue: _Issue, what: str, timeout: float):
+    def result(self, issue: OrderedTask, what: str, timeout: float):
         """``issue``'s result once issued (a host wait for the issuing only), or the
         error issuing it raised."""
         if not issue.issued:
@@ -409,7 +406,7 @@ class StreamChannel:
 
     def done(self, handle) -> bool:
         """Whether the operation has finished (an error counts: the wait raises it)."""
-        if isinstance(handle, _Issue):
+        if isinstance(handle, OrderedTask):
             return handle.issued and (handle.error is not None or handle.result.query())
         return handle.query()
 
@@ -418,7 +415,7 @@ class StreamChannel:
         ``on_slow`` never fires here: the transport's watchdog bounds the wait)."""
         self._raise_failure()
         event = self._issuer.result(handle, what, self.timeout) \
-            if isinstance(handle, _Issue) else handle
+            if isinstance(handle, OrderedTask) else handle
         stream = self.runtime.current_stream()
         point = self.runtime.new_event(timing=True)  # where the trainer's stream waits
         point.record(stream)

@@ -402,12 +402,20 @@ class BucketGroup:
         parameter frozen since must not be stepped on a zeroed view)."""
         for s in self.states:
             if s.launched:
-                used = set(self.settle(s))
-                b = s.bucket
-                for pos, p in enumerate(b.params):
-                    if pos not in used and p.grad is b.views[pos]:
-                        p.grad = None
+                self.drop_unused(s, self.settle(s))
             self.to(s, Phase.IDLE)
+
+    @staticmethod
+    def drop_unused(s: BucketState, used) -> None:
+        """``.grad`` None where no rank had a gradient (``used``: the positions some
+        rank had), as one process on the whole batch leaves it."""
+        b = s.bucket
+        if len(used) == len(b.params):
+            return
+        used = set(used)
+        for pos, p in enumerate(b.params):
+            if pos not in used and p.grad is b.views[pos]:
+                p.grad = None
 
     def zero_in_place(self) -> None:
         """Before gradients are zeroed in place: a reduction in flight is waited for;

@@ -113,10 +113,8 @@ class DeferredUpdates:
             hyper, o.hyper = o.hyper, None
             used = group.settle(o, waited=o is s and not measuring)
             group.to(o, Phase.IDLE)
+            group.drop_unused(o, used)
             b = o.bucket
-            for pos, p in enumerate(b.params):
-                if pos not in used and p.grad is b.views[pos]:
-                    p.grad = None
             free = b.topk is not None and bool(self._momentum)
             params, grads, _ = groups.setdefault(free, ([], [], hyper))
             for pos in used:
