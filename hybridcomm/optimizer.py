@@ -32,19 +32,21 @@ from contextlib import contextmanager
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
+from torch.distributed.algorithms.join import Join, Joinable
 
 from . import broadcast
 from .comm import control
-from .config import env
+from .comm import servers as ps
 from .base.errors import HybridCommError
 from .config.config import SyncConfig
 from .plan.planner import forced_algorithm
 from .sync.synchronizer import GradientSynchronizer
 
-# Optimizers whose step needs every gradient at once (or re-evaluates a closure).
-_WHOLE_MODEL_OPTIMIZERS = ("LBFGS",)
+# Optimizers whose step needs every gradient at once (LBFGS: it re-evaluates a
+# closure) or updates every parameter it holds (ZeroRedundancyOptimizer: its
+# shard, then it broadcasts): stepped whole, never per bucket.
+_WHOLE_MODEL_OPTIMIZERS = ("LBFGS", "ZeroRedundancyOptimizer")
 
 
 def evaluates_closure_once(base: type) -> bool:
@@ -86,7 +88,66 @@ def _refuse_wrapped(model) -> None:
                 "all-reduce as its comm hook instead (hybridcomm.ddp.register)")
 
 
-class _DistributedOptimizer:
+class _JoinableOptimizer:
+    """torch's ``Joinable`` protocol, for uneven inputs (sync/join.py)."""
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """A context in which ranks that run out of data shadow the others until
+        every rank has, as DDP's ``model.join()`` (the same options and defaults).
+
+        A rank that leaves the loop contributes zeros to each round of the ranks
+        still training; the average divides by the initial world size
+        (``divide_by_initial_world_size=False``: by the ranks still training).
+        ``throw_on_early_termination=True``: every rank raises torch's
+        ``RuntimeError`` at the first step after a rank ran out, instead. At the
+        end, every rank has the parameters, buffers and optimizer state of a rank
+        that joined last. ``Join([opt])`` (torch.distributed.algorithms.join)
+        works alike, with the optimizer first in the list.
+
+        Example::
+
+            >>> with opt.join():
+            ...     for x, y in loader:          # its length differs between ranks
+            ...         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs):
+        if type(self).__name__ == "ZeroRedundancyOptimizer":
+            raise HybridCommError("join: a ZeroRedundancyOptimizer inside a DistributedOptimizer "
+                                  "communicates in its step, which a joined rank cannot shadow: "
+                                  "wrap a plain optimizer to train with uneven inputs")
+        return self._hc_sync.joining.hook(self, self._hc_copy_state, kwargs.get(
+            "divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return torch.device("cpu")  # the notices go over gloo
+
+    @property
+    def join_process_group(self):
+        return self._hc_sync.joining.group
+
+    @property
+    def _join_config(self):
+        return self._hc_sync.joining.config
+
+    @_join_config.setter
+    def _join_config(self, config) -> None:
+        self._hc_sync.joining.configure(config)
+
+    def _hc_copy_state(self, root: int) -> None:
+        """Every rank gets rank ``root``'s parameters, buffers and optimizer state."""
+        sync = self._hc_sync
+        broadcast.broadcast_parameters(self._hc_named_values(sync.model), root_rank=root,
+                                       process_group=sync.process_group, timeout=sync.timeout)
+        broadcast.broadcast_optimizer_state(self, root_rank=root, process_group=sync.process_group,
+                                            timeout=sync.timeout)
+
+
+class _DistributedOptimizer(_JoinableOptimizer):
     """Mixin placed in front of the user's optimizer class; see DistributedOptimizer()."""
 
     # GradScaler then hands itself to step(), so the inf check sees reduced gradients.
@@ -103,13 +164,14 @@ class _DistributedOptimizer:
                           "using overlap='backward'", stacklevel=3)
             overlap = "backward"
         if overlap == "forward" and type(self).__name__ in _WHOLE_MODEL_OPTIMIZERS:
-            warnings.warn(f"hybridcomm: {type(self).__name__} needs all gradients at once; "
-                          "using overlap='backward'", stacklevel=3)
+            warnings.warn(f"hybridcomm: {type(self).__name__} steps all its parameters at once "
+                          "(forward mode steps one bucket at a time); using "
+                          "overlap='backward'", stacklevel=3)
             overlap = "backward"
         config = SyncConfig.build(**dict(options, overlap=overlap))  # checks every value
         config = config.replace(correction_momentum=self._hc_correction_momentum(config.topk))
-        servers, process_group, self._hc_own_servers = _summation_servers(
-            servers, process_group, config)
+        servers, process_group, self._hc_own_servers = ps.resolve(
+            servers, process_group, config.strategy, config.timeout)
         self._hc_skip = self._hc_synchronized = False
         self._hc_closure_first = evaluates_closure_once(type(self).__bases__[1])  # the wrapped class
         sync = None
@@ -135,16 +197,19 @@ class _DistributedOptimizer:
         """Every rank starts from rank 0's parameters and buffers (as DDP's
         constructor does), or, with ``broadcast_parameters=False``, from equal
         ones: a difference is refused on every rank, naming the first."""
-        if model is not None:
-            named = list(model.named_parameters()) + list(model.named_buffers())
-        else:
-            named = [(f"param_groups[{g}][{i}]", p) for g, group_ in enumerate(self.param_groups)
-                     for i, p in enumerate(group_["params"])]
+        named = self._hc_named_values(model)
         if broadcast_parameters:
             broadcast.broadcast_parameters(named, root_rank=0, process_group=group,
                                            timeout=timeout)
         else:
             broadcast.check_parameters_agree(named, process_group=group, timeout=timeout)
+
+    def _hc_named_values(self, model) -> list:
+        """(name, tensor) of the model's parameters and buffers, else the optimizer's."""
+        if model is not None:
+            return list(model.named_parameters()) + list(model.named_buffers())
+        return [(f"param_groups[{g}][{i}]", p) for g, group_ in enumerate(self.param_groups)
+                for i, p in enumerate(group_["params"])]
 
     # ---- what the synchronizer shows -----------------------------------------------------
     @property
@@ -390,37 +455,7 @@ class _DistributedOptimizer:
                 state[key] = view
 
 
-def _summation_servers(given, process_group, config: SyncConfig):
-    """(the SummationServers to use or None, the process group to reduce over, the
-    servers made here from a Role or None): the workers' group when ``process_group``
-    is left out. Every rank raises alike: a forced ``ps`` without servers, a group
-    that is not the workers'."""
-    from .comm import servers as ps
-    from .plan.cost_model import PS
-
-    forced = env.get("HYBRIDCOMM_ALGO") or config.strategy
-    if given is None:
-        if forced == PS:
-            raise HybridCommError("algorithm 'ps' needs the summation servers: pass servers= "
-                                  "(a hybridcomm.comm.servers.Role from split_world, or "
-                                  "SummationServers)")
-        return None, process_group, None
-    if isinstance(given, ps.Role):
-        made = ps.SummationServers(given, timeout=config.timeout)
-        servers = made
-    elif isinstance(given, ps.SummationServers):
-        made, servers = None, given
-    else:
-        raise TypeError("servers must be a hybridcomm.comm.servers.Role (split_world) or "
-                        f"SummationServers, got {type(given).__name__}")
-    workers = servers.role.workers
-    if process_group is None:
-        process_group = servers.role.worker_group
-    elif dist.get_world_size(process_group) != len(workers):
-        raise HybridCommError(f"process_group has {dist.get_world_size(process_group)} "
-                              f"ranks but the summation servers' workers are {len(workers)}: "
-                              "leave process_group out (the workers' group is used)")
-    return servers, process_group, made
+Joinable.register(_DistributedOptimizer)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None,

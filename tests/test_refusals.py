@@ -6,6 +6,8 @@ on one rank, the other in a raw gloo timeout) and the second came out as
 torch's message about ``load_state_dict``."""
 import time
 
+import pytest
+
 import torch
 import torch.nn as nn
 
@@ -58,3 +60,46 @@ def _lazy_after_a_forward(rank, world):
 
 def test_a_lazy_module_after_its_first_forward_is_accepted():
     assert run_ranks(2, _lazy_after_a_forward, timeout=120) == [4, 4]
+
+
+def _zero_inner(rank, world):
+    """ZeroRedundancyOptimizer as the inner optimizer, over several buckets: forward
+    mode steps it whole (warned), as backward mode does."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
+    with pytest.warns(UserWarning, match="steps all its parameters at once"):
+        opt = hybridcomm.DistributedOptimizer(zero, model=model, overlap="forward",
+                                              fusion_bytes=200, cost_model="default",
+                                              timeout=30)
+    buckets = len(opt.plan.buckets)
+    for x, y in _shards(rank, world):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), buckets
+
+
+def _shards(rank, world, steps=4):
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g))
+               for _ in range(steps)]
+    return [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
+
+
+def test_a_zero_redundancy_inner_optimizer_is_stepped_whole_and_matches_one_process():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for x, y in _shards(0, 1):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    ref = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    eps = torch.finfo(torch.float32).eps
+    for params, buckets in run_ranks(2, _zero_inner, timeout=120):
+        assert buckets > 1
+        assert torch.allclose(params, ref, rtol=64 * eps, atol=64 * eps), (params - ref).abs().max()

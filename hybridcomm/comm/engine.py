@@ -69,6 +69,7 @@ class CommEngine:
         self.bytes_sent = 0  # by this rank, since the trainer last read it
         n = len(buckets)
         self._launches = [0] * n  # launches so far, per bucket
+        self._launched = 0  # their sum
         self._issued = [0] * n  # launches whose every segment is in the channel
         self._issue_seq = [0] * n  # when its last launch went into the channel (a counter)
         self._seq = 0
@@ -92,8 +93,13 @@ class CommEngine:
             self._ready[index] = rt.new_event()
             self._ready[index].record(rt.current_stream())
         self._launches[index] += 1
+        self._launched += 1
         self._tickets[index] = [None] * len(b.spec.segments)
         self._pump()
+
+    def at_round_start(self) -> bool:
+        """Whether the next launch is the first of a round of the order."""
+        return self._launched == self.round * len(self.buckets)
 
     def issued(self, index: int) -> bool:
         """Whether bucket ``index``'s last launch is wholly in the channel (then it can

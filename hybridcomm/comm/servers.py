@@ -52,6 +52,7 @@ import torch.distributed as dist
 from . import control
 from ..config import env
 from ..base.errors import HybridCommError
+from ..plan.cost_model import PS
 from .transport.torch_dist import posted, wait_work
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -256,3 +257,37 @@ def _sum(bufs: List[torch.Tensor], avg: bool) -> torch.Tensor:
     if avg:
         total.div_(len(bufs))
     return total.to(dtype)
+
+
+def resolve(given, process_group, strategy: str, timeout: float):
+    """``DistributedOptimizer(servers=...)``: (the SummationServers to use or None,
+    the process group to reduce over, the servers made here from a Role or None):
+    the workers' group when ``process_group`` is left out. Every rank raises alike:
+    a forced ``ps`` without servers, a group that is not the workers'.
+
+        >>> resolve(None, None, "hybrid", 60)
+        (None, None, None)
+    """
+    forced = env.get("HYBRIDCOMM_ALGO") or strategy
+    if given is None:
+        if forced == PS:
+            raise HybridCommError("algorithm 'ps' needs the summation servers: pass servers= "
+                                  "(a hybridcomm.comm.servers.Role from split_world, or "
+                                  "SummationServers)")
+        return None, process_group, None
+    if isinstance(given, Role):
+        made = SummationServers(given, timeout=timeout)
+        servers = made
+    elif isinstance(given, SummationServers):
+        made, servers = None, given
+    else:
+        raise TypeError("servers must be a hybridcomm.comm.servers.Role (split_world) or "
+                        f"SummationServers, got {type(given).__name__}")
+    workers = servers.role.workers
+    if process_group is None:
+        process_group = servers.role.worker_group
+    elif dist.get_world_size(process_group) != len(workers):
+        raise HybridCommError(f"process_group has {dist.get_world_size(process_group)} "
+                              f"ranks but the summation servers' workers are {len(workers)}: "
+                              "leave process_group out (the workers' group is used)")
+    return servers, process_group, made

@@ -44,6 +44,7 @@ from ..comm.powersgd import PowerSGD
 from ..config.config import SyncConfig
 from ..plan.planner import Plan
 from .buckets import GradBucket, copy_into
+from .join import ROUND
 from .memory import Allocator
 from .used import UsedAgreement
 
@@ -152,6 +153,7 @@ class Links:
     on_device: bool = False
     on_slow: Optional[Callable[[int], Optional[str]]] = None  # a wait turned slow
     slow_after: float = 0.0
+    joining: object = None  # in a join context, while this rank trains (join.py: JoinState)
 
 
 class BucketGroup:
@@ -295,6 +297,9 @@ class BucketGroup:
         if s.phase is not Phase.ACCUMULATING:
             raise HybridCommError(f"internal error: bucket {s.index} launched from "
                                   f"{s.phase.value}")
+        joining = self.links.joining
+        if joining is not None and self.engine.at_round_start():
+            joining.notify(ROUND)  # before anything of the round is issued
         self.absorb(s)
         s.complete = len(s.content) == len(s.bucket.params)
         used = self.links.used
@@ -324,6 +329,17 @@ class BucketGroup:
         self.launch_rest(open_, pass_id)
         for s in self.states:
             self.open_and_launch(s, open_, pass_id)
+
+    def launch_nothing(self, open_: Callable[[BucketState], bool], pass_id: int) -> None:
+        """A joined rank's share of a round (join.py): every bucket launched holding
+        nothing of this rank's (zeros, no position used)."""
+        for s in self.states:
+            if s.phase is not Phase.ACCUMULATING and not open_(s):
+                raise HybridCommError(f"internal error: bucket {s.index} shadowed before its "
+                                      "last launch was issued")
+            for p in s.bucket.params:
+                p.grad = None  # absorb zeroes the view and marks the position unused
+            self.launch(s, pass_id)
 
     def open_and_launch(self, s: BucketState, open_: Callable[[BucketState], bool],
                         pass_id: int) -> None:

@@ -46,6 +46,7 @@ from . import checkpoint, ownership
 from .bucket_group import BucketGroup, BucketState, Links, Phase, StepState
 from .deferred import DeferredUpdates, Update
 from .grad_hooks import GradientHooks
+from .join import STEP_END, JoinState
 from .measure import StepMeasurements, op_samples
 from .memory import bucket_allocator
 from .passes import LATE, LAUNCH, PassTracker
@@ -128,6 +129,7 @@ class GradientSynchronizer:
                                  servers=len(servers.role.servers) if servers else 0)
         self.passes = PassTracker(cfg.overlap, self._pass_ended, self.timeline)
         self.hooks = GradientHooks(self)
+        self.joining = JoinState(self)
         self.group: Optional[BucketGroup] = None
         self.deferred = DeferredUpdates(lambda: self.group, update, self.measure, self.state,
                                         self.clock, self.timeline, self.rt,
@@ -258,6 +260,8 @@ class GradientSynchronizer:
 
     def end_step(self) -> None:
         """A step ended: statistics, measurements, re-plan."""
+        if self._links.joining is not None:  # the joined ranks end it too (join.py)
+            self._links.joining.notify(STEP_END)
         t0, state, engine = self._step_t0, self.state, self.group.engine
         busy = self.channel.take_busy()
         ops = self.channel.take_ops()  # after take_busy: on a GPU it reads their events

@@ -636,4 +636,17 @@ MUTATIONS = [
         guards=(PSGD + "test_powersgd_on_the_simulated_gpu_keeps_ranks_identical",),
         what="the comm stream's P is orthogonalized on the issuing thread before it is all-reduced "
              "(each rank's own P: the ranks' estimates differ)"),
+    Mutation(
+        "join-joined-rank-sends-its-stale-gradients", "i39 join", "hybridcomm/sync/bucket_group.py",
+        old="                p.grad = None  # absorb zeroes the view and marks the position unused\n",
+        new="                pass\n",
+        guards=("tests/test_join.py::test_join_gives_ddps_join_numbers_in_every_mode[host]",),
+        what="a joined rank's shadow round sends the reduced gradients of its last round "
+             "instead of zeros"),
+    Mutation(
+        "join-divides-by-the-initial-world-always", "i39 join", "hybridcomm/sync/join.py",
+        old="            self.sync.group.engine.scale = 1.0 / ranks\n",
+        new="            pass\n",
+        guards=("tests/test_join.py::test_join_gives_ddps_join_numbers_in_every_mode[host]",),
+        what="divide_by_initial_world_size=False still divides by the initial world size"),
 ]
