@@ -107,9 +107,12 @@ class _JoinableOptimizer:
 
         Example::
 
+            >>> opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+            ...                                       model=model)
             >>> with opt.join():
-            ...     for x, y in loader:          # its length differs between ranks
+            ...     for x, y in loader:          # its length may differ between ranks
             ...         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+            >>> opt.close()
         """
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
