@@ -41,6 +41,8 @@ from .comm import servers as ps
 from .base.errors import HybridCommError
 from .config.config import SyncConfig
 from .plan.planner import forced_algorithm
+from .sync import shard as sharding
+from .sync.registry import refuse_wrapped
 from .sync.synchronizer import GradientSynchronizer
 
 # Optimizers whose step needs every gradient at once (LBFGS: it re-evaluates a
@@ -61,31 +63,6 @@ def evaluates_closure_once(base: type) -> bool:
     step = getattr(base, "step", None)
     return (getattr(step, "__module__", "").startswith("torch.optim.")
             and getattr(step, "__qualname__", "").split(".")[0] not in _WHOLE_MODEL_OPTIMIZERS)
-
-
-def _refuse_wrapped(model) -> None:
-    """A model (or a module in it) that DDP or FSDP already synchronizes: both would
-    write the gradients, DDP's average into the buckets while hybridcomm's is in
-    flight. Refused on every rank alike, naming the wrapper and the fix."""
-    if model is None:
-        return
-    from torch.nn.parallel import DistributedDataParallel
-    kinds = [DistributedDataParallel]
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        kinds.append(FullyShardedDataParallel)
-        from torch.distributed.fsdp import FSDPModule  # fully_shard (FSDP2)
-        kinds.append(FSDPModule)
-    except ImportError:
-        pass
-    for name, m in model.named_modules():
-        if isinstance(m, tuple(kinds)):
-            where = f"the module {name!r}" if name else "the model"
-            raise HybridCommError(
-                f"{where} is wrapped in {type(m).__name__}, which synchronizes gradients "
-                "itself: hybridcomm.DistributedOptimizer replaces it. Pass the plain module "
-                "(ddp_model.module) and drop the wrapper; to keep DDP, register hybridcomm's "
-                "all-reduce as its comm hook instead (hybridcomm.ddp.register)")
 
 
 class _JoinableOptimizer:
@@ -150,7 +127,7 @@ class _JoinableOptimizer:
                                             timeout=sync.timeout)
 
 
-class _DistributedOptimizer(_JoinableOptimizer):
+class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
     """Mixin placed in front of the user's optimizer class; see DistributedOptimizer()."""
 
     # GradScaler then hands itself to step(), so the inf check sees reduced gradients.
@@ -160,7 +137,9 @@ class _DistributedOptimizer(_JoinableOptimizer):
                  **options) -> None:
         control.require_initialized("DistributedOptimizer")
         forced_algorithm(options["strategy"])  # every rank refuses a bad name alike
-        _refuse_wrapped(model)  # (every rank alike: no collective has started)
+        refuse_wrapped(model)  # (every rank alike: no collective has started)
+        if options["shard"]:
+            options = sharding.settle_options(options, type(self).__name__)
         overlap = options["overlap"]
         if overlap == "forward" and model is None:
             warnings.warn("hybridcomm: overlap='forward' needs model= to hook its forward; "
@@ -185,6 +164,7 @@ class _DistributedOptimizer(_JoinableOptimizer):
                 servers=servers)
             # after the synchronizer agreed on the parameters' names and shapes
             self._hc_agree_values(model, agree, process_group, config.timeout)
+            self._hc_link_topk_state()  # (and this rank's shard)
         except BaseException:
             if sync is not None:
                 sync.close()
@@ -194,7 +174,6 @@ class _DistributedOptimizer(_JoinableOptimizer):
                 except HybridCommError:
                     pass  # the construction's error is the one to raise
             raise
-        self._hc_link_topk_state()
 
     def _hc_agree_values(self, model, broadcast_parameters: bool, group, timeout) -> None:
         """Every rank starts from rank 0's parameters and buffers (as DDP's
@@ -271,7 +250,9 @@ class _DistributedOptimizer(_JoinableOptimizer):
         return loss
 
     def _hc_base_step(self, closure, grad_scaler):
-        """The wrapped optimizer's step on the reduced ``.grad``."""
+        """The wrapped optimizer's step on the reduced ``.grad`` (this rank's shard of it)."""
+        if self._hc_shards is not None:
+            return self._hc_shard_step(closure, grad_scaler, super().step)
         if grad_scaler is not None:
             state = grad_scaler._per_optimizer_states[id(self)]
             if state["stage"] is not OptState.UNSCALED:  # the user may have unscaled to clip
@@ -329,7 +310,9 @@ class _DistributedOptimizer(_JoinableOptimizer):
     def synchronize(self) -> None:
         """Finish all communication and every pending update; ``.grad`` then holds
         the reduced gradients (e.g. to clip them), and the next ``step()`` uses
-        ``.grad`` as it is. Parameters are current afterwards."""
+        ``.grad`` as it is. Parameters are current afterwards. With ``shard`` on,
+        refused after a backward: clip with ``clip_grad_norm_``."""
+        self._hc_refuse_partial()
         self._hc_sync.begin_step()
         self._hc_sync.finish()
         self._hc_synchronized = True
@@ -394,7 +377,8 @@ class _DistributedOptimizer(_JoinableOptimizer):
             hybridcomm.broadcast_optimizer_state(opt, root_rank=0)
         """
         self._hc_sync.apply_pending()  # the state must include every update step() accepted
-        state = super().state_dict()
+        state = super().state_dict() if self._hc_shards is None else \
+            self._hc_sharded_state_dict(super().state_dict)
         state["hybridcomm"] = self._hc_sync.state_dict()
         return state
 
@@ -407,6 +391,8 @@ class _DistributedOptimizer(_JoinableOptimizer):
         ours = state_dict.pop("hybridcomm", None)
         self._hc_sync.drop()  # superseded by the loaded state
         super().load_state_dict(state_dict)
+        if self._hc_shards is not None:
+            self._hc_unshard_loaded()
         if ours is not None:  # each rank's own residuals come from hybridcomm's part
             for st in self.state.values():
                 st.pop("hc_topk_residual", None)
@@ -445,8 +431,11 @@ class _DistributedOptimizer(_JoinableOptimizer):
     def _hc_link_topk_state(self) -> None:
         """Each parameter's residual (and velocity) is a view of its bucket's, kept in
         ``self.state[p]`` so that ``state_dict`` saves it; values found there (a
-        re-plan, a loaded checkpoint) are copied in first."""
+        re-plan, a loaded checkpoint) are copied in first. With ``shard``: this
+        rank's slices of the new buckets."""
         self._hc_linked_plan = self._hc_sync.plan
+        if self._hc_sync.config.shard:
+            self._hc_reshard()
         for p, residual, velocity in self._hc_sync.topk_views():
             state = self.state[p]
             for key, view in (("hc_topk_residual", residual), ("hc_topk_velocity", velocity)):
@@ -469,7 +458,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
                          split_bytes: Optional[int] = None, measure_iters: int = 3,
                          replan_every: int = 200, trace: bool = False,
                          lazy_bytes: Optional[int] = None, find_unused_parameters: bool = False,
-                         servers=None, broadcast_parameters: bool = True):
+                         servers=None, broadcast_parameters: bool = True,
+                         shard: Optional[str] = None):
     """Wrap ``optimizer`` so each step's gradients are all-reduced across ranks.
 
     Any training loop that runs in one process runs unchanged: several backward
@@ -533,17 +523,27 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
         servers: the job's summation servers (hybridcomm/comm/servers.py, host path
             only): a ``Role`` from ``hybridcomm.comm.servers.split_world`` (the
             optimizer makes the ``SummationServers`` and closes them in
-            ``close()``) or a ``SummationServers``.
+            ``close()``) or a ``SummationServers``. ``ps`` then competes per
+            bucket (where the cost model has a line for that many servers; a
+            probe adds one) and ``strategy="ps"`` forces it; the reduction
+            runs over the workers' group. A server rank runs
+            ``hybridcomm.comm.servers.serve(role)`` instead of training.
         broadcast_parameters: ``True`` (default): the model's parameters and
             buffers (without ``model``, the optimizer's parameters) are copied
             from rank 0 of the group to every rank, as DDP's constructor does,
             so ranks that were seeded apart train together. ``False``: they
             must already be equal (a digest per tensor is compared; a
-            difference raises ``HybridCommError`` on every rank naming it). ``ps`` then competes per
-            bucket (where the cost model has a line for that many servers; a
-            probe adds one) and ``strategy="ps"`` forces it; the reduction
-            runs over the workers' group. A server rank runs
-            ``hybridcomm.comm.servers.serve(role)`` instead of training.
+            difference raises ``HybridCommError`` on every rank naming it).
+        shard: ``None`` (default): every rank keeps the whole optimizer state.
+            ``"optimizer"`` (ZeRO-1): each bucket is reduce-scattered in
+            backward, each rank steps and keeps the state of its 1/P of every
+            bucket, and the parameters are all-gathered: in ``step()``, or in
+            forward mode before the first read of one of the bucket's
+            parameters (sync/shard.py). ``"gradients"`` (ZeRO-2): also the
+            buckets' gradient memory is freed from ``step()`` to the next
+            backward. ``.grad`` is released by ``step()``; clip with
+            ``opt.clip_grad_norm_``; ``state_dict()`` is the plain optimizer's
+            (a collective). docs/API.md lists what is not combined with it yet.
 
     Raises:
         HybridCommError: on every rank, naming the parameters, if the ranks'
@@ -590,5 +590,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
                  timeout=timeout, fusion_bytes=fusion_bytes, split_bytes=split_bytes,
                  lazy_bytes=lazy_bytes, measure_iters=measure_iters,
                  replan_every=replan_every, trace=trace,
-                 find_unused_parameters=find_unused_parameters)
+                 find_unused_parameters=find_unused_parameters, shard=shard)
     return opt

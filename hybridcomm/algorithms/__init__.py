@@ -23,6 +23,12 @@ SCHEDULES = {
     "torus2d": torus2d.schedule,
 }
 ALGORITHMS = tuple(SCHEDULES)
+# The phases of a sharded reduction (sharded optimizer state): the algorithms
+# that have them, each phase's schedule, and the part a rank owns after it.
+REDUCE_SCATTER, ALL_GATHER, ALL_REDUCE = "reduce_scatter", "all_gather", "all_reduce"
+PHASED = {"ring": {REDUCE_SCATTER: ring.reduce_scatter_schedule,
+                   ALL_GATHER: ring.all_gather_schedule}}
+SHARD_BOUNDS = {"ring": ring.shard_bounds}
 TOPOLOGY_AWARE = ("hierarchical", "torus2d")
 
 
@@ -41,11 +47,27 @@ def get_schedule(algorithm: str, rank: int, world_size: int, numel: int,
 
 
 @lru_cache(maxsize=4096)
+def get_phase_schedule(phase: str, algorithm: str, rank: int, world_size: int,
+                       numel: int) -> Schedule:
+    """The schedule of one ``phase`` of ``algorithm``'s all-reduce (``PHASED``).
+
+    >>> len(get_phase_schedule(ALL_GATHER, "ring", 0, 3, 90).steps)
+    2
+    """
+    if phase == ALL_REDUCE:
+        return get_schedule(algorithm, rank, world_size, numel)
+    if algorithm not in PHASED:
+        raise ValueError(f"{algorithm!r} has no {phase} of its own; one of {tuple(PHASED)}")
+    return PHASED[algorithm][phase](rank, world_size, numel)
+
+
+@lru_cache(maxsize=4096)
 def _cached(algorithm: str, rank: int, world_size: int, numel: int, topo) -> Schedule:
     if topo is None:
         return SCHEDULES[algorithm](rank, world_size, numel)
     return SCHEDULES[algorithm](rank, world_size, numel, topo)
 
 
-__all__ = ["ALGORITHMS", "SCHEDULES", "TOPOLOGY_AWARE", "Topology", "get_schedule", "simulate",
+__all__ = ["ALGORITHMS", "SCHEDULES", "PHASED", "SHARD_BOUNDS", "REDUCE_SCATTER", "ALL_GATHER",
+           "ALL_REDUCE", "get_phase_schedule", "TOPOLOGY_AWARE", "Topology", "get_schedule", "simulate",
            "ScheduleError", "Schedule", "Step", "Send", "Recv"]

@@ -51,3 +51,39 @@ def schedule(rank: int, world_size: int, numel: int) -> Schedule:
 
     steps = reduce_scatter(rank, p, part) + all_gather(rank, p, part)
     return build("ring", rank, world_size, numel, steps)
+
+
+def shard_bounds(rank: int, world_size: int, numel: int) -> Tuple[int, int]:
+    """``[start, stop)`` of the part of ``numel`` elements that ``rank`` owns after
+    :func:`reduce_scatter_schedule` (and sends in :func:`all_gather_schedule`).
+
+    >>> [shard_bounds(r, 3, 100) for r in range(3)]
+    [(0, 32), (32, 64), (64, 100)]
+    """
+    return chunk_bounds(numel, world_size, rank)
+
+
+def reduce_scatter_schedule(rank: int, world_size: int, numel: int) -> Schedule:
+    """The ring's first half on its own: afterwards ``rank`` holds the sum (scaled on
+    its last receive) of its :func:`shard_bounds`; the rest of the buffer holds
+    partial sums. Sharded optimizer state reduces gradients with it.
+
+    >>> s = reduce_scatter_schedule(1, 4, 1000); len(s.steps), s.steps[-1].recvs[0].final
+    (3, True)
+    """
+    check_args(rank, world_size, numel)
+    # (its own name: not cut into pipelined parts, which would move the owned part)
+    return build("ring:reduce_scatter", rank, world_size, numel, reduce_scatter(
+        rank, world_size, lambda i: shard_bounds(i % world_size, world_size, numel)))
+
+
+def all_gather_schedule(rank: int, world_size: int, numel: int) -> Schedule:
+    """The ring's second half on its own: each rank's :func:`shard_bounds` part of
+    the buffer passed to every rank (copied, not added).
+
+    >>> len(all_gather_schedule(0, 4, 1000).steps)
+    3
+    """
+    check_args(rank, world_size, numel)
+    return build("ring:all_gather", rank, world_size, numel, all_gather(
+        rank, world_size, lambda i: shard_bounds(i % world_size, world_size, numel)))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from typing import Callable, List, Optional
 
+from ..algorithms import ALL_REDUCE
 from ..plan.cost_model import PS, bytes_sent
 from ..base.errors import HybridCommError
 from .executor import Workspace, execute, execute_async, reduce_operation
@@ -47,6 +48,8 @@ class CommEngine:
                  timed_ops: bool = False):
         self.plan, self.buckets, self.channel, self.transport = plan, buckets, channel, transport
         self.scale, self.timeout = scale, timeout
+        # ALL_REDUCE, or REDUCE_SCATTER where each rank steps its shard (sync/shard.py)
+        self.phase = ALL_REDUCE
         # each operation's time kept for the channel's take_ops (the synchronizer's
         # measured steps; a caller that never takes them leaves them off)
         self.timed_ops = timed_ops
@@ -160,7 +163,8 @@ class CommEngine:
                 if not self.channel.stream_ordered:
                     self._versions[index] = b.buffer._version
         return reduce_operation(seg, self.transport, b.spec.algorithm, scale=self.scale,
-                                timeout=self.timeout, label=label, range_id=index,
+                                phase=self.phase, timeout=self.timeout, label=label,
+                                range_id=index,
                                 ready=self._ready[index],
                                 workspace=self._workspace,
                                 stream_ordered=self.channel.stream_ordered, after=after,

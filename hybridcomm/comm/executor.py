@@ -43,7 +43,7 @@ import torch
 
 from ..config import env
 from ..base import trace
-from ..algorithms import SCHEDULES, Schedule, get_schedule
+from ..algorithms import ALL_REDUCE, SCHEDULES, Schedule, get_phase_schedule, get_schedule
 from ..kernels import reduce
 from ..plan.cost_model import NATIVE, PS
 from .channel import issue_in_order
@@ -346,21 +346,23 @@ def _range(range_id: Optional[str], algorithm: str, nbytes: int, world: int):
 
 
 def reduce_now(buf: torch.Tensor, transport, algorithm: str, *, scale: Optional[float],
-               timeout: float, topology=None, what: Optional[str] = None) -> None:
-    """All-reduce the flat ``buf`` in place now: blocking on the host path; on a
-    stream-ordered transport queued in its issue order after the caller's work,
-    with the caller's stream waiting for the result (no host synchronization)."""
-    what = what or f"all_reduce ({algorithm}, {buf.numel() * buf.element_size()} bytes)"
+               timeout: float, topology=None, what: Optional[str] = None,
+               phase: str = ALL_REDUCE) -> None:
+    """All-reduce (or one ``phase`` of it) the flat ``buf`` in place now: blocking on
+    the host path; on a stream-ordered transport queued in its issue order after the
+    caller's work, with the caller's stream waiting for the result (no host
+    synchronization)."""
+    what = what or f"{phase} ({algorithm}, {buf.numel() * buf.element_size()} bytes)"
     if not transport.stream_ordered:
         reduce_operation(buf, transport, algorithm, scale=scale, timeout=timeout, label=None,
-                         range_id=None, stream_ordered=False, topology=topology)()
+                         range_id=None, stream_ordered=False, topology=topology, phase=phase)()
         return
     rt = transport.runtime
     ready = rt.new_event()
     ready.record(rt.current_stream())
     operation = reduce_operation(buf, transport, algorithm, scale=scale, timeout=timeout,
                                  label=None, range_id=None, ready=ready, stream_ordered=True,
-                                 timed=False, topology=topology)
+                                 timed=False, topology=topology, phase=phase)
     done = issue_in_order(transport, operation, what, timeout)
     if done is not None:
         rt.current_stream().wait_event(done)
@@ -370,7 +372,8 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
                      timeout: float, label: Optional[str], range_id: Optional[str] = "",
                      ready=None, workspace: Optional[Workspace] = None, stream_ordered: bool,
                      timed: bool = True, after: Optional[Callable[[], None]] = None,
-                     reserved: bool = False, servers=None, topology=None) -> Callable:
+                     reserved: bool = False, servers=None, topology=None,
+                     phase: str = ALL_REDUCE) -> Callable:
     """A channel operation that all-reduces the flat ``buf`` in place with ``algorithm``.
 
     Host channel: the returned function runs the reduction (blocking) on the
@@ -382,7 +385,9 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
     comm stream when allocated (no record_stream per call). ``servers``: the
     job's :class:`~hybridcomm.comm.servers.SummationServers`, for ``ps`` (host path only).
     ``topology``: the :class:`~hybridcomm.algorithms.Topology` of the
-    topology-aware schedules (hierarchical, torus2d).
+    topology-aware schedules (hierarchical, torus2d). ``phase``: the whole
+    all-reduce, or its reduce-scatter or all-gather alone (sharded optimizer
+    state; the algorithms in ``PHASED``).
     """
     world, rank = transport.world_size, transport.rank
     nbytes = buf.numel() * buf.element_size()
@@ -396,7 +401,8 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
                                      reserved=reserved)
             return _then(transport, out, after, stream_ordered, timeout, label)
         return native
-    schedule = get_schedule(algorithm, rank, world, buf.numel(), topology)
+    schedule = get_schedule(algorithm, rank, world, buf.numel(), topology) \
+        if phase == ALL_REDUCE else get_phase_schedule(phase, algorithm, rank, world, buf.numel())
     if stream_ordered:
         def queued():
             with _range(range_id, algorithm, nbytes, world):

@@ -87,6 +87,7 @@ class SyncConfig:
     find_unused_parameters: bool = False
     defer_always: bool = False
     issue_thread: bool = True
+    shard: Optional[str] = None  # None, "optimizer" or "gradients" (sync/shard.py)
 
     def __post_init__(self):
         if self.overlap not in OVERLAPS:
@@ -95,6 +96,8 @@ class SyncConfig:
             raise ValueError(f"op must be 'sum' or 'avg', got {self.op!r}")
         if self.backward_passes_per_step is not None and self.backward_passes_per_step < 1:
             raise ValueError("backward_passes_per_step must be >= 1 (or None: learned)")
+        if self.shard not in (None, "optimizer", "gradients"):
+            raise ValueError(f"shard must be None, 'optimizer' or 'gradients', got {self.shard!r}")
         if self.lazy_bytes is not None and self.lazy_bytes <= 0:
             raise ValueError(f"lazy_bytes must be > 0 bytes, got {self.lazy_bytes}")
 

@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..algorithms import REDUCE_SCATTER
 from ..algorithms.lowrank import POWERSGD
 from ..algorithms.topk import TOPK
 from ..base.errors import HybridCommError
@@ -74,7 +75,7 @@ class BucketState:
 
     __slots__ = ("index", "bucket", "_phase", "content", "touched", "pass_id", "launched_pass",
                  "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
-                 "detached", "marked", "agreed")
+                 "detached", "marked", "agreed", "gathered")
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -92,6 +93,7 @@ class BucketState:
         self.detached: set = set()  # positions whose late additions wait in autograd's tensor
         self.marked: List[int] = []  # the positions this rank launched with a gradient
         self.agreed = None  # control.HostMax over ``marked``, posted as the launch is issued
+        self.gathered = None  # PENDING under shard: completes the parameters' all-gather
 
     @property
     def phase(self) -> Phase:
@@ -201,6 +203,8 @@ class BucketGroup:
         self.engine: Optional[CommEngine] = CommEngine(
             plan, [s.bucket for s in self.states], links.channel, links.transport,
             scale=links.scale, timeout=config.timeout, servers=links.servers, timed_ops=True)
+        if config.shard:  # each rank steps its part of every bucket (shard.py)
+            self.engine.phase = REDUCE_SCATTER
         if links.on_slow is not None:
             self.engine.on_slow, self.engine.slow_after = links.on_slow, links.slow_after
         if links.used.on_host:
@@ -239,6 +243,8 @@ class BucketGroup:
         """Start (or resume) a round: afterwards backward may add into the bucket.
         False, and nothing changed, when its launch is still to be issued.
         ``apply_pending(s)``: a PENDING bucket's deferred update is applied first."""
+        if s.bucket.released:  # (shard="gradients": freed since the last step)
+            s.bucket.restore()
         if s.phase is Phase.PENDING:
             apply_pending(s)
         elif s.phase is Phase.LAUNCHED:

@@ -50,6 +50,9 @@ def copy_into(views: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
         view.copy_(grad)
 
 
+_RELEASED = object()  # a released bucket's views
+
+
 class GradBucket:
     """One bucket's memory: the buffer, each parameter's gradient view, the flags.
 
@@ -64,29 +67,46 @@ class GradBucket:
     """
 
     __slots__ = ("spec", "params", "buffer", "grads", "flags", "views", "offsets", "wire",
-                 "topk", "lowrank")
+                 "topk", "lowrank", "released", "_alloc", "_dtype", "_grad_numel")
 
     def __init__(self, spec: Bucket, params: List[torch.nn.Parameter], dtype: torch.dtype,
                  wire_dtype: Optional[torch.dtype], alloc: Alloc):
         self.spec, self.params = spec, params
-        sizes = [local_numel(p) for p in params]  # a DTensor: this rank's shard
         if spec.offsets is not None:
             self.offsets, grad_numel = list(spec.offsets), spec.grad_numel
         else:
-            self.offsets, grad_numel = layout(sizes, torch.empty((), dtype=dtype).element_size())
-        total = grad_numel + len(params)
-        self.buffer = alloc(total, dtype)
-        self.buffer.zero_()
-        self.grads = self.buffer[:grad_numel]
-        self.flags = self.buffer[grad_numel:]
-        self.views = [grad_view(self.buffer[o:o + n].view(local_shape(p)), p)
-                      for o, n, p in zip(self.offsets, sizes, params)]
+            self.offsets, grad_numel = layout([local_numel(p) for p in params],
+                                              torch.empty((), dtype=dtype).element_size())
+        self._alloc, self._dtype, self._grad_numel = alloc, dtype, grad_numel
+        self._allocate()
         self.wire = None
         if wire_dtype is not None and wire_dtype != dtype:
-            self.wire = alloc(total, wire_dtype)
+            self.wire = alloc(grad_numel + len(params), wire_dtype)
             self.wire.zero_()
         self.topk = None  # compression.TopK when the plan sparsifies this bucket
         self.lowrank = None  # powersgd.PowerSGD when the plan compresses it to low rank
+        self.released = False  # its memory freed between steps (shard="gradients")
+
+    def _allocate(self) -> None:
+        """The buffer, zeroed, and its views."""
+        n = self._grad_numel
+        self.buffer = self._alloc(n + len(self.params), self._dtype)
+        self.buffer.zero_()
+        self.grads, self.flags = self.buffer[:n], self.buffer[n:]
+        self.views = [grad_view(self.buffer[o:o + local_numel(p)].view(local_shape(p)), p)
+                      for o, p in zip(self.offsets, self.params)]
+
+    def release(self) -> None:
+        """Drop the buffer (its memory goes back to the allocator, which knows the
+        comm stream used it) until :meth:`restore`: no ``.grad`` may be bound to it."""
+        self.buffer = self.grads = self.flags = None
+        self.views = [_RELEASED] * len(self.params)  # no .grad is one of them
+        self.released = True
+
+    def restore(self) -> None:
+        """A new buffer, zeroed, with new views (the bucket's first gradient of a round)."""
+        self._allocate()
+        self.released = False
 
     @property
     def comm(self) -> torch.Tensor:

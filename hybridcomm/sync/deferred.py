@@ -94,6 +94,10 @@ class DeferredUpdates:
         the others done by then, after the measured steps: module doc). A plan that
         issues buckets in their order of need takes one call per step; one that
         issues an early-needed bucket sooner takes one more per such break."""
+        if s.gathered is not None:  # sharded: the parameters' all-gather (shard.py)
+            self.release(s)
+            s.gathered()
+            return
         t0 = time.perf_counter()
         group = self._group_of()
         measuring = self.measure.measuring(self.state.steps)

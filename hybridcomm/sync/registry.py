@@ -192,3 +192,28 @@ class ParamRegistry:
         sizes = [local_numel(self.params[i]) for i in idx]  # a DTensor: this rank's shard
         return Layer(name, list(idx), sum(sizes), torch.empty((), dtype=wire).element_size(),
                      str(p.dtype), sizes, [tuple(local_shape(self.params[i])) for i in idx])
+
+
+def refuse_wrapped(model) -> None:
+    """A model (or a module in it) that DDP or FSDP already synchronizes: both would
+    write the gradients, DDP's average into the buckets while hybridcomm's is in
+    flight. Refused on every rank alike, naming the wrapper and the fix."""
+    if model is None:
+        return
+    from torch.nn.parallel import DistributedDataParallel
+    kinds = [DistributedDataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        kinds.append(FullyShardedDataParallel)
+        from torch.distributed.fsdp import FSDPModule  # fully_shard (FSDP2)
+        kinds.append(FSDPModule)
+    except ImportError:
+        pass
+    for name, m in model.named_modules():
+        if isinstance(m, tuple(kinds)):
+            where = f"the module {name!r}" if name else "the model"
+            raise HybridCommError(
+                f"{where} is wrapped in {type(m).__name__}, which synchronizes gradients "
+                "itself: hybridcomm.DistributedOptimizer replaces it. Pass the plain module "
+                "(ddp_model.module) and drop the wrapper; to keep DDP, register hybridcomm's "
+                "all-reduce as its comm hook instead (hybridcomm.ddp.register)")

@@ -208,8 +208,8 @@ class GradientSynchronizer:
     def defers(self) -> bool:
         """Whether step() defers the updates to the first reads in the next forward
         (forward mode, unless the plan found that nothing is left to overlap)."""
-        return self.overlap == "forward" and (self.plan.defer_updates or
-                                              self.config.defer_always)
+        return self.overlap == "forward" and not self.config.shard and (
+            self.plan.defer_updates or self.config.defer_always)
 
     def begin_step(self) -> None:
         """A step begins: a pass whose end autograd never reported (it ran only in
@@ -429,8 +429,9 @@ def _links(sync: GradientSynchronizer, cfg: SyncConfig, servers) -> Links:
     # Device path: which parameters some rank has a gradient for is agreed on the
     # host (gloo, posted at issue), not read back from the reduced flags (a host
     # sync). Costs a small host collective per bucket and step, hence opt-in.
-    used = UsedAgreement(cfg.find_unused_parameters and rt is not None, sync.rank,
-                         sync.process_group, cfg.timeout)
+    # (sharded: the flags are reduce-scattered with the gradients, whole on no rank)
+    used = UsedAgreement((cfg.find_unused_parameters and rt is not None) or bool(cfg.shard),
+                         sync.rank, sync.process_group, cfg.timeout)
     return Links(
         channel=sync.channel, transport=sync.transport, used=used, clock=sync.clock,
         alloc=bucket_allocator(rt, sync.registry.device,

@@ -227,8 +227,8 @@ MUTATIONS = [
         what="the issuing thread off unless HYBRIDCOMM_ISSUE_THREAD=1"),
     Mutation(
         "unused-read-from-flags", "new 4", "hybridcomm/sync/synchronizer.py",
-        old="    used = UsedAgreement(cfg.find_unused_parameters and rt is not None, sync.rank,\n",
-        new="    used = UsedAgreement(False, sync.rank,\n",
+        old="    used = UsedAgreement((cfg.find_unused_parameters and rt is not None) or bool(cfg.shard),\n",
+        new="    used = UsedAgreement(bool(cfg.shard),\n",
         guards=(GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host[forward]",
                 GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host"
                 "[backward]"),
@@ -649,4 +649,18 @@ MUTATIONS = [
         new="            pass\n",
         guards=("tests/test_join.py::test_join_gives_ddps_join_numbers_in_every_mode[host]",),
         what="divide_by_initial_world_size=False still divides by the initial world size"),
+    Mutation(
+        "shard-no-gather", "i40 shard", "hybridcomm/sync/shard.py",
+        old="                reduce_now(b.buffer[a:z], links.transport, SHARD_ALGORITHM, scale=None,\n",
+        new="                None and reduce_now(b.buffer[a:z], links.transport, SHARD_ALGORITHM,\n"
+            "                                    scale=None,\n",
+        guards=("tests/test_shard.py::test_sharded_state_gives_one_process_numbers[P2-host]",),
+        what="each rank's updated shard is never sent: the other ranks keep stale parameters"),
+    Mutation(
+        "shard-clip-local-norm", "i40 shard", "hybridcomm/sync/shard.py",
+        old="            total = sum(control.all_gather_object(local, group=group, timeout=timeout,\n",
+        new="            total = sum([local] or control.all_gather_object(local, group=group,\n"
+            "                                                             timeout=timeout,\n",
+        guards=("tests/test_shard.py::test_sharded_state_gives_one_process_numbers[P2-host]",),
+        what="clip_grad_norm_ clips by this rank's part of the gradient's norm"),
 ]

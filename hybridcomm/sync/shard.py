@@ -1,0 +1,370 @@
+"""Sharded optimizer state (``DistributedOptimizer(shard="optimizer" | "gradients")``):
+each rank keeps and steps the optimizer state of its part of every bucket.
+
+With ``shard`` on, the engine reduce-scatters each bucket as backward fills it
+(``CommEngine.phase``: the ring's first half, ``algorithms/ring.py``), so a rank
+ends the backward holding the average of its own part of each bucket's buffer
+(each segment's ``shard_bounds``; the rest of the buffer holds partial sums).
+Then ``step()``:
+
+1. the wrapped optimizer steps this rank's *slices*: for each parameter, the
+   part of it in this rank's parts, a view of the parameter's own memory (so
+   the update lands in the parameter), its ``.grad`` the matching view of the
+   bucket (``None`` where no rank had a gradient). Its ``param_groups`` are
+   swapped for groups of slices with the live hyper-parameters for the call,
+   so LR schedulers and ``add_param_group`` keep working; its ``state`` holds
+   one entry per slice, 1/P of the plain optimizer's;
+2. each bucket's buffer takes the updated slices and is all-gathered (the
+   ring's second half); every parameter is copied from its view, and its
+   ``.grad`` is released (the buffer holds parameters; ``zero_grad`` would
+   drop it anyway). In forward mode the all-gathers are queued on the channel
+   and each bucket's parameters are pending (pending.py) until their first
+   read, which waits for it: the gather overlaps the next forward. With
+   ``"gradients"`` the buffer's memory is freed until the bucket's first
+   gradient of the next backward.
+
+The per-element state (momentum, Adam's moments) is sliced as the
+parameters are; anything else (a step count) is kept per slice as it is. An
+optimizer whose step needs whole tensors (a norm per tensor, a factored
+second moment) steps slices as if they were tensors: refused by name where
+known (LBFGS, ZeroRedundancyOptimizer). ``full_state()`` /
+``slice_state()`` turn the state into the plain optimizer's and back (a
+consolidated checkpoint, a re-plan), collectively.
+
+Example::
+
+    opt = hybridcomm.DistributedOptimizer(torch.optim.AdamW(model.parameters()),
+                                          model=model, shard="optimizer")
+    loss_fn(model(x), y).backward(); opt.clip_grad_norm_(1.0); opt.step()
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+from ..algorithms import ALL_GATHER, SHARD_BOUNDS
+from ..base.errors import HybridCommError
+from ..comm import control
+from ..comm.executor import reduce_now, reduce_operation
+from . import pending
+from .bucket_group import Phase
+from .buckets import copy_into
+
+SHARDS = ("optimizer", "gradients")
+SHARD_ALGORITHM = "ring"
+
+
+class Slice:
+    """The part ``[start, stop)`` of ``param`` (flattened) in this rank's shard: at
+    ``[at, at + stop - start)`` of its bucket's buffer."""
+
+    __slots__ = ("param", "index", "start", "stop", "tensor", "bucket", "at")
+
+    def __init__(self, param, index: int, start: int, stop: int, bucket, at: int):
+        self.param, self.index, self.start, self.stop = param, index, start, stop
+        self.tensor = param.detach().view(-1)[start:stop]  # the parameter's own memory
+        self.bucket, self.at = bucket, at
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """Its gradient: a view of the bucket's buffer (which "gradients" renews)."""
+        return self.bucket.bucket.buffer[self.at:self.at + self.stop - self.start]
+
+
+def owned_ranges(segments, rank: int, world: int) -> List[Tuple[int, int]]:
+    """This rank's parts of a bucket's buffer: its shard of each segment.
+
+    >>> owned_ranges([(0, 100), (100, 164)], 1, 2)
+    [(48, 100), (132, 164)]
+    """
+    bounds = SHARD_BOUNDS[SHARD_ALGORITHM]
+    out = []
+    for a, z in segments:
+        lo, hi = bounds(rank, world, z - a)
+        if hi > lo:
+            out.append((a + lo, a + hi))
+    return out
+
+
+class Shards:
+    """This rank's slices of every bucket of ``group``, its step and its gather."""
+
+    def __init__(self, group, params: List[torch.nn.Parameter], rank: int, world: int,
+                 release: bool, on_read: Callable[[torch.Tensor], None]):
+        self.group, self.rank, self.world, self.release = group, rank, world, release
+        self.on_read = on_read  # forward mode: a pending parameter is read (deferred.py)
+        self.params = params
+        index = {id(p): i for i, p in enumerate(params)}
+        self.slices: List[Slice] = []
+        for s in group.states:
+            b = s.bucket
+            for lo, hi in owned_ranges(b.spec.segments, rank, world):
+                for pos, p in enumerate(b.params):
+                    o, n = b.offsets[pos], b.views[pos].numel()
+                    start, stop = max(lo, o), min(hi, o + n)
+                    if start < stop:
+                        self.slices.append(Slice(p, index[id(p)], start - o, stop - o, s,
+                                                 start))
+        self.by_param: Dict[int, List[Slice]] = {}
+        for sl in self.slices:
+            self.by_param.setdefault(id(sl.param), []).append(sl)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self, opt, base_step: Callable[[], object]):
+        """The wrapped optimizer's step on this rank's slices (after the reduce-scatter),
+        then every bucket all-gathered into the parameters."""
+        saved = opt.param_groups
+        group_of = {id(p): i for i, g in enumerate(saved) for p in g["params"]}
+        groups = [dict(g, params=[]) for g in saved]
+        for sl in self.slices:
+            sl.tensor.grad = sl.grad if sl.param.grad is not None else None  # None: unused
+            groups[group_of[id(sl.param)]]["params"].append(sl.tensor)
+        opt.param_groups = groups
+        try:
+            loss = base_step()
+        finally:
+            opt.param_groups = saved
+            for sl in self.slices:
+                sl.tensor.grad = None
+        self.gather()
+        return loss
+
+    def gather(self) -> None:
+        """Every rank's updated slices into every parameter, bucket by bucket, through
+        the bucket's buffer (its gradients are used up). Forward mode: each bucket's
+        all-gather is queued on the channel, and the first read of one of its
+        parameters waits for it (deferred.py, pending.py); else it completes now."""
+        g = self.group
+        links = g.links
+        channel, defer = links.channel, g.config.overlap == "forward"
+        for s in g.states:
+            b = s.bucket
+            mine = [sl for sl in self.slices if sl.bucket is s]
+            if mine:
+                copy_into([sl.grad for sl in mine], [sl.tensor for sl in mine])
+            for p in b.params:
+                p.grad = None  # the buffer holds parameters from here on
+            s.content.clear()
+            if not defer:
+                for a, z in b.spec.segments:
+                    reduce_now(b.buffer[a:z], links.transport, SHARD_ALGORITHM, scale=None,
+                               timeout=g.config.timeout, phase=ALL_GATHER,
+                               what=f"bucket {s.index}'s parameters (all_gather)")
+                self._gathered(s, ())
+                continue
+            ready = None
+            if channel.stream_ordered:
+                rt = channel.runtime
+                ready = rt.new_event()
+                ready.record(rt.current_stream())
+            what = f"bucket {s.index}'s parameters (all_gather)"
+            tickets = [channel.submit(reduce_operation(
+                b.buffer[a:z], links.transport, SHARD_ALGORITHM, scale=None,
+                timeout=g.config.timeout, label=what, range_id=None, ready=ready,
+                stream_ordered=channel.stream_ordered, phase=ALL_GATHER), what)
+                for a, z in b.spec.segments]
+            s.gathered = functools.partial(self._gathered, s, tickets)
+            g.to(s, Phase.PENDING)
+            pending.defer(b.params, self.on_read)
+
+    def _gathered(self, s, tickets) -> None:
+        """Bucket ``s``'s all-gather is done (``tickets``: waited for here): its
+        parameters take their values from the buffer."""
+        g, b = self.group, s.bucket
+        for t in tickets:
+            g.links.channel.wait(t, f"bucket {s.index}'s parameters")
+        s.gathered = None
+        with torch.no_grad():
+            copy_into([p.detach() for p in b.params], list(b.views))
+        if s.phase is Phase.PENDING:
+            g.to(s, Phase.IDLE)
+        if self.release:
+            b.release()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, group, timeout: float):
+        """The norm of the whole gradient (every rank's part; ``.grad`` None parts
+        count nothing) and every part scaled as ``torch.nn.utils.clip_grad_norm_``
+        scales the whole. Returns the total norm."""
+        grads = [sl.grad for sl in self.slices if sl.param.grad is not None]
+        norm_type = float(norm_type)
+        dtype = torch.float64
+        if math.isinf(norm_type):
+            local = max((g.abs().max().item() for g in grads if g.numel()), default=0.0)
+            total = max(control.all_gather_object(local, group=group, timeout=timeout,
+                                                  what="the gradient's norm"))
+        else:
+            local = sum(float(g.to(dtype).abs().pow(norm_type).sum()) for g in grads)
+            total = sum(control.all_gather_object(local, group=group, timeout=timeout,
+                                                  what="the gradient's norm")) ** (1 / norm_type)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1 and grads:
+            torch._foreach_mul_(grads, coef)
+        return torch.tensor(total)
+
+    # ---- state: this rank's slices <-> the plain optimizer's ---------------------------
+    def full_state(self, state: dict, group, timeout: float) -> Dict[int, dict]:
+        """Every parameter's state as the plain optimizer keeps it (its index among
+        ``params`` -> dict), put together from every rank's slices (a collective;
+        the same on every rank; tensors on the CPU)."""
+        mine: Dict[int, dict] = {}
+        for sl in self.slices:
+            for key, v in state.get(sl.tensor, {}).items():
+                if torch.is_tensor(v):
+                    v = v.detach().cpu()
+                piece = torch.is_tensor(v) and v.dim() > 0 and v.shape == sl.tensor.shape
+                mine.setdefault(sl.index, {})[key] = (sl.start, v) if piece else (None, v)
+        out: Dict[int, dict] = {}
+        for theirs in control.all_gather_object(mine, group=group, timeout=timeout,
+                                                what="the sharded optimizer state"):
+            for index, entries in theirs.items():
+                st = out.setdefault(index, {})
+                for key, (start, v) in entries.items():
+                    if start is None:
+                        st.setdefault(key, v)
+                    else:
+                        st.setdefault(key, []).append((start, v))
+        for index, st in out.items():
+            shape = self.params[index].shape
+            for key, v in st.items():
+                if isinstance(v, list):  # pieces of a per-element tensor, in order
+                    whole = torch.cat([t.reshape(-1) for _, t in sorted(v, key=lambda x: x[0])])
+                    if whole.numel() != shape.numel():
+                        raise HybridCommError(f"internal error: the shards of state {key!r} of "
+                                              f"parameter {index} cover {whole.numel()} of "
+                                              f"{shape.numel()} elements")
+                    st[key] = whole.view(shape)
+        return out
+
+    def slice_state(self, state: dict, full: Dict[object, dict]) -> None:
+        """``state`` holds this rank's slices' entries, cut from ``full`` (param ->
+        the plain optimizer's state of that parameter)."""
+        for p, st in full.items():
+            for sl in self.by_param.get(id(p), []):
+                state[sl.tensor] = {
+                    k: (v.reshape(-1)[sl.start:sl.stop].to(sl.tensor.device).clone()
+                        if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape else v)
+                    for k, v in st.items()}
+
+
+def settle_options(options: dict, optimizer_name: str) -> dict:
+    """``DistributedOptimizer``'s options with ``shard`` on: what cannot be combined
+    with it yet is refused on every rank alike (before any collective), naming the
+    option; every bucket is reduce-scattered on the ring."""
+    from ..config import env
+
+    shard, why = options["shard"], []
+    if options.get("compression") is not None:
+        why.append(f"compression={options['compression']!r} (leave it None)")
+    if options.get("lazy_bytes"):
+        why.append("lazy_bytes (a pool crosses the parameters' shards)")
+    if optimizer_name in ("LBFGS", "ZeroRedundancyOptimizer"):
+        why.append(f"{optimizer_name} (its step needs whole tensors, or shards itself)")
+    forced = env.get("HYBRIDCOMM_ALGO") or options.get("strategy")
+    if forced not in (None, "", "hybrid", "auto", SHARD_ALGORITHM):
+        why.append(f"the algorithm {forced!r} (strategy or HYBRIDCOMM_ALGO): shards are "
+                   f"reduce-scattered with {SHARD_ALGORITHM!r}")
+    if why:
+        raise HybridCommError(f"shard={shard!r} cannot be combined with " + "; ".join(why))
+    return dict(options, strategy=SHARD_ALGORITHM)
+
+
+class ShardedOptimizer:
+    """The optimizer API's sharded parts, mixed into ``DistributedOptimizer``
+    (``self._hc_shards``: the :class:`Shards` of its buckets, or None)."""
+
+    _hc_shards = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters, on the
+        reduced gradients: reduces what backward produced first (as
+        ``synchronize()``), then clips; the next ``step()`` uses the clipped
+        gradients. With ``shard`` on, the norm is the whole gradient's (every
+        rank's part) and each rank scales its part: clip this way there, not with
+        torch's function (which would see this rank's part alone). Returns the
+        total norm.
+
+        Example::
+
+            >>> opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+            ...                                       model=model, overlap="backward")
+            >>> x, y = loader[0]; loss_fn(model(x), y).backward()
+            >>> float(opt.clip_grad_norm_(1e9)) > 0
+            True
+            >>> opt.step(); opt.close()
+        """
+        sync = self._hc_sync
+        sync.begin_step()
+        sync.finish()
+        self._hc_synchronized = True
+        if self._hc_shards is None:
+            return torch.nn.utils.clip_grad_norm_(
+                [p for g in self.param_groups for p in g["params"]], max_norm, norm_type)
+        self._hc_reshard()
+        return self._hc_shards.clip_grad_norm_(max_norm, norm_type, sync.process_group,
+                                               sync.timeout)
+
+    def _hc_reshard(self) -> None:
+        """Slices for the current buckets (a new plan, or parameters that joined):
+        the state moves over from the old slices (a collective), or, the first
+        time, from the optimizer's own (Adagrad makes it in its constructor)."""
+        sync, old = self._hc_sync, self._hc_shards
+        if old is not None and old.group is sync.group:
+            return
+        odd = [sync.registry.names[i] for i, p in enumerate(sync.params) if not p.is_contiguous()]
+        if odd:  # (every rank alike: the parameters agree)
+            raise HybridCommError(f"shard={sync.config.shard!r} needs contiguous parameters; "
+                                  f"{odd[:3]} are not (channels_last: keep the parameters "
+                                  "contiguous)")
+        new = Shards(sync.group, sync.params, sync.rank, sync.world,
+                     release=sync.config.shard == "gradients", on_read=sync.deferred.read)
+        if old is None:
+            plain = {p: self.state.pop(p) for p in sync.params if p in self.state}
+        else:
+            full = old.full_state(self.state, sync.process_group, sync.timeout)
+            for sl in old.slices:
+                self.state.pop(sl.tensor, None)
+            plain = {old.params[i]: st for i, st in full.items()}
+        new.slice_state(self.state, plain)
+        self._hc_shards = new
+
+    def _hc_shard_step(self, closure, grad_scaler, base_step):
+        if closure is not None or grad_scaler is not None:
+            raise HybridCommError("shard= takes no GradScaler, nor a closure the optimizer "
+                                  "evaluates itself, in step() yet")
+        self._hc_reshard()
+        return self._hc_shards.step(self, base_step)
+
+    def _hc_refuse_partial(self) -> None:
+        """``synchronize()`` to read ``.grad``: under ``shard`` it would be whole on no rank."""
+        if self._hc_shards is not None and self._hc_sync.passes.any:
+            raise HybridCommError(
+                f"synchronize() with shard={self._hc_sync.config.shard!r}: each rank reduces "
+                "only its part of the gradients, so .grad is whole on no rank; to clip, use "
+                "opt.clip_grad_norm_(max_norm) (the whole gradient's norm)")
+
+    def _hc_sharded_state_dict(self, base_state_dict: Callable[[], dict]) -> dict:
+        """The plain optimizer's state_dict, put together from every rank's slices (a
+        collective: every rank calls it, every rank gets it)."""
+        sync, shards = self._hc_sync, self._hc_shards
+        full = shards.full_state(self.state, sync.process_group, sync.timeout)
+        saved = self.state
+        self.state = type(saved)(saved.default_factory) if hasattr(saved, "default_factory") \
+            else {}
+        self.state.update({shards.params[i]: {k: v.to(shards.params[i].device)
+                                              if torch.is_tensor(v) and v.dim() else v
+                                              for k, v in st.items()}
+                           for i, st in full.items()})
+        try:
+            return base_state_dict()
+        finally:
+            self.state = saved
+
+    def _hc_unshard_loaded(self) -> None:
+        """After the plain optimizer's ``load_state_dict``: its per-parameter state cut
+        into this rank's slices."""
+        shards = self._hc_shards
+        plain = {p: self.state.pop(p) for p in shards.params if p in self.state}
+        shards.slice_state(self.state, plain)
