@@ -12,6 +12,12 @@ adapted the usual CIFAR way (``MODELS`` says how): ``resnet18`` and ``vgg11`` fr
 ``torchvision.models`` where torchvision imports, else from ``vision_arch.py``, the two
 architectures written here from their papers with torchvision's names (PyPI's torchvision
 cannot load beside the CPU torch build). Both paths give the same parameter names and shapes, and the same weights for a seed.
+
+``build("transformer", seed)`` (``TOKEN_MODELS``; kept apart from ``MODELS``, the image
+models) is a stack of ``nn.TransformerEncoderLayer`` over synthetic token embeddings (its
+input is the embeddings themselves, ``input_shape("transformer")`` = (tokens, width)),
+mean-pooled into a 10-class head: the shape of a language model's body at CPU size, for
+the sharded-optimizer comparison (issue 40).
 """
 from __future__ import annotations
 
@@ -31,6 +37,20 @@ MODELS = {
     "resnet18": "torchvision's ResNet-18 with the CIFAR stem (3x3 stride-1 conv1, no maxpool), "
                 "fc 512->10, 11.17M params",
 }
+
+# Models whose input is a sequence of token embeddings rather than an image (not in MODELS,
+# which lists the image models; train.py offers both).
+TOKEN_MODELS = {
+    "transformer": "4 nn.TransformerEncoderLayer (width 256, 4 heads, FF 1024, no dropout) "
+                   "on 32 synthetic token embeddings, mean-pooled, Linear(256, 10); 3.16M params",
+}
+ALL_MODELS = {**MODELS, **TOKEN_MODELS}
+TOKENS, WIDTH = 32, 256
+
+
+def input_shape(name: str) -> tuple:
+    """One sample's shape for ``build(name)``: an image, or (tokens, width) embeddings."""
+    return (TOKENS, WIDTH) if name in TOKEN_MODELS else IMAGE_SHAPE
 
 
 class VggSmall(nn.Module):
@@ -60,6 +80,32 @@ def vgg_small(seed: int = 0) -> VggSmall:
         return VggSmall()
 
 
+class TokenTransformer(nn.Module):
+    """``layers`` x nn.TransformerEncoderLayer(width, heads, ff) on (batch, tokens, width)
+    embeddings, mean over the tokens, Linear(width, classes). Dropout 0, so every
+    config of the benchmark trains on the same numbers."""
+
+    def __init__(self, layers: int = 4, width: int = WIDTH, heads: int = 4, ff: int = 1024,
+                 num_classes: int = NUM_CLASSES):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, ff, dropout=0.0, batch_first=True)
+            for _ in range(layers))
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(dim=1))
+
+
+def transformer(seed: int = 0) -> TokenTransformer:
+    """A fresh TokenTransformer whose weights depend only on ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return TokenTransformer()
+
+
 # ---------------------------------------------------------------- real architectures
 
 @functools.lru_cache(maxsize=None)
@@ -86,7 +132,7 @@ def _arch_module(use_torchvision=None):
 
 def model_source(name: str, use_torchvision=None) -> str:
     """Where ``build(name)`` takes the architecture from, in words."""
-    if name == "vgg_small":
+    if name in ("vgg_small", "transformer"):
         return "in-repo"
     if _arch_module(use_torchvision).__name__ == "vision_arch":
         import vision_arch
@@ -154,8 +200,10 @@ def build(name: str = DEFAULT_MODEL, seed: int = 0, use_torchvision=None) -> nn.
     """
     if name == "vgg_small":
         return vgg_small(seed)
+    if name == "transformer":
+        return transformer(seed)
     if name not in _ADAPT:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(ALL_MODELS)}")
     adapt, linear = _ADAPT[name]
     arch = getattr(_arch_module(use_torchvision), name)
     with torch.device("meta"):

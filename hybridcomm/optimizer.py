@@ -251,15 +251,16 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
 
     def _hc_base_step(self, closure, grad_scaler):
         """The wrapped optimizer's step on the reduced ``.grad`` (this rank's shard of it)."""
-        if self._hc_shards is not None:
-            return self._hc_shard_step(closure, grad_scaler, super().step)
         if grad_scaler is not None:
+            self._hc_make_whole()  # (shard) the inf check reads every gradient
             state = grad_scaler._per_optimizer_states[id(self)]
             if state["stage"] is not OptState.UNSCALED:  # the user may have unscaled to clip
                 grad_scaler.unscale_(self)
             # The gradients are reduced (identical on every rank), so is the verdict.
             if sum(v.item() for v in state["found_inf_per_device"].values()):
                 return None
+        if self._hc_shards is not None:
+            return self._hc_shard_step(closure, super().step)
         free = self._hc_sync.momentum_free()
         if free:
             if closure is not None or grad_scaler is not None:
@@ -311,10 +312,11 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         """Finish all communication and every pending update; ``.grad`` then holds
         the reduced gradients (e.g. to clip them), and the next ``step()`` uses
         ``.grad`` as it is. Parameters are current afterwards. With ``shard`` on,
-        refused after a backward: clip with ``clip_grad_norm_``."""
-        self._hc_refuse_partial()
+        the gradients are all-gathered too (``clip_grad_norm_`` needs no more than
+        each rank's part)."""
         self._hc_sync.begin_step()
         self._hc_sync.finish()
+        self._hc_make_whole()
         self._hc_synchronized = True
 
     @contextmanager

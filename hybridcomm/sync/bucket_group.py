@@ -35,12 +35,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..algorithms import REDUCE_SCATTER
+from ..algorithms import ALL_GATHER, REDUCE_SCATTER
 from ..algorithms.lowrank import POWERSGD
 from ..algorithms.topk import TOPK
 from ..base.errors import HybridCommError
 from ..comm.compression import TopK
 from ..comm.engine import CommEngine
+from ..comm.executor import reduce_now
 from ..comm.powersgd import PowerSGD
 from ..config.config import SyncConfig
 from ..plan.planner import Plan
@@ -75,7 +76,7 @@ class BucketState:
 
     __slots__ = ("index", "bucket", "_phase", "content", "touched", "pass_id", "launched_pass",
                  "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
-                 "detached", "marked", "agreed", "gathered")
+                 "detached", "marked", "agreed", "gathered", "scattered")
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -94,6 +95,7 @@ class BucketState:
         self.marked: List[int] = []  # the positions this rank launched with a gradient
         self.agreed = None  # control.HostMax over ``marked``, posted as the launch is issued
         self.gathered = None  # PENDING under shard: completes the parameters' all-gather
+        self.scattered = False  # under shard: reduce-scattered, each rank's part alone whole
 
     @property
     def phase(self) -> Phase:
@@ -252,6 +254,8 @@ class BucketGroup:
             return False
         elif s.phase is Phase.IN_FLIGHT:
             self.settle(s)  # a late gradient, or a dropped one: the reduction ends first
+        if s.scattered:  # (shard: a late pass) whole again before more is added
+            self.unscatter(s)
         if s.detached:
             b = s.bucket
             for pos in s.detached:
@@ -381,7 +385,19 @@ class BucketGroup:
                 "(set_to_none=True, the default)")
         used = self.links.used.positions(s, self.links.on_device)
         s.content = {pos for pos in used if b.holds(pos)}
+        s.scattered = self.engine.phase is REDUCE_SCATTER
         return used
+
+    def unscatter(self, s: BucketState) -> None:
+        """A reduce-scattered bucket made whole (shard.py): every rank's part
+        all-gathered, so that ``.grad`` is the reduced gradient on every rank (to
+        read it, or to add a late pass's gradients and reduce again)."""
+        b = s.bucket
+        for a, z in b.spec.segments:
+            reduce_now(b.buffer[a:z], self.links.transport, "ring", scale=None,
+                       timeout=self.config.timeout, phase=ALL_GATHER,
+                       what=f"bucket {s.index}'s gradients (all_gather)")
+        s.scattered = False
 
     def consume(self, s: BucketState) -> None:
         """``.grad`` <- the reduced gradients; None where no rank had one (as one
@@ -425,6 +441,8 @@ class BucketGroup:
         for s in self.states:
             if s.launched:
                 self.drop_unused(s, self.settle(s))
+            if s.scattered:  # (shard) the next buckets take whole gradients
+                self.unscatter(s)
             self.to(s, Phase.IDLE)
 
     @staticmethod

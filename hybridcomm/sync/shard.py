@@ -148,6 +148,7 @@ class Shards:
             for p in b.params:
                 p.grad = None  # the buffer holds parameters from here on
             s.content.clear()
+            s.scattered = False
             if not defer:
                 for a, z in b.spec.segments:
                     reduce_now(b.buffer[a:z], links.transport, SHARD_ALGORITHM, scale=None,
@@ -282,9 +283,9 @@ class ShardedOptimizer:
         reduced gradients: reduces what backward produced first (as
         ``synchronize()``), then clips; the next ``step()`` uses the clipped
         gradients. With ``shard`` on, the norm is the whole gradient's (every
-        rank's part) and each rank scales its part: clip this way there, not with
-        torch's function (which would see this rank's part alone). Returns the
-        total norm.
+        rank's part) and each rank scales its part, with no all-gather of the
+        gradients (``synchronize()`` then torch's function gives the same, at the
+        cost of one). Returns the total norm.
 
         Example::
 
@@ -320,30 +321,39 @@ class ShardedOptimizer:
                                   "contiguous)")
         new = Shards(sync.group, sync.params, sync.rank, sync.world,
                      release=sync.config.shard == "gradients", on_read=sync.deferred.read)
-        if old is None:
-            plain = {p: self.state.pop(p) for p in sync.params if p in self.state}
-        else:
+        plain = {}
+        if old is not None:
             full = old.full_state(self.state, sync.process_group, sync.timeout)
             for sl in old.slices:
                 self.state.pop(sl.tensor, None)
             plain = {old.params[i]: st for i, st in full.items()}
+        # the optimizer's own per-parameter state (Adagrad makes it in its constructor;
+        # a parameter frozen since kept it whole) joins the shards with its parameter
+        plain.update({p: self.state.pop(p) for p in sync.params if p in self.state})
         new.slice_state(self.state, plain)
+        kept = {id(p) for p in sync.params}
+        for p, st in plain.items():  # frozen now: its state stays, whole, until it joins again
+            if id(p) not in kept:
+                self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v
+                                 for k, v in st.items()}
         self._hc_shards = new
 
-    def _hc_shard_step(self, closure, grad_scaler, base_step):
-        if closure is not None or grad_scaler is not None:
-            raise HybridCommError("shard= takes no GradScaler, nor a closure the optimizer "
-                                  "evaluates itself, in step() yet")
+    def _hc_shard_step(self, closure, base_step):
+        if closure is not None:
+            raise HybridCommError("shard= takes no closure that the optimizer evaluates "
+                                  "itself in step()")
         self._hc_reshard()
         return self._hc_shards.step(self, base_step)
 
-    def _hc_refuse_partial(self) -> None:
-        """``synchronize()`` to read ``.grad``: under ``shard`` it would be whole on no rank."""
-        if self._hc_shards is not None and self._hc_sync.passes.any:
-            raise HybridCommError(
-                f"synchronize() with shard={self._hc_sync.config.shard!r}: each rank reduces "
-                "only its part of the gradients, so .grad is whole on no rank; to clip, use "
-                "opt.clip_grad_norm_(max_norm) (the whole gradient's norm)")
+    def _hc_make_whole(self) -> None:
+        """After ``synchronize()`` (to clip, or for GradScaler's inf check): under
+        ``shard`` every bucket's parts all-gathered, so that ``.grad`` is the whole
+        reduced gradient on every rank, as without it (an all-gather more; the
+        step still takes this rank's part)."""
+        if self._hc_shards is not None:
+            for s in self._hc_sync.group.states:
+                if s.scattered:
+                    self._hc_sync.group.unscatter(s)
 
     def _hc_sharded_state_dict(self, base_state_dict: Callable[[], dict]) -> dict:
         """The plain optimizer's state_dict, put together from every rank's slices (a
@@ -351,8 +361,10 @@ class ShardedOptimizer:
         sync, shards = self._hc_sync, self._hc_shards
         full = shards.full_state(self.state, sync.process_group, sync.timeout)
         saved = self.state
+        slices = {id(sl.tensor) for sl in shards.slices}
         self.state = type(saved)(saved.default_factory) if hasattr(saved, "default_factory") \
             else {}
+        self.state.update({p: st for p, st in saved.items() if id(p) not in slices})  # frozen
         self.state.update({shards.params[i]: {k: v.to(shards.params[i].device)
                                               if torch.is_tensor(v) and v.dim() else v
                                               for k, v in st.items()}
