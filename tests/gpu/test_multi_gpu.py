@@ -554,6 +554,17 @@ def test_adam_and_adamw_match_one_process():
     _check_cases(results, cases, lambda case: flat(train_single(case["opt"], STEPS)))
 
 
+def test_sharded_optimizer_state_matches_one_process():
+    """shard="optimizer" and "gradients" (issue 40): buckets reduce-scattered on the
+    comm stream, each rank steps its slices, the parameters all-gathered (forward
+    mode: before their first read), in SGD with its schedule and Adam."""
+    cases = [_case(f"{name}-{shard}-{overlap}", opt=name, shard=shard, overlap=overlap)
+             for name in ("sgd", "adam") for shard in ("optimizer", "gradients")
+             for overlap in ("forward", "backward")]
+    results = _run("shard", _train, _world(), cases)
+    _check_cases(results, cases, lambda case: flat(train_single(case["opt"], STEPS)))
+
+
 # --- AMP with clipping -------------------------------------------------------------------
 
 AMP_STEPS, AMP_LR = 5, 0.1
