@@ -109,20 +109,28 @@ class Shards:
                         self.slices.append(Slice(p, index[id(p)], start - o, stop - o, s,
                                                  start))
         self.by_param: Dict[int, List[Slice]] = {}
+        self.by_bucket: Dict[int, List[Slice]] = {s.index: [] for s in group.states}
         for sl in self.slices:
             self.by_param.setdefault(id(sl.param), []).append(sl)
+            self.by_bucket[sl.bucket.index].append(sl)
+        self._members = (None, None)  # (the param_groups' ids, the slices of each group)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self, opt, base_step: Callable[[], object]):
         """The wrapped optimizer's step on this rank's slices (after the reduce-scatter),
         then every bucket all-gathered into the parameters."""
         saved = opt.param_groups
-        group_of = {id(p): i for i, g in enumerate(saved) for p in g["params"]}
-        groups = [dict(g, params=[]) for g in saved]
+        key = [id(g) for g in saved]
+        if self._members[0] != key:  # which group each slice is in: once per groups' layout
+            group_of = {id(p): i for i, g in enumerate(saved) for p in g["params"]}
+            members: List[list] = [[] for _ in saved]
+            for sl in self.slices:
+                members[group_of[id(sl.param)]].append(sl.tensor)
+            self._members = (key, members)
         for sl in self.slices:
             sl.tensor.grad = sl.grad if sl.param.grad is not None else None  # None: unused
-            groups[group_of[id(sl.param)]]["params"].append(sl.tensor)
-        opt.param_groups = groups
+        # the live hyper-parameters (an LR schedule's), this rank's slices
+        opt.param_groups = [dict(g, params=m) for g, m in zip(saved, self._members[1])]
         try:
             loss = base_step()
         finally:
@@ -142,7 +150,7 @@ class Shards:
         channel, defer = links.channel, g.config.overlap == "forward"
         for s in g.states:
             b = s.bucket
-            mine = [sl for sl in self.slices if sl.bucket is s]
+            mine = self.by_bucket[s.index]
             if mine:
                 copy_into([sl.grad for sl in mine], [sl.tensor for sl in mine])
             for p in b.params:
