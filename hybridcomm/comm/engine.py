@@ -151,8 +151,8 @@ class CommEngine:
         a, z = b.spec.segments[s]
         seg = b.comm[a:z]
         world = self.transport.world_size
-        self.bytes_sent += int(bytes_sent(b.spec.algorithm, seg.numel() * seg.element_size(),
-                                          world))
+        sent = bytes_sent(b.spec.algorithm, seg.numel() * seg.element_size(), world)
+        self.bytes_sent += int(sent if self.phase == ALL_REDUCE else sent / 2)  # (one half)
         label = (f"bucket {index} ({b.spec.algorithm}, segment {s + 1}/{len(b.spec.segments)}, "
                  f"{seg.numel() * seg.element_size()} bytes)")
         after = None

@@ -53,25 +53,24 @@ from . import pending
 from .bucket_group import Phase
 from .buckets import copy_into
 
-SHARDS = ("optimizer", "gradients")
-SHARD_ALGORITHM = "ring"
+SHARD_ALGORITHM = "ring"  # the algorithm whose phases shard the buckets
 
 
 class Slice:
     """The part ``[start, stop)`` of ``param`` (flattened) in this rank's shard: at
-    ``[at, at + stop - start)`` of its bucket's buffer."""
+    ``[at, at + stop - start)`` of the buffer of the bucket ``state`` keeps."""
 
-    __slots__ = ("param", "index", "start", "stop", "tensor", "bucket", "at")
+    __slots__ = ("param", "index", "start", "stop", "tensor", "state", "at")
 
-    def __init__(self, param, index: int, start: int, stop: int, bucket, at: int):
+    def __init__(self, param, index: int, start: int, stop: int, state, at: int):
         self.param, self.index, self.start, self.stop = param, index, start, stop
         self.tensor = param.detach().view(-1)[start:stop]  # the parameter's own memory
-        self.bucket, self.at = bucket, at
+        self.state, self.at = state, at
 
     @property
     def grad(self) -> torch.Tensor:
         """Its gradient: a view of the bucket's buffer (which "gradients" renews)."""
-        return self.bucket.bucket.buffer[self.at:self.at + self.stop - self.start]
+        return self.state.bucket.buffer[self.at:self.at + self.stop - self.start]
 
 
 def owned_ranges(segments, rank: int, world: int) -> List[Tuple[int, int]]:
@@ -112,7 +111,7 @@ class Shards:
         self.by_bucket: Dict[int, List[Slice]] = {s.index: [] for s in group.states}
         for sl in self.slices:
             self.by_param.setdefault(id(sl.param), []).append(sl)
-            self.by_bucket[sl.bucket.index].append(sl)
+            self.by_bucket[sl.state.index].append(sl)
         self._members = (None, None)  # (the param_groups' ids, the slices of each group)
 
     # ---- the step ------------------------------------------------------------------------
