@@ -158,3 +158,31 @@ def test_chunks_start_at_aligned_offsets(algo):
                 for st in get_schedule(algo, r, p, n).steps:
                     for t in st.sends + st.recvs:
                         assert t.start % ALIGN_ELEMENTS == 0, (algo, p, n, r, t)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling"])
+def test_a_reduce_scatter_then_an_all_gather_is_the_all_reduce(algorithm):
+    """Sharded state's two phases on their own (issue 40): after the reduce-scatter
+    each rank's part (``SHARD_BOUNDS``) is the exact sum, finalized once; the
+    all-gather from those parts gives every rank the whole sum. Awkward sizes."""
+    from hybridcomm.algorithms import SHARD_BOUNDS, get_phase_schedule
+
+    rng = random.Random(3)
+    worlds = (1, 2, 3, 4, 5, 8) if algorithm == "ring" else (1, 2, 4, 8)
+    for world in worlds:
+        for numel in (0, 1, 7, 9, 100, 1001):
+            inputs = [[rng.randint(-9, 9) for _ in range(numel)] for _ in range(world)]
+            total = [sum(col) for col in zip(*inputs)]
+            owned = [SHARD_BOUNDS[algorithm](r, world, numel) for r in range(world)]
+            assert owned[0][0] == 0 and owned[-1][1] == numel
+            assert all(owned[r][1] == owned[r + 1][0] for r in range(world - 1))
+            scattered = simulate([get_phase_schedule("reduce_scatter", algorithm, r, world, numel)
+                                  for r in range(world)], inputs, owned, "reduce_scatter")
+            for r, (lo, hi) in enumerate(owned):
+                assert scattered[r][lo:hi] == total[lo:hi], (world, numel, r)
+            gathered = simulate([get_phase_schedule("all_gather", algorithm, r, world, numel)
+                                 for r in range(world)], scattered, owned, "all_gather")
+            assert all(g == total for g in gathered), (world, numel)
+    if algorithm == "halving_doubling":
+        with pytest.raises(ValueError, match="power-of-two"):
+            get_phase_schedule("reduce_scatter", algorithm, 0, 3, 10)

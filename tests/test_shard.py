@@ -247,3 +247,33 @@ def test_what_sharding_cannot_do_yet_is_refused_on_every_rank():
         for (error, seconds), text in zip(errors, says):
             assert error is not None and text in error, (text, error)
             assert seconds < 20, (text, seconds)  # no rank waited out a timeout
+
+
+def _algorithms(rank, world):
+    """Halving-doubling's reduce-scatter, forced and chosen per bucket, at 4 ranks."""
+    out = {}
+    for strategy in ("halving_doubling", "hybrid"):
+        for overlap in ("forward", "backward"):
+            model = _model()
+            opt = hybridcomm.DistributedOptimizer(
+                OPTIMIZERS["adam"](_groups(model)), model=model, overlap=overlap,
+                shard="optimizer", strategy=strategy, fusion_bytes=256, split_bytes=200,
+                cost_model="default", measure_iters=3, timeout=30)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            _train(model, opt, world, rank, head_joins_at=2, scheduler=sched)
+            out[(strategy, overlap)] = (_flat(model), sorted({b.algorithm
+                                                              for b in opt.plan.buckets}))
+            opt.close()
+    return out
+
+
+def test_halving_doublings_reduce_scatter_forced_or_chosen_gives_one_process_numbers():
+    results = run_ranks(4, _algorithms, timeout=300)
+    ref = _reference("adam", None)[0]
+    for key, (params, algorithms) in results[0].items():
+        assert torch.allclose(params, ref, rtol=TOL, atol=TOL), (key, (params - ref).abs().max())
+        for r in results[1:]:
+            assert torch.equal(r[key][0], params), key
+        assert set(algorithms) <= {"ring", "halving_doubling"}, (key, algorithms)
+        if key[0] == "halving_doubling":
+            assert algorithms == ["halving_doubling"], (key, algorithms)

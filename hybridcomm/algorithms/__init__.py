@@ -27,8 +27,10 @@ ALGORITHMS = tuple(SCHEDULES)
 # that have them, each phase's schedule, and the part a rank owns after it.
 REDUCE_SCATTER, ALL_GATHER, ALL_REDUCE = "reduce_scatter", "all_gather", "all_reduce"
 PHASED = {"ring": {REDUCE_SCATTER: ring.reduce_scatter_schedule,
-                   ALL_GATHER: ring.all_gather_schedule}}
-SHARD_BOUNDS = {"ring": ring.shard_bounds}
+                   ALL_GATHER: ring.all_gather_schedule},
+          "halving_doubling": {REDUCE_SCATTER: halving_doubling.reduce_scatter_schedule,
+                               ALL_GATHER: halving_doubling.all_gather_schedule}}
+SHARD_BOUNDS = {"ring": ring.shard_bounds, "halving_doubling": halving_doubling.shard_bounds}
 TOPOLOGY_AWARE = ("hierarchical", "torus2d")
 
 

@@ -10,7 +10,7 @@ executor applies the ``avg`` scale.
 from __future__ import annotations
 
 from collections import deque
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .schedule import Schedule
 
@@ -19,11 +19,16 @@ class ScheduleError(AssertionError):
     """The schedules are inconsistent: unmatched, mis-sized or deadlocked."""
 
 
-def simulate(schedules: Sequence[Schedule], inputs: Sequence[Sequence[float]]) -> List[list]:
+def simulate(schedules: Sequence[Schedule], inputs: Sequence[Sequence[float]],
+             owned: Optional[Sequence[Tuple[int, int]]] = None,
+             phase: str = "all_reduce") -> List[list]:
     """Run every rank's schedule; return each rank's final buffer.
 
     ``inputs[r]`` is rank r's buffer (any numbers: Python ints keep it exact).
-    Raises :class:`ScheduleError` on any inconsistency.
+    Raises :class:`ScheduleError` on any inconsistency. A phase alone (sharded
+    state) takes ``owned[r]``, rank r's part: a ``"reduce_scatter"`` must make
+    that part final (the rest is left partial); an ``"all_gather"`` starts with
+    it final and must make everything final.
 
     Example::
 
@@ -34,6 +39,9 @@ def simulate(schedules: Sequence[Schedule], inputs: Sequence[Sequence[float]]) -
     p = len(schedules)
     bufs = [list(x) for x in inputs]
     final = [[p == 1] * len(b) for b in bufs]
+    if phase == "all_gather":
+        for r, (lo, hi) in enumerate(owned):
+            final[r][lo:hi] = [True] * (hi - lo)
     queues: Dict[Tuple[int, int], deque] = {}
     pos = [0] * p  # index of each rank's current step
     posted = [False] * p  # whether that step's sends are posted
@@ -89,7 +97,8 @@ def simulate(schedules: Sequence[Schedule], inputs: Sequence[Sequence[float]]) -
     if left:
         raise ScheduleError(f"sends never received (src, dst): count {left}")
     for r in range(p):
-        if not all(final[r]):
-            i = final[r].index(False)
+        lo, hi = owned[r] if phase == "reduce_scatter" else (0, len(final[r]))
+        if not all(final[r][lo:hi]):
+            i = lo + final[r][lo:hi].index(False)
             raise ScheduleError(f"rank {r} element {i} never got its final value")
     return bufs

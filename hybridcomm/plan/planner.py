@@ -71,7 +71,10 @@ from ..algorithms.topk import TOPK, segment_numel, sparse_bytes_sent
 from .cost_model import NATIVE, PS, CostModel, bytes_sent
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
-STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS}
+STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS,
+                       # sharded optimizer state: the algorithms with a reduce-scatter
+                       # of their own (algorithms.PHASED), halving-doubling's at 2^k ranks
+                       "sharded": ("ring", "halving_doubling")}
 MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
 FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
 MIN_SPLIT, MAX_SPLIT = 1 << 20, 256 << 20
@@ -504,7 +507,9 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     split_default = split_bytes is None
     if split_default:
         split_bytes = 0 if world_size == 1 else default_split(model, world_size, notes, topo)
-    candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)]
+    candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)
+                  and not (strategy == "sharded" and a == "halving_doubling"
+                           and world_size & (world_size - 1))]
     groups = _fuse(layers, fusion_bytes, lazy_bytes, low_rank)
     if lazy_bytes is not None:
         notes.append(explain_lazy(layers, groups, model, world_size))
@@ -532,7 +537,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
             # At P <= 2 our algorithms are all one exchange of the same bytes.
             pool = [a for a in candidates if a in ("butterfly", NATIVE, PS)] if world_size <= 2 \
                 else candidates
-            algorithm = model.choose(nbytes, world_size, window, pool or ["butterfly"], topo)
+            algorithm = model.choose(nbytes, world_size, window,
+                                     pool or candidates or ["butterfly"], topo)
         pred = sum(model.predict(algorithm, (b - a) * esize, world_size, topo)
                    for a, b in segments) \
             if model.offers(algorithm) else float("nan")

@@ -394,7 +394,7 @@ class BucketGroup:
         read it, or to add a late pass's gradients and reduce again)."""
         b = s.bucket
         for a, z in b.spec.segments:
-            reduce_now(b.buffer[a:z], self.links.transport, "ring", scale=None,
+            reduce_now(b.buffer[a:z], self.links.transport, b.spec.algorithm, scale=None,
                        timeout=self.config.timeout, phase=ALL_GATHER,
                        what=f"bucket {s.index}'s gradients (all_gather)")
         s.scattered = False

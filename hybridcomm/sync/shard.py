@@ -2,9 +2,10 @@
 each rank keeps and steps the optimizer state of its part of every bucket.
 
 With ``shard`` on, the engine reduce-scatters each bucket as backward fills it
-(``CommEngine.phase``: the ring's first half, ``algorithms/ring.py``), so a rank
-ends the backward holding the average of its own part of each bucket's buffer
-(each segment's ``shard_bounds``; the rest of the buffer holds partial sums).
+(``CommEngine.phase``: the first half of the bucket's algorithm, the ring's or
+halving-doubling's, ``algorithms.PHASED``), so a rank ends the backward
+holding the average of its own part of each bucket's buffer (each segment's
+``SHARD_BOUNDS``; the rest of the buffer holds partial sums).
 Then ``step()``:
 
 1. the wrapped optimizer steps this rank's *slices*: for each parameter, the
@@ -45,7 +46,9 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from ..algorithms import ALL_GATHER, SHARD_BOUNDS
+import torch.distributed as dist
+
+from ..algorithms import ALL_GATHER, PHASED, SHARD_BOUNDS
 from ..base.errors import HybridCommError
 from ..comm import control
 from ..comm.executor import reduce_now, reduce_operation
@@ -53,7 +56,6 @@ from . import pending
 from .bucket_group import Phase
 from .buckets import copy_into
 
-SHARD_ALGORITHM = "ring"  # the algorithm whose phases shard the buckets
 
 
 class Slice:
@@ -73,13 +75,14 @@ class Slice:
         return self.state.bucket.buffer[self.at:self.at + self.stop - self.start]
 
 
-def owned_ranges(segments, rank: int, world: int) -> List[Tuple[int, int]]:
-    """This rank's parts of a bucket's buffer: its shard of each segment.
+def owned_ranges(segments, rank: int, world: int, algorithm: str) -> List[Tuple[int, int]]:
+    """This rank's parts of a bucket's buffer: its shard of each segment, as the
+    bucket's ``algorithm`` reduce-scatters it.
 
-    >>> owned_ranges([(0, 100), (100, 164)], 1, 2)
+    >>> owned_ranges([(0, 100), (100, 164)], 1, 2, "ring")
     [(48, 100), (132, 164)]
     """
-    bounds = SHARD_BOUNDS[SHARD_ALGORITHM]
+    bounds = SHARD_BOUNDS[algorithm]
     out = []
     for a, z in segments:
         lo, hi = bounds(rank, world, z - a)
@@ -100,7 +103,7 @@ class Shards:
         self.slices: List[Slice] = []
         for s in group.states:
             b = s.bucket
-            for lo, hi in owned_ranges(b.spec.segments, rank, world):
+            for lo, hi in owned_ranges(b.spec.segments, rank, world, b.spec.algorithm):
                 for pos, p in enumerate(b.params):
                     o, n = b.offsets[pos], b.views[pos].numel()
                     start, stop = max(lo, o), min(hi, o + n)
@@ -158,7 +161,7 @@ class Shards:
             s.scattered = False
             if not defer:
                 for a, z in b.spec.segments:
-                    reduce_now(b.buffer[a:z], links.transport, SHARD_ALGORITHM, scale=None,
+                    reduce_now(b.buffer[a:z], links.transport, b.spec.algorithm, scale=None,
                                timeout=g.config.timeout, phase=ALL_GATHER,
                                what=f"bucket {s.index}'s parameters (all_gather)")
                 self._gathered(s, ())
@@ -170,7 +173,7 @@ class Shards:
                 ready.record(rt.current_stream())
             what = f"bucket {s.index}'s parameters (all_gather)"
             tickets = [channel.submit(reduce_operation(
-                b.buffer[a:z], links.transport, SHARD_ALGORITHM, scale=None,
+                b.buffer[a:z], links.transport, b.spec.algorithm, scale=None,
                 timeout=g.config.timeout, label=what, range_id=None, ready=ready,
                 stream_ordered=channel.stream_ordered, phase=ALL_GATHER), what)
                 for a, z in b.spec.segments]
@@ -260,7 +263,9 @@ class Shards:
 def settle_options(options: dict, optimizer_name: str) -> dict:
     """``DistributedOptimizer``'s options with ``shard`` on: what cannot be combined
     with it yet is refused on every rank alike (before any collective), naming the
-    option; every bucket is reduce-scattered on the ring."""
+    option; every bucket is reduce-scattered with an algorithm that has a phase of
+    its own (``algorithms.PHASED``), chosen per bucket by the cost model unless
+    forced."""
     from ..config import env
 
     shard, why = options["shard"], []
@@ -271,12 +276,17 @@ def settle_options(options: dict, optimizer_name: str) -> dict:
     if optimizer_name in ("LBFGS", "ZeroRedundancyOptimizer"):
         why.append(f"{optimizer_name} (its step needs whole tensors, or shards itself)")
     forced = env.get("HYBRIDCOMM_ALGO") or options.get("strategy")
-    if forced not in (None, "", "hybrid", "auto", SHARD_ALGORITHM):
-        why.append(f"the algorithm {forced!r} (strategy or HYBRIDCOMM_ALGO): shards are "
-                   f"reduce-scattered with {SHARD_ALGORITHM!r}")
+    chosen = forced if forced in PHASED else "sharded"  # (per bucket, by the cost model)
+    world = dist.get_world_size(options.get("process_group"))
+    if forced not in (None, "", "hybrid", "auto") and forced not in PHASED:
+        why.append(f"the algorithm {forced!r} (strategy or HYBRIDCOMM_ALGO): buckets are "
+                   f"reduce-scattered with one of {tuple(PHASED)}")
+    elif forced == "halving_doubling" and world & (world - 1):
+        why.append(f"the algorithm 'halving_doubling' at {world} ranks (its reduce-scatter "
+                   "alone needs a power of two)")
     if why:
         raise HybridCommError(f"shard={shard!r} cannot be combined with " + "; ".join(why))
-    return dict(options, strategy=SHARD_ALGORITHM)
+    return dict(options, strategy=chosen)
 
 
 class ShardedOptimizer:
