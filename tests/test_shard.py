@@ -164,29 +164,36 @@ def test_each_rank_keeps_a_pth_of_the_state_and_gradients_free_their_buckets():
         assert buffers and all(b is None for b in buffers)  # freed until the next backward
 
 
-def _resume(rank, world, save_world, path):
-    """``save_world`` ranks train 2 steps and save (model and consolidated state);
-    ``world`` ranks load and train 3 more."""
+def _resume(rank, world, mode, path, form):
+    """``uninterrupted``: 5 steps. ``save``: 2 steps, then the model and the
+    optimizer state in ``form`` ("full": state_dict(), rank 0 saves it;
+    "sharded": every rank saves its sharded_state_dict()). ``resume``: a fresh
+    model and optimizer load it and take the last 3 steps."""
     model = _model()
     opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                          model=model, overlap="backward", shard="optimizer",
+                                          model=model, overlap="forward", shard="optimizer",
                                           fusion_bytes=256, cost_model="default", timeout=30)
     batches = _batches(world, rank)
-    if world == save_world:
-        for x, y in batches[:2]:
-            opt.zero_grad(); nn.functional.mse_loss(model(x), y).backward(); opt.step()
-        state = opt.state_dict()
-        if rank == 0:
-            torch.save({"model": model.state_dict(), "opt": state}, path)
-    torch.distributed.barrier()
-    if world != save_world:
-        ckpt = torch.load(path, weights_only=True)
+    if mode == "resume":
+        if form == "full":
+            ckpt = torch.load(path, weights_only=True)
+            opt.load_state_dict(ckpt["opt"])
+        else:
+            ckpt = torch.load(f"{path}.0", weights_only=True)
+            saved_world = ckpt["opt"]["hybridcomm_shard"]["world"]
+            opt.load_sharded_state_dict([torch.load(f"{path}.{r}", weights_only=True)["opt"]
+                                         for r in range(saved_world)])
         model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["opt"])
-    for x, y in batches[2:]:
+    for x, y in batches[:2] if mode == "save" else batches[2:] if mode == "resume" else batches:
         opt.zero_grad(); nn.functional.mse_loss(model(x), y).backward(); opt.step()
+    if mode == "save":
+        state = opt.state_dict() if form == "full" else opt.sharded_state_dict()
+        if form == "sharded" or rank == 0:
+            torch.save({"model": model.state_dict(), "opt": state},
+                       path if form == "full" else f"{path}.{rank}")
+    out = _flat(model)
     opt.close()
-    return _flat(model)
+    return out
 
 
 def _plain_resume(path):
@@ -201,12 +208,17 @@ def _plain_resume(path):
     return _flat(model)
 
 
-def test_a_sharded_checkpoint_resumes_at_another_world_size_and_in_a_plain_optimizer(tmp_path):
+@pytest.mark.parametrize("form", ["full", "sharded"])
+def test_a_checkpoint_resumes_bitwise_and_at_another_world_size(tmp_path, form):
     path = str(tmp_path / "ckpt.pt")
-    uninterrupted = run_ranks(2, _resume, 2, path, timeout=120)[0]
-    resumed = run_ranks(3, _resume, 2, path, timeout=120)
-    plain = _plain_resume(path)
-    for got in resumed + [plain]:
+    uninterrupted = run_ranks(2, _resume, "uninterrupted", path, form, timeout=120)[0]
+    run_ranks(2, _resume, "save", path, form, timeout=120)
+    again = run_ranks(2, _resume, "resume", path, form, timeout=120)
+    assert all(torch.equal(got, uninterrupted) for got in again)  # the same plan: bitwise
+    elsewhere = run_ranks(3, _resume, "resume", path, form, timeout=120)
+    if form == "full":
+        elsewhere.append(_plain_resume(path))  # a plain optimizer loads it too
+    for got in elsewhere:
         assert torch.allclose(got, uninterrupted, rtol=TOL, atol=TOL), \
             (got - uninterrupted).abs().max().item()
 

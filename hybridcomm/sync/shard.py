@@ -216,10 +216,9 @@ class Shards:
         return torch.tensor(total)
 
     # ---- state: this rank's slices <-> the plain optimizer's ---------------------------
-    def full_state(self, state: dict, group, timeout: float) -> Dict[int, dict]:
-        """Every parameter's state as the plain optimizer keeps it (its index among
-        ``params`` -> dict), put together from every rank's slices (a collective;
-        the same on every rank; tensors on the CPU)."""
+    def pieces(self, state: dict) -> Dict[int, dict]:
+        """This rank's state (parameter index -> key -> (start, tensor piece), or
+        (None, value) for what is not per element), on the CPU."""
         mine: Dict[int, dict] = {}
         for sl in self.slices:
             for key, v in state.get(sl.tensor, {}).items():
@@ -227,27 +226,16 @@ class Shards:
                     v = v.detach().cpu()
                 piece = torch.is_tensor(v) and v.dim() > 0 and v.shape == sl.tensor.shape
                 mine.setdefault(sl.index, {})[key] = (sl.start, v) if piece else (None, v)
-        out: Dict[int, dict] = {}
-        for theirs in control.all_gather_object(mine, group=group, timeout=timeout,
-                                                what="the sharded optimizer state"):
-            for index, entries in theirs.items():
-                st = out.setdefault(index, {})
-                for key, (start, v) in entries.items():
-                    if start is None:
-                        st.setdefault(key, v)
-                    else:
-                        st.setdefault(key, []).append((start, v))
-        for index, st in out.items():
-            shape = self.params[index].shape
-            for key, v in st.items():
-                if isinstance(v, list):  # pieces of a per-element tensor, in order
-                    whole = torch.cat([t.reshape(-1) for _, t in sorted(v, key=lambda x: x[0])])
-                    if whole.numel() != shape.numel():
-                        raise HybridCommError(f"internal error: the shards of state {key!r} of "
-                                              f"parameter {index} cover {whole.numel()} of "
-                                              f"{shape.numel()} elements")
-                    st[key] = whole.view(shape)
-        return out
+        return mine
+
+    def full_state(self, state: dict, group, timeout: float) -> Dict[int, dict]:
+        """Every parameter's state as the plain optimizer keeps it (its index among
+        ``params`` -> dict), put together from every rank's slices (a collective;
+        the same on every rank; tensors on the CPU)."""
+        return assemble(control.all_gather_object(self.pieces(state), group=group,
+                                                  timeout=timeout,
+                                                  what="the sharded optimizer state"),
+                        [p.shape for p in self.params])
 
     def slice_state(self, state: dict, full: Dict[object, dict]) -> None:
         """``state`` holds this rank's slices' entries, cut from ``full`` (param ->
@@ -258,6 +246,31 @@ class Shards:
                     k: (v.reshape(-1)[sl.start:sl.stop].to(sl.tensor.device).clone()
                         if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape else v)
                     for k, v in st.items()}
+
+
+def assemble(parts, shapes) -> Dict[int, dict]:
+    """Every rank's :meth:`Shards.pieces` put together: parameter index -> the plain
+    optimizer's state of that parameter (``shapes``: each parameter's)."""
+    out: Dict[int, dict] = {}
+    for theirs in parts:
+        for index, entries in theirs.items():
+            st = out.setdefault(index, {})
+            for key, (start, v) in entries.items():
+                if start is None:
+                    st.setdefault(key, v)
+                else:
+                    st.setdefault(key, []).append((start, v))
+    for index, st in out.items():
+        shape = shapes[index]
+        for key, v in st.items():
+            if isinstance(v, list):  # pieces of a per-element tensor, in order
+                whole = torch.cat([t.reshape(-1) for _, t in sorted(v, key=lambda x: x[0])])
+                if whole.numel() != shape.numel():
+                    raise HybridCommError(f"the shards of state {key!r} of parameter {index} "
+                                          f"cover {whole.numel()} of {shape.numel()} elements: "
+                                          "pass every rank's sharded_state_dict()")
+                st[key] = whole.view(shape)
+    return out
 
 
 def settle_options(options: dict, optimizer_name: str) -> dict:
@@ -390,6 +403,61 @@ class ShardedOptimizer:
             return base_state_dict()
         finally:
             self.state = saved
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the optimizer state, with no collective (each rank
+        saves its own); :meth:`load_sharded_state_dict` takes every rank's, at
+        any world size. Tensors on the CPU; ``torch.load(weights_only=True)``
+        reads it.
+
+        Example::
+
+            torch.save(opt.sharded_state_dict(), f"opt.{rank}.pt")      # every rank
+            ...
+            opt.load_sharded_state_dict([torch.load(f"opt.{r}.pt", weights_only=True)
+                                         for r in range(saved_world)])
+        """
+        sync, shards = self._hc_sync, self._hc_shards
+        if shards is None:
+            raise HybridCommError("sharded_state_dict() needs shard=; use state_dict()")
+        sync.apply_pending()
+        slices = {id(sl.tensor) for sl in shards.slices}
+        saved = self.state
+        self.state = {p: st for p, st in saved.items() if id(p) not in slices}  # frozen, whole
+        try:
+            state = super().state_dict()  # the groups, and what is kept whole
+        finally:
+            self.state = saved
+        state["hybridcomm_shard"] = {"rank": sync.rank, "world": sync.world,
+                                     "names": list(sync.registry.names),
+                                     "pieces": shards.pieces(saved)}
+        state["hybridcomm"] = sync.state_dict()
+        return state
+
+    def load_sharded_state_dict(self, states) -> None:
+        """Load every rank's :meth:`sharded_state_dict` (a list, any order), saved at
+        any world size; no collective (every rank passes them all)."""
+        sync, shards = self._hc_sync, self._hc_shards
+        states = list(states)
+        if shards is None or not states or any("hybridcomm_shard" not in st for st in states):
+            raise HybridCommError("load_sharded_state_dict() takes every rank's "
+                                  "sharded_state_dict(), into an optimizer with shard=")
+        first = states[0]["hybridcomm_shard"]
+        ranks = sorted(st["hybridcomm_shard"]["rank"] for st in states)
+        if ranks != list(range(first["world"])):
+            raise HybridCommError(f"load_sharded_state_dict(): the checkpoint has "
+                                  f"{first['world']} ranks' parts, {ranks} were given")
+        if first["names"] != list(sync.registry.names):
+            raise HybridCommError("load_sharded_state_dict(): the checkpoint's parameters "
+                                  "differ from this optimizer's")
+        full = assemble([st["hybridcomm_shard"]["pieces"] for st in states],
+                        [p.shape for p in sync.params])
+        position = {id(p): i for i, p in enumerate(p for g in self.param_groups
+                                                 for p in g["params"])}
+        plain = {k: v for k, v in states[0].items() if k != "hybridcomm_shard"}
+        plain["state"] = dict(plain["state"])
+        plain["state"].update({position[id(sync.params[i])]: st for i, st in full.items()})
+        self.load_state_dict(plain)
 
     def _hc_unshard_loaded(self) -> None:
         """After the plain optimizer's ``load_state_dict``: its per-parameter state cut
