@@ -549,3 +549,30 @@ def test_model_reads_match_one_process(world, overlap, simulate, fusion_bytes, d
     failures = _compare(results, _names(simulate))
     assert not failures, (f"{len(failures)} failures in {len(_names(simulate))} patterns:\n"
                           + "\n".join(failures))
+
+
+# Sharded optimizer state (issue 40): in forward mode each bucket's parameters
+# wait for their all-gather, so every read above sees one process's values.
+# Left out, as docs/API.md says: the resume patterns save on rank 0 alone
+# (under shard, state_dict() is a collective), and step_calls_adam's second
+# step() on the same gradients (step() consumes them: .grad is None after it).
+SHARDED = [name for name in PATTERNS
+           if not name.startswith("resume_") and name != "step_calls_adam"]
+SHARD_COMBOS = [(3, "optimizer", False), (2, "gradients", True)]
+
+
+def _sharded(rank, world, shard, simulate):
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    names = [n for n in SHARDED if not (simulate and n in HOST_ONLY)]
+    return _all_patterns(rank, world, lambda r, w, g: Hybrid(r, w, g, "forward", 0, shard=shard),
+                         PATTERNS, names)
+
+
+@pytest.mark.parametrize("world,shard,simulate", SHARD_COMBOS,
+                         ids=[f"P{w}-{s}-{'simgpu' if g else 'host'}" for w, s, g in SHARD_COMBOS])
+def test_model_reads_with_sharded_state(world, shard, simulate):
+    names = [n for n in SHARDED if not (simulate and n in HOST_ONLY)]
+    failures = _compare(run_ranks(world, _sharded, shard, simulate, timeout=300,
+                                  allow_errors=True), names)
+    assert not failures, "\n".join(failures)

@@ -289,3 +289,28 @@ def test_halving_doublings_reduce_scatter_forced_or_chosen_gives_one_process_num
         assert set(algorithms) <= {"ring", "halving_doubling"}, (key, algorithms)
         if key[0] == "halving_doubling":
             assert algorithms == ["halving_doubling"], (key, algorithms)
+
+
+def _steps_without_backward(rank, world, shard, overlap):
+    model = _model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                          model=model, overlap=overlap, shard=shard,
+                                          fusion_bytes=256, cost_model="default", timeout=30)
+    opt.step()  # before any backward
+    x, y = _batches(world, rank)[0]
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    after_one = _flat(model)
+    opt.step()  # the gradients were consumed: nothing left to step
+    opt.zero_grad()
+    opt.step()
+    out = torch.equal(_flat(model), after_one), all(p.grad is None for p in model.parameters())
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("shard,overlap", [("gradients", "forward"), ("optimizer", "none")])
+def test_a_step_without_a_backward_changes_nothing(shard, overlap):
+    for unchanged, released in run_ranks(2, _steps_without_backward, shard, overlap,
+                                         timeout=120):
+        assert unchanged and released

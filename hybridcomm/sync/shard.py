@@ -151,6 +151,8 @@ class Shards:
         links = g.links
         channel, defer = links.channel, g.config.overlap == "forward"
         for s in g.states:
+            if not s.content:  # nothing reduced since the last gather (a step without a
+                continue  # backward), or no rank had a gradient: the parameters stand
             b = s.bucket
             mine = self.by_bucket[s.index]
             if mine:
