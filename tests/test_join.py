@@ -200,16 +200,26 @@ def _refusals(rank, world):
     model, sparse = _model(), nn.Embedding(10, 3, sparse=True)
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD,
                                   lr=LR)
+    sharded = hybridcomm.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=LR),
+                                              shard="optimizer", cost_model="default",
+                                              timeout=30)
+    try:
+        sharded.join()
+        shard_error = None
+    except hybridcomm.HybridCommError as e:
+        shard_error = str(e)
+    sharded.close()
     return [refused(torch.optim.SGD(model.parameters(), lr=LR), model,
                     lambda opt: Join([_Other(), opt])),
             refused(zero, model, lambda opt: opt.join()),
             refused(torch.optim.SGD(sparse.parameters(), lr=LR), sparse,
-                    lambda opt: opt.join())]
+                    lambda opt: opt.join()), shard_error]
 
 
 def test_what_a_join_cannot_shadow_is_refused_on_every_rank():
     for errors in run_ranks(2, _refusals, timeout=120):
-        first, zero, sparse = errors
+        first, zero, sparse, shard = errors
+        assert shard is not None and "with shard='optimizer'" in shard, shard
         assert first is not None and "must come first in Join" in first, first
         assert zero is not None and "ZeroRedundancyOptimizer" in zero, zero
         assert sparse is not None and "sparse gradients ('weight')" in sparse, sparse

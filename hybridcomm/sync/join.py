@@ -65,6 +65,11 @@ class JoinState:
         """The hook for a join context about to be made (every rank makes it alike);
         ``copy_state(root)`` copies rank ``root``'s state to every rank at the end."""
         sync = self.sync
+        if sync.config.shard:
+            raise HybridCommError(
+                f"join: with shard={sync.config.shard!r} each rank steps and gathers its own part "
+                "of the parameters, which a rank out of data cannot: train with even inputs "
+                "(drop the last uneven batches), or leave shard out")
         if sync.registry.sparse:
             raise HybridCommError(
                 "join: parameters with sparse gradients ("
