@@ -139,7 +139,8 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         forced_algorithm(options["strategy"])  # every rank refuses a bad name alike
         refuse_wrapped(model)  # (every rank alike: no collective has started)
         if options["shard"]:
-            options = sharding.settle_options(options, type(self).__name__)
+            options = sharding.settle_options(options, type(self).__name__, process_group,
+                                              servers)
         overlap = options["overlap"]
         if overlap == "forward" and model is None:
             warnings.warn("hybridcomm: overlap='forward' needs model= to hook its forward; "

@@ -275,7 +275,7 @@ def assemble(parts, shapes) -> Dict[int, dict]:
     return out
 
 
-def settle_options(options: dict, optimizer_name: str) -> dict:
+def settle_options(options: dict, optimizer_name: str, process_group, servers) -> dict:
     """``DistributedOptimizer``'s options with ``shard`` on: what cannot be combined
     with it yet is refused on every rank alike (before any collective), naming the
     option; every bucket is reduce-scattered with an algorithm that has a phase of
@@ -292,7 +292,9 @@ def settle_options(options: dict, optimizer_name: str) -> dict:
         why.append(f"{optimizer_name} (its step needs whole tensors, or shards itself)")
     forced = env.get("HYBRIDCOMM_ALGO") or options.get("strategy")
     chosen = forced if forced in PHASED else "sharded"  # (per bucket, by the cost model)
-    world = dist.get_world_size(options.get("process_group"))
+    world = dist.get_world_size(process_group)
+    if servers is not None:
+        why.append("servers= (the summation servers sum whole buckets)")
     if forced not in (None, "", "hybrid", "auto") and forced not in PHASED:
         why.append(f"the algorithm {forced!r} (strategy or HYBRIDCOMM_ALGO): buckets are "
                    f"reduce-scattered with one of {tuple(PHASED)}")
