@@ -207,7 +207,8 @@ class GradientSynchronizer:
     @property
     def defers(self) -> bool:
         """Whether step() defers the updates to the first reads in the next forward
-        (forward mode, unless the plan found that nothing is left to overlap)."""
+        (forward mode, unless the plan found that nothing is left to overlap; under
+        ``shard`` the step is not deferred, the parameters' all-gather is: shard.py)."""
         return self.overlap == "forward" and not self.config.shard and (
             self.plan.defer_updates or self.config.defer_always)
 
