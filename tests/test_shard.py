@@ -254,7 +254,7 @@ def _refused(rank, world):
 
 def test_what_sharding_cannot_do_yet_is_refused_on_every_rank():
     says = ["compression='fp16'", "the algorithm 'butterfly'", "LBFGS",
-            "needs contiguous parameters"]
+            "needs plain contiguous parameters"]
     for errors in run_ranks(2, _refused, timeout=120):
         for (error, seconds), text in zip(errors, says):
             assert error is not None and text in error, (text, error)

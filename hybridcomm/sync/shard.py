@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms import ALL_GATHER, PHASED, SHARD_BOUNDS
+from ..base.dtensor import is_dtensor
 from ..base.errors import HybridCommError
 from ..comm import control
 from ..comm.executor import reduce_now, reduce_operation
@@ -348,11 +349,13 @@ class ShardedOptimizer:
         sync, old = self._hc_sync, self._hc_shards
         if old is not None and old.group is sync.group:
             return
-        odd = [sync.registry.names[i] for i, p in enumerate(sync.params) if not p.is_contiguous()]
+        odd = [sync.registry.names[i] for i, p in enumerate(sync.params)
+               if is_dtensor(p) or not p.is_contiguous()]
         if odd:  # (every rank alike: the parameters agree)
-            raise HybridCommError(f"shard={sync.config.shard!r} needs contiguous parameters; "
-                                  f"{odd[:3]} are not (channels_last: keep the parameters "
-                                  "contiguous)")
+            raise HybridCommError(f"shard={sync.config.shard!r} needs plain contiguous "
+                                  f"parameters; {odd[:3]} are not (channels_last: keep the "
+                                  "parameters contiguous; DTensor (tensor-parallel) parameters "
+                                  "are not sharded yet)")
         new = Shards(sync.group, sync.params, sync.rank, sync.world,
                      release=sync.config.shard == "gradients", on_read=sync.deferred.read)
         plain = {}
