@@ -117,6 +117,10 @@ class Shards:
             self.by_param.setdefault(id(sl.param), []).append(sl)
             self.by_bucket[sl.state.index].append(sl)
         self._members = (None, None)  # (the param_groups' ids, the slices of each group)
+        # The next forward's order of need where measured, else the reverse of the
+        # buckets' (made in backward's order): what the forward reads first goes first
+        self.gather_order = sorted(group.states, key=lambda s: (
+            s.bucket.spec.need is None, s.bucket.spec.need, -s.index))
 
     # ---- the step ------------------------------------------------------------------------
     def step(self, opt, base_step: Callable[[], object]):
@@ -151,7 +155,7 @@ class Shards:
         g = self.group
         links = g.links
         channel, defer = links.channel, g.config.overlap == "forward"
-        for s in g.states:
+        for s in self.gather_order:
             if not s.content:  # nothing reduced since the last gather (a step without a
                 continue  # backward), or no rank had a gradient: the parameters stand
             b = s.bucket
