@@ -72,9 +72,8 @@ from .cost_model import NATIVE, PS, CostModel, bytes_sent
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
 STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS,
-                       # sharded optimizer state: the algorithms with a reduce-scatter
-                       # of their own (algorithms.PHASED), halving-doubling's at 2^k ranks
-                       "sharded": ("ring", "halving_doubling")}
+                       "sharded": ("ring", "halving_doubling")}  # algorithms.PHASED
+SHARDED_HD_GAIN = 0.25  # "sharded": halving-doubling where this much faster (PERFORMANCE.md)
 MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
 FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
 MIN_SPLIT, MAX_SPLIT = 1 << 20, 256 << 20
@@ -507,9 +506,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     split_default = split_bytes is None
     if split_default:
         split_bytes = 0 if world_size == 1 else default_split(model, world_size, notes, topo)
-    candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a)
-                  and not (strategy == "sharded" and a == "halving_doubling"
-                           and world_size & (world_size - 1))]
+    candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a) and not (
+        a == "halving_doubling" and strategy == "sharded" and world_size & (world_size - 1))]
     groups = _fuse(layers, fusion_bytes, lazy_bytes, low_rank)
     if lazy_bytes is not None:
         notes.append(explain_lazy(layers, groups, model, world_size))
@@ -539,6 +537,10 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
                 else candidates
             algorithm = model.choose(nbytes, world_size, window,
                                      pool or candidates or ["butterfly"], topo)
+            if strategy == "sharded" and algorithm == "halving_doubling" and model.predict(
+                    algorithm, nbytes, world_size, topo) > (1 - SHARDED_HD_GAIN) * \
+                    model.predict("ring", nbytes, world_size, topo):
+                algorithm = "ring"
         pred = sum(model.predict(algorithm, (b - a) * esize, world_size, topo)
                    for a, b in segments) \
             if model.offers(algorithm) else float("nan")
