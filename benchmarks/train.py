@@ -26,6 +26,22 @@ configuration is measured side by side on the same processes:
     hybrid-backward  hybridcomm.DistributedOptimizer(strategy="hybrid", overlap="backward")
     hybrid-forward   hybridcomm.DistributedOptimizer(strategy="hybrid", overlap="forward")
 
+Sharded optimizer state (issue 40; best with ``--optimizer adam``, whose state is twice the
+parameters):
+
+    zero             DDP + torch.distributed.optim.ZeroRedundancyOptimizer(params, the optimizer's
+                     class): each rank steps the state of whole parameters it owns (a greedy
+                     partition by size), then broadcasts them
+    fsdp2            torch.distributed.fsdp.fully_shard on each layer (a conv/linear/norm, a
+                     ResNet block, a transformer layer), then the root,
+                     reshard_after_forward=False (gloo, CPU); parameters are DTensor shards
+    shard-optimizer  hybridcomm.DistributedOptimizer(shard="optimizer"): ZeRO-1, reduce-scatter in
+                     backward, 1/P of every bucket's state, the all-gather deferred to the next
+                     forward's first read (overlap="forward", the default)
+    shard-gradients  shard="gradients": ZeRO-2, also frees each bucket's gradient buffer between
+                     step() and the next backward
+    shard-optimizer-backward  shard="optimizer", overlap="backward" (the all-gather in step())
+
 Every config starts from a fresh model with the same seed and runs the same
 number of steps on the same data. Each step is timed on every rank in a loop
 with no barrier inside (a barrier would hide overlap); the step time is the
@@ -42,6 +58,12 @@ reduction order differs between algorithms, so small, not zero).
 ran (/proc/stat): where ``comm`` keeps the cores busy, the network is CPU-bound
 and nothing can overlap; where it leaves them idle, the wire is the bottleneck.
 
+``stateMB`` is the optimizer state each rank keeps (the bytes of every tensor in
+``optimizer.state``: ZeroRedundancyOptimizer's local optimizer's, FSDP2's DTensors' local
+shards), the largest over ranks; ``/rep`` is that over the replicated state / P (the
+replicated state: compute's, the same plain optimizer over the same parameters as ddp's).
+The JSON has every rank's.
+
 ``peakMB`` is the process's peak resident memory (VmHWM) during that config's
 timed steps, the largest over ranks (Linux: the peak is reset through
 /proc/self/clear_refs before the timed steps, after freed heap memory is handed
@@ -53,7 +75,11 @@ resident memory its trainer added from construction through its first round of
 steps (model, gradients, optimizer state, communication buffers), the largest
 over ranks; the first config (compute) also carries the runtime's one-time
 start-up. footMB compares what configs keep between steps, peakMB what their
-steps add on top.
+steps add on top. ``ownMB`` puts the two together per config: its footprint plus the
+most its timed steps raised the process's resident memory above where it stood when they
+began (the largest over ranks): what that config alone would peak at, up to the runtime's
+own start-up (in compute's footprint); it is what shows ZeRO-2's freed gradients, which
+peakMB (everyone's persistent state underneath) cannot.
 
     python benchmarks/train.py                       # 4 ranks, batch 8,16,32,64, all configs
     python benchmarks/train.py --quick               # ~1 minute
@@ -63,6 +89,8 @@ steps add on top.
     python benchmarks/train.py --model resnet18 --quick   # a real model (vgg11 too), loopback
     python benchmarks/train.py --regime-map --json map.json --plot map.png   # root; ~30 minutes
     python benchmarks/train.py --demo                # what `make demo` runs (< 3 minutes)
+    python benchmarks/train.py --optimizer adam --model transformer --batch-sizes 8 \
+        --configs ddp,zero,fsdp2,shard-optimizer,shard-gradients   # sharded state (issue 40)
     python benchmarks/train.py --configs hybrid-forward --batch-sizes 32 --trace traces/
                                                      # timelines (ui.perfetto.dev), per rank
 """
@@ -87,23 +115,37 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py, als
 import hybridcomm  # noqa: E402
 from hybridcomm.tools.bench.report import machine_info  # noqa: E402
 from hybridcomm.tools.launch import launch  # noqa: E402
-from models import (DEFAULT_MODEL, IMAGE_SHAPE, MODELS, NUM_CLASSES, build,  # noqa: E402
-                    model_source, param_counts)
+from models import (ALL_MODELS, DEFAULT_MODEL, NUM_CLASSES, build,  # noqa: E402
+                    input_shape, model_source, param_counts)
 
-# config -> (strategy, overlap) for hybridcomm.DistributedOptimizer; None: plain torch.
+# config -> (strategy, overlap, shard) for hybridcomm.DistributedOptimizer; None: plain torch.
 # "ddp:CAP_MB" (any cap) is accepted besides these; see config_kind.
 CONFIGS = {
     "comm": None,
     "limit": None,
     "stock": None,
     "ddp": None,
-    "ring": ("ring", "backward"),
-    "butterfly": ("butterfly", "backward"),
-    "hybrid-backward": ("hybrid", "backward"),
-    "hybrid-forward": ("hybrid", "forward"),
+    "ring": ("ring", "backward", None),
+    "butterfly": ("butterfly", "backward", None),
+    "hybrid-backward": ("hybrid", "backward", None),
+    "hybrid-forward": ("hybrid", "forward", None),
+    "zero": None,
+    "fsdp2": None,
+    # strategy None: the default (shard= reduce-scatters every bucket on the ring)
+    "shard-optimizer": (None, "forward", "optimizer"),
+    "shard-gradients": (None, "forward", "gradients"),
+    "shard-optimizer-backward": (None, "backward", "optimizer"),
 }
+SHARD_CONFIGS = ["ddp", "zero", "fsdp2", "shard-optimizer", "shard-gradients",
+                 "shard-optimizer-backward"]  # issue 40's comparison (with --optimizer adam)
 DEFAULT_CONFIGS = ["comm", "limit", "stock", "ddp", "ring", "butterfly", "hybrid-backward", "hybrid-forward"]
 LR, MOMENTUM, SEED, DATA_BATCHES = 0.01, 0.9, 1234, 4
+ADAM_LR = 1e-3
+OPTIMIZERS = {  # --optimizer: name -> (class, keywords)
+    "sgd": (torch.optim.SGD, {"lr": LR, "momentum": MOMENTUM}),
+    "adam": (torch.optim.Adam, {"lr": ADAM_LR}),
+}
+DEFAULT_OPTIMIZER = "sgd"
 # Warm-up covers DistributedOptimizer's re-plan (after measure_iters=3 steps by default).
 QUICK = {"batch_sizes": [8, 32], "iters": 6, "warmup": 4, "rounds": 2}
 FULL = {"batch_sizes": [8, 16, 32, 64], "iters": 20, "warmup": 5, "rounds": 4}
@@ -201,10 +243,11 @@ def shaped_network(nprocs: int, shape: str):
 
 # ---------------------------------------------------------------- per rank
 
-def _shard(rank: int, batch_size: int):
-    """This rank's synthetic batches: fixed seed, a different shard on every rank."""
+def _shard(rank: int, batch_size: int, model: str = DEFAULT_MODEL):
+    """This rank's synthetic batches: fixed seed, a different shard on every rank (images,
+    or token embeddings for the transformer)."""
     g = torch.Generator().manual_seed(SEED * 1_000_003 + rank * 1009 + batch_size)
-    return [(torch.randn(batch_size, *IMAGE_SHAPE, generator=g),
+    return [(torch.randn(batch_size, *input_shape(model), generator=g),
              torch.randint(0, NUM_CLASSES, (batch_size,), generator=g))
             for _ in range(DATA_BATCHES)]
 
@@ -249,16 +292,72 @@ class _Concurrent:
         self._thread.join(timeout)  # a daemon: a run stuck on a dead peer cannot hold the exit
 
 
+FSDP_BLOCKS = ("BasicBlock", "Bottleneck", "TransformerEncoderLayer")
+
+
+def fsdp_units(model):
+    """The modules fsdp2 shards one by one before the root: each ResNet block or
+    transformer layer, and each other module that holds parameters itself (a conv, a
+    linear, a norm) outside those; outermost first, none inside another."""
+    units = []
+
+    def walk(m):
+        for child in m.children():
+            if type(child).__name__ in FSDP_BLOCKS or (
+                    any(True for _ in child.parameters(recurse=False))):
+                units.append(child)
+            else:
+                walk(child)
+
+    walk(model)
+    return units
+
+
+def _fully_shard(model):
+    """FSDP2 (torch.distributed.fsdp.fully_shard) on every unit, then the root, on a
+    one-dimensional CPU mesh of the default (gloo) group; reshard_after_forward=False
+    (parameters stay gathered from forward through backward, as ZeRO-2 does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for unit in fsdp_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def state_bytes(state) -> int:
+    """Bytes of every tensor in an optimizer's ``state`` (DTensors: their local shard)."""
+    return sum(_local(v).numel() * _local(v).element_size()
+               for st in state.values() for v in st.values() if torch.is_tensor(v))
+
+
 class _Trainer:
     """One config's model, optimizer and step; ``step`` is what gets timed."""
 
-    def __init__(self, config: str, world: int, trace: bool = False, model: str = DEFAULT_MODEL):
+    def __init__(self, config: str, world: int, trace: bool = False, model: str = DEFAULT_MODEL,
+                 optimizer: str = DEFAULT_OPTIMIZER):
         self.config, self.world = config, world
         self.model = build(model, SEED)
+        opt_class, opt_kwargs = OPTIMIZERS[optimizer]
+        if config == "fsdp2":  # its parameters become DTensor shards: the optimizer takes those
+            _fully_shard(self.model)
         self.params = list(self.model.parameters())
-        base = torch.optim.SGD(self.params, lr=LR, momentum=MOMENTUM)
+        base = opt_class(self.params, **opt_kwargs)
         self.net, self.opt, self.concurrent = self.model, base, None
         kind, cap = config_kind(config)
+        if config == "zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model)
+            self.opt = ZeroRedundancyOptimizer(self.params, optimizer_class=opt_class,
+                                               **opt_kwargs)
         if config in ("comm", "limit"):  # every gradient's bytes in one buffer
             self.flat = torch.zeros(sum(p.numel() for p in self.params))
         if config == "limit":  # that all_reduce beside compute's step, in a persistent thread
@@ -268,10 +367,12 @@ class _Trainer:
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, **extra)
         elif CONFIGS.get(hybrid_options(config)[0]) is not None:
             name, options = hybrid_options(config)
-            strategy, overlap = CONFIGS[name]
-            self.opt = hybridcomm.DistributedOptimizer(base, model=self.model, strategy=strategy,
-                                                       overlap=overlap, op="avg", trace=trace,
-                                                       **options)
+            strategy, overlap, shard = CONFIGS[name]
+            extra = {} if shard is None else {"shard": shard}
+            if strategy is not None:
+                extra["strategy"] = strategy
+            self.opt = hybridcomm.DistributedOptimizer(base, model=self.model, overlap=overlap,
+                                                       op="avg", trace=trace, **options, **extra)
 
     def step(self, x, y):
         if self.config == "comm":
@@ -289,6 +390,20 @@ class _Trainer:
         self.opt.step()
         if self.concurrent is not None:  # ... and the step ends when both have
             self.concurrent.wait()
+
+    def state_bytes(self) -> int:
+        """The optimizer state this rank keeps, in bytes: ZeroRedundancyOptimizer's local
+        optimizer's; FSDP2's DTensors' local shards; shard=: this rank's slices'."""
+        opt = self.opt.optim if self.config == "zero" else self.opt
+        return state_bytes(opt.state)
+
+    def flat_params(self) -> torch.Tensor:
+        """Every parameter, flattened and concatenated, as this rank holds it whole (FSDP2:
+        the shards all-gathered, a collective every rank calls alike)."""
+        if self.config == "fsdp2":
+            return torch.cat([p.detach().full_tensor().reshape(-1)
+                              for p in self.model.parameters()])
+        return _flat_params(self.model)
 
     def plan(self):
         """hybridcomm's plan table as it stands now, or None."""
@@ -420,13 +535,19 @@ def _same_across_ranks(flat, world) -> bool:
     return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
+def reference_config(names):
+    """What ``max|d|`` is measured against: stock, else the first DDP config, else None."""
+    return "stock" if "stock" in names else next((c for c in names if is_ddp(c)), None)
+
+
 def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, label,
-                    trace_dir=None, model=DEFAULT_MODEL):
+                    trace_dir=None, model=DEFAULT_MODEL, optimizer=DEFAULT_OPTIMIZER):
     """Every config on this batch size, interleaved in ``rounds`` so slow drift in the
     machine's load (shared cores) hits all configs alike. Each config runs the same
-    number of steps on the same data from the same initial ``model`` (a models.MODELS
-    name). With ``trace_dir`` each hybridcomm config's timeline is written there per rank."""
-    data = _shard(rank, batch_size)
+    number of steps on the same data from the same initial ``model`` (a models.ALL_MODELS
+    name) with the same ``optimizer`` (an OPTIMIZERS name). With ``trace_dir`` each
+    hybridcomm config's timeline is written there per rank."""
+    data = _shard(rank, batch_size, model)
     names = ["compute"] + configs
     trainers, rows = {}, []
     per_round = [iters // rounds + (r < iters % rounds) for r in range(rounds)]
@@ -434,15 +555,18 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
     try:
         # footprint [kB]: resident memory a config's trainer adds, from its construction
         # through its first round of steps (both measured with freed heap memory trimmed)
-        footprint = {}
+        footprint, built = {}, {}
         for c in names:
             before = resident_kb(trim=True)
-            trainers[c] = _Trainer(c, world, trace=trace_dir is not None, model=model)
+            trainers[c] = _Trainer(c, world, trace=trace_dir is not None, model=model,
+                                   optimizer=optimizer)
             after = resident_kb(trim=True)
             footprint[c] = None if before is None or after is None else after - before
+            built[c] = footprint[c]  # its construction's part alone
         samples = {c: [] for c in names}
         cpu = {c: [0, 0] for c in names}
         peak = {c: [0] for c in names}  # kB, over the timed steps of every round
+        own = dict.fromkeys(names, 0)  # kB: footprint + the most its timed steps rose above
         steps_done = dict.fromkeys(names, 0)
         for r, timed in enumerate(per_round):
             for c in names:
@@ -451,11 +575,21 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
                 start_kb = resident_kb(trim=True)
                 dist.barrier()  # start together; no barrier inside the timed steps
                 # Round 0 warms up; later rounds drop one step to refill the pipeline.
+                this_round = [None if peak[c][0] is None else 0]
                 steps_done[c] = _run_steps(trainers[c], data, steps_done[c],
                                            warmup if r == 0 else 1, timed,
                                            lambda dt, st, c=c: samples[c].append((dt, *st)),
-                                           cpu[c], peak[c])
+                                           cpu[c], this_round)
                 trainers[c].finish()  # its communication done before the next config runs
+                # the round's peak over its start, on top of what the config held before it
+                # (round 0: its construction alone; later: its whole footprint)
+                held = built[c] if r == 0 else footprint[c]
+                if this_round[0] is None:  # the peak cannot be reset and read here
+                    peak[c][0] = own[c] = None
+                else:
+                    peak[c][0] = max(peak[c][0], this_round[0])
+                    own[c] = (None if own[c] is None or start_kb is None or held is None
+                              else max(own[c], held + this_round[0] - start_kb))
                 if r == 0 and footprint[c] is not None:
                     end_kb = resident_kb(trim=True)
                     footprint[c] = (None if start_kb is None or end_kb is None
@@ -465,22 +599,33 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
                     print(f"[train] {label} batch {batch_size} round {r + 1}/{rounds} "
                           f"{c}: {so_far:.0f} ms/step so far ({time.perf_counter() - t_start:.0f} s)",
                           file=sys.stderr, flush=True)
-        stock_flat = None
+        # max|d|: against stock (or DDP where stock is not run). The sharded configs (zero,
+        # fsdp2, shard-*) are compared like every other: each rank steps its part of the
+        # state, but the parameters they end with are whole on every rank (FSDP2's: its
+        # shards all-gathered, full_tensor), and an element-wise optimizer gives DDP's
+        # numbers up to the order of the gradient's summation. Their "same" is weaker
+        # than a replicated config's, since each part was stepped on one rank and copied to
+        # the others: it checks that copy (the all-gather, ZeRO's broadcasts), max|d| the
+        # step.
+        ref_name, ref_flat = reference_config(configs), None
         for c in names:
-            flat = _flat_params(trainers[c].model)
-            if c == "stock":
-                stock_flat = flat
+            flat = trainers[c].flat_params()
+            if c == ref_name:
+                ref_flat = flat
             times, lib_exposed, lib_busy = zip(*samples[c])
             rows.append({
                 "config": c, "batch_size": batch_size, "step_s": statistics.median(times),
                 "lib_exposed_s": _median_or_none(lib_exposed), "lib_busy_s": _median_or_none(lib_busy),
                 # compute and limit average no gradients: their replicas differ by design
                 "same": None if c in UNSYNCED else _same_across_ranks(flat, world),
-                "max_abs_diff_vs_stock": (None if stock_flat is None or c in UNSYNCED + ("comm",)
-                                          else float((flat - stock_flat).abs().max())),
+                "max_abs_diff_vs_stock": (None if ref_flat is None or c in UNSYNCED + ("comm",)
+                                          else float((flat - ref_flat).abs().max())),
+                "diff_vs": ref_name,
                 "cpu_busy_pct": 100.0 * cpu[c][0] / cpu[c][1] if cpu[c][1] else None,
                 "peak_rss_mb": None if not peak[c][0] else peak[c][0] / 1024,
                 "footprint_mb": None if footprint[c] is None else footprint[c] / 1024,
+                "own_peak_mb": None if not own[c] else own[c] / 1024,
+                "opt_state_bytes": trainers[c].state_bytes(),
                 "plan": trainers[c].plan() if rank == 0 else None,
             })
         if trace_dir is not None:
@@ -495,11 +640,11 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
 
 
 def _rank(rank, world, batch_sizes, configs, warmup, iters, rounds, label="loopback",
-          trace_dir=None, model=DEFAULT_MODEL):
+          trace_dir=None, model=DEFAULT_MODEL, optimizer=DEFAULT_OPTIMIZER):
     rows = []
     for bs in batch_sizes:
         rows += _run_batch_size(rank, world, bs, configs, warmup, iters, rounds, label,
-                                trace_dir, model)
+                                trace_dir, model, optimizer)
     return rows
 
 
@@ -531,8 +676,13 @@ def aggregate(per_rank, configs, batch_sizes):
             "same": None if row["same"] is None else all(r["same"] for r in ranks),
             "max_abs_diff_vs_stock": max(diffs) if diffs else None,
             "cpu_busy_pct": row.get("cpu_busy_pct"),  # rank 0's reading: the whole machine
+            "diff_vs": row.get("diff_vs"),
             "peak_rss_mb": _max_or_none([r.get("peak_rss_mb") for r in ranks]),
+            "peak_rss_mb_per_rank": [r.get("peak_rss_mb") for r in ranks],
             "footprint_mb": _max_or_none([r.get("footprint_mb") for r in ranks]),
+            "own_peak_mb": _max_or_none([r.get("own_peak_mb") for r in ranks]),
+            "own_peak_mb_per_rank": [r.get("own_peak_mb") for r in ranks],
+            "opt_state_bytes_per_rank": [r.get("opt_state_bytes") for r in ranks],
         }
     results = []
     for bs in batch_sizes:
@@ -544,9 +694,14 @@ def aggregate(per_rank, configs, batch_sizes):
         comm = out.get(("comm", bs), {}).get("step_ms")
         bound = max(compute, comm) if comm else None
         limit = out.get(("limit", bs), {}).get("step_ms")
+        # the replicated state (compute's: the plain optimizer on every parameter, as
+        # ddp's), and the ideal share of it per rank
+        replicated = max(out[("compute", bs)]["opt_state_bytes_per_rank"])
+        world = len(out[("compute", bs)]["opt_state_bytes_per_rank"])
         for config in ["compute"] + configs:
             r = out[(config, bs)]
             step = r["step_ms"]
+            state = r["opt_state_bytes_per_rank"]
             results.append({
                 "config": config, "batch_size": bs, "step_ms": step, "compute_ms": compute,
                 "exposed_comm_ms": step - compute,
@@ -557,6 +712,13 @@ def aggregate(per_rank, configs, batch_sizes):
                 "speedup_vs_ddp": ddp / step if ddp else None,
                 "cpu_busy_pct": r["cpu_busy_pct"],
                 "peak_rss_mb": r["peak_rss_mb"], "footprint_mb": r["footprint_mb"],
+                "peak_rss_mb_per_rank": r["peak_rss_mb_per_rank"],
+                "own_peak_mb": r["own_peak_mb"], "own_peak_mb_per_rank": r["own_peak_mb_per_rank"],
+                "opt_state_bytes": max(state), "opt_state_bytes_per_rank": state,
+                "opt_state_replicated_bytes": replicated,
+                "opt_state_ref_bytes": replicated / world,  # DDP's / P
+                "opt_state_vs_ref": max(state) * world / replicated if replicated else None,
+                "diff_vs": r["diff_vs"],
                 "lib_exposed_comm_ms": r["lib_exposed_comm_ms"],
                 "lib_comm_busy_ms": r["lib_comm_busy_ms"], "same": r["same"],
                 "max_abs_diff_vs_stock": r["max_abs_diff_vs_stock"],
@@ -569,14 +731,20 @@ def _fmt(v, spec, width):
     return f"{'-':>{width}}" if v is None else f"{v:>{width}{spec}}"
 
 
+def _mb(n):
+    return None if n is None else n / 1e6
+
+
 def print_table(results, header):
     print(header)
-    print(f"{'batch':>5} {'config':>16} {'step(ms)':>9} {'compute':>8} {'bound':>8} {'limit':>8} "
+    w = max([16] + [len(r["config"]) for r in results])
+    print(f"{'batch':>5} {'config':>{w}} {'step(ms)':>9} {'compute':>8} {'bound':>8} {'limit':>8} "
           f"{'exposed':>8} {'lib_exp':>8} {'/bound':>7} {'/limit':>7} {'vs stock':>8} "
-          f"{'vs ddp':>7} {'cpu%':>5} {'peakMB':>7} {'footMB':>7} {'same':>5} {'max|d|':>8}")
+          f"{'vs ddp':>7} {'cpu%':>5} {'peakMB':>7} {'footMB':>7} {'ownMB':>7} {'stateMB':>8} "
+          f"{'/rep':>6} {'same':>5} {'max|d|':>8}")
     for r in results:
         same = "-" if r["same"] is None else ("yes" if r["same"] else "NO")
-        print(f"{r['batch_size']:>5} {r['config']:>16} {r['step_ms']:>9.1f} {r['compute_ms']:>8.1f} "
+        print(f"{r['batch_size']:>5} {r['config']:>{w}} {r['step_ms']:>9.1f} {r['compute_ms']:>8.1f} "
               f"{_fmt(r['bound_ms'], '.1f', 8)} {_fmt(r['limit_ms'], '.1f', 8)} "
               f"{r['exposed_comm_ms']:>8.1f} {_fmt(r['lib_exposed_comm_ms'], '.1f', 8)} "
               f"{_fmt(r['vs_bound'], '.2f', 6)}{'x' if r['vs_bound'] else ' '} "
@@ -584,7 +752,9 @@ def print_table(results, header):
               f"{_fmt(r['speedup_vs_stock'], '.2f', 7)}{'x' if r['speedup_vs_stock'] else ' '} "
               f"{_fmt(r['speedup_vs_ddp'], '.2f', 6)}{'x' if r['speedup_vs_ddp'] else ' '} "
               f"{_fmt(r['cpu_busy_pct'], '.0f', 5)} {_fmt(r['peak_rss_mb'], '.0f', 7)} "
-              f"{_fmt(r['footprint_mb'], '.1f', 7)} "
+              f"{_fmt(r['footprint_mb'], '.1f', 7)} {_fmt(r.get('own_peak_mb'), '.0f', 7)} "
+              f"{_fmt(_mb(r.get('opt_state_bytes')), '.2f', 8)} "
+              f"{_fmt(r.get('opt_state_vs_ref'), '.2f', 5)}{'x' if r.get('opt_state_vs_ref') else ' '} "
               f"{same:>5} {_fmt(r['max_abs_diff_vs_stock'], '.1e', 8)}")
     best = {r["batch_size"]: r["best_ddp"] for r in results if r["best_ddp"]}
     if best:
@@ -702,16 +872,22 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[2:]))
     ap.add_argument("--nprocs", type=int, default=4)
-    ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(MODELS),
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(ALL_MODELS),
                     help=f"what trains (default {DEFAULT_MODEL}; --demo and --regime-map "
                          "run only that): "
-                         + "; ".join(f"{name} = {what}" for name, what in MODELS.items())
+                         + "; ".join(f"{name} = {what}" for name, what in ALL_MODELS.items())
                          + ". resnet18, vgg11: torchvision.models where it imports, else "
                          "benchmarks/vision_arch.py (written here from the papers, with "
                          "torchvision's names; the same weights either way)")
+    ap.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=list(OPTIMIZERS),
+                    help=f"every config's optimizer (default {DEFAULT_OPTIMIZER}): sgd = "
+                         f"SGD(lr={LR}, momentum={MOMENTUM}); adam = Adam(lr={ADAM_LR}), whose "
+                         "state (two moments) the sharded configs split: "
+                         + ",".join(SHARD_CONFIGS))
     ap.add_argument("--batch-sizes", default=None, help="per rank, comma-separated (default 8,16,32,64)")
     ap.add_argument("--configs", default="all",
                     help=f"comma-separated from {','.join(CONFIGS)}, ddp:CAP_MB, or all; "
+                         f"shard stands for {','.join(SHARD_CONFIGS)}; "
                          "hybridcomm's take DistributedOptimizer options after slashes, "
                          "e.g. hybrid-forward/fusion_bytes=4M/split_bytes=0 (keys: "
                          f"{', '.join(HYBRID_OPTIONS)})")
@@ -759,8 +935,9 @@ def parse_args(argv=None):
     if args.configs == "all":
         names = (REGIME_CONFIGS if args.regime_map else DEMO["configs"] if args.demo
                  else DEFAULT_CONFIGS)
-    else:
-        names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    else:  # "shard" in the list stands for SHARD_CONFIGS
+        names = [n for c in args.configs.split(",") if c.strip()
+                 for n in (SHARD_CONFIGS if c.strip() == "shard" else [c.strip()])]
     try:
         for c in names:
             config_kind(c)
@@ -795,7 +972,8 @@ def measure(args, shape, batch_sizes):
     label = shape.replace("rate ", "") if shape else "loopback"
     with network as net, cost_models_of(label):
         per_rank = launch(_rank, args.nprocs, batch_sizes, args.configs, args.warmup,
-                          args.iters, args.rounds, label, args.trace, args.model, backend="gloo",
+                          args.iters, args.rounds, label, args.trace, args.model,
+                          args.optimizer, backend="gloo",
                           setup=net and net.setup, timeout=args.timeout)
         where = f"tbf {net.spec} on each rank's link (a namespace per rank)" if net else "loopback"
     results = aggregate(per_rank, args.configs, batch_sizes)
@@ -812,13 +990,19 @@ def model_line(model) -> str:
 
 
 def header_line(args, model, where):
-    return (f"training step, {model_line(model)}, {args.nprocs} ranks on CPU "
-            f"(gloo), network: {where}; median of {args.iters} steps (configs interleaved "
+    return (f"training step, {model_line(model)}, {OPTIMIZER_LINES[args.optimizer]}, "
+            f"{args.nprocs} ranks on CPU (gloo), network: {where}; median of {args.iters} steps (configs interleaved "
             f"in {args.rounds} rounds, {args.warmup} warm-up) per rank, averaged across ranks; "
             f"exposed = step - compute; lib_exp = the library's own exposed_comm_s; "
             f"bound = max(compute, comm); limit = compute with comm in a thread at the same "
             f"time; peakMB = peak resident memory over the timed steps, footMB = the config's "
-            f"own persistent memory (largest over ranks)")
+            f"own persistent memory, ownMB = footMB + what its timed steps added on top, "
+            f"stateMB = optimizer state per rank (10^6 bytes; all: largest over ranks), "
+            f"/rep = stateMB over the replicated state / {args.nprocs}; max|d| against "
+            f"{reference_config(args.configs) or 'nothing (neither stock nor ddp runs)'}")
+
+
+OPTIMIZER_LINES = {"sgd": f"SGD(lr={LR}, momentum={MOMENTUM})", "adam": f"Adam(lr={ADAM_LR})"}
 
 
 def can_shape() -> Optional[str]:
@@ -904,6 +1088,7 @@ def main(argv=None):
         doc = {"nprocs": args.nprocs, "model": model,
                "machine": dict(machine_info(), backend="gloo"), "command": command,
                "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
+               "optimizer": OPTIMIZER_LINES[args.optimizer],
                "loadavg_after": os.getloadavg(), "plans": all_plans}
         if args.regime_map:
             doc.update(runs=runs, regime_map=cells)

@@ -116,6 +116,80 @@ def test_a_real_model_resnet18(tmp_path):
         assert rows[c]["same"] is True and rows[c]["max_abs_diff_vs_stock"] < 1e-4
 
 
+SHARDED = ["zero", "fsdp2", "shard-optimizer", "shard-gradients", "shard-optimizer-backward"]
+SHARD_KEYS = {"opt_state_bytes", "opt_state_bytes_per_rank", "opt_state_replicated_bytes",
+              "opt_state_ref_bytes", "opt_state_vs_ref", "own_peak_mb", "own_peak_mb_per_rank",
+              "peak_rss_mb_per_rank", "diff_vs"}
+
+
+def test_sharded_optimizer_state_configs_with_adam_on_the_transformer(tmp_path):
+    """Issue 40's comparison, tiny: DDP, ZeroRedundancyOptimizer, FSDP2 and hybridcomm's
+    shard= configs train the transformer with Adam to DDP's parameters (2 ranks: every
+    sum of two is exact, so up to nothing), each keeping its share of the state."""
+    doc, stdout = _run(tmp_path, "--optimizer", "adam", "--model", "transformer",
+                       "--configs", "shard", "--batch-sizes", "2")
+    configs = ["ddp"] + SHARDED
+    assert doc["optimizer"] == "Adam(lr=0.001)" and doc["model"]["arch"] == "transformer"
+    assert doc["model"]["source"] == "in-repo" and doc["model"]["params"] == 3161610
+    rows = {r["config"]: r for r in doc["results"]}
+    assert list(rows) == ["compute"] + configs
+    replicated = rows["compute"]["opt_state_bytes"]
+    assert replicated > 2 * doc["model"]["bytes"]  # Adam: two moments (and a step count)
+    for r in doc["results"]:
+        assert ROW_KEYS | SHARD_KEYS <= set(r), r
+        assert math.isfinite(r["step_ms"]) and r["step_ms"] > 0
+        assert len(r["opt_state_bytes_per_rank"]) == 2
+        assert r["opt_state_bytes"] == max(r["opt_state_bytes_per_rank"])
+        assert r["opt_state_replicated_bytes"] == replicated
+        assert r["opt_state_ref_bytes"] == replicated / 2
+        assert r["opt_state_vs_ref"] == pytest.approx(2 * r["opt_state_bytes"] / replicated)
+        if r["config"] == "compute":
+            continue
+        assert r["same"] is True and r["diff_vs"] == "ddp"
+        assert r["max_abs_diff_vs_stock"] < 1e-4, r["config"]  # DDP's training
+        if LINUX:
+            assert r["own_peak_mb"] > 0 and len(r["peak_rss_mb_per_rank"]) == 2
+    assert rows["ddp"]["opt_state_bytes_per_rank"] == [replicated, replicated]
+    for c in ("fsdp2", "shard-optimizer", "shard-gradients", "shard-optimizer-backward"):
+        assert rows[c]["opt_state_vs_ref"] < 1.05, c  # 1/P of the state, each rank
+    # ZeRO partitions whole parameters: each rank less than all, not necessarily half
+    assert max(rows["zero"]["opt_state_bytes_per_rank"]) < replicated
+    assert sum(rows["zero"]["opt_state_bytes_per_rank"]) == replicated
+    header = next(line for line in stdout.splitlines() if line.lstrip().startswith("batch"))
+    for column in ("peakMB", "footMB", "ownMB", "stateMB", "/rep"):
+        assert column in header.split()
+    assert "Adam(lr=0.001)" in stdout and "max|d| against ddp" in stdout
+
+
+def test_optimizer_option_defaults_to_the_old_sgd_and_shard_names_the_comparison(capsys):
+    train = _train_module()
+    assert train.parse_args([]).optimizer == "sgd"  # the thesis runs keep their optimizer
+    assert train.parse_args(["--optimizer", "adam"]).optimizer == "adam"
+    assert train.parse_args(["--configs", "stock,shard"]).configs == ["stock"] + [
+        "ddp"] + SHARDED
+    assert train.reference_config(["ddp:2", "zero"]) == "ddp:2"
+    assert train.reference_config(["ddp", "stock"]) == "stock"
+    assert train.reference_config(["zero"]) is None
+    with pytest.raises(SystemExit) as done:
+        train.parse_args(["--optimizer", "lamb"])
+    assert done.value.code == 2 and "lamb" in capsys.readouterr().err
+
+
+def test_fsdp2_shards_each_layer_then_the_root():
+    train = _train_module()
+    import models
+
+    def names(model):
+        units = train.fsdp_units(model)
+        return [n for n, m in model.named_modules() if any(m is u for u in units)]
+
+    assert names(models.build("transformer")) == [f"layers.{i}" for i in range(4)] + ["head"]
+    resnet = names(models.build("resnet18"))
+    assert resnet[:3] == ["conv1", "bn1", "layer1.0"] and resnet[-1] == "fc" and len(resnet) == 11
+    assert names(models.build("vgg_small")) == ["features.0", "features.2", "features.5",
+                                                "classifier.0", "classifier.2", "classifier.4"]
+
+
 def test_model_is_documented_and_kept_off_the_demo_and_the_regime_map(capsys):
     train = _train_module()  # its parser, in this process: no interpreter start per case
     assert train.parse_args([]).model == "vgg_small"
@@ -123,7 +197,7 @@ def test_model_is_documented_and_kept_off_the_demo_and_the_regime_map(capsys):
     with pytest.raises(SystemExit) as done:
         train.parse_args(["--help"])
     assert done.value.code == 0
-    assert "--model {vgg_small,vgg11,resnet18}" in capsys.readouterr().out
+    assert "--model {vgg_small,vgg11,resnet18,transformer}" in capsys.readouterr().out
     for run in (["--demo"], ["--regime-map"]):
         with pytest.raises(SystemExit) as done:
             train.parse_args([*run, "--model", "resnet18"])
