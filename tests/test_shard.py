@@ -164,11 +164,13 @@ def test_each_rank_keeps_a_pth_of_the_state_and_gradients_free_their_buckets():
         assert buffers and all(b is None for b in buffers)  # freed until the next backward
 
 
-def _resume(rank, world, mode, path, form):
+def _resume(rank, world, mode, path, form, simulate=False):
     """``uninterrupted``: 5 steps. ``save``: 2 steps, then the model and the
     optimizer state in ``form`` ("full": state_dict(), rank 0 saves it;
     "sharded": every rank saves its sharded_state_dict()). ``resume``: a fresh
     model and optimizer load it and take the last 3 steps."""
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     model = _model()
     opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
                                           model=model, overlap="forward", shard="optimizer",
@@ -208,14 +210,17 @@ def _plain_resume(path):
     return _flat(model)
 
 
-@pytest.mark.parametrize("form", ["full", "sharded"])
-def test_a_checkpoint_resumes_bitwise_and_at_another_world_size(tmp_path, form):
+@pytest.mark.parametrize("form,simulate", [("full", False), ("sharded", False),
+                                           ("sharded", True)],
+                         ids=["full-host", "sharded-host", "sharded-simgpu"])
+def test_a_checkpoint_resumes_bitwise_and_at_another_world_size(tmp_path, form, simulate):
     path = str(tmp_path / "ckpt.pt")
-    uninterrupted = run_ranks(2, _resume, "uninterrupted", path, form, timeout=120)[0]
-    run_ranks(2, _resume, "save", path, form, timeout=120)
-    again = run_ranks(2, _resume, "resume", path, form, timeout=120)
+    uninterrupted = run_ranks(2, _resume, "uninterrupted", path, form, simulate,
+                              timeout=120)[0]
+    run_ranks(2, _resume, "save", path, form, simulate, timeout=120)
+    again = run_ranks(2, _resume, "resume", path, form, simulate, timeout=120)
     assert all(torch.equal(got, uninterrupted) for got in again)  # the same plan: bitwise
-    elsewhere = run_ranks(3, _resume, "resume", path, form, timeout=120)
+    elsewhere = run_ranks(3, _resume, "resume", path, form, simulate, timeout=120)
     if form == "full":
         elsewhere.append(_plain_resume(path))  # a plain optimizer loads it too
     for got in elsewhere:
