@@ -209,12 +209,16 @@ class Shards:
         grads = [sl.grad for sl in self.slices if sl.param.grad is not None]
         norm_type = float(norm_type)
         dtype = torch.float64
+        grads = [g for g in grads if g.numel()]
+        # (one host read of this rank's part, however many slices)
         if math.isinf(norm_type):
-            local = max((g.abs().max().item() for g in grads if g.numel()), default=0.0)
+            local = float(torch.stack([g.abs().max().to(dtype) for g in grads]).max()) \
+                if grads else 0.0
             total = max(control.all_gather_object(local, group=group, timeout=timeout,
                                                   what="the gradient's norm"))
         else:
-            local = sum(float(g.to(dtype).abs().pow(norm_type).sum()) for g in grads)
+            local = float(torch.stack([g.to(dtype).abs().pow(norm_type).sum()
+                                       for g in grads]).sum()) if grads else 0.0
             total = sum(control.all_gather_object(local, group=group, timeout=timeout,
                                                   what="the gradient's norm")) ** (1 / norm_type)
         coef = max_norm / (total + 1e-6)
