@@ -96,7 +96,7 @@ class JoinState:
         """Tell the joined ranks what comes next (``ROUND`` or ``STEP_END``)."""
         work = Join.notify_join_context(self.joinable)  # raises on every rank if told to throw
         both = torch.tensor([1, what], dtype=torch.int64)
-        dist.all_reduce(both, group=self.group)
+        self._all_reduce(both)
         if work is not None:
             work.wait()
         self._training(int(both[0]))
@@ -106,7 +106,7 @@ class JoinState:
         """One notice's share, on a joined rank (it sends nothing of its own)."""
         self.sync._links.joining = None  # this rank no longer notifies
         both = torch.zeros(2, dtype=torch.int64)
-        dist.all_reduce(both, group=self.group)
+        self._all_reduce(both)
         training = int(both[0])
         self._training(training)
         what, disagree = divmod(int(both[1]), training)
@@ -132,8 +132,14 @@ class JoinState:
         sync.apply_pending()
         sync.group.engine.scale = sync._links.scale
         rank = torch.tensor([sync.rank if is_last_joiner else -1], dtype=torch.int64)
-        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.group)
+        self._all_reduce(rank, dist.ReduceOp.MAX)
         copy_state(int(rank[0]))
+
+    def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        """A notice's all-reduce on the join's group, within the optimizer's timeout
+        (a dead or stalled peer is hybridcomm's error naming it, not gloo's)."""
+        control.wait_work(lambda: dist.all_reduce(t, op=op, group=self.group, async_op=True),
+                          self.sync.timeout, "a join's notice")
 
     def _training(self, ranks: int) -> None:
         """The next operations average over the ranks still training, if asked to."""

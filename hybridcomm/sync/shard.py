@@ -97,7 +97,7 @@ class Shards:
 
     def __init__(self, group, params: List[torch.nn.Parameter], rank: int, world: int,
                  release: bool, on_read: Callable[[torch.Tensor], None]):
-        self.group, self.rank, self.world, self.release = group, rank, world, release
+        self.group, self.release = group, release
         self.on_read = on_read  # forward mode: a pending parameter is read (deferred.py)
         self.params = params
         index = {id(p): i for i, p in enumerate(params)}
