@@ -737,3 +737,40 @@ def test_a_replan_frees_the_old_buckets_memory_at_once():
     """A re-plan's new buckets replace the old: the old memory must go when they do,
     not at some later cycle collection (a peak-memory premium over DDP otherwise)."""
     assert run_ranks(2, _replaced_buckets) == [True, True]
+
+
+def _users_hooks(rank, world, overlap):
+    """A hook that doubles one parameter's gradient from the start, one that counts
+    another's calls from step 2 on (registered while ours are off or on)."""
+    model = make_model()
+    params = list(model.parameters())
+    params[0].register_hook(lambda g: g * 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if world:
+        opt = hybridcomm.DistributedOptimizer(opt, model=model, overlap=overlap, timeout=60)
+    counted = []
+    for s in range(5):
+        if s == 2:
+            params[-1].register_hook(lambda g: counted.append(s))
+        x, y = batch(s)
+        opt.zero_grad()
+        xs, ys = (shard(x, rank, world), shard(y, rank, world)) if world else (x, y)
+        nn.functional.mse_loss(model(xs), ys).backward()
+        opt.step()
+    if world:
+        opt.close()
+    x, y = batch(9)
+    nn.functional.mse_loss(model(x), y).backward()  # after close(): the user's hooks only
+    return flat(model.parameters()), len(counted), params[0].grad.clone()
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
+def test_a_users_own_gradient_hooks_keep_running(overlap):
+    """The library turns its pre-hooks on and off by the bucket's phase
+    (grad_hooks.py); a user's hooks on the same parameters, registered before or
+    during training, run once per backward throughout and after close()."""
+    want, want_calls, want_grad = _users_hooks(0, 0, overlap)
+    for got, calls, grad in run_ranks(2, _users_hooks, overlap):
+        assert torch.allclose(got, want, **TOL), f"max diff {(got - want).abs().max():.3g}"
+        assert calls == want_calls == 4  # steps 2, 3, 4 and the backward after close()
+        assert torch.allclose(grad, want_grad, **TOL)

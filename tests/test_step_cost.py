@@ -10,7 +10,10 @@ event, no kernel, no slow path: a cleared ``.grad`` is taken in per bucket,
 in one multi-tensor copy). Event queries depend on how far the (simulated)
 GPU has got, so they have a bound per bucket; the watchdog's, which follow
 the clock, are apart. A per-parameter event or launch creeping back in fails
-here with the count it added.
+here with the count it added. (The simulator keeps the pre-hooks on to check
+each in-place add; off it, on the host path and a real GPU, they are on only
+while a bucket is launched, in flight or pending: a steady step calls none,
+and a late pass still does.)
 """
 import os
 
@@ -25,8 +28,9 @@ from plan_counts import schedule_counts
 STEADY = 3  # steps counted, after the measured steps and the re-plan
 
 
-def _counted_step(rank, world, overlap):
-    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+def _counted_step(rank, world, overlap, simulate=True):
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     import hybridcomm
     from hybridcomm.plan.cost_model import CostModel
     from hybridcomm.sync.bucket_group import BucketGroup
@@ -66,14 +70,15 @@ def _counted_step(rank, world, overlap):
     for s in range(5 + STEADY):
         if s == 5:  # past the measured steps and the re-plan: the steady state
             opt.synchronize()
-            simgpu.reset_stats()
+            if simulate:
+                simgpu.reset_stats()
             calls_before = dict(calls)
         x, y = batch(s)
         opt.zero_grad()
         nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
         opt.step()
     opt.synchronize()  # forward mode: the last step's updates applied
-    stats = simgpu.stats()
+    stats = simgpu.stats() if simulate else {}
     hooks = {k: v - calls_before.get(k, 0) for k, v in calls.items()}
     plan = opt.plan
     kernels, nccl = schedule_counts(plan, rank, world)
@@ -115,3 +120,63 @@ def test_a_steady_step_costs_a_fixed_count_per_bucket_and_none_per_parameter(ove
         taken_in = 2 if overlap == "none" else 1
         assert hooks["absorb"] == STEADY * taken_in * buckets, (hooks, buckets)
         assert hooks["wait"] == STEADY * buckets, (hooks, buckets)
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
+def test_a_steady_host_step_calls_no_pre_hook(overlap):
+    """Off the simulator the pre-hooks are armed only while a bucket is launched,
+    in flight or pending (grad_hooks.py), so a steady step's backward, which adds
+    only into accumulating buckets, calls none: autograd's call into Python is
+    ~1 us per parameter. The post-accumulate hook is still called once per
+    parameter. (A late pass, which must wait for the reduction in flight, is in
+    tests/test_training_loops.py.)"""
+    for _, hooks, buckets, params, *_ in run_ranks(2, _counted_step, overlap, False,
+                                                   timeout=180):
+        assert buckets > 1
+        assert hooks.get("pre_hook", 0) == 0, (hooks, params)
+        assert hooks["after_grad"] == STEADY * params, (hooks, params)
+        assert hooks["launch"] == STEADY * buckets, (hooks, buckets)
+
+
+def _late_pass(rank, world, overlap):
+    import hybridcomm
+    from hybridcomm.sync.grad_hooks import GradientHooks
+
+    entered = []
+    before_grad = GradientHooks.before_grad
+
+    def counted(self, p):
+        entered.append(self.sync.group.where[id(p)][0].phase.value)
+        return before_grad(self, p)
+    GradientHooks.before_grad = counted
+    model = make_model()
+    # measure_iters=0: the launching pass stays the first, so the second is late
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model=model, overlap=overlap,
+        fusion_bytes=0, measure_iters=0, timeout=60)
+    late = []
+    for s in range(3):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world))
+        loss.backward(retain_graph=True)
+        del entered[:]
+        loss.backward()  # late: every bucket was launched by the first pass
+        late.append(list(entered))
+        opt.step()
+    buckets, params = len(opt.plan.buckets), sum(len(b.params) for b in opt.plan.buckets)
+    opt.close()
+    return late, buckets, params
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward"])
+def test_a_late_pass_enters_the_pre_hook_of_every_launched_parameter(overlap):
+    """The pre-hooks are off in a steady step, but a pass after the launching one
+    adds into buckets launched or in flight: the pre-hook of each bucket's first
+    parameter to arrive must run (it waits for the reduction before autograd adds
+    in place; the bucket, accumulating again, turns its hooks off)."""
+    for late, buckets, params in run_ranks(2, _late_pass, overlap, timeout=180):
+        assert buckets > 1
+        for entered in late:
+            assert buckets <= len(entered) <= params, (entered, buckets)
+            assert set(entered) <= {"launched", "in flight"}, entered

@@ -38,6 +38,7 @@ class CudaRuntime:
     """
 
     simulated = False
+    reports_writes = False  # expect_write is a no-op: the gradient hooks may stay off
 
     def __init__(self, device: torch.device):
         if not torch.cuda.is_available():

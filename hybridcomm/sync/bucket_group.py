@@ -31,6 +31,8 @@ import enum
 import logging
 import time
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -69,6 +71,10 @@ EDGES = {
     Phase.IN_FLIGHT: {Phase.IDLE, Phase.ACCUMULATING, Phase.PENDING},
     Phase.PENDING: {Phase.IDLE},
 }
+_IS_SPARSE = attrgetter("is_sparse")
+# where autograd must not add into a bucket's views unchecked (grad_hooks.py arms
+# the parameters' pre-hooks there)
+GUARDED = frozenset({Phase.LAUNCHED, Phase.IN_FLIGHT, Phase.PENDING})
 
 
 class BucketState:
@@ -76,7 +82,7 @@ class BucketState:
 
     __slots__ = ("index", "bucket", "_phase", "content", "touched", "pass_id", "launched_pass",
                  "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
-                 "detached", "marked", "agreed", "gathered", "scattered")
+                 "detached", "marked", "agreed", "gathered", "scattered", "guards")
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -96,6 +102,7 @@ class BucketState:
         self.agreed = None  # control.HostMax over ``marked``, posted as the launch is issued
         self.gathered = None  # PENDING under shard: completes the parameters' all-gather
         self.scattered = False  # under shard: reduce-scattered, each rank's part alone whole
+        self.guards: list = []  # its parameters' pre-hooks (grad_hooks.py)
 
     @property
     def phase(self) -> Phase:
@@ -158,6 +165,28 @@ class Links:
     on_slow: Optional[Callable[[int], Optional[str]]] = None  # a wait turned slow
     slow_after: float = 0.0
     joining: object = None  # in a join context, while this rank trains (join.py: JoinState)
+    guard: Optional[Callable[["BucketState", bool], None]] = None  # grad_hooks: GUARDED entered/left
+
+
+def _carry(s: BucketState, pos: int, old: BucketState, old_pos: int) -> None:
+    """A re-plan: the old bucket's gradient (and error feedback) at ``old_pos`` moves
+    to position ``pos`` of ``s``."""
+    b = s.bucket
+    if old.bucket.holds(old_pos):
+        b.views[pos].copy_(old.bucket.views[old_pos])
+        b.bind(pos)
+        if old_pos in old.content:
+            s.content.add(pos)
+    carried = b.topk and old.bucket.topk_state(old_pos)
+    if carried:  # top-k's error feedback survives a re-plan
+        for new_view, old_view in zip(b.topk_state(pos), carried):
+            if new_view is not None and old_view is not None:
+                new_view.copy_(old_view)
+    mine = b.lowrank and b.lowrank.state(pos)
+    theirs = old.bucket.lowrank and old.bucket.lowrank.state(old_pos)
+    if mine and theirs:  # so do PowerSGD's error feedback and warm start
+        for new_view, old_view in zip(mine, theirs):
+            new_view.copy_(old_view)
 
 
 class BucketGroup:
@@ -194,7 +223,7 @@ class BucketGroup:
                 self.where[id(p)] = (s, pos)
                 old = old_where.get(id(p))
                 if old is not None:
-                    self._carry(s, pos, *old)
+                    _carry(s, pos, *old)
             self.states.append(s)
             if log.isEnabledFor(logging.DEBUG):
                 extra = memory_beyond_gradients(bucket)
@@ -213,31 +242,15 @@ class BucketGroup:
             self.engine.on_issue = lambda i: links.used.post(self.states[i])
         self.engine.on_issued = lambda i: self.to(self.states[i], Phase.IN_FLIGHT)
 
-    @staticmethod
-    def _carry(s: BucketState, pos: int, old: BucketState, old_pos: int) -> None:
-        b = s.bucket
-        if old.bucket.holds(old_pos):
-            b.views[pos].copy_(old.bucket.views[old_pos])
-            b.bind(pos)
-            if old_pos in old.content:
-                s.content.add(pos)
-        carried = b.topk and old.bucket.topk_state(old_pos)
-        if carried:  # top-k's error feedback survives a re-plan
-            for new_view, old_view in zip(b.topk_state(pos), carried):
-                if new_view is not None and old_view is not None:
-                    new_view.copy_(old_view)
-        mine = b.lowrank and b.lowrank.state(pos)
-        theirs = old.bucket.lowrank and old.bucket.lowrank.state(old_pos)
-        if mine and theirs:  # so do PowerSGD's error feedback and warm start
-            for new_view, old_view in zip(mine, theirs):
-                new_view.copy_(old_view)
-
     # ---- the one writer of a phase -------------------------------------------------------
     def to(self, s: BucketState, phase: Phase) -> None:
         """Move bucket ``s`` to ``phase`` along an edge of the diagram (module doc)."""
         if phase not in EDGES[s.phase]:
             raise HybridCommError(f"internal error: bucket {s.index} cannot go from "
                                   f"{s.phase.value} to {phase.value}")
+        guarded = phase in GUARDED
+        if guarded != (s._phase in GUARDED) and self.links.guard is not None:
+            self.links.guard(s, guarded)
         s._phase = phase
 
     # ---- a round: open, launch, wait ---------------------------------------------------
@@ -275,6 +288,17 @@ class BucketGroup:
         nothing of this round: it is zeroed (it is summed with the other ranks')
         and bound, so that what other ranks send lands in ``.grad``."""
         b = s.bucket
+        params, views = b.params, b.views
+        grads = [p.grad for p in params]
+        if not any(map(is_, grads, repeat(None))) and not any(map(is_, grads, views)):
+            # (the usual step: autograd kept every gradient apart; checked in C)
+            if any(map(_IS_SPARSE, grads)):
+                self._refuse_sparse(next(i for i, g in enumerate(grads) if g.is_sparse), b)
+            copy_into(views, grads)
+            s.content.update(range(len(params)))
+            for p, view in zip(params, views):
+                p.grad = view
+            return
         views, grads, taken, stale = [], [], [], []
         for pos, p in enumerate(b.params):
             g = p.grad
@@ -285,10 +309,7 @@ class BucketGroup:
                 stale.append(pos)
                 continue
             if g.is_sparse:
-                raise HybridCommError(
-                    f"parameter {self.names[b.spec.params[pos]]!r} has a sparse gradient; "
-                    "hybridcomm reduces dense gradients (sparse=True modules only on the "
-                    "CPU path)")
+                self._refuse_sparse(pos, b)
             views.append(view)
             grads.append(g)
             taken.append(pos)
@@ -301,6 +322,11 @@ class BucketGroup:
             taken += stale
         for pos in taken:
             b.bind(pos)
+
+    def _refuse_sparse(self, pos: int, b: GradBucket) -> None:
+        raise HybridCommError(
+            f"parameter {self.names[b.spec.params[pos]]!r} has a sparse gradient; "
+            "hybridcomm reduces dense gradients (sparse=True modules only on the CPU path)")
 
     def launch(self, s: BucketState, pass_id: int) -> None:
         """Hand the bucket to the engine (it issues it when the order reaches it)."""
@@ -384,8 +410,11 @@ class BucketGroup:
                 "modify gradients only after opt.synchronize(), and zero them with zero_grad() "
                 "(set_to_none=True, the default)")
         used = self.links.used.positions(s, self.links.on_device)
-        s.content = {pos for pos in used if b.holds(pos)}
         s.scattered = self.engine.phase is REDUCE_SCATTER
+        if s.complete and all(map(is_, [p.grad for p in b.params], b.views)):
+            s.content = set(used)  # (the usual bucket: every position used and bound)
+            return used
+        s.content = {pos for pos in used if b.holds(pos)}
         return used
 
     def unscatter(self, s: BucketState) -> None:
@@ -402,8 +431,12 @@ class BucketGroup:
     def consume(self, s: BucketState) -> None:
         """``.grad`` <- the reduced gradients; None where no rank had one (as one
         process on the whole batch would leave it)."""
-        used = set(self.settle(s))
+        used = self.settle(s)
         b = s.bucket
+        if len(s.content) == len(b.params):  # every .grad its view, every one used
+            self.to(s, Phase.IDLE)
+            return
+        used = set(used)
         for pos, p in enumerate(b.params):
             if p.grad is b.views[pos]:
                 if pos not in used:

@@ -31,6 +31,7 @@ from ..plan.planner import Bucket, layout
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
 _foreach_copy = getattr(torch, "_foreach_copy_", None)  # torch >= 2.1's multi-tensor copy
+_PLAIN = {torch.Tensor}
 
 
 def copy_into(views: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
@@ -42,8 +43,7 @@ def copy_into(views: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
     [tensor([1., 1.]), tensor([2., 2., 2.])]
     """
     if _foreach_copy is not None and len(views) > 1 and \
-            all(type(t) is torch.Tensor for t in grads) and \
-            all(type(t) is torch.Tensor for t in views):
+            set(map(type, grads)) == _PLAIN and set(map(type, views)) == _PLAIN:
         _foreach_copy(views, grads)
         return
     for view, grad in zip(views, grads):
@@ -147,6 +147,8 @@ class GradBucket:
         n = len(self.params)
         most = 1 if 2 * len(positions) >= n else 0
         self.flags.fill_(most)
+        if len(positions) == n:  # (the usual bucket: every position, one fill)
+            return
         start = None
         for i in range(n + 1):
             differs = i < n and (i in positions) != bool(most)

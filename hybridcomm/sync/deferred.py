@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from operator import is_
 from typing import Callable, Dict, Optional
 
 from . import pending
@@ -55,7 +56,9 @@ class DeferredUpdates:
         group = self._group_of()
         for s in group.states:
             b = s.bucket
-            taken = {pos for pos in range(len(b.params)) if b.holds(pos)}  # not zeroed since
+            grads = [p.grad for p in b.params]  # a view still bound: not zeroed since
+            taken = set(range(len(grads))) if all(map(is_, grads, b.views)) else \
+                {pos for pos, (g, v) in enumerate(zip(grads, b.views)) if g is v}
             if s.launched or (s.phase is Phase.IDLE and taken & s.content):
                 s.hyper, s.taken = hyper, taken
                 group.to(s, Phase.PENDING)
@@ -121,6 +124,10 @@ class DeferredUpdates:
             b = o.bucket
             free = b.topk is not None and bool(self._momentum)
             params, grads, _ = groups.setdefault(free, ([], [], hyper))
+            if len(used) == len(o.taken) == len(b.params):  # (the usual bucket: all of it)
+                params += b.params
+                grads += b.views
+                continue
             for pos in used:
                 if pos in o.taken:
                     params.append(b.params[pos])

@@ -4,17 +4,24 @@ Per parameter and backward pass these are the library's only Python work, so
 each is a look-up and a counter in the usual case; what costs more is done
 once per bucket (bucket_group.py).
 
-1. **Before autograd adds it** (a tensor hook). A ``.grad`` that is None
-   (``zero_grad()``, the default ``set_to_none=True``) needs nothing: autograd
-   puts the gradient in a tensor of its own, as in plain PyTorch (no zeroing,
-   no in-place add), and the bucket takes it in once per bucket (below). Only
-   a ``.grad`` that is its bucket's view is written in place, so then the
-   bucket must be writable: a reduction in flight is waited for (a *late*
-   gradient: the result is kept and the addition reduced again, all-reduce
-   being linear), a deferred forward-mode update is applied first, and a
-   bucket whose launch the issue order has not reached yet is never written:
-   the gradient goes into a tensor of autograd's own and is added in when the
-   bucket next opens.
+1. **Before autograd adds it** (a tensor hook), armed only while its bucket is
+   launched, in flight or PENDING (``BucketGroup.to`` says when: two attribute
+   writes per parameter and step, where an armed hook costs autograd a call
+   into Python with the gradient wrapped, ~1 us per parameter and pass). A
+   ``.grad`` that is None (``zero_grad()``, the default ``set_to_none=True``)
+   needs nothing: autograd puts the gradient in a tensor of its own, as in
+   plain PyTorch (no zeroing, no in-place add), and the bucket takes it in once
+   per bucket (below). Only a ``.grad`` that is its bucket's view is written in
+   place, so then the bucket must be writable: a reduction in flight is waited
+   for (a *late* gradient: the result is kept and the addition reduced again,
+   all-reduce being linear), a deferred forward-mode update is applied first,
+   and a bucket whose launch the issue order has not reached yet is never
+   written: the gradient goes into a tensor of autograd's own and is added in
+   when the bucket next opens. An accumulating or idle bucket's view may be
+   added into as it is, so there the hook is off. It stays armed throughout
+   under ``shard`` (an idle bucket may hold a reduce-scattered or released
+   buffer) and on the simulated GPU (it reports each in-place add to the
+   simulator's race checks).
 2. **After autograd added it** (a post-accumulate hook): the bucket is opened
    if it was not accumulating, and the parameter counted. Once all of a
    bucket's parameters are in, the bucket takes every gradient autograd kept
@@ -26,16 +33,39 @@ Example::
 
     hooks = GradientHooks(sync)
     hooks.attach(params)          # again after the parameters change
+    hooks.guard(state, True)      # the bucket left ACCUMULATING/IDLE (BucketGroup.to)
     hooks.detach()                # close()
 """
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from typing import Dict, Iterable
 
-from .bucket_group import Phase
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .bucket_group import GUARDED, Phase
 from .passes import LAUNCH
 
 _ACCUMULATING = Phase.ACCUMULATING
+
+
+@functools.lru_cache(maxsize=None)
+def hooks_toggle() -> bool:
+    """Whether a tensor's pre-hooks go on and off by assigning its ``_backward_hooks``
+    (torch's own dict of them, which its setter hands to autograd): checked once
+    on a scratch tensor; where not, the pre-hooks stay armed (correct, slower)."""
+    try:
+        t, seen = torch.zeros(1, requires_grad=True), []
+        with torch.enable_grad():
+            t._backward_hooks = {0: lambda g: seen.append(1)}
+            t.sum().backward()
+            t._backward_hooks = None
+            t.sum().backward()
+        return seen == [1]
+    except Exception:  # noqa: BLE001 - an attribute torch may change: the safe fallback
+        return False
 
 
 class GradientHooks:
@@ -44,24 +74,58 @@ class GradientHooks:
 
     def __init__(self, sync):
         self.sync = sync
-        self._handles: Dict[int, list] = {}  # id(param) -> its hook handles
+        self._handles: Dict[int, object] = {}  # id(param) -> its post-accumulate hook's handle
+        self._pre: Dict[int, tuple] = {}  # id(param) -> (param, key, pre-hook, {key: pre-hook})
+        self.always_armed = True  # the pre-hooks are never turned off (set in attach)
 
     def attach(self, params: Iterable) -> None:
-        """Hooks on every one of ``params``, and on no other parameter."""
+        """Hooks on every one of ``params``, and on no other parameter; each pre-hook
+        armed as its bucket's phase in the synchronizer's current group wants."""
         want = {id(p): p for p in params}
         for pid in [pid for pid in self._handles if pid not in want]:
-            for h in self._handles.pop(pid):
-                h.remove()
+            self._handles.pop(pid).remove()
+            _disarm(self._pre.pop(pid))
         for pid, p in want.items():
             if pid not in self._handles:
-                self._handles[pid] = [p.register_hook(self._before(p)),
-                                      p.register_post_accumulate_grad_hook(self.after_grad)]
+                self._handles[pid] = p.register_post_accumulate_grad_hook(self.after_grad)
+                key, hook = RemovableHandle(OrderedDict()).id, self._before(p)
+                # (an OrderedDict, as torch's own: a user's register_hook weak-references it)
+                self._pre[pid] = (p, key, hook, OrderedDict({key: hook}))
+        sync = self.sync
+        self.always_armed = not hooks_toggle() or bool(sync.config.shard) or \
+            getattr(sync.rt, "reports_writes", False)
+        for s in sync.group.states:
+            s.guards = [self._pre[id(p)] for p in s.bucket.params]
+            self._set(s.guards, self.always_armed or s.phase in GUARDED)
+
+    def guard(self, s, on: bool) -> None:
+        """Bucket ``s`` entered (``on``) or left the phases where autograd must not add
+        into its views unchecked (``BucketGroup.to``)."""
+        if not self.always_armed:
+            self._set(s.guards, on)
+
+    @staticmethod
+    def _set(entries, on: bool) -> None:
+        if on:
+            for p, key, hook, alone in entries:
+                hooks = p._backward_hooks
+                if hooks is None:
+                    if len(alone) != 1 or key not in alone:  # (a user's hook went in)
+                        alone.clear()
+                        alone[key] = hook
+                    p._backward_hooks = alone  # (the setter hands it to autograd)
+                elif key not in hooks:
+                    hooks[key] = hook
+        else:
+            for entry in entries:
+                _disarm(entry)
 
     def detach(self) -> None:
-        for handles in self._handles.values():
-            for h in handles:
-                h.remove()
-        self._handles = {}
+        for h in self._handles.values():
+            h.remove()
+        for entry in self._pre.values():
+            _disarm(entry)
+        self._handles, self._pre = {}, {}
 
     def _before(self, p):
         before_grad = self.before_grad
@@ -105,21 +169,32 @@ class GradientHooks:
         passes = sync.passes
         if not passes.active or passes.end_due:  # (the plan is read once per pass)
             passes.gradient_arrived(sync.plan.launch_pass, sync.measuring())
-        if s.phase is not _ACCUMULATING:
+        if s._phase is not _ACCUMULATING:
             with sync.watched():
                 if not sync.open(s):
                     return  # launched, not issued: waits in p.grad until it opens again
-        if s.pass_id != passes.id:
-            s.pass_id, s.touched = passes.id, set()
         touched = s.touched
+        if s.pass_id != passes.id:
+            s.pass_id = passes.id
+            touched = s.touched = set()
         touched.add(pos)
         s.content.add(pos)
-        launching = passes.kind == LAUNCH
-        if launching and passes.measuring:
+        if passes.measuring:  # (a launching pass of a measured step)
             sync.measure.ready(s.bucket.spec.params[pos], sync.clock.stamp())
         if len(touched) == len(s.bucket.params):  # the bucket's last gradient of this pass
             with sync.watched():
-                if not launching:
+                if passes.kind != LAUNCH:
                     sync.group.absorb(s)  # (a local pass: the memory autograd held, freed)
                 elif s.launched_epoch != sync.state.epoch:
                     sync.group.open_and_launch(s, sync.open, passes.id)
+
+
+def _disarm(entry) -> None:
+    """This pre-hook off; a user's hooks on the same tensor stay."""
+    p, key = entry[0], entry[1]
+    hooks = p._backward_hooks
+    if hooks is not None and key in hooks:
+        if len(hooks) == 1:
+            p._backward_hooks = None  # autograd drops its pre-hook: no call at all
+        else:
+            del hooks[key]

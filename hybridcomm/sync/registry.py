@@ -9,6 +9,7 @@ check of identities, the rebuild is collective (every rank checks the new set).
 """
 from __future__ import annotations
 
+from operator import is_
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -94,9 +95,9 @@ class ParamRegistry:
         """Whether the optimizer's trainable parameters are no longer these (cheap when
         nothing changed: the same groups' lists and the same requires_grad flags)."""
         listed = [p for g in self._groups for p in g["params"]]
-        if len(listed) == len(self._listed) and all(
-                a is b and a.requires_grad == r
-                for a, b, r in zip(listed, self._listed, self._requires)):
+        # (per parameter and step: compared in C, map over operator.is_)
+        if len(listed) == len(self._listed) and all(map(is_, listed, self._listed)) and \
+                [p.requires_grad for p in listed] == self._requires:
             return False
         return [id(p) for p in trainable(self._groups)] != self._ids
 

@@ -129,6 +129,7 @@ class GradientSynchronizer:
                                  servers=len(servers.role.servers) if servers else 0)
         self.passes = PassTracker(cfg.overlap, self._pass_ended, self.timeline)
         self.hooks = GradientHooks(self)
+        self._links.guard = self.hooks.guard
         self.joining = JoinState(self)
         self.group: Optional[BucketGroup] = None
         self.deferred = DeferredUpdates(lambda: self.group, update, self.measure, self.state,
@@ -405,6 +406,7 @@ class GradientSynchronizer:
         finally:
             self.group.close()
             self.hooks.detach()
+            self.stall.close()
             for s in self.group.states:  # what could not be applied is dropped
                 self.deferred.release(s)
             if self._compiled_hook is not None:

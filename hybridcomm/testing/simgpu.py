@@ -1405,6 +1405,7 @@ class SimRuntime:
     """The runtime interface of ``hybridcomm.gpu.runtime.CudaRuntime``, simulated."""
 
     simulated = True
+    reports_writes = True  # expect_write checks each in-place add: the hooks keep calling it
 
     def __init__(self, device: _Device):
         self._dev = device

@@ -671,4 +671,19 @@ MUTATIONS = [
                 "[forward-optimizer-host]",),
         what="a late pass adds its gradients to a reduce-scattered bucket (other ranks' "
              "partial sums) and reduces it again"),
+    Mutation(
+        "pre-hooks-off-in-flight", "i38 host cost", "hybridcomm/sync/bucket_group.py",
+        old="GUARDED = frozenset({Phase.LAUNCHED, Phase.IN_FLIGHT, Phase.PENDING})\n",
+        new="GUARDED = frozenset({Phase.LAUNCHED, Phase.PENDING})\n",
+        guards=("tests/test_step_cost.py::"
+                "test_a_late_pass_enters_the_pre_hook_of_every_launched_parameter[backward]",),
+        what="the gradient pre-hooks are off while a bucket is in flight: a late pass adds "
+             "into a buffer being reduced without waiting for it"),
+    Mutation(
+        "pre-hooks-never-off", "i38 host cost", "hybridcomm/sync/grad_hooks.py",
+        old="        if not self.always_armed:\n            self._set(s.guards, on)\n",
+        new="        if not self.always_armed:\n            self._set(s.guards, True)\n",
+        guards=("tests/test_step_cost.py::test_a_steady_host_step_calls_no_pre_hook[backward]",),
+        what="the pre-hooks stay on after the buckets are consumed: autograd calls into "
+             "Python for every parameter of every steady backward"),
 ]
