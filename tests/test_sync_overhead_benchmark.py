@@ -71,3 +71,16 @@ def test_the_figures_are_medians_over_launches_and_the_verdict_follows_the_best_
     assert rows["none"]["total"] == 1.0 and rows["plain"]["x_ddp"] is None
     assert sync_overhead.verdict(res) == ("hybridcomm added <= DDP in every mode: no "
                                           "(forward 0.50, backward 1.00, none 1.50 x DDP)")
+
+
+def test_the_hook_cost_benchmark_runs_and_reports_each_hook_kind():
+    """benchmarks/hook_cost.py (the Python-hook floor PERFORMANCE.md cites) at a tiny size."""
+    script = os.path.join(ROOT, "benchmarks", "hook_cost.py")
+    proc = subprocess.run([sys.executable, script, "--layers", "3", "--width", "4",
+                           "--rounds", "1", "--steps", "2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("# 6 parameters, backward without hooks ")
+    assert [line.split()[0] for line in lines[1:]] == ["pre", "post", "both"]
+    assert all(line.endswith("us per parameter and pass") for line in lines[1:])
