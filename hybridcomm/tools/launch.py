@@ -30,7 +30,7 @@ from ..base.errors import HybridCommError
 
 def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_timeout,
             one_device=False):
-    status, payload = "error", None
+    status, payload, store = "error", None, None
     try:
         import torch
         import torch.distributed as dist
@@ -44,11 +44,15 @@ def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_
             torch.cuda.set_device(0)
         elif backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, store=dist.FileStore(store_path, world_size), rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout))
+        store.add(_UP, 1)
         status, payload = "ok", fn(rank, world_size, *args)
     except BaseException:
         payload = traceback.format_exc()
+    if store is not None:
+        _wait_for_peers_up(store, world_size)
     try:
         # Plain pickle: torch's queue pickler would share tensors through file
         # descriptors that die with this process.
@@ -64,6 +68,22 @@ def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_
     results.join_thread()
     _save_coverage()
     os._exit(0)
+
+
+_UP = "hybridcomm/launch/up"  # ranks whose process group is made
+
+
+def _wait_for_peers_up(store, world_size: int, limit: float = 10.0) -> None:
+    """Before this rank exits: every peer's gloo group is made (a quick rank that
+    exits while a peer still connects closes the peer's socket mid-handshake:
+    "Connection closed by peer"). Bounded: a peer that died on purpose is not
+    waited for long."""
+    deadline = time.monotonic() + limit
+    try:
+        while store.add(_UP, 0) < world_size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - a store gone: nothing to wait for
+        pass
 
 
 def _save_coverage() -> None:
