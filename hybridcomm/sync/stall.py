@@ -4,9 +4,12 @@ waits for, instead of timing out anonymously.
 
 Every rank publishes its progress to the process group's key-value store (how
 many buckets it has launched in all, and its step count: one write of a short
-string, a few microseconds on torchrun's TCPStore over loopback) at the end of
-every step, so what a report names is current: a rank that stopped publishing
-has stopped stepping, and its numbers are those of its last step. A rank whose
+string) as of the end of its last step. The write is a round trip to the store
+(tens of microseconds on one host, more across hosts, and every rank's load on
+one server), so the step only leaves its numbers; a thread of the inspector's
+writes the newest of them, at most every ``PUBLISH_EVERY_S``, and
+what a report names is current: a rank that stopped stepping has its last
+step's numbers in the store within that time. A rank whose
 wait turns slow publishes its own at once and reads everyone's: a rank that
 has launched fewer buckets is behind this one (it skipped a backward, left the
 loop early, or its model's graph differs), and the warning names it with its
@@ -23,9 +26,12 @@ Example::
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import threading
 import time
+import weakref
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
@@ -35,6 +41,17 @@ from ..config import env
 log = logging.getLogger("hybridcomm")
 
 _instances = itertools.count()  # every rank makes its synchronizers in the same order
+PUBLISH_EVERY_S = 0.25  # the publishing thread's pause between writes
+_publishers: "weakref.WeakSet[StallInspector]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_publishers() -> None:
+    """At exit, every publishing thread stopped and joined first: one left inside a
+    store write while the interpreter finalizes dies in C++ ("terminate called
+    without an active exception")."""
+    for inspector in list(_publishers):
+        inspector.close()
 
 
 def warn_after(timeout: float) -> float:
@@ -62,20 +79,62 @@ class StallInspector:
             self.store = dist.distributed_c10d._get_default_store() if self.warn_s > 0 else None
         except Exception:  # noqa: BLE001 - no store (an unusual init): no inspector
             self.store = None
+        self._latest = None  # (launches, steps, when): the newest numbers, to be written
+        self._lock = threading.Lock()  # one write at a time, none older than the last
+        self._wake = threading.Event()  # newer numbers to write
+        self._stop = threading.Event()
+        self._thread = None
+        self._closed = False
 
     @property
     def enabled(self) -> bool:
         return self.store is not None
 
     def publish(self, launches: int, steps: int, force: bool = False) -> None:
-        """This rank's progress, at every step's end and before it reports a stall
-        (``force``: kept for callers; every call publishes). A store that fails
-        (its host gone) is left alone: the next collective reports the peer."""
-        if self.store is not None:
+        """This rank's progress, at every step's end (left for the publishing thread:
+        no store round trip in the step) and before it reports a stall (``force``:
+        written now). A store that fails (its host gone) is left alone: the next
+        collective reports the peer."""
+        if self.store is None:
+            return
+        self._latest = (launches, steps, time.time())
+        if force:
+            self._write()
+            return
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._publishing, daemon=True,
+                                            name=f"hybridcomm stall {self._key}")
+            _publishers.add(self)
+            self._thread.start()
+        self._wake.set()
+
+    def _publishing(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._closed:
+                return
+            self._wake.clear()
+            self._write()
+            if self._stop.wait(PUBLISH_EVERY_S):  # a few writes a second at most
+                return
+
+    def _write(self) -> None:
+        with self._lock:
+            launches, steps, when = self._latest
             try:
-                self.store.set(self._key, f"{launches} {steps} {time.time():.3f}")
+                self.store.set(self._key, f"{launches} {steps} {when:.3f}")
             except Exception as e:  # noqa: BLE001 - diagnostics must never break a step
                 log.debug("hybridcomm stall inspector: publishing progress failed: %s", e)
+
+    def close(self, wait_s: float = 5.0) -> None:
+        """The publishing thread stopped and joined (the synchronizer's close(), and at
+        exit): a write under way finishes first, for at most ``wait_s``."""
+        self._closed = True
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(wait_s)
 
     def progress(self) -> Dict[int, List[float]]:
         """rank -> [launches, steps, when] for every rank that has published."""

@@ -406,6 +406,7 @@ class GradientSynchronizer:
         finally:
             self.group.close()
             self.hooks.detach()
+            self.stall.close()
             for s in self.group.states:  # what could not be applied is dropped
                 self.deferred.release(s)
             if self._compiled_hook is not None:
