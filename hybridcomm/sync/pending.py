@@ -133,21 +133,17 @@ def defer(params: Iterable[torch.Tensor], apply: Callable[[torch.Tensor], None])
     """The updates of ``params`` are pending: the first read of one of them, ``p``,
     calls ``apply(p)``, which must apply it and ``release`` every parameter it
     updates."""
-    ref = weakref.ref
-    for p in params:  # (per parameter and step: kept to the bare swaps)
-        base = type(p)
-        if not issubclass(base, _Pending):
-            cls = _classes.get(base)
-            p.__class__ = cls if cls is not None else _pending_class(base)
-        _waiting[id(p)] = (ref(p), apply)
+    for p in params:
+        if not is_pending(p):
+            p.__class__ = _pending_class(type(p))
+        _waiting[id(p)] = (weakref.ref(p), apply)
     _arm_compiled_forward_hook()
 
 
 def release(p: torch.Tensor) -> None:
     """``p``'s update was applied (or dropped): it is an ordinary parameter again."""
-    cls = type(p)
-    if issubclass(cls, _Pending):
-        p.__class__ = cls._hc_base
+    if is_pending(p):
+        p.__class__ = type(p)._hc_base
     _waiting.pop(id(p), None)
 
 
