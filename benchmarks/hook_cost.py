@@ -4,14 +4,17 @@ The floor under any library that watches gradients from Python: the same
 backward of ``--layers`` Linear(``--width``) layers with no hook, an empty
 tensor pre-hook (``register_hook``: autograd wraps the gradient for Python
 and calls it before it accumulates), an empty post-accumulate hook
-(``register_post_accumulate_grad_hook``), or both; the configs interleaved
+(``register_post_accumulate_grad_hook``), both, or a post-accumulate hook
+registered and removed again (``emptied``: autograd keeps calling into the
+emptied dict, short of Python code); the configs interleaved
 in ``--rounds`` rounds, each figure the median over rounds of the round's
 median backward less the no-hook model's of the same round (paired, so a
 change of machine load cancels), per parameter. DDP's hooks are C++ and
-cost no Python call. hybridcomm keeps the post-accumulate hook on every
-parameter and arms its pre-hook only while a bucket is launched, in flight
-or pending (hybridcomm/sync/grad_hooks.py), so a steady step pays the
-post-accumulate column.
+cost no Python call. hybridcomm arms its pre-hook only while a bucket is
+launched, in flight or pending, and in a steady step keeps the
+post-accumulate hook on one parameter per bucket (hybridcomm/sync/
+grad_hooks.py), so a steady step pays the emptied column per parameter and
+the post-accumulate column per bucket.
 
 Example::
 
@@ -27,7 +30,7 @@ import time
 import torch
 import torch.nn as nn
 
-KINDS = ("none", "pre", "post", "both")
+KINDS = ("none", "pre", "post", "both", "emptied")
 
 
 def build(kind: str, layers: int, width: int) -> nn.Module:
@@ -36,8 +39,10 @@ def build(kind: str, layers: int, width: int) -> nn.Module:
     for p in model.parameters():
         if kind in ("pre", "both"):
             p.register_hook(lambda g: None)
-        if kind in ("post", "both"):
-            p.register_post_accumulate_grad_hook(lambda p: None)
+        if kind in ("post", "both", "emptied"):
+            handle = p.register_post_accumulate_grad_hook(lambda p: None)
+            if kind == "emptied":
+                handle.remove()
     return model
 
 
@@ -79,7 +84,7 @@ def main(argv=None) -> int:
     print(f"# {res['params']} parameters, backward without hooks {res['backward_ms']:.2f} ms, "
           f"torch {torch.__version__}")
     for k in KINDS[1:]:
-        print(f"{k:5s} hook: {res[k]:+.2f} us per parameter and pass")
+        print(f"{k:7s} hook: {res[k]:+.2f} us per parameter and pass")
     return 0
 
 

@@ -82,5 +82,5 @@ def test_the_hook_cost_benchmark_runs_and_reports_each_hook_kind():
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("# 6 parameters, backward without hooks ")
-    assert [line.split()[0] for line in lines[1:]] == ["pre", "post", "both"]
+    assert [line.split()[0] for line in lines[1:]] == ["pre", "post", "both", "emptied"]
     assert all(line.endswith("us per parameter and pass") for line in lines[1:])

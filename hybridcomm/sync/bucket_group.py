@@ -71,7 +71,7 @@ EDGES = {
     Phase.IN_FLIGHT: {Phase.IDLE, Phase.ACCUMULATING, Phase.PENDING},
     Phase.PENDING: {Phase.IDLE},
 }
-_IS_SPARSE = attrgetter("is_sparse")
+_IS_SPARSE, _GRAD = attrgetter("is_sparse"), attrgetter("grad")
 # where autograd must not add into a bucket's views unchecked (grad_hooks.py arms
 # the parameters' pre-hooks there)
 GUARDED = frozenset({Phase.LAUNCHED, Phase.IN_FLIGHT, Phase.PENDING})
@@ -82,7 +82,8 @@ class BucketState:
 
     __slots__ = ("index", "bucket", "_phase", "content", "touched", "pass_id", "launched_pass",
                  "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
-                 "detached", "marked", "agreed", "gathered", "scattered", "guards")
+                 "detached", "marked", "agreed", "gathered", "scattered", "guards", "closer",
+                 "closer_steps", "closed_in")
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -103,6 +104,9 @@ class BucketState:
         self.gathered = None  # PENDING under shard: completes the parameters' all-gather
         self.scattered = False  # under shard: reduce-scattered, each rank's part alone whole
         self.guards: list = []  # its parameters' pre-hooks (grad_hooks.py)
+        # grad_hooks.py: the position whose gradient completed it, in how many passes
+        # in a row, and the last such pass
+        self.closer, self.closer_steps, self.closed_in = -1, 0, -1
 
     @property
     def phase(self) -> Phase:
@@ -166,6 +170,15 @@ class Links:
     slow_after: float = 0.0
     joining: object = None  # in a join context, while this rank trains (join.py: JoinState)
     guard: Optional[Callable[["BucketState", bool], None]] = None  # grad_hooks: GUARDED entered/left
+
+
+def kept_apart(b: GradBucket) -> Optional[list]:
+    """``b``'s gradients if autograd (or the user) put every one in a tensor of its
+    own: none None, none its view (checked in C); else None."""
+    grads = list(map(_GRAD, b.params))
+    if any(map(is_, grads, repeat(None))) or any(map(is_, grads, b.views)):
+        return None
+    return grads
 
 
 def _carry(s: BucketState, pos: int, old: BucketState, old_pos: int) -> None:
@@ -288,15 +301,13 @@ class BucketGroup:
         nothing of this round: it is zeroed (it is summed with the other ranks')
         and bound, so that what other ranks send lands in ``.grad``."""
         b = s.bucket
-        params, views = b.params, b.views
-        grads = [p.grad for p in params]
-        if not any(map(is_, grads, repeat(None))) and not any(map(is_, grads, views)):
-            # (the usual step: autograd kept every gradient apart; checked in C)
+        grads = kept_apart(b)
+        if grads is not None:  # (the usual step)
             if any(map(_IS_SPARSE, grads)):
                 self._refuse_sparse(next(i for i, g in enumerate(grads) if g.is_sparse), b)
-            copy_into(views, grads)
-            s.content.update(range(len(params)))
-            for p, view in zip(params, views):
+            copy_into(b.views, grads)
+            s.content.update(range(len(grads)))
+            for p, view in zip(b.params, b.views):
                 p.grad = view
             return
         views, grads, taken, stale = [], [], [], []

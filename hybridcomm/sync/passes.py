@@ -73,6 +73,7 @@ class PassTracker:
         self.closure_depth = 0
         self.no_sync = False
         self.end_due = False  # the end-of-backward callback is still to be queued
+        self.reported = False  # the current (or last) pass's end came from autograd
         self._t0 = 0.0
 
     def gradient_arrived(self, launch_pass: int, measuring: bool) -> None:
@@ -98,13 +99,17 @@ class PassTracker:
         else:
             self.kind = LOCAL
         self.measuring = self.kind == LAUNCH and measuring
-        self.end_due = True
+        self.end_due, self.reported = True, False
         if not in_nested_backward():
             self._queue_end()
 
     def _queue_end(self) -> None:
         self.end_due = False
-        torch.autograd.Variable._execution_engine.queue_callback(self.end)
+        torch.autograd.Variable._execution_engine.queue_callback(self._reported_end)
+
+    def _reported_end(self) -> None:
+        self.reported = self.active
+        self.end()
 
     def end(self) -> None:
         """The pass ends (autograd's callback; or a step, a closure, for a pass whose
@@ -114,6 +119,11 @@ class PassTracker:
         self.active = False
         self._on_end(self.kind)
         self.timeline.add("backward", "compute", self._t0, time.perf_counter())
+
+    def unseen(self) -> None:
+        """Gradients came with no hook seeing their pass (set by hand, or a pass that
+        reached no closer of lean hooks: grad_hooks.py): it counts for the step."""
+        self.any += 1
 
     def reset(self) -> None:
         """A step ended: counting starts again."""

@@ -224,10 +224,9 @@ class GradientSynchronizer:
             self.refresh()
 
     def _flush(self) -> None:
-        """Launch every bucket this step has not; if a gradient came after some
-        bucket's launch, launch them all again (nothing when no backward pass ran
-        since the last step and no gradient was set by hand)."""
-        if self.passes.any == 0 and not self.group.set_by_hand():
+        """Launch every bucket this step has not; if a gradient came after some bucket's
+        launch, launch them all again (nothing if none came: ``hooks.gradients_came``)."""
+        if not self.hooks.gradients_came():
             return
         with self.watched():
             self.group.launch_rest(self.open, self.passes.id)
@@ -284,6 +283,7 @@ class GradientSynchronizer:
             self.measure.comm(busy, sum(b.predicted_s for b in self.plan.buckets
                                         if b.predicted_s == b.predicted_s))
         state.exposed_s = 0.0
+        self.hooks.review(self.measure.measuring(state.steps + 1))  # (a re-plan undoes it)
         self.passes.reset()
         state.steps += 1
         self.stall.publish(state.launches, state.steps)

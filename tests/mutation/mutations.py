@@ -686,4 +686,27 @@ MUTATIONS = [
         guards=("tests/test_step_cost.py::test_a_steady_host_step_calls_no_pre_hook[backward]",),
         what="the pre-hooks stay on after the buckets are consumed: autograd calls into "
              "Python for every parameter of every steady backward"),
+    Mutation(
+        "lean-closer-unchecked", "i38 host cost", "hybridcomm/sync/grad_hooks.py",
+        old="            if s.pass_id != passes.id and kept_apart(s.bucket) is not None:\n",
+        new="            if s.pass_id != passes.id:\n",
+        guards=("tests/test_one_hook_per_bucket.py::test_a_step_that_changes_under_lean_hooks_"
+                "is_still_reduced_exactly[forward-host]",),
+        what="a closer launches its bucket without checking that the bucket's other "
+             "gradients came before it: early on the one rank whose graph changed"),
+    Mutation(
+        "lean-unseen-pass-dropped", "i38 host cost", "hybridcomm/sync/grad_hooks.py",
+        old="        if self.sync.group.set_by_hand() or self._unseen_pass():\n",
+        new="        if self.sync.group.set_by_hand():\n",
+        guards=("tests/test_one_hook_per_bucket.py::test_a_step_that_changes_under_lean_hooks_"
+                "is_still_reduced_exactly[none-host]",),
+        what="a backward pass that reached no closer and added into the views in place is "
+             "not reduced: the step uses this rank's gradients alone"),
+    Mutation(
+        "lean-never-learns", "i38 host cost", "hybridcomm/sync/grad_hooks.py",
+        old="        if pos == s.closer:\n            s.closer_steps += 1\n",
+        new="        if False:\n            s.closer_steps += 1\n",
+        guards=("tests/test_step_cost.py::test_a_steady_host_step_calls_no_pre_hook[backward]",),
+        what="the closers are never learned: every parameter keeps its post-accumulate "
+             "hook in every step"),
 ]
