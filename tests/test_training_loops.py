@@ -486,6 +486,28 @@ def freeze(loop, at):
     return [model]
 
 
+def freeze_by_hand(loop):
+    """A layer frozen in a step whose gradients are set by hand
+    (``torch.autograd.grad``, no backward pass): the step reduces them after
+    the re-plan the freeze causes, as in any other step."""
+    torch.manual_seed(12)
+    model = _mlp(IN, 16, 16, OUT)
+    opt = loop.wrap(_sgd(model.parameters()), model)
+    for s in range(STEPS):
+        x, y = map(loop.data, _whole(12000 + s, (IN,), (OUT,)))
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        if s == CHANGE_STEPS[-1]:
+            model[0].requires_grad_(False)
+            rest = [p for p in model.parameters() if p.requires_grad]
+            for p, g in zip(rest, torch.autograd.grad(loss, rest)):
+                p.grad = g
+        else:
+            loss.backward()
+        opt.step()
+    return [model]
+
+
 def toggled(loop):
     """A GAN's discriminator: frozen on every other step (``requires_grad = False``
     while the generator trains through it), trained on the others."""
@@ -550,6 +572,7 @@ PATTERNS = {
     **{f"unfreeze_layer_at_step{at}": P(unfreeze, at=at) for at in CHANGE_STEPS},
     **{f"freeze_layer_at_step{at}": P(freeze, at=at) for at in CHANGE_STEPS},
     "freeze_every_other_step": toggled,
+    "freeze_with_gradients_set_by_hand": freeze_by_hand,
     "two_optimizers_one_model": two_optimizers,
     "micro_batches": micro_batches,
 }
