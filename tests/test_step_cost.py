@@ -29,9 +29,11 @@ from plan_counts import schedule_counts
 STEADY = 3  # steps counted, after the measured steps and the re-plan
 
 
-def _counted_step(rank, world, overlap, simulate=True):
+def _counted_step(rank, world, overlap, simulate=True, lean=True):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    if not lean:
+        os.environ["HYBRIDCOMM_LEAN_HOOKS"] = "0"
     import hybridcomm
     from hybridcomm.plan.cost_model import CostModel
     from hybridcomm.sync.bucket_group import BucketGroup
@@ -137,6 +139,15 @@ def test_a_steady_host_step_calls_no_pre_hook(overlap):
         assert buckets > 1
         assert hooks.get("pre_hook", 0) == 0, (hooks, params)
         assert hooks["after_grad"] == STEADY * buckets < STEADY * params, (hooks, params)
+        assert hooks["launch"] == STEADY * buckets, (hooks, buckets)
+
+
+def test_lean_hooks_off_keeps_every_parameters_post_accumulate_hook():
+    """HYBRIDCOMM_LEAN_HOOKS=0: the post-accumulate hook is called once per
+    parameter in every step, steady or not (the choice is the user's)."""
+    for _, hooks, buckets, params, *_ in run_ranks(2, _counted_step, "backward", False, False,
+                                                   timeout=180):
+        assert hooks["after_grad"] == STEADY * params > STEADY * buckets, (hooks, params)
         assert hooks["launch"] == STEADY * buckets, (hooks, buckets)
 
 

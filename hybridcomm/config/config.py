@@ -66,6 +66,9 @@ class SyncConfig:
             nothing to overlap (``HYBRIDCOMM_DEFER=always``).
         issue_thread: buckets are issued by the channel's own thread, not in
             autograd's hooks (``HYBRIDCOMM_ISSUE_THREAD``, default on).
+        lean_hooks: in a steady step only the parameter that completes each
+            bucket keeps its post-accumulate hook (``HYBRIDCOMM_LEAN_HOOKS``,
+            default on; sync/grad_hooks.py).
     """
 
     overlap: str = "forward"
@@ -87,6 +90,7 @@ class SyncConfig:
     find_unused_parameters: bool = False
     defer_always: bool = False
     issue_thread: bool = True
+    lean_hooks: bool = True
     shard: Optional[str] = None  # None, "optimizer" or "gradients" (sync/shard.py)
 
     def __post_init__(self):
@@ -115,7 +119,8 @@ class SyncConfig:
                    topk=topk, low_rank=low_rank,
                    timeout=env.timeout(timeout),
                    defer_always=env.get("HYBRIDCOMM_DEFER") == "always",
-                   issue_thread=env.get("HYBRIDCOMM_ISSUE_THREAD"), **arguments)
+                   issue_thread=env.get("HYBRIDCOMM_ISSUE_THREAD"),
+                   lean_hooks=env.get("HYBRIDCOMM_LEAN_HOOKS"), **arguments)
 
     def replace(self, **changes) -> "SyncConfig":
         """A copy with ``changes`` (checked again)."""

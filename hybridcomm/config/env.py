@@ -107,6 +107,9 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDCOMM_ISSUE_THREAD", parse_bool, True,
              "GPU path: the optimizer's buckets are issued by the transport's communicator "
              "thread, whole (off: by the gradient hook, on autograd's thread)"),
+    Variable("HYBRIDCOMM_LEAN_HOOKS", parse_bool, True,
+             "in a steady step, the post-accumulate hook only on the parameter that completes "
+             "each bucket (off: on every parameter in every step)"),
     Variable("HYBRIDCOMM_TRITON_FAST_LAUNCH", parse_bool, True,
              "kernels: launch a seen specialization through its compiled kernel's launcher "
              "directly (off: Triton's own path every call); read by hybridcomm.kernels at "

@@ -42,7 +42,8 @@ gradient accumulated in place, a parameter unused) every hook is back on at
 once and the pass's end launches that bucket: correct, a step slower. A pass
 that reached no closer adds either into tensors of autograd's own (reduced at
 the step, as gradients set by hand) or into a view in place
-(``gradients_came``). Off under ``shard`` and ``find_unused_parameters``.
+(``gradients_came``). Off under ``shard`` and ``find_unused_parameters``, and
+with ``HYBRIDCOMM_LEAN_HOOKS=0``; each switch is logged at DEBUG.
 
 Example::
 
@@ -55,6 +56,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import logging
 from collections import OrderedDict
 from typing import Dict, Iterable
 
@@ -65,6 +67,7 @@ from .bucket_group import GUARDED, Phase, kept_apart
 from .passes import LAUNCH
 
 _ACCUMULATING, _IDLE = Phase.ACCUMULATING, Phase.IDLE
+log = logging.getLogger("hybridcomm")
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,7 +120,8 @@ class GradientHooks:
         sync = self.sync
         self.always_armed = not hooks_toggle() or bool(sync.config.shard) or \
             getattr(sync.rt, "reports_writes", False)
-        self.can_lean = not sync.config.shard and not sync.config.find_unused_parameters
+        cfg = sync.config
+        self.can_lean = cfg.lean_hooks and not cfg.shard and not cfg.find_unused_parameters
         for s in sync.group.states:
             s.guards = [self._pre[id(p)] for p in s.bucket.params]
             self._set(s.guards, self.always_armed or s.phase in GUARDED)
@@ -129,6 +133,8 @@ class GradientHooks:
         if on == self.lean:
             return
         self.lean = on
+        log.debug("hybridcomm: the post-accumulate hook on %s", "each bucket's closer only"
+                  if on else "every parameter")
         if on:
             for s in self.sync.group.states:
                 for pos, p in enumerate(s.bucket.params):
