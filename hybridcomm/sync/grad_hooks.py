@@ -34,8 +34,9 @@ parameter whose gradient completed a bucket (its *closer*) is the same in
 every pass of a fixed graph, so after two steps in which one backward pass
 (its end reported by autograd) completed every bucket at the same closer, and
 unless the next step is measured (each arrival is timed then), only the
-closers keep their hook: ~1.4 us per parameter and pass less (an emptied
-hook's ~0.2 remain). A closer launches its bucket only if every gradient of
+closers keep their hook: ~1 us per parameter and pass less (the hook's body
+and part of its floor: torch keeps an emptied hook's C++ object, which
+``benchmarks/hook_cost.py``'s ``emptied`` column costs). A closer launches its bucket only if every gradient of
 the bucket is a tensor autograd made in this step (``kept_apart``: none None,
 none its view, as after ``zero_grad()``); otherwise (the graph changed, a
 gradient accumulated in place, a parameter unused) every hook is back on at
