@@ -1,12 +1,15 @@
-"""The medians over the alternating launches in this folder (before_N: commit
-48b7870, after_N: the hot-path changes of this folder's README), per model:
-each config's added ms over plain, per parameter, and against the best DDP of
-the same launches (the minimum of the three DDP configs, per launch).
+"""The medians over the alternating launches in this folder, or in the folder
+given (before_N and after_N: the two versions its README names; here 48b7870
+and the hot-path changes of this folder's README), per model: each config's
+added ms over plain, per parameter, and against the best DDP of the same
+launches (the minimum of the three DDP configs, per launch).
 
     python benchmarks/results/synchronizer/host_cost_hooks/summarize.py
+    python benchmarks/results/synchronizer/host_cost_hooks/summarize.py \
+        benchmarks/results/synchronizer/host_cost_lean
 """
-import glob, json, os, statistics
-DIR = os.path.dirname(os.path.abspath(__file__))
+import glob, json, os, statistics, sys
+DIR = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 out = {}
 for tag in ("before", "after"):
     rows = {}
