@@ -31,20 +31,21 @@ once per bucket (bucket_group.py).
 
 **One post-accumulate hook per bucket in a steady step** (``lean``): the
 parameter whose gradient completed a bucket (its *closer*) is the same in
-every pass of a fixed graph, so after two steps in which one backward pass
+every pass of a fixed graph. So after two steps in which one backward pass
 (its end reported by autograd) completed every bucket at the same closer, and
 unless the next step is measured (each arrival is timed then), only the
 closers keep their hook: ~1 us per parameter and pass less (the hook's body
-and part of its floor: torch keeps an emptied hook's C++ object, which
-``benchmarks/hook_cost.py``'s ``emptied`` column costs). A closer launches its bucket only if every gradient of
-the bucket is a tensor autograd made in this step (``kept_apart``: none None,
-none its view, as after ``zero_grad()``); otherwise (the graph changed, a
-gradient accumulated in place, a parameter unused) every hook is back on at
-once and the pass's end launches that bucket: correct, a step slower. A pass
-that reached no closer adds either into tensors of autograd's own (reduced at
-the step, as gradients set by hand) or into a view in place
-(``gradients_came``). Off under ``shard`` and ``find_unused_parameters``, and
-with ``HYBRIDCOMM_LEAN_HOOKS=0``; each switch is logged at DEBUG.
+and part of its floor; torch keeps an emptied hook's C++ object, the
+``emptied`` column of ``benchmarks/hook_cost.py``). A closer launches its
+bucket only if every gradient of the bucket is a tensor autograd made in this
+step (``kept_apart``: none None, none its view, as after ``zero_grad()``);
+otherwise (the graph changed, a gradient accumulated in place, a parameter
+unused) every hook is back on at once and the pass's end launches that
+bucket: correct, a step slower. A pass that reached no closer adds either
+into tensors of autograd's own (reduced at the step, as gradients set by
+hand) or into a view in place (``gradients_came``). Off under ``shard`` and
+``find_unused_parameters``, and with ``HYBRIDCOMM_LEAN_HOOKS=0``; each switch
+is logged at DEBUG.
 
 Example::
 
