@@ -43,9 +43,9 @@ otherwise (the graph changed, a gradient accumulated in place, a parameter
 unused) every hook is back on at once and the pass's end launches that
 bucket: correct, a step slower. A pass that reached no closer adds either
 into tensors of autograd's own (reduced at the step, as gradients set by
-hand) or into a view in place (``gradients_came``). Off under ``shard`` and
-``find_unused_parameters``, and with ``HYBRIDCOMM_LEAN_HOOKS=0``; each switch
-is logged at DEBUG.
+hand) or into a view in place (``gradients_came``; a bucket released under
+``shard="gradients"`` holds no view). Off under ``find_unused_parameters``
+and with ``HYBRIDCOMM_LEAN_HOOKS=0``; each switch is logged at DEBUG.
 
 Example::
 
@@ -123,7 +123,7 @@ class GradientHooks:
         self.always_armed = not hooks_toggle() or bool(sync.config.shard) or \
             getattr(sync.rt, "reports_writes", False)
         cfg = sync.config
-        self.can_lean = cfg.lean_hooks and not cfg.shard and not cfg.find_unused_parameters
+        self.can_lean = cfg.lean_hooks and not cfg.find_unused_parameters
         for s in sync.group.states:
             s.guards = [self._pre[id(p)] for p in s.bucket.params]
             self._set(s.guards, self.always_armed or s.phase in GUARDED)
@@ -158,7 +158,8 @@ class GradientHooks:
         self.set_lean(self.can_lean and not measured_next and passes.any == passes.counted == 1
                       and passes.reported and all(s.closed_in == passes.id and
                                                   s.closer_steps >= 2 for s in states))
-        self._versions = [s.bucket.buffer._version for s in states] if self.lean else []
+        self._versions = [-1 if s.bucket.released else s.bucket.buffer._version
+                          for s in states] if self.lean else []
 
     def gradients_came(self) -> bool:
         """Whether gradients came since the last step: in a pass the hooks saw, set by
@@ -181,7 +182,8 @@ class GradientHooks:
         group = self.sync.group
         version = group.engine.version
         return self.lean and (group.needs_round() or any(
-            s.phase is _IDLE and s.bucket.buffer._version > max(v, version(s.index))
+            s.phase is _IDLE and not s.bucket.released and
+            s.bucket.buffer._version > max(v, version(s.index))
             for s, v in zip(group.states, self._versions)))
 
     def guard(self, s, on: bool) -> None:
