@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import hybridcomm
 from multiproc import run_ranks
+from hybridcomm.sync.pending import is_pending
 from optim_models import batch, flat, shard
 
 STEPS = 6
@@ -194,3 +195,39 @@ def test_a_checkpoint_right_after_step_holds_the_update():
     want = flat(model.state_dict().values())
     for got in run_ranks(3, _state_dict_after_step):
         assert torch.allclose(got, want, **TOL)
+
+
+def _optimizers_in_turn(rank, world):
+    """Three steps with one optimizer, closed, then three with a new one on the same
+    parameters: each step's update deferred to the next forward's first read."""
+    os.environ["HYBRIDCOMM_DEFER"] = "always"
+    model = _make("parent")
+    plain_after_close = []
+    for first in (0, 3):
+        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              model=model, overlap="forward", measure_iters=0,
+                                              timeout=60)
+        for s in range(first, first + 3):
+            x, y = batch(s)
+            opt.zero_grad()
+            _loss(model, model(shard(x, rank, world)), shard(y, rank, world)).backward()
+            opt.step()
+        opt.close()  # applies the last step's update
+        plain_after_close.append(not any(map(is_pending, model.parameters())))
+    return flat(model.parameters()), plain_after_close
+
+
+def test_a_new_optimizer_on_closed_ones_parameters_applies_its_own_deferred_updates():
+    """A parameter keeps who applies its update from step to step (pending.py): a
+    new optimizer must take that over, and close() must leave every parameter plain."""
+    model = _make("parent")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(6):
+        x, y = batch(s)
+        opt.zero_grad()
+        _loss(model, model(x), y).backward()
+        opt.step()
+    want = flat(model.parameters())
+    for got, plain_after_close in run_ranks(2, _optimizers_in_turn):
+        assert plain_after_close == [True, True]
+        assert torch.allclose(got, want, **TOL), f"max diff {(got - want).abs().max():.3g}"

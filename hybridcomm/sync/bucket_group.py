@@ -169,7 +169,7 @@ class Links:
     on_slow: Optional[Callable[[int], Optional[str]]] = None  # a wait turned slow
     slow_after: float = 0.0
     joining: object = None  # in a join context, while this rank trains (join.py: JoinState)
-    guard: Optional[Callable[["BucketState", bool], None]] = None  # grad_hooks: GUARDED entered/left
+    guard: Optional[Callable[["BucketState", bool], None]] = None  # grad_hooks: GUARDED in, out
 
 
 def kept_apart(b: GradBucket) -> Optional[list]:
@@ -422,10 +422,11 @@ class BucketGroup:
                 "(set_to_none=True, the default)")
         used = self.links.used.positions(s, self.links.on_device)
         s.scattered = self.engine.phase is REDUCE_SCATTER
-        if s.complete and all(map(is_, [p.grad for p in b.params], b.views)):
+        bound = list(map(is_, map(_GRAD, b.params), b.views))
+        if s.complete and all(bound):
             s.content = set(used)  # (the usual bucket: every position used and bound)
             return used
-        s.content = {pos for pos in used if b.holds(pos)}
+        s.content = {pos for pos in used if bound[pos]}  # (forward mode: none after zero_grad)
         return used
 
     def unscatter(self, s: BucketState) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from operator import is_
+from operator import attrgetter, is_
 from typing import Callable, Dict, Optional
 
 from . import pending
@@ -31,6 +31,7 @@ from .measure import StepMeasurements
 
 Update = Callable[[list, list, list, bool], None]
 _NO_CONTEXT = contextlib.nullcontext()
+_GRAD = attrgetter("grad")
 
 
 class DeferredUpdates:
@@ -46,6 +47,7 @@ class DeferredUpdates:
         self._group_of, self.update = group_of, update
         self.measure, self.state, self.clock, self.timeline = measure, state, clock, timeline
         self._rt, self._momentum = rt, momentum
+        self.on_read = self.read  # one object, so pending.py registers it once per parameter
 
     def _watched(self):
         return self._rt.watched() if self._rt is not None else _NO_CONTEXT
@@ -56,13 +58,13 @@ class DeferredUpdates:
         group = self._group_of()
         for s in group.states:
             b = s.bucket
-            grads = [p.grad for p in b.params]  # a view still bound: not zeroed since
-            taken = set(range(len(grads))) if all(map(is_, grads, b.views)) else \
-                {pos for pos, (g, v) in enumerate(zip(grads, b.views)) if g is v}
+            bound = list(map(is_, map(_GRAD, b.params), b.views))  # not zeroed since
+            taken = set(range(len(bound))) if all(bound) else \
+                {pos for pos, kept in enumerate(bound) if kept}
             if s.launched or (s.phase is Phase.IDLE and taken & s.content):
                 s.hyper, s.taken = hyper, taken
                 group.to(s, Phase.PENDING)
-                pending.defer([b.params[pos] for pos in taken], self.read)
+                pending.defer([b.params[pos] for pos in taken], self.on_read)
 
     def read(self, p) -> None:
         """Something reads ``p`` while its update is pending (pending.py): apply it."""
@@ -76,8 +78,12 @@ class DeferredUpdates:
     @staticmethod
     def release(s: BucketState) -> None:
         """The bucket's update is applied or dropped: its parameters are plain again."""
-        for p in s.bucket.params:
-            pending.release(p)
+        pending.release_all(s.bucket.params)
+
+    def close(self) -> None:
+        """Nothing is deferred any more: every parameter plain, none registered."""
+        for s in self._group_of().states:
+            pending.forget(s.bucket.params)
 
     def any_pending(self) -> bool:
         return any(s.phase is Phase.PENDING for s in self._group_of().states)

@@ -38,6 +38,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import weakref
@@ -50,9 +51,11 @@ from ..base.tensor_access import collect
 
 log = logging.getLogger("hybridcomm")
 
-# id(param) -> (weak reference to it, the callable that applies its update)
+# id(param) -> (weak reference to it, the callable that applies its update); kept from
+# one step to the next (a step's defer and release only change the class)
 _waiting: Dict[int, Tuple[weakref.ref, Callable[[torch.Tensor], None]]] = {}
-_classes: Dict[type, type] = {}  # a parameter's class -> its pending class
+_classes: Dict[type, type] = {}  # a parameter's class (or its pending class) -> its pending class
+_bases: Dict[type, type] = {}  # a pending class -> the parameter's class
 
 # Attributes and methods that read no element data and return no alias of it:
 # they leave the update pending (the gradient, metadata, hooks).
@@ -119,8 +122,10 @@ class _Pending:
 def _pending_class(base: type) -> type:
     cls = _classes.get(base)
     if cls is None:
-        cls = _classes[base] = type(f"Pending{base.__name__}", (_Pending, base),
-                                    {"_hc_base": base, "__module__": __name__})
+        cls = type(f"Pending{base.__name__}", (_Pending, base),
+                   {"_hc_base": base, "__module__": __name__})
+        _classes[base] = _classes[cls] = cls
+        _bases[cls] = base
     return cls
 
 
@@ -132,29 +137,60 @@ def is_pending(t) -> bool:
 def defer(params: Iterable[torch.Tensor], apply: Callable[[torch.Tensor], None]) -> None:
     """The updates of ``params`` are pending: the first read of one of them, ``p``,
     calls ``apply(p)``, which must apply it and ``release`` every parameter it
-    updates."""
+    updates. (Per parameter and step: a look-up and a class change; ``apply`` is
+    registered again only when it is another object: pass the same one each step.)"""
+    waiting, classes = _waiting, _classes
     for p in params:
-        if not is_pending(p):
-            p.__class__ = _pending_class(type(p))
-        _waiting[id(p)] = (weakref.ref(p), apply)
+        entry = waiting.get(id(p))
+        if entry is None or entry[1] is not apply or entry[0]() is not p:
+            waiting[id(p)] = (weakref.ref(p, functools.partial(_forget_dead, id(p))), apply)
+        cls = p.__class__
+        p.__class__ = classes.get(cls) or _pending_class(cls)
     _arm_compiled_forward_hook()
+
+
+def _forget_dead(pid: int, ref: weakref.ref) -> None:
+    """A registered parameter died: its entry goes (not a later one under its id)."""
+    entry = _waiting.get(pid)
+    if entry is not None and entry[0] is ref:
+        del _waiting[pid]
 
 
 def release(p: torch.Tensor) -> None:
     """``p``'s update was applied (or dropped): it is an ordinary parameter again."""
-    if is_pending(p):
-        p.__class__ = type(p)._hc_base
-    _waiting.pop(id(p), None)
+    base = _bases.get(p.__class__)
+    if base is not None:
+        p.__class__ = base
+
+
+def release_all(params: Iterable[torch.Tensor]) -> None:
+    """``release`` each of ``params`` (a bucket's, once per step)."""
+    bases = _bases
+    for p in params:
+        base = bases.get(p.__class__)
+        if base is not None:
+            p.__class__ = base
+
+
+def forget(params: Iterable[torch.Tensor]) -> None:
+    """Who applies the updates of ``params`` is no longer registered (its owner
+    closed); a pending one among them is released."""
+    for p in params:
+        release(p)
+        entry = _waiting.get(id(p))
+        if entry is not None and entry[0]() is p:
+            del _waiting[id(p)]
 
 
 def resolve(p: torch.Tensor) -> None:
     """Apply ``p``'s pending update now."""
     entry = _waiting.get(id(p))
-    if entry is not None and entry[0]() is p:
+    registered = entry is not None and entry[0]() is p
+    if registered:
         entry[1](p)
     if is_pending(p):  # its synchronizer is gone, or did not release it
         release(p)
-        if entry is not None and entry[0]() is p:
+        if registered:
             raise HybridCommError("internal error: a deferred update was applied but its "
                                   "parameter is still marked pending")
 

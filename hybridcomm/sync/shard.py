@@ -365,7 +365,7 @@ class ShardedOptimizer:
                                   "parameters contiguous; DTensor (tensor-parallel) parameters "
                                   "are not sharded yet)")
         new = Shards(sync.group, sync.params, sync.rank, sync.world,
-                     release=sync.config.shard == "gradients", on_read=sync.deferred.read)
+                     release=sync.config.shard == "gradients", on_read=sync.deferred.on_read)
         plain = {}
         if old is not None:
             full = old.full_state(self.state, sync.process_group, sync.timeout)

@@ -407,8 +407,7 @@ class GradientSynchronizer:
             self.group.close()
             self.hooks.detach()
             self.stall.close()
-            for s in self.group.states:  # what could not be applied is dropped
-                self.deferred.release(s)
+            self.deferred.close()  # (what could not be applied is dropped)
             if self._compiled_hook is not None:
                 self._compiled_hook.remove()
             ownership.release(self._all_params(), self)
