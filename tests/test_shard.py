@@ -6,8 +6,10 @@ Each rank trains on its shard of the same global batches; the reference is one
 process on the whole batch. The model's sizes are awkward (7, 13, 3-wide
 layers), the buckets small and split in segments, so shards cut parameters in
 the middle and a parameter spans ranks."""
+import gc
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -150,18 +152,22 @@ def _big_state(rank, world):
                                           cost_model="default", timeout=30)
     x = torch.randn(8, 300)
     model(x).square().mean().backward()
+    memory = [weakref.ref(s.bucket.buffer) for s in opt._hc_sync.group.states]
     opt.step()
     buffers = [s.bucket.buffer for s in opt._hc_sync.group.states]
+    gc.collect()
+    freed = all(m() is None for m in memory)  # nothing else holds the memory
     full = 2 * sum(p.numel() * 4 for p in model.parameters())
-    out = _state_bytes(opt), full, buffers
+    out = _state_bytes(opt), full, buffers, freed
     opt.close()
     return out
 
 
 def test_each_rank_keeps_a_pth_of_the_state_and_gradients_free_their_buckets():
-    for nbytes, full, buffers in run_ranks(3, _big_state, timeout=120):
+    for nbytes, full, buffers, freed in run_ranks(3, _big_state, timeout=120):
         assert nbytes <= 1.05 * full / 3, (nbytes, full)
         assert buffers and all(b is None for b in buffers)  # freed until the next backward
+        assert freed
 
 
 def _resume(rank, world, mode, path, form, simulate=False):

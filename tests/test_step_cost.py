@@ -29,7 +29,7 @@ from plan_counts import schedule_counts
 STEADY = 3  # steps counted, after the measured steps and the re-plan
 
 
-def _counted_step(rank, world, overlap, simulate=True, lean=True):
+def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     if not lean:
@@ -68,7 +68,7 @@ def _counted_step(rank, world, overlap, simulate=True, lean=True):
     opt = hybridcomm.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
         overlap=overlap, fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
-        measure_iters=2, timeout=60)
+        measure_iters=2, timeout=60, shard=sharded)
     calls_before = {}
     for s in range(5 + STEADY):
         if s == 5:  # past the measured steps and the re-plan: the steady state
@@ -126,16 +126,18 @@ def test_a_steady_step_costs_a_fixed_count_per_bucket_and_none_per_parameter(ove
         assert hooks["wait"] == STEADY * buckets, (hooks, buckets)
 
 
-@pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
-def test_a_steady_host_step_calls_no_pre_hook(overlap):
+@pytest.mark.parametrize("overlap,shard", [("forward", None), ("backward", None),
+                                           ("none", None), ("forward", "optimizer"),
+                                           ("backward", "gradients")])
+def test_a_steady_host_step_calls_no_pre_hook(overlap, shard):
     """Off the simulator the pre-hooks are armed only while a bucket is launched,
-    in flight or pending (grad_hooks.py), so a steady step's backward, which adds
-    only into accumulating buckets, calls none: autograd's call into Python is
-    ~1 us per parameter. The post-accumulate hook is called once per bucket, on
-    its closer. (A late pass, which must wait for the reduction in flight, is
-    below.)"""
-    for _, hooks, buckets, params, *_ in run_ranks(2, _counted_step, overlap, False,
-                                                   timeout=180):
+    in flight or pending, or reduce-scattered under ``shard`` (grad_hooks.py), so
+    a steady step's backward, which adds only into accumulating buckets, calls
+    none: autograd's call into Python is ~1 us per parameter. The post-accumulate
+    hook is called once per bucket, on its closer. (A late pass, which must wait
+    for the reduction in flight, is below.)"""
+    for _, hooks, buckets, params, *_ in run_ranks(2, _counted_step, overlap, False, True,
+                                                   shard, timeout=180):
         assert buckets > 1
         assert hooks.get("pre_hook", 0) == 0, (hooks, params)
         assert hooks["after_grad"] == STEADY * buckets < STEADY * params, (hooks, params)
@@ -151,7 +153,7 @@ def test_lean_hooks_off_keeps_every_parameters_post_accumulate_hook():
         assert hooks["launch"] == STEADY * buckets, (hooks, buckets)
 
 
-def _late_pass(rank, world, overlap):
+def _late_pass(rank, world, overlap, sharded=None):
     import hybridcomm
     from hybridcomm.sync.grad_hooks import GradientHooks
 
@@ -166,7 +168,7 @@ def _late_pass(rank, world, overlap):
     # measure_iters=0: the launching pass stays the first, so the second is late
     opt = hybridcomm.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05), model=model, overlap=overlap,
-        fusion_bytes=0, measure_iters=0, timeout=60)
+        fusion_bytes=0, measure_iters=0, timeout=60, shard=sharded)
     late = []
     for s in range(3):
         x, y = batch(s)
@@ -182,13 +184,14 @@ def _late_pass(rank, world, overlap):
     return late, buckets, params
 
 
-@pytest.mark.parametrize("overlap", ["forward", "backward"])
-def test_a_late_pass_enters_the_pre_hook_of_every_launched_parameter(overlap):
+@pytest.mark.parametrize("overlap,shard", [("forward", None), ("backward", None),
+                                           ("backward", "optimizer")])
+def test_a_late_pass_enters_the_pre_hook_of_every_launched_parameter(overlap, shard):
     """The pre-hooks are off in a steady step, but a pass after the launching one
     adds into buckets launched or in flight: the pre-hook of each bucket's first
     parameter to arrive must run (it waits for the reduction before autograd adds
     in place; the bucket, accumulating again, turns its hooks off)."""
-    for late, buckets, params in run_ranks(2, _late_pass, overlap, timeout=180):
+    for late, buckets, params in run_ranks(2, _late_pass, overlap, shard, timeout=180):
         assert buckets > 1
         for entered in late:
             assert buckets <= len(entered) <= params, (entered, buckets)

@@ -43,7 +43,7 @@ from ..algorithms.topk import TOPK
 from ..base.errors import HybridCommError
 from ..comm.compression import TopK
 from ..comm.engine import CommEngine
-from ..comm.executor import reduce_now
+from ..comm.executor import reduce_operation
 from ..comm.powersgd import PowerSGD
 from ..config.config import SyncConfig
 from ..plan.planner import Plan
@@ -73,7 +73,7 @@ EDGES = {
 }
 _IS_SPARSE, _GRAD = attrgetter("is_sparse"), attrgetter("grad")
 # where autograd must not add into a bucket's views unchecked (grad_hooks.py arms
-# the parameters' pre-hooks there)
+# the parameters' pre-hooks there, and under shard while its buffer is reduce-scattered)
 GUARDED = frozenset({Phase.LAUNCHED, Phase.IN_FLIGHT, Phase.PENDING})
 
 
@@ -82,8 +82,8 @@ class BucketState:
 
     __slots__ = ("index", "bucket", "_phase", "content", "touched", "pass_id", "launched_pass",
                  "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
-                 "detached", "marked", "agreed", "gathered", "scattered", "guards", "closer",
-                 "closer_steps", "closed_in")
+                 "detached", "marked", "agreed", "gathered", "scattered", "guards", "armed",
+                 "closer", "closer_steps", "closed_in")
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -104,6 +104,7 @@ class BucketState:
         self.gathered = None  # PENDING under shard: completes the parameters' all-gather
         self.scattered = False  # under shard: reduce-scattered, each rank's part alone whole
         self.guards: list = []  # its parameters' pre-hooks (grad_hooks.py)
+        self.armed = False  # they are wanted on (BucketGroup.rearm)
         # grad_hooks.py: the position whose gradient completed it, in how many passes
         # in a row, and the last such pass
         self.closer, self.closer_steps, self.closed_in = -1, 0, -1
@@ -261,10 +262,18 @@ class BucketGroup:
         if phase not in EDGES[s.phase]:
             raise HybridCommError(f"internal error: bucket {s.index} cannot go from "
                                   f"{s.phase.value} to {phase.value}")
-        guarded = phase in GUARDED
-        if guarded != (s._phase in GUARDED) and self.links.guard is not None:
-            self.links.guard(s, guarded)
         s._phase = phase
+        self.rearm(s)
+
+    def rearm(self, s: BucketState) -> None:
+        """Its parameters' pre-hooks on where autograd must not add into its views
+        unchecked (grad_hooks.py): in a GUARDED phase, or holding a reduce-scattered
+        buffer (shard.py: each rank's part alone is whole)."""
+        on = s._phase in GUARDED or s.scattered
+        if on is not s.armed:
+            s.armed = on
+            if self.links.guard is not None:
+                self.links.guard(s, on)
 
     # ---- a round: open, launch, wait ---------------------------------------------------
     def open(self, s: BucketState, apply_pending: Callable[[BucketState], None]) -> bool:
@@ -433,12 +442,27 @@ class BucketGroup:
         """A reduce-scattered bucket made whole (shard.py): every rank's part
         all-gathered, so that ``.grad`` is the reduced gradient on every rank (to
         read it, or to add a late pass's gradients and reduce again)."""
-        b = s.bucket
-        for a, z in b.spec.segments:
-            reduce_now(b.buffer[a:z], self.links.transport, b.spec.algorithm, scale=None,
-                       timeout=self.config.timeout, phase=ALL_GATHER,
-                       what=f"bucket {s.index}'s gradients (all_gather)")
+        what = f"bucket {s.index}'s gradients (all_gather)"
+        for ticket in self.all_gather(s, what):
+            self.links.channel.wait(ticket, what)
         s.scattered = False
+        self.rearm(s)
+
+    def all_gather(self, s: BucketState, what: str) -> list:
+        """Every rank's part of the bucket's buffer to every rank (shard.py), queued on
+        the channel behind whatever is in flight, as every rank queues it (the
+        channel's tickets, one per segment)."""
+        b, links = s.bucket, self.links
+        channel = links.channel
+        ready = None
+        if channel.stream_ordered:  # (after what the trainer's stream wrote into it)
+            ready = channel.runtime.new_event()
+            ready.record(channel.runtime.current_stream())
+        return [channel.submit(reduce_operation(
+            b.buffer[a:z], links.transport, b.spec.algorithm, scale=None,
+            timeout=self.config.timeout, label=what, range_id=None, ready=ready,
+            stream_ordered=channel.stream_ordered, phase=ALL_GATHER), what)
+            for a, z in b.spec.segments]
 
     def consume(self, s: BucketState) -> None:
         """``.grad`` <- the reduced gradients; None where no rank had one (as one

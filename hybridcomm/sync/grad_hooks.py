@@ -5,7 +5,8 @@ each is a look-up and a counter in the usual case; what costs more is done
 once per bucket (bucket_group.py).
 
 1. **Before autograd adds it** (a tensor hook), armed only while its bucket is
-   launched, in flight or PENDING (``BucketGroup.to`` says when: two attribute
+   launched, in flight or PENDING, and under ``shard`` while its buffer is
+   reduce-scattered (``BucketGroup.rearm`` says when: two attribute
    writes per parameter and step, where an armed hook costs autograd a call
    into Python with the gradient wrapped, ~1 us per parameter and pass). A
    ``.grad`` that is None (``zero_grad()``, the default ``set_to_none=True``)
@@ -18,9 +19,9 @@ once per bucket (bucket_group.py).
    and a bucket whose launch the issue order has not reached yet is never
    written: the gradient goes into a tensor of autograd's own and is added in
    when the bucket next opens. An accumulating or idle bucket's view may be
-   added into as it is, so there the hook is off. It stays armed throughout
-   under ``shard`` (an idle bucket may hold a reduce-scattered or released
-   buffer) and on the simulated GPU (it reports each in-place add to the
+   added into as it is, so there the hook is off (under ``shard`` too once the
+   step's all-gather took the buffer: ``.grad`` is None then). It stays armed
+   throughout on the simulated GPU (it reports each in-place add to the
    simulator's race checks).
 2. **After autograd added it** (a post-accumulate hook): the bucket is opened
    if it was not accumulating, and the parameter counted. Once all of a
@@ -120,13 +121,13 @@ class GradientHooks:
                 # (an OrderedDict, as torch's own: a user's register_hook weak-references it)
                 self._pre[pid] = (p, key, hook, OrderedDict({key: hook}))
         sync = self.sync
-        self.always_armed = not hooks_toggle() or bool(sync.config.shard) or \
-            getattr(sync.rt, "reports_writes", False)
+        self.always_armed = not hooks_toggle() or getattr(sync.rt, "reports_writes", False)
         cfg = sync.config
         self.can_lean = cfg.lean_hooks and not cfg.find_unused_parameters
         for s in sync.group.states:
             s.guards = [self._pre[id(p)] for p in s.bucket.params]
-            self._set(s.guards, self.always_armed or s.phase in GUARDED)
+            s.armed = s.phase in GUARDED or s.scattered
+            self._set(s.guards, self.always_armed or s.armed)
 
     def set_lean(self, on: bool) -> None:
         """Only each bucket's closer keeps its post-accumulate hook (``on``), or every

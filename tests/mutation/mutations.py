@@ -676,14 +676,14 @@ MUTATIONS = [
         old="GUARDED = frozenset({Phase.LAUNCHED, Phase.IN_FLIGHT, Phase.PENDING})\n",
         new="GUARDED = frozenset({Phase.LAUNCHED, Phase.PENDING})\n",
         guards=("tests/test_step_cost.py::"
-                "test_a_late_pass_enters_the_pre_hook_of_every_launched_parameter[backward]",),
+                "test_a_late_pass_enters_the_pre_hook_of_every_launched_parameter[backward-None]",),
         what="the gradient pre-hooks are off while a bucket is in flight: a late pass adds "
              "into a buffer being reduced without waiting for it"),
     Mutation(
         "pre-hooks-never-off", "i38 host cost", "hybridcomm/sync/grad_hooks.py",
         old="        if not self.always_armed:\n            self._set(s.guards, on)\n",
         new="        if not self.always_armed:\n            self._set(s.guards, True)\n",
-        guards=("tests/test_step_cost.py::test_a_steady_host_step_calls_no_pre_hook[backward]",),
+        guards=("tests/test_step_cost.py::test_a_steady_host_step_calls_no_pre_hook[backward-None]",),
         what="the pre-hooks stay on after the buckets are consumed: autograd calls into "
              "Python for every parameter of every steady backward"),
     Mutation(
@@ -706,7 +706,15 @@ MUTATIONS = [
         "lean-never-learns", "i38 host cost", "hybridcomm/sync/grad_hooks.py",
         old="        if pos == s.closer:\n            s.closer_steps += 1\n",
         new="        if False:\n            s.closer_steps += 1\n",
-        guards=("tests/test_step_cost.py::test_a_steady_host_step_calls_no_pre_hook[backward]",),
+        guards=("tests/test_step_cost.py::test_a_steady_host_step_calls_no_pre_hook[backward-None]",),
         what="the closers are never learned: every parameter keeps its post-accumulate "
              "hook in every step"),
+    Mutation(
+        "shard-view-keeps-memory", "i40 sharded state", "hybridcomm/sync/shard.py",
+        old="            for sl in self.by_bucket[s.index]:\n                sl.drop_grad()\n",
+        new="",
+        guards=("tests/test_shard.py::test_each_rank_keeps_a_pth_of_the_state_and_gradients_"
+                "free_their_buckets",),
+        what="shard='gradients' releases a bucket while each slice's cached gradient view "
+             "still holds its memory: nothing is freed"),
 ]
