@@ -290,7 +290,7 @@ class BucketGroup:
         elif s.phase is Phase.IN_FLIGHT:
             self.settle(s)  # a late gradient, or a dropped one: the reduction ends first
         if s.scattered:  # (shard: a late pass) whole again before more is added
-            self.unscatter(s)
+            unscatter(self, s)
         if s.detached:
             b = s.bucket
             for pos in s.detached:
@@ -438,32 +438,6 @@ class BucketGroup:
         s.content = {pos for pos in used if bound[pos]}  # (forward mode: none after zero_grad)
         return used
 
-    def unscatter(self, s: BucketState) -> None:
-        """A reduce-scattered bucket made whole (shard.py): every rank's part
-        all-gathered, so that ``.grad`` is the reduced gradient on every rank (to
-        read it, or to add a late pass's gradients and reduce again)."""
-        what = f"bucket {s.index}'s gradients (all_gather)"
-        for ticket in self.all_gather(s, what):
-            self.links.channel.wait(ticket, what)
-        s.scattered = False
-        self.rearm(s)
-
-    def all_gather(self, s: BucketState, what: str) -> list:
-        """Every rank's part of the bucket's buffer to every rank (shard.py), queued on
-        the channel behind whatever is in flight, as every rank queues it (the
-        channel's tickets, one per segment)."""
-        b, links = s.bucket, self.links
-        channel = links.channel
-        ready = None
-        if channel.stream_ordered:  # (after what the trainer's stream wrote into it)
-            ready = channel.runtime.new_event()
-            ready.record(channel.runtime.current_stream())
-        return [channel.submit(reduce_operation(
-            b.buffer[a:z], links.transport, b.spec.algorithm, scale=None,
-            timeout=self.config.timeout, label=what, range_id=None, ready=ready,
-            stream_ordered=channel.stream_ordered, phase=ALL_GATHER), what)
-            for a, z in b.spec.segments]
-
     def consume(self, s: BucketState) -> None:
         """``.grad`` <- the reduced gradients; None where no rank had one (as one
         process on the whole batch would leave it)."""
@@ -511,7 +485,7 @@ class BucketGroup:
             if s.launched:
                 self.drop_unused(s, self.settle(s))
             if s.scattered:  # (shard) the next buckets take whole gradients
-                self.unscatter(s)
+                unscatter(self, s)
             self.to(s, Phase.IDLE)
 
     @staticmethod
@@ -575,3 +549,31 @@ class BucketGroup:
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.close()
+
+
+def unscatter(group: BucketGroup, s: BucketState) -> None:
+    """A reduce-scattered bucket made whole (shard.py): every rank's part
+    all-gathered, so that ``.grad`` is the reduced gradient on every rank (to
+    read it, or to add a late pass's gradients and reduce again)."""
+    what = f"bucket {s.index}'s gradients (all_gather)"
+    for ticket in all_gather(group, s, what):
+        group.links.channel.wait(ticket, what)
+    s.scattered = False
+    group.rearm(s)
+
+
+def all_gather(group: BucketGroup, s: BucketState, what: str) -> list:
+    """Every rank's part of the bucket's buffer to every rank (shard.py), queued on
+    the channel behind whatever is in flight, as every rank queues it (the
+    channel's tickets, one per segment)."""
+    b, links = s.bucket, group.links
+    channel = links.channel
+    ready = None
+    if channel.stream_ordered:  # (after what the trainer's stream wrote into it)
+        ready = channel.runtime.new_event()
+        ready.record(channel.runtime.current_stream())
+    return [channel.submit(reduce_operation(
+        b.buffer[a:z], links.transport, b.spec.algorithm, scale=None,
+        timeout=group.config.timeout, label=what, range_id=None, ready=ready,
+        stream_ordered=channel.stream_ordered, phase=ALL_GATHER), what)
+        for a, z in b.spec.segments]

@@ -53,7 +53,7 @@ from ..base.dtensor import is_dtensor
 from ..base.errors import HybridCommError
 from ..comm import control
 from . import pending
-from .bucket_group import Phase
+from .bucket_group import Phase, all_gather, unscatter
 from .buckets import copy_into
 
 
@@ -174,7 +174,7 @@ class Shards:
             s.content.clear()
             s.scattered = False
             g.rearm(s)  # (its .grad is None now: nothing to guard)
-            tickets = g.all_gather(s, f"bucket {s.index}'s parameters (all_gather)")
+            tickets = all_gather(g, s, f"bucket {s.index}'s parameters (all_gather)")
             if not defer:
                 self._gathered(s, tickets)
                 continue
@@ -394,7 +394,7 @@ class ShardedOptimizer:
         if self._hc_shards is not None:
             for s in self._hc_sync.group.states:
                 if s.scattered:
-                    self._hc_sync.group.unscatter(s)
+                    unscatter(self._hc_sync.group, s)
 
     def _hc_sharded_state_dict(self, base_state_dict: Callable[[], dict]) -> dict:
         """The plain optimizer's state_dict, put together from every rank's slices (a
