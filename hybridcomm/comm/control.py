@@ -117,9 +117,12 @@ class HostMax:
         self.timeout, self.what = timeout, what
         self._work = self._error = None
         with _host_region():  # host memory and a host collective: no device work
-            self.mask = torch.zeros(n, dtype=torch.int32)
-            if marked:
-                self.mask[list(marked)] = 1
+            if len(marked) == n:  # (the usual bucket: every position; no index_put, ~30 us)
+                self.mask = torch.ones(n, dtype=torch.int32)
+            else:
+                self.mask = torch.zeros(n, dtype=torch.int32)
+                if marked:
+                    self.mask[list(marked)] = 1
             try:
                 self._work = dist.all_reduce(self.mask, op=dist.ReduceOp.MAX,
                                              group=control_group(group), async_op=True)
