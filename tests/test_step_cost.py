@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from multiproc import run_ranks
-from optim_models import batch, make_model, shard
+from optim_models import batch, flat, make_model, shard
 from plan_counts import schedule_counts
 
 STEADY = 3  # steps counted, after the measured steps and the re-plan
@@ -179,9 +179,23 @@ def _late_pass(rank, world, overlap, sharded=None):
         loss.backward()  # late: every bucket was launched by the first pass
         late.append(list(entered))
         opt.step()
+    opt.synchronize()  # forward mode: the last step's update applied
     buckets, params = len(opt.plan.buckets), sum(len(b.params) for b in opt.plan.buckets)
     opt.close()
-    return late, buckets, params
+    return late, buckets, params, flat(model.parameters())
+
+
+def _late_pass_in_one_process():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for s in range(3):
+        x, y = batch(s)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        opt.step()
+    return flat(model.parameters())
 
 
 @pytest.mark.parametrize("overlap,shard", [("forward", None), ("backward", None),
@@ -190,9 +204,14 @@ def test_a_late_pass_enters_the_pre_hook_of_every_launched_parameter(overlap, sh
     """The pre-hooks are off in a steady step, but a pass after the launching one
     adds into buckets launched or in flight: the pre-hook of each bucket's first
     parameter to arrive must run (it waits for the reduction before autograd adds
-    in place; the bucket, accumulating again, turns its hooks off)."""
-    for late, buckets, params in run_ranks(2, _late_pass, overlap, shard, timeout=180):
+    in place; the bucket, accumulating again, turns its hooks off). The steps
+    give one process's numbers (each gradient counted twice)."""
+    want = _late_pass_in_one_process()
+    for late, buckets, params, got in run_ranks(2, _late_pass, overlap, shard, timeout=180):
         assert buckets > 1
         for entered in late:
             assert buckets <= len(entered) <= params, (entered, buckets)
             assert set(entered) <= {"launched", "in flight"}, entered
+        eps = torch.finfo(torch.float32).eps
+        assert torch.allclose(got, want, rtol=64 * eps, atol=64 * eps), \
+            (got - want).abs().max()
