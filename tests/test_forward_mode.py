@@ -231,3 +231,33 @@ def test_a_new_optimizer_on_closed_ones_parameters_applies_its_own_deferred_upda
     for got, plain_after_close in run_ranks(2, _optimizers_in_turn):
         assert plain_after_close == [True, True]
         assert torch.allclose(got, want, **TOL), f"max diff {(got - want).abs().max():.3g}"
+
+
+def _closed_after_a_freeze(rank, world):
+    import gc
+    import weakref
+
+    os.environ["HYBRIDCOMM_DEFER"] = "always"
+    model = _make("parent")
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model, overlap="forward", measure_iters=0,
+                                          timeout=60)
+    for s in range(4):
+        if s == 2:
+            model.body.requires_grad_(False)  # leaves the buckets at the next step
+        x, y = batch(s)
+        opt.zero_grad()
+        _loss(model, model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    sync = weakref.ref(opt._hc_sync)
+    opt.close()
+    del opt
+    gc.collect()
+    return sync() is None
+
+
+def test_a_closed_optimizer_is_freed_even_after_a_layer_left_its_buckets():
+    """close() drops every registration of its deferred updates (pending.py), also
+    a frozen layer's: a registration left behind would keep the synchronizer and
+    its buckets' memory alive as long as that parameter lives."""
+    assert run_ranks(2, _closed_after_a_freeze) == [True, True]

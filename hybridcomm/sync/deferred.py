@@ -82,8 +82,7 @@ class DeferredUpdates:
 
     def close(self) -> None:
         """Nothing is deferred any more: every parameter plain, none registered."""
-        for s in self._group_of().states:
-            pending.forget(s.bucket.params)
+        pending.forget(self.on_read)
 
     def any_pending(self) -> bool:
         return any(s.phase is Phase.PENDING for s in self._group_of().states)

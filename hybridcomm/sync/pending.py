@@ -122,8 +122,7 @@ class _Pending:
 def _pending_class(base: type) -> type:
     cls = _classes.get(base)
     if cls is None:
-        cls = type(f"Pending{base.__name__}", (_Pending, base),
-                   {"_hc_base": base, "__module__": __name__})
+        cls = type(f"Pending{base.__name__}", (_Pending, base), {"__module__": __name__})
         _classes[base] = _classes[cls] = cls
         _bases[cls] = base
     return cls
@@ -172,14 +171,16 @@ def release_all(params: Iterable[torch.Tensor]) -> None:
             p.__class__ = base
 
 
-def forget(params: Iterable[torch.Tensor]) -> None:
-    """Who applies the updates of ``params`` is no longer registered (its owner
-    closed); a pending one among them is released."""
-    for p in params:
-        release(p)
-        entry = _waiting.get(id(p))
-        if entry is not None and entry[0]() is p:
-            del _waiting[id(p)]
+def forget(apply: Callable[[torch.Tensor], None]) -> None:
+    """``apply`` applies no update any more (its owner closed): every parameter it
+    was registered for is released and unregistered, also one that left its
+    buckets since (the registration would keep the owner's memory alive)."""
+    for pid, (ref, fn) in list(_waiting.items()):
+        if fn is apply:
+            p = ref()
+            if p is not None:
+                release(p)
+            del _waiting[pid]
 
 
 def resolve(p: torch.Tensor) -> None:

@@ -716,4 +716,12 @@ MUTATIONS = [
                 "free_their_buckets",),
         what="shard='gradients' releases a bucket while each slice's cached gradient view "
              "still holds its memory: nothing is freed"),
+    Mutation(
+        "pending-registration-kept", "i38 host cost", "hybridcomm/sync/pending.py",
+        old="        if fn is apply:\n",
+        new="        if fn is apply and ref() is not None and _bases.get(ref().__class__):\n",
+        guards=("tests/test_forward_mode.py::test_a_closed_optimizer_is_freed_even_after_a_"
+                "layer_left_its_buckets",),
+        what="close() unregisters only the parameters still pending: the others' "
+             "registrations keep the closed synchronizer and its buckets alive"),
 ]
