@@ -77,6 +77,13 @@ _IS_SPARSE, _GRAD = attrgetter("is_sparse"), attrgetter("grad")
 GUARDED = frozenset({Phase.LAUNCHED, Phase.IN_FLIGHT, Phase.PENDING})
 
 
+def wants_guard(s: "BucketState") -> bool:
+    """Whether autograd must not add into bucket ``s``'s views unchecked: in a GUARDED
+    phase, or holding a reduce-scattered buffer (shard.py: each rank's part alone
+    is whole)."""
+    return s.phase in GUARDED or s.scattered
+
+
 class BucketState:
     """A bucket's bookkeeping on the host (its memory is ``bucket``)."""
 
@@ -266,10 +273,8 @@ class BucketGroup:
         self.rearm(s)
 
     def rearm(self, s: BucketState) -> None:
-        """Its parameters' pre-hooks on where autograd must not add into its views
-        unchecked (grad_hooks.py): in a GUARDED phase, or holding a reduce-scattered
-        buffer (shard.py: each rank's part alone is whole)."""
-        on = s._phase in GUARDED or s.scattered
+        """Its parameters' pre-hooks on or off (grad_hooks.py) as ``wants_guard`` says."""
+        on = wants_guard(s)
         if on is not s.armed:
             s.armed = on
             if self.links.guard is not None:

@@ -66,7 +66,7 @@ from typing import Dict, Iterable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .bucket_group import GUARDED, Phase, kept_apart
+from .bucket_group import Phase, kept_apart, wants_guard
 from .passes import LAUNCH
 
 _ACCUMULATING, _IDLE = Phase.ACCUMULATING, Phase.IDLE
@@ -126,7 +126,7 @@ class GradientHooks:
         self.can_lean = cfg.lean_hooks and not cfg.find_unused_parameters
         for s in sync.group.states:
             s.guards = [self._pre[id(p)] for p in s.bucket.params]
-            s.armed = s.phase in GUARDED or s.scattered
+            s.armed = wants_guard(s)
             self._set(s.guards, self.always_armed or s.armed)
 
     def set_lean(self, on: bool) -> None:
