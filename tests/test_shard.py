@@ -93,9 +93,11 @@ CASES = [(name, shard, overlap, clip) for name in OPTIMIZERS
                                       ("optimizer", "forward", 0.05))]
 
 
-def _sharded(rank, world, simulate):
+def _sharded(rank, world, simulate, reshard_bytes=None):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    if reshard_bytes is not None:  # a re-plan moves the state one parameter at a time
+        os.environ["HYBRIDCOMM_RESHARD_BYTES"] = reshard_bytes
     out = {}
     for name, shard, overlap, clip in CASES:
         model = _model()
@@ -115,10 +117,11 @@ def _sharded(rank, world, simulate):
     return out
 
 
-@pytest.mark.parametrize("world,simulate", [(2, False), (3, False), (2, True)],
-                         ids=["P2-host", "P3-host", "P2-simgpu"])
-def test_sharded_state_gives_one_process_numbers(world, simulate):
-    results = run_ranks(world, _sharded, simulate, timeout=300)
+@pytest.mark.parametrize("world,simulate,reshard_bytes",
+                         [(2, False, None), (3, False, "0"), (2, True, None)],
+                         ids=["P2-host", "P3-host-reshard-by-parameter", "P2-simgpu"])
+def test_sharded_state_gives_one_process_numbers(world, simulate, reshard_bytes):
+    results = run_ranks(world, _sharded, simulate, reshard_bytes, timeout=300)
     refs = {(name, clip): _reference(name, clip) for name in OPTIMIZERS for clip in (None, 0.05)}
     for case in CASES:
         name, shard, overlap, clip = case

@@ -114,6 +114,9 @@ VARIABLES = {v.name: v for v in (
              "kernels: launch a seen specialization through its compiled kernel's launcher "
              "directly (off: Triton's own path every call); read by hybridcomm.kernels at "
              "import"),
+    Variable("HYBRIDCOMM_RESHARD_BYTES", parse_size, 64 << 20,
+             "shard=: a re-plan moves the optimizer state to the new shards for parameters "
+             "of at most this many bytes at a time (what it holds whole for the move)"),
     Variable("HYBRIDCOMM_PIPELINE_BYTES", parse_size, 32 << 20,
              "pipeline parts of large host-path buffers (0: off)"),
     Variable("HYBRIDCOMM_NVTX", parse_bool, None, "NVTX ranges on/off (default: when nsys attaches)"),

@@ -52,6 +52,7 @@ from ..algorithms import PHASED, SHARD_BOUNDS
 from ..base.dtensor import is_dtensor
 from ..base.errors import HybridCommError
 from ..comm import control
+from ..config import env
 from . import pending
 from .bucket_group import Phase, all_gather, unscatter
 from .buckets import copy_into
@@ -223,11 +224,14 @@ class Shards:
         return torch.tensor(total)
 
     # ---- state: this rank's slices <-> the plain optimizer's ---------------------------
-    def pieces(self, state: dict) -> Dict[int, dict]:
+    def pieces(self, state: dict, indices=None) -> Dict[int, dict]:
         """This rank's state (parameter index -> key -> (start, tensor piece), or
-        (None, value) for what is not per element), on the CPU."""
+        (None, value) for what is not per element), on the CPU; of the parameters
+        at ``indices`` only, where given."""
         mine: Dict[int, dict] = {}
         for sl in self.slices:
+            if indices is not None and sl.index not in indices:
+                continue
             for key, v in state.get(sl.tensor, {}).items():
                 if torch.is_tensor(v):
                     v = v.detach().cpu()
@@ -235,14 +239,34 @@ class Shards:
                 mine.setdefault(sl.index, {})[key] = (sl.start, v) if piece else (None, v)
         return mine
 
-    def full_state(self, state: dict, group, timeout: float) -> Dict[int, dict]:
+    def full_state(self, state: dict, group, timeout: float,
+                   indices=None) -> Dict[int, dict]:
         """Every parameter's state as the plain optimizer keeps it (its index among
         ``params`` -> dict), put together from every rank's slices (a collective;
-        the same on every rank; tensors on the CPU)."""
-        return assemble(control.all_gather_object(self.pieces(state), group=group,
+        the same on every rank; tensors on the CPU); of the parameters at
+        ``indices`` only, where given."""
+        return assemble(control.all_gather_object(self.pieces(state, indices), group=group,
                                                   timeout=timeout,
                                                   what="the sharded optimizer state"),
                         [p.shape for p in self.params])
+
+    def full_state_parts(self, state: dict, group, timeout: float, part_bytes: int):
+        """:meth:`full_state` a part at a time (runs of parameters of at most
+        ``part_bytes``, at least one each; the same parts on every rank), each
+        part's slices' entries dropped from ``state`` once it is put together: a
+        re-plan holds the sharded state and one part whole, never all of it."""
+        part: List[int] = []
+        size = 0
+        for i, p in enumerate(self.params):
+            part.append(i)
+            size += p.numel() * p.element_size()
+            if size >= part_bytes or i == len(self.params) - 1:
+                full = self.full_state(state, group, timeout, set(part))
+                for j in part:
+                    for sl in self.by_param.get(id(self.params[j]), []):
+                        state.pop(sl.tensor, None)
+                yield full
+                part, size = [], 0
 
     def slice_state(self, state: dict, full: Dict[object, dict]) -> None:
         """``state`` holds this rank's slices' entries, cut from ``full`` (param ->
@@ -286,8 +310,6 @@ def settle_options(options: dict, optimizer_name: str, process_group, servers) -
     option; every bucket is reduce-scattered with an algorithm that has a phase of
     its own (``algorithms.PHASED``), chosen per bucket by the cost model unless
     forced."""
-    from ..config import env
-
     shard, why = options["shard"], []
     if options.get("compression") is not None:
         why.append(f"compression={options['compression']!r} (leave it None)")
@@ -362,21 +384,20 @@ class ShardedOptimizer:
                                   "are not sharded yet)")
         new = Shards(sync.group, sync.params, sync.rank, sync.world,
                      release=sync.config.shard == "gradients", on_read=sync.deferred.on_read)
-        plain = {}
-        if old is not None:
-            full = old.full_state(self.state, sync.process_group, sync.timeout)
-            for sl in old.slices:
-                self.state.pop(sl.tensor, None)
-            plain = {old.params[i]: st for i, st in full.items()}
         # the optimizer's own per-parameter state (Adagrad makes it in its constructor;
         # a parameter frozen since kept it whole) joins the shards with its parameter
-        plain.update({p: self.state.pop(p) for p in sync.params if p in self.state})
-        new.slice_state(self.state, plain)
-        kept = {id(p) for p in sync.params}
-        for p, st in plain.items():  # frozen now: its state stays, whole, until it joins again
-            if id(p) not in kept:
-                self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v
-                                 for k, v in st.items()}
+        new.slice_state(self.state, {p: self.state.pop(p) for p in sync.params
+                                     if p in self.state})
+        if old is not None:  # the old slices' state, whole a part at a time (a collective)
+            kept = {id(p) for p in sync.params}
+            for full in old.full_state_parts(self.state, sync.process_group, sync.timeout,
+                                             env.get("HYBRIDCOMM_RESHARD_BYTES")):
+                plain = {old.params[i]: st for i, st in full.items()}
+                new.slice_state(self.state, plain)
+                for p, st in plain.items():  # frozen now: whole, until it joins again
+                    if id(p) not in kept:
+                        self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v
+                                         for k, v in st.items()}
         self._hc_shards = new
 
     def _hc_shard_step(self, closure, base_step):

@@ -717,6 +717,14 @@ MUTATIONS = [
         what="shard='gradients' releases a bucket while each slice's cached gradient view "
              "still holds its memory: nothing is freed"),
     Mutation(
+        "reshard-drops-later-parts", "i40 sharded state", "hybridcomm/sync/shard.py",
+        old="                for j in part:\n",
+        new="                for j in range(len(self.params)):\n",
+        guards=("tests/test_shard.py::test_sharded_state_gives_one_process_numbers"
+                "[P3-host-reshard-by-parameter]",),
+        what="a re-plan drops every old slice's state once its first part is moved: the "
+             "later parts' state is lost"),
+    Mutation(
         "pending-registration-kept", "i38 host cost", "hybridcomm/sync/pending.py",
         old="        if fn is apply:\n",
         new="        if fn is apply and ref() is not None and _bases.get(ref().__class__):\n",
