@@ -161,6 +161,45 @@ def test_chunks_start_at_aligned_offsets(algo):
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "halving_doubling"])
+def test_a_phased_segments_tail_gives_each_rank_its_whole_block(algorithm):
+    """A sharded bucket's usage flags ride in its last segment's tail: one block a
+    rank, in rank order, after the gradients. After the reduce-scatter each rank
+    holds the exact sum of its own block (and of its part of the rest), with the
+    same steps as without the tail; the all-gather gives every rank all of it."""
+    from hybridcomm.algorithms import SHARD_BOUNDS, get_phase_schedule, tail_block, tail_body
+
+    rng = random.Random(4)
+    worlds = (1, 2, 3, 4, 5, 8) if algorithm == "ring" else (1, 2, 4, 8)
+    for world in worlds:
+        for body in (0, 1, 7, 100, 1001):
+            for tail in (8, 16):
+                numel = body + world * tail
+                assert tail_body(world, numel, tail) == body
+                inputs = [[rng.randint(-9, 9) for _ in range(numel)] for _ in range(world)]
+                total = [sum(col) for col in zip(*inputs)]
+                owned = [[SHARD_BOUNDS[algorithm](r, world, body),
+                          tail_block(r, world, numel, tail)] for r in range(world)]
+                rs = [get_phase_schedule("reduce_scatter", algorithm, r, world, numel, tail)
+                      for r in range(world)]
+                plain = [get_phase_schedule("reduce_scatter", algorithm, r, world, body)
+                         for r in range(world)]
+                if body >= 8 * world:  # no part empty: the tail adds no step of its own
+                    assert [len(s.steps) for s in rs] == [len(s.steps) for s in plain]
+                scattered = simulate(rs, inputs, owned, "reduce_scatter")
+                for r in range(world):
+                    for lo, hi in owned[r]:
+                        assert scattered[r][lo:hi] == total[lo:hi], (world, body, tail, r)
+                gathered = simulate([get_phase_schedule("all_gather", algorithm, r, world,
+                                                        numel, tail) for r in range(world)],
+                                    scattered, owned, "all_gather")
+                assert all(g == total for g in gathered), (world, body, tail)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        get_phase_schedule("reduce_scatter", algorithm, 0, 2, 100, 5)
+    with pytest.raises(ValueError, match="does not fit"):
+        get_phase_schedule("reduce_scatter", algorithm, 0, 2, 10, 8)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling"])
 def test_a_reduce_scatter_then_an_all_gather_is_the_all_reduce(algorithm):
     """Sharded state's two phases on their own (issue 40): after the reduce-scatter
     each rank's part (``SHARD_BOUNDS``) is the exact sum, finalized once; the

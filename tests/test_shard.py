@@ -328,3 +328,93 @@ def test_a_step_without_a_backward_changes_nothing(shard, overlap):
     for unchanged, released in run_ranks(2, _steps_without_backward, shard, overlap,
                                          timeout=120):
         assert unchanged and released
+
+
+# ---- a parameter some ranks have no gradient for -------------------------------------
+USES = 6  # steps
+
+
+def _uses_b(step, rank, world):
+    """Layer ``b`` is used by one rank a step, and by none in step 3."""
+    return step != 3 and (step + rank) % world == 0
+
+
+def _branchy():
+    torch.manual_seed(1)
+    return nn.ModuleDict({"trunk": nn.Linear(5, 6), "a": nn.Linear(6, 3),
+                          "b": nn.Linear(6, 3), "never": nn.Linear(6, 3)})
+
+
+def _branch_loss(model, x, y, use_b):
+    h = torch.tanh(model["trunk"](x))
+    out = model["a"](h) + (model["b"](h) if use_b else 0)
+    return nn.functional.mse_loss(out, y)
+
+
+def _branch_batches(world):
+    g = torch.Generator().manual_seed(7)
+    return [[(torch.randn(3, 5, generator=g), torch.randn(3, 3, generator=g))
+             for _ in range(world)] for _ in range(USES)]
+
+
+def _branch_flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+BRANCH_CASES = [("optimizer", "backward", "hybrid"), ("gradients", "forward", "hybrid"),
+                ("optimizer", "none", "halving_doubling")]
+
+
+def _branchy_ranks(rank, world, simulate=False):
+    from hybridcomm.comm import control
+
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+
+    made = []
+    host_max = control.HostMax
+    control.HostMax = lambda *a, **k: made.append(1) or host_max(*a, **k)
+    out = {}
+    for shard, overlap, strategy in BRANCH_CASES:
+        if strategy == "halving_doubling" and world & (world - 1):
+            continue
+        model = _branchy()
+        opt = hybridcomm.DistributedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1), model=model,
+            overlap=overlap, shard=shard, strategy=strategy, fusion_bytes=96, split_bytes=64,
+            cost_model="default", measure_iters=2, timeout=30)
+        for s, per_rank in enumerate(_branch_batches(world)):
+            opt.zero_grad()
+            x, y = per_rank[rank]
+            _branch_loss(model, x, y, _uses_b(s, rank, world)).backward()
+            opt.step()
+        out[(shard, overlap, strategy)] = _branch_flat(model)
+        opt.close()
+    return out, len(made)
+
+
+@pytest.mark.parametrize("world,simulate", [(2, False), (3, False), (4, False), (2, True)],
+                         ids=["2", "3", "4", "2-simgpu"])
+def test_a_parameter_some_ranks_have_no_gradient_for_steps_as_in_one_process(world, simulate):
+    """Layer ``b`` is used by one rank a step (none in step 3), ``never`` by no
+    rank: AdamW's weight decay moves a parameter only in the steps some rank had a
+    gradient for it, as one process on the whole batch. On the host path each rank
+    learns which from its own copy of the usage flags in the reduce-scatter, with
+    no agreement of its own (``HostMax``); on a device it agrees on the host
+    instead (reading the flags back would be a host sync)."""
+    model = _branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for s, per_rank in enumerate(_branch_batches(world)):
+        opt.zero_grad()
+        loss = sum(_branch_loss(model, x, y, _uses_b(s, r, world))
+                   for r, (x, y) in enumerate(per_rank)) / world
+        loss.backward()
+        opt.step()
+    ref = _branch_flat(model)
+    results = run_ranks(world, _branchy_ranks, simulate, timeout=300)
+    for case, params in results[0][0].items():
+        assert torch.allclose(params, ref, rtol=TOL, atol=TOL), \
+            (case, (params - ref).abs().max().item())
+        for r, (out, _) in enumerate(results):
+            assert torch.equal(out[case], params), (case, r)
+    assert all((made > 0) == simulate for _, made in results), [m for _, m in results]

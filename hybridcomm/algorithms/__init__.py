@@ -11,7 +11,7 @@ from functools import lru_cache
 from typing import Optional
 
 from . import butterfly, halving_doubling, hierarchical, ring, torus2d
-from .schedule import Recv, Schedule, Send, Step
+from .schedule import Recv, Schedule, Send, Step, tail_block, tail_body
 from .simulate import ScheduleError, simulate
 from .topology import Topology
 
@@ -50,8 +50,10 @@ def get_schedule(algorithm: str, rank: int, world_size: int, numel: int,
 
 @lru_cache(maxsize=4096)
 def get_phase_schedule(phase: str, algorithm: str, rank: int, world_size: int,
-                       numel: int) -> Schedule:
-    """The schedule of one ``phase`` of ``algorithm``'s all-reduce (``PHASED``).
+                       numel: int, tail: int = 0) -> Schedule:
+    """The schedule of one ``phase`` of ``algorithm``'s all-reduce (``PHASED``);
+    ``tail``: each rank's block of the last ``world_size * tail`` elements rides
+    along (``schedule.tail_body``; the whole buffer is all-reduced in ALL_REDUCE).
 
     >>> len(get_phase_schedule(ALL_GATHER, "ring", 0, 3, 90).steps)
     2
@@ -60,7 +62,7 @@ def get_phase_schedule(phase: str, algorithm: str, rank: int, world_size: int,
         return get_schedule(algorithm, rank, world_size, numel)
     if algorithm not in PHASED:
         raise ValueError(f"{algorithm!r} has no {phase} of its own; one of {tuple(PHASED)}")
-    return PHASED[algorithm][phase](rank, world_size, numel)
+    return PHASED[algorithm][phase](rank, world_size, numel, tail)
 
 
 @lru_cache(maxsize=4096)
@@ -71,5 +73,6 @@ def _cached(algorithm: str, rank: int, world_size: int, numel: int, topo) -> Sch
 
 
 __all__ = ["ALGORITHMS", "SCHEDULES", "PHASED", "SHARD_BOUNDS", "REDUCE_SCATTER", "ALL_GATHER",
+           "tail_body", "tail_block",
            "ALL_REDUCE", "get_phase_schedule", "TOPOLOGY_AWARE", "Topology", "get_schedule", "simulate",
            "ScheduleError", "Schedule", "Step", "Send", "Recv"]

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Tuple
 
 from .fold import folded
-from .schedule import Recv, Schedule, Send, aligned_split, build, check_args, step
+from .schedule import (Recv, Schedule, Send, aligned_split, build, check_args, step,
+                       tail_body)
 
 
 def _halving(rank: int, p: int, numel: int):
@@ -26,19 +27,38 @@ def _halving(rank: int, p: int, numel: int):
     return kept, (lo, hi)
 
 
+def _with_tail(kept, rank: int, p: int, body: int, tail: int):
+    """``kept``'s steps as (peer, kept ranges, given ranges), each with the segment's
+    tail blocks riding along (``tail`` elements a rank after ``body``: the rank
+    range halves as the elements do, lower half to the lower ranks)."""
+    out, lo, hi = [], 0, p
+    for peer, keep, give in kept:
+        mid = (lo + hi) // 2
+        block_keep, block_give = ((lo, mid), (mid, hi)) if rank & (rank ^ peer) == 0 \
+            else ((mid, hi), (lo, mid))
+        keeps, gives = [keep], [give]
+        if tail:
+            keeps.append((body + block_keep[0] * tail, body + block_keep[1] * tail))
+            gives.append((body + block_give[0] * tail, body + block_give[1] * tail))
+        out.append((peer, keeps, gives))
+        lo, hi = block_keep
+    return out
+
+
 def _reduce_scatter(kept):
     last = len(kept) - 1
-    return [step([Send(peer, *give)], [Recv(peer, *keep, reduce=True, final=i == last)])
-            for i, (peer, keep, give) in enumerate(kept)]
+    return [step([Send(peer, *g) for g in gives],
+                 [Recv(peer, *k, reduce=True, final=i == last) for k in keeps])
+            for i, (peer, keeps, gives) in enumerate(kept)]
 
 
-def _all_gather(kept):  # the partner owns `give`
-    return [step([Send(peer, *keep)], [Recv(peer, *give, reduce=False)])
-            for peer, keep, give in reversed(kept)]
+def _all_gather(kept):  # the partner owns the given ranges
+    return [step([Send(peer, *k) for k in keeps], [Recv(peer, *g, reduce=False) for g in gives])
+            for peer, keeps, gives in reversed(kept)]
 
 
 def _core_steps(rank: int, p: int, numel: int):
-    kept, _ = _halving(rank, p, numel)
+    kept = _with_tail(_halving(rank, p, numel)[0], rank, p, numel, 0)
     return _reduce_scatter(kept) + _all_gather(kept)
 
 
@@ -59,25 +79,31 @@ def shard_bounds(rank: int, world_size: int, numel: int) -> Tuple[int, int]:
     return _halving(rank, world_size, numel)[1]
 
 
-def reduce_scatter_schedule(rank: int, world_size: int, numel: int) -> Schedule:
+def reduce_scatter_schedule(rank: int, world_size: int, numel: int, tail: int = 0) -> Schedule:
     """Recursive halving alone (power-of-two world sizes): log2 P steps after which
-    ``rank`` holds the sum of its :func:`shard_bounds`.
+    ``rank`` holds the sum of its :func:`shard_bounds` of the first ``numel - P *
+    tail`` elements and of its block of the ``tail`` elements a rank after them
+    (:func:`~hybridcomm.algorithms.schedule.tail_block`), which ride along.
 
     >>> len(reduce_scatter_schedule(0, 8, 1000).steps)
     3
     """
-    check_args(rank, world_size, numel)
-    _power_of_two(world_size)
     return build("halving_doubling:reduce_scatter", rank, world_size, numel,
-                 _reduce_scatter(_halving(rank, world_size, numel)[0]))
+                 _reduce_scatter(_phase_steps(rank, world_size, numel, tail)))
 
 
-def all_gather_schedule(rank: int, world_size: int, numel: int) -> Schedule:
-    """Recursive doubling alone: each rank's :func:`shard_bounds` part to every rank."""
+def all_gather_schedule(rank: int, world_size: int, numel: int, tail: int = 0) -> Schedule:
+    """Recursive doubling alone: each rank's :func:`shard_bounds` part (and tail
+    block) to every rank."""
+    return build("halving_doubling:all_gather", rank, world_size, numel,
+                 _all_gather(_phase_steps(rank, world_size, numel, tail)))
+
+
+def _phase_steps(rank: int, world_size: int, numel: int, tail: int):
     check_args(rank, world_size, numel)
     _power_of_two(world_size)
-    return build("halving_doubling:all_gather", rank, world_size, numel,
-                 _all_gather(_halving(rank, world_size, numel)[0]))
+    body = tail_body(world_size, numel, tail)
+    return _with_tail(_halving(rank, world_size, body)[0], rank, world_size, body, tail)
 
 
 def schedule(rank: int, world_size: int, numel: int) -> Schedule:

@@ -14,24 +14,29 @@ from __future__ import annotations
 
 from typing import Callable, List, Tuple
 
-from .schedule import Recv, Schedule, Send, Step, build, check_args, chunk_bounds, step
+from .schedule import (Recv, Schedule, Send, Step, build, check_args, chunk_bounds, step,
+                       tail_block, tail_body)
 
 Part = Callable[[int], Tuple[int, int]]  # part index (taken mod p) -> [start, stop)
 
 
-def reduce_scatter(rank: int, p: int, part: Part, final: bool = True) -> List[Step]:
+def reduce_scatter(rank: int, p: int, *parts: Part, final: bool = True) -> List[Step]:
     """p-1 steps among ranks 0..p-1 after which rank r holds the sum of ``part(r)``
-    (``final``: that reduction finalizes it). Peers are ring positions."""
+    of each of ``parts`` (``final``: that reduction finalizes it). Peers are ring
+    positions."""
     right, left = (rank + 1) % p, (rank - 1) % p
-    return [step([Send(right, *part(rank - s - 1))],
-                 [Recv(left, *part(rank - s - 2), reduce=True, final=final and s == p - 2)])
+    return [step([Send(right, *part(rank - s - 1)) for part in parts],
+                 [Recv(left, *part(rank - s - 2), reduce=True, final=final and s == p - 2)
+                  for part in parts])
             for s in range(p - 1)]
 
 
-def all_gather(rank: int, p: int, part: Part) -> List[Step]:
-    """p-1 steps that pass each rank's ``part(r)`` around the ring to all."""
+def all_gather(rank: int, p: int, *parts: Part) -> List[Step]:
+    """p-1 steps that pass each rank's ``part(r)`` of each of ``parts`` around the
+    ring to all."""
     right, left = (rank + 1) % p, (rank - 1) % p
-    return [step([Send(right, *part(rank - s))], [Recv(left, *part(rank - s - 1), reduce=False)])
+    return [step([Send(right, *part(rank - s)) for part in parts],
+                 [Recv(left, *part(rank - s - 1), reduce=False) for part in parts])
             for s in range(p - 1)]
 
 
@@ -63,27 +68,37 @@ def shard_bounds(rank: int, world_size: int, numel: int) -> Tuple[int, int]:
     return chunk_bounds(numel, world_size, rank)
 
 
-def reduce_scatter_schedule(rank: int, world_size: int, numel: int) -> Schedule:
+def reduce_scatter_schedule(rank: int, world_size: int, numel: int, tail: int = 0) -> Schedule:
     """The ring's first half on its own: afterwards ``rank`` holds the sum (scaled on
-    its last receive) of its :func:`shard_bounds`; the rest of the buffer holds
-    partial sums. Sharded optimizer state reduces gradients with it.
+    its last receive) of its :func:`shard_bounds` of the first ``numel - P * tail``
+    elements and of its block of the ``tail`` elements a rank after them
+    (:func:`~hybridcomm.algorithms.schedule.tail_block`), which ride along in the
+    same steps; the rest of the buffer holds partial sums. Sharded optimizer state
+    reduces gradients with it.
 
     >>> s = reduce_scatter_schedule(1, 4, 1000); len(s.steps), s.steps[-1].recvs[0].final
     (3, True)
     """
-    check_args(rank, world_size, numel)
     # (its own name: not cut into pipelined parts, which would move the owned part)
-    return build("ring:reduce_scatter", rank, world_size, numel, reduce_scatter(
-        rank, world_size, lambda i: shard_bounds(i % world_size, world_size, numel)))
+    return build("ring:reduce_scatter", rank, world_size, numel,
+                 reduce_scatter(rank, world_size, *_phase_parts(rank, world_size, numel, tail)))
 
 
-def all_gather_schedule(rank: int, world_size: int, numel: int) -> Schedule:
+def all_gather_schedule(rank: int, world_size: int, numel: int, tail: int = 0) -> Schedule:
     """The ring's second half on its own: each rank's :func:`shard_bounds` part of
-    the buffer passed to every rank (copied, not added).
+    the buffer (and its tail block) passed to every rank (copied, not added).
 
     >>> len(all_gather_schedule(0, 4, 1000).steps)
     3
     """
+    return build("ring:all_gather", rank, world_size, numel,
+                 all_gather(rank, world_size, *_phase_parts(rank, world_size, numel, tail)))
+
+
+def _phase_parts(rank: int, world_size: int, numel: int, tail: int) -> List[Part]:
     check_args(rank, world_size, numel)
-    return build("ring:all_gather", rank, world_size, numel, all_gather(
-        rank, world_size, lambda i: shard_bounds(i % world_size, world_size, numel)))
+    body = tail_body(world_size, numel, tail)
+    parts = [lambda i: shard_bounds(i % world_size, world_size, body)]
+    if tail:
+        parts.append(lambda i: tail_block(i % world_size, world_size, numel, tail))
+    return parts

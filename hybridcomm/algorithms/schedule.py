@@ -106,6 +106,28 @@ def chunk_bounds(numel: int, parts: int, i: int) -> Tuple[int, int]:
     return aligned_split(0, numel, i, parts), aligned_split(0, numel, i + 1, parts)
 
 
+def tail_body(world_size: int, numel: int, tail: int) -> int:
+    """The elements of a phased segment before its tail: the last ``world_size *
+    tail`` elements are one block of ``tail`` per rank, in rank order, that a
+    reduce-scatter gives whole to its rank (a copy of the bucket's usage flags
+    in each, so that every rank learns them with no collective of their own).
+
+    >>> tail_body(4, 1000, 8), tail_block(1, 4, 1000, 8)
+    (968, (976, 984))
+    """
+    body = numel - world_size * tail
+    if tail < 0 or body < 0 or tail % ALIGN_ELEMENTS:
+        raise ValueError(f"a tail of {world_size} x {tail} elements does not fit {numel} "
+                         f"(and must be a multiple of {ALIGN_ELEMENTS})")
+    return body
+
+
+def tail_block(rank: int, world_size: int, numel: int, tail: int) -> Tuple[int, int]:
+    """``[start, stop)`` of ``rank``'s block of the tail (:func:`tail_body`)."""
+    body = tail_body(world_size, numel, tail)
+    return body + rank * tail, body + (rank + 1) * tail
+
+
 def largest_power_of_two(n: int) -> int:
     """The largest power of two <= n (n >= 1)."""
     return 1 << (n.bit_length() - 1)

@@ -26,7 +26,8 @@ def simulate(schedules: Sequence[Schedule], inputs: Sequence[Sequence[float]],
 
     ``inputs[r]`` is rank r's buffer (any numbers: Python ints keep it exact).
     Raises :class:`ScheduleError` on any inconsistency. A phase alone (sharded
-    state) takes ``owned[r]``, rank r's part: a ``"reduce_scatter"`` must make
+    state) takes ``owned[r]``, rank r's part (a range, or a list of them): a
+    ``"reduce_scatter"`` must make
     that part final (the rest is left partial); an ``"all_gather"`` starts with
     it final and must make everything final.
 
@@ -39,9 +40,11 @@ def simulate(schedules: Sequence[Schedule], inputs: Sequence[Sequence[float]],
     p = len(schedules)
     bufs = [list(x) for x in inputs]
     final = [[p == 1] * len(b) for b in bufs]
+    owned = [[o] if o and isinstance(o[0], int) else list(o) for o in owned or ()]
     if phase == "all_gather":
-        for r, (lo, hi) in enumerate(owned):
-            final[r][lo:hi] = [True] * (hi - lo)
+        for r, ranges in enumerate(owned):
+            for lo, hi in ranges:
+                final[r][lo:hi] = [True] * (hi - lo)
     queues: Dict[Tuple[int, int], deque] = {}
     pos = [0] * p  # index of each rank's current step
     posted = [False] * p  # whether that step's sends are posted
@@ -97,8 +100,8 @@ def simulate(schedules: Sequence[Schedule], inputs: Sequence[Sequence[float]],
     if left:
         raise ScheduleError(f"sends never received (src, dst): count {left}")
     for r in range(p):
-        lo, hi = owned[r] if phase == "reduce_scatter" else (0, len(final[r]))
-        if not all(final[r][lo:hi]):
-            i = lo + final[r][lo:hi].index(False)
-            raise ScheduleError(f"rank {r} element {i} never got its final value")
+        for lo, hi in owned[r] if phase == "reduce_scatter" else [(0, len(final[r]))]:
+            if not all(final[r][lo:hi]):
+                i = lo + final[r][lo:hi].index(False)
+                raise ScheduleError(f"rank {r} element {i} never got its final value")
     return bufs

@@ -163,7 +163,8 @@ class CommEngine:
                 if not self.channel.stream_ordered:
                     self._versions[index] = b.buffer._version
         return reduce_operation(seg, self.transport, b.spec.algorithm, scale=self.scale,
-                                phase=self.phase, timeout=self.timeout, label=label,
+                                phase=self.phase, tail=b.spec.tail if last else 0,
+                                timeout=self.timeout, label=label,
                                 range_id=index,
                                 ready=self._ready[index],
                                 workspace=self._workspace,

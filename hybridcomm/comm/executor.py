@@ -347,7 +347,7 @@ def _range(range_id: Optional[str], algorithm: str, nbytes: int, world: int):
 
 def reduce_now(buf: torch.Tensor, transport, algorithm: str, *, scale: Optional[float],
                timeout: float, topology=None, what: Optional[str] = None,
-               phase: str = ALL_REDUCE) -> None:
+               phase: str = ALL_REDUCE, tail: int = 0) -> None:
     """All-reduce (or one ``phase`` of it) the flat ``buf`` in place now: blocking on
     the host path; on a stream-ordered transport queued in its issue order after the
     caller's work, with the caller's stream waiting for the result (no host
@@ -355,14 +355,15 @@ def reduce_now(buf: torch.Tensor, transport, algorithm: str, *, scale: Optional[
     what = what or f"{phase} ({algorithm}, {buf.numel() * buf.element_size()} bytes)"
     if not transport.stream_ordered:
         reduce_operation(buf, transport, algorithm, scale=scale, timeout=timeout, label=None,
-                         range_id=None, stream_ordered=False, topology=topology, phase=phase)()
+                         range_id=None, stream_ordered=False, topology=topology, phase=phase,
+                         tail=tail)()
         return
     rt = transport.runtime
     ready = rt.new_event()
     ready.record(rt.current_stream())
     operation = reduce_operation(buf, transport, algorithm, scale=scale, timeout=timeout,
                                  label=None, range_id=None, ready=ready, stream_ordered=True,
-                                 timed=False, topology=topology, phase=phase)
+                                 timed=False, topology=topology, phase=phase, tail=tail)
     done = issue_in_order(transport, operation, what, timeout)
     if done is not None:
         rt.current_stream().wait_event(done)
@@ -373,7 +374,7 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
                      ready=None, workspace: Optional[Workspace] = None, stream_ordered: bool,
                      timed: bool = True, after: Optional[Callable[[], None]] = None,
                      reserved: bool = False, servers=None, topology=None,
-                     phase: str = ALL_REDUCE) -> Callable:
+                     phase: str = ALL_REDUCE, tail: int = 0) -> Callable:
     """A channel operation that all-reduces the flat ``buf`` in place with ``algorithm``.
 
     Host channel: the returned function runs the reduction (blocking) on the
@@ -387,7 +388,9 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
     ``topology``: the :class:`~hybridcomm.algorithms.Topology` of the
     topology-aware schedules (hierarchical, torus2d). ``phase``: the whole
     all-reduce, or its reduce-scatter or all-gather alone (sharded optimizer
-    state; the algorithms in ``PHASED``).
+    state; the algorithms in ``PHASED``), with ``tail`` elements a rank at the end
+    of ``buf`` that each rank gets whole (``algorithms.tail_body``: the usage
+    flags' copies).
     """
     world, rank = transport.world_size, transport.rank
     nbytes = buf.numel() * buf.element_size()
@@ -402,7 +405,8 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
             return _then(transport, out, after, stream_ordered, timeout, label)
         return native
     schedule = get_schedule(algorithm, rank, world, buf.numel(), topology) \
-        if phase == ALL_REDUCE else get_phase_schedule(phase, algorithm, rank, world, buf.numel())
+        if phase == ALL_REDUCE else get_phase_schedule(phase, algorithm, rank, world, buf.numel(),
+                                                       tail)
     if stream_ordered:
         def queued():
             with _range(range_id, algorithm, nbytes, world):

@@ -69,6 +69,8 @@ from ..algorithms import ALGORITHMS, Topology
 from ..algorithms.lowrank import POWERSGD, message_numels
 from ..algorithms.topk import TOPK, segment_numel, sparse_bytes_sent
 from .cost_model import NATIVE, PS, CostModel, bytes_sent
+from .layout import ALIGN_BYTES, flag_stride, layout
+from .layout import segments as cut_segments
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
 STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS,
@@ -78,13 +80,6 @@ MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
 FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
 MIN_SPLIT, MAX_SPLIT = 1 << 20, 256 << 20
 SPLIT_BALANCE = 10  # a segment's bytes cost >= 10x its fixed cost (<= 10% overhead)
-
-
-# Each gradient in a bucket's buffer starts at a multiple of this many bytes, so
-# kernels, NCCL and the optimizer's multi-tensor paths get aligned 16-byte
-# (vectorized) access; the padding between gradients stays zero and costs at
-# most 12 bytes per parameter on the wire.
-ALIGN_BYTES = 16
 
 
 @dataclass
@@ -98,22 +93,6 @@ class Layer:
     dtype: str = "torch.float32"
     sizes: Optional[List[int]] = None  # each parameter's numel (for the bucket's layout)
     shapes: Optional[List[Tuple[int, ...]]] = None  # each parameter's shape (low rank's)
-
-
-def layout(sizes: Sequence[int], element_size: int) -> Tuple[List[int], int]:
-    """Each gradient's offset in a bucket's buffer (aligned to ALIGN_BYTES) and
-    the length of the gradient region, padding included.
-
-        >>> layout([3, 40, 1], 4)
-        ([0, 4, 44], 45)
-    """
-    step = max(1, ALIGN_BYTES // element_size)
-    offsets, end = [], 0
-    for n in sizes:
-        start = -(-end // step) * step
-        offsets.append(start)
-        end = start + n
-    return offsets, end
 
 
 @dataclass
@@ -132,11 +111,25 @@ class Bucket:
     offsets: Optional[List[int]] = None  # each gradient's start in the buffer (None: packed)
     grad_numel: Optional[int] = None  # the gradient region, padding included (None: numel)
     compressor: Optional[str] = None  # "powersgd": its messages go with ``algorithm``
+    # Usage flags: one copy, or (sharded: reduce-scattered) one a rank, each its own
+    # block of the last segment's tail, so that every rank ends with them summed
+    flag_copies: int = 1
+
+    @property
+    def flag_stride(self) -> int:
+        """Elements a copy of the usage flags takes (layout.py)."""
+        return flag_stride(len(self.params), self.flag_copies)
+
+    @property
+    def tail(self) -> int:
+        """The last segment's tail block a rank (``algorithms.tail_body``), or 0."""
+        return 0 if self.flag_copies == 1 else self.flag_stride
 
     @property
     def buffer_numel(self) -> int:
-        """Gradients (with padding), then one usage flag per parameter."""
-        return (self.numel if self.grad_numel is None else self.grad_numel) + len(self.params)
+        """Gradients (with padding), then the usage flags (one per parameter a copy)."""
+        grads = self.numel if self.grad_numel is None else self.grad_numel
+        return grads + self.flag_copies * self.flag_stride
 
 
 # The footer of every printed plan (docs/API.md explains the same columns).
@@ -459,8 +452,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
               topology: Optional[Topology] = None, launch_pass: int = 1,
               comm_scale: Optional[float] = None, defer_pays: Optional[bool] = None,
               servers: int = 0, forward_s: Optional[float] = None,
-              low_rank: Optional[Tuple[int, int]] = None, call_s: Optional[float] = None
-              ) -> Plan:
+              low_rank: Optional[Tuple[int, int]] = None, call_s: Optional[float] = None,
+              shard: bool = False) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
@@ -481,7 +474,10 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     messages send fewer bytes than it does whole is compressed (compressor
     ``powersgd``; its messages, and the whole bucket in the first ``start``
     steps, go with the bucket's algorithm); ``call_s``: seconds each all-reduce
-    call cost beyond the model in the measured steps (the default fusion counts it).
+    call cost beyond the model in the measured steps (the default fusion counts it);
+    ``shard``: the buckets are reduce-scattered (sharded optimizer state), so each
+    carries a copy of its usage flags a rank in its last segment's tail
+    (``Bucket.flag_copies``).
 
     Example::
 
@@ -522,11 +518,15 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         nbytes = numel * esize
         sizes = [n for layer in group for n in (layer.sizes or [])]
         offsets, grad_numel = layout(sizes, esize) if len(sizes) == len(params) else (None, None)
-        total = (numel if grad_numel is None else grad_numel) + len(params)  # then the flags
-        # segments start aligned (their chunks then do too)
+        copies = world_size if shard and world_size > 1 else 1
+        stride = flag_stride(len(params), copies)
+        grads_end = numel if grad_numel is None else grad_numel
+        total = grads_end + copies * stride  # the gradients, then the flags
+        # segments start aligned (their chunks then do too); the flags' copies all in
+        # the last one's tail
         align = max(1, ALIGN_BYTES // esize)
-        step = total if not split_bytes else max(align, split_bytes // esize // align * align)
-        segments = [(s, min(s + step, total)) for s in range(0, total, step)]
+        step = 0 if not split_bytes else max(align, split_bytes // esize // align * align)
+        segments = cut_segments(total, total if copies == 1 else grads_end, step)
         known = [windows[layer.name] for layer in group if windows and layer.name in windows]
         window = min(known) if known else None
         if forced:
@@ -563,7 +563,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         needs = [need[layer.name] for layer in group if need and layer.name in need]
         buckets.append(Bucket(i, [layer.name for layer in group], params, numel, nbytes,
                               algorithm, pred, group[0].dtype, window, segments,
-                              min(needs) if needs else None, offsets, grad_numel, compressor))
+                              min(needs) if needs else None, offsets, grad_numel, compressor,
+                              copies))
     bucket_ready = None
     if ready:
         bucket_ready = {}

@@ -285,15 +285,15 @@ class BucketGroup:
         """Start (or resume) a round: afterwards backward may add into the bucket.
         False, and nothing changed, when its launch is still to be issued.
         ``apply_pending(s)``: a PENDING bucket's deferred update is applied first."""
-        if s.bucket.released:  # (shard="gradients": freed since the last step)
-            s.bucket.restore()
         if s.phase is Phase.PENDING:
-            apply_pending(s)
+            apply_pending(s)  # (under shard="gradients" its gather then frees the memory)
         elif s.phase is Phase.LAUNCHED:
             s.reopened = True
             return False
         elif s.phase is Phase.IN_FLIGHT:
             self.settle(s)  # a late gradient, or a dropped one: the reduction ends first
+        if s.bucket.released:  # (shard="gradients": freed since the last step)
+            s.bucket.restore()
         if s.scattered:  # (shard: a late pass) whole again before more is added
             unscatter(self, s)
         if s.detached:
@@ -577,8 +577,10 @@ def all_gather(group: BucketGroup, s: BucketState, what: str) -> list:
     if channel.stream_ordered:  # (after what the trainer's stream wrote into it)
         ready = channel.runtime.new_event()
         ready.record(channel.runtime.current_stream())
+    last = len(b.spec.segments) - 1
     return [channel.submit(reduce_operation(
         b.buffer[a:z], links.transport, b.spec.algorithm, scale=None,
         timeout=group.config.timeout, label=what, range_id=None, ready=ready,
-        stream_ordered=channel.stream_ordered, phase=ALL_GATHER), what)
-        for a, z in b.spec.segments]
+        stream_ordered=channel.stream_ordered, phase=ALL_GATHER,
+        tail=b.spec.tail if s == last else 0), what)
+        for s, (a, z) in enumerate(b.spec.segments)]

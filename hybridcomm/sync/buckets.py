@@ -1,6 +1,6 @@
 """Gradient buckets: one contiguous buffer per bucket, each parameter's ``.grad`` a view of it.
 
-A bucket's buffer, laid out by the plan (``planner.layout``) identically on
+A bucket's buffer, laid out by the plan (``plan/layout.py``) identically on
 every rank::
 
     [ grad p0 | pad | grad p1 | pad | ... | flag p0 | flag p1 | ... ]
@@ -11,7 +11,10 @@ optimizer reads the same views: nothing is packed or unpacked on the data
 path. Gradients start at aligned offsets; the padding stays zero. The flags
 travel with the gradients: 1 where this rank's buffer holds a gradient for the
 parameter, so after the sum a flag is > 0 exactly where some rank had one (a
-parameter no rank used is left alone, as a single process would).
+parameter no rank used is left alone, as a single process would). A
+reduce-scattered bucket (``shard``) has a copy of the flags a rank, each in
+the block of the buffer's tail that its rank ends with (``self.flags`` is then
+a row a rank).
 
 With a wire dtype (``compression="fp16"``/``"bf16"``) the reduction runs on a
 second buffer of that dtype: one cast in at launch, one cast back when done.
@@ -27,7 +30,8 @@ from typing import Callable, Iterable, List, Optional
 import torch
 
 from ..base.dtensor import grad_view, local_numel, local_shape
-from ..plan.planner import Bucket, layout
+from ..plan.layout import layout
+from ..plan.planner import Bucket
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
 _foreach_copy = getattr(torch, "_foreach_copy_", None)  # torch >= 2.1's multi-tensor copy
@@ -81,18 +85,24 @@ class GradBucket:
         self._allocate()
         self.wire = None
         if wire_dtype is not None and wire_dtype != dtype:
-            self.wire = alloc(grad_numel + len(params), wire_dtype)
+            self.wire = alloc(self._numel(), wire_dtype)
             self.wire.zero_()
         self.topk = None  # compression.TopK when the plan sparsifies this bucket
         self.lowrank = None  # powersgd.PowerSGD when the plan compresses it to low rank
         self.released = False  # its memory freed between steps (shard="gradients")
 
+    def _numel(self) -> int:
+        """The gradients, then the flags (``spec.flag_copies`` of them)."""
+        return self._grad_numel + self.spec.flag_copies * self.spec.flag_stride
+
     def _allocate(self) -> None:
         """The buffer, zeroed, and its views."""
-        n = self._grad_numel
-        self.buffer = self._alloc(n + len(self.params), self._dtype)
+        n, spec = self._grad_numel, self.spec
+        self.buffer = self._alloc(self._numel(), self._dtype)
         self.buffer.zero_()
         self.grads, self.flags = self.buffer[:n], self.buffer[n:]
+        if spec.flag_copies > 1:  # a row a rank (its tail block), each holding them all
+            self.flags = self.flags.view(spec.flag_copies, spec.flag_stride)[:, :len(self.params)]
         self.views = [grad_view(self.buffer[o:o + local_numel(p)].view(local_shape(p)), p)
                       for o, p in zip(self.offsets, self.params)]
 
@@ -141,9 +151,10 @@ class GradBucket:
             self.views[pos].zero_()
 
     def set_flags(self, positions: set) -> None:
-        """Flag 1 where this rank holds a gradient, 0 elsewhere: one fill, then one per
-        run of the positions that differ from it. Fills only: a copy from a host
-        mask is ATen's memcpy_and_sync on a GPU (a host sync in backward)."""
+        """Flag 1 where this rank holds a gradient, 0 elsewhere (in every copy): one
+        fill, then one per run of the positions that differ from it. Fills only: a
+        copy from a host mask is ATen's memcpy_and_sync on a GPU (a host sync in
+        backward)."""
         n = len(self.params)
         most = 1 if 2 * len(positions) >= n else 0
         self.flags.fill_(most)
@@ -155,13 +166,15 @@ class GradBucket:
             if differs and start is None:
                 start = i
             elif not differs and start is not None:
-                self.flags[start:i].fill_(1 - most)
+                self.flags[..., start:i].fill_(1 - most)
                 start = None
 
-    def used(self) -> List[int]:
+    def used(self, rank: int = 0) -> List[int]:
         """Positions some rank had a gradient for, read from the reduced flags (a host
-        sync on a GPU: the synchronizer asks only when this rank lacked one)."""
-        return [i for i, f in enumerate(self.flags.tolist()) if f > 0]
+        sync on a GPU: the synchronizer asks only when this rank lacked one): from
+        ``rank``'s copy where each rank has one (its reduce-scattered tail block)."""
+        flags = self.flags if self.flags.dim() == 1 else self.flags[rank]
+        return [i for i, f in enumerate(flags.tolist()) if f > 0]
 
     def to_wire(self) -> None:
         if self.wire is not None:

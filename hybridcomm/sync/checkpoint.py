@@ -63,6 +63,9 @@ def mismatch(sync, state: dict) -> Optional[str]:
         return f"it was made for {saved.world_size} ranks, this job has {sync.world}"
     if list(state.get("params", [])) != list(sync.registry.names):
         return "it was made for other parameters"
+    copies = sync.world if sync.config.shard and sync.world > 1 else 1
+    if any(b.flag_copies != copies for b in saved.buckets):
+        return "it was made with another shard= (the buckets' layout differs)"
     return None
 
 

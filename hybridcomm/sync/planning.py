@@ -67,7 +67,7 @@ class Planning:
                              defer_pays=m.defer_pays if cfg.overlap == "forward" else None,
                              servers=self.servers,
                              forward_s=forward_estimate(m) if cfg.overlap == "forward" else None,
-                             low_rank=cfg.low_rank, call_s=m.call_s)
+                             low_rank=cfg.low_rank, call_s=m.call_s, shard=bool(cfg.shard))
             return None if keep is not None and plan.decisions() == keep.decisions() else plan
         return control.rank0_decides(decide, group=self.group, timeout=self.config.timeout,
                                      what="the bucket plan")

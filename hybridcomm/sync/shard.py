@@ -48,7 +48,7 @@ import torch
 
 import torch.distributed as dist
 
-from ..algorithms import PHASED, SHARD_BOUNDS
+from ..algorithms import PHASED, SHARD_BOUNDS, tail_body
 from ..base.dtensor import is_dtensor
 from ..base.errors import HybridCommError
 from ..comm import control
@@ -85,17 +85,20 @@ class Slice:
         self._grad = self._of = None
 
 
-def owned_ranges(segments, rank: int, world: int, algorithm: str) -> List[Tuple[int, int]]:
+def owned_ranges(segments, rank: int, world: int, algorithm: str,
+                 tail: int = 0) -> List[Tuple[int, int]]:
     """This rank's parts of a bucket's buffer: its shard of each segment, as the
-    bucket's ``algorithm`` reduce-scatters it.
+    bucket's ``algorithm`` reduce-scatters it (the last segment's ``tail``, a
+    block a rank of the usage flags' copies, left out).
 
     >>> owned_ranges([(0, 100), (100, 164)], 1, 2, "ring")
     [(48, 100), (132, 164)]
     """
     bounds = SHARD_BOUNDS[algorithm]
     out = []
-    for a, z in segments:
-        lo, hi = bounds(rank, world, z - a)
+    for i, (a, z) in enumerate(segments):
+        n = tail_body(world, z - a, tail) if i == len(segments) - 1 else z - a
+        lo, hi = bounds(rank, world, n)
         if hi > lo:
             out.append((a + lo, a + hi))
     return out
@@ -113,7 +116,8 @@ class Shards:
         self.slices: List[Slice] = []
         for s in group.states:
             b = s.bucket
-            for lo, hi in owned_ranges(b.spec.segments, rank, world, b.spec.algorithm):
+            for lo, hi in owned_ranges(b.spec.segments, rank, world, b.spec.algorithm,
+                                       b.spec.tail):
                 for pos, p in enumerate(b.params):
                     o, n = b.offsets[pos], b.views[pos].numel()
                     start, stop = max(lo, o), min(hi, o + n)
@@ -165,7 +169,13 @@ class Shards:
         defer = g.config.overlap == "forward"
         for s in self.gather_order:
             if not s.content:  # nothing reduced since the last gather (a step without a
-                continue  # backward), or no rank had a gradient: the parameters stand
+                # backward), or no rank had a gradient: the parameters stand, and the
+                # buffer holds zeros on every rank (whole: opening it needs no all-gather,
+                # which ranks would queue at different points of the next backward)
+                if s.scattered:
+                    s.scattered = False
+                    g.rearm(s)
+                continue
             b = s.bucket
             mine = self.by_bucket[s.index]
             if mine:

@@ -725,6 +725,35 @@ MUTATIONS = [
         what="a re-plan drops every old slice's state once its first part is moved: the "
              "later parts' state is lost"),
     Mutation(
+        "shard-flags-wrong-copy", "i40 sharded state", "hybridcomm/sync/buckets.py",
+        old="        flags = self.flags if self.flags.dim() == 1 else self.flags[rank]\n",
+        new="        flags = self.flags if self.flags.dim() == 1 else self.flags[0]\n",
+        guards=("tests/test_shard.py::test_a_parameter_some_ranks_have_no_gradient_for_steps_as_"
+                "in_one_process[2]",),
+        what="under shard every rank reads rank 0's copy of the usage flags, which only "
+             "rank 0 has summed: a parameter this rank lacked reads as unused by all"),
+    Mutation(
+        "shard-unused-bucket-stays-scattered", "i40 sharded state", "hybridcomm/sync/shard.py",
+        old="                if s.scattered:\n                    s.scattered = False\n"
+            "                    g.rearm(s)\n",
+        new="",
+        guards=("tests/test_shard.py::test_a_parameter_some_ranks_have_no_gradient_for_steps_as_"
+                "in_one_process[2]",),
+        what="a bucket no rank had a gradient for keeps its reduce-scattered mark after "
+             "the step: the ranks make it whole at different points of the next backward "
+             "(a collective mismatch)"),
+    Mutation(
+        "shard-no-restore-after-pending-gather", "i40 sharded state",
+        "hybridcomm/sync/bucket_group.py",
+        old="        if s.bucket.released:  # (shard=\"gradients\": freed since the last step)\n"
+            "            s.bucket.restore()\n",
+        new="",
+        guards=("tests/test_shard.py::test_a_parameter_some_ranks_have_no_gradient_for_steps_as_"
+                "in_one_process[2]",),
+        what="shard='gradients', forward mode: a pending bucket opened before its first "
+             "read (a layer this rank did not use) is not restored after its gather frees "
+             "it (the restore came first, when nothing was freed yet)"),
+    Mutation(
         "pending-registration-kept", "i38 host cost", "hybridcomm/sync/pending.py",
         old="        if fn is apply:\n",
         new="        if fn is apply and ref() is not None and _bases.get(ref().__class__):\n",

@@ -215,7 +215,8 @@ class Runner:
 def first_failure(text: str) -> str:
     for line in text.splitlines():
         for kind in ("FAILED ", "ERROR "):
-            if line.startswith(kind):
+            # (a -v status written after a crash's output also starts "FAILED [100%]")
+            if line.startswith(kind + "tests/"):
                 return line[len(kind):].split(" - ", 1)[0].strip()
     return "pytest failed (no summary: see the log)"
 

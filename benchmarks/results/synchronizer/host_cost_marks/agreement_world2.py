@@ -8,6 +8,10 @@ figures: added ms over plain, the larger rank's). ``how``:
 - ``skip``: none posted: timing only, wrong where a rank lacks a gradient.
 
     python benchmarks/results/synchronizer/host_cost_marks/agreement_world2.py post
+
+Since the usage flags ride in the reduce-scatter (benchmarks/results/shard/
+flags_in_reduce_scatter/), the host path posts no HostMax under shard: ``post``
+is the shipped code, and ``chan`` and ``skip`` change nothing there.
 """
 import os
 import sys
