@@ -227,8 +227,8 @@ MUTATIONS = [
         what="the issuing thread off unless HYBRIDCOMM_ISSUE_THREAD=1"),
     Mutation(
         "unused-read-from-flags", "new 4", "hybridcomm/sync/synchronizer.py",
-        old="    used = UsedAgreement((cfg.find_unused_parameters and rt is not None) or bool(cfg.shard),\n",
-        new="    used = UsedAgreement(bool(cfg.shard),\n",
+        old="    used = UsedAgreement(rt is not None and (cfg.find_unused_parameters or bool(cfg.shard)),\n",
+        new="    used = UsedAgreement(rt is not None and bool(cfg.shard),\n",
         guards=(GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host[forward]",
                 GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host"
                 "[backward]"),
@@ -278,8 +278,8 @@ MUTATIONS = [
         what="halving-doubling halves split at any element"),
     Mutation(
         "segments-unaligned", "new 7", "hybridcomm/plan/planner.py",
-        old="        step = total if not split_bytes else max(align, split_bytes // esize // align * align)\n",
-        new="        step = total if not split_bytes else max(1, split_bytes // esize)\n",
+        old="        step = 0 if not split_bytes else max(align, split_bytes // esize // align * align)\n",
+        new="        step = 0 if not split_bytes else max(1, split_bytes // esize)\n",
         guards=("tests/test_planner.py::test_segments_start_at_aligned_offsets",),
         what="a bucket's segments start at any element (split_bytes not rounded to 16 bytes)"),
     Mutation(
