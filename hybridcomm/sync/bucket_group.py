@@ -582,5 +582,5 @@ def all_gather(group: BucketGroup, s: BucketState, what: str) -> list:
         b.buffer[a:z], links.transport, b.spec.algorithm, scale=None,
         timeout=group.config.timeout, label=what, range_id=None, ready=ready,
         stream_ordered=channel.stream_ordered, phase=ALL_GATHER,
-        tail=b.spec.tail if s == last else 0), what)
-        for s, (a, z) in enumerate(b.spec.segments)]
+        tail=b.spec.tail if i == last else 0), what)
+        for i, (a, z) in enumerate(b.spec.segments)]
