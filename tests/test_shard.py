@@ -365,7 +365,7 @@ BRANCH_CASES = [("optimizer", "backward", "hybrid"), ("gradients", "forward", "h
                 ("optimizer", "none", "halving_doubling")]
 
 
-def _branchy_ranks(rank, world, simulate=False):
+def _branchy_ranks(rank, world, simulate=False, agree=False):
     from hybridcomm.comm import control
 
     if simulate:
@@ -382,7 +382,7 @@ def _branchy_ranks(rank, world, simulate=False):
         opt = hybridcomm.DistributedOptimizer(
             torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1), model=model,
             overlap=overlap, shard=shard, strategy=strategy, fusion_bytes=96, split_bytes=64,
-            cost_model="default", measure_iters=2, timeout=30)
+            cost_model="default", measure_iters=2, timeout=30, find_unused_parameters=agree)
         for s, per_rank in enumerate(_branch_batches(world)):
             opt.zero_grad()
             x, y = per_rank[rank]
@@ -393,15 +393,18 @@ def _branchy_ranks(rank, world, simulate=False):
     return out, len(made)
 
 
-@pytest.mark.parametrize("world,simulate", [(2, False), (3, False), (4, False), (2, True)],
-                         ids=["2", "3", "4", "2-simgpu"])
-def test_a_parameter_some_ranks_have_no_gradient_for_steps_as_in_one_process(world, simulate):
+@pytest.mark.parametrize("world,simulate,agree",
+                         [(2, False, False), (3, False, False), (4, False, False),
+                          (2, True, False), (2, True, True)],
+                         ids=["2", "3", "4", "2-simgpu", "2-simgpu-agreed"])
+def test_a_parameter_some_ranks_have_no_gradient_for_steps_as_in_one_process(world, simulate,
+                                                                             agree):
     """Layer ``b`` is used by one rank a step (none in step 3), ``never`` by no
     rank: AdamW's weight decay moves a parameter only in the steps some rank had a
-    gradient for it, as one process on the whole batch. On the host path each rank
-    learns which from its own copy of the usage flags in the reduce-scatter, with
-    no agreement of its own (``HostMax``); on a device it agrees on the host
-    instead (reading the flags back would be a host sync)."""
+    gradient for it, as one process on the whole batch. Each rank learns which
+    from its own copy of the usage flags in the reduce-scatter, with no agreement
+    of its own (``HostMax``), on the host path and on the (simulated) GPU; there
+    ``find_unused_parameters=True`` agrees on the host instead (no host sync)."""
     model = _branchy()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     for s, per_rank in enumerate(_branch_batches(world)):
@@ -411,10 +414,10 @@ def test_a_parameter_some_ranks_have_no_gradient_for_steps_as_in_one_process(wor
         loss.backward()
         opt.step()
     ref = _branch_flat(model)
-    results = run_ranks(world, _branchy_ranks, simulate, timeout=300)
+    results = run_ranks(world, _branchy_ranks, simulate, agree, timeout=300)
     for case, params in results[0][0].items():
         assert torch.allclose(params, ref, rtol=TOL, atol=TOL), \
             (case, (params - ref).abs().max().item())
         for r, (out, _) in enumerate(results):
             assert torch.equal(out[case], params), (case, r)
-    assert all((made > 0) == simulate for _, made in results), [m for _, m in results]
+    assert all((made > 0) == agree for _, made in results), [m for _, m in results]

@@ -430,9 +430,9 @@ def _links(sync: GradientSynchronizer, cfg: SyncConfig, servers) -> Links:
     rt = sync.rt
     # Device path: which parameters some rank has a gradient for is agreed on the
     # host (gloo, posted at issue), not read back from the reduced flags (a host
-    # sync). Costs a small host collective per bucket and step, hence opt-in, and
-    # under shard (where the host path reads its own copy of the flags: planner)
-    used = UsedAgreement(rt is not None and (cfg.find_unused_parameters or bool(cfg.shard)),
+    # sync). Costs a small host collective per bucket and step, hence opt-in.
+    # (under shard each rank reads its own copy of the flags: plan/layout.py)
+    used = UsedAgreement(cfg.find_unused_parameters and rt is not None,
                          sync.rank, sync.process_group, cfg.timeout)
     return Links(
         channel=sync.channel, transport=sync.transport, used=used, clock=sync.clock,
