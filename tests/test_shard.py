@@ -421,3 +421,33 @@ def test_a_parameter_some_ranks_have_no_gradient_for_steps_as_in_one_process(wor
         for r, (out, _) in enumerate(results):
             assert torch.equal(out[case], params), (case, r)
     assert all((made > 0) == agree for _, made in results), [m for _, m in results]
+
+
+def _plan_after_loading(rank, world):
+    """An optimizer with and one without ``shard`` each load the other's
+    ``state_dict()`` (same parameters, same world): the buckets' flag layout is the
+    loader's own, not the checkpoint's (a sharded bucket keeps a copy a rank)."""
+    def make(shard):
+        return hybridcomm.DistributedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=0.01), model=model, shard=shard,
+            overlap="backward", fusion_bytes=256, cost_model="default", timeout=30)
+
+    out = {}
+    for saved, loading in (("optimizer", None), (None, "optimizer")):
+        model = _model()
+        opt = make(saved)
+        x, y = _batches(world, rank)[0]
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        state = opt.state_dict()
+        opt.close()
+        opt = make(loading)
+        opt.load_state_dict(state)
+        out[loading] = sorted({b.flag_copies for b in opt.plan.buckets})
+        opt.close()
+    return out
+
+
+def test_a_checkpoints_plan_is_not_adopted_across_shard():
+    for got in run_ranks(2, _plan_after_loading, timeout=120):
+        assert got == {"optimizer": [2], None: [1]}, got

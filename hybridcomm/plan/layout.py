@@ -9,8 +9,8 @@ reduce-scatter gives every rank the flags summed over the ranks.
 
 Example::
 
-    >>> layout([3, 40, 1], 4), flag_stride(3, 1), flag_stride(3, 4)
-    (([0, 4, 44], 45), 3, 8)
+    >>> layout([3, 40, 1], 4), flag_stride(3, 1), flag_stride(3, 4), buffer_numel(45, 3, 4)
+    (([0, 4, 44], 45), 3, 8, 77)
     >>> segments(45 + 4 * 8, 45, 16), segments(48, 45, 0)
     ([(0, 16), (16, 32), (32, 77)], [(0, 48)])
 """
@@ -43,6 +43,11 @@ def flag_stride(n_params: int, copies: int) -> int:
     """Elements a copy of the usage flags takes: one per parameter, aligned where
     each rank has a copy (a tail block)."""
     return n_params if copies == 1 else -(-n_params // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+
+
+def buffer_numel(grad_numel: int, n_params: int, copies: int) -> int:
+    """The buffer's length: the gradient region, then ``copies`` of the flags."""
+    return grad_numel + copies * flag_stride(n_params, copies)
 
 
 def segments(total: int, body: int, step: int) -> List[Tuple[int, int]]:

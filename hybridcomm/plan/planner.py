@@ -69,7 +69,7 @@ from ..algorithms import ALGORITHMS, Topology
 from ..algorithms.lowrank import POWERSGD, message_numels
 from ..algorithms.topk import TOPK, segment_numel, sparse_bytes_sent
 from .cost_model import NATIVE, PS, CostModel, bytes_sent
-from .layout import ALIGN_BYTES, flag_stride, layout
+from .layout import ALIGN_BYTES, buffer_numel, flag_stride, layout
 from .layout import segments as cut_segments
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
@@ -128,8 +128,8 @@ class Bucket:
     @property
     def buffer_numel(self) -> int:
         """Gradients (with padding), then the usage flags (one per parameter a copy)."""
-        grads = self.numel if self.grad_numel is None else self.grad_numel
-        return grads + self.flag_copies * self.flag_stride
+        return buffer_numel(self.numel if self.grad_numel is None else self.grad_numel,
+                            len(self.params), self.flag_copies)
 
 
 # The footer of every printed plan (docs/API.md explains the same columns).
@@ -519,9 +519,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         sizes = [n for layer in group for n in (layer.sizes or [])]
         offsets, grad_numel = layout(sizes, esize) if len(sizes) == len(params) else (None, None)
         copies = world_size if shard and world_size > 1 else 1
-        stride = flag_stride(len(params), copies)
         grads_end = numel if grad_numel is None else grad_numel
-        total = grads_end + copies * stride  # the gradients, then the flags
+        total = buffer_numel(grads_end, len(params), copies)  # the gradients, then the flags
         # segments start aligned (their chunks then do too); the flags' copies all in
         # the last one's tail
         align = max(1, ALIGN_BYTES // esize)

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, List, Optional
 import torch
 
 from ..base.dtensor import grad_view, local_numel, local_shape
-from ..plan.layout import layout
+from ..plan.layout import buffer_numel, layout
 from ..plan.planner import Bucket
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
@@ -93,7 +93,7 @@ class GradBucket:
 
     def _numel(self) -> int:
         """The gradients, then the flags (``spec.flag_copies`` of them)."""
-        return self._grad_numel + self.spec.flag_copies * self.spec.flag_stride
+        return buffer_numel(self._grad_numel, len(self.params), self.spec.flag_copies)
 
     def _allocate(self) -> None:
         """The buffer, zeroed, and its views."""

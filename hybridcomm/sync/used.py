@@ -7,10 +7,9 @@ bucket (a complete one needs neither):
 
 - the usage flags reduced with the bucket (``GradBucket.used()``): on a device
   that reads them back, a host sync per such bucket and step (warned once);
-- with ``find_unused_parameters=True`` on a device: a small
-  max-reduction over the host's control group
-  (:class:`~hybridcomm.comm.control.HostMax`), posted as the engine issues the
-  bucket, read when its result is consumed.
+- with ``find_unused_parameters=True`` on a device: a small max-reduction over
+  the host's control group (:class:`~hybridcomm.comm.control.HostMax`), posted
+  as the engine issues the bucket, read when its result is consumed.
 
 Under ``shard`` the flags are reduce-scattered with the gradients, each rank's
 own copy in its block of the buffer's tail (``plan/layout.py``), so each rank
