@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from operator import is_
+from operator import attrgetter, is_
 from typing import Optional
 
 import torch
@@ -50,6 +50,7 @@ from .sync.synchronizer import GradientSynchronizer
 # closure) or updates every parameter it holds (ZeroRedundancyOptimizer: its
 # shard, then it broadcasts): stepped whole, never per bucket.
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS", "ZeroRedundancyOptimizer")
+_GRAD = attrgetter("grad")
 
 
 def evaluates_closure_once(base: type) -> bool:
@@ -288,7 +289,7 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             hyper = [dict(h, momentum=0.0) for h in hyper]
         # What would change nothing is skipped (the usual deferred update: every
         # parameter, its .grad the reduced view, the hyper-parameters of now)
-        current = [p.grad for p in params]
+        current = list(map(_GRAD, params))
         saved_grads = None if all(map(is_, current, grads)) else current
         if saved_grads is not None:
             for p, g in zip(params, grads):

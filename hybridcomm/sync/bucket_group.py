@@ -90,7 +90,7 @@ class BucketState:
     __slots__ = ("index", "bucket", "_phase", "content", "touched", "pass_id", "launched_pass",
                  "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
                  "detached", "marked", "agreed", "gathered", "scattered", "guards", "armed",
-                 "closer", "closer_steps", "closed_in")
+                 "closer", "closer_steps", "closed_in", "kept")
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -115,6 +115,7 @@ class BucketState:
         # grad_hooks.py: the position whose gradient completed it, in how many passes
         # in a row, and the last such pass
         self.closer, self.closer_steps, self.closed_in = -1, 0, -1
+        self.kept = None  # kept_apart's list, found by the closer's hook for absorb to take
 
     @property
     def phase(self) -> Phase:
@@ -315,11 +316,14 @@ class BucketGroup:
         nothing of this round: it is zeroed (it is summed with the other ranks')
         and bound, so that what other ranks send lands in ``.grad``."""
         b = s.bucket
-        grads = kept_apart(b)
+        grads, s.kept = s.kept or kept_apart(b), None
         if grads is not None:  # (the usual step)
-            if any(map(_IS_SPARSE, grads)):
-                self._refuse_sparse(next(i for i, g in enumerate(grads) if g.is_sparse), b)
-            copy_into(b.views, grads)
+            try:
+                copy_into(b.views, grads)
+            except RuntimeError:  # (a sparse gradient is found here, not looked for each step)
+                if any(map(_IS_SPARSE, grads)):
+                    self._refuse_sparse(next(i for i, g in enumerate(grads) if g.is_sparse), b)
+                raise
             s.content.update(range(len(grads)))
             for p, view in zip(b.params, b.views):
                 p.grad = view

@@ -263,9 +263,14 @@ class GradientHooks:
                 if not sync.open(s):
                     return  # launched, not issued: waits in p.grad until it opens again
         if self.lean:  # (the closer: the bucket's other gradients came before it)
-            if s.pass_id != passes.id and kept_apart(s.bucket) is not None:
+            if s.pass_id != passes.id:
+                s.kept = kept_apart(s.bucket)  # (absorb takes the list: one read a step)
+            if s.kept is not None:
                 s.pass_id = passes.id
-                self._completed(s, pos, passes)
+                try:
+                    self._completed(s, pos, passes)
+                finally:
+                    s.kept = None
                 return
             self.set_lean(False)  # (every hook back on; this pass's end launches it)
             s.closer_steps = 0
