@@ -348,6 +348,8 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         if type(self).__bases__[1].zero_grad is not torch.optim.Optimizer.zero_grad:
             super().zero_grad(set_to_none=set_to_none)  # the user's own: it may read anything
             return
+        if set_to_none and self._hc_sync.zero_grads():
+            return  # (forward mode: a pending update's gradients go None once it took them)
         # torch.optim's zero_grad touches p.grad only: a pending parameter's class
         # need not see those calls (two per parameter and step, in forward mode)
         with torch._C.DisableTorchFunctionSubclass():

@@ -261,3 +261,52 @@ def test_a_closed_optimizer_is_freed_even_after_a_layer_left_its_buckets():
     a frozen layer's: a registration left behind would keep the synchronizer and
     its buckets' memory alive as long as that parameter lives."""
     assert run_ranks(2, _closed_after_a_freeze) == [True, True]
+
+
+def _gradients_between_zero_grad_and_forward(opt, model, rank, world):
+    """``.grad`` as one process has it while forward mode's updates wait: None after
+    ``zero_grad()`` (the update still takes the reduced gradient), a gradient set by
+    hand kept, and a backward over a graph built before ``step()`` (the update goes
+    first, autograd then starts a gradient of its own)."""
+    seen, before_step = [], None
+    for s in range(STEPS):
+        x, y = batch(s)
+        if rank is not None:
+            x, y = shard(x, rank, world), shard(y, rank, world)
+        opt.zero_grad()
+        seen.append((sum(map(is_pending, model.parameters())),
+                     all(p.grad is None for p in model.parameters())))
+        if s % 3 == 1:
+            model.body.bias.grad = torch.full_like(model.body.bias, 0.01)
+        if s % 3 == 2:
+            before_step.backward()
+        _loss(model, model(x), y).backward()
+        before_step = (model.head.bias * 0.5).sum()  # saves no parameter
+        opt.step()
+    return flat(model.parameters()), seen
+
+
+def _zeroed_while_pending(rank, world, simulate):
+    os.environ["HYBRIDCOMM_DEFER"] = "always"
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    model = _make("parent")
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
+                                                          momentum=0.9),
+                                          model=model, overlap="forward", measure_iters=0,
+                                          timeout=60)
+    out = _gradients_between_zero_grad_and_forward(opt, model, rank, world)
+    opt.synchronize()
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("simulate", [False, True])
+def test_gradients_zeroed_while_an_update_waits_read_as_in_one_process(simulate):
+    model = _make("parent")
+    ref, ref_seen = _gradients_between_zero_grad_and_forward(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, None, 1)
+    for params, seen in run_ranks(2, _zeroed_while_pending, simulate, timeout=120):
+        assert torch.allclose(params, ref, **TOL), f"max diff {(params - ref).abs().max():.3g}"
+        assert [none for _, none in seen] == [none for _, none in ref_seen]
+        assert all(n == len(list(model.parameters())) for n, _ in seen[1:])  # all pending

@@ -90,7 +90,7 @@ class BucketState:
     __slots__ = ("index", "bucket", "_phase", "content", "touched", "pass_id", "launched_pass",
                  "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
                  "detached", "marked", "agreed", "gathered", "scattered", "guards", "armed",
-                 "closer", "closer_steps", "closed_in", "kept")
+                 "closer", "closer_steps", "closed_in", "kept", "zeroed")
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -104,6 +104,7 @@ class BucketState:
         self.complete = False  # launched with a gradient at every position
         self.hyper = None  # PENDING: the hyper-parameters of the deferring step()
         self.taken: set = set()  # PENDING: positions whose .grad the step took (not zeroed)
+        self.zeroed = False  # PENDING: zero_grad() since: .grad reads None (deferred.py)
         self.reopened = False  # a gradient came after its launch: it must be launched again
         self.detached: set = set()  # positions whose late additions wait in autograd's tensor
         self.marked: List[int] = []  # the positions this rank launched with a gradient

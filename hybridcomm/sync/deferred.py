@@ -48,6 +48,7 @@ class DeferredUpdates:
         self.measure, self.state, self.clock, self.timeline = measure, state, clock, timeline
         self._rt, self._momentum = rt, momentum
         self.on_read = self.read  # one object, so pending.py registers it once per parameter
+        pending.show_grads(self.on_read, self.shown_grad)
 
     def _watched(self):
         return self._rt.watched() if self._rt is not None else _NO_CONTEXT
@@ -62,7 +63,7 @@ class DeferredUpdates:
             taken = set(range(len(bound))) if all(bound) else \
                 {pos for pos, kept in enumerate(bound) if kept}
             if s.launched or (s.phase is Phase.IDLE and taken & s.content):
-                s.hyper, s.taken = hyper, taken
+                s.hyper, s.taken, s.zeroed = hyper, taken, False
                 group.to(s, Phase.PENDING)
                 pending.defer([b.params[pos] for pos in taken], self.on_read)
 
@@ -74,6 +75,59 @@ class DeferredUpdates:
             return
         with self._watched():
             self.apply(where[0])
+
+    def shown_grad(self, p, grad):
+        """``p.grad`` of a pending ``p`` (pending.py): None where ``zero_grad()`` zeroed
+        it since the step took it (the field keeps the view until the update)."""
+        where = self._group_of().where.get(id(p))
+        if where is not None:
+            s, pos = where
+            if s.zeroed and s.phase is Phase.PENDING and grad is s.bucket.views[pos]:
+                return None
+        return grad
+
+    def zero_grads(self, param_groups) -> bool:
+        """``zero_grad()`` (``set_to_none=True``) of the optimizer's ``param_groups``
+        while updates are pending:
+        a pending bucket's gradients read as None from now on (``shown_grad``) and
+        become None once its update has taken them, so the step sets each field
+        once, after the update, instead of zeroing it now and swapping the view in
+        and out around the update (~0.3 us a parameter). Every other parameter's
+        ``.grad`` is None now. False, and nothing done, where nothing is pending."""
+        states = [s for s in self._group_of().states
+                  if s.phase is Phase.PENDING and s.gathered is None]
+        if not states:
+            return False
+        for s in states:
+            s.zeroed = True
+        where = self._group_of().where
+        with pending.DISABLED():
+            for p in (p for g in param_groups for p in g["params"]):
+                if pending.is_pending(p):
+                    w = where.get(id(p))
+                    if w is not None and w[0].zeroed:
+                        continue
+                if p.grad is not None:
+                    p.grad = None
+        return True
+
+    def _zero_taken(self, s: BucketState) -> None:
+        """The bucket's update took its gradients; those ``zero_grad()`` zeroed meanwhile
+        are None now (``zero_grads``)."""
+        if not s.zeroed:
+            return
+        s.zeroed = False
+        b = s.bucket
+        for pos, (p, view) in enumerate(zip(b.params, b.views)):
+            if p.grad is view:
+                p.grad = None
+                s.content.discard(pos)
+
+    def release_dropped(self, s: BucketState) -> None:
+        """The bucket's update is dropped (a checkpoint supersedes it): plain again,
+        what ``zero_grad()`` zeroed None."""
+        self.release(s)
+        self._zero_taken(s)
 
     @staticmethod
     def release(s: BucketState) -> None:
@@ -141,6 +195,8 @@ class DeferredUpdates:
             for free, (params, grads, hyper) in groups.items():
                 if params:
                     self.update(params, grads, hyper, free)
+        for o in together:
+            self._zero_taken(o)
         self.timeline.add(f"update bucket {s.index}" + (f" (+{len(together) - 1})"
                                                        if len(together) > 1 else ""),
                           "compute", t0, time.perf_counter())

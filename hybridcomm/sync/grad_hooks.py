@@ -68,6 +68,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .bucket_group import Phase, kept_apart, wants_guard
 from .passes import LAUNCH
+from .pending import grad_field
 
 _ACCUMULATING, _IDLE = Phase.ACCUMULATING, Phase.IDLE
 log = logging.getLogger("hybridcomm")
@@ -220,7 +221,9 @@ class GradientHooks:
         before_grad = self.before_grad
 
         def hook(grad):
-            if p.grad is not None:  # None (the usual case): autograd keeps it apart
+            # None (the usual case): autograd keeps it apart. (The field itself: a
+            # pending parameter may show None for a view autograd would add into.)
+            if grad_field(p) is not None:
                 before_grad(p)
         return hook
 
@@ -233,7 +236,7 @@ class GradientHooks:
             return
         s, pos = where
         b = s.bucket
-        if p.grad is not b.views[pos]:
+        if grad_field(p) is not b.views[pos]:
             return  # a tensor of autograd's (or the user's): taken in at the launch
         rt = sync.rt
         if s.phase is _ACCUMULATING and rt is None:
@@ -245,6 +248,8 @@ class GradientHooks:
                 p.grad = None
                 s.detached.add(pos)
                 return
+            if p.grad is not b.views[pos]:
+                return  # the deferred update it applied took it (zeroed since): None now
             if rt is not None:
                 rt.expect_write(b.views[pos])  # autograd's in-place add, on this stream
 

@@ -73,26 +73,32 @@ _QUIET_METHODS = frozenset({
 })
 
 
-_quiet_seen: Dict[object, bool] = {}  # func -> _quiet(func): zero_grad asks per parameter
+LOUD, QUIET, GRAD_READ = 0, 1, 2  # what a call on a pending parameter is (_kind)
+_kinds: Dict[object, int] = {}  # func -> _kind(func): zero_grad asks per parameter
+# owner's read callable -> shown(p, grad): what a read of p.grad returns (show_grads)
+_shown: Dict[Callable, Callable] = {}
 
 
-def _quiet(func) -> bool:
-    quiet = _quiet_seen.get(func)
-    if quiet is None:
-        quiet = _quiet_seen[func] = _classify(func)
-    return quiet
+def _kind(func) -> int:
+    kind = _kinds.get(func)
+    if kind is None:
+        kind = _kinds[func] = _classify(func)
+    return kind
 
 
-def _classify(func) -> bool:
+def _classify(func) -> int:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
         attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+        if name == "__get__" and attribute in ("grad", "_grad"):
+            return GRAD_READ
         # p.data = x replaces the memory the update writes into: apply it first
-        return attribute in _QUIET_ATTRIBUTES and not (name == "__set__" and attribute == "data")
-    return name in _QUIET_METHODS
+        return QUIET if attribute in _QUIET_ATTRIBUTES and not (
+            name == "__set__" and attribute == "data") else LOUD
+    return QUIET if name in _QUIET_METHODS else LOUD
 
 
-_DISABLED = torch._C.DisableTorchFunctionSubclass
+_DISABLED = DISABLED = torch._C.DisableTorchFunctionSubclass  # calls see no pending class
 
 
 class _Pending:
@@ -102,9 +108,11 @@ class _Pending:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if _quiet(func):
+        kind = _kind(func)
+        if kind:
             with _DISABLED():
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+            return _shown_grad(args[0], out) if kind == GRAD_READ and out is not None else out
         for t in collect(kwargs, collect(args, [])):
             if isinstance(t, _Pending):
                 resolve(t)
@@ -126,6 +134,31 @@ def _pending_class(base: type) -> type:
         _classes[base] = _classes[cls] = cls
         _bases[cls] = base
     return cls
+
+
+def _shown_grad(p, grad):
+    """What ``p.grad`` reads as while ``p`` is pending: its owner may show None for a
+    gradient zeroed since the step (``show_grads``)."""
+    entry = _waiting.get(id(p))
+    shown = _shown.get(entry[1]) if entry is not None and entry[0]() is p else None
+    return grad if shown is None else shown(p, grad)
+
+
+def show_grads(apply: Callable[[torch.Tensor], None],
+               shown: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+    """A read of ``p.grad`` (or ``p._grad``), ``p`` pending with ``apply``, returns
+    ``shown(p, grad)`` instead of ``grad`` (the tensor the field holds, never None):
+    forward mode shows None for a gradient that ``zero_grad()`` zeroed while its
+    update was pending, and sets the field to None once the update took it."""
+    _shown[apply] = shown
+
+
+def grad_field(p: torch.Tensor):
+    """``p.grad`` as the tensor holds it, whatever a pending parameter shows."""
+    if isinstance(p, _Pending):
+        with _DISABLED():
+            return p.grad
+    return p.grad
 
 
 def is_pending(t) -> bool:
@@ -175,6 +208,7 @@ def forget(apply: Callable[[torch.Tensor], None]) -> None:
     """``apply`` applies no update any more (its owner closed): every parameter it
     was registered for is released and unregistered, also one that left its
     buckets since (the registration would keep the owner's memory alive)."""
+    _shown.pop(apply, None)
     for pid, (ref, fn) in list(_waiting.items()):
         if fn is apply:
             p = ref()

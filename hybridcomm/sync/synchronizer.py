@@ -308,6 +308,11 @@ class GradientSynchronizer:
             return loss
         return reduced
 
+    def zero_grads(self) -> bool:
+        """``zero_grad()`` (``set_to_none=True``, torch's own) where forward mode's
+        updates are pending (deferred.py); False, nothing done, where none is."""
+        return self.deferred.zero_grads(self._param_groups)
+
     def prepare_zero(self) -> None:
         """Before gradients are zeroed in place (``zero_grad(set_to_none=False)``): a
         deferred update is applied and a reduction in flight waited for (bucket_group.py)."""
@@ -318,7 +323,7 @@ class GradientSynchronizer:
     def drop(self) -> None:
         """A loaded checkpoint supersedes whatever is in flight or deferred."""
         self._flush()
-        self.group.drop(self.deferred.release)
+        self.group.drop(self.deferred.release_dropped)
 
     def _reduce_sparse(self) -> None:
         """Sparse gradients, after this step's dense buckets (comm/sparse.py)."""

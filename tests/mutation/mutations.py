@@ -769,4 +769,28 @@ MUTATIONS = [
                 "layer_left_its_buckets",),
         what="close() unregisters only the parameters still pending: the others' "
              "registrations keep the closed synchronizer and its buckets alive"),
+    Mutation(
+        "zeroed-grad-shown", "i38 host cost", "hybridcomm/sync/deferred.py",
+        old="            if s.zeroed and s.phase is Phase.PENDING and grad is s.bucket.views[pos]:\n",
+        new="            if False:\n",
+        guards=("tests/test_forward_mode.py::test_gradients_zeroed_while_an_update_waits_read_"
+                "as_in_one_process[False]",),
+        what="zero_grad() while forward mode's update waits leaves p.grad reading the "
+             "reduced gradient until the next forward"),
+    Mutation(
+        "zeroed-grad-kept-after-update", "i38 host cost", "hybridcomm/sync/deferred.py",
+        old="            if p.grad is view:\n                p.grad = None\n",
+        new="            if p.grad is view:\n                pass\n",
+        guards=("tests/test_forward_mode.py::test_gradients_zeroed_while_an_update_waits_read_"
+                "as_in_one_process[False]",),
+        what="a gradient zeroed while its update waited is still the view after the "
+             "update: the next backward adds into last step's reduced gradient"),
+    Mutation(
+        "pre-hook-reads-shown-grad", "i38 host cost", "hybridcomm/sync/grad_hooks.py",
+        old="            if grad_field(p) is not None:\n",
+        new="            if p.grad is not None:\n",
+        guards=("tests/test_forward_mode.py::test_gradients_zeroed_while_an_update_waits_read_"
+                "as_in_one_process[False]",),
+        what="the pre-hook reads the None a zeroed pending parameter shows: a backward over "
+             "a graph from before step() adds into the view its update has not taken yet"),
 ]
