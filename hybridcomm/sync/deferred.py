@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from itertools import compress
 from operator import attrgetter, is_
 from typing import Callable, Dict, Optional
 
@@ -118,10 +119,11 @@ class DeferredUpdates:
             return
         s.zeroed = False
         b = s.bucket
-        for pos, (p, view) in enumerate(zip(b.params, b.views)):
-            if p.grad is view:
+        bound = list(map(is_, map(_GRAD, b.params), b.views))
+        for p, view_is_grad in zip(b.params, bound):
+            if view_is_grad:
                 p.grad = None
-                s.content.discard(pos)
+        s.content.difference_update(compress(range(len(bound)), bound))
 
     def release_dropped(self, s: BucketState) -> None:
         """The bucket's update is dropped (a checkpoint supersedes it): plain again,
