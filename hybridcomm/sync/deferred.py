@@ -61,12 +61,15 @@ class DeferredUpdates:
         for s in group.states:
             b = s.bucket
             bound = list(map(is_, map(_GRAD, b.params), b.views))  # not zeroed since
-            taken = set(range(len(bound))) if all(bound) else \
+            whole = all(bound)
+            taken = set(range(len(bound))) if whole else \
                 {pos for pos, kept in enumerate(bound) if kept}
             if s.launched or (s.phase is Phase.IDLE and taken & s.content):
                 s.hyper, s.taken, s.zeroed = hyper, taken, False
                 group.to(s, Phase.PENDING)
-                pending.defer([b.params[pos] for pos in taken], self.on_read)
+                # (the bucket's own list where it is whole: pending.py knows it from the last step)
+                pending.defer(b.params if whole else [b.params[pos] for pos in taken],
+                              self.on_read)
 
     def read(self, p) -> None:
         """Something reads ``p`` while its update is pending (pending.py): apply it."""

@@ -42,7 +42,7 @@ import functools
 import logging
 import sys
 import weakref
-from typing import Callable, Dict, Iterable, Tuple
+from typing import Callable, Dict, Iterable, Sequence, Tuple
 
 import torch
 
@@ -54,6 +54,9 @@ log = logging.getLogger("hybridcomm")
 # id(param) -> (weak reference to it, the callable that applies its update); kept from
 # one step to the next (a step's defer and release only change the class)
 _waiting: Dict[int, Tuple[weakref.ref, Callable[[torch.Tensor], None]]] = {}
+# id(list) -> (the list, apply): every parameter of the list is registered with apply
+# (defer's fast path; cleared whenever a registration changes)
+_registered: Dict[int, Tuple[list, Callable]] = {}
 _classes: Dict[type, type] = {}  # a parameter's class (or its pending class) -> its pending class
 _bases: Dict[type, type] = {}  # a pending class -> the parameter's class
 
@@ -166,16 +169,23 @@ def is_pending(t) -> bool:
     return isinstance(t, _Pending)
 
 
-def defer(params: Iterable[torch.Tensor], apply: Callable[[torch.Tensor], None]) -> None:
+def defer(params: Sequence[torch.Tensor], apply: Callable[[torch.Tensor], None]) -> None:
     """The updates of ``params`` are pending: the first read of one of them, ``p``,
     calls ``apply(p)``, which must apply it and ``release`` every parameter it
-    updates. (Per parameter and step: a look-up and a class change; ``apply`` is
-    registered again only when it is another object: pass the same one each step.)"""
+    updates. (Per parameter and step: a class change, and a look-up unless this
+    very list was registered with ``apply`` and no registration changed since;
+    ``apply`` is registered again only when it is another object: pass the same
+    one, and the same list, each step.)"""
     waiting, classes = _waiting, _classes
+    known = _registered.get(id(params))
+    if known is None or known[0] is not params or known[1] is not apply:
+        for p in params:
+            entry = waiting.get(id(p))
+            if entry is None or entry[1] is not apply or entry[0]() is not p:
+                waiting[id(p)] = (weakref.ref(p, functools.partial(_forget_dead, id(p))), apply)
+                _registered.clear()  # (another list's registration may be this one's)
+        _registered[id(params)] = (params, apply)
     for p in params:
-        entry = waiting.get(id(p))
-        if entry is None or entry[1] is not apply or entry[0]() is not p:
-            waiting[id(p)] = (weakref.ref(p, functools.partial(_forget_dead, id(p))), apply)
         cls = p.__class__
         p.__class__ = classes.get(cls) or _pending_class(cls)
     _arm_compiled_forward_hook()
@@ -186,6 +196,7 @@ def _forget_dead(pid: int, ref: weakref.ref) -> None:
     entry = _waiting.get(pid)
     if entry is not None and entry[0] is ref:
         del _waiting[pid]
+        _registered.clear()
 
 
 def release(p: torch.Tensor) -> None:
@@ -209,6 +220,7 @@ def forget(apply: Callable[[torch.Tensor], None]) -> None:
     was registered for is released and unregistered, also one that left its
     buckets since (the registration would keep the owner's memory alive)."""
     _shown.pop(apply, None)
+    _registered.clear()
     for pid, (ref, fn) in list(_waiting.items()):
         if fn is apply:
             p = ref()
