@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from operator import attrgetter, is_
+from operator import is_
 from typing import Optional
 
 import torch
@@ -50,7 +50,6 @@ from .sync.synchronizer import GradientSynchronizer
 # closure) or updates every parameter it holds (ZeroRedundancyOptimizer: its
 # shard, then it broadcasts): stepped whole, never per bucket.
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS", "ZeroRedundancyOptimizer")
-_GRAD = attrgetter("grad")
 
 
 def evaluates_closure_once(base: type) -> bool:
@@ -289,7 +288,7 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             hyper = [dict(h, momentum=0.0) for h in hyper]
         # What would change nothing is skipped (the usual deferred update: every
         # parameter, its .grad the reduced view, the hyper-parameters of now)
-        current = list(map(_GRAD, params))
+        current = [p.grad for p in params]
         saved_grads = None if all(map(is_, current, grads)) else current
         if saved_grads is not None:
             for p, g in zip(params, grads):
@@ -348,7 +347,7 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         if type(self).__bases__[1].zero_grad is not torch.optim.Optimizer.zero_grad:
             super().zero_grad(set_to_none=set_to_none)  # the user's own: it may read anything
             return
-        if set_to_none and self._hc_sync.zero_grads():
+        if set_to_none and self._hc_sync.deferred.zero_grads(self.param_groups):
             return  # (forward mode: a pending update's gradients go None once it took them)
         # torch.optim's zero_grad touches p.grad only: a pending parameter's class
         # need not see those calls (two per parameter and step, in forward mode)

@@ -308,11 +308,6 @@ class GradientSynchronizer:
             return loss
         return reduced
 
-    def zero_grads(self) -> bool:
-        """``zero_grad()`` (``set_to_none=True``, torch's own) where forward mode's
-        updates are pending (deferred.py); False, nothing done, where none is."""
-        return self.deferred.zero_grads(self._param_groups)
-
     def prepare_zero(self) -> None:
         """Before gradients are zeroed in place (``zero_grad(set_to_none=False)``): a
         deferred update is applied and a reduction in flight waited for (bucket_group.py)."""
