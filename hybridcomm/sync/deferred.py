@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from itertools import compress
 from operator import attrgetter, is_
 from typing import Callable, Dict, Optional
 
@@ -115,24 +114,30 @@ class DeferredUpdates:
                     p.grad = None
         return True
 
-    def _zero_taken(self, s: BucketState) -> None:
+    @staticmethod
+    def _zero_taken(s: BucketState) -> None:
         """The bucket's update took its gradients; those ``zero_grad()`` zeroed meanwhile
-        are None now (``zero_grads``)."""
+        are None now (``zero_grads``). ``settle`` left ``content`` the positions whose
+        ``.grad`` is the view and the update took, so they are not read again here
+        (right after the update's pass over every parameter, a read costs ~0.5 us)."""
         if not s.zeroed:
             return
         s.zeroed = False
-        b = s.bucket
-        bound = list(map(is_, map(_GRAD, b.params), b.views))
-        for p, view_is_grad in zip(b.params, bound):
-            if view_is_grad:
-                p.grad = None
-        s.content.difference_update(compress(range(len(bound)), bound))
+        params = s.bucket.params
+        for pos in s.content:
+            params[pos].grad = None
+        s.content = set()
 
     def release_dropped(self, s: BucketState) -> None:
         """The bucket's update is dropped (a checkpoint supersedes it): plain again,
         what ``zero_grad()`` zeroed None."""
         self.release(s)
-        self._zero_taken(s)
+        if s.zeroed:
+            s.zeroed = False
+            b = s.bucket
+            for p, view in zip(b.params, b.views):
+                if p.grad is view:
+                    p.grad = None
 
     @staticmethod
     def release(s: BucketState) -> None:

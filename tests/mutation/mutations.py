@@ -779,8 +779,8 @@ MUTATIONS = [
              "reduced gradient until the next forward"),
     Mutation(
         "zeroed-grad-kept-after-update", "i38 host cost", "hybridcomm/sync/deferred.py",
-        old="            if view_is_grad:\n                p.grad = None\n",
-        new="            if view_is_grad:\n                pass\n",
+        old="        for pos in s.content:\n            params[pos].grad = None\n",
+        new="        for pos in s.content:\n            pass\n",
         guards=("tests/test_forward_mode.py::test_gradients_zeroed_while_an_update_waits_read_"
                 "as_in_one_process[False]",),
         what="a gradient zeroed while its update waited is still the view after the "
