@@ -265,14 +265,17 @@ def test_a_closed_optimizer_is_freed_even_after_a_layer_left_its_buckets():
 
 def _gradients_between_zero_grad_and_forward(opt, model, rank, world):
     """``.grad`` as one process has it while forward mode's updates wait: None after
-    ``zero_grad()`` (the update still takes the reduced gradient), a gradient set by
-    hand kept, and a backward over a graph built before ``step()`` (the update goes
-    first, autograd then starts a gradient of its own)."""
+    ``zero_grad()`` (the update still takes the reduced gradient; one set by hand
+    before it is dropped too), a gradient set by hand after it kept, and a backward
+    over a graph built before ``step()`` (the update goes first, autograd then
+    starts a gradient of its own)."""
     seen, before_step = [], None
     for s in range(STEPS):
         x, y = batch(s)
         if rank is not None:
             x, y = shard(x, rank, world), shard(y, rank, world)
+        if s % 3 == 2:
+            model.head.weight.grad = torch.ones(model.head.weight.shape)  # (reads no data)
         opt.zero_grad()
         seen.append((sum(map(is_pending, model.parameters())),
                      all(p.grad is None for p in model.parameters())))

@@ -91,27 +91,29 @@ class DeferredUpdates:
 
     def zero_grads(self, param_groups) -> bool:
         """``zero_grad()`` (``set_to_none=True``) of the optimizer's ``param_groups``
-        while updates are pending:
-        a pending bucket's gradients read as None from now on (``shown_grad``) and
-        become None once its update has taken them, so the step sets each field
-        once, after the update, instead of zeroing it now and swapping the view in
-        and out around the update (~0.3 us a parameter). Every other parameter's
-        ``.grad`` is None now. False, and nothing done, where nothing is pending."""
-        states = [s for s in self._group_of().states
-                  if s.phase is Phase.PENDING and s.gathered is None]
+        while updates are pending: a pending bucket's views stay in ``.grad``, read
+        as None from now on (``shown_grad``) and set to None once its update has
+        taken them, so each field is written once, after the update, instead of
+        zeroed now and the view swapped in and out around the update. Every other
+        ``.grad`` (a gradient set by hand since the step too) is None now. False,
+        and nothing done, where nothing is pending."""
+        group = self._group_of()
+        states = [s for s in group.states if s.phase is Phase.PENDING and s.gathered is None]
         if not states:
             return False
         for s in states:
             s.zeroed = True
-        where = self._group_of().where
+        where = group.where
         with pending.DISABLED():
             for p in (p for g in param_groups for p in g["params"]):
+                g = p.grad
+                if g is None:
+                    continue
                 if pending.is_pending(p):
                     w = where.get(id(p))
-                    if w is not None and w[0].zeroed:
-                        continue
-                if p.grad is not None:
-                    p.grad = None
+                    if w is not None and w[0].zeroed and g is w[0].bucket.views[w[1]]:
+                        continue  # (the update takes it, then it goes None)
+                p.grad = None
         return True
 
     @staticmethod

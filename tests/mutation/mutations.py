@@ -793,4 +793,12 @@ MUTATIONS = [
                 "as_in_one_process[False]",),
         what="the pre-hook reads the None a zeroed pending parameter shows: a backward over "
              "a graph from before step() adds into the view its update has not taken yet"),
+    Mutation(
+        "zeroed-hand-set-grad-kept", "i38 host cost", "hybridcomm/sync/deferred.py",
+        old="                    if w is not None and w[0].zeroed and g is w[0].bucket.views[w[1]]:\n",
+        new="                    if w is not None and w[0].zeroed:\n",
+        guards=("tests/test_forward_mode.py::test_gradients_zeroed_while_an_update_waits_read_"
+                "as_in_one_process[False]",),
+        what="zero_grad() skips every parameter of a pending bucket: a gradient set by hand "
+             "after step() survives it"),
 ]
