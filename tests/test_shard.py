@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import hybridcomm
+from hybridcomm.plan.cost_model import CostModel
 from multiproc import run_ranks
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -305,6 +306,50 @@ def test_halving_doublings_reduce_scatter_forced_or_chosen_gives_one_process_num
             assert algorithms == ["halving_doubling"], (key, algorithms)
 
 
+# A cost model under which the process group's own reduce-scatter pays from about
+# 420 bytes at 3 ranks: the test model's larger bucket (476-488 bytes) goes
+# native, its smaller (364 bytes) the ring
+MIXED = CostModel(alpha=1e-4, beta=1e-6, gamma=1e-10, native_alpha=8.2e-4,
+                 native_beta=1e-6 / 3)
+
+
+def _native(rank, world, simulate):
+    """The process group's own reduce-scatter and all-gather (``native``), forced
+    and chosen per bucket, in each overlap mode."""
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
+    out = {}
+    for strategy, cost_model in (("native", "default"), ("hybrid", MIXED)):
+        for shard, overlap in (("optimizer", "forward"), ("gradients", "backward"),
+                               ("optimizer", "none")):
+            model = _model()
+            opt = hybridcomm.DistributedOptimizer(
+                OPTIMIZERS["adam"](_groups(model)), model=model, overlap=overlap, shard=shard,
+                strategy=strategy, fusion_bytes=256, split_bytes=200, cost_model=cost_model,
+                measure_iters=3, timeout=30)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            _train(model, opt, world, rank, head_joins_at=2, scheduler=sched)
+            out[(strategy, shard, overlap)] = (_flat(model), sorted({
+                b.algorithm for b in opt.plan.buckets}))
+            opt.close()
+    return out
+
+
+@pytest.mark.parametrize("world,simulate", [(3, False), (2, True)], ids=["P3-host", "P2-simgpu"])
+def test_the_process_groups_own_reduce_scatter_forced_or_chosen_gives_one_process_numbers(
+        world, simulate):
+    results = run_ranks(world, _native, simulate, timeout=300)
+    ref = _reference("adam", None)[0]
+    for key, (params, algorithms) in results[0].items():
+        assert torch.allclose(params, ref, rtol=TOL, atol=TOL), (key, (params - ref).abs().max())
+        for r in results[1:]:
+            assert torch.equal(r[key][0], params), key
+        if key[0] == "native":
+            assert algorithms == ["native"], (key, algorithms)
+        elif world == 3:  # (at 2 ranks the ring is cheaper under MIXED at every size)
+            assert algorithms == ["native", "ring"], (key, algorithms)
+
+
 def _steps_without_backward(rank, world, shard, overlap):
     model = _model()
     opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
@@ -362,7 +407,7 @@ def _branch_flat(model):
 
 
 BRANCH_CASES = [("optimizer", "backward", "hybrid"), ("gradients", "forward", "hybrid"),
-                ("optimizer", "none", "halving_doubling")]
+                ("optimizer", "none", "halving_doubling"), ("gradients", "forward", "native")]
 
 
 def _branchy_ranks(rank, world, simulate=False, agree=False):

@@ -821,6 +821,23 @@ def test_training_loops_with_sharded_state(overlap, shard, simulate):
     assert not failures, "\n".join(failures)
 
 
+def _sharded_native(rank, world, overlap, shard, simulate):
+    os.environ["HYBRIDCOMM_ALGO"] = "native"  # the process group's own reduce-scatter
+    return _sharded(rank, world, overlap, shard, simulate)
+
+
+NATIVE_COMBOS = [("forward", "gradients", False), ("backward", "optimizer", True)]
+
+
+@pytest.mark.parametrize("overlap,shard,simulate", NATIVE_COMBOS,
+                         ids=[f"{o}-{s}-{'simgpu' if g else 'host'}" for o, s, g in NATIVE_COMBOS])
+def test_training_loops_with_sharded_state_natively_reduce_scattered(overlap, shard, simulate):
+    results = run_ranks(2, _sharded_native, overlap, shard, simulate, timeout=300,
+                        allow_errors=True)
+    failures = _compare(results, names=SHARDED_PATTERNS)
+    assert not failures, "\n".join(failures)
+
+
 # The same with no measured steps: the changes at step 3 come while only each
 # bucket's closer has its post-accumulate hook (ZeRO-2 releases idle buckets).
 SHARD_LEAN_COMBOS = [("backward", "gradients", False), ("forward", "gradients", True)]

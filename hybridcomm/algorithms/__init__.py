@@ -11,7 +11,8 @@ from functools import lru_cache
 from typing import Optional
 
 from . import butterfly, halving_doubling, hierarchical, ring, torus2d
-from .schedule import Recv, Schedule, Send, Step, tail_block, tail_body
+from .schedule import (Recv, Schedule, Send, Step, equal_bounds, equal_padding, tail_block,
+                       tail_body)
 from .simulate import ScheduleError, simulate
 from .topology import Topology
 
@@ -30,7 +31,11 @@ PHASED = {"ring": {REDUCE_SCATTER: ring.reduce_scatter_schedule,
                    ALL_GATHER: ring.all_gather_schedule},
           "halving_doubling": {REDUCE_SCATTER: halving_doubling.reduce_scatter_schedule,
                                ALL_GATHER: halving_doubling.all_gather_schedule}}
-SHARD_BOUNDS = {"ring": ring.shard_bounds, "halving_doubling": halving_doubling.shard_bounds}
+# ``native`` (the process group's own reduce_scatter / all_gather, no schedule of
+# ours) cuts a segment into equal parts: its layout pads the segment to fit
+SHARD_BOUNDS = {"ring": ring.shard_bounds, "halving_doubling": halving_doubling.shard_bounds,
+                "native": equal_bounds}
+SHARDABLE = tuple(SHARD_BOUNDS)  # what a sharded bucket may be reduce-scattered with
 TOPOLOGY_AWARE = ("hierarchical", "torus2d")
 
 
@@ -72,7 +77,7 @@ def _cached(algorithm: str, rank: int, world_size: int, numel: int, topo) -> Sch
     return SCHEDULES[algorithm](rank, world_size, numel, topo)
 
 
-__all__ = ["ALGORITHMS", "SCHEDULES", "PHASED", "SHARD_BOUNDS", "REDUCE_SCATTER", "ALL_GATHER",
-           "tail_body", "tail_block",
+__all__ = ["ALGORITHMS", "SCHEDULES", "PHASED", "SHARD_BOUNDS", "SHARDABLE", "REDUCE_SCATTER",
+           "ALL_GATHER", "tail_body", "tail_block", "equal_bounds", "equal_padding",
            "ALL_REDUCE", "get_phase_schedule", "TOPOLOGY_AWARE", "Topology", "get_schedule", "simulate",
            "ScheduleError", "Schedule", "Step", "Send", "Recv"]

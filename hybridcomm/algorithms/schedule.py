@@ -106,6 +106,32 @@ def chunk_bounds(numel: int, parts: int, i: int) -> Tuple[int, int]:
     return aligned_split(0, numel, i, parts), aligned_split(0, numel, i + 1, parts)
 
 
+def equal_bounds(rank: int, world_size: int, numel: int) -> Tuple[int, int]:
+    """``[start, stop)`` of ``rank``'s part of ``numel`` elements cut into
+    ``world_size`` equal parts, as a collective's own reduce-scatter and all-gather
+    cut them (``native``: the layout pads the buffer to a multiple of the ranks).
+
+    >>> [equal_bounds(r, 3, 48) for r in range(3)]
+    [(0, 16), (16, 32), (32, 48)]
+    """
+    check_args(rank, world_size, numel)
+    if numel % world_size:
+        raise ValueError(f"{numel} elements do not split into {world_size} equal parts")
+    part = numel // world_size
+    return rank * part, (rank + 1) * part
+
+
+def equal_padding(numel: int, world_size: int) -> int:
+    """``numel`` rounded up so that it splits into ``world_size`` equal parts that
+    each start aligned (ALIGN_ELEMENTS).
+
+    >>> equal_padding(45, 3), equal_padding(48, 3), equal_padding(0, 4)
+    (48, 48, 0)
+    """
+    unit = world_size * ALIGN_ELEMENTS
+    return -(-numel // unit) * unit
+
+
 def tail_body(world_size: int, numel: int, tail: int) -> int:
     """The elements of a phased segment before its tail: the last ``world_size *
     tail`` elements are one block of ``tail`` per rank, in rank order, that a

@@ -43,7 +43,8 @@ import torch
 
 from ..config import env
 from ..base import trace
-from ..algorithms import ALL_REDUCE, SCHEDULES, Schedule, get_phase_schedule, get_schedule
+from ..algorithms import (ALL_REDUCE, REDUCE_SCATTER, SCHEDULES, Schedule, get_phase_schedule,
+                          get_schedule, tail_body)
 from ..kernels import reduce
 from ..plan.cost_model import NATIVE, PS
 from .channel import issue_in_order
@@ -321,20 +322,36 @@ def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
 
 def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
                    timeout: float | None = None, label: str | None = None, timed: bool = False,
-                   reserved: bool = False):
-    """The transport's own all-reduce (``native``: gloo's or NCCL's) of ``buf``.
+                   reserved: bool = False, phase: str = ALL_REDUCE, tail: int = 0):
+    """The transport's own all-reduce (``native``: gloo's or NCCL's) of ``buf``, or
+    its own reduce-scatter or all-gather (``phase``, sharded optimizer state): each
+    rank's equal part of the body, then of the ``tail`` (a block a rank,
+    ``algorithms.tail_body``), in a call each.
 
     Host-ordered: blocks (with ``timeout``) and returns None. Stream-ordered:
     queued on the comm stream after ``ready``, like :func:`execute_async`, and
     returns its done event (``(start, done)`` with ``timed``).
     """
     if not transport.stream_ordered:
-        transport.all_reduce(buf, average=average, timeout=timeout)
+        _native_calls(buf, transport, average, phase, tail, timeout=timeout)
         return None
     start = _enter(transport, buf, ready, timed, reserved)
-    transport.all_reduce(buf, average=average)
-    return _leave(transport, start, label or f"native all-reduce of {buf.numel()} x "
+    _native_calls(buf, transport, average, phase, tail)
+    return _leave(transport, start, label or f"native {phase} of {buf.numel()} x "
                   f"{buf.dtype}", timeout)
+
+
+def _native_calls(buf: torch.Tensor, transport, average: bool, phase: str, tail: int,
+                  **timeout) -> None:
+    if phase == ALL_REDUCE:
+        transport.all_reduce(buf, average=average, **timeout)
+        return
+    body = tail_body(transport.world_size, buf.numel(), tail)
+    for part in (buf[:body], buf[body:]) if tail else (buf,):
+        if phase == REDUCE_SCATTER:
+            transport.reduce_scatter(part, average=average, **timeout)
+        else:
+            transport.all_gather(part, **timeout)
 
 
 # ---- the one all-reduce dispatch ----------------------------------------------------------
@@ -401,7 +418,7 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
             with _range(range_id, algorithm, nbytes, world):
                 out = execute_native(buf, transport, average=scale is not None, ready=ready,
                                      timeout=timeout, label=label, timed=stream_ordered and timed,
-                                     reserved=reserved)
+                                     reserved=reserved, phase=phase, tail=tail)
             return _then(transport, out, after, stream_ordered, timeout, label)
         return native
     schedule = get_schedule(algorithm, rank, world, buf.numel(), topology) \

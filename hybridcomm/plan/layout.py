@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import List, Sequence, Tuple
 
-from ..algorithms.schedule import ALIGN_ELEMENTS
+from ..algorithms.schedule import ALIGN_ELEMENTS, equal_padding
 
 # Each gradient in a bucket's buffer starts at a multiple of this many bytes, so
 # kernels, NCCL and the optimizer's multi-tensor paths get aligned 16-byte
@@ -57,3 +57,15 @@ def segments(total: int, body: int, step: int) -> List[Tuple[int, int]]:
     cuts = cuts or [(0, 0)]
     cuts[-1] = (cuts[-1][0], total)
     return cuts
+
+
+def equal_parts(grad_numel: int, n_params: int, world: int) -> Tuple[int, List[Tuple[int, int]]]:
+    """A sharded bucket that the collective's own reduce-scatter cuts (``native``):
+    its gradient region padded to ``world`` equal aligned parts, and its one
+    segment (the whole buffer, a copy of the flags a rank in its tail).
+
+    >>> equal_parts(45, 3, 4)
+    (64, [(0, 96)])
+    """
+    padded = equal_padding(grad_numel, world)
+    return padded, [(0, buffer_numel(padded, n_params, world))]

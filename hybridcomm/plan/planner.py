@@ -69,12 +69,12 @@ from ..algorithms import ALGORITHMS, Topology
 from ..algorithms.lowrank import POWERSGD, message_numels
 from ..algorithms.topk import TOPK, segment_numel, sparse_bytes_sent
 from .cost_model import NATIVE, PS, CostModel, bytes_sent
-from .layout import ALIGN_BYTES, buffer_numel, flag_stride, layout
+from .layout import ALIGN_BYTES, buffer_numel, equal_parts, flag_stride, layout
 from .layout import segments as cut_segments
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
 STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS,
-                       "sharded": ("ring", "halving_doubling")}  # algorithms.PHASED
+                       "sharded": ("ring", "halving_doubling", NATIVE)}  # algorithms.SHARDABLE
 SHARDED_HD_GAIN = 0.25  # "sharded": halving-doubling where this much faster (PERFORMANCE.md)
 MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
 FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
@@ -475,9 +475,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     ``powersgd``; its messages, and the whole bucket in the first ``start``
     steps, go with the bucket's algorithm); ``call_s``: seconds each all-reduce
     call cost beyond the model in the measured steps (the default fusion counts it);
-    ``shard``: the buckets are reduce-scattered (sharded optimizer state), so each
-    carries a copy of its usage flags a rank in its last segment's tail
-    (``Bucket.flag_copies``).
+    ``shard``: the buckets are reduce-scattered (sharded state): a copy of the usage
+    flags a rank in the last segment's tail (``Bucket.flag_copies``).
 
     Example::
 
@@ -521,8 +520,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         copies = world_size if shard and world_size > 1 else 1
         grads_end = numel if grad_numel is None else grad_numel
         total = buffer_numel(grads_end, len(params), copies)  # the gradients, then the flags
-        # segments start aligned (their chunks then do too); the flags' copies all in
-        # the last one's tail
+        # segments start aligned (so do their chunks); the flags' copies in the last's tail
         align = max(1, ALIGN_BYTES // esize)
         step = 0 if not split_bytes else max(align, split_bytes // esize // align * align)
         segments = cut_segments(total, total if copies == 1 else grads_end, step)
@@ -532,14 +530,18 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
             algorithm = forced
         else:
             # At P <= 2 our algorithms are all one exchange of the same bytes.
-            pool = [a for a in candidates if a in ("butterfly", NATIVE, PS)] if world_size <= 2 \
-                else candidates
+            pool = [a for a in candidates if a in ("butterfly", NATIVE, PS)] \
+                if world_size <= 2 and strategy != "sharded" else candidates
             algorithm = model.choose(nbytes, world_size, window,
                                      pool or candidates or ["butterfly"], topo)
             if strategy == "sharded" and algorithm == "halving_doubling" and model.predict(
                     algorithm, nbytes, world_size, topo) > (1 - SHARDED_HD_GAIN) * \
                     model.predict("ring", nbytes, world_size, topo):
                 algorithm = "ring"
+        if copies > 1 and algorithm == NATIVE and offsets is None:
+            algorithm = "ring"  # (no sizes: no layout of ours to pad into equal parts)
+        elif copies > 1 and algorithm == NATIVE:  # the collective's own: one call, equal parts
+            grad_numel, segments = equal_parts(grads_end, len(params), world_size)
         pred = sum(model.predict(algorithm, (b - a) * esize, world_size, topo)
                    for a, b in segments) \
             if model.offers(algorithm) else float("nan")

@@ -3,7 +3,8 @@ each rank keeps and steps the optimizer state of its part of every bucket.
 
 With ``shard`` on, the engine reduce-scatters each bucket as backward fills it
 (``CommEngine.phase``: the first half of the bucket's algorithm, the ring's or
-halving-doubling's, ``algorithms.PHASED``), so a rank ends the backward
+halving-doubling's, ``algorithms.PHASED``, or the process group's own
+``reduce_scatter``, ``native``), so a rank ends the backward
 holding the average of its own part of each bucket's buffer (each segment's
 ``SHARD_BOUNDS``; the rest of the buffer holds partial sums).
 Then ``step()``:
@@ -48,7 +49,7 @@ import torch
 
 import torch.distributed as dist
 
-from ..algorithms import PHASED, SHARD_BOUNDS, tail_body
+from ..algorithms import SHARD_BOUNDS, SHARDABLE, tail_body
 from ..base.dtensor import is_dtensor
 from ..base.errors import HybridCommError
 from ..comm import control
@@ -318,7 +319,7 @@ def settle_options(options: dict, optimizer_name: str, process_group, servers) -
     """``DistributedOptimizer``'s options with ``shard`` on: what cannot be combined
     with it yet is refused on every rank alike (before any collective), naming the
     option; every bucket is reduce-scattered with an algorithm that has a phase of
-    its own (``algorithms.PHASED``), chosen per bucket by the cost model unless
+    its own (``algorithms.SHARDABLE``), chosen per bucket by the cost model unless
     forced."""
     shard, why = options["shard"], []
     if options.get("compression") is not None:
@@ -328,13 +329,13 @@ def settle_options(options: dict, optimizer_name: str, process_group, servers) -
     if optimizer_name in ("LBFGS", "ZeroRedundancyOptimizer"):
         why.append(f"{optimizer_name} (its step needs whole tensors, or shards itself)")
     forced = env.get("HYBRIDCOMM_ALGO") or options.get("strategy")
-    chosen = forced if forced in PHASED else "sharded"  # (per bucket, by the cost model)
+    chosen = forced if forced in SHARDABLE else "sharded"  # (per bucket, by the cost model)
     world = dist.get_world_size(process_group)
     if servers is not None:
         why.append("servers= (the summation servers sum whole buckets)")
-    if forced not in (None, "", "hybrid", "auto") and forced not in PHASED:
+    if forced not in (None, "", "hybrid", "auto") and forced not in SHARDABLE:
         why.append(f"the algorithm {forced!r} (strategy or HYBRIDCOMM_ALGO): buckets are "
-                   f"reduce-scattered with one of {tuple(PHASED)}")
+                   f"reduce-scattered with one of {SHARDABLE}")
     elif forced == "halving_doubling" and world & (world - 1):
         why.append(f"the algorithm 'halving_doubling' at {world} ranks (its reduce-scatter "
                    "alone needs a power of two)")

@@ -889,8 +889,8 @@ def _transfer(device: _Device, op: _Op, label: str) -> None:
     _receive(device, recvs)
     _wait_works(works)
     for comm, kind, ptr, count, dtype, peer, extra in op.calls:
-        if kind == "allreduce" and not comm.aborted:
-            _all_reduce(comm, ptr, extra[0], count, dtype, extra[1])
+        if kind in COLLECTIVES and not comm.aborted:
+            _collective(comm, kind, ptr, extra[0], count, dtype, extra[1])
 
 
 def _receive(device, recvs) -> None:
@@ -914,16 +914,24 @@ def _receive(device, recvs) -> None:
             _wait_works([dist.irecv(dst, gp, tag=comm.tag)])
 
 
-def _all_reduce(comm, sendptr, recvptr, count, dtype, redop) -> None:
-    """Every rank gets every buffer and sums them in rank order: identical bits
-    everywhere. A header first, so ranks reducing different buffers (issue orders
-    that differ) are reported, not fed to gloo as a size mismatch."""
+# NCCL's collectives: each rank's send buffer goes to every rank ("count" is the
+# receive count of a reduce-scatter and the send count of an all-gather, as NCCL's)
+COLLECTIVES = ("allreduce", "reducescatter", "allgather")
+
+
+def _collective(comm, kind, sendptr, recvptr, count, dtype, redop) -> None:
+    """Every rank gets every send buffer; a reduction sums them in rank order:
+    identical bits everywhere. A header first, so ranks running different
+    collectives (issue orders that differ) are reported, not fed to gloo as a
+    size mismatch."""
     import torch.distributed as dist
 
     tdtype = _TORCH_OF[dtype]
-    nbytes = count * tdtype.itemsize
+    sent = count * comm.size_ if kind == "reducescatter" else count
+    nbytes = sent * tdtype.itemsize
     mine = _alias(sendptr, nbytes).clone() if nbytes else torch.empty(0, dtype=torch.uint8)
-    hdr = torch.tensor([count, dtype, comm.rank], dtype=torch.int64)
+    code = COLLECTIVES.index(kind)
+    hdr = torch.tensor([count, dtype, comm.rank, code], dtype=torch.int64)
     peers = [r for r in range(comm.size_) if r != comm.rank]
     works = []
     for r in peers:
@@ -934,29 +942,35 @@ def _all_reduce(comm, sendptr, recvptr, count, dtype, redop) -> None:
     parts[comm.rank] = mine
     ok = True
     for r in peers:
-        theirs = torch.empty(3, dtype=torch.int64)
+        theirs = torch.empty(4, dtype=torch.int64)
         _wait_works([dist.irecv(theirs, comm.global_ranks[r], tag=comm.tag + 1)])
-        rcount, rdtype, _ = theirs.tolist()
-        rbytes = rcount * _TORCH_OF[rdtype].itemsize
+        rcount, rdtype, _, rcode = theirs.tolist()
+        rsent = rcount * comm.size_ if COLLECTIVES[rcode] == "reducescatter" else rcount
+        rbytes = rsent * _TORCH_OF[rdtype].itemsize
         parts[r] = torch.empty(rbytes, dtype=torch.uint8)
         if rbytes:
             _wait_works([dist.irecv(parts[r], comm.global_ranks[r], tag=comm.tag + 1)])
-        if (rcount, rdtype) != (count, dtype):
+        if (rcount, rdtype, rcode) != (count, dtype, code):
             ok = False
             comm.async_error = ERROR_INVALID_USAGE
             comm.module.device.report(SimError(
-                f"NCCL {comm.name}: rank {comm.rank} all-reduces {count} x type {dtype} while "
-                f"rank {r} all-reduces {rcount} x type {rdtype} (the ranks issue their "
-                "operations in different orders)"))
+                f"NCCL {comm.name}: rank {comm.rank} runs {kind} of {count} x type {dtype} "
+                f"while rank {r} runs {COLLECTIVES[rcode]} of {rcount} x type {rdtype} (the "
+                "ranks issue their operations in different orders)"))
     _wait_works(works)
     if not ok or not nbytes:
         return
-    acc = torch.zeros(count, dtype=torch.float64 if tdtype == torch.float64 else torch.float32)
+    if kind == "allgather":
+        _alias(recvptr, nbytes * comm.size_).copy_(torch.cat(parts))
+        return
+    acc = torch.zeros(sent, dtype=torch.float64 if tdtype == torch.float64 else torch.float32)
     for p in parts:
         acc += p.view(tdtype).to(acc.dtype)
     if redop == NCCL_OPS["NCCL_AVG"]:
         acc /= comm.size_
-    _alias(recvptr, nbytes).view(tdtype).copy_(acc)
+    if kind == "reducescatter":
+        acc = acc[comm.rank * count:(comm.rank + 1) * count]
+    _alias(recvptr, count * tdtype.itemsize).view(tdtype).copy_(acc)
 
 
 class _CommUsers:
@@ -1031,7 +1045,7 @@ class SimNcclCommunicator:
     def _call(self, kind, ptr, count, datatype, peer, stream, extra=None, ranges=()):
         if self.aborted or self.destroyed:
             raise SimNcclError(ERROR_INVALID_USAGE, f"{self.name} was aborted or destroyed")
-        if kind != "allreduce" and not (0 <= peer < self.size_ and peer != self.rank):
+        if kind in ("send", "recv") and not (0 <= peer < self.size_ and peer != self.rank):
             raise SimNcclError(ERROR_INVALID_USAGE, f"invalid peer {peer}")
         dev = self.module.device
         dev.touch()
@@ -1063,6 +1077,22 @@ class SimNcclCommunicator:
         n = count * _TORCH_OF[datatype].itemsize
         ranges = [(sendbuf, sendbuf + n, False), (recvbuf, recvbuf + n, True)] if n else []
         self._call("allreduce", sendbuf, count, datatype, -1, stream, extra=(recvbuf, op),
+                   ranges=ranges)
+
+    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,
+                      op: int, stream: int) -> None:
+        n = recvcount * _TORCH_OF[datatype].itemsize
+        ranges = [(sendbuf, sendbuf + n * self.size_, False), (recvbuf, recvbuf + n, True)] \
+            if n else []
+        self._call("reducescatter", sendbuf, recvcount, datatype, -1, stream,
+                   extra=(recvbuf, op), ranges=ranges)
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
+                  stream: int) -> None:
+        n = count * _TORCH_OF[datatype].itemsize
+        ranges = [(sendbuf, sendbuf + n, False), (recvbuf, recvbuf + n * self.size_, True)] \
+            if n else []
+        self._call("allgather", sendbuf, count, datatype, -1, stream, extra=(recvbuf, None),
                    ranges=ranges)
 
     # -- state ----------------------------------------------------------------------------
@@ -1193,7 +1223,7 @@ class SimNccl:
         """
         new: Dict[SimNcclCommunicator, list] = {}
         for comm, kind, _ptr, _count, _dtype, peer, _extra in calls:
-            if kind == "allreduce":
+            if kind in COLLECTIVES:
                 keys = [(("coll", q), q) for q in range(comm.size_) if q != comm.rank]
             else:
                 keys = [((kind, peer), peer)]

@@ -557,10 +557,14 @@ def test_adam_and_adamw_match_one_process():
 def test_sharded_optimizer_state_matches_one_process():
     """shard="optimizer" and "gradients" (issue 40): buckets reduce-scattered on the
     comm stream, each rank steps its slices, the parameters all-gathered (forward
-    mode: before their first read), in SGD with its schedule and Adam."""
+    mode: before their first read), in SGD with its schedule and Adam; and with the
+    process group's own reduce-scatter and all-gather (``native``)."""
     cases = [_case(f"{name}-{shard}-{overlap}", opt=name, shard=shard, overlap=overlap)
              for name in ("sgd", "adam") for shard in ("optimizer", "gradients")
              for overlap in ("forward", "backward")]
+    cases += [_case(f"native-{shard}-{overlap}", opt="adam", shard=shard, overlap=overlap,
+                    strategy="native")
+              for shard, overlap in (("optimizer", "forward"), ("gradients", "backward"))]
     results = _run("shard", _train, _world(), cases)
     _check_cases(results, cases, lambda case: flat(train_single(case["opt"], STEPS)))
 

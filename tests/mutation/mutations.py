@@ -801,4 +801,34 @@ MUTATIONS = [
                 "as_in_one_process[False]",),
         what="zero_grad() skips every parameter of a pending bucket: a gradient set by hand "
              "after step() survives it"),
+    Mutation(
+        "native-scatter-unscaled", "i40 native", "hybridcomm/comm/transport/torch_dist.py",
+        old="        if average:\n            mine.mul_(1.0 / self.world_size)\n",
+        new="        if False:\n            mine.mul_(1.0 / self.world_size)\n",
+        guards=("tests/test_native_phases.py::test_native_reduce_scatter_then_all_gather_is_the_"
+                "all_reduce[3-host-float32]",),
+        what="gloo's reduce-scatter leaves each rank's part summed where the average was asked "
+             "for: P times the gradient"),
+    Mutation(
+        "native-flags-not-scattered", "i40 native", "hybridcomm/comm/executor.py",
+        old="    for part in (buf[:body], buf[body:]) if tail else (buf,):\n",
+        new="    for part in (buf[:body],) if tail else (buf,):\n",
+        guards=("tests/test_shard.py::test_a_parameter_some_ranks_have_no_gradient_for_steps_as_"
+                "in_one_process[3]",),
+        what="a native bucket's usage flags are not reduce-scattered: each rank sees only "
+             "its own, and a parameter another rank used is skipped"),
+    Mutation(
+        "native-unpadded", "i40 native", "hybridcomm/plan/layout.py",
+        old="    padded = equal_padding(grad_numel, world)\n",
+        new="    padded = grad_numel\n",
+        guards=("tests/test_shard.py::test_the_process_groups_own_reduce_scatter_forced_or_chosen_"
+                "gives_one_process_numbers[P3-host]",),
+        what="a native bucket is not padded to equal parts: the collective cannot cut it"),
+    Mutation(
+        "sim-scatter-keeps-rank0-part", "i40 native", "hybridcomm/testing/simgpu.py",
+        old="        acc = acc[comm.rank * count:(comm.rank + 1) * count]\n",
+        new="        acc = acc[:count]\n",
+        guards=("tests/test_native_phases.py::test_native_reduce_scatter_then_all_gather_is_the_"
+                "all_reduce[2-simgpu-float16]",),
+        what="the simulated NCCL reduce-scatter gives every rank rank 0's part"),
 ]

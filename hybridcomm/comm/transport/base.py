@@ -18,6 +18,8 @@ from typing import Protocol, Sequence, Tuple
 
 import torch
 
+from ...base.errors import HybridCommError
+
 Transfer = Tuple[int, torch.Tensor]  # (peer rank in the group, 1-D contiguous tensor)
 _ALREADY = contextlib.nullcontext()
 
@@ -77,3 +79,13 @@ class CommStream:
         ev = self.runtime.new_event()
         ev.record(self.stream)
         return ev
+
+
+def own_part(t, rank: int, world_size: int):
+    """``rank``'s equal part of the flat ``t`` (a view): what a reduce-scatter leaves
+    it, what an all-gather sends from it (in place, as NCCL defines it)."""
+    if t.numel() % world_size:
+        raise HybridCommError(f"a native reduce-scatter or all-gather needs {world_size} "
+                              f"equal parts; {t.numel()} elements do not split so")
+    part = t.numel() // world_size
+    return t[rank * part:(rank + 1) * part]

@@ -49,7 +49,7 @@ import torch
 
 from ...config import env
 from ...base.errors import HybridCommError, HybridCommTimeout
-from .base import CommStream, OrderedTask, Transfer
+from .base import CommStream, OrderedTask, Transfer, own_part
 from .comm_thread import CommThread
 
 # torch dtype -> name of the ncclDataType_t constant in ``cupy.cuda.nccl``.
@@ -67,7 +67,8 @@ NCCL_DTYPE_NAMES: Dict[torch.dtype, str] = {
 # What the transport uses of ``cupy.cuda.nccl`` (tests check the real module has it all).
 NCCL_MODULE_ATTRS = ("NcclCommunicator", "NcclError", "get_unique_id", "groupStart", "groupEnd",
                      "NCCL_SUM", "NCCL_AVG", *NCCL_DTYPE_NAMES.values())
-NCCL_COMM_METHODS = ("send", "recv", "allReduce", "check_async_error", "abort", "destroy")
+NCCL_COMM_METHODS = ("send", "recv", "allReduce", "reduceScatter", "allGather", "check_async_error",
+                     "abort", "destroy")
 
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1  # CUstreamCaptureMode (cuda.h)
 log = logging.getLogger("hybridcomm")
@@ -95,6 +96,35 @@ def make_communicator(nccl, world_size: int, uid: bytes, rank: int):
     except TypeError:
         signed = tuple(b - 256 if b > 127 else b for b in uid)
         return nccl.NcclCommunicator(world_size, signed, rank)
+
+
+def open_communicator(nccl, runtime, store, ranks: Tuple[int, ...], rank: int, world_size: int):
+    """The NCCL communicator over ``ranks`` (collective: rank 0 publishes the unique
+    id in ``store``), the n-th this rank makes for these ranks: the same n on
+    every rank, as all make them in the same order."""
+    with _serials_lock:
+        serial = next(_serials.setdefault((ranks, rank), itertools.count()))
+    key = UNIQUE_ID_KEY.format(ranks="-".join(map(str, ranks)), serial=serial)
+    if rank == 0:
+        uid = unique_id_bytes(nccl.get_unique_id())
+        store.set(key, uid)
+    else:
+        try:  # blocks, up to the store's timeout, until rank 0 has set it
+            uid = bytes(store.get(key))
+        except Exception as e:
+            raise HybridCommError(
+                f"rank {rank}: rank 0 never published the NCCL unique id under "
+                f"{key!r} (is every rank creating its transports in the same order?): "
+                f"{e}") from e
+    try:
+        # CuPy's device context binds an NCCL communicator; the one-device module
+        # needs none (and no CuPy)
+        ctx = getattr(nccl, "communicator_device", runtime.communicator_device)
+        with ctx():
+            return make_communicator(nccl, world_size, uid, rank)
+    except nccl.NcclError as e:
+        raise HybridCommError(f"rank {rank}: creating the NCCL communicator over "
+                              f"{world_size} ranks failed: {e}") from e
 
 
 class CupyNcclTransport(CommStream):
@@ -161,39 +191,12 @@ class CupyNcclTransport(CommStream):
         self._watched: collections.deque = collections.deque()
         self._watchdog: threading.Thread | None = None
         self.runtime = runtime
-        self.comm = self._make_comm(store, ranks)
+        self.comm = open_communicator(self.nccl, runtime, store, ranks, rank, world_size)
         self._init_stream(runtime, priority)
         self._handle = runtime.handle(self.stream)
         # from here on the only thread calling self.comm; it runs whole operations too
         # (comm_thread.submit_ordered: the channel's issuing, one hand-off per operation)
         self.comm_thread = CommThread(self)
-
-    def _make_comm(self, store, ranks):
-        # The n-th communicator this rank makes for these ranks: the same n on
-        # every rank, as all make them in the same order.
-        with _serials_lock:
-            serial = next(_serials.setdefault((ranks, self.rank), itertools.count()))
-        key = UNIQUE_ID_KEY.format(ranks="-".join(map(str, ranks)), serial=serial)
-        if self.rank == 0:
-            uid = unique_id_bytes(self.nccl.get_unique_id())
-            store.set(key, uid)
-        else:
-            try:  # blocks, up to the store's timeout, until rank 0 has set it
-                uid = bytes(store.get(key))
-            except Exception as e:
-                raise HybridCommError(
-                    f"rank {self.rank}: rank 0 never published the NCCL unique id under "
-                    f"{key!r} (is every rank creating its transports in the same order?): "
-                    f"{e}") from e
-        try:
-            # CuPy's device context binds an NCCL communicator; the one-device module
-            # needs none (and no CuPy)
-            ctx = getattr(self.nccl, "communicator_device", self.runtime.communicator_device)
-            with ctx():
-                return make_communicator(self.nccl, self.world_size, uid, self.rank)
-        except self.nccl.NcclError as e:
-            raise HybridCommError(f"rank {self.rank}: creating the NCCL communicator over "
-                                  f"{self.world_size} ranks failed: {e}") from e
 
     # -- data path ----------------------------------------------------------------
 
@@ -228,6 +231,28 @@ class CupyNcclTransport(CommStream):
         comm, stream = self.comm, self._handle
         self._issue(lambda: comm.allReduce(ptr, ptr, count, dtype, op, stream),
                     "native all-reduce")
+
+    def reduce_scatter(self, t: torch.Tensor, *, average: bool) -> None:
+        """NCCL's own reduce-scatter (``native``, sharded optimizer state) in place on
+        the comm stream: this rank's equal part of ``t`` ends summed (or averaged)."""
+        self._usable()
+        _, ptr, _, dtype, _ = self._call(-1, t, "reduceScatter", "native reduce-scatter")
+        part = own_part(t, self.rank, self.world_size).numel()
+        mine = ptr + self.rank * part * t.element_size()  # (in place, as NCCL defines it)
+        op = self.nccl.NCCL_AVG if average else self.nccl.NCCL_SUM
+        comm, stream = self.comm, self._handle
+        self._issue(lambda: comm.reduceScatter(ptr, mine, part, dtype, op, stream),
+                    "native reduce-scatter")
+
+    def all_gather(self, t: torch.Tensor) -> None:
+        """NCCL's own all-gather in place on the comm stream: every rank's part of
+        ``t`` to every rank."""
+        self._usable()
+        _, ptr, _, dtype, _ = self._call(-1, t, "allGather", "native all-gather")
+        part = own_part(t, self.rank, self.world_size).numel()
+        mine = ptr + self.rank * part * t.element_size()
+        comm, stream = self.comm, self._handle
+        self._issue(lambda: comm.allGather(mine, ptr, part, dtype, stream), "native all-gather")
 
     def _issue(self, calls, what: str) -> None:
         """Have the communicator's thread run ``calls`` (NCCL calls that may block the
@@ -292,7 +317,7 @@ class CupyNcclTransport(CommStream):
         return task
 
     def _call(self, peer: int, t: torch.Tensor, op: str, label):
-        if op != "allReduce" and (not 0 <= peer < self.world_size or peer == self.rank):
+        if op in ("send", "recv") and (not 0 <= peer < self.world_size or peer == self.rank):
             raise HybridCommError(f"rank {self.rank}: {_step_name(label)}: invalid peer {peer} "
                                   f"(world size {self.world_size})")
         dtype = self._dtypes.get(t.dtype)

@@ -142,10 +142,53 @@ class OneDeviceCommunicator:
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
                   stream: int) -> None:
         """Everyone's buffer to everyone, then a sum in rank order on ``stream``."""
+        self._reduce(sendbuf, recvbuf, count, 0, count, datatype, op, stream)
+
+    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,
+                      op: int, stream: int) -> None:
+        """As :meth:`allReduce`, keeping this rank's ``recvcount`` elements of the sum."""
+        self._reduce(sendbuf, recvbuf, recvcount * self.size_, self.rank * recvcount,
+                     recvcount, datatype, op, stream)
+
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
+                  stream: int) -> None:
+        """Everyone's ``count`` elements to everyone, in rank order."""
+        nbytes = count * TORCH_OF[datatype].itemsize
+        s, mine, theirs = self._everyones(sendbuf, nbytes, datatype, stream)
+        if not nbytes:
+            return
+        out = self.rt.at(recvbuf, nbytes * self.size_)
+        with self.rt.use(s):
+            for q in range(self.size_):
+                if q != self.rank:
+                    out[q * nbytes:(q + 1) * nbytes].copy_(theirs[q])
+                elif out.data_ptr() + q * nbytes != mine.data_ptr():  # (in place: there)
+                    out[q * nbytes:(q + 1) * nbytes].copy_(mine)
+
+    def _reduce(self, sendbuf: int, recvbuf: int, count: int, start: int, kept: int,
+                datatype: int, op: int, stream: int) -> None:
+        """The sum of everyone's ``count`` elements; ``[start, start + kept)`` of it
+        into ``recvbuf``."""
+        dtype = TORCH_OF[datatype]
+        s, mine, theirs = self._everyones(sendbuf, count * dtype.itemsize, datatype, stream)
+        if not count:
+            return
+        acc_dtype = torch.float64 if dtype == torch.float64 else \
+            torch.int64 if not dtype.is_floating_point else torch.float32
+        with self.rt.use(s):
+            acc = torch.zeros(count, dtype=acc_dtype, device=mine.device)
+            for q in range(self.size_):
+                acc += (mine if q == self.rank else theirs[q]).view(dtype).to(acc_dtype)
+            if op == NCCL_OPS["NCCL_AVG"]:
+                acc /= self.size_
+            self.rt.at(recvbuf, kept * dtype.itemsize).view(dtype).copy_(
+                acc[start:start + kept])
+
+    def _everyones(self, sendbuf: int, nbytes: int, datatype: int, stream: int):
+        """(the stream, this rank's ``nbytes`` at ``sendbuf``, every peer's), sent and
+        received as one group on ``stream``."""
         if self.aborted or self.destroyed:
             raise OneDeviceNcclError(ERROR_INVALID_USAGE, "communicator aborted or destroyed")
-        dtype = TORCH_OF[datatype]
-        nbytes = count * dtype.itemsize
         s = self.rt.stream_of(stream)
         mine = self.rt.at(sendbuf, nbytes)
         with self.rt.use(s):  # scratch on the stream that uses it: reused only after it
@@ -156,17 +199,7 @@ class OneDeviceCommunicator:
                 theirs[q] = parts[i * nbytes:(i + 1) * nbytes]
                 self.module.post(self, _Op("send", q, mine, datatype, s, self.mailbox))
                 self.module.post(self, _Op("recv", q, theirs[q], datatype, s, self.mailbox))
-        if not nbytes:
-            return
-        acc_dtype = torch.float64 if dtype == torch.float64 else \
-            torch.int64 if not dtype.is_floating_point else torch.float32
-        with self.rt.use(s):
-            acc = torch.zeros(count, dtype=acc_dtype, device=mine.device)
-            for q in range(self.size_):
-                acc += (mine if q == self.rank else theirs[q]).view(dtype).to(acc_dtype)
-            if op == NCCL_OPS["NCCL_AVG"]:
-                acc /= self.size_
-            self.rt.at(recvbuf, nbytes).view(dtype).copy_(acc)
+        return s, mine, theirs
 
     # -- one piece (the group's progress loop calls these) --------------------------------
     def try_step(self, op: _Op) -> bool:

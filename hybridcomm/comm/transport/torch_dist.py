@@ -22,7 +22,13 @@ import torch.distributed as dist
 
 from ..backend import backend_for
 from ...base.errors import HybridCommError, HybridCommTimeout
-from .base import CommStream, Transfer
+from .base import CommStream, Transfer, own_part
+
+
+# The process group's own reduce-scatter and all-gather of one flat tensor (torch
+# 2.13 renamed them; older releases have the *_tensor names only)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TorchDistPending:
@@ -120,6 +126,27 @@ class TorchDistTransport:
         if average:
             t.mul_(1.0 / self.world_size)
 
+    def reduce_scatter(self, t, *, average: bool, timeout: float | None = None) -> None:
+        """The group's own reduce-scatter (``native``, sharded optimizer state) in
+        place: this rank's equal part of ``t`` (:func:`own_part`) ends summed, or
+        averaged; the rest of ``t`` is left as it was."""
+        mine = own_part(t, self.rank, self.world_size)
+        label = f"native reduce_scatter of {t.numel()} x {t.dtype}"
+        work = posted(lambda: _reduce_scatter(mine, t, group=self.group, async_op=True),
+                      self.rank, label)
+        wait_work(work, self.rank, label, timeout)
+        if average:
+            mine.mul_(1.0 / self.world_size)
+
+    def all_gather(self, t, *, timeout: float | None = None) -> None:
+        """The group's own all-gather in place: every rank's part of ``t`` to every
+        rank."""
+        label = f"native all_gather of {t.numel()} x {t.dtype}"
+        mine = own_part(t, self.rank, self.world_size)
+        work = posted(lambda: _all_gather(t, mine, group=self.group, async_op=True), self.rank,
+                      label)
+        wait_work(work, self.rank, label, timeout)
+
 
 class TorchNcclTransport(TorchDistTransport, CommStream):
     """torch.distributed over NCCL, stream-ordered on its own comm stream.
@@ -151,6 +178,17 @@ class TorchNcclTransport(TorchDistTransport, CommStream):
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         with self.stream_context():
             dist.all_reduce(t, op=op, group=self.group, async_op=True).wait()
+
+    def reduce_scatter(self, t, *, average: bool, timeout: float | None = None) -> None:
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        mine = own_part(t, self.rank, self.world_size)
+        with self.stream_context():
+            _reduce_scatter(mine, t, op=op, group=self.group, async_op=True).wait()
+
+    def all_gather(self, t, *, timeout: float | None = None) -> None:
+        mine = own_part(t, self.rank, self.world_size)
+        with self.stream_context():
+            _all_gather(t, mine, group=self.group, async_op=True).wait()
 
     def watch(self, event, timeout: float, label: str = "") -> None:
         """Hangs are torch's NCCL watchdog's to catch (the process group's timeout)."""
