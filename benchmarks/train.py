@@ -164,7 +164,7 @@ UNSYNCED = ("compute", "limit")  # configs that train on local gradients (no ave
 # A hybridcomm config may carry DistributedOptimizer options after slashes:
 # "hybrid-forward/fusion_bytes=4M/split_bytes=0" (sizes take K/M/G), to compare plans.
 HYBRID_OPTIONS = {"fusion_bytes": "size", "split_bytes": "size", "lazy_bytes": "size",
-                  "measure_iters": int, "replan_every": int}
+                  "measure_iters": int, "replan_every": int, "strategy": str}
 
 
 def hybrid_options(name: str, takes_options=lambda base: CONFIGS.get(base) is not None):
@@ -372,7 +372,8 @@ class _Trainer:
             if strategy is not None:
                 extra["strategy"] = strategy
             self.opt = hybridcomm.DistributedOptimizer(base, model=self.model, overlap=overlap,
-                                                       op="avg", trace=trace, **options, **extra)
+                                                       op="avg", trace=trace,
+                                                       **{**extra, **options})
 
     def step(self, x, y):
         if self.config == "comm":

@@ -141,7 +141,7 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         refuse_wrapped(model)  # (every rank alike: no collective has started)
         if options["shard"]:
             options = sharding.settle_options(options, type(self).__name__, process_group,
-                                              servers)
+                                              servers, self.param_groups)
         overlap = options["overlap"]
         if overlap == "forward" and model is None:
             warnings.warn("hybridcomm: overlap='forward' needs model= to hook its forward; "

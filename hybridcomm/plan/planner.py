@@ -74,7 +74,8 @@ from .layout import segments as cut_segments
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
 STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS,
-                       "sharded": ("ring", "halving_doubling", NATIVE)}  # algorithms.SHARDABLE
+                       "sharded": ("ring", "halving_doubling", NATIVE),  # algorithms.SHARDABLE
+                       "sharded-host": ("ring", "halving_doubling")}  # (gloo's is slow: shard.py)
 SHARDED_HD_GAIN = 0.25  # "sharded": halving-doubling where this much faster (PERFORMANCE.md)
 MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
 FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
@@ -502,7 +503,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     if split_default:
         split_bytes = 0 if world_size == 1 else default_split(model, world_size, notes, topo)
     candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a) and not (
-        a == "halving_doubling" and strategy == "sharded" and world_size & (world_size - 1))]
+        a == "halving_doubling" and shard and world_size & (world_size - 1))]
     groups = _fuse(layers, fusion_bytes, lazy_bytes, low_rank)
     if lazy_bytes is not None:
         notes.append(explain_lazy(layers, groups, model, world_size))
@@ -524,17 +525,16 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         align = max(1, ALIGN_BYTES // esize)
         step = 0 if not split_bytes else max(align, split_bytes // esize // align * align)
         segments = cut_segments(total, total if copies == 1 else grads_end, step)
-        known = [windows[layer.name] for layer in group if windows and layer.name in windows]
-        window = min(known) if known else None
+        window = min((windows[x.name] for x in group if x.name in (windows or {})), default=None)
         if forced:
             algorithm = forced
         else:
             # At P <= 2 our algorithms are all one exchange of the same bytes.
             pool = [a for a in candidates if a in ("butterfly", NATIVE, PS)] \
-                if world_size <= 2 and strategy != "sharded" else candidates
+                if world_size <= 2 and not shard else candidates
             algorithm = model.choose(nbytes, world_size, window,
                                      pool or candidates or ["butterfly"], topo)
-            if strategy == "sharded" and algorithm == "halving_doubling" and model.predict(
+            if shard and algorithm == "halving_doubling" and model.predict(
                     algorithm, nbytes, world_size, topo) > (1 - SHARDED_HD_GAIN) * \
                     model.predict("ring", nbytes, world_size, topo):
                 algorithm = "ring"
