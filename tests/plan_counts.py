@@ -15,3 +15,24 @@ def schedule_counts(plan, rank, world):
             kernels += sum(1 for st in sched.steps for r in st.recvs if r.reduce)
             calls += sum(len(st.sends) + len(st.recvs) for st in sched.steps)
     return kernels, calls
+
+
+def sharded_counts(plan, rank, world):
+    """The same for a sharded plan's round: every bucket reduce-scattered, then
+    all-gathered (each phase's schedule; the last segment with the flags' tail
+    blocks), or, ``native``, one NCCL call a phase for the body and one for the
+    tail, and no kernel of ours."""
+    from hybridcomm.algorithms import ALL_GATHER, REDUCE_SCATTER, get_phase_schedule
+
+    kernels = calls = 0
+    for b in plan.buckets:
+        for i, (a, z) in enumerate(b.segments):
+            tail = b.tail if i == len(b.segments) - 1 else 0
+            if b.algorithm == "native":
+                calls += 2 * (1 + bool(tail))
+                continue
+            for phase in (REDUCE_SCATTER, ALL_GATHER):
+                sched = get_phase_schedule(phase, b.algorithm, rank, world, z - a, tail)
+                kernels += sum(1 for st in sched.steps for r in st.recvs if r.reduce)
+                calls += sum(len(st.sends) + len(st.recvs) for st in sched.steps)
+    return kernels, calls

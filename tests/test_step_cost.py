@@ -24,12 +24,12 @@ import torch.nn as nn
 
 from multiproc import run_ranks
 from optim_models import batch, flat, make_model, shard
-from plan_counts import schedule_counts
+from plan_counts import schedule_counts, sharded_counts
 
 STEADY = 3  # steps counted, after the measured steps and the re-plan
 
 
-def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None):
+def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None, algorithm=None):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     if not lean:
@@ -68,7 +68,8 @@ def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None):
     opt = hybridcomm.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
         overlap=overlap, fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
-        measure_iters=2, timeout=60, shard=sharded)
+        measure_iters=2, timeout=60, shard=sharded,
+        **({"strategy": algorithm} if algorithm else {}))
     calls_before = {}
     for s in range(5 + STEADY):
         if s == 5:  # past the measured steps and the re-plan: the steady state
@@ -84,7 +85,7 @@ def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None):
     stats = simgpu.stats() if simulate else {}
     hooks = {k: v - calls_before.get(k, 0) for k, v in calls.items()}
     plan = opt.plan
-    kernels, nccl = schedule_counts(plan, rank, world)
+    kernels, nccl = (sharded_counts if sharded else schedule_counts)(plan, rank, world)
     params = sum(len(b.params) for b in plan.buckets)
     opt.close()
     return stats, hooks, len(plan.buckets), params, kernels, nccl, \
@@ -124,6 +125,38 @@ def test_a_steady_step_costs_a_fixed_count_per_bucket_and_none_per_parameter(ove
         taken_in = 2 if overlap == "none" else 1
         assert hooks["absorb"] == STEADY * taken_in * buckets, (hooks, buckets)
         assert hooks["wait"] == STEADY * buckets, (hooks, buckets)
+
+
+SHARDED_CASES = [("forward", "optimizer", None), ("backward", "gradients", "native")]
+
+
+@pytest.mark.parametrize("overlap,shard,algorithm", SHARDED_CASES,
+                         ids=[f"{o}-{s}-{a or 'chosen'}" for o, s, a in SHARDED_CASES])
+def test_a_steady_sharded_step_costs_a_fixed_count_per_bucket(overlap, shard, algorithm):
+    """The same under ``shard``: each bucket reduce-scattered in backward and
+    all-gathered at ``step()`` (forward mode: before its first read), with the
+    ring's phases or the process group's own (``native``): per bucket and phase
+    the events, the waits and the schedule's kernels and NCCL calls, and the
+    buffer made again where ``"gradients"`` freed it; nothing per parameter but
+    autograd's call of the pre-hook."""
+    for stats, hooks, buckets, params, kernels, nccl, algos in run_ranks(
+            2, _counted_step, overlap, True, True, shard, algorithm, timeout=180):
+        assert buckets > 1 and algos == [algorithm or "ring"], algos
+        per_step = {k: v / STEADY for k, v in stats.items()}
+        assert stats["kernel_launches"] == STEADY * kernels, (stats, kernels)  # (native: 0)
+        assert stats["nccl_ops"] == STEADY * nccl, (stats, nccl)
+        assert stats["host_syncs"] == 0 and stats["defects"] == 0, stats
+        assert stats["allocations"] == STEADY * buckets * (shard == "gradients"), stats
+        # per bucket and phase: a ready event, the comm stream's start and done, and
+        # where the trainer's stream waits; each stream waits once
+        assert per_step["event_records"] == 8 * buckets, (per_step, buckets)
+        assert per_step["stream_waits"] == 4 * buckets, (per_step, buckets)
+        assert per_step["event_queries"] <= 8 * buckets, (per_step, buckets)
+        assert hooks["pre_hook"] == STEADY * params, (hooks, params)
+        assert hooks["after_grad"] == STEADY * buckets < STEADY * params, (hooks, params)
+        assert hooks.get("before_grad", 0) == 0, hooks
+        for name in ("open", "launch", "absorb", "wait"):
+            assert hooks[name] == STEADY * buckets, (name, hooks, buckets)
 
 
 @pytest.mark.parametrize("overlap,shard", [("forward", None), ("backward", None),
