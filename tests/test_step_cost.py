@@ -112,19 +112,22 @@ def test_a_steady_step_costs_a_fixed_count_per_bucket_and_none_per_parameter(ove
         assert per_step["stream_waits"] == 2 * buckets, (per_step, buckets)
         # queries read events already recorded, a few per bucket whatever the progress
         assert per_step["event_queries"] <= 4 * buckets, (per_step, buckets)
-        # Python: autograd calls each parameter's pre-hook once (a cleared .grad never
-        # enters its body) and each bucket's closer's post-accumulate hook (the other
-        # parameters' are off in a steady step); opening, taking in, launching: per bucket
-        assert hooks["pre_hook"] == STEADY * params, (hooks, params)
-        assert hooks["after_grad"] == STEADY * buckets < STEADY * params, (hooks, params)
-        assert hooks.get("before_grad", 0) == 0, hooks
-        assert hooks["open"] == STEADY * buckets, (hooks, buckets)
-        assert hooks["launch"] == STEADY * buckets, (hooks, buckets)
         # (overlap="none": also where backward completes a bucket, freeing autograd's
         # tensors then, not at step())
-        taken_in = 2 if overlap == "none" else 1
-        assert hooks["absorb"] == STEADY * taken_in * buckets, (hooks, buckets)
-        assert hooks["wait"] == STEADY * buckets, (hooks, buckets)
+        _assert_python_per_bucket(hooks, buckets, params, 2 if overlap == "none" else 1)
+
+
+def _assert_python_per_bucket(hooks, buckets, params, taken_in=1):
+    """Autograd calls each parameter's pre-hook once (a cleared .grad never enters
+    its body) and each bucket's closer's post-accumulate hook (the other
+    parameters' are off in a steady step); opening, taking in (``taken_in``
+    times), launching, waiting: per bucket."""
+    assert hooks["pre_hook"] == STEADY * params, (hooks, params)
+    assert hooks["after_grad"] == STEADY * buckets < STEADY * params, (hooks, params)
+    assert hooks.get("before_grad", 0) == 0, hooks
+    for name in ("open", "launch", "wait"):
+        assert hooks[name] == STEADY * buckets, (name, hooks, buckets)
+    assert hooks["absorb"] == STEADY * taken_in * buckets, (hooks, buckets)
 
 
 SHARDED_CASES = [("forward", "optimizer", None), ("backward", "gradients", "native")]
@@ -152,11 +155,7 @@ def test_a_steady_sharded_step_costs_a_fixed_count_per_bucket(overlap, shard, al
         assert per_step["event_records"] == 8 * buckets, (per_step, buckets)
         assert per_step["stream_waits"] == 4 * buckets, (per_step, buckets)
         assert per_step["event_queries"] <= 8 * buckets, (per_step, buckets)
-        assert hooks["pre_hook"] == STEADY * params, (hooks, params)
-        assert hooks["after_grad"] == STEADY * buckets < STEADY * params, (hooks, params)
-        assert hooks.get("before_grad", 0) == 0, hooks
-        for name in ("open", "launch", "absorb", "wait"):
-            assert hooks[name] == STEADY * buckets, (name, hooks, buckets)
+        _assert_python_per_bucket(hooks, buckets, params)
 
 
 @pytest.mark.parametrize("overlap,shard", [("forward", None), ("backward", None),
