@@ -343,6 +343,7 @@ def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
 
 def _native_calls(buf: torch.Tensor, transport, average: bool, phase: str, tail: int,
                   **timeout) -> None:
+    """The transport's own collective for ``phase`` (``timeout``: the host path's)."""
     if phase == ALL_REDUCE:
         transport.all_reduce(buf, average=average, **timeout)
         return
