@@ -43,6 +43,7 @@ from .base.errors import HybridCommError
 from .config.config import SyncConfig
 from .plan.planner import forced_algorithm
 from .sync import shard as sharding
+from .sync.pending import drop_grads
 from .sync.registry import refuse_wrapped
 from .sync.synchronizer import GradientSynchronizer
 
@@ -157,7 +158,8 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         servers, process_group, self._hc_own_servers = ps.resolve(
             servers, process_group, config.strategy, config.timeout)
         self._hc_skip = self._hc_synchronized = False
-        self._hc_closure_first = evaluates_closure_once(type(self).__bases__[1])  # the wrapped class
+        self._hc_closure_first = evaluates_closure_once(type(self).__bases__[1])  # wrapped class
+        self._hc_zero_grad_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         sync = None
         try:
             sync = self._hc_sync = GradientSynchronizer(
@@ -340,19 +342,18 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             self._hc_sync.set_no_sync(False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients no step has used yet (in flight or not). An update that
-        forward mode deferred is kept: it was taken at ``step()``."""
+        """Drop the gradients no step used yet; forward mode's pending updates stay."""
         if not set_to_none:
             self._hc_sync.prepare_zero()  # (applies the pending updates first)
         if type(self).__bases__[1].zero_grad is not torch.optim.Optimizer.zero_grad:
             super().zero_grad(set_to_none=set_to_none)  # the user's own: it may read anything
-            return
-        if set_to_none and self._hc_sync.deferred.zero_grads(self.param_groups):
-            return  # (forward mode: a pending update's gradients go None once it took them)
-        # torch.optim's zero_grad touches p.grad only: a pending parameter's class
-        # need not see those calls (two per parameter and step, in forward mode)
-        with torch._C.DisableTorchFunctionSubclass():
-            super().zero_grad(set_to_none=set_to_none)
+        elif not set_to_none:  # (a pending parameter's class need not see these calls)
+            with torch._C.DisableTorchFunctionSubclass():
+                super().zero_grad(set_to_none=False)
+        elif not self._hc_sync.deferred.zero_grads(self.param_groups):  # (forward mode: a
+            # pending update's gradients go None once it took them); torch.optim's, in C
+            with torch.autograd.profiler.record_function(self._hc_zero_grad_name):
+                drop_grads(self.param_groups)
 
     def add_param_group(self, param_group) -> None:
         """Add a group; its parameters join the reduction (collective: every rank adds it)."""
@@ -526,14 +527,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
             posted as the bucket is issued), so no step syncs the host. As in
             DDP, off by default. Parameters no rank used are left alone either
             way (``.grad`` None, as one process leaves them).
-        servers: the job's summation servers (hybridcomm/comm/servers.py, host path
-            only): a ``Role`` from ``hybridcomm.comm.servers.split_world`` (the
-            optimizer makes the ``SummationServers`` and closes them in
-            ``close()``) or a ``SummationServers``. ``ps`` then competes per
-            bucket (where the cost model has a line for that many servers; a
-            probe adds one) and ``strategy="ps"`` forces it; the reduction
-            runs over the workers' group. A server rank runs
-            ``hybridcomm.comm.servers.serve(role)`` instead of training.
+        servers: the job's summation servers (comm/servers.py, host path only):
+            a ``Role`` from ``hybridcomm.comm.servers.split_world`` (the optimizer
+            makes the ``SummationServers``, closed in ``close()``) or those
+            servers. ``ps`` then competes per bucket (where the cost model has a
+            line for that many servers; a probe adds one) and ``strategy="ps"``
+            forces it; the reduction runs over the workers' group. A server rank
+            runs ``hybridcomm.comm.servers.serve(role)`` instead of training.
         broadcast_parameters: ``True`` (default): the model's parameters and
             buffers (without ``model``, the optimizer's parameters) are copied
             from rank 0 of the group to every rank, as DDP's constructor does,

@@ -230,6 +230,7 @@ class BucketGroup:
         old_where = carry.where if carry is not None else {}
         self.states: List[BucketState] = []
         self.where: Dict[int, Tuple[BucketState, int]] = {}  # id(param) -> (state, position)
+        self.zeroing_others: Optional[tuple] = None  # DeferredUpdates.zero_grads' look-up
         for b in plan.buckets:
             ps = [params[i] for i in b.params]
             dtype = getattr(torch, b.dtype.replace("torch.", ""))

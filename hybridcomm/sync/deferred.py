@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from itertools import chain
 from operator import attrgetter, is_
 from typing import Callable, Dict, Optional
 
@@ -101,20 +102,36 @@ class DeferredUpdates:
         states = [s for s in group.states if s.phase is Phase.PENDING and s.gathered is None]
         if not states:
             return False
-        for s in states:
-            s.zeroed = True
-        where = group.where
-        with pending.DISABLED():
-            for p in (p for g in param_groups for p in g["params"]):
-                g = p.grad
-                if g is None:
-                    continue
-                if pending.is_pending(p):
-                    w = where.get(id(p))
-                    if w is not None and w[0].zeroed and g is w[0].bucket.views[w[1]]:
-                        continue  # (the update takes it, then it goes None)
-                p.grad = None
+        with pending.DISABLED():  # (per bucket in C: a pending parameter's reads stay quiet)
+            for s in states:
+                s.zeroed = True
+                b = s.bucket
+                bound = list(map(is_, map(_GRAD, b.params), b.views))
+                if len(s.taken) != len(bound) or not all(bound):  # keep taken views only
+                    for pos, (p, kept) in enumerate(zip(b.params, bound)):
+                        if not (kept and pos in s.taken) and p.grad is not None:
+                            p.grad = None
+            for p in self._others(group, param_groups, states):
+                if p.grad is not None:
+                    p.grad = None
         return True
+
+    @staticmethod
+    def _others(group: BucketGroup, param_groups, states) -> list:
+        """The parameters of ``param_groups`` in none of ``states``' buckets (none, as a
+        rule: every trainable parameter is in a bucket), kept on the group from the
+        last call while the groups list the same parameters and the same buckets are
+        pending."""
+        listed = list(chain.from_iterable(g["params"] for g in param_groups))
+        indices = [s.index for s in states]
+        known = group.zeroing_others
+        if known is not None and known[0] == indices and len(known[1]) == len(listed) and \
+                all(map(is_, listed, known[1])):
+            return known[2]
+        covered = {id(p) for s in states for p in s.bucket.params}
+        others = [p for p in listed if id(p) not in covered]
+        group.zeroing_others = (indices, listed, others)
+        return others
 
     @staticmethod
     def _zero_taken(s: BucketState) -> None:

@@ -42,6 +42,8 @@ import functools
 import logging
 import sys
 import weakref
+from collections import deque
+from itertools import chain, repeat
 from typing import Callable, Dict, Iterable, Sequence, Tuple
 
 import torch
@@ -162,6 +164,14 @@ def grad_field(p: torch.Tensor):
         with _DISABLED():
             return p.grad
     return p.grad
+
+
+def drop_grads(param_groups) -> None:
+    """Every ``p.grad`` of ``param_groups`` None (``zero_grad()``'s default), per
+    parameter in C; a pending parameter's update stays pending."""
+    params = chain.from_iterable(g["params"] for g in param_groups)
+    with _DISABLED():
+        deque(map(setattr, params, repeat("grad"), repeat(None)), 0)
 
 
 def is_pending(t) -> bool:

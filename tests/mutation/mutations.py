@@ -795,12 +795,26 @@ MUTATIONS = [
              "a graph from before step() adds into the view its update has not taken yet"),
     Mutation(
         "zeroed-hand-set-grad-kept", "i38 host cost", "hybridcomm/sync/deferred.py",
-        old="                    if w is not None and w[0].zeroed and g is w[0].bucket.views[w[1]]:\n",
-        new="                    if w is not None and w[0].zeroed:\n",
+        old="                        if not (kept and pos in s.taken) and p.grad is not None:\n",
+        new="                        if pos not in s.taken and p.grad is not None:\n",
         guards=("tests/test_forward_mode.py::test_gradients_zeroed_while_an_update_waits_read_"
                 "as_in_one_process[False]",),
         what="zero_grad() skips every parameter of a pending bucket: a gradient set by hand "
              "after step() survives it"),
+    Mutation(
+        "zeroed-others-kept", "i38 host cost", "hybridcomm/sync/deferred.py",
+        old="            for p in self._others(group, param_groups, states):\n",
+        new="            for p in []:\n",
+        guards=("tests/test_forward_mode.py",),
+        what="zero_grad() while an update waits leaves the gradient of a parameter in no "
+             "pending bucket (a sparse one, reduced apart) as it was"),
+    Mutation(
+        "dropped-grads-kept", "i38 host cost", "hybridcomm/sync/pending.py",
+        old="        deque(map(setattr, params, repeat(\"grad\"), repeat(None)), 0)\n",
+        new="        pass\n",
+        guards=("tests/test_optimizer_features.py",),
+        what="zero_grad() with nothing pending leaves every .grad: the next backward adds "
+             "into last step's reduced gradients"),
     Mutation(
         "native-scatter-unscaled", "i40 native", "hybridcomm/comm/transport/torch_dist.py",
         old="        if average:\n            mine.mul_(1.0 / self.world_size)\n",
