@@ -805,7 +805,8 @@ MUTATIONS = [
         "zeroed-others-kept", "i38 host cost", "hybridcomm/sync/deferred.py",
         old="            for p in self._others(group, param_groups, states):\n",
         new="            for p in []:\n",
-        guards=("tests/test_reliability.py::test_sparse_embeddings_train_like_one_process[forward]",),
+        guards=("tests/test_reliability.py::test_sparse_embeddings_train_like_one_"
+                "process[forward]",),
         what="zero_grad() while an update waits leaves the gradient of a parameter in no "
              "pending bucket (a sparse one, reduced apart) as it was"),
     Mutation(
