@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from operator import is_
+from operator import attrgetter, is_
 from typing import Optional
 
 import torch
@@ -290,8 +290,8 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             hyper = [dict(h, momentum=0.0) for h in hyper]
         # What would change nothing is skipped (the usual deferred update: every
         # parameter, its .grad the reduced view, the hyper-parameters of now)
-        current = [p.grad for p in params]
-        saved_grads = None if all(map(is_, current, grads)) else current
+        saved_grads = None if all(map(is_, map(attrgetter("grad"), params), grads)) else \
+            [p.grad for p in params]
         if saved_grads is not None:
             for p, g in zip(params, grads):
                 p.grad = g
