@@ -11,43 +11,22 @@ the configs' order rotates by one each round. In one process the hybridcomm
 optimizer built first ran 0.1-0.2 ms a step slower than an identical one built
 after it, whatever its mode (``ab_world1.py`` builds forward mode first).
 """
-import os
 import statistics
 import sys
-import tempfile
 import time
+
+from world1 import linear_stack, start, steps
 
 if __name__ == "__main__":
     checkout, label = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else sys.argv[1])
-    os.environ.setdefault("HYBRIDCOMM_DEFER", "always")
-    os.environ.setdefault("HYBRIDCOMM_LOG_LEVEL", "WARNING")
-    sys.path.insert(0, checkout)
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
+    hybridcomm = start(checkout)
+    modes = {"plain": None, "sacrificial": "backward", "forward": "forward",
+             "backward": "backward", "none": "none"}
+    runs = {name: linear_stack(hybridcomm, mode) for name, mode in modes.items()}
 
-    import hybridcomm
-
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    runs = {}
-    for name in ("plain", "sacrificial", "forward", "backward", "none"):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(100)])
-        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-        if name != "plain":
-            mode = "backward" if name == "sacrificial" else name
-            opt = hybridcomm.DistributedOptimizer(opt, model=model, overlap=mode,
-                                                  cost_model="probe", measure_iters=0)
-        runs[name] = (model, torch.randn(32, 64), opt)
-
-    def steps(model, x, opt, n):
+    def timed(run, n):
         t0 = time.perf_counter()
-        for _ in range(n):
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
+        steps(*run, n)
         return (time.perf_counter() - t0) / n
 
     for run in runs.values():
@@ -57,7 +36,7 @@ if __name__ == "__main__":
     for r in range(40):
         k = r % len(order)
         for name in order[k:] + order[:k]:
-            times[name].append(steps(*runs[name], 25))
+            times[name].append(timed(runs[name], 25))
     for name, ts in times.items():
         if name == "sacrificial":
             continue

@@ -14,38 +14,19 @@ after ``step()``) and in backward mode, then times, in a steady state:
 
 Median of 7 repeats of 2000 calls, microseconds per call.
 """
-import os
 import statistics
 import sys
-import tempfile
 import timeit
+
+from world1 import linear_stack, start, steps
 
 if __name__ == "__main__":
     checkout, label = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else sys.argv[1])
-    os.environ.setdefault("HYBRIDCOMM_DEFER", "always")
-    os.environ.setdefault("HYBRIDCOMM_LOG_LEVEL", "WARNING")
-    sys.path.insert(0, checkout)
-    import torch
-    import torch.distributed as dist
-    import torch.nn as nn
-
-    import hybridcomm
-
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    hybridcomm = start(checkout)
 
     def trained(mode):
-        torch.manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(100)])
-        opt = hybridcomm.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9), model=model,
-            overlap=mode, cost_model="probe", measure_iters=0)
-        x = torch.randn(32, 64)
-        for _ in range(50):
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
+        model, x, opt = linear_stack(hybridcomm, mode)
+        steps(model, x, opt, 50)
         return opt
 
     def per_call(fn, n=2000):
