@@ -11,10 +11,15 @@ def schedule_counts(plan, rank, world):
     kernels = calls = 0
     for b in plan.buckets:
         for a, z in b.segments:
-            sched = get_schedule(b.algorithm, rank, world, z - a)
-            kernels += sum(1 for st in sched.steps for r in st.recvs if r.reduce)
-            calls += sum(len(st.sends) + len(st.recvs) for st in sched.steps)
+            k, c = _counts(get_schedule(b.algorithm, rank, world, z - a))
+            kernels, calls = kernels + k, calls + c
     return kernels, calls
+
+
+def _counts(sched):
+    """(reducing receives, sends and receives) of one schedule."""
+    return (sum(1 for st in sched.steps for r in st.recvs if r.reduce),
+            sum(len(st.sends) + len(st.recvs) for st in sched.steps))
 
 
 def sharded_counts(plan, rank, world):
@@ -32,7 +37,6 @@ def sharded_counts(plan, rank, world):
                 calls += 2 * (1 + bool(tail))
                 continue
             for phase in (REDUCE_SCATTER, ALL_GATHER):
-                sched = get_phase_schedule(phase, b.algorithm, rank, world, z - a, tail)
-                kernels += sum(1 for st in sched.steps for r in st.recvs if r.reduce)
-                calls += sum(len(st.sends) + len(st.recvs) for st in sched.steps)
+                k, c = _counts(get_phase_schedule(phase, b.algorithm, rank, world, z - a, tail))
+                kernels, calls = kernels + k, calls + c
     return kernels, calls
