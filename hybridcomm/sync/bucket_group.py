@@ -111,7 +111,7 @@ class BucketState:
         self.agreed = None  # control.HostMax over ``marked``, posted as the launch is issued
         self.gathered = None  # PENDING under shard: completes the parameters' all-gather
         self.scattered = False  # under shard: reduce-scattered, each rank's part alone whole
-        self.guards: list = []  # its parameters' pre-hooks (grad_hooks.py)
+        self.guards = None  # its parameters' pre-hooks (grad_hooks.Guards)
         self.armed = False  # they are wanted on (BucketGroup.rearm)
         # grad_hooks.py: the position whose gradient completed it, in how many passes
         # in a row, and the last such pass
