@@ -739,9 +739,11 @@ def test_a_replan_frees_the_old_buckets_memory_at_once():
     assert run_ranks(2, _replaced_buckets) == [True, True]
 
 
-def _users_hooks(rank, world, overlap):
+def _users_hooks(rank, world, overlap, late=False):
     """A hook that doubles one parameter's gradient from the start, one that counts
-    another's calls from step 2 on (registered while ours are off or on)."""
+    another's calls from step 2 on, registered before that step's forward (ours are
+    off then, or on while an update waits) or, ``late``, between its backward and
+    step() (ours are on: it goes into the dict the library handed torch)."""
     model = make_model()
     params = list(model.parameters())
     params[0].register_hook(lambda g: g * 2)
@@ -750,12 +752,14 @@ def _users_hooks(rank, world, overlap):
         opt = hybridcomm.DistributedOptimizer(opt, model=model, overlap=overlap, timeout=60)
     counted = []
     for s in range(5):
-        if s == 2:
+        if s == 2 and not late:
             params[-1].register_hook(lambda g: counted.append(s))
         x, y = batch(s)
         opt.zero_grad()
         xs, ys = (shard(x, rank, world), shard(y, rank, world)) if world else (x, y)
         nn.functional.mse_loss(model(xs), ys).backward()
+        if s == 2 and late:
+            params[-1].register_hook(lambda g: counted.append(s))
         opt.step()
     if world:
         opt.close()
@@ -764,13 +768,16 @@ def _users_hooks(rank, world, overlap):
     return flat(model.parameters()), len(counted), params[0].grad.clone()
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["before", "late"])
 @pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
-def test_a_users_own_gradient_hooks_keep_running(overlap):
+def test_a_users_own_gradient_hooks_keep_running(overlap, late):
     """The library turns its pre-hooks on and off by the bucket's phase
     (grad_hooks.py); a user's hooks on the same parameters, registered before or
-    during training, run once per backward throughout and after close()."""
-    want, want_calls, want_grad = _users_hooks(0, 0, overlap)
-    for got, calls, grad in run_ranks(2, _users_hooks, overlap):
+    during training (also while ours are on), run once per backward throughout and
+    after close()."""
+    want, want_calls, want_grad = _users_hooks(0, 0, overlap, late)
+    for got, calls, grad in run_ranks(2, _users_hooks, overlap, late):
         assert torch.allclose(got, want, **TOL), f"max diff {(got - want).abs().max():.3g}"
-        assert calls == want_calls == 4  # steps 2, 3, 4 and the backward after close()
+        # steps 2 (unless late), 3, 4 and the backward after close()
+        assert calls == want_calls == (3 if late else 4)
         assert torch.allclose(grad, want_grad, **TOL)
