@@ -740,26 +740,34 @@ def test_a_replan_frees_the_old_buckets_memory_at_once():
 
 
 def _users_hooks(rank, world, overlap, late=False):
-    """A hook that doubles one parameter's gradient from the start, one that counts
-    another's calls from step 2 on, registered before that step's forward (ours are
-    off then, or on while an update waits) or, ``late``, between its backward and
-    step() (ours are on: it goes into the dict the library handed torch)."""
+    """A hook that doubles one parameter's gradient, one that counts another's calls,
+    registered: the first at the start, the second before step 2's forward (ours
+    are off then, or on while an update waits); or, ``late``, both between step 2's
+    backward and its step() (ours are on: they go into the dicts the library handed
+    torch)."""
     model = make_model()
     params = list(model.parameters())
-    params[0].register_hook(lambda g: g * 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if world:
         opt = hybridcomm.DistributedOptimizer(opt, model=model, overlap=overlap, timeout=60)
     counted = []
+
+    def register():
+        params[-1].register_hook(lambda g: counted.append(s))
+        if late:
+            params[0].register_hook(lambda g: g * 2)
+
+    if not late:
+        params[0].register_hook(lambda g: g * 2)
     for s in range(5):
         if s == 2 and not late:
-            params[-1].register_hook(lambda g: counted.append(s))
+            register()
         x, y = batch(s)
         opt.zero_grad()
         xs, ys = (shard(x, rank, world), shard(y, rank, world)) if world else (x, y)
         nn.functional.mse_loss(model(xs), ys).backward()
         if s == 2 and late:
-            params[-1].register_hook(lambda g: counted.append(s))
+            register()
         opt.step()
     if world:
         opt.close()
