@@ -744,7 +744,10 @@ def _users_hooks(rank, world, overlap, late=False):
     registered: the first at the start, the second before step 2's forward (ours
     are off then, or on while an update waits); or, ``late``, both between step 2's
     backward and its step() (ours are on: they go into the dicts the library handed
-    torch)."""
+    torch; on the host path, also under the simulated GPU's suite: there the library's
+    are never off)."""
+    if late:
+        os.environ.pop("HYBRIDCOMM_SIMULATE_GPU", None)  # (a rank's process, or no ranks)
     model = make_model()
     params = list(model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
