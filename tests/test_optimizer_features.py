@@ -746,8 +746,8 @@ def _users_hooks(rank, world, overlap, late=False):
     backward and its step() (ours are on: they go into the dicts the library handed
     torch; on the host path, also under the simulated GPU's suite: there the library's
     are never off)."""
-    if late:
-        os.environ.pop("HYBRIDCOMM_SIMULATE_GPU", None)  # (a rank's process, or no ranks)
+    if late and world:  # (in a rank's own process: the suite's setting stays)
+        os.environ.pop("HYBRIDCOMM_SIMULATE_GPU", None)
     model = make_model()
     params = list(model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
