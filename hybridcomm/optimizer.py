@@ -282,15 +282,15 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
     def _hc_hyper(self) -> list:
         return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
 
-    def _hc_update(self, params, grads, hyper, momentum_free: bool = False) -> None:
+    def _hc_update(self, params, grads, hyper, momentum_free=False, bound=False) -> None:
         """The wrapped optimizer's step for ``params`` alone, with gradients ``grads``
         and per-group hyper-parameters ``hyper`` (as at the step() that deferred it);
-        ``momentum_free``: momentum 0 (DGC applied it before sparsifying)."""
+        ``momentum_free``: momentum 0 (DGC applied it); ``bound``: each .grad is grads'."""
         if momentum_free:
             hyper = [dict(h, momentum=0.0) for h in hyper]
         # What would change nothing is skipped (the usual deferred update: every
         # parameter, its .grad the reduced view, the hyper-parameters of now)
-        saved_grads = None if all(map(is_, map(attrgetter("grad"), params), grads)) else \
+        saved_grads = None if bound or all(map(is_, map(attrgetter("grad"), params), grads)) else \
             [p.grad for p in params]
         if saved_grads is not None:
             for p, g in zip(params, grads):

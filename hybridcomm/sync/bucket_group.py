@@ -90,7 +90,7 @@ class BucketState:
     __slots__ = ("index", "bucket", "_phase", "content", "touched", "pass_id", "launched_pass",
                  "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
                  "detached", "marked", "agreed", "gathered", "scattered", "guards", "armed",
-                 "closer", "closer_steps", "closed_in", "kept", "zeroed")
+                 "closer", "closer_steps", "closed_in", "kept", "zeroed", "rebound")
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -105,6 +105,9 @@ class BucketState:
         self.hyper = None  # PENDING: the hyper-parameters of the deferring step()
         self.taken: set = set()  # PENDING: positions whose .grad the step took (not zeroed)
         self.zeroed = False  # PENDING: zero_grad() since: .grad reads None (deferred.py)
+        # PENDING: a .grad of its parameters may have been written since step() (True:
+        # not known; False: each field is as step() found it, not read again: deferred.py)
+        self.rebound = True
         self.reopened = False  # a gradient came after its launch: it must be launched again
         self.detached: set = set()  # positions whose late additions wait in autograd's tensor
         self.marked: List[int] = []  # the positions this rank launched with a gradient
@@ -424,10 +427,12 @@ class BucketGroup:
             now = time.perf_counter()
             self.links.timeline.add(f"wait bucket {s.index}", "wait", now - waited, now)
 
-    def settle(self, s: BucketState, waited: bool = False) -> List[int]:
+    def settle(self, s: BucketState, waited: bool = False,
+               views_bound: bool = False) -> List[int]:
         """Wait for the bucket's reduction (unless the caller just ``waited``); its
         content is now the reduced gradients of the positions some rank used
-        (returned). The phase is the caller's to set."""
+        (returned). The phase is the caller's to set. ``views_bound``: the caller knows
+        that every ``.grad`` is its view (not read again)."""
         if not waited:
             self.wait(s)
         b = s.bucket
@@ -442,6 +447,9 @@ class BucketGroup:
                 "(set_to_none=True, the default)")
         used = self.links.used.positions(s, self.links.on_device)
         s.scattered = self.engine.phase is REDUCE_SCATTER
+        if views_bound:
+            s.content = set(used)
+            return used
         bound = list(map(is_, map(_GRAD, b.params), b.views))
         if s.complete and all(bound):
             s.content = set(used)  # (the usual bucket: every position used and bound)

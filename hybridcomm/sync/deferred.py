@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from itertools import chain
+from collections import deque
+from itertools import chain, repeat
 from operator import attrgetter, is_
 from typing import Callable, Dict, Optional
 
@@ -30,7 +31,8 @@ from . import pending
 from .bucket_group import BucketGroup, BucketState, Phase, StepState
 from .measure import StepMeasurements
 
-Update = Callable[[list, list, list, bool], None]
+# update(params, grads, hyper, momentum_free, bound): bound, every p.grad is already its grad
+Update = Callable[[list, list, list, bool, bool], None]
 _NO_CONTEXT = contextlib.nullcontext()
 _GRAD = attrgetter("grad")
 
@@ -38,8 +40,9 @@ _GRAD = attrgetter("grad")
 class DeferredUpdates:
     """Holds forward mode's pending updates and applies them (module doc).
 
-    ``update(params, grads, hyper, momentum_free)`` is the optimizer's step on
-    those parameters; ``group_of()`` the synchronizer's current bucket group.
+    ``update(params, grads, hyper, momentum_free, bound)`` is the optimizer's step
+    on those parameters (``bound``: each ``p.grad`` is already its gradient);
+    ``group_of()`` the synchronizer's current bucket group.
     """
 
     def __init__(self, group_of: Callable[[], BucketGroup], update: Optional[Update],
@@ -49,7 +52,7 @@ class DeferredUpdates:
         self.measure, self.state, self.clock, self.timeline = measure, state, clock, timeline
         self._rt, self._momentum = rt, momentum
         self.on_read = self.read  # one object, so pending.py registers it once per parameter
-        pending.show_grads(self.on_read, self.shown_grad)
+        pending.watch_grads(self.on_read, self.shown_grad, self.grad_written)
 
     def _watched(self):
         return self._rt.watched() if self._rt is not None else _NO_CONTEXT
@@ -65,7 +68,7 @@ class DeferredUpdates:
             taken = set(range(len(bound))) if whole else \
                 {pos for pos, kept in enumerate(bound) if kept}
             if s.launched or (s.phase is Phase.IDLE and taken & s.content):
-                s.hyper, s.taken, s.zeroed = hyper, taken, False
+                s.hyper, s.taken, s.zeroed, s.rebound = hyper, taken, False, False
                 group.to(s, Phase.PENDING)
                 # (the bucket's own list where it is whole: pending.py knows it from the last step)
                 pending.defer(b.params if whole else [b.params[pos] for pos in taken],
@@ -90,6 +93,13 @@ class DeferredUpdates:
                 return None
         return grad
 
+    def grad_written(self, p) -> None:
+        """``p.grad`` was written while ``p`` is pending (pending.py): its bucket's
+        fields are read again where they are needed (``zero_grads``, ``apply``)."""
+        where = self._group_of().where.get(id(p))
+        if where is not None:
+            where[0].rebound = True
+
     def zero_grads(self, param_groups) -> bool:
         """``zero_grad()`` (``set_to_none=True``) of the optimizer's ``param_groups``
         while updates are pending: a pending bucket's views stay in ``.grad``, read
@@ -106,6 +116,12 @@ class DeferredUpdates:
             for s in states:
                 s.zeroed = True
                 b = s.bucket
+                if not s.rebound:  # (each field as step() found it: the taken views)
+                    if len(s.taken) != len(b.params):
+                        for pos, p in enumerate(b.params):
+                            if pos not in s.taken and p.grad is not None:
+                                p.grad = None
+                    continue
                 bound = list(map(is_, map(_GRAD, b.params), b.views))
                 if len(s.taken) != len(bound) or not all(bound):  # keep taken views only
                     for pos, (p, kept) in enumerate(zip(b.params, bound)):
@@ -142,9 +158,8 @@ class DeferredUpdates:
         if not s.zeroed:
             return
         s.zeroed = False
-        params = s.bucket.params
-        for pos in s.content:
-            params[pos].grad = None
+        positions = map(s.bucket.params.__getitem__, s.content)
+        deque(map(setattr, positions, repeat("grad"), repeat(None)), 0)  # (in C)
         s.content = set()
 
     def release_dropped(self, s: BucketState) -> None:
@@ -206,7 +221,8 @@ class DeferredUpdates:
         groups: Dict[bool, tuple] = {}
         for o in together:
             hyper, o.hyper = o.hyper, None
-            used = group.settle(o, waited=o is s and not measuring)
+            whole = not o.rebound and len(o.taken) == len(o.bucket.params)
+            used = group.settle(o, waited=o is s and not measuring, views_bound=whole)
             group.to(o, Phase.IDLE)
             group.drop_unused(o, used)
             b = o.bucket
@@ -220,10 +236,11 @@ class DeferredUpdates:
                 if pos in o.taken:
                     params.append(b.params[pos])
                     grads.append(b.views[pos])
-        if self.update is not None:
+        if self.update is not None:  # (bound: no field written since step(), none read)
+            bound = not any(o.rebound for o in together)
             for free, (params, grads, hyper) in groups.items():
                 if params:
-                    self.update(params, grads, hyper, free)
+                    self.update(params, grads, hyper, free, bound)
         for o in together:
             self._zero_taken(o)
         self.timeline.add(f"update bucket {s.index}" + (f" (+{len(together) - 1})"

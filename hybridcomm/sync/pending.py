@@ -44,7 +44,7 @@ import sys
 import weakref
 from collections import deque
 from itertools import chain, repeat
-from typing import Callable, Dict, Iterable, Sequence, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 import torch
 
@@ -78,10 +78,12 @@ _QUIET_METHODS = frozenset({
 })
 
 
-LOUD, QUIET, GRAD_READ = 0, 1, 2  # what a call on a pending parameter is (_kind)
+# what a call on a pending parameter is (_kind)
+LOUD, QUIET, GRAD_READ, GRAD_WRITE = 0, 1, 2, 3
 _kinds: Dict[object, int] = {}  # func -> _kind(func): zero_grad asks per parameter
-# owner's read callable -> shown(p, grad): what a read of p.grad returns (show_grads)
-_shown: Dict[Callable, Callable] = {}
+# owner's read callable -> (shown(p, grad), written(p)): what a read of p.grad returns,
+# what a write of it tells the owner (watch_grads)
+_watchers: Dict[Callable, Tuple[Callable, Callable]] = {}
 
 
 def _kind(func) -> int:
@@ -95,8 +97,8 @@ def _classify(func) -> int:
     name = getattr(func, "__name__", "")
     if name in ("__get__", "__set__", "__delete__"):
         attribute = getattr(getattr(func, "__self__", None), "__name__", "")
-        if name == "__get__" and attribute in ("grad", "_grad"):
-            return GRAD_READ
+        if attribute in ("grad", "_grad"):
+            return GRAD_READ if name == "__get__" else GRAD_WRITE
         # p.data = x replaces the memory the update writes into: apply it first
         return QUIET if attribute in _QUIET_ATTRIBUTES and not (
             name == "__set__" and attribute == "data") else LOUD
@@ -117,7 +119,11 @@ class _Pending:
         if kind:
             with _DISABLED():
                 out = func(*args, **kwargs)
-            return _shown_grad(args[0], out) if kind == GRAD_READ and out is not None else out
+            if kind == GRAD_READ and out is not None:
+                return _watcher(args[0], 0, _unseen)(args[0], out)
+            if kind == GRAD_WRITE:
+                _watcher(args[0], 1, _unseen)(args[0])
+            return out
         for t in collect(kwargs, collect(args, [])):
             if isinstance(t, _Pending):
                 resolve(t)
@@ -141,21 +147,27 @@ def _pending_class(base: type) -> type:
     return cls
 
 
-def _shown_grad(p, grad):
-    """What ``p.grad`` reads as while ``p`` is pending: its owner may show None for a
-    gradient zeroed since the step (``show_grads``)."""
+def _unseen(p, grad=None):
+    return grad  # (no watcher: a read returns the field, a write tells no one)
+
+
+def _watcher(p, which: int, default: Callable) -> Callable:
+    """Pending ``p``'s owner's ``watch_grads`` callable (``which``: 0 shown, 1 written)."""
     entry = _waiting.get(id(p))
-    shown = _shown.get(entry[1]) if entry is not None and entry[0]() is p else None
-    return grad if shown is None else shown(p, grad)
+    watchers = _watchers.get(entry[1]) if entry is not None and entry[0]() is p else None
+    return default if watchers is None else watchers[which]
 
 
-def show_grads(apply: Callable[[torch.Tensor], None],
-               shown: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
-    """A read of ``p.grad`` (or ``p._grad``), ``p`` pending with ``apply``, returns
-    ``shown(p, grad)`` instead of ``grad`` (the tensor the field holds, never None):
-    forward mode shows None for a gradient that ``zero_grad()`` zeroed while its
-    update was pending, and sets the field to None once the update took it."""
-    _shown[apply] = shown
+def watch_grads(apply: Callable[[torch.Tensor], None],
+                shown: Callable[[torch.Tensor, torch.Tensor], object],
+                written: Callable[[torch.Tensor], None]) -> None:
+    """While ``p`` is pending with ``apply``: a read of ``p.grad`` (or ``p._grad``)
+    returns ``shown(p, grad)`` instead of ``grad`` (the tensor the field holds, never
+    None), and after a write of either (``=``, ``del``) ``written(p)`` is called.
+    Forward mode shows None for a gradient that ``zero_grad()`` zeroed while its
+    update was pending, and sets the field to None once the update took it; a
+    bucket none of whose fields was written since the step is not read again."""
+    _watchers[apply] = (shown, written)
 
 
 def grad_field(p: torch.Tensor):
@@ -195,9 +207,7 @@ def defer(params: Sequence[torch.Tensor], apply: Callable[[torch.Tensor], None])
                 waiting[id(p)] = (weakref.ref(p, functools.partial(_forget_dead, id(p))), apply)
                 _registered.clear()  # (another list's registration may be this one's)
         _registered[id(params)] = (params, apply)
-    for p in params:
-        cls = p.__class__
-        p.__class__ = classes.get(cls) or _pending_class(cls)
+    _set_classes(params, lambda cls: classes.get(cls) or _pending_class(cls))
     _arm_compiled_forward_hook()
 
 
@@ -216,20 +226,31 @@ def release(p: torch.Tensor) -> None:
         p.__class__ = base
 
 
-def release_all(params: Iterable[torch.Tensor]) -> None:
+def release_all(params: Sequence[torch.Tensor]) -> None:
     """``release`` each of ``params`` (a bucket's, once per step)."""
-    bases = _bases
+    _set_classes(params, _bases.get)
+
+
+def _set_classes(params: Sequence[torch.Tensor], new_class: Callable[[type], object]) -> None:
+    """Each of ``params`` of class ``c`` gets class ``new_class(c)`` (None: it keeps
+    ``c``). Where all are of one class (as a rule), written in C (one ``map``)."""
+    classes = set(map(type, params))
+    if len(classes) == 1:
+        cls = new_class(classes.pop())
+        if cls is not None:
+            deque(map(setattr, params, repeat("__class__"), repeat(cls)), 0)
+        return
     for p in params:
-        base = bases.get(p.__class__)
-        if base is not None:
-            p.__class__ = base
+        cls = new_class(p.__class__)
+        if cls is not None:
+            p.__class__ = cls
 
 
 def forget(apply: Callable[[torch.Tensor], None]) -> None:
     """``apply`` applies no update any more (its owner closed): every parameter it
     was registered for is released and unregistered, also one that left its
     buckets since (the registration would keep the owner's memory alive)."""
-    _shown.pop(apply, None)
+    _watchers.pop(apply, None)
     _registered.clear()
     for pid, (ref, fn) in list(_waiting.items()):
         if fn is apply:

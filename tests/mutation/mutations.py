@@ -810,6 +810,30 @@ MUTATIONS = [
         what="zero_grad() skips every parameter of a pending bucket: a gradient set by hand "
              "after step() survives it"),
     Mutation(
+        "grad-writes-unseen", "i38 host cost", "hybridcomm/sync/pending.py",
+        old="                _watcher(args[0], 1, _unseen)(args[0])\n",
+        new="                pass\n",
+        guards=("tests/test_forward_mode.py::test_gradients_zeroed_while_an_update_waits_read_"
+                "as_in_one_process[False]",),
+        what="a .grad written while its update is pending goes unseen: zero_grad() keeps a "
+             "gradient set by hand, the update takes one set after zero_grad()"),
+    Mutation(
+        "rebound-ignored-at-settle", "i38 host cost", "hybridcomm/sync/deferred.py",
+        old="            whole = not o.rebound and len(o.taken) == len(o.bucket.params)\n",
+        new="            whole = len(o.taken) == len(o.bucket.params)\n",
+        guards=("tests/test_forward_mode.py::test_gradients_zeroed_while_an_update_waits_read_"
+                "as_in_one_process[False]",),
+        what="a bucket whose .grad was set by hand while pending is taken as all views: the "
+             "hand-set gradient goes None after the update"),
+    Mutation(
+        "rebound-ignored-at-update", "i38 host cost", "hybridcomm/sync/deferred.py",
+        old="            bound = not any(o.rebound for o in together)\n",
+        new="            bound = True\n",
+        guards=("tests/test_forward_mode.py::test_gradients_zeroed_while_an_update_waits_read_"
+                "as_in_one_process[False]",),
+        what="the deferred update steps on whatever .grad holds, a gradient set by hand "
+             "since step() included, not on the reduced views"),
+    Mutation(
         "zeroed-others-kept", "i38 host cost", "hybridcomm/sync/deferred.py",
         old="            for p in self._others(group, param_groups, states):\n",
         new="            for p in []:\n",
