@@ -279,8 +279,8 @@ def _gradients_between_zero_grad_and_forward(opt, model, rank, world):
         opt.zero_grad()
         seen.append((sum(map(is_pending, model.parameters())),
                      all(p.grad is None for p in model.parameters())))
-        if s % 3 == 1:
-            model.body.bias.grad = torch.full_like(model.body.bias, 0.01)
+        if s % 3 == 1:  # (reads no data: set while the update is pending)
+            model.body.bias.grad = torch.full(model.body.bias.shape, 0.01)
         if s % 3 == 2:
             before_step.backward()
         _loss(model, model(x), y).backward()
