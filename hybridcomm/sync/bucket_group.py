@@ -114,7 +114,7 @@ class BucketState:
         self.agreed = None  # control.HostMax over ``marked``, posted as the launch is issued
         self.gathered = None  # PENDING under shard: completes the parameters' all-gather
         self.scattered = False  # under shard: reduce-scattered, each rank's part alone whole
-        self.guards = None  # its parameters' pre-hooks (grad_hooks.Guards)
+        self.guards: list = []  # its parameters' pre-hooks (grad_hooks.py)
         self.armed = False  # they are wanted on (BucketGroup.rearm)
         # grad_hooks.py: the position whose gradient completed it, in how many passes
         # in a row, and the last such pass
@@ -427,8 +427,7 @@ class BucketGroup:
             now = time.perf_counter()
             self.links.timeline.add(f"wait bucket {s.index}", "wait", now - waited, now)
 
-    def settle(self, s: BucketState, waited: bool = False,
-               views_bound: bool = False) -> List[int]:
+    def settle(self, s: BucketState, waited: bool = False, views_bound: bool = False) -> List[int]:
         """Wait for the bucket's reduction (unless the caller just ``waited``); its
         content is now the reduced gradients of the positions some rank used
         (returned). The phase is the caller's to set. ``views_bound``: the caller knows
@@ -447,11 +446,8 @@ class BucketGroup:
                 "(set_to_none=True, the default)")
         used = self.links.used.positions(s, self.links.on_device)
         s.scattered = self.engine.phase is REDUCE_SCATTER
-        if views_bound:
-            s.content = set(used)
-            return used
-        bound = list(map(is_, map(_GRAD, b.params), b.views))
-        if s.complete and all(bound):
+        bound = None if views_bound else list(map(is_, map(_GRAD, b.params), b.views))
+        if views_bound or (s.complete and all(bound)):
             s.content = set(used)  # (the usual bucket: every position used and bound)
             return used
         s.content = {pos for pos in used if bound[pos]}  # (forward mode: none after zero_grad)

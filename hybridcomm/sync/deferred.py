@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
-from itertools import chain, repeat
+from itertools import chain
 from operator import attrgetter, is_
 from typing import Callable, Dict, Optional
 
@@ -158,8 +157,9 @@ class DeferredUpdates:
         if not s.zeroed:
             return
         s.zeroed = False
-        positions = map(s.bucket.params.__getitem__, s.content)
-        deque(map(setattr, positions, repeat("grad"), repeat(None)), 0)  # (in C)
+        params = s.bucket.params
+        for pos in s.content:
+            params[pos].grad = None
         s.content = set()
 
     def release_dropped(self, s: BucketState) -> None:

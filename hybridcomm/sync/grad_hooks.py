@@ -60,9 +60,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections import OrderedDict, deque
-from itertools import repeat
-from operator import attrgetter, contains, is_
+from collections import OrderedDict
 from typing import Dict, Iterable
 
 import torch
@@ -73,7 +71,6 @@ from .passes import LAUNCH
 from .pending import grad_field
 
 _ACCUMULATING, _IDLE = Phase.ACCUMULATING, Phase.IDLE
-_HOOKS = attrgetter("_backward_hooks")
 log = logging.getLogger("hybridcomm")
 
 
@@ -129,9 +126,9 @@ class GradientHooks:
         cfg = sync.config
         self.can_lean = cfg.lean_hooks and not cfg.find_unused_parameters
         for s in sync.group.states:
-            s.guards = Guards([self._pre[id(p)] for p in s.bucket.params])
+            s.guards = [self._pre[id(p)] for p in s.bucket.params]
             s.armed = wants_guard(s)
-            s.guards.set(self.always_armed or s.armed)
+            self._set(s.guards, self.always_armed or s.armed)
 
     def set_lean(self, on: bool) -> None:
         """Only each bucket's closer keeps its post-accumulate hook (``on``), or every
@@ -194,8 +191,24 @@ class GradientHooks:
     def guard(self, s, on: bool) -> None:
         """Bucket ``s`` entered (``on``) or left the phases where autograd must not add
         into its views unchecked (``BucketGroup.to``)."""
-        if not self.always_armed and s.guards is not None:
-            s.guards.set(on)
+        if not self.always_armed:
+            self._set(s.guards, on)
+
+    @staticmethod
+    def _set(entries, on: bool) -> None:
+        if on:
+            for p, key, hook, alone in entries:
+                hooks = p._backward_hooks
+                if hooks is None:
+                    if len(alone) != 1 or key not in alone:  # (a user's hook went in)
+                        alone.clear()
+                        alone[key] = hook
+                    p._backward_hooks = alone  # (the setter hands it to autograd)
+                elif key not in hooks:
+                    hooks[key] = hook
+        else:
+            for entry in entries:
+                _disarm(entry)
 
     def detach(self) -> None:
         for entry in self._post.values():
@@ -291,52 +304,6 @@ class GradientHooks:
                 sync.group.absorb(s)  # (a local pass: the memory autograd held, freed)
             elif s.launched_epoch != sync.state.epoch:
                 sync.group.open_and_launch(s, sync.open, passes.id)
-
-
-class Guards:
-    """A bucket's pre-hooks, one ``(param, key, hook, alone)`` entry per parameter in
-    order (``alone``: the dict that holds our hook alone, handed to torch as the
-    parameter's ``_backward_hooks``), switched on or off together (``set``). Where
-    no hook of anyone else's is on the bucket's parameters (as a rule), each
-    parameter's ``_backward_hooks`` is read and written in C (one ``map`` each):
-    two setter calls per parameter and step stay, the Python loop around them
-    goes (~40% of the switch's instructions). Otherwise one by one."""
-
-    __slots__ = ("entries", "params", "keys", "alone")
-
-    def __init__(self, entries: list):
-        self.entries = entries
-        self.params = [e[0] for e in entries]
-        self.keys = [e[1] for e in entries]
-        self.alone = [e[3] for e in entries]
-
-    def set(self, on: bool) -> None:
-        params, alone = self.params, self.alone
-        n = len(params)
-        # every dict holds our hook and nothing else (no user's register_hook went in)
-        if sum(map(len, alone)) == n and all(map(contains, alone, self.keys)):
-            hooks = list(map(_HOOKS, params))
-            if on and hooks.count(None) == n:  # (count compares by identity first)
-                deque(map(setattr, params, repeat("_backward_hooks"), alone), 0)
-                return  # (the setter hands each dict to autograd)
-            if not on and all(map(is_, hooks, alone)):
-                deque(map(setattr, params, repeat("_backward_hooks"), repeat(None)), 0)
-                return  # autograd drops its pre-hooks: no call at all
-        for entry in self.entries:
-            (_arm if on else _disarm)(entry)
-
-
-def _arm(entry) -> None:
-    """This pre-hook on, beside a user's hooks on the same tensor."""
-    p, key, hook, alone = entry
-    hooks = p._backward_hooks
-    if hooks is None:
-        if len(alone) != 1 or key not in alone:  # (a user's hook went in)
-            alone.clear()
-            alone[key] = hook
-        p._backward_hooks = alone  # (the setter hands it to autograd)
-    elif key not in hooks:
-        hooks[key] = hook
 
 
 def _disarm(entry) -> None:

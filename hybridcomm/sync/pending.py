@@ -44,7 +44,7 @@ import sys
 import weakref
 from collections import deque
 from itertools import chain, repeat
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Sequence, Tuple
 
 import torch
 
@@ -207,7 +207,9 @@ def defer(params: Sequence[torch.Tensor], apply: Callable[[torch.Tensor], None])
                 waiting[id(p)] = (weakref.ref(p, functools.partial(_forget_dead, id(p))), apply)
                 _registered.clear()  # (another list's registration may be this one's)
         _registered[id(params)] = (params, apply)
-    _set_classes(params, lambda cls: classes.get(cls) or _pending_class(cls))
+    for p in params:
+        cls = p.__class__
+        p.__class__ = classes.get(cls) or _pending_class(cls)
     _arm_compiled_forward_hook()
 
 
@@ -226,24 +228,13 @@ def release(p: torch.Tensor) -> None:
         p.__class__ = base
 
 
-def release_all(params: Sequence[torch.Tensor]) -> None:
+def release_all(params: Iterable[torch.Tensor]) -> None:
     """``release`` each of ``params`` (a bucket's, once per step)."""
-    _set_classes(params, _bases.get)
-
-
-def _set_classes(params: Sequence[torch.Tensor], new_class: Callable[[type], object]) -> None:
-    """Each of ``params`` of class ``c`` gets class ``new_class(c)`` (None: it keeps
-    ``c``). Where all are of one class (as a rule), written in C (one ``map``)."""
-    classes = set(map(type, params))
-    if len(classes) == 1:
-        cls = new_class(classes.pop())
-        if cls is not None:
-            deque(map(setattr, params, repeat("__class__"), repeat(cls)), 0)
-        return
+    bases = _bases
     for p in params:
-        cls = new_class(p.__class__)
-        if cls is not None:
-            p.__class__ = cls
+        base = bases.get(p.__class__)
+        if base is not None:
+            p.__class__ = base
 
 
 def forget(apply: Callable[[torch.Tensor], None]) -> None:

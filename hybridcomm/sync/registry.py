@@ -9,8 +9,7 @@ check of identities, the rebuild is collective (every rank checks the new set).
 """
 from __future__ import annotations
 
-from itertools import chain
-from operator import attrgetter, is_, itemgetter
+from operator import is_
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -51,9 +50,6 @@ def describe_param_difference(ours, theirs, rank) -> str:
     parts += [f"{a[0]}: rank 0 has {a[1:]}, rank {rank} has {b[1:]}"
               for a, b in zip(ours, theirs) if a[0] == b[0] and a != b]
     return "; ".join(parts) or f"the order differs between rank 0 and rank {rank}"
-
-
-_PARAMS, _REQUIRES_GRAD = itemgetter("params"), attrgetter("requires_grad")
 
 
 class ParamRegistry:
@@ -98,10 +94,10 @@ class ParamRegistry:
     def trainable_changed(self) -> bool:
         """Whether the optimizer's trainable parameters are no longer these (cheap when
         nothing changed: the same groups' lists and the same requires_grad flags)."""
-        # (per parameter and step: listed, read and compared in C, no Python loop)
-        listed = list(chain.from_iterable(map(_PARAMS, self._groups)))
+        listed = [p for g in self._groups for p in g["params"]]
+        # (per parameter and step: compared in C, map over operator.is_)
         if len(listed) == len(self._listed) and all(map(is_, listed, self._listed)) and \
-                list(map(_REQUIRES_GRAD, listed)) == self._requires:
+                [p.requires_grad for p in listed] == self._requires:
             return False
         return [id(p) for p in trainable(self._groups)] != self._ids
 

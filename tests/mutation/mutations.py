@@ -680,19 +680,11 @@ MUTATIONS = [
              "into a buffer being reduced without waiting for it"),
     Mutation(
         "pre-hooks-never-off", "i38 host cost", "hybridcomm/sync/grad_hooks.py",
-        old="        if not self.always_armed and s.guards is not None:\n            s.guards.set(on)\n",
-        new="        if not self.always_armed and s.guards is not None:\n            s.guards.set(True)\n",
+        old="        if not self.always_armed:\n            self._set(s.guards, on)\n",
+        new="        if not self.always_armed:\n            self._set(s.guards, True)\n",
         guards=("tests/test_step_cost.py::test_a_steady_host_step_calls_no_pre_hook[backward-None]",),
         what="the pre-hooks stay on after the buckets are consumed: autograd calls into "
              "Python for every parameter of every steady backward"),
-    Mutation(
-        "guards-switched-over-users-hooks", "i38 host cost", "hybridcomm/sync/grad_hooks.py",
-        old="        if sum(map(len, alone)) == n and all(map(contains, alone, self.keys)):\n",
-        new="        if True:\n",
-        guards=("tests/test_optimizer_features.py::test_a_users_own_gradient_hooks_keep_running"
-                "[backward-late]",),
-        what="the pre-hooks are switched in C even where a user's hook went into our dict: "
-             "switching ours off drops the user's hook with it"),
     Mutation(
         "lean-closer-unchecked", "i38 host cost", "hybridcomm/sync/grad_hooks.py",
         old="            if s.kept is not None:\n",
