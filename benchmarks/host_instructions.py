@@ -201,12 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="linear,conv", help="linear, conv or both")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help="of sync_overhead.py's CONFIGS: plain and a DDP at least")
-    parser.add_argument("--layers", type=int, default=100, help="linear: Linear layers")
-    parser.add_argument("--width", type=int, default=64, help="linear: features")
-    parser.add_argument("--batch", type=int, default=32, help="linear: batch")
-    parser.add_argument("--channels", type=int, default=8, help="conv: base channels")
-    parser.add_argument("--image", type=int, default=16, help="conv: image side")
-    parser.add_argument("--conv-batch", type=int, default=8, help="conv: batch")
+    sync_overhead.add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=5, help="counted steps per config")
     parser.add_argument("--warmup", type=int, default=5, help="uncounted steps first")
     parser.add_argument("--no-valgrind", action="store_true",

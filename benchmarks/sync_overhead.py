@@ -347,16 +347,21 @@ def _git_state() -> dict:
         return {"error": str(exc)}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="linear,conv", help="linear, conv or both")
-    parser.add_argument("--worlds", default="1,2", help="world sizes: 1 (in process), 2 (launch())")
+def add_model_arguments(parser) -> None:
+    """The two models' sizes (``build_model`` reads them; host_instructions.py shares them)."""
     parser.add_argument("--layers", type=int, default=100, help="linear: Linear layers")
     parser.add_argument("--width", type=int, default=64, help="linear: features")
     parser.add_argument("--batch", type=int, default=32, help="linear: batch")
     parser.add_argument("--channels", type=int, default=8, help="conv: base channels")
     parser.add_argument("--image", type=int, default=16, help="conv: image side")
     parser.add_argument("--conv-batch", type=int, default=8, help="conv: batch")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="linear,conv", help="linear, conv or both")
+    parser.add_argument("--worlds", default="1,2", help="world sizes: 1 (in process), 2 (launch())")
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per config (default 100)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 10)")
