@@ -27,6 +27,7 @@ $(STAMP): pyproject.toml setup.py Makefile
 	@echo "[setup] installing hybridcomm (editable, [test,integrations])"
 	@$(PY) -m pip install -q -e ".[test,integrations]" 2>&1 | grep -v "is ignored" || true
 	@$(PY) -c "import hybridcomm, hybridcomm.kernels" || { echo "[setup] hybridcomm failed to install"; exit 1; }
+	@$(PY) -c "from hybridcomm.sync import host_ext as h; h.load() or print('[setup] the host C++ extension did not build (Python loops instead):', h.why_not())"
 	@$(PY) -c "import pytorch_lightning, accelerate, transformers" || { echo "[setup] the [integrations] extra failed to install"; exit 1; }
 	@touch $(STAMP)
 

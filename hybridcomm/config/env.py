@@ -120,6 +120,10 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDCOMM_PIPELINE_BYTES", parse_size, 32 << 20,
              "pipeline parts of large host-path buffers (0: off)"),
     Variable("HYBRIDCOMM_NVTX", parse_bool, None, "NVTX ranges on/off (default: when nsys attaches)"),
+    Variable("HYBRIDCOMM_HOST_EXT", parse_bool, True,
+             "per-bucket loops over the parameters' .grad fields in C++ (csrc/host_ops.cpp, "
+             "built once per machine and torch with the system compiler; off: the same "
+             "loops in Python)"),
     Variable("HYBRIDCOMM_CSRC", str, None, "where the CUDA C++ sources are (hybridcomm.gpu.cuda_ext)"),
     Variable("HYBRIDCOMM_LOG_LEVEL", _choices(lambda: ("DEBUG", "INFO", "WARNING", "ERROR")),
              "INFO", "level of the `hybridcomm` logger (the plan logs at INFO)"),

@@ -31,7 +31,6 @@ import enum
 import logging
 import time
 from dataclasses import dataclass
-from itertools import repeat
 from operator import attrgetter, is_
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -47,6 +46,7 @@ from ..comm.executor import reduce_operation
 from ..comm.powersgd import PowerSGD
 from ..config.config import SyncConfig
 from ..plan.planner import Plan
+from . import grad_fields
 from .buckets import GradBucket, copy_into
 from .join import ROUND
 from .memory import Allocator
@@ -188,10 +188,7 @@ class Links:
 def kept_apart(b: GradBucket) -> Optional[list]:
     """``b``'s gradients if autograd (or the user) put every one in a tensor of its
     own: none None, none its view (checked in C); else None."""
-    grads = list(map(_GRAD, b.params))
-    if any(map(is_, grads, repeat(None))) or any(map(is_, grads, b.views)):
-        return None
-    return grads
+    return grad_fields.kept_apart(b.params, b.views)
 
 
 def _carry(s: BucketState, pos: int, old: BucketState, old_pos: int) -> None:
@@ -330,8 +327,7 @@ class BucketGroup:
                     self._refuse_sparse(next(i for i, g in enumerate(grads) if g.is_sparse), b)
                 raise
             s.content.update(range(len(grads)))
-            for p, view in zip(b.params, b.views):
-                p.grad = view
+            grad_fields.set_grads(b.params, b.views)
             return
         views, grads, taken, stale = [], [], [], []
         for pos, p in enumerate(b.params):
@@ -446,10 +442,10 @@ class BucketGroup:
                 "(set_to_none=True, the default)")
         used = self.links.used.positions(s, self.links.on_device)
         s.scattered = self.engine.phase is REDUCE_SCATTER
-        bound = None if views_bound else list(map(is_, map(_GRAD, b.params), b.views))
-        if views_bound or (s.complete and all(bound)):
+        if views_bound or (s.complete and grad_fields.bound(b.params, b.views)):
             s.content = set(used)  # (the usual bucket: every position used and bound)
             return used
+        bound = list(map(is_, map(_GRAD, b.params), b.views))
         s.content = {pos for pos in used if bound[pos]}  # (forward mode: none after zero_grad)
         return used
 

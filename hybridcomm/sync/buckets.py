@@ -32,6 +32,7 @@ import torch
 from ..base.dtensor import grad_view, local_numel, local_shape
 from ..plan.layout import buffer_numel, layout
 from ..plan.planner import Bucket
+from .grad_fields import copy_into_on_host
 
 Alloc = Callable[[int, torch.dtype], torch.Tensor]
 _foreach_copy = getattr(torch, "_foreach_copy_", None)  # torch >= 2.1's multi-tensor copy
@@ -46,6 +47,8 @@ def copy_into(views: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
     >>> copy_into(views, grads); views
     [tensor([1., 1.]), tensor([2., 2., 2.])]
     """
+    if copy_into_on_host(views, grads):  # (a memcpy each, in C++)
+        return
     if _foreach_copy is not None and len(views) > 1 and \
             set(map(type, grads)) == _PLAIN and set(map(type, views)) == _PLAIN:
         _foreach_copy(views, grads)

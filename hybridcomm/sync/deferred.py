@@ -26,7 +26,7 @@ from itertools import chain
 from operator import attrgetter, is_
 from typing import Callable, Dict, Optional
 
-from . import pending
+from . import grad_fields, pending
 from .bucket_group import BucketGroup, BucketState, Phase, StepState
 from .measure import StepMeasurements
 
@@ -62,10 +62,9 @@ class DeferredUpdates:
         group = self._group_of()
         for s in group.states:
             b = s.bucket
-            bound = list(map(is_, map(_GRAD, b.params), b.views))  # not zeroed since
-            whole = all(bound)
-            taken = set(range(len(bound))) if whole else \
-                {pos for pos, kept in enumerate(bound) if kept}
+            whole = grad_fields.bound(b.params, b.views)  # not zeroed since
+            taken = set(range(len(b.params))) if whole else \
+                {pos for pos, kept in enumerate(map(is_, map(_GRAD, b.params), b.views)) if kept}
             if s.launched or (s.phase is Phase.IDLE and taken & s.content):
                 s.hyper, s.taken, s.zeroed, s.rebound = hyper, taken, False, False
                 group.to(s, Phase.PENDING)

@@ -42,14 +42,14 @@ import functools
 import logging
 import sys
 import weakref
-from collections import deque
-from itertools import chain, repeat
+from itertools import chain
 from typing import Callable, Dict, Iterable, Sequence, Tuple
 
 import torch
 
 from ..base.errors import HybridCommError
 from ..base.tensor_access import collect
+from . import grad_fields
 
 log = logging.getLogger("hybridcomm")
 
@@ -181,9 +181,9 @@ def grad_field(p: torch.Tensor):
 def drop_grads(param_groups) -> None:
     """Every ``p.grad`` of ``param_groups`` None (``zero_grad()``'s default), per
     parameter in C; a pending parameter's update stays pending."""
-    params = chain.from_iterable(g["params"] for g in param_groups)
+    params = list(chain.from_iterable(g["params"] for g in param_groups))
     with _DISABLED():
-        deque(map(setattr, params, repeat("grad"), repeat(None)), 0)
+        grad_fields.set_grads(params)
 
 
 def is_pending(t) -> bool:

@@ -20,6 +20,7 @@ from ..base.dtensor import group_problem, local_numel, local_shape
 from ..base.errors import HybridCommError
 from ..kernels import SUPPORTED_DTYPES
 from ..plan.planner import Layer
+from . import grad_fields
 
 
 def trainable(param_groups) -> List[torch.nn.Parameter]:
@@ -97,7 +98,7 @@ class ParamRegistry:
         listed = [p for g in self._groups for p in g["params"]]
         # (per parameter and step: compared in C, map over operator.is_)
         if len(listed) == len(self._listed) and all(map(is_, listed, self._listed)) and \
-                [p.requires_grad for p in listed] == self._requires:
+                grad_fields.requires_grad(listed) == self._requires:
             return False
         return [id(p) for p in trainable(self._groups)] != self._ids
 

@@ -835,11 +835,32 @@ MUTATIONS = [
              "pending bucket (a sparse one, reduced apart) as it was"),
     Mutation(
         "dropped-grads-kept", "i38 host cost", "hybridcomm/sync/pending.py",
-        old="        deque(map(setattr, params, repeat(\"grad\"), repeat(None)), 0)\n",
+        old="        grad_fields.set_grads(params)\n",
         new="        pass\n",
         guards=("tests/test_optimizer_features.py",),
         what="zero_grad() with nothing pending leaves every .grad: the next backward adds "
              "into last step's reduced gradients"),
+    Mutation(
+        "host-kept-apart-view-unseen", "i38 host cost", "csrc/host_ops.cpp",
+        old="      if (!g.defined() || same(g, *vs[i])) Py_RETURN_NONE;\n",
+        new="      if (!g.defined()) Py_RETURN_NONE;\n",
+        guards=("tests/test_grad_fields.py",),
+        what="the C++ kept_apart takes a .grad that is its own view for a gradient of "
+             "autograd's: a bucket is copied onto itself and launched from a closer"),
+    Mutation(
+        "host-copy-version-kept", "i38 host cost", "csrc/host_ops.cpp",
+        old="        v.unsafeGetTensorImpl()->bump_version();\n",
+        new="",
+        guards=("tests/test_grad_fields.py",),
+        what="the C++ copy into a bucket's views leaves their version: a write since the "
+             "step is not seen (lean hooks' unseen pass)"),
+    Mutation(
+        "host-subclass-unseen", "i38 host cost", "csrc/host_ops.cpp",
+        old="    } else if (THPVariable_CheckExact(items[i])) {\n",
+        new="    } else if (THPVariable_Check(items[i])) {\n",
+        guards=("tests/test_grad_fields.py",),
+        what="the C++ loops read and write a pending parameter's .grad behind its "
+             "__torch_function__: forward mode's watch misses them"),
     Mutation(
         "native-scatter-unscaled", "i40 native", "hybridcomm/comm/transport/torch_dist.py",
         old="        if average:\n            mine.mul_(1.0 / self.world_size)\n",

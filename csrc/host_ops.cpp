@@ -1,0 +1,261 @@
+// hybridcomm's host-side per-parameter loops in C++ (hybridcomm/sync/grad_fields.py).
+//
+// What DDP's Reducer does in C++ and hybridcomm did in Python, one call per bucket:
+// read and write the ``.grad`` fields of a bucket's parameters, compare them with the
+// bucket's views, read ``requires_grad``, and copy gradients into the views. Each
+// function has a plain-Python twin in grad_fields.py with the same meaning (the
+// fallback where this does not build, and the reference the tests compare with).
+//
+// Only plain tensors and Parameters are handled here, with no torch function or
+// dispatch mode on: anything else (a pending parameter of forward mode, a DTensor, the
+// GPU simulator's mode) gets NotImplemented, and the Python twin runs, so whatever a
+// subclass or a mode makes of these reads and writes, it still sees them.
+#include <Python.h>
+
+#include <cstring>
+#include <exception>
+#include <vector>
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace {
+
+enum Unpacked { OK, NOT_MINE, FAILED };
+
+// Whether a torch function or dispatch mode is on: it is to see every op (the GPU
+// simulator's checks), so the Python twin runs instead.
+bool modes_on() {
+  return at::impl::torch_function_mode_enabled() ||
+         c10::impl::TorchDispatchModeTLS::stack_len() > 0;
+}
+
+// Every item of ``seq`` (a list or tuple) as a tensor (``none_ok``: or None). NOT_MINE
+// where one is a tensor subclass other than Parameter (a pending parameter, a DTensor:
+// its own ``__torch_function__`` decides) or a mode is on; FAILED (a TypeError set)
+// where one is no tensor.
+Unpacked unpack(PyObject* seq, std::vector<const at::Tensor*>& out, bool none_ok = false) {
+  if (modes_on()) return NOT_MINE;
+  PyObject* fast = PySequence_Fast(seq, "expected a list of tensors");
+  if (fast == nullptr) return FAILED;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  out.clear();
+  out.reserve(n);
+  Unpacked result = OK;
+  for (Py_ssize_t i = 0; i < n && result == OK; ++i) {
+    if (none_ok && items[i] == Py_None) {
+      out.push_back(nullptr);
+    } else if (THPVariable_CheckExact(items[i])) {
+      out.push_back(&THPVariable_Unpack(items[i]));
+    } else if (THPVariable_Check(items[i])) {
+      result = NOT_MINE;
+    } else {
+      PyErr_Format(PyExc_TypeError, "item %zd is not a tensor", i);
+      result = FAILED;
+    }
+  }
+  Py_DECREF(fast);  // (the tensors stay alive: the caller's list holds them)
+  return result;
+}
+
+// What a function returns for an unpack that was not OK.
+PyObject* not_ok(Unpacked u) {
+  if (u == FAILED) return nullptr;
+  Py_RETURN_NOTIMPLEMENTED;
+}
+
+bool two_args(Py_ssize_t nargs, const char* name) {
+  if (nargs == 2) return true;
+  PyErr_Format(PyExc_TypeError, "%s() takes 2 arguments (%zd given)", name, nargs);
+  return false;
+}
+
+// Both lists unpacked, of one length: OK, NOT_MINE or FAILED (an error set).
+Unpacked unpack_pair(PyObject* a, PyObject* b, std::vector<const at::Tensor*>& as,
+                     std::vector<const at::Tensor*>& bs, bool b_none_ok = false) {
+  Unpacked u = unpack(a, as);
+  if (u == OK) u = unpack(b, bs, b_none_ok);
+  if (u == OK && as.size() != bs.size()) {
+    PyErr_SetString(PyExc_ValueError, "the two lists differ in length");
+    u = FAILED;
+  }
+  return u;
+}
+
+bool same(const at::Tensor& a, const at::Tensor& b) {
+  return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl();
+}
+
+PyObject* grad_list(const std::vector<const at::Tensor*>& ps) {
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(ps.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    const at::Tensor& g = ps[i]->grad();
+    PyObject* item = g.defined() ? THPVariable_Wrap(g) : (Py_INCREF(Py_None), Py_None);
+    if (item == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+  }
+  return out;
+}
+
+// C++ exceptions become Python's RuntimeError (none may cross into the interpreter).
+#define GUARDED(...)                                    \
+  try {                                                 \
+    __VA_ARGS__                                         \
+  } catch (const std::exception& e) {                   \
+    PyErr_SetString(PyExc_RuntimeError, e.what());      \
+    return nullptr;                                     \
+  }
+
+// Each function returns NotImplemented where unpack says NOT_MINE: the Python twin runs.
+
+// grads(params) -> [p.grad as held (None where undefined)]
+PyObject* grads(PyObject*, PyObject* params) {
+  GUARDED({
+    std::vector<const at::Tensor*> ps;
+    Unpacked u = unpack(params, ps);
+    return u == OK ? grad_list(ps) : not_ok(u);
+  })
+}
+
+// kept_apart(params, views) -> the grads if every one is defined and none is its
+// view (autograd put each in a tensor of its own), else None.
+PyObject* kept_apart(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!two_args(nargs, "kept_apart")) return nullptr;
+  GUARDED({
+    std::vector<const at::Tensor*> ps, vs;
+    Unpacked u = unpack_pair(args[0], args[1], ps, vs);
+    if (u != OK) return not_ok(u);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const at::Tensor& g = ps[i]->grad();
+      if (!g.defined() || same(g, *vs[i])) Py_RETURN_NONE;
+    }
+    return grad_list(ps);
+  })
+}
+
+// bound(params, views) -> whether every p.grad is its view
+PyObject* bound(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!two_args(nargs, "bound")) return nullptr;
+  GUARDED({
+    std::vector<const at::Tensor*> ps, vs;
+    Unpacked u = unpack_pair(args[0], args[1], ps, vs);
+    if (u != OK) return not_ok(u);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (!same(ps[i]->grad(), *vs[i])) Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+  })
+}
+
+// set_grads(params, values): p.grad = value for each pair; ``values`` None: every
+// p.grad None. The checks torch's setter makes (dtype, device, shape) come first.
+PyObject* set_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!two_args(nargs, "set_grads")) return nullptr;
+  GUARDED({
+    std::vector<const at::Tensor*> ps, vs;
+    if (args[1] == Py_None) {
+      Unpacked u = unpack(args[0], ps);
+      if (u != OK) return not_ok(u);
+      for (const at::Tensor* p : ps) p->mutable_grad().reset();
+      Py_RETURN_NONE;
+    }
+    Unpacked u = unpack_pair(args[0], args[1], ps, vs, /*b_none_ok=*/true);
+    if (u != OK) return not_ok(u);
+    for (size_t i = 0; i < ps.size(); ++i) {
+      const at::Tensor* v = vs[i];
+      if (v != nullptr && (v->dtype() != ps[i]->dtype() || v->device() != ps[i]->device() ||
+                           v->sizes() != ps[i]->sizes())) {
+        PyErr_Format(PyExc_RuntimeError, "value %zu does not match its parameter's dtype, "
+                     "device and shape", i);
+        return nullptr;
+      }
+    }
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (vs[i] == nullptr) {
+        ps[i]->mutable_grad().reset();
+      } else {
+        ps[i]->mutable_grad() = *vs[i];
+      }
+    }
+    Py_RETURN_NONE;
+  })
+}
+
+// requires_grad(params) -> [p.requires_grad]
+PyObject* requires_grad(PyObject*, PyObject* params) {
+  GUARDED({
+    std::vector<const at::Tensor*> ps;
+    Unpacked u = unpack(params, ps);
+    if (u != OK) return not_ok(u);
+    PyObject* out = PyList_New(static_cast<Py_ssize_t>(ps.size()));
+    if (out == nullptr) return nullptr;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      PyObject* flag = ps[i]->requires_grad() ? Py_True : Py_False;
+      Py_INCREF(flag);
+      PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), flag);
+    }
+    return out;
+  })
+}
+
+// A pair a memcpy copies exactly as ``view.copy_(grad)`` would: dense, contiguous,
+// one dtype and shape, neither needing autograd, no lazy conj/neg, two storages.
+bool memcpy_ok(const at::Tensor& v, const at::Tensor& g) {
+  return v.layout() == at::kStrided && g.layout() == at::kStrided && v.is_contiguous() &&
+         g.is_contiguous() && v.dtype() == g.dtype() && v.sizes() == g.sizes() &&
+         !v.requires_grad() && !g.requires_grad() && !v.is_conj() && !g.is_conj() &&
+         !v.is_neg() && !g.is_neg() && !v.storage().is_alias_of(g.storage());
+}
+
+// copy_into(views, grads): views[i].copy_(grads[i]) for each pair of CPU tensors, a
+// memcpy where memcpy_ok (the view's version bumped, as copy_ does); NotImplemented,
+// copying nothing, where one is not on the CPU (a device's multi-tensor copy is one
+// launch: the caller's).
+PyObject* copy_into(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!two_args(nargs, "copy_into")) return nullptr;
+  GUARDED({
+    std::vector<const at::Tensor*> vs, gs;
+    Unpacked u = unpack_pair(args[0], args[1], vs, gs);
+    if (u != OK) return not_ok(u);
+    for (size_t i = 0; i < vs.size(); ++i) {
+      if (!vs[i]->device().is_cpu() || !gs[i]->device().is_cpu()) Py_RETURN_NOTIMPLEMENTED;
+    }
+    for (size_t i = 0; i < vs.size(); ++i) {
+      const at::Tensor& v = *vs[i];
+      const at::Tensor& g = *gs[i];
+      if (memcpy_ok(v, g)) {
+        if (v.nbytes() > 0) std::memcpy(v.data_ptr(), g.const_data_ptr(), v.nbytes());
+        v.unsafeGetTensorImpl()->bump_version();
+      } else {
+        at::Tensor(v).copy_(g);
+      }
+    }
+    Py_RETURN_NONE;
+  })
+}
+
+PyMethodDef methods[] = {
+    {"grads", grads, METH_O, "[p.grad as held for p in params]"},
+    {"kept_apart", reinterpret_cast<PyCFunction>(kept_apart), METH_FASTCALL,
+     "the grads if each is a tensor of its own (none None, none its view), else None"},
+    {"bound", reinterpret_cast<PyCFunction>(bound), METH_FASTCALL,
+     "whether every p.grad is its view"},
+    {"set_grads", reinterpret_cast<PyCFunction>(set_grads), METH_FASTCALL,
+     "p.grad = value for each pair (values None: every p.grad None)"},
+    {"requires_grad", requires_grad, METH_O, "[p.requires_grad for p in params]"},
+    {"copy_into", reinterpret_cast<PyCFunction>(copy_into), METH_FASTCALL,
+     "views[i].copy_(grads[i]) for CPU tensors (NotImplemented: not all were)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "hybridcomm_host", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_hybridcomm_host() { return PyModule_Create(&module); }

@@ -1,0 +1,116 @@
+"""Many parameters' ``.grad`` fields read, written and copied in one call per bucket.
+
+The per-parameter loops of a step (is each ``.grad`` its bucket's view, bind
+them, drop them, copy autograd's gradients in, read ``requires_grad``) cost
+Python about a thousand instructions per field access; DDP makes the same
+accesses in C++. Here each loop is one call into the host C++ extension
+(csrc/host_ops.cpp, host_ext.py) where it loads, and its Python twin below
+where it does not (``HYBRIDCOMM_HOST_EXT=0``, no compiler) or where the
+extension declines: a tensor subclass (a pending parameter of forward mode,
+which watches its ``.grad``), or a torch function or dispatch mode (the GPU
+simulator's checks) that must see each access. Either way the result is the
+same; the tests run both.
+
+Example::
+
+    >>> ps = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
+    >>> views = [torch.zeros(2), torch.zeros(3)]
+    >>> set_grads(ps, views); bound(ps, views), kept_apart(ps, views)
+    (True, None)
+    >>> set_grads(ps); grads(ps)
+    [None, None]
+"""
+from __future__ import annotations
+
+from collections import deque
+from itertools import repeat
+from operator import attrgetter, is_
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import host_ext
+
+_GRAD, _REQUIRES = attrgetter("grad"), attrgetter("requires_grad")
+_ext = None  # the loaded extension, False where there is none (set on first use)
+
+
+def _loaded():
+    global _ext
+    if _ext is None:
+        _ext = host_ext.load() or False
+    return _ext
+
+
+class python:
+    """The twins: what each function means, in Python (the reference the C++ is
+    tested against, and the path subclasses and modes take)."""
+
+    @staticmethod
+    def grads(params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        return list(map(_GRAD, params))
+
+    @staticmethod
+    def kept_apart(params, views) -> Optional[list]:
+        grads = list(map(_GRAD, params))
+        if any(map(is_, grads, repeat(None))) or any(map(is_, grads, views)):
+            return None
+        return grads
+
+    @staticmethod
+    def bound(params, views) -> bool:
+        return all(map(is_, map(_GRAD, params), views))
+
+    @staticmethod
+    def set_grads(params, values=None) -> None:
+        deque(map(setattr, params, repeat("grad"), repeat(None) if values is None else values), 0)
+
+    @staticmethod
+    def requires_grad(params) -> List[bool]:
+        return list(map(_REQUIRES, params))
+
+
+def grads(params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    """``[p.grad for p in params]``."""
+    ext = _ext if _ext is not None else _loaded()
+    out = ext.grads(params) if ext else NotImplemented
+    return python.grads(params) if out is NotImplemented else out
+
+
+def kept_apart(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> Optional[list]:
+    """The gradients if autograd (or the user) put every one in a tensor of its own
+    (none None, none its view ``views[i]``), else None."""
+    ext = _ext if _ext is not None else _loaded()
+    out = ext.kept_apart(params, views) if ext else NotImplemented
+    return python.kept_apart(params, views) if out is NotImplemented else out
+
+
+def bound(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> bool:
+    """Whether every ``params[i].grad`` is ``views[i]``."""
+    ext = _ext if _ext is not None else _loaded()
+    out = ext.bound(params, views) if ext else NotImplemented
+    return python.bound(params, views) if out is NotImplemented else out
+
+
+def set_grads(params: Sequence[torch.Tensor], values: Optional[Sequence] = None) -> None:
+    """``params[i].grad = values[i]`` (an item may be None); ``values`` None: every
+    ``.grad`` None."""
+    ext = _ext if _ext is not None else _loaded()
+    if not ext or ext.set_grads(params, values) is NotImplemented:
+        python.set_grads(params, values)
+
+
+def requires_grad(params: Sequence[torch.Tensor]) -> List[bool]:
+    """``[p.requires_grad for p in params]``."""
+    ext = _ext if _ext is not None else _loaded()
+    out = ext.requires_grad(params) if ext else NotImplemented
+    return python.requires_grad(params) if out is NotImplemented else out
+
+
+def copy_into_on_host(views: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
+    """``views[i].copy_(grads[i])`` for every i where every tensor is on the CPU (a
+    ``memcpy`` each, no dispatch per tensor), returning True; False where it did
+    nothing (not all on the CPU, a subclass, a mode, no extension): the caller's
+    multi-tensor copy then."""
+    ext = _ext if _ext is not None else _loaded()
+    return bool(ext) and ext.copy_into(views, grads) is not NotImplemented

@@ -1,0 +1,200 @@
+"""The per-bucket ``.grad`` loops (hybridcomm.sync.grad_fields): the host C++
+extension and its Python twins mean the same, on awkward sizes and dtypes; a
+tensor subclass or a torch function mode still sees every access; the extension
+can be turned off, and a failed build is reported, not raised, and not retried;
+training gives the same bits with the extension on and off."""
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from hybridcomm.sync import grad_fields, host_ext
+
+from multiproc import run_ranks
+from optim_models import batch, flat, make_model, shard
+
+
+@pytest.fixture(params=["cpp", "python"])
+def impl(request, monkeypatch):
+    """grad_fields with its loops in C++ (the extension must load: this machine has
+    a compiler) or in Python."""
+    if request.param == "cpp":
+        assert host_ext.load() is not None, host_ext.why_not()
+        monkeypatch.setattr(grad_fields, "_ext", host_ext.load())
+    else:
+        monkeypatch.setattr(grad_fields, "_ext", False)
+    return grad_fields
+
+
+def _bucket(shapes, dtype=torch.float32):
+    params = [nn.Parameter(torch.randn(s).to(dtype), requires_grad=dtype.is_floating_point)
+              for s in shapes]
+    buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+    views, at = [], 0
+    for p in params:
+        views.append(buffer[at:at + p.numel()].view(p.shape))
+        at += p.numel()
+    return params, views, buffer
+
+
+SHAPES = [(7, 3), (1,), (0,), (5,), (2, 3, 4)]
+
+
+def test_reads_and_writes(impl):
+    params, views, _ = _bucket(SHAPES)
+    assert impl.grads(params) == [None] * len(params)
+    assert impl.kept_apart(params, views) is None and not impl.bound(params, views)
+    impl.set_grads(params, views)
+    assert all(p.grad is v for p, v in zip(params, views))
+    assert impl.bound(params, views) and impl.kept_apart(params, views) is None
+    own = [torch.randn(s) for s in SHAPES]
+    impl.set_grads(params, own)
+    kept = impl.kept_apart(params, views)
+    assert kept is not None and all(k is g for k, g in zip(kept, own))
+    assert not impl.bound(params, views)
+    mixed = [views[0], None, own[2], views[3], None]
+    impl.set_grads(params, mixed)
+    assert all(p.grad is t for p, t in zip(params, mixed))
+    assert impl.grads(params)[0] is views[0] and impl.grads(params)[1] is None
+    assert impl.kept_apart(params, views) is None and not impl.bound(params, views)
+    impl.set_grads(params)
+    assert impl.grads(params) == [None] * len(params)
+    params[1].requires_grad_(False)
+    assert impl.requires_grad(params) == [True, False, True, True, True]
+
+
+def test_bad_values_are_refused(impl):
+    params, views, _ = _bucket([(3,), (2,)])
+    with pytest.raises(RuntimeError):
+        impl.set_grads(params, [torch.zeros(3), torch.zeros(5)])  # a shape
+    with pytest.raises(RuntimeError):
+        impl.set_grads(params, [torch.zeros(3, dtype=torch.float64), None])  # a dtype
+    with pytest.raises((TypeError, AttributeError)):
+        impl.grads([params[0], "not a tensor"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16,
+                                   torch.int64])
+def test_copy_into_copies_as_copy_does(impl, dtype):
+    """Every pair as ``view.copy_(grad)`` would leave it, bit for bit, each view's
+    version bumped: contiguous ones, a transposed and a channels-last gradient, one
+    of another dtype (converted), an empty one."""
+    shapes = [(7, 3), (3, 7), (2, 3, 4, 5), (1,), (0,), (6,)]
+    params, views, buffer = _bucket(shapes, dtype)
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(s, generator=g).mul(100).to(dtype) for s in shapes]
+    grads[1] = torch.randn(7, 3, generator=g).mul(100).to(dtype).t()  # not contiguous
+    grads[2] = grads[2].contiguous(memory_format=torch.channels_last)
+    grads[5] = torch.randn(6, generator=g, dtype=torch.float64).mul(100)  # another dtype
+    _, expected_views, expected = _bucket(shapes, dtype)
+    for v, gr in zip(expected_views, grads):
+        v.copy_(gr)
+    before = [v._version for v in views]
+    from hybridcomm.sync.buckets import copy_into
+    copy_into(views, grads)
+    assert torch.equal(buffer, expected)
+    assert all(v._version > b for v, b in zip(views, before))
+
+
+def test_copy_into_on_host_leaves_what_it_cannot_do(impl):
+    """Not every tensor on the CPU, or a subclass: nothing copied, False (the
+    caller's multi-tensor copy then); the twins never copy."""
+    views, grads = [torch.zeros(3), torch.zeros(2)], [torch.ones(3), torch.ones(2)]
+    done = impl.copy_into_on_host(views, grads)
+    assert done == (impl._ext is not False)
+    assert all(torch.equal(v, g) for v, g in zip(views, grads)) == done
+    meta = [torch.zeros(3), torch.zeros(2, device="meta")]
+    assert impl.copy_into_on_host(meta, grads) is False
+    assert torch.equal(meta[0], torch.zeros(3))
+
+
+class _Watched(torch.Tensor):
+    seen: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(getattr(func, "__name__", str(func)))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+class _Recording(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_subclass_and_a_mode_see_every_access(impl):
+    """A tensor subclass (as forward mode's pending parameter) and a torch function
+    mode (as the GPU simulator's) see the reads and writes: the C++ loops decline
+    them, the twins run."""
+    params, views, _ = _bucket([(3,), (2,)])
+    watched = nn.Parameter(torch.zeros(2))
+    watched.__class__ = type("WatchedParameter", (_Watched, nn.Parameter), {})
+    _Watched.seen = []
+    both = [params[0], watched]
+    impl.set_grads(both, [views[0], views[1]])
+    assert impl.bound(both, [views[0], views[1]])
+    assert _Watched.seen.count("__set__") == 1 and _Watched.seen.count("__get__") == 1
+    with _Recording() as mode:
+        impl.set_grads(params)
+        assert impl.grads(params) == [None, None]
+    assert mode.seen.count("__set__") == 2 and mode.seen.count("__get__") == 2
+
+
+def test_off_and_failed_builds_fall_back_to_python(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(host_ext, "_state", {})
+    monkeypatch.setenv("HYBRIDCOMM_HOST_EXT", "0")
+    assert host_ext.load() is None and host_ext.why_not() == "HYBRIDCOMM_HOST_EXT=0"
+    # a source that does not compile: a warning with the compiler's words, no error,
+    # and the next process does not compile it again
+    monkeypatch.setenv("HYBRIDCOMM_HOST_EXT", "1")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / host_ext.SOURCE).write_text("#error this source is broken on purpose\n")
+    monkeypatch.setenv("HYBRIDCOMM_CSRC", str(src))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(host_ext, "_state", {})
+    with caplog.at_level(logging.WARNING, logger="hybridcomm"):
+        assert host_ext.load() is None
+    assert "broken on purpose" in host_ext.why_not() and "broken on purpose" in caplog.text
+    failed = host_ext.built_path(src / host_ext.SOURCE).with_suffix(".failed")
+    assert failed.is_file()
+    failed.write_text("kept from the first build")
+    monkeypatch.setattr(host_ext, "_state", {})
+    assert host_ext.load() is None and "kept from the first build" in host_ext.why_not()
+
+
+def _train(rank, world, overlap, use_ext):
+    import hybridcomm
+    from hybridcomm.sync import grad_fields as fields
+
+    fields._ext = None if use_ext else False
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05,
+                                                          momentum=0.9),
+                                          model=model, overlap=overlap)
+    for s in range(5):
+        x, y = batch(s)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    opt.synchronize()
+    assert (fields._ext is not False) == use_ext
+    out = flat(model.parameters())
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
+def test_training_gives_the_same_bits_with_the_extension_on_and_off(overlap):
+    on = run_ranks(2, _train, overlap, True, timeout=120)
+    off = run_ranks(2, _train, overlap, False, timeout=120)
+    for a, b in zip(on, off):
+        assert torch.equal(a, b)
