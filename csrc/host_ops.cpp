@@ -205,9 +205,20 @@ PyObject* requires_grad(PyObject*, PyObject* params) {
   })
 }
 
-// A pair a memcpy copies exactly as ``view.copy_(grad)`` would: dense, contiguous,
+// The bytes copied by a loop the compiler vectorizes (AVX2 where the CPU has it), not
+// by memcpy: glibc's memcpy moves a gradient with ``rep movsb``, which valgrind counts
+// as one instruction per byte, so benchmarks/host_instructions.py would see a copy
+// 8x dearer than torch's own (its loops are vectorized too) while it is not.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void copy_bytes(char* __restrict dst, const char* __restrict src, size_t n) {
+  for (size_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+
+// A pair whose bytes copied are exactly what ``view.copy_(grad)`` would leave: dense, contiguous,
 // one dtype and shape, neither needing autograd, no lazy conj/neg, two storages.
-bool memcpy_ok(const at::Tensor& v, const at::Tensor& g) {
+bool bytewise_ok(const at::Tensor& v, const at::Tensor& g) {
   return v.layout() == at::kStrided && g.layout() == at::kStrided && v.is_contiguous() &&
          g.is_contiguous() && v.dtype() == g.dtype() && v.sizes() == g.sizes() &&
          !v.requires_grad() && !g.requires_grad() && !v.is_conj() && !g.is_conj() &&
@@ -215,7 +226,7 @@ bool memcpy_ok(const at::Tensor& v, const at::Tensor& g) {
 }
 
 // copy_into(views, grads): views[i].copy_(grads[i]) for each pair of CPU tensors, a
-// memcpy where memcpy_ok (the view's version bumped, as copy_ does); NotImplemented,
+// byte copy where bytewise_ok (the view's version bumped, as copy_ does); NotImplemented,
 // copying nothing, where one is not on the CPU (a device's multi-tensor copy is one
 // launch: the caller's).
 PyObject* copy_into(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -230,8 +241,11 @@ PyObject* copy_into(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     for (size_t i = 0; i < vs.size(); ++i) {
       const at::Tensor& v = *vs[i];
       const at::Tensor& g = *gs[i];
-      if (memcpy_ok(v, g)) {
-        if (v.nbytes() > 0) std::memcpy(v.data_ptr(), g.const_data_ptr(), v.nbytes());
+      if (bytewise_ok(v, g)) {
+        if (v.nbytes() > 0) {
+          copy_bytes(static_cast<char*>(v.data_ptr()),
+                     static_cast<const char*>(g.const_data_ptr()), v.nbytes());
+        }
         v.unsafeGetTensorImpl()->bump_version();
       } else {
         at::Tensor(v).copy_(g);
@@ -239,6 +253,106 @@ PyObject* copy_into(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Py_RETURN_NONE;
   })
+}
+
+// ---- the pre-hook switch (grad_hooks.py: GradientHooks._set) --------------------------
+// An entry is (param, key, hook, alone): the library's pre-hook ``hook`` under ``key`` in
+// the param's ``_backward_hooks`` dict, ``alone`` the dict handed to torch when the param
+// has none. Torch's dict is read from the tensor's Python object (what its getter
+// returns) and assigned through torch's own setter (which hands it to autograd), called
+// directly; the dicts are changed through the mapping protocol (an OrderedDict keeps
+// its order). A user's hooks in the same dict stay.
+
+setter set_backward_hooks = nullptr;
+
+bool find_setter() {
+  if (set_backward_hooks != nullptr) return true;
+  PyObject* descr = PyObject_GetAttrString(THPVariableClass, "_backward_hooks");
+  if (descr == nullptr) return false;
+  if (Py_TYPE(descr) == &PyGetSetDescr_Type)
+    set_backward_hooks = reinterpret_cast<PyGetSetDescrObject*>(descr)->d_getset->set;
+  Py_DECREF(descr);
+  if (set_backward_hooks == nullptr)
+    PyErr_SetString(PyExc_RuntimeError, "torch.Tensor._backward_hooks has no setter");
+  return set_backward_hooks != nullptr;
+}
+
+PyObject* hooks_of(PyObject* param) {  // borrowed; nullptr: None
+  PyObject* hooks = reinterpret_cast<THPVariable*>(param)->backward_hooks;
+  return hooks == Py_None ? nullptr : hooks;
+}
+
+// The entries as (param, key, hook, alone) tuples; NOT_MINE if a param is a subclass.
+Unpacked entries_of(PyObject* seq, PyObject*& fast) {
+  if (modes_on()) return NOT_MINE;
+  fast = PySequence_Fast(seq, "expected a list of (param, key, hook, dict) tuples");
+  if (fast == nullptr) return FAILED;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!PyTuple_Check(items[i]) || PyTuple_GET_SIZE(items[i]) != 4) {
+      PyErr_Format(PyExc_TypeError, "entry %zd is not a (param, key, hook, dict) tuple", i);
+      return FAILED;
+    }
+    if (!THPVariable_CheckExact(PyTuple_GET_ITEM(items[i], 0))) return NOT_MINE;
+  }
+  return OK;
+}
+
+// arm(entries): each library pre-hook on (into torch's dict, or ``alone`` handed to torch)
+PyObject* arm(PyObject*, PyObject* entries) {
+  PyObject* fast = nullptr;
+  Unpacked u = entries_of(entries, fast);
+  bool ok = u == OK && find_setter();
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    PyObject* entry = PySequence_Fast_ITEMS(fast)[i];
+    PyObject* p = PyTuple_GET_ITEM(entry, 0);
+    PyObject* key = PyTuple_GET_ITEM(entry, 1);
+    PyObject* hook = PyTuple_GET_ITEM(entry, 2);
+    PyObject* alone = PyTuple_GET_ITEM(entry, 3);
+    PyObject* hooks = hooks_of(p);
+    if (hooks == nullptr) {
+      if (PyObject_Size(alone) != 1 || PySequence_Contains(alone, key) != 1) {  // (a user's went in)
+        PyObject* cleared = PyObject_CallMethod(alone, "clear", nullptr);
+        ok = cleared != nullptr && PyObject_SetItem(alone, key, hook) == 0;
+        Py_XDECREF(cleared);
+      }
+      ok = ok && set_backward_hooks(p, alone, nullptr) == 0;
+    } else {
+      int has = PySequence_Contains(hooks, key);
+      ok = has == 1 || (has == 0 && PyObject_SetItem(hooks, key, hook) == 0);
+    }
+  }
+  Py_XDECREF(fast);
+  if (u != OK) return not_ok(u);
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
+}
+
+// disarm(entries): each library pre-hook off; torch's dict dropped where it held only it
+// (autograd then calls no pre-hook at all)
+PyObject* disarm(PyObject*, PyObject* entries) {
+  PyObject* fast = nullptr;
+  Unpacked u = entries_of(entries, fast);
+  bool ok = u == OK && find_setter();
+  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    PyObject* entry = PySequence_Fast_ITEMS(fast)[i];
+    PyObject* p = PyTuple_GET_ITEM(entry, 0);
+    PyObject* key = PyTuple_GET_ITEM(entry, 1);
+    PyObject* hooks = hooks_of(p);
+    if (hooks == nullptr) continue;
+    int has = PySequence_Contains(hooks, key);
+    if (has == 1) {
+      ok = PyObject_Size(hooks) == 1 ? set_backward_hooks(p, Py_None, nullptr) == 0
+                                     : PyObject_DelItem(hooks, key) == 0;
+    } else {
+      ok = has == 0;
+    }
+  }
+  Py_XDECREF(fast);
+  if (u != OK) return not_ok(u);
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
 }
 
 PyMethodDef methods[] = {
@@ -252,6 +366,8 @@ PyMethodDef methods[] = {
     {"requires_grad", requires_grad, METH_O, "[p.requires_grad for p in params]"},
     {"copy_into", reinterpret_cast<PyCFunction>(copy_into), METH_FASTCALL,
      "views[i].copy_(grads[i]) for CPU tensors (NotImplemented: not all were)"},
+    {"arm", arm, METH_O, "each library pre-hook of the (param, key, hook, dict) entries on"},
+    {"disarm", disarm, METH_O, "each library pre-hook of the entries off"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "hybridcomm_host", nullptr, -1, methods};

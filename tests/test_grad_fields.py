@@ -198,3 +198,61 @@ def test_training_gives_the_same_bits_with_the_extension_on_and_off(overlap):
     off = run_ranks(2, _train, overlap, False, timeout=120)
     for a, b in zip(on, off):
         assert torch.equal(a, b)
+
+
+def _entry(p, calls, name):
+    from collections import OrderedDict
+    from torch.utils.hooks import RemovableHandle
+
+    key = RemovableHandle(OrderedDict()).id
+
+    def hook(grad):
+        calls.append(name)
+    return (p, key, hook, OrderedDict({key: hook}))
+
+
+def _backward(params):
+    sum(p.sum() for p in params).backward()
+
+
+def test_pre_hooks_go_on_and_off_beside_a_users(impl):
+    """arm / disarm: autograd calls the library's pre-hook only while armed; with
+    no other hook the tensor holds none at all when disarmed; a user's hook,
+    registered while armed or disarmed, stays and keeps running."""
+    calls = []
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]
+    entries = [_entry(p, calls, f"ours{i}") for i, p in enumerate(params)]
+    impl.arm(entries)
+    impl.arm(entries)  # (twice: still one hook)
+    assert all(p._backward_hooks is e[3] and len(e[3]) == 1 for p, e in zip(params, entries))
+    _backward(params)
+    assert sorted(calls) == ["ours0", "ours1"]
+    impl.disarm(entries)
+    assert all(p._backward_hooks is None for p in params)
+    calls.clear()
+    _backward(params)
+    assert calls == []
+    # a user's hook registered while armed goes into the same dict: it stays when
+    # ours goes off, and ours rejoins it
+    impl.arm(entries)
+    params[0].register_hook(lambda g: calls.append("user0"))
+    impl.disarm(entries)
+    assert len(params[0]._backward_hooks) == 1 and params[1]._backward_hooks is None
+    _backward(params)
+    assert calls == ["user0"]
+    calls.clear()
+    impl.arm(entries)
+    _backward(params)
+    assert sorted(calls) == ["ours0", "ours1", "user0"]
+    # a user's hook registered while disarmed: ours goes into torch's dict beside it
+    impl.disarm(entries)
+    params[1].register_hook(lambda g: calls.append("user1"))
+    impl.arm(entries)
+    assert entries[1][1] in params[1]._backward_hooks and len(params[1]._backward_hooks) == 2
+    calls.clear()
+    _backward(params)
+    assert sorted(calls) == ["ours0", "ours1", "user0", "user1"]
+    impl.disarm(entries)
+    calls.clear()
+    _backward(params)
+    assert sorted(calls) == ["user0", "user1"]

@@ -47,7 +47,7 @@ def copy_into(views: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
     >>> copy_into(views, grads); views
     [tensor([1., 1.]), tensor([2., 2., 2.])]
     """
-    if copy_into_on_host(views, grads):  # (a memcpy each, in C++)
+    if copy_into_on_host(views, grads):  # (a byte copy each, in C++)
         return
     if _foreach_copy is not None and len(views) > 1 and \
             set(map(type, grads)) == _PLAIN and set(map(type, views)) == _PLAIN:

@@ -156,9 +156,10 @@ class DeferredUpdates:
         if not s.zeroed:
             return
         s.zeroed = False
-        params = s.bucket.params
-        for pos in s.content:
-            params[pos].grad = None
+        params, content = s.bucket.params, s.content
+        # (released: plain parameters, so one call into C++ for the bucket)
+        grad_fields.set_grads(params if len(content) == len(params) else
+                              [params[pos] for pos in content])
         s.content = set()
 
     def release_dropped(self, s: BucketState) -> None:

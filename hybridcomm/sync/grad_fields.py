@@ -1,7 +1,8 @@
-"""Many parameters' ``.grad`` fields read, written and copied in one call per bucket.
+"""Many parameters' ``.grad`` fields and pre-hooks read, written and copied in one call per bucket.
 
 The per-parameter loops of a step (is each ``.grad`` its bucket's view, bind
-them, drop them, copy autograd's gradients in, read ``requires_grad``) cost
+them, drop them, copy autograd's gradients in, read ``requires_grad``, the
+pre-hooks on and off: grad_hooks.py) cost
 Python about a thousand instructions per field access; DDP makes the same
 accesses in C++. Here each loop is one call into the host C++ extension
 (csrc/host_ops.cpp, host_ext.py) where it loads, and its Python twin below
@@ -69,6 +70,28 @@ class python:
     def requires_grad(params) -> List[bool]:
         return list(map(_REQUIRES, params))
 
+    @staticmethod
+    def arm(entries) -> None:
+        for p, key, hook, alone in entries:
+            hooks = p._backward_hooks
+            if hooks is None:
+                if len(alone) != 1 or key not in alone:  # (a user's hook went in)
+                    alone.clear()
+                    alone[key] = hook
+                p._backward_hooks = alone  # (the setter hands it to autograd)
+            elif key not in hooks:
+                hooks[key] = hook
+
+    @staticmethod
+    def disarm(entries) -> None:
+        for p, key, _, _ in entries:
+            hooks = p._backward_hooks
+            if hooks is not None and key in hooks:
+                if len(hooks) == 1:
+                    p._backward_hooks = None  # autograd drops its pre-hook: no call at all
+                else:
+                    del hooks[key]
+
 
 def grads(params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
     """``[p.grad for p in params]``."""
@@ -107,9 +130,27 @@ def requires_grad(params: Sequence[torch.Tensor]) -> List[bool]:
     return python.requires_grad(params) if out is NotImplemented else out
 
 
+def arm(entries: Sequence[tuple]) -> None:
+    """Each library pre-hook on: an entry is ``(param, key, hook, alone)``, ``hook``
+    under ``key`` in the param's ``_backward_hooks`` (torch's dict of its pre-hooks;
+    ``alone``, holding only ``hook``, is handed to torch where the param has none).
+    A user's hooks in the same dict stay."""
+    ext = _ext if _ext is not None else _loaded()
+    if not ext or ext.arm(entries) is NotImplemented:
+        python.arm(entries)
+
+
+def disarm(entries: Sequence[tuple]) -> None:
+    """Each library pre-hook of ``entries`` (as :func:`arm`'s) off; torch's dict is
+    dropped where it held only that hook (autograd then calls no pre-hook at all)."""
+    ext = _ext if _ext is not None else _loaded()
+    if not ext or ext.disarm(entries) is NotImplemented:
+        python.disarm(entries)
+
+
 def copy_into_on_host(views: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
     """``views[i].copy_(grads[i])`` for every i where every tensor is on the CPU (a
-    ``memcpy`` each, no dispatch per tensor), returning True; False where it did
+    vectorized byte copy each, no dispatch per tensor), returning True; False where it did
     nothing (not all on the CPU, a subclass, a mode, no extension): the caller's
     multi-tensor copy then."""
     ext = _ext if _ext is not None else _loaded()

@@ -66,6 +66,7 @@ from typing import Dict, Iterable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from . import grad_fields
 from .bucket_group import Phase, kept_apart, wants_guard
 from .passes import LAUNCH
 from .pending import grad_field
@@ -112,7 +113,7 @@ class GradientHooks:
         want = {id(p): p for p in params}
         for pid in [pid for pid in self._post if pid not in want]:
             self._post.pop(pid)[0].remove()
-            _disarm(self._pre.pop(pid))
+            grad_fields.disarm([self._pre.pop(pid)])
         for pid, p in want.items():
             if pid not in self._post:
                 hook = self.after_grad
@@ -196,25 +197,12 @@ class GradientHooks:
 
     @staticmethod
     def _set(entries, on: bool) -> None:
-        if on:
-            for p, key, hook, alone in entries:
-                hooks = p._backward_hooks
-                if hooks is None:
-                    if len(alone) != 1 or key not in alone:  # (a user's hook went in)
-                        alone.clear()
-                        alone[key] = hook
-                    p._backward_hooks = alone  # (the setter hands it to autograd)
-                elif key not in hooks:
-                    hooks[key] = hook
-        else:
-            for entry in entries:
-                _disarm(entry)
+        (grad_fields.arm if on else grad_fields.disarm)(entries)
 
     def detach(self) -> None:
         for entry in self._post.values():
             entry[0].remove()
-        for entry in self._pre.values():
-            _disarm(entry)
+        grad_fields.disarm(list(self._pre.values()))
         self._post, self._pre, self.lean = {}, {}, False
 
     def _before(self, p):
@@ -305,13 +293,3 @@ class GradientHooks:
             elif s.launched_epoch != sync.state.epoch:
                 sync.group.open_and_launch(s, sync.open, passes.id)
 
-
-def _disarm(entry) -> None:
-    """This pre-hook off; a user's hooks on the same tensor stay."""
-    p, key = entry[0], entry[1]
-    hooks = p._backward_hooks
-    if hooks is not None and key in hooks:
-        if len(hooks) == 1:
-            p._backward_hooks = None  # autograd drops its pre-hook: no call at all
-        else:
-            del hooks[key]

@@ -779,8 +779,8 @@ MUTATIONS = [
              "reduced gradient until the next forward"),
     Mutation(
         "zeroed-grad-kept-after-update", "i38 host cost", "hybridcomm/sync/deferred.py",
-        old="        for pos in s.content:\n            params[pos].grad = None\n",
-        new="        for pos in s.content:\n            pass\n",
+        old="        grad_fields.set_grads(params if len(content) == len(params) else\n",
+        new="        (lambda *_: None)(params if len(content) == len(params) else\n",
         guards=("tests/test_forward_mode.py::test_gradients_zeroed_while_an_update_waits_read_"
                 "as_in_one_process[False]",),
         what="a gradient zeroed while its update waited is still the view after the "
