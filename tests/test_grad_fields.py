@@ -98,6 +98,21 @@ def test_copy_into_copies_as_copy_does(impl, dtype):
     assert all(v._version > b for v, b in zip(views, before))
 
 
+def test_copy_into_bumps_versions_as_a_multi_tensor_copy_does(impl):
+    """A bucket's views share its buffer's version counter: the copy moves it as
+    ``torch._foreach_copy_`` does (once per view), which is how a write into a
+    bucket since the step is told from none (grad_hooks.py: the lean hooks)."""
+    from hybridcomm.sync.buckets import copy_into
+    shapes = [(7, 3), (5,), (2, 2, 2)]
+    _, views, buffer = _bucket(shapes)
+    _, reference_views, reference = _bucket(shapes)
+    grads = [torch.randn(s) for s in shapes]
+    before = buffer._version, reference._version
+    copy_into(views, grads)
+    torch._foreach_copy_(reference_views, grads)
+    assert buffer._version - before[0] == reference._version - before[1] == len(shapes)
+
+
 def test_copy_into_on_host_leaves_what_it_cannot_do(impl):
     """Not every tensor on the CPU, or a subclass: nothing copied, False (the
     caller's multi-tensor copy then); the twins never copy."""
