@@ -9,6 +9,7 @@ check of identities, the rebuild is collective (every rank checks the new set).
 """
 from __future__ import annotations
 
+from itertools import chain
 from operator import is_
 from typing import Dict, List, Sequence, Tuple
 
@@ -95,7 +96,7 @@ class ParamRegistry:
     def trainable_changed(self) -> bool:
         """Whether the optimizer's trainable parameters are no longer these (cheap when
         nothing changed: the same groups' lists and the same requires_grad flags)."""
-        listed = [p for g in self._groups for p in g["params"]]
+        listed = list(chain.from_iterable(g["params"] for g in self._groups))
         # (per parameter and step: compared in C, map over operator.is_)
         if len(listed) == len(self._listed) and all(map(is_, listed, self._listed)) and \
                 grad_fields.requires_grad(listed) == self._requires:
