@@ -44,6 +44,9 @@ def test_env_lists_every_variable_with_its_value_default_and_help():
     assert "value unset" in algo
     typo = next(ln for ln in lines if ln.startswith("HYBRIDCOMM_TIMOUT "))
     assert "UNKNOWN" in typo and "did you mean HYBRIDCOMM_TIMEOUT?" in typo
+    assert "host C++ extension: built (" in r.stdout  # (make setup built it)
+    off = _run("env", env_vars={"HYBRIDCOMM_HOST_EXT": "0"})
+    assert "host C++ extension: off (HYBRIDCOMM_HOST_EXT=0)" in off.stdout
     bad = _run("env", env_vars={"HYBRIDCOMM_TIMEOUT": "soon"}, ok=False)
     assert bad.returncode == 1 and "INVALID" in bad.stdout
 

@@ -144,6 +144,22 @@ def load():
         return _state["module"]
 
 
+def status() -> str:
+    """One line on the extension here, without building it (``python -m hybridcomm env``)."""
+    source = csrc_dir() / SOURCE
+    if not env.get("HYBRIDCOMM_HOST_EXT"):
+        return "off (HYBRIDCOMM_HOST_EXT=0): the Python loops"
+    if not source.is_file():
+        return f"no source ({source}): the Python loops"
+    target = built_path(source)
+    failed = target.with_suffix(".failed")
+    if target.is_file():
+        return f"built ({target})"
+    if failed.is_file():
+        return f"its build failed ({failed}): the Python loops"
+    return f"not built yet (the first optimizer builds it: {target})"
+
+
 def why_not() -> Optional[str]:
     """Why :func:`load` returned None (None if it has not been tried or it worked)."""
     return _state.get("reason")

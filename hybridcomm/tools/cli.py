@@ -69,9 +69,12 @@ def env_lines(environ=None) -> List[str]:
 
 
 def _env(args) -> int:
+    from ..sync import host_ext
+
     lines = env_lines()
     for line in lines:
         print(line)
+    print(f"host C++ extension: {host_ext.status()}")
     return 1 if any(" INVALID: " in line for line in lines) else 0
 
 
