@@ -299,29 +299,16 @@ Unpacked entries_of(PyObject* seq, PyObject*& fast) {
   return OK;
 }
 
-// arm(entries): each library pre-hook on (into torch's dict, or ``alone`` handed to torch)
-PyObject* arm(PyObject*, PyObject* entries) {
+// fn(param, key, hook, alone) -> false (a Python error set) to stop, for each entry.
+template <typename F>
+PyObject* each_entry(PyObject* entries, F fn) {
   PyObject* fast = nullptr;
   Unpacked u = entries_of(entries, fast);
   bool ok = u == OK && find_setter();
   for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
     PyObject* entry = PySequence_Fast_ITEMS(fast)[i];
-    PyObject* p = PyTuple_GET_ITEM(entry, 0);
-    PyObject* key = PyTuple_GET_ITEM(entry, 1);
-    PyObject* hook = PyTuple_GET_ITEM(entry, 2);
-    PyObject* alone = PyTuple_GET_ITEM(entry, 3);
-    PyObject* hooks = hooks_of(p);
-    if (hooks == nullptr) {
-      if (PyObject_Size(alone) != 1 || PySequence_Contains(alone, key) != 1) {  // (a user's went in)
-        PyObject* cleared = PyObject_CallMethod(alone, "clear", nullptr);
-        ok = cleared != nullptr && PyObject_SetItem(alone, key, hook) == 0;
-        Py_XDECREF(cleared);
-      }
-      ok = ok && set_backward_hooks(p, alone, nullptr) == 0;
-    } else {
-      int has = PySequence_Contains(hooks, key);
-      ok = has == 1 || (has == 0 && PyObject_SetItem(hooks, key, hook) == 0);
-    }
+    ok = fn(PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1), PyTuple_GET_ITEM(entry, 2),
+            PyTuple_GET_ITEM(entry, 3));
   }
   Py_XDECREF(fast);
   if (u != OK) return not_ok(u);
@@ -329,30 +316,37 @@ PyObject* arm(PyObject*, PyObject* entries) {
   Py_RETURN_NONE;
 }
 
+// arm(entries): each library pre-hook on (into torch's dict, or ``alone`` handed to torch)
+PyObject* arm(PyObject*, PyObject* entries) {
+  return each_entry(entries, [](PyObject* p, PyObject* key, PyObject* hook, PyObject* alone) {
+    PyObject* hooks = hooks_of(p);
+    if (hooks != nullptr) {
+      int has = PySequence_Contains(hooks, key);
+      return has == 1 || (has == 0 && PyObject_SetItem(hooks, key, hook) == 0);
+    }
+    int alone_has = PySequence_Contains(alone, key);
+    if (alone_has < 0) return false;
+    if (PyObject_Size(alone) != 1 || alone_has == 0) {  // (a user's hook went in)
+      PyObject* cleared = PyObject_CallMethod(alone, "clear", nullptr);
+      if (cleared == nullptr) return false;
+      Py_DECREF(cleared);
+      if (PyObject_SetItem(alone, key, hook) != 0) return false;
+    }
+    return set_backward_hooks(p, alone, nullptr) == 0;
+  });
+}
+
 // disarm(entries): each library pre-hook off; torch's dict dropped where it held only it
 // (autograd then calls no pre-hook at all)
 PyObject* disarm(PyObject*, PyObject* entries) {
-  PyObject* fast = nullptr;
-  Unpacked u = entries_of(entries, fast);
-  bool ok = u == OK && find_setter();
-  for (Py_ssize_t i = 0; ok && i < PySequence_Fast_GET_SIZE(fast); ++i) {
-    PyObject* entry = PySequence_Fast_ITEMS(fast)[i];
-    PyObject* p = PyTuple_GET_ITEM(entry, 0);
-    PyObject* key = PyTuple_GET_ITEM(entry, 1);
+  return each_entry(entries, [](PyObject* p, PyObject* key, PyObject*, PyObject*) {
     PyObject* hooks = hooks_of(p);
-    if (hooks == nullptr) continue;
+    if (hooks == nullptr) return true;
     int has = PySequence_Contains(hooks, key);
-    if (has == 1) {
-      ok = PyObject_Size(hooks) == 1 ? set_backward_hooks(p, Py_None, nullptr) == 0
+    if (has != 1) return has == 0;
+    return PyObject_Size(hooks) == 1 ? set_backward_hooks(p, Py_None, nullptr) == 0
                                      : PyObject_DelItem(hooks, key) == 0;
-    } else {
-      ok = has == 0;
-    }
-  }
-  Py_XDECREF(fast);
-  if (u != OK) return not_ok(u);
-  if (!ok) return nullptr;
-  Py_RETURN_NONE;
+  });
 }
 
 PyMethodDef methods[] = {
