@@ -349,6 +349,53 @@ PyObject* disarm(PyObject*, PyObject* entries) {
   });
 }
 
+// ---- the class switches of forward mode's pending parameters (pending.py) ------------
+// switch_classes(objs, classes, every): each object's class becomes classes[its class],
+// through ``object.__class__``'s own setter (its checks kept), called directly. Where
+// ``every`` and some class is not in ``classes``: False, nothing switched (the caller
+// makes the missing class). Else objects whose class is not in it stay as they are.
+
+setter set_class = nullptr;
+
+PyObject* switch_classes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "switch_classes() takes 3 arguments (%zd given)", nargs);
+    return nullptr;
+  }
+  PyObject* classes = args[1];
+  bool every = PyObject_IsTrue(args[2]) == 1;
+  if (!PyDict_CheckExact(classes)) {
+    PyErr_SetString(PyExc_TypeError, "classes must be a dict");
+    return nullptr;
+  }
+  if (set_class == nullptr) {
+    PyObject* descr = PyDict_GetItemString(PyBaseObject_Type.tp_dict, "__class__");  // borrowed
+    if (descr == nullptr || Py_TYPE(descr) != &PyGetSetDescr_Type) {
+      PyErr_SetString(PyExc_RuntimeError, "object.__class__ has no setter");
+      return nullptr;
+    }
+    set_class = reinterpret_cast<PyGetSetDescrObject*>(descr)->d_getset->set;
+  }
+  PyObject* fast = PySequence_Fast(args[0], "expected a list");
+  if (fast == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  PyObject* result = Py_True;
+  for (Py_ssize_t i = 0; every && i < n; ++i) {
+    if (PyDict_GetItem(classes, reinterpret_cast<PyObject*>(Py_TYPE(items[i]))) == nullptr) {
+      result = Py_False;
+      break;
+    }
+  }
+  for (Py_ssize_t i = 0; result == Py_True && i < n; ++i) {
+    PyObject* to = PyDict_GetItem(classes, reinterpret_cast<PyObject*>(Py_TYPE(items[i])));
+    if (to != nullptr && set_class(items[i], to, nullptr) != 0) result = nullptr;
+  }
+  Py_DECREF(fast);
+  Py_XINCREF(result);
+  return result;
+}
+
 PyMethodDef methods[] = {
     {"grads", grads, METH_O, "[p.grad as held for p in params]"},
     {"kept_apart", reinterpret_cast<PyCFunction>(kept_apart), METH_FASTCALL,
@@ -362,6 +409,8 @@ PyMethodDef methods[] = {
      "views[i].copy_(grads[i]) for CPU tensors (NotImplemented: not all were)"},
     {"arm", arm, METH_O, "each library pre-hook of the (param, key, hook, dict) entries on"},
     {"disarm", disarm, METH_O, "each library pre-hook of the entries off"},
+    {"switch_classes", reinterpret_cast<PyCFunction>(switch_classes), METH_FASTCALL,
+     "each object's class becomes classes[its class]"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "hybridcomm_host", nullptr, -1, methods};

@@ -271,3 +271,31 @@ def test_pre_hooks_go_on_and_off_beside_a_users(impl):
     calls.clear()
     _backward(params)
     assert sorted(calls) == ["user0", "user1"]
+
+
+def test_class_switches(impl):
+    """switch_classes: forward mode's pending class on and off (pending.defer and
+    release_all run through it), all or nothing where ``every``; object.__class__'s
+    own checks stay (an incompatible class is refused)."""
+    from hybridcomm.sync import pending
+
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))]
+    Marked = type("Marked", (nn.Parameter,), {})
+    assert impl.switch_classes(params, {}, True) is False
+    assert all(type(p) is nn.Parameter for p in params)
+    assert impl.switch_classes(params[:1], {nn.Parameter: Marked}, False) is True
+    assert type(params[0]) is Marked and type(params[1]) is nn.Parameter
+    with pytest.raises(TypeError):
+        impl.switch_classes(params[1:], {nn.Parameter: int}, False)
+    impl.switch_classes(params, {Marked: nn.Parameter}, False)
+    applied = []
+
+    def apply(p):
+        applied.append(p)
+        pending.release_all(params)
+    pending.defer(params, apply)
+    assert all(pending.is_pending(p) for p in params)
+    params[1] * 2  # a read applies it
+    assert applied == [params[1]] and not any(pending.is_pending(p) for p in params)
+    assert all(type(p) is nn.Parameter for p in params)
+    pending.forget(apply)

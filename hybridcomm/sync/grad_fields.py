@@ -148,6 +148,23 @@ def disarm(entries: Sequence[tuple]) -> None:
         python.disarm(entries)
 
 
+def switch_classes(objs: Sequence, classes: dict, every: bool) -> bool:
+    """``o.__class__ = classes[type(o)]`` for each of ``objs`` (pending.py's class
+    switches), True; with ``every``, False where a class is missing from ``classes``,
+    nothing switched (the caller switches them); without, objects whose class is not
+    in ``classes`` stay as they are. Off the extension: False (with ``every``)."""
+    ext = _ext if _ext is not None else _loaded()
+    if ext:
+        return ext.switch_classes(objs, classes, every)
+    if every:
+        return False
+    for o in objs:
+        to = classes.get(o.__class__)
+        if to is not None:
+            o.__class__ = to
+    return True
+
+
 def copy_into_on_host(views: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
     """``views[i].copy_(grads[i])`` for every i where every tensor is on the CPU (a
     vectorized byte copy each, no dispatch per tensor), returning True; False where it did

@@ -207,9 +207,10 @@ def defer(params: Sequence[torch.Tensor], apply: Callable[[torch.Tensor], None])
                 waiting[id(p)] = (weakref.ref(p, functools.partial(_forget_dead, id(p))), apply)
                 _registered.clear()  # (another list's registration may be this one's)
         _registered[id(params)] = (params, apply)
-    for p in params:
-        cls = p.__class__
-        p.__class__ = classes.get(cls) or _pending_class(cls)
+    if not grad_fields.switch_classes(params, classes, True):  # (a class not seen yet)
+        for p in params:
+            cls = p.__class__
+            p.__class__ = classes.get(cls) or _pending_class(cls)
     _arm_compiled_forward_hook()
 
 
@@ -230,11 +231,7 @@ def release(p: torch.Tensor) -> None:
 
 def release_all(params: Iterable[torch.Tensor]) -> None:
     """``release`` each of ``params`` (a bucket's, once per step)."""
-    bases = _bases
-    for p in params:
-        base = bases.get(p.__class__)
-        if base is not None:
-            p.__class__ = base
+    grad_fields.switch_classes(params, _bases, False)
 
 
 def forget(apply: Callable[[torch.Tensor], None]) -> None:
