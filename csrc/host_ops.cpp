@@ -115,15 +115,6 @@ PyObject* grad_list(const std::vector<const at::Tensor*>& ps) {
 
 // Each function returns NotImplemented where unpack says NOT_MINE: the Python twin runs.
 
-// grads(params) -> [p.grad as held (None where undefined)]
-PyObject* grads(PyObject*, PyObject* params) {
-  GUARDED({
-    std::vector<const at::Tensor*> ps;
-    Unpacked u = unpack(params, ps);
-    return u == OK ? grad_list(ps) : not_ok(u);
-  })
-}
-
 // kept_apart(params, views) -> the grads if every one is defined and none is its
 // view (autograd put each in a tensor of its own), else None.
 PyObject* kept_apart(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -397,7 +388,6 @@ PyObject* switch_classes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 PyMethodDef methods[] = {
-    {"grads", grads, METH_O, "[p.grad as held for p in params]"},
     {"kept_apart", reinterpret_cast<PyCFunction>(kept_apart), METH_FASTCALL,
      "the grads if each is a tensor of its own (none None, none its view), else None"},
     {"bound", reinterpret_cast<PyCFunction>(bound), METH_FASTCALL,

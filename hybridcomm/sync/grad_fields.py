@@ -18,7 +18,7 @@ Example::
     >>> views = [torch.zeros(2), torch.zeros(3)]
     >>> set_grads(ps, views); bound(ps, views), kept_apart(ps, views)
     (True, None)
-    >>> set_grads(ps); grads(ps)
+    >>> set_grads(ps); [p.grad for p in ps]
     [None, None]
 """
 from __future__ import annotations
@@ -46,10 +46,6 @@ def _loaded():
 class python:
     """The twins: what each function means, in Python (the reference the C++ is
     tested against, and the path subclasses and modes take)."""
-
-    @staticmethod
-    def grads(params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
-        return list(map(_GRAD, params))
 
     @staticmethod
     def kept_apart(params, views) -> Optional[list]:
@@ -92,12 +88,6 @@ class python:
                 else:
                     del hooks[key]
 
-
-def grads(params: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
-    """``[p.grad for p in params]``."""
-    ext = _ext if _ext is not None else _loaded()
-    out = ext.grads(params) if ext else NotImplemented
-    return python.grads(params) if out is NotImplemented else out
 
 
 def kept_apart(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> Optional[list]:

@@ -20,7 +20,7 @@ Example::
 
     >>> from hybridcomm.sync import host_ext
     >>> ext = host_ext.load()            # None where it cannot be built (see why_not())
-    >>> ext is None or callable(ext.grads)
+    >>> ext is None or callable(ext.bound)
     True
 """
 from __future__ import annotations
