@@ -3,6 +3,7 @@ a parent's ``F.linear(x, self.head.weight)``, the loss, code between ``step()``
 and the next forward (an EMA), a module called twice, a weight shared by two
 modules, a layer the watched forwards skip, a layer that joins after the
 measured steps. Each is compared with one process on the whole batch."""
+import copy
 import os
 
 import pytest
@@ -313,3 +314,59 @@ def test_gradients_zeroed_while_an_update_waits_read_as_in_one_process(simulate)
         assert torch.allclose(params, ref, **TOL), f"max diff {(params - ref).abs().max():.3g}"
         assert [none for _, none in seen] == [none for _, none in ref_seen]
         assert all(n == len(list(model.parameters())) for n, _ in seen[1:])  # all pending
+
+
+def _compiled(model, how):
+    if how == "optimized_module":
+        return torch.compile(model, backend="aot_eager")
+    if how == "compiled_function":
+        return torch.compile(lambda x: model(x), backend="aot_eager")
+    model.compile(backend="aot_eager")
+    return model
+
+
+@pytest.mark.parametrize("how", ["optimized_module", "compiled_function", "module_compile"])
+@pytest.mark.parametrize("flags", [True, False], ids=["dynamo_flags", "frame_walk"])
+def test_a_compiled_forward_applies_the_pending_updates_first(monkeypatch, flags, how):
+    """Compiled code calls no ``__torch_function__``: the model's pre-hook applies
+    every pending update before a compiled forward, whichever way it was compiled;
+    through dynamo's flags (eager forwards pay two flag reads), and through the walk
+    of the frames that a torch without those flags takes."""
+    import torch._dynamo
+
+    from hybridcomm.sync import pending
+
+    hook = pending.ApplyBeforeCompiledForward
+    monkeypatch.setattr(pending, "_tracing", pending._never)  # (not armed yet)
+    monkeypatch.setattr(pending, "_in_compiled_module", pending._never)
+    monkeypatch.setattr(pending, "_apply_before_compiled", pending._apply_all_before_compiled)
+    monkeypatch.setattr(hook, "__call__", hook.__call__)
+    if not flags:
+        monkeypatch.setattr(pending, "_IN_COMPILED_MODULE_FLAG", "not in this torch")
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    model.register_forward_pre_hook(hook())
+    params, applied = list(model.parameters()), []
+
+    def apply(p):
+        pending.release_all(params)
+        applied.append(p)
+        with torch.no_grad():
+            for q in params:
+                q.add_(0.5)
+
+    run, x = _compiled(model, how), torch.randn(3, 4)
+    try:
+        for i in range(3):
+            pending.defer(params, apply)
+            assert pending._tracing is not pending._never or not flags  # armed
+            with torch.no_grad():
+                for q in ref.parameters():
+                    q.add_(0.5)
+                out = run(x)
+            assert len(applied) == i + 1 and not any(map(is_pending, params))
+            assert torch.equal(out, ref(x))
+    finally:
+        pending.forget(apply)

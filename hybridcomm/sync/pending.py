@@ -272,14 +272,28 @@ def resolve_all() -> None:
 # ---- torch.compile ----------------------------------------------------------------------
 _told_compiled = False
 # Frames of torch.compile's entry points (torch/_dynamo/eval_frame.py): a compiled
-# module's call, a compiled function's wrapper. (Not torch._dynamo.disable's own
-# wrapper, which runs this hook once torch.compile is in use.)
+# module's call, a compiled function's wrapper (looked for on a torch without dynamo's
+# own flags, below).
 _COMPILED_ENTRIES = ("OptimizedModule.__call__", "compile_wrapper")
+# dynamo's flag (torch/_dynamo/eval_frame.py) that an OptimizedModule's hooks run under
+_IN_COMPILED_MODULE_FLAG = "_is_in_optimized_module"
+
+
+def _never() -> bool:
+    return False
+
+
+# Set on first use of torch.compile's flags (_arm_compiled_forward_hook): traced by
+# dynamo (a compiled function calling the model, ``model.compile()``), and an
+# OptimizedModule's call, whose hooks run outside the trace under a flag of dynamo's.
+_tracing: Callable[[], bool] = _never
+_in_compiled_module: Callable[[], bool] = _never
 
 
 def _under_torch_compile() -> bool:
     """Whether this forward was called through torch.compile (an OptimizedModule,
-    or a compiled function calling the model)."""
+    or a compiled function calling the model): on a torch without dynamo's flags,
+    by the frames of its entry points."""
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is None:
         return False
@@ -294,29 +308,53 @@ def _under_torch_compile() -> bool:
     return False
 
 
+def _apply_all_before_compiled() -> None:
+    """Every pending update, before a compiled forward (run eagerly: see below)."""
+    global _told_compiled
+    if not _waiting:
+        return
+    if not _told_compiled:
+        _told_compiled = True
+        log.info("hybridcomm: the model's forward is compiled (torch.compile): "
+                 "forward mode applies the pending updates when it begins, so they "
+                 "do not overlap the forward")
+    resolve_all()
+
+
+_apply_before_compiled = _apply_all_before_compiled  # (dynamo.disable's once armed)
+
+
 class ApplyBeforeCompiledForward:
     """The model's forward pre-hook: a compiled forward (``torch.compile``) starts
     after every pending update (compiled code calls no ``__torch_function__``).
     A plain object, so the model still deep-copies and pickles; in a copy it
-    only applies what is pending, which is never wrong."""
+    only applies what is pending, which is never wrong. In an eager forward it
+    costs two flag reads (a walk of the frames on a torch without the flags)."""
 
     def __call__(self, module, args) -> None:
-        global _told_compiled
-        if _waiting and _under_torch_compile():
-            if not _told_compiled:
-                _told_compiled = True
-                log.info("hybridcomm: the model's forward is compiled (torch.compile): "
-                         "forward mode applies the pending updates when it begins, so they "
-                         "do not overlap the forward")
-            resolve_all()
+        if _tracing() or _in_compiled_module():
+            _apply_before_compiled()
+
+
+def _legacy_call(self, module, args) -> None:
+    if _waiting and _under_torch_compile():
+        _apply_before_compiled()
 
 
 def _arm_compiled_forward_hook() -> None:
-    """Once torch.compile is in use, run the hook outside dynamo's tracing: traced, it
-    would be frozen into the graph (``torch._dynamo.disable`` makes it a graph break
-    that runs eagerly). Checked where updates are deferred: importing dynamo here
-    would cost every process a second."""
-    call = ApplyBeforeCompiledForward.__call__
+    """Once torch.compile is loaded, the hook reads its flags, and what it applies
+    runs outside dynamo's tracing: traced, it would be frozen into the graph
+    (``torch._dynamo.disable`` makes its call a graph break that runs eagerly each
+    time). Checked where updates are deferred: importing dynamo here would cost
+    every process a second."""
+    global _tracing, _in_compiled_module, _apply_before_compiled
     dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is not None and not getattr(call, "_torchdynamo_disable", False):
-        ApplyBeforeCompiledForward.__call__ = dynamo.disable(call)
+    if dynamo is None or getattr(_apply_before_compiled, "_torchdynamo_disable", False):
+        return
+    _apply_before_compiled = dynamo.disable(_apply_before_compiled)
+    in_module = getattr(dynamo.eval_frame, _IN_COMPILED_MODULE_FLAG, None)
+    tracing = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if in_module is not None and tracing is not None:
+        _tracing, _in_compiled_module = tracing, in_module
+    else:  # an older torch: the frame walk, the whole hook outside the trace
+        ApplyBeforeCompiledForward.__call__ = dynamo.disable(_legacy_call)

@@ -891,4 +891,20 @@ MUTATIONS = [
         guards=("tests/test_native_phases.py::test_native_reduce_scatter_then_all_gather_is_the_"
                 "all_reduce[2-simgpu-float16]",),
         what="the simulated NCCL reduce-scatter gives every rank rank 0's part"),
+    Mutation(
+        "compiled-forward-not-applied", "i38 host cost", "hybridcomm/sync/pending.py",
+        old="        if _tracing() or _in_compiled_module():\n",
+        new="        if False:\n",
+        guards=("tests/test_forward_mode.py::test_a_compiled_forward_applies_the_pending_updates_"
+                "first[dynamo_flags-module_compile]",),
+        what="the model's pre-hook no longer applies the pending updates before a compiled "
+             "forward (model.compile()): the compiled code reads last step's weights"),
+    Mutation(
+        "compiled-forward-frames-unseen", "i38 host cost", "hybridcomm/sync/pending.py",
+        old="    if _waiting and _under_torch_compile():\n",
+        new="    if False:\n",
+        guards=("tests/test_forward_mode.py::test_a_compiled_forward_applies_the_pending_updates_"
+                "first[frame_walk-compiled_function]",),
+        what="on a torch without dynamo's flags, the hook's frame walk is gone: a compiled "
+             "function calling the model reads last step's weights"),
 ]
