@@ -337,6 +337,7 @@ class ApplyBeforeCompiledForward:
 
 
 def _legacy_call(self, module, args) -> None:
+    """The hook on a torch without dynamo's flags (dynamo.disable's: never traced)."""
     if _waiting and _under_torch_compile():
         _apply_before_compiled()
 
