@@ -371,16 +371,27 @@ PyObject* switch_classes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (fast == nullptr) return nullptr;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
   PyObject** items = PySequence_Fast_ITEMS(fast);
+  // The objects of a bucket share one class as a rule: one look-up per run of a class.
+  PyTypeObject* from = nullptr;
+  PyObject* to = nullptr;  // borrowed: classes[from]
+  auto target = [&](PyObject* obj) {
+    if (Py_TYPE(obj) != from) {
+      from = Py_TYPE(obj);
+      to = PyDict_GetItem(classes, reinterpret_cast<PyObject*>(from));
+    }
+    return to;
+  };
   PyObject* result = Py_True;
   for (Py_ssize_t i = 0; every && i < n; ++i) {
-    if (PyDict_GetItem(classes, reinterpret_cast<PyObject*>(Py_TYPE(items[i]))) == nullptr) {
+    if (target(items[i]) == nullptr) {
       result = Py_False;
       break;
     }
   }
+  from = nullptr;  // (a class a switch below made is looked up again)
   for (Py_ssize_t i = 0; result == Py_True && i < n; ++i) {
-    PyObject* to = PyDict_GetItem(classes, reinterpret_cast<PyObject*>(Py_TYPE(items[i])));
-    if (to != nullptr && set_class(items[i], to, nullptr) != 0) result = nullptr;
+    PyObject* cls = target(items[i]);
+    if (cls != nullptr && set_class(items[i], cls, nullptr) != 0) result = nullptr;
   }
   Py_DECREF(fast);
   Py_XINCREF(result);
