@@ -89,7 +89,6 @@ class python:
                     del hooks[key]
 
 
-
 def kept_apart(params: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> Optional[list]:
     """The gradients if autograd (or the user) put every one in a tensor of its own
     (none None, none its view ``views[i]``), else None."""
