@@ -148,29 +148,49 @@ class CommEngine:
             return self._sparse_operation(index)
         if b.lowrank is not None and b.lowrank.active:
             return self._lowrank_operation(index)
+        if self.channel.stream_ordered:  # (it waits for this launch's own ready event)
+            op, sent = self._dense_operation(index, s, last)
+        else:  # the host path's is the same every launch: built once per buffer
+            key = (s, self.phase, self.scale)
+            built = b.operations.get(key)
+            if built is None:
+                built = b.operations[key] = self._dense_operation(index, s, last)
+            op, sent = built
+        self.bytes_sent += sent
+        return op
+
+    def _dense_operation(self, index: int, s: int, last: bool):
+        """Segment ``s`` of bucket ``index``'s reduction (or its phase), and the bytes
+        this rank sends for it."""
+        b = self.buckets[index]
         a, z = b.spec.segments[s]
         seg = b.comm[a:z]
         world = self.transport.world_size
         sent = bytes_sent(b.spec.algorithm, seg.numel() * seg.element_size(), world)
-        self.bytes_sent += int(sent if self.phase == ALL_REDUCE else sent / 2)  # (one half)
+        sent = int(sent if self.phase == ALL_REDUCE else sent / 2)  # (one half)
         label = (f"bucket {index} ({b.spec.algorithm}, segment {s + 1}/{len(b.spec.segments)}, "
                  f"{seg.numel() * seg.element_size()} bytes)")
         after = None
-        if last and (b.wire is not None or not self.channel.stream_ordered):
+        ordered = self.channel.stream_ordered
+        if last and (b.wire is not None or not ordered):
             # (on a stream nothing to do without a wire copy: no kernel, no second event)
+            # The bucket's tensors, not the bucket or the engine: a kept operation makes no
+            # reference cycle, so a re-plan's old buckets are freed at once.
+            buffer, wire, versions = b.buffer, b.wire, self._versions
+
             def after():
-                b.from_wire()
-                if not self.channel.stream_ordered:
-                    self._versions[index] = b.buffer._version
-        return reduce_operation(seg, self.transport, b.spec.algorithm, scale=self.scale,
-                                phase=self.phase, tail=b.spec.tail if last else 0,
-                                timeout=self.timeout, label=label,
-                                range_id=index,
-                                ready=self._ready[index],
-                                workspace=self._workspace,
-                                stream_ordered=self.channel.stream_ordered, after=after,
-                                reserved=True,  # bucket memory: recorded when allocated
-                                servers=self.servers)
+                if wire is not None:
+                    buffer.copy_(wire)  # (GradBucket.from_wire)
+                if not ordered:
+                    versions[index] = buffer._version
+        op = reduce_operation(seg, self.transport, b.spec.algorithm, scale=self.scale,
+                              phase=self.phase, tail=b.spec.tail if last else 0,
+                              timeout=self.timeout, label=label, range_id=index,
+                              ready=self._ready[index], workspace=self._workspace,
+                              stream_ordered=ordered, after=after,
+                              reserved=True,  # bucket memory: recorded when allocated
+                              servers=self.servers)
+        return op, sent
 
     def _sparse_operation(self, index: int):
         """A top-k bucket: all-gather the ranks' messages, sum them into the bucket."""

@@ -68,14 +68,22 @@ class Workspace:
     def __init__(self, alloc=None):
         self._alloc = alloc or (lambda n, dt, dev: torch.empty(n, dtype=dt, device=dev))
         self._buffers: Dict[Tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        # (device, dtype, numel) -> buffer[:numel], made once (a slice costs ~6K
+        # instructions per call); dropped when a buffer grows, so none keeps an old one
+        self._slices: Dict[tuple, torch.Tensor] = {}
 
     def get(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        view = self._slices.get((device, dtype, numel))
+        if view is not None:
+            return view
         key = (device, dtype)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = self._alloc(numel, dtype, device)
             self._buffers[key] = buf
-        return buf[:numel]
+            self._slices = {k: v for k, v in self._slices.items() if k[:2] != key}
+        view = self._slices[(device, dtype, numel)] = buf[:numel]
+        return view
 
 
 def comm_scratch(transport, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -433,9 +441,11 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
             return _then(transport, out, after, True, timeout, label)
         return queued
 
+    # (once per operation: an operation the engine keeps runs every step)
+    scratch_numel, dtype, device = schedule.scratch_numel, buf.dtype, buf.device
+
     def hosted():  # host path
-        scratch = workspace.get(schedule.scratch_numel, buf.dtype, buf.device) \
-            if workspace is not None else None
+        scratch = workspace.get(scratch_numel, dtype, device) if workspace is not None else None
         with _range(range_id, algorithm, nbytes, world):
             execute(schedule, buf, transport, scale=scale, scratch=scratch, timeout=timeout)
         if after is not None:

@@ -74,7 +74,7 @@ class GradBucket:
     """
 
     __slots__ = ("spec", "params", "buffer", "grads", "flags", "views", "offsets", "wire",
-                 "topk", "lowrank", "released", "_alloc", "_dtype", "_grad_numel")
+                 "topk", "lowrank", "released", "operations", "_alloc", "_dtype", "_grad_numel")
 
     def __init__(self, spec: Bucket, params: List[torch.nn.Parameter], dtype: torch.dtype,
                  wire_dtype: Optional[torch.dtype], alloc: Alloc):
@@ -100,6 +100,8 @@ class GradBucket:
 
     def _allocate(self) -> None:
         """The buffer, zeroed, and its views."""
+        # the engine's operations built on this buffer (comm/engine.py): they go with it
+        self.operations: dict = {}
         n, spec = self._grad_numel, self.spec
         self.buffer = self._alloc(self._numel(), self._dtype)
         self.buffer.zero_()
@@ -113,6 +115,7 @@ class GradBucket:
         """Drop the buffer (its memory goes back to the allocator, which knows the
         comm stream used it) until :meth:`restore`: no ``.grad`` may be bound to it."""
         self.buffer = self.grads = self.flags = None
+        self.operations = {}  # (each holds a view of the buffer)
         self.views = [_RELEASED] * len(self.params)  # no .grad is one of them
         self.released = True
 

@@ -709,6 +709,29 @@ MUTATIONS = [
         what="the closers are never learned: every parameter keeps its post-accumulate "
              "hook in every step"),
     Mutation(
+        "engine-op-outlives-buffer", "i38 host cost", "hybridcomm/sync/buckets.py",
+        old="        self.operations = {}  # (each holds a view of the buffer)\n",
+        new="",
+        guards=("tests/test_shard.py::test_each_rank_keeps_a_pth_of_the_state_and_gradients_"
+                "free_their_buckets",),
+        what="the engine's kept operations outlive a released bucket: each holds a view of "
+             "the buffer, so shard='gradients' frees nothing"),
+    Mutation(
+        "engine-op-cycle", "i38 host cost", "hybridcomm/comm/engine.py",
+        old="                    buffer.copy_(wire)  # (GradBucket.from_wire)\n",
+        new="                    b.from_wire()\n",
+        guards=("tests/test_optimizer_features.py::test_a_replan_frees_the_old_buckets_"
+                "memory_at_once",),
+        what="a kept operation refers to its bucket (bucket -> operations -> bucket): a "
+             "re-plan's old buckets wait for a cycle collection"),
+    Mutation(
+        "engine-op-stale-scale", "i38 host cost", "hybridcomm/comm/engine.py",
+        old="            key = (s, self.phase, self.scale)\n",
+        new="            key = (s, self.phase)\n",
+        guards=("tests/test_join.py::test_join_gives_ddps_join_numbers_in_every_mode[host]",),
+        what="a kept operation keeps the scale it was built with: after a rank joins, the "
+             "others still divide by the whole world"),
+    Mutation(
         "shard-view-keeps-memory", "i40 sharded state", "hybridcomm/sync/shard.py",
         old="            for sl in self.by_bucket[s.index]:\n                sl.drop_grad()\n",
         new="",
