@@ -721,7 +721,7 @@ MUTATIONS = [
         old="                    buffer.copy_(wire)  # (GradBucket.from_wire)\n",
         new="                    b.from_wire()\n",
         guards=("tests/test_optimizer_features.py::test_a_replan_frees_the_old_buckets_"
-                "memory_at_once",),
+                "memory_at_once[host]",),
         what="a kept operation refers to its bucket (bucket -> operations -> bucket): a "
              "re-plan's old buckets wait for a cycle collection"),
     Mutation(
