@@ -62,6 +62,10 @@ class Phase(enum.Enum):
     IN_FLIGHT = "in flight"  # issued: neither read nor written until waited for
     PENDING = "pending"  # forward mode: step() took it; the update waits for a first read
 
+    # The members are singletons: hashed by identity, in C. (Enum's own hash is a Python
+    # call, ~1K instructions a look-up in EDGES or GUARDED, several per bucket and step.)
+    __hash__ = object.__hash__
+
 
 # the diagram above, as data: the edges BucketGroup.to accepts
 EDGES = {
