@@ -117,6 +117,9 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDCOMM_RESHARD_BYTES", parse_size, 64 << 20,
              "shard=: a re-plan moves the optimizer state to the new shards for parameters "
              "of at most this many bytes at a time (what it holds whole for the move)"),
+    Variable("HYBRIDCOMM_RELEASE_IN_BACKWARD", parse_bool, True,
+             "shard='gradients' on the host path: a bucket keeps only this rank's part of "
+             "its gradient from its reduce-scatter's end in backward (off: from the step)"),
     Variable("HYBRIDCOMM_PIPELINE_BYTES", parse_size, 32 << 20,
              "pipeline parts of large host-path buffers (0: off)"),
     Variable("HYBRIDCOMM_NVTX", parse_bool, None, "NVTX ranges on/off (default: when nsys attaches)"),

@@ -36,13 +36,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..algorithms import ALL_GATHER, REDUCE_SCATTER
+from ..algorithms import REDUCE_SCATTER
 from ..algorithms.lowrank import POWERSGD
 from ..algorithms.topk import TOPK
 from ..base.errors import HybridCommError
 from ..comm.compression import TopK
 from ..comm.engine import CommEngine
-from ..comm.executor import reduce_operation
 from ..comm.powersgd import PowerSGD
 from ..config.config import SyncConfig
 from ..plan.planner import Plan
@@ -50,6 +49,7 @@ from . import grad_fields
 from .buckets import GradBucket, copy_into
 from .join import ROUND
 from .memory import Allocator
+from .scatter import is_released, unscatter
 from .used import UsedAgreement
 
 log = logging.getLogger("hybridcomm")
@@ -299,10 +299,10 @@ class BucketGroup:
             return False
         elif s.phase is Phase.IN_FLIGHT:
             self.settle(s)  # a late gradient, or a dropped one: the reduction ends first
-        if s.bucket.released:  # (shard="gradients": freed since the last step)
-            s.bucket.restore()
         if s.scattered:  # (shard: a late pass) whole again before more is added
-            unscatter(self, s)
+            unscatter(self, s)  # (its part put back first where backward released the rest)
+        elif s.bucket.released:  # (shard="gradients": freed since the last step)
+            s.bucket.restore()
         if s.detached:
             b = s.bucket
             for pos in s.detached:
@@ -477,7 +477,8 @@ class BucketGroup:
     def set_by_hand(self) -> bool:
         """Whether some ``.grad`` is neither None nor its view: set without a backward
         pass (``p.grad = g`` after ``torch.autograd.grad``), to be reduced too."""
-        return any(p.grad is not None and p.grad is not s.bucket.views[pos]
+        return any(p.grad is not None and p.grad is not s.bucket.views[pos] and
+                   not is_released(p.grad)
                    for s in self.states for pos, p in enumerate(s.bucket.params))
 
     def needs_round(self) -> bool:
@@ -565,32 +566,3 @@ class BucketGroup:
         if engine is not None:
             engine.close()
 
-
-def unscatter(group: BucketGroup, s: BucketState) -> None:
-    """A reduce-scattered bucket made whole (shard.py): every rank's part
-    all-gathered, so that ``.grad`` is the reduced gradient on every rank (to
-    read it, or to add a late pass's gradients and reduce again)."""
-    what = f"bucket {s.index}'s gradients (all_gather)"
-    for ticket in all_gather(group, s, what):
-        group.links.channel.wait(ticket, what)
-    s.scattered = False
-    group.rearm(s)
-
-
-def all_gather(group: BucketGroup, s: BucketState, what: str) -> list:
-    """Every rank's part of the bucket's buffer to every rank (shard.py), queued on
-    the channel behind whatever is in flight, as every rank queues it (the
-    channel's tickets, one per segment)."""
-    b, links = s.bucket, group.links
-    channel = links.channel
-    ready = None
-    if channel.stream_ordered:  # (after what the trainer's stream wrote into it)
-        ready = channel.runtime.new_event()
-        ready.record(channel.runtime.current_stream())
-    last = len(b.spec.segments) - 1
-    return [channel.submit(reduce_operation(
-        b.buffer[a:z], links.transport, b.spec.algorithm, scale=None,
-        timeout=group.config.timeout, label=what, range_id=None, ready=ready,
-        stream_ordered=channel.stream_ordered, phase=ALL_GATHER,
-        tail=b.spec.tail if i == last else 0), what)
-        for i, (a, z) in enumerate(b.spec.segments)]

@@ -25,11 +25,12 @@ is the bucket group's (bucket_group.py).
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..base.dtensor import grad_view, local_numel, local_shape
+from ..base.errors import HybridCommError
 from ..plan.layout import buffer_numel, layout
 from ..plan.planner import Bucket
 from .grad_fields import copy_into_on_host
@@ -74,7 +75,8 @@ class GradBucket:
     """
 
     __slots__ = ("spec", "params", "buffer", "grads", "flags", "views", "offsets", "wire",
-                 "topk", "lowrank", "released", "operations", "_alloc", "_dtype", "_grad_numel")
+                 "topk", "lowrank", "released", "operations", "part", "_part_at", "_alloc",
+                 "_dtype", "_grad_numel")
 
     def __init__(self, spec: Bucket, params: List[torch.nn.Parameter], dtype: torch.dtype,
                  wire_dtype: Optional[torch.dtype], alloc: Alloc):
@@ -93,6 +95,7 @@ class GradBucket:
         self.topk = None  # compression.TopK when the plan sparsifies this bucket
         self.lowrank = None  # powersgd.PowerSGD when the plan compresses it to low rank
         self.released = False  # its memory freed between steps (shard="gradients")
+        self.part, self._part_at = None, []  # released: the part kept, and where it was
 
     def _numel(self) -> int:
         """The gradients, then the flags (``spec.flag_copies`` of them)."""
@@ -111,18 +114,43 @@ class GradBucket:
         self.views = [grad_view(self.buffer[o:o + local_numel(p)].view(local_shape(p)), p)
                       for o, p in zip(self.offsets, self.params)]
 
-    def release(self) -> None:
+    def release(self, keep: Sequence[Tuple[int, int]] = ()) -> None:
         """Drop the buffer (its memory goes back to the allocator, which knows the
-        comm stream used it) until :meth:`restore`: no ``.grad`` may be bound to it."""
+        comm stream used it) until :meth:`restore`: no ``.grad`` may be bound to it.
+        ``keep``: ranges of it copied out first (``part``, read with :meth:`region`)."""
+        self.part, self._part_at = None, []
+        if keep:  # host path (released in backward: shard.py)
+            at = 0
+            for a, z in keep:
+                self._part_at.append((a, z, at))
+                at += z - a
+            self.part = self._alloc(at, self._dtype)
+            copy_into([self.part[o:o + z - a] for a, z, o in self._part_at],
+                      [self.buffer[a:z] for a, z, _ in self._part_at])
         self.buffer = self.grads = self.flags = None
         self.operations = {}  # (each holds a view of the buffer)
         self.views = [_RELEASED] * len(self.params)  # no .grad is one of them
         self.released = True
 
     def restore(self) -> None:
-        """A new buffer, zeroed, with new views (the bucket's first gradient of a round)."""
+        """A new buffer, zeroed, with new views (the bucket's first gradient of a round);
+        the part :meth:`release` kept back in its place."""
         self._allocate()
+        if self.part is not None:  # host path
+            copy_into([self.buffer[a:z] for a, z, _ in self._part_at],
+                      [self.part[o:o + z - a] for a, z, o in self._part_at])
+        self.part, self._part_at = None, []
         self.released = False
+
+    def region(self, at: int, n: int) -> torch.Tensor:
+        """``buffer[at:at + n]``, or where released, the same elements of the part kept."""
+        if self.buffer is not None:
+            return self.buffer[at:at + n]
+        for a, z, o in self._part_at:  # host path
+            if a <= at and at + n <= z:
+                return self.part[o + at - a:o + at - a + n]
+        raise HybridCommError(f"internal error: [{at}, {at + n}) of bucket {self.spec.index} "
+                              "was not kept when its memory was released")
 
     @property
     def comm(self) -> torch.Tensor:

@@ -70,6 +70,7 @@ from . import grad_fields
 from .bucket_group import Phase, kept_apart, wants_guard
 from .passes import LAUNCH
 from .pending import grad_field
+from .scatter import is_released
 
 _ACCUMULATING, _IDLE = Phase.ACCUMULATING, Phase.IDLE
 log = logging.getLogger("hybridcomm")
@@ -225,7 +226,10 @@ class GradientHooks:
         s, pos = where
         b = s.bucket
         if grad_field(p) is not b.views[pos]:
-            return  # a tensor of autograd's (or the user's): taken in at the launch
+            if is_released(grad_field(p)):  # host path (backward kept this rank's part only)
+                with sync.watched():
+                    sync.open(s)  # whole again, .grad its view: autograd adds into it
+            return  # else a tensor of autograd's (or the user's): taken in at the launch
         rt = sync.rt
         if s.phase is _ACCUMULATING and rt is None:
             return
@@ -292,4 +296,6 @@ class GradientHooks:
                 sync.group.absorb(s)  # (a local pass: the memory autograd held, freed)
             elif s.launched_epoch != sync.state.epoch:
                 sync.group.open_and_launch(s, sync.open, passes.id)
+                if sync.after_launch is not None:  # host path
+                    sync.after_launch()
 

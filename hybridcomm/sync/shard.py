@@ -56,9 +56,9 @@ from ..comm import control
 from ..config import env
 from ..gpu.runtime import runtime_for
 from . import pending
-from .bucket_group import Phase, all_gather, unscatter
+from .bucket_group import Phase
 from .buckets import copy_into
-
+from .scatter import ReleasedGrad, all_gather, keep_part, unscatter
 
 
 class Slice:
@@ -75,11 +75,13 @@ class Slice:
 
     @property
     def grad(self) -> torch.Tensor:
-        """Its gradient: a view of the bucket's buffer (which "gradients" renews),
-        made once per buffer (a view costs ~1 us; two reads per slice and step)."""
-        buffer = self.state.bucket.buffer
-        if self._of != id(buffer):  # (the cached view keeps its buffer, and so its id)
-            self._grad, self._of = buffer[self.at:self.at + self.stop - self.start], id(buffer)
+        """Its gradient: a view of the bucket's buffer (which "gradients" renews), or
+        of the part kept where backward released the rest (scatter.py), made once per
+        buffer (a view costs ~1 us; two reads per slice and step)."""
+        b = self.state.bucket
+        memory = b.buffer if b.buffer is not None else b.part
+        if self._of != id(memory):  # (the cached view keeps its memory, and so its id)
+            self._grad, self._of = b.region(self.at, self.stop - self.start), id(memory)
         return self._grad
 
     def drop_grad(self) -> None:
@@ -116,10 +118,12 @@ class Shards:
         self.params = params
         index = {id(p): i for i, p in enumerate(params)}
         self.slices: List[Slice] = []
+        self.owned: Dict[int, List[Tuple[int, int]]] = {}  # bucket index -> this rank's parts
         for s in group.states:
             b = s.bucket
-            for lo, hi in owned_ranges(b.spec.segments, rank, world, b.spec.algorithm,
-                                       b.spec.tail):
+            self.owned[s.index] = owned_ranges(b.spec.segments, rank, world, b.spec.algorithm,
+                                               b.spec.tail)
+            for lo, hi in self.owned[s.index]:
                 for pos, p in enumerate(b.params):
                     o, n = b.offsets[pos], b.views[pos].numel()
                     start, stop = max(lo, o), min(hi, o + n)
@@ -136,6 +140,21 @@ class Shards:
         # buckets' (made in backward's order): what the forward reads first goes first
         self.gather_order = sorted(group.states, key=lambda s: (
             s.bucket.spec.need is None, s.bucket.spec.need, -s.index))
+        # "gradients": each parameter's .grad while its bucket keeps only this rank's part
+        self.placeholders = {id(p): ReleasedGrad(p) for p in params} if release else {}
+
+    def release_reduced(self) -> None:  # host path
+        """``shard="gradients"``, in backward (after a bucket's launch, and at the
+        pass's end): each bucket whose reduce-scatter is done is consumed, keeps this
+        rank's part and frees the rest of its memory (scatter.py)."""
+        g = self.group
+        for s in g.states:
+            if s.phase is Phase.IN_FLIGHT and g.engine.done(s.index):
+                g.consume(s)
+                if s.scattered:
+                    for sl in self.by_bucket[s.index]:
+                        sl.drop_grad()
+                    keep_part(s, self.owned[s.index], self.placeholders)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self, opt, base_step: Callable[[], object]):
@@ -179,6 +198,8 @@ class Shards:
                     g.rearm(s)
                 continue
             b = s.bucket
+            if b.released:  # (released in backward: the updated slices go into a buffer again)
+                b.restore()
             mine = self.by_bucket[s.index]
             if mine:
                 copy_into([sl.grad for sl in mine], [sl.tensor for sl in mine])
@@ -399,8 +420,12 @@ class ShardedOptimizer:
                                   f"parameters; {odd[:3]} are not (channels_last: keep the "
                                   "parameters contiguous; DTensor (tensor-parallel) parameters "
                                   "are not sharded yet)")
+        release = sync.config.shard == "gradients"
         new = Shards(sync.group, sync.params, sync.rank, sync.world,
-                     release=sync.config.shard == "gradients", on_read=sync.deferred.on_read)
+                     release=release, on_read=sync.deferred.on_read)
+        if release and env.get("HYBRIDCOMM_RELEASE_IN_BACKWARD") and \
+                not sync.channel.stream_ordered:  # host path (a GPU: at the step, as before)
+            sync.after_launch = self._hc_release_reduced
         # the optimizer's own per-parameter state (Adagrad makes it in its constructor;
         # a parameter frozen since kept it whole) joins the shards with its parameter
         new.slice_state(self.state, {p: self.state.pop(p) for p in sync.params
@@ -416,6 +441,13 @@ class ShardedOptimizer:
                         self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v
                                          for k, v in st.items()}
         self._hc_shards = new
+
+    def _hc_release_reduced(self) -> None:  # host path
+        """In backward: the buckets whose reduce-scatter is done keep this rank's part
+        only (``shard="gradients"``; not after a re-plan until the next step's slices)."""
+        shards = self._hc_shards
+        if shards is not None and shards.group is self._hc_sync.group:
+            shards.release_reduced()
 
     def _hc_shard_step(self, closure, base_step):
         if closure is not None:

@@ -128,6 +128,7 @@ class GradientSynchronizer:
                                  group=process_group,
                                  servers=len(servers.role.servers) if servers else 0)
         self.passes = PassTracker(cfg.overlap, self._pass_ended, self.timeline)
+        self.after_launch: Optional[Callable[[], None]] = None  # shard="gradients" (shard.py)
         self.hooks = GradientHooks(self)
         self._links.guard = self.hooks.guard
         self.joining = JoinState(self)
@@ -198,6 +199,7 @@ class GradientSynchronizer:
         with self.watched():
             if kind == LAUNCH:
                 self.group.launch_rest(self.open, self.passes.id)
+                self.after_launch and self.after_launch()  # host path (the reduced: their part)
             elif kind == LATE:
                 self.group.launch_round(self.open, self.passes.id)
 
@@ -309,8 +311,7 @@ class GradientSynchronizer:
         return reduced
 
     def prepare_zero(self) -> None:
-        """Before gradients are zeroed in place (``zero_grad(set_to_none=False)``): a
-        deferred update is applied and a reduction in flight waited for (bucket_group.py)."""
+        """Before ``zero_grad(set_to_none=False)``: updates applied, reductions waited for."""
         self.apply_pending()
         with self.watched():
             self.group.zero_in_place()

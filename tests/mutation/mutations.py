@@ -768,7 +768,7 @@ MUTATIONS = [
     Mutation(
         "shard-no-restore-after-pending-gather", "i40 sharded state",
         "hybridcomm/sync/bucket_group.py",
-        old="        if s.bucket.released:  # (shard=\"gradients\": freed since the last step)\n"
+        old="        elif s.bucket.released:  # (shard=\"gradients\": freed since the last step)\n"
             "            s.bucket.restore()\n",
         new="",
         guards=("tests/test_shard.py::test_a_parameter_some_ranks_have_no_gradient_for_steps_as_"
@@ -776,6 +776,30 @@ MUTATIONS = [
         what="shard='gradients', forward mode: a pending bucket opened before its first "
              "read (a layer this rank did not use) is not restored after its gather frees "
              "it (the restore came first, when nothing was freed yet)"),
+    Mutation(
+        "shard-release-keeps-no-part", "i40 sharded state", "hybridcomm/sync/scatter.py",
+        old="    b.release(keep=ranges if s.content else ())\n",
+        new="    b.release()\n",
+        guards=("tests/test_shard_release.py::test_buckets_keep_only_their_part_from_backward_"
+                "and_train_as_one_process[backward]",),
+        what="shard='gradients' releases a bucket in backward without keeping this rank's "
+             "part: the step takes a fresh zeroed buffer's gradients"),
+    Mutation(
+        "shard-released-grad-none", "i40 sharded state", "hybridcomm/sync/scatter.py",
+        old="            p.grad = placeholders[id(p)]\n",
+        new="            p.grad = None\n",
+        guards=("tests/test_shard_release.py::test_a_released_gradient_refuses_use_until_"
+                "synchronize",),
+        what="a released bucket's .grad is None: a user's own clip_grad_norm_ or "
+             "scaler.unscale_(opt) skips it silently, and synchronize() leaves it None"),
+    Mutation(
+        "shard-late-pass-onto-released", "i40 sharded state", "hybridcomm/sync/grad_hooks.py",
+        old="                    sync.open(s)  # whole again, .grad its view: autograd adds into it\n",
+        new="                    pass\n",
+        guards=("tests/test_shard_release.py::test_buckets_keep_only_their_part_from_backward_"
+                "and_train_as_one_process[forward]",),
+        what="a later backward pass reaches a released bucket's placeholder without making "
+             "the bucket whole first: autograd adds into the placeholder"),
     Mutation(
         "checkpoint-plan-across-shard", "i40 sharded state", "hybridcomm/sync/checkpoint.py",
         old="    if any(b.flag_copies != copies for b in saved.buckets):\n",

@@ -1,0 +1,177 @@
+"""``shard="gradients"`` releases a bucket's memory in backward (ZeRO-2): once its
+reduce-scatter is done, a bucket keeps only this rank's part, and ``.grad`` of its
+parameters is a placeholder until the step (or ``synchronize()``) (sync/scatter.py).
+
+A layer whose backward sleeps sits between the buckets, so that each bucket's
+reduce-scatter is done before the next bucket launches: the release then happens
+in every step (asserted), and everything a user does between backward and step
+meets a released bucket.
+"""
+import gc
+import time
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hybridcomm
+from hybridcomm.base.errors import HybridCommError
+from multiproc import run_ranks
+
+EPS32 = torch.finfo(torch.float32).eps
+TOL = 64 * EPS32  # summation order differs from one process: a few roundings per step
+PAUSE = 0.15  # s in each slow layer's backward: the reduce-scatter before it is done by then
+
+
+class _Pause(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(PAUSE)
+        return g
+
+
+class Slow(nn.Module):
+    def forward(self, x):
+        return _Pause.apply(x)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 40), Slow(), nn.Tanh(), nn.Linear(40, 30), Slow(),
+                         nn.Tanh(), nn.Linear(30, 3))
+
+
+# what each step does between backward and step(); one process does the same
+KINDS = ("plain", "two passes", "synchronize, then torch's clip", "opt.clip_grad_norm_",
+         "grad scaler", "zero_grad after backward", "plain")
+
+
+def _batch(g, world, rank):
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    return x.chunk(world)[rank], y.chunk(world)[rank]
+
+
+def _steps(model, opt, world, rank, seen=None):
+    """The loop of KINDS; ``seen(opt)`` after each backward (the distributed run)."""
+    g = torch.Generator().manual_seed(5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    loss_of = lambda x, y: nn.functional.mse_loss(model(x), y)  # noqa: E731
+    norms = []
+    for kind in KINDS:
+        opt.zero_grad()
+        x, y = _batch(g, world, rank)
+        if kind == "grad scaler":
+            scaler.scale(loss_of(x, y)).backward()
+            seen and seen(opt)
+            scaler.step(opt)
+            scaler.update()
+            continue
+        if kind == "two passes":  # a second backward adds to what the first released
+            loss_of(x, y).backward()
+            seen and seen(opt)
+            x, y = _batch(g, world, rank)
+            loss_of(x, y).backward()  # (a late pass: reduced again at its end, not released)
+        else:
+            loss_of(x, y).backward()
+            seen and seen(opt)
+        if kind == "synchronize, then torch's clip":
+            if world > 1:
+                opt.synchronize()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        elif kind == "opt.clip_grad_norm_":
+            norms.append(float(opt.clip_grad_norm_(0.05)) if world > 1 else
+                         float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        elif kind == "zero_grad after backward":
+            opt.zero_grad()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), norms
+
+
+def _released(opt):
+    """Per bucket: (its memory released, the numel it keeps, what this rank owns of it)."""
+    shards = opt._hc_shards
+    out = []
+    for s in opt._hc_sync.group.states:
+        b = s.bucket
+        owned = sum(z - a for a, z in shards.owned[s.index]) if shards else None
+        out.append((b.released, None if b.part is None else b.part.numel(), owned,
+                    all(p.grad is None or type(p.grad).__name__ == "ReleasedGrad"
+                        for p in b.params) if b.released else None))
+    return out
+
+
+def _ranks(rank, world, overlap):
+    model = _model()
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01), model=model, overlap=overlap,
+        shard="gradients", fusion_bytes=256, split_bytes=200, cost_model="default",
+        measure_iters=0, timeout=60)
+    seen = []
+    flat, norms = _steps(model, opt, world, rank, lambda o: seen.append(_released(o)))
+    buckets = len(opt._hc_sync.group.states)
+    opt.close()
+    return flat, norms, seen, buckets
+
+
+@pytest.mark.parametrize("overlap", ["backward", "forward"])
+def test_buckets_keep_only_their_part_from_backward_and_train_as_one_process(overlap):
+    results = run_ranks(2, _ranks, overlap, timeout=180)
+    ref_model = _model()
+    ref, ref_norms = _steps(ref_model, torch.optim.Adam(ref_model.parameters(), lr=0.01), 1, 0)
+    for rank, (flat, norms, seen, buckets) in enumerate(results):
+        assert torch.equal(flat, results[0][0]), rank
+        assert torch.allclose(flat, ref, rtol=TOL, atol=TOL), (rank, (flat - ref).abs().max())
+        assert norms == pytest.approx(ref_norms, rel=TOL)
+        assert buckets == 3
+        # after each step's (first) backward: every bucket but the last launched (done
+        # by then or not) is released, keeping exactly its part, .grad a placeholder or None
+        assert len(seen) == len(KINDS)
+        for step in seen:
+            for released, kept, owned, placeholders in step[:-1]:
+                assert released and kept == owned and placeholders, (rank, seen)
+
+
+def _misuse(rank, world):
+    model = _model()
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, overlap="backward",
+        shard="gradients", fusion_bytes=256, split_bytes=200, cost_model="default",
+        measure_iters=0, timeout=60)
+    g = torch.Generator().manual_seed(5)
+    errors = []
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _batch(g, world, rank)
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        if step == 2:
+            memory = [weakref.ref(s.bucket.part) for s in opt._hc_sync.group.states
+                      if s.bucket.part is not None]
+            for misuse in (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05),
+                           lambda: scaler.unscale_(opt),
+                           lambda: model[6].weight.grad.sum()):  # (its bucket released)
+                with pytest.raises(HybridCommError, match="opt.synchronize"):
+                    misuse()
+                errors.append(True)
+            text = repr(model[6].weight.grad)
+            opt.synchronize()  # whole again: torch's own function works
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            whole = all(type(p.grad) is torch.Tensor for p in model.parameters())
+        scaler.step(opt)
+        scaler.update()
+    gc.collect()
+    out = (errors, text, whole, memory and all(m() is None for m in memory))
+    opt.close()
+    return out
+
+
+def test_a_released_gradient_refuses_use_until_synchronize():
+    for errors, text, whole, freed in run_ranks(2, _misuse, timeout=120):
+        assert errors == [True] * 3
+        assert "released" in text and "synchronize" in text
+        assert whole and freed
