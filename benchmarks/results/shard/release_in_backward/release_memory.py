@@ -9,8 +9,10 @@ it in a step without the release), and the step's wall time is taken (ms, median
 
 4 ranks, gloo on loopback (2 cores here: the ranks share them), Adam, batch 8,
 ``benchmarks/models.py``'s transformer and ResNet-18; 3 warm-up steps (the re-plan
-after the measured ones comes within them), 6 timed. Prints one line per model and
-setting: the largest over the ranks of the median per step.
+after the measured ones comes within them), 6 timed. Buckets as the planner makes
+them on loopback (few and large here), and of at most 1 MiB (``fusion_bytes``: as
+many as on a slow link, where the planner made 16 for the transformer). Prints one
+line per model, plan and setting: the largest over the ranks of the median per step.
 
     python benchmarks/results/shard/release_in_backward/release_memory.py [checkout]
 """
@@ -42,13 +44,14 @@ def held_bytes(opt) -> int:
     return out
 
 
-def rank(r, w, name, release):
+def rank(r, w, name, release, fusion):
     os.environ["HYBRIDCOMM_RELEASE_IN_BACKWARD"] = release
     torch.set_num_threads(1)
     model = build(name, seed=0)
     opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
                                           model=model, overlap="forward", shard="gradients",
-                                          measure_iters=2, cost_model="default", timeout=300)
+                                          measure_iters=2, cost_model="default", timeout=300,
+                                          **({"fusion_bytes": fusion} if fusion else {}))
     g = torch.Generator().manual_seed(r)
     x = torch.randn(BATCH, *input_shape(name), generator=g)
     y = torch.randint(0, NUM_CLASSES, (BATCH,), generator=g)
@@ -70,11 +73,12 @@ def rank(r, w, name, release):
 
 if __name__ == "__main__":
     for name in ("transformer", "resnet18"):
-        for release in ("0", "1"):
-            out = launch(rank, 4, name, release, backend="gloo", timeout=900)
+        for fusion, release in [(f, r) for f in (None, 1 << 20) for r in ("0", "1")]:
+            out = launch(rank, 4, name, release, fusion, backend="gloo", timeout=900)
             held = max(o[0] for o in out)
             grads, buckets = out[0][1], out[0][3]
-            print(f"{name:12s} release_in_backward={release}: held at backward's end "
+            print(f"{name:12s} fusion_bytes={fusion or 'planner'} "
+                  f"release_in_backward={release}: held at backward's end "
                   f"{held / 1e6:7.2f} MB of {grads / 1e6:6.2f} MB of gradients "
                   f"({held / grads:.2f}), {buckets} buckets; step {max(o[2] for o in out):7.1f} "
                   "ms (slowest rank's median)", flush=True)
