@@ -2,10 +2,10 @@
 reduce-scatter is done, a bucket keeps only this rank's part, and ``.grad`` of its
 parameters is a placeholder until the step (or ``synchronize()``) (sync/scatter.py).
 
-A layer whose backward sleeps sits between the buckets, so that each bucket's
-reduce-scatter is done before the next bucket launches: the release then happens
-in every step (asserted), and everything a user does between backward and step
-meets a released bucket.
+A layer whose backward waits until no reduction is in flight sits between the
+buckets, so that each bucket's reduce-scatter is done before the next bucket
+launches: the release then happens in every step (asserted), and everything a
+user does between backward and step meets a released bucket.
 """
 import gc
 import time
@@ -21,7 +21,8 @@ from multiproc import run_ranks
 
 EPS32 = torch.finfo(torch.float32).eps
 TOL = 64 * EPS32  # summation order differs from one process: a few roundings per step
-PAUSE = 0.15  # s in each slow layer's backward: the reduce-scatter before it is done by then
+PAUSE = 0.05  # s in each slow layer's backward
+_DONE_BEFORE_NEXT = []  # the optimizer whose reductions in flight each slow layer waits for
 
 
 class _Pause(torch.autograd.Function):
@@ -31,7 +32,14 @@ class _Pause(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        """Sleeps, then waits (up to 10 s) until no reduction is in flight: the bucket
+        launched before it is done when the next one launches."""
         time.sleep(PAUSE)
+        for opt in _DONE_BEFORE_NEXT:
+            group, t0 = opt._hc_sync.group, time.perf_counter()
+            while time.perf_counter() - t0 < 10 and not all(
+                    group.engine.done(s.index) for s in group.states if s.launched):
+                time.sleep(0.001)
         return g
 
 
@@ -111,6 +119,7 @@ def _ranks(rank, world, overlap):
         torch.optim.Adam(model.parameters(), lr=0.01), model=model, overlap=overlap,
         shard="gradients", fusion_bytes=256, split_bytes=200, cost_model="default",
         measure_iters=0, timeout=60)
+    _DONE_BEFORE_NEXT.append(opt)
     seen = []
     flat, norms = _steps(model, opt, world, rank, lambda o: seen.append(_released(o)))
     buckets = len(opt._hc_sync.group.states)
@@ -142,6 +151,7 @@ def _misuse(rank, world):
         torch.optim.SGD(model.parameters(), lr=0.1), model=model, overlap="backward",
         shard="gradients", fusion_bytes=256, split_bytes=200, cost_model="default",
         measure_iters=0, timeout=60)
+    _DONE_BEFORE_NEXT.append(opt)
     g = torch.Generator().manual_seed(5)
     errors = []
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)

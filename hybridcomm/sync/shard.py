@@ -151,9 +151,7 @@ class Shards:
         for s in g.states:
             if s.phase is Phase.IN_FLIGHT and g.engine.done(s.index):
                 g.consume(s)
-                if s.scattered:
-                    for sl in self.by_bucket[s.index]:
-                        sl.drop_grad()
+                if s.scattered:  # (no slice holds a view of it: the last gather dropped them)
                     keep_part(s, self.owned[s.index], self.placeholders)
 
     # ---- the step ------------------------------------------------------------------------
