@@ -101,7 +101,8 @@ def _steps(model, opt, world, rank, seen=None):
 
 
 def _released(opt):
-    """Per bucket: (its memory released, the numel it keeps, what this rank owns of it)."""
+    """Per bucket: (its memory released, the numel it keeps, what this rank owns of it,
+    every .grad a placeholder or None)."""
     shards = opt._hc_shards
     out = []
     for s in opt._hc_sync.group.states:
