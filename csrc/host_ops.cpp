@@ -341,12 +341,52 @@ PyObject* disarm(PyObject*, PyObject* entries) {
 }
 
 // ---- the class switches of forward mode's pending parameters (pending.py) ------------
-// switch_classes(objs, classes, every): each object's class becomes classes[its class],
-// through ``object.__class__``'s own setter (its checks kept), called directly. Where
-// ``every`` and some class is not in ``classes``: False, nothing switched (the caller
-// makes the missing class). Else objects whose class is not in it stay as they are.
+// switch_classes(objs, classes, every): each object's class becomes classes[its class].
+// Where ``every`` and some class is not in ``classes``: False, nothing switched (the
+// caller makes the missing class). Else objects whose class is not in it stay as they are.
+//
+// The first switch of a pair of classes goes through ``object.__class__``'s own setter,
+// called directly (its checks: the layouts are compatible); once it succeeded, the pair
+// is known, and later switches of it set the type as that setter does after its checks
+// (a third of the setter's cost, most of it ``compatible_for_assignment``). Known pairs
+// hold references to both classes, so an address is never a reused one.
 
 setter set_class = nullptr;
+std::vector<std::pair<PyTypeObject*, PyTypeObject*>> known_switches;
+
+bool known_switch(PyTypeObject* from, PyTypeObject* to) {
+  for (const auto& pair : known_switches) {
+    if (pair.first == from && pair.second == to) return true;
+  }
+  return false;
+}
+
+// What object_set_class does once compatible_for_assignment said yes (CPython 3.8-3.13),
+// for classes whose instances keep no managed dict (a tensor's dict is its own slot).
+bool may_set_directly(PyTypeObject* from, PyTypeObject* to) {
+#ifdef Py_TPFLAGS_MANAGED_DICT
+  if ((from->tp_flags | to->tp_flags) & Py_TPFLAGS_MANAGED_DICT) return false;
+#endif
+  return (from->tp_flags & Py_TPFLAGS_HEAPTYPE) && (to->tp_flags & Py_TPFLAGS_HEAPTYPE);
+}
+
+int switch_class(PyObject* obj, PyObject* cls, bool known) {
+  PyTypeObject* from = Py_TYPE(obj);
+  PyTypeObject* to = reinterpret_cast<PyTypeObject*>(cls);
+  if (known) {
+    Py_INCREF(to);
+    Py_SET_TYPE(obj, to);
+    Py_DECREF(from);
+    return 0;
+  }
+  int rc = set_class(obj, cls, nullptr);
+  if (rc == 0 && PyType_Check(cls) && may_set_directly(from, to) && !known_switch(from, to)) {
+    Py_INCREF(from);
+    Py_INCREF(to);
+    known_switches.emplace_back(from, to);
+  }
+  return rc;
+}
 
 PyObject* switch_classes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3) {
@@ -389,9 +429,18 @@ PyObject* switch_classes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   }
   from = nullptr;  // (a class a switch below made is looked up again)
+  PyTypeObject* known_from = nullptr;  // the run's pair, and whether it is known
+  PyObject* known_to = nullptr;
+  bool known = false;
   for (Py_ssize_t i = 0; result == Py_True && i < n; ++i) {
     PyObject* cls = target(items[i]);
-    if (cls != nullptr && set_class(items[i], cls, nullptr) != 0) result = nullptr;
+    if (cls == nullptr) continue;
+    if (Py_TYPE(items[i]) != known_from || cls != known_to) {
+      known_from = Py_TYPE(items[i]);
+      known_to = cls;
+      known = known_switch(known_from, reinterpret_cast<PyTypeObject*>(cls));
+    }
+    if (switch_class(items[i], cls, known) != 0) result = nullptr;
   }
   Py_DECREF(fast);
   Py_XINCREF(result);

@@ -4,6 +4,7 @@ tensor subclass or a torch function mode still sees every access; the extension
 can be turned off, and a failed build is reported, not raised, and not retried;
 training gives the same bits with the extension on and off."""
 import logging
+import sys
 
 import pytest
 import torch
@@ -288,6 +289,16 @@ def test_class_switches(impl):
     with pytest.raises(TypeError):
         impl.switch_classes(params[1:], {nn.Parameter: int}, False)
     impl.switch_classes(params, {Marked: nn.Parameter}, False)
+    # a pair switched before takes the short way: each class's references balance
+    counts = sys.getrefcount(Marked), sys.getrefcount(nn.Parameter)
+    for _ in range(50):
+        assert impl.switch_classes(params, {nn.Parameter: Marked}, False) is True
+        assert all(type(p) is Marked for p in params)
+        assert impl.switch_classes(params, {Marked: nn.Parameter}, False) is True
+    assert (sys.getrefcount(Marked), sys.getrefcount(nn.Parameter)) == counts
+    assert all(type(p) is nn.Parameter for p in params)
+    with pytest.raises(TypeError):  # (the checks stay for a pair not switched before)
+        impl.switch_classes(params, {nn.Parameter: int}, False)
     applied = []
 
     def apply(p):

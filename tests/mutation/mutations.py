@@ -909,6 +909,20 @@ MUTATIONS = [
         what="the C++ loops read and write a pending parameter's .grad behind its "
              "__torch_function__: forward mode's watch misses them"),
     Mutation(
+        "host-class-switch-leaks", "i38 host cost", "csrc/host_ops.cpp",
+        old="    Py_SET_TYPE(obj, to);\n    Py_DECREF(from);\n",
+        new="    Py_SET_TYPE(obj, to);\n",
+        guards=("tests/test_grad_fields.py",),
+        what="a known class switch keeps its reference to the class it leaves: every "
+             "forward-mode step leaks two references per parameter"),
+    Mutation(
+        "host-class-switch-unchecked", "i38 host cost", "csrc/host_ops.cpp",
+        old="  if (known) {\n",
+        new="  if (known || PyType_Check(cls)) {\n",
+        guards=("tests/test_grad_fields.py",),
+        what="every class switch skips object.__class__'s checks: an incompatible class "
+             "is set on a tensor"),
+    Mutation(
         "native-scatter-unscaled", "i40 native", "hybridcomm/comm/transport/torch_dist.py",
         old="        if average:\n            mine.mul_(1.0 / self.world_size)\n",
         new="        if False:\n            mine.mul_(1.0 / self.world_size)\n",
