@@ -361,11 +361,12 @@ bool known_switch(PyTypeObject* from, PyTypeObject* to) {
   return false;
 }
 
-// What object_set_class does once compatible_for_assignment said yes (CPython 3.8-3.13),
-// for classes whose instances keep no managed dict (a tensor's dict is its own slot).
+// Whether a switch between these classes may be done as object_set_class does it once
+// compatible_for_assignment said yes (CPython up to 3.12; 3.13 keeps a managed dict
+// another way: the setter every time there).
 bool may_set_directly(PyTypeObject* from, PyTypeObject* to) {
-#ifdef Py_TPFLAGS_MANAGED_DICT
-  if ((from->tp_flags | to->tp_flags) & Py_TPFLAGS_MANAGED_DICT) return false;
+#if PY_VERSION_HEX >= 0x030D0000
+  return false;
 #endif
   return (from->tp_flags & Py_TPFLAGS_HEAPTYPE) && (to->tp_flags & Py_TPFLAGS_HEAPTYPE);
 }
@@ -373,6 +374,15 @@ bool may_set_directly(PyTypeObject* from, PyTypeObject* to) {
 int switch_class(PyObject* obj, PyObject* cls, bool known) {
   PyTypeObject* from = Py_TYPE(obj);
   PyTypeObject* to = reinterpret_cast<PyTypeObject*>(cls);
+#ifdef Py_TPFLAGS_MANAGED_DICT
+  // (a managed dict's inline values are keyed by the class: made a dict first, as the
+  // setter does; where that fails, the setter says why)
+  if (known && (from->tp_flags & Py_TPFLAGS_MANAGED_DICT) &&
+      _PyObject_GetDictPtr(obj) == nullptr) {
+    PyErr_Clear();
+    known = false;
+  }
+#endif
   if (known) {
     Py_INCREF(to);
     Py_SET_TYPE(obj, to);

@@ -296,6 +296,12 @@ def test_class_switches(impl):
         assert all(type(p) is Marked for p in params)
         assert impl.switch_classes(params, {Marked: nn.Parameter}, False) is True
     assert (sys.getrefcount(Marked), sys.getrefcount(nn.Parameter)) == counts
+    late = nn.Parameter(torch.ones(1))  # never switched, its pair known: its attributes stay
+    late.tag = "kept"
+    impl.switch_classes([late], {nn.Parameter: Marked}, False)
+    assert type(late) is Marked and late.tag == "kept" and vars(late) == {"tag": "kept"}
+    impl.switch_classes([late], {Marked: nn.Parameter}, False)
+    assert type(late) is nn.Parameter and late.tag == "kept" and late.tolist() == [1.0]
     assert all(type(p) is nn.Parameter for p in params)
     with pytest.raises(TypeError):  # (the checks stay for a pair not switched before)
         impl.switch_classes(params, {nn.Parameter: int}, False)
