@@ -10,9 +10,13 @@ one compute thread) under valgrind's callgrind and reports the instructions
 each step executes, in every thread of the process (the training thread,
 autograd's, gloo's, hybridcomm's issuing thread), counted only over the
 measured steps (``torch._C._valgrind_toggle``, the switch
-``torch.utils.benchmark``'s ``collect_callgrind`` uses). The count is the
-same from run to run to a fraction of a percent, so a before/after of a
-change to the host path is one run of each.
+``torch.utils.benchmark``'s ``collect_callgrind`` uses). The counted process
+runs with a fixed ``PYTHONHASHSEED`` (``--hash-seed``): with Python's random
+one, a config's count moved by 0.1-0.4M a step from one launch to the next;
+with a fixed one, the same code counts the same. A change to the code still
+moves the heap's and the dicts' layout, by up to ~50K a step in functions it
+does not touch (glibc's malloc, dict look-ups): read a before/after by
+function (``--keep``, ``callgrind_annotate``), not by its total alone.
 
 What it is not: time. An instruction count weighs a Python attribute write
 and a cache-missing copy alike, and it ignores waiting. The wall-clock
@@ -128,7 +132,9 @@ def run_under_callgrind(args) -> dict:
         cmd = [valgrind, "--tool=callgrind", "--collect-atstart=no",
                f"--callgrind-out-file={base}", sys.executable, os.path.abspath(__file__),
                *settings_argv(args), "--_inside", order_path]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        # (a fixed seed: the same dict and set layouts, so the same code counts the same)
+        env = dict(os.environ, PYTHONHASHSEED=str(args.hash_seed))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise SystemExit(f"the run under callgrind failed ({proc.returncode}):\n"
                              f"{proc.stderr[-4000:]}")
@@ -206,6 +212,10 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="uncounted steps first")
     parser.add_argument("--no-valgrind", action="store_true",
                         help="run the configs once without valgrind: nothing is counted")
+    parser.add_argument("--hash-seed", type=int, default=0,
+                        help="PYTHONHASHSEED of the counted process (fixed: a launch counts "
+                             "what the last launch of the same code counted; another seed "
+                             "lays dicts out another way, ~0.1M a step either way)")
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--keep", default=None, metavar="DIR",
                         help="keep each config's callgrind dump here (<model>-<config>.callgrind: "

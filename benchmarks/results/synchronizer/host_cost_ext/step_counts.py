@@ -25,6 +25,19 @@ dump per phase. Each config twice, in two orders:
       i=0; for c in ${order//,/ }; do i=$((i + 1))
         echo $c $(grep '^summary' /tmp/ws.$i | awk '{print $2 / 10 / 1e6}'); done
     done
+
+One config per process, with a fixed ``PYTHONHASHSEED`` (no config counted before it
+moves its heap, and the dicts are laid out the same: two processes of the same code
+count the same, to the fourth decimal of millions), one process per seed:
+
+    for seed in 0 1; do for c in plain ddp-batch forward backward none; do
+      rm -f /tmp/one.*
+      PYTHONHASHSEED=$seed valgrind --tool=callgrind --collect-atstart=no \\
+        --callgrind-out-file=/tmp/one \\
+        .venv/bin/python benchmarks/results/synchronizer/host_cost_ext/step_counts.py \\
+        $c > /dev/null 2>&1
+      echo $c $seed $(grep '^summary' /tmp/one.1 | awk '{print $2 / 10 / 1e6}')
+    done; done
 """
 import os
 import sys
