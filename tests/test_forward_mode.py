@@ -370,3 +370,35 @@ def test_a_compiled_forward_applies_the_pending_updates_first(monkeypatch, flags
             assert torch.equal(out, ref(x))
     finally:
         pending.forget(apply)
+
+
+@pytest.mark.parametrize("read", [
+    lambda ps, x: torch.cat([x, torch.stack([ps[0], ps[1]]).sum(0)]),  # in a list
+    lambda ps, x: torch.add(input=x, other=ps[1]),  # keywords only
+    lambda ps, x: torch.stack(((x, ps[0])[1], x)),  # a tuple in a tuple
+    lambda ps, x: torch.einsum("i,i->i", x, ps[2]),  # after a str
+    lambda ps, x: torch.nn.utils.parameters_to_vector([ps[0], ps[1], ps[2]]),
+], ids=["list", "keywords", "nested_tuple", "after_a_string", "a_function_of_a_list"])
+def test_a_read_applies_the_update_of_every_pending_argument(read):
+    """However a call passes a pending parameter (in a list, a nested tuple, by
+    keyword, beside arguments that hold no tensor), the call sees its update."""
+    from hybridcomm.sync import pending
+
+    params = [nn.Parameter(torch.full((3,), float(i))) for i in range(3)]
+    plain = [p.detach().clone() + 1 for p in params]
+
+    def apply(p):
+        pending.release_all(params)
+        with torch.no_grad():
+            for q in params:
+                q.add_(1)
+
+    x = torch.ones(3)
+    try:
+        pending.defer(params, apply)
+        assert all(map(is_pending, params))
+        out = read(params, x)
+        assert not any(map(is_pending, params))
+        assert torch.equal(out.detach(), read(plain, x))
+    finally:
+        pending.forget(apply)

@@ -923,6 +923,22 @@ MUTATIONS = [
         what="every class switch skips object.__class__'s checks: an incompatible class "
              "is set on a tensor"),
     Mutation(
+        "pending-read-misses-keywords", "i38 host cost", "hybridcomm/sync/pending.py",
+        old="            _resolve_in(kwargs.values())\n",
+        new="            pass\n",
+        guards=("tests/test_forward_mode.py::test_a_read_applies_the_update_of_every_pending_"
+                "argument",),
+        what="a pending parameter passed by keyword is read before its update: "
+             "torch.add(x, other=p) sees the stale weight"),
+    Mutation(
+        "pending-read-misses-lists", "i38 host cost", "hybridcomm/sync/pending.py",
+        old="            if isinstance(a, (list, tuple)):\n                _resolve_in(a)\n",
+        new="            if isinstance(a, (list, tuple)):\n                pass\n",
+        guards=("tests/test_forward_mode.py::test_a_read_applies_the_update_of_every_pending_"
+                "argument",),
+        what="a pending parameter inside a list or tuple argument is not applied: "
+             "torch.stack([p, q]) recurses into its own __torch_function__"),
+    Mutation(
         "native-scatter-unscaled", "i40 native", "hybridcomm/comm/transport/torch_dist.py",
         old="        if average:\n            mine.mul_(1.0 / self.world_size)\n",
         new="        if False:\n            mine.mul_(1.0 / self.world_size)\n",
