@@ -12,12 +12,17 @@
 // subclass or a mode makes of these reads and writes, it still sees them.
 #include <Python.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <vector>
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -458,6 +463,131 @@ PyObject* switch_classes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
+// ---- the guards: a pre-hook of C++ on each parameter's gradient accumulator ----------
+// (grad_hooks.py). Torch's Python pre-hooks go on and off only through the tensor's
+// ``_backward_hooks`` setter, which makes or frees a hook object each time (~0.3 us a
+// parameter each way, twice a step); an armed one costs each pass a call into Python.
+// This one stays on the parameter's AccumulateGrad node (held, as DDP's Reducer holds
+// its accumulators, so that autograd finds the same node each pass) and reads its
+// switch: off, autograd's call is a load; on, it calls ``fn()`` before the add.
+// Turning it on or off is a store. Node pre-hooks run when the node runs: in
+// backward(), not in autograd.grad(), which adds into no ``.grad``.
+using torch::autograd::variable_list;
+
+struct GuardHook : torch::autograd::FunctionPreHook {
+  GuardHook(PyObject* fn, std::shared_ptr<std::atomic<bool>> on) : fn(fn), on(std::move(on)) {
+    Py_INCREF(fn);
+  }
+  ~GuardHook() override {
+    if (Py_IsInitialized()) {
+      pybind11::gil_scoped_acquire gil;
+      Py_DECREF(fn);
+    }
+  }
+  variable_list operator()(const variable_list& grads) override {
+    if (on->load(std::memory_order_acquire)) {
+      pybind11::gil_scoped_acquire gil;
+      PyObject* result = PyObject_CallNoArgs(fn);
+      if (result == nullptr) {
+        python_error error;
+        error.persist();  // (rethrown by backward() on the calling thread)
+        throw error;
+      }
+      Py_DECREF(result);
+    }
+    return grads;
+  }
+  PyObject* fn;
+  std::shared_ptr<std::atomic<bool>> on;
+};
+
+struct Guard {
+  c10::intrusive_ptr<torch::autograd::Node> node;
+  GuardHook* hook;  // (owned by the node)
+  std::shared_ptr<std::atomic<bool>> on;
+};
+
+const char* GUARD = "hybridcomm_guard";
+
+// The hook off its node (once), and the node let go.
+void take_off(Guard* guard) {
+  if (guard->hook == nullptr) return;
+  auto& hooks = guard->node->pre_hooks();
+  hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                             [guard](const std::unique_ptr<torch::autograd::FunctionPreHook>& h) {
+                               return h.get() == guard->hook;
+                             }),
+              hooks.end());
+  guard->hook = nullptr;
+  guard->node.reset();
+}
+
+void drop_guard(PyObject* capsule) {
+  auto* guard = static_cast<Guard*>(PyCapsule_GetPointer(capsule, GUARD));
+  if (guard == nullptr) return;
+  take_off(guard);
+  delete guard;
+}
+
+// add_guard(param, fn) -> a capsule: the guard on ``param`` (a leaf that requires
+// grad), off; dropping the capsule takes the hook off the node.
+PyObject* add_guard(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!two_args(nargs, "add_guard")) return nullptr;
+  if (!THPVariable_Check(args[0]) || !PyCallable_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "add_guard(param, fn): a tensor and a callable");
+    return nullptr;
+  }
+  try {
+    auto node = torch::autograd::impl::grad_accumulator(THPVariable_Unpack(args[0]));
+    if (!node) {
+      PyErr_SetString(PyExc_ValueError, "add_guard: the tensor is no leaf that requires grad");
+      return nullptr;
+    }
+    auto on = std::make_shared<std::atomic<bool>>(false);
+    auto hook = std::make_unique<GuardHook>(args[1], on);
+    auto* guard = new Guard{node, hook.get(), on};
+    node->add_pre_hook(std::move(hook));
+    PyObject* capsule = PyCapsule_New(guard, GUARD, drop_guard);
+    if (capsule == nullptr) {
+      take_off(guard);
+      delete guard;
+    }
+    return capsule;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+// fn(guard) for each capsule of the list ``guards``.
+template <typename F>
+PyObject* each_guard(PyObject* guards, F fn) {
+  PyObject* fast = PySequence_Fast(guards, "a list of guards");
+  if (fast == nullptr) return nullptr;
+  PyObject** items = PySequence_Fast_ITEMS(fast);
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast); ++i) {
+    auto* guard = static_cast<Guard*>(PyCapsule_GetPointer(items[i], GUARD));
+    if (guard == nullptr) {
+      Py_DECREF(fast);
+      return nullptr;
+    }
+    fn(guard);
+  }
+  Py_DECREF(fast);
+  Py_RETURN_NONE;
+}
+
+// set_guards(guards, on): each guard's switch.
+PyObject* set_guards(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!two_args(nargs, "set_guards")) return nullptr;
+  int on = PyObject_IsTrue(args[1]);
+  if (on < 0) return nullptr;
+  return each_guard(args[0], [on](Guard* g) { g->on->store(on != 0, std::memory_order_release); });
+}
+
+// drop_guards(guards): each hook off its node now (its capsule may live on, inert).
+PyObject* drop_guards(PyObject*, PyObject* guards) { return each_guard(guards, take_off); }
+
 PyMethodDef methods[] = {
     {"kept_apart", reinterpret_cast<PyCFunction>(kept_apart), METH_FASTCALL,
      "the grads if each is a tensor of its own (none None, none its view), else None"},
@@ -472,6 +602,11 @@ PyMethodDef methods[] = {
     {"disarm", disarm, METH_O, "each library pre-hook of the entries off"},
     {"switch_classes", reinterpret_cast<PyCFunction>(switch_classes), METH_FASTCALL,
      "each object's class becomes classes[its class]"},
+    {"add_guard", reinterpret_cast<PyCFunction>(add_guard), METH_FASTCALL,
+     "a pre-hook of C++ on the param's gradient accumulator calling fn() while on"},
+    {"set_guards", reinterpret_cast<PyCFunction>(set_guards), METH_FASTCALL,
+     "each guard on or off"},
+    {"drop_guards", drop_guards, METH_O, "each guard's hook off its node"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "hybridcomm_host", nullptr, -1, methods};

@@ -274,6 +274,49 @@ def test_pre_hooks_go_on_and_off_beside_a_users(impl):
     assert sorted(calls) == ["user0", "user1"]
 
 
+def test_guards_of_cpp_call_before_the_add_only_while_on():
+    """add_guard / set_guards / drop_guards (the extension's pre-hooks on the
+    gradient accumulator): called only while on, before autograd adds into
+    ``.grad``, beside a user's own hooks, in backward() (not autograd.grad(),
+    which adds into no field); an error in one reaches backward()'s caller; a
+    dropped guard is never called again."""
+    assert host_ext.load() is not None, host_ext.why_not()
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]
+    seen = []  # (name, .grad as the guard found it)
+
+    def before(i):
+        return lambda: seen.append((i, None if params[i].grad is None
+                                    else params[i].grad.clone()))
+    guards = [grad_fields.add_guard(p, before(i)) for i, p in enumerate(params)]
+    _backward(params)
+    assert seen == []  # off
+    grad_fields.set_guards(guards, True)
+    params[0].register_hook(lambda g: seen.append(("user", None)))  # after ours: both run
+    _backward(params)
+    assert sorted(s[0] for s in seen if s[0] != "user") == [0, 1] and ("user", None) in seen
+    assert all(torch.equal(g, torch.ones_like(g)) for i, g in seen if i != "user")  # before
+    assert all(torch.equal(p.grad, torch.full_like(p, 2.0)) for p in params)
+    seen.clear()
+    torch.autograd.grad(params[1].sum(), params[1])
+    assert seen == []
+    grad_fields.set_guards(guards[:1], False)
+    _backward(params)
+    assert [s[0] for s in seen if s[0] != "user"] == [1]
+
+    def fails():
+        raise ValueError("from a guard")
+    failing = grad_fields.add_guard(params[1], fails)
+    grad_fields.set_guards([failing], True)
+    with pytest.raises(ValueError, match="from a guard"):
+        _backward(params)
+    grad_fields.drop_guards([failing])
+    grad_fields.drop_guards(guards)
+    grad_fields.set_guards(guards, True)  # (dropped: inert)
+    seen.clear()
+    _backward(params)
+    assert [s[0] for s in seen] == ["user"]
+
+
 def test_class_switches(impl):
     """switch_classes: forward mode's pending class on and off (pending.defer and
     release_all run through it), all or nothing where ``every``; object.__class__'s

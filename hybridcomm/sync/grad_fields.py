@@ -137,6 +137,39 @@ def disarm(entries: Sequence[tuple]) -> None:
         python.disarm(entries)
 
 
+def has_extension() -> bool:
+    """Whether the host extension is loaded (the functions here run in C++)."""
+    return bool(_ext if _ext is not None else _loaded())
+
+
+def add_guard(p: torch.Tensor, fn) -> Optional[object]:
+    """A pre-hook of C++ on ``p``'s gradient accumulator (csrc/host_ops.cpp) that calls
+    ``fn()`` before autograd adds a gradient into ``p.grad``, while it is on
+    (:func:`set_guards`); off, autograd's call costs a load. It stays on the node
+    until :func:`drop_guards` (or until the returned handle is freed). None without
+    the extension: the pre-hooks then go on and off through :func:`arm` and
+    :func:`disarm` (the twin: the same calls, made by torch's Python pre-hooks).
+
+    Example::
+
+        guard = add_guard(p, lambda: print("adding into", p.grad))
+        set_guards([guard], True)   # from now on, each backward calls it first
+        drop_guards([guard])
+    """
+    ext = _ext if _ext is not None else _loaded()
+    return ext.add_guard(p, fn) if ext else None
+
+
+def set_guards(guards: Sequence[object], on: bool) -> None:
+    """Each of :func:`add_guard`'s ``guards`` on or off."""
+    _ext.set_guards(guards, on)
+
+
+def drop_guards(guards: Sequence[object]) -> None:
+    """Each of ``guards``' hooks off its parameter's node now."""
+    _ext.drop_guards(guards)
+
+
 def switch_classes(objs: Sequence, classes: dict, every: bool) -> bool:
     """``o.__class__ = classes[type(o)]`` for each of ``objs`` (pending.py's class
     switches), True; with ``every``, False where a class is missing from ``classes``,

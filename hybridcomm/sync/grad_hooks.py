@@ -4,11 +4,16 @@ Per parameter and backward pass these are the library's only Python work, so
 each is a look-up and a counter in the usual case; what costs more is done
 once per bucket (bucket_group.py).
 
-1. **Before autograd adds it** (a tensor hook), armed only while its bucket is
-   launched, in flight or PENDING, and under ``shard`` while its buffer is
-   reduce-scattered (``BucketGroup.rearm`` says when: two attribute
-   writes per parameter and step, where an armed hook costs autograd a call
-   into Python with the gradient wrapped, ~1 us per parameter and pass). A
+1. **Before autograd adds it**, armed only while its bucket is launched, in
+   flight or PENDING, and under ``shard`` while its buffer is reduce-scattered
+   (``BucketGroup.rearm`` says when). With the host extension it is a pre-hook
+   of C++ on the parameter's gradient accumulator (``grad_fields.add_guard``):
+   off, autograd's call costs a load; arming a bucket is a store per
+   parameter. Without it, torch's Python pre-hook, on and off through the
+   tensor's ``_backward_hooks`` (a hook object made and freed, ~0.3 us per
+   parameter each way; kept off, since an armed one costs autograd a call
+   into Python, ~1 us per parameter and pass). Under compiled autograd, which
+   takes no hook of C++, run with ``HYBRIDCOMM_HOST_EXT=0``. A
    ``.grad`` that is None (``zero_grad()``, the default ``set_to_none=True``)
    needs nothing: autograd puts the gradient in a tensor of its own, as in
    plain PyTorch (no zeroing, no in-place add), and the bucket takes it in once
@@ -60,6 +65,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections import OrderedDict
 from typing import Dict, Iterable
 
@@ -101,7 +107,9 @@ class GradientHooks:
         self.sync = sync
         # id(param) -> (its post-accumulate hook's handle, torch's dict of them, key, hook)
         self._post: Dict[int, tuple] = {}
-        self._pre: Dict[int, tuple] = {}  # id(param) -> (param, key, pre-hook, {key: pre-hook})
+        # id(param) -> its pre-hook: a guard of C++, else (param, key, hook, {key: hook})
+        self._pre: Dict[int, object] = {}
+        self.native = grad_fields.has_extension()  # (guards of C++: add_guard)
         self.always_armed = True  # the pre-hooks are never turned off (set in attach)
         self.lean = False  # only each bucket's closer has its post-accumulate hook
         self.can_lean = False
@@ -114,17 +122,16 @@ class GradientHooks:
         want = {id(p): p for p in params}
         for pid in [pid for pid in self._post if pid not in want]:
             self._post.pop(pid)[0].remove()
-            grad_fields.disarm([self._pre.pop(pid)])
+            self._drop([self._pre.pop(pid)])
         for pid, p in want.items():
             if pid not in self._post:
                 hook = self.after_grad
                 handle = p.register_post_accumulate_grad_hook(hook)
                 self._post[pid] = (handle, p._post_accumulate_grad_hooks, handle.id, hook)
-                key, hook = RemovableHandle(OrderedDict()).id, self._before(p)
-                # (an OrderedDict, as torch's own: a user's register_hook weak-references it)
-                self._pre[pid] = (p, key, hook, OrderedDict({key: hook}))
+                self._pre[pid] = self._new_pre(p)
         sync = self.sync
-        self.always_armed = not hooks_toggle() or getattr(sync.rt, "reports_writes", False)
+        self.always_armed = getattr(sync.rt, "reports_writes", False) or (
+            not self.native and not hooks_toggle())
         cfg = sync.config
         self.can_lean = cfg.lean_hooks and not cfg.find_unused_parameters
         for s in sync.group.states:
@@ -196,24 +203,43 @@ class GradientHooks:
         if not self.always_armed:
             self._set(s.guards, on)
 
-    @staticmethod
-    def _set(entries, on: bool) -> None:
-        (grad_fields.arm if on else grad_fields.disarm)(entries)
+    def _new_pre(self, p):
+        """``p``'s pre-hook, off: a guard of C++ (grad_fields.add_guard), or where
+        there is no extension, an entry for torch's Python pre-hooks: (param, key,
+        hook, {key: hook})."""
+        if self.native:
+            return grad_fields.add_guard(p, self._before(p))
+        key, hook = RemovableHandle(OrderedDict()).id, self._before(p)
+        # (an OrderedDict, as torch's own: a user's register_hook weak-references it)
+        return p, key, hook, OrderedDict({key: hook})
+
+    def _set(self, entries, on: bool) -> None:
+        if self.native:
+            grad_fields.set_guards(entries, on)
+        else:
+            (grad_fields.arm if on else grad_fields.disarm)(entries)
+
+    def _drop(self, entries) -> None:
+        (grad_fields.drop_guards if self.native else grad_fields.disarm)(entries)
 
     def detach(self) -> None:
         for entry in self._post.values():
             entry[0].remove()
-        grad_fields.disarm(list(self._pre.values()))
+        self._drop(list(self._pre.values()))
         self._post, self._pre, self.lean = {}, {}, False
 
     def _before(self, p):
-        before_grad = self.before_grad
+        # (weakly: a guard of C++ holds the hook where Python's collector cannot
+        # see it, so a strong reference would keep an unclosed synchronizer alive)
+        hooks = weakref.ref(self)
 
-        def hook(grad):
+        def hook(grad=None):  # (a guard of C++ calls it with no argument)
             # None (the usual case): autograd keeps it apart. (The field itself: a
             # pending parameter may show None for a view autograd would add into.)
             if grad_field(p) is not None:
-                before_grad(p)
+                alive = hooks()
+                if alive is not None:
+                    alive.before_grad(p)
         return hook
 
     def before_grad(self, p) -> None:
