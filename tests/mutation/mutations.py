@@ -939,6 +939,22 @@ MUTATIONS = [
         what="a pending parameter inside a list or tuple argument is not applied: "
              "torch.stack([p, q]) recurses into its own __torch_function__"),
     Mutation(
+        "guard-never-on", "i38 host cost", "csrc/host_ops.cpp",
+        old="g->on->store(on != 0, std::memory_order_release)",
+        new="g->on->store(false, std::memory_order_release)",
+        guards=("tests/test_grad_fields.py::test_guards_of_cpp_call_before_the_add_only_while_on",
+                "tests/test_step_cost.py::test_a_late_pass_enters_the_pre_hook_of_every_launched_"
+                "parameter",),
+        what="the guards never go on: a late gradient is added into a bucket while it is "
+             "reduced, or into a view whose update is still pending"),
+    Mutation(
+        "guard-not-dropped", "i38 host cost", "csrc/host_ops.cpp",
+        old="  if (guard->hook == nullptr) return;\n",
+        new="  return;\n",
+        guards=("tests/test_grad_fields.py::test_guards_of_cpp_call_before_the_add_only_while_on",),
+        what="a dropped guard stays on its parameter's node: a closed optimizer's hooks keep "
+             "being called"),
+    Mutation(
         "native-scatter-unscaled", "i40 native", "hybridcomm/comm/transport/torch_dist.py",
         old="        if average:\n            mine.mul_(1.0 / self.world_size)\n",
         new="        if False:\n            mine.mul_(1.0 / self.world_size)\n",
