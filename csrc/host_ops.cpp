@@ -497,6 +497,12 @@ struct GuardHook : torch::autograd::FunctionPreHook {
     }
     return grads;
   }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(false,
+                                "hybridcomm's gradient guards are hooks of C++, which compiled "
+                                "autograd cannot trace: run with HYBRIDCOMM_HOST_EXT=0 (the same "
+                                "guards as torch's Python pre-hooks)");
+  }
   PyObject* fn;
   std::shared_ptr<std::atomic<bool>> on;
 };

@@ -278,8 +278,9 @@ def test_guards_of_cpp_call_before_the_add_only_while_on():
     """add_guard / set_guards / drop_guards (the extension's pre-hooks on the
     gradient accumulator): called only while on, before autograd adds into
     ``.grad``, beside a user's own hooks, in backward() (not autograd.grad(),
-    which adds into no field); an error in one reaches backward()'s caller; a
-    dropped guard is never called again."""
+    which adds into no field); an error in one reaches backward()'s caller;
+    compiled autograd, which cannot trace one, says what to do; a dropped guard is
+    never called again."""
     assert host_ext.load() is not None, host_ext.why_not()
     params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]
     seen = []  # (name, .grad as the guard found it)
@@ -310,6 +311,11 @@ def test_guards_of_cpp_call_before_the_add_only_while_on():
     with pytest.raises(ValueError, match="from a guard"):
         _backward(params)
     grad_fields.drop_guards([failing])
+    compiled_autograd = getattr(pytest.importorskip("torch._dynamo"), "compiled_autograd", None)
+    if hasattr(compiled_autograd, "_enable"):  # (its entry point is private: where it is)
+        with pytest.raises(NotImplementedError, match="HYBRIDCOMM_HOST_EXT=0"):
+            with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager")):
+                _backward(params)
     grad_fields.drop_guards(guards)
     grad_fields.set_guards(guards, True)  # (dropped: inert)
     seen.clear()
