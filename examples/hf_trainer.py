@@ -136,3 +136,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Done: skip the interpreter's teardown of torch's C++ objects, where a rank
+    # sometimes aborts after a successful run ("terminate called without an active
+    # exception", 1 of the CI runs at 36ea60d; see examples/train.py).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
