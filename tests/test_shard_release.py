@@ -8,6 +8,7 @@ launches: the release then happens in every step (asserted), and everything a
 user does between backward and step meets a released bucket.
 """
 import gc
+import os
 import time
 import weakref
 
@@ -114,23 +115,55 @@ def _released(opt):
     return out
 
 
-def _ranks(rank, world, overlap):
+def _buffers_reserved() -> list:
+    """Weak references to the bucket buffers whose part is reserved at a launch
+    (the GPU path's release in flight), as they are."""
+    from hybridcomm.sync.buckets import GradBucket
+    refs, reserve = [], GradBucket.reserve_part
+
+    def spied(self, keep):
+        refs.append(weakref.ref(self.buffer))
+        return reserve(self, keep)
+    GradBucket.reserve_part = spied
+    return refs
+
+
+def _freed(refs, within=10.0) -> int:
+    """How many buffers ``refs`` holds (those of the pass just ended), -1 where
+    some buffer is still alive after ``within`` seconds."""
+    t0, n = time.perf_counter(), len(refs)
+    while any(r() is not None for r in refs) and time.perf_counter() - t0 < within:
+        gc.collect()
+        time.sleep(0.01)
+    alive = any(r() is not None for r in refs)
+    refs.clear()
+    return -1 if alive else n
+
+
+def _ranks(rank, world, overlap, simulate):
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     model = _model()
+    refs = _buffers_reserved()
     opt = hybridcomm.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=0.01), model=model, overlap=overlap,
         shard="gradients", fusion_bytes=256, split_bytes=200, cost_model="default",
         measure_iters=0, timeout=60)
     _DONE_BEFORE_NEXT.append(opt)
     seen = []
-    flat, norms = _steps(model, opt, world, rank, lambda o: seen.append(_released(o)))
+    flat, norms = _steps(model, opt, world, rank, lambda o: seen.append(
+        (_released(o), _freed(refs) if simulate else None)))
     buckets = len(opt._hc_sync.group.states)
     opt.close()
     return flat, norms, seen, buckets
 
 
-@pytest.mark.parametrize("overlap", ["backward", "forward"])
-def test_buckets_keep_only_their_part_from_backward_and_train_as_one_process(overlap):
-    results = run_ranks(2, _ranks, overlap, timeout=180)
+@pytest.mark.parametrize("overlap,simulate", [("backward", False), ("forward", False),
+                                              ("backward", True), ("forward", True)],
+                         ids=["backward-host", "forward-host", "backward-simgpu",
+                              "forward-simgpu"])
+def test_buckets_keep_only_their_part_from_backward_and_train_as_one_process(overlap, simulate):
+    results = run_ranks(2, _ranks, overlap, simulate, timeout=180)
     ref_model = _model()
     ref, ref_norms = _steps(ref_model, torch.optim.Adam(ref_model.parameters(), lr=0.01), 1, 0)
     for rank, (flat, norms, seen, buckets) in enumerate(results):
@@ -139,11 +172,16 @@ def test_buckets_keep_only_their_part_from_backward_and_train_as_one_process(ove
         assert norms == pytest.approx(ref_norms, rel=TOL)
         assert buckets == 3
         # after each step's (first) backward: every bucket but the last launched (done
-        # by then or not) is released, keeping exactly its part, .grad a placeholder or None
+        # by then or not) is released, keeping exactly its part, .grad a placeholder or
+        # None; on a GPU every bucket, as its launch is issued (its part copied on the
+        # comm stream behind the reduce-scatter)
         assert len(seen) == len(KINDS)
-        for step in seen:
-            for released, kept, owned, placeholders in step[:-1]:
+        for step, freed in seen:
+            for released, kept, owned, placeholders in (step if simulate else step[:-1]):
                 assert released and kept == owned and placeholders, (rank, seen)
+        if simulate:  # and the memory of each bucket's buffer is free by then
+            assert all(freed >= 0 for _, freed in seen), (rank, seen)
+            assert all(freed > 0 for _, freed in seen[1:]), (rank, seen)
 
 
 def _misuse(rank, world):

@@ -78,12 +78,15 @@ class CommEngine:
         self._seq = 0
         self._tickets: List[list] = [[] for _ in range(n)]  # per segment, once submitted
         self._ready = [None] * n  # device path: the gradients are ready (event)
+        self._after: List[Optional[Callable[[], None]]] = [None] * n  # launch's own, after it
         self._versions = [0] * n  # the buffer's version counter after our own writes
         self._workspace = Workspace()  # host path scratch (the channel thread's alone)
 
     # -- launching ---------------------------------------------------------------------
-    def launch(self, index: int) -> None:
-        """Bucket ``index`` is ready (its flags set): issue it when the order reaches it."""
+    def launch(self, index: int, after: Optional[Callable[[], None]] = None) -> None:
+        """Bucket ``index`` is ready (its flags set): issue it when the order reaches it.
+        ``after``: run behind this launch's reduction, where it runs (the comm stream,
+        or the channel's thread), before the launch counts as done."""
         b = self.buckets[index]
         if b.topk is not None:  # this rank's message, from the gradients
             b.topk.select(b.grads, b.flags)
@@ -95,6 +98,7 @@ class CommEngine:
             rt = self.channel.runtime
             self._ready[index] = rt.new_event()
             self._ready[index].record(rt.current_stream())
+        self._after[index] = after
         self._launches[index] += 1
         self._launched += 1
         self._tickets[index] = [None] * len(b.spec.segments)
@@ -119,8 +123,10 @@ class CommEngine:
             if s == 0 and self.on_issue is not None:
                 self.on_issue(i)
             op = self._operation(i, s, last)
-            if last and self.channel.stream_ordered:
-                op = self._noting_version(i, op)
+            if last:
+                self._after[i] = None  # (in the operation now: it holds the buffer's views)
+                if self.channel.stream_ordered:
+                    op = self._noting_version(i, op, self.buckets[i].buffer)
             self._tickets[i][s] = self.channel.submit(
                 op, f"bucket {i} segment {s}", key=(self.plan, i, s) if self.timed_ops else None)
             if last:
@@ -133,12 +139,13 @@ class CommEngine:
             if self.cursor == len(order):
                 self.cursor, self.round = 0, self.round + 1
 
-    def _noting_version(self, index: int, op):
+    def _noting_version(self, index: int, op, buffer):
         """``op``, then the buffer's version counter: our own writes are issued by then
-        (on whichever thread issues; the trainer reads it only after waiting)."""
+        (on whichever thread issues; the trainer reads it only after waiting). The
+        buffer as launched: the bucket may have released it since (shard.py)."""
         def issue():
             out = op()
-            self._versions[index] = self.buckets[index].buffer._version
+            self._versions[index] = buffer._version
             return out
         return issue
 
@@ -149,6 +156,8 @@ class CommEngine:
         if b.lowrank is not None and b.lowrank.active:
             return self._lowrank_operation(index)
         if self.channel.stream_ordered:  # (it waits for this launch's own ready event)
+            op, sent = self._dense_operation(index, s, last)
+        elif self._after[index] is not None and last:  # (this launch's own)
             op, sent = self._dense_operation(index, s, last)
         else:  # the host path's is the same every launch: built once per buffer
             key = (s, self.phase, self.scale)
@@ -172,7 +181,8 @@ class CommEngine:
                  f"{seg.numel() * seg.element_size()} bytes)")
         after = None
         ordered = self.channel.stream_ordered
-        if last and (b.wire is not None or not ordered):
+        extra = self._after[index] if last else None
+        if last and (b.wire is not None or not ordered or extra is not None):
             # (on a stream nothing to do without a wire copy: no kernel, no second event)
             # The bucket's tensors, not the bucket or the engine: a kept operation makes no
             # reference cycle, so a re-plan's old buckets are freed at once.
@@ -181,6 +191,8 @@ class CommEngine:
             def after():
                 if wire is not None:
                     buffer.copy_(wire)  # (GradBucket.from_wire)
+                if extra is not None:
+                    extra()
                 if not ordered:
                     versions[index] = buffer._version
         op = reduce_operation(seg, self.transport, b.spec.algorithm, scale=self.scale,

@@ -158,6 +158,20 @@ def memory_beyond_gradients(bucket: GradBucket) -> Dict[str, int]:
     return extra
 
 
+def _refuse_sparse(names: Sequence[str], pos: int, b: GradBucket) -> None:
+    raise HybridCommError(
+        f"parameter {names[b.spec.params[pos]]!r} has a sparse gradient; "
+        "hybridcomm reduces dense gradients (sparse=True modules only on the CPU path)")
+
+
+def _log_memory(bucket: GradBucket) -> None:
+    extra = memory_beyond_gradients(bucket)
+    log.debug("hybridcomm bucket %d: %d bytes of gradients, %d bytes more (%s)",
+              bucket.spec.index, sum(v.numel() for v in bucket.views) *
+              bucket.buffer.element_size(), sum(extra.values()),
+              ", ".join(f"{k} {v}" for k, v in extra.items() if v))
+
+
 @dataclass
 class StepState:
     """Counters the synchronizer's parts share; they outlive a re-plan's buckets."""
@@ -254,11 +268,7 @@ class BucketGroup:
                     _carry(s, pos, *old)
             self.states.append(s)
             if log.isEnabledFor(logging.DEBUG):
-                extra = memory_beyond_gradients(bucket)
-                log.debug("hybridcomm bucket %d: %d bytes of gradients, %d bytes more (%s)",
-                          b.index, sum(v.numel() for v in bucket.views) *
-                          bucket.buffer.element_size(), sum(extra.values()),
-                          ", ".join(f"{k} {v}" for k, v in extra.items() if v))
+                _log_memory(bucket)
         self.engine: Optional[CommEngine] = CommEngine(
             plan, [s.bucket for s in self.states], links.channel, links.transport,
             scale=links.scale, timeout=config.timeout, servers=links.servers, timed_ops=True)
@@ -268,7 +278,14 @@ class BucketGroup:
             self.engine.on_slow, self.engine.slow_after = links.on_slow, links.slow_after
         if links.used.on_host:
             self.engine.on_issue = lambda i: links.used.post(self.states[i])
-        self.engine.on_issued = lambda i: self.to(self.states[i], Phase.IN_FLIGHT)
+        self.engine.on_issued = self._issued
+        self.in_flight_release = None  # shard="gradients" on a GPU (shard.py: reserve, drop)
+
+    def _issued(self, index: int) -> None:
+        s = self.states[index]
+        self.to(s, Phase.IN_FLIGHT)
+        if s.bucket.part is not None and self.in_flight_release is not None:
+            self.in_flight_release.drop(s)  # (its part reserved at the launch)
 
     # ---- the one writer of a phase -------------------------------------------------------
     def to(self, s: BucketState, phase: Phase) -> None:
@@ -328,7 +345,7 @@ class BucketGroup:
                 copy_into(b.views, grads)
             except RuntimeError:  # (a sparse gradient is found here, not looked for each step)
                 if any(map(_IS_SPARSE, grads)):
-                    self._refuse_sparse(next(i for i, g in enumerate(grads) if g.is_sparse), b)
+                    _refuse_sparse(self.names, next(i for i, g in enumerate(grads) if g.is_sparse), b)
                 raise
             s.content.update(range(len(grads)))
             grad_fields.set_grads(b.params, b.views)
@@ -343,7 +360,7 @@ class BucketGroup:
                 stale.append(pos)
                 continue
             if g.is_sparse:
-                self._refuse_sparse(pos, b)
+                _refuse_sparse(self.names, pos, b)
             views.append(view)
             grads.append(g)
             taken.append(pos)
@@ -356,11 +373,6 @@ class BucketGroup:
             taken += stale
         for pos in taken:
             b.bind(pos)
-
-    def _refuse_sparse(self, pos: int, b: GradBucket) -> None:
-        raise HybridCommError(
-            f"parameter {self.names[b.spec.params[pos]]!r} has a sparse gradient; "
-            "hybridcomm reduces dense gradients (sparse=True modules only on the CPU path)")
 
     def launch(self, s: BucketState, pass_id: int) -> None:
         """Hand the bucket to the engine (it issues it when the order reaches it)."""
@@ -386,7 +398,8 @@ class BucketGroup:
         # A stamp only where the next forward's use is measured (an event each on a GPU)
         s.launched_at = self.links.clock.stamp() if self._measuring_next() else None
         self.state.launches += 1
-        self.engine.launch(s.index)  # issued now if its turn came: then IN_FLIGHT
+        keep = self.in_flight_release and self.in_flight_release.reserve(s)
+        self.engine.launch(s.index, keep)  # issued now if its turn came: then IN_FLIGHT
 
     def launch_rest(self, open_: Callable[[BucketState], bool], pass_id: int) -> None:
         """Launch every bucket not launched in this epoch yet."""
@@ -435,7 +448,7 @@ class BucketGroup:
         if not waited:
             self.wait(s)
         b = s.bucket
-        if b.buffer._version != self.engine.version(s.index):
+        if not b.released and b.buffer._version != self.engine.version(s.index):
             raise HybridCommError(
                 f"bucket {s.index} ({', '.join(b.spec.layers)}): a gradient was written in "
                 "place while it was being all-reduced or while its update waited for the next "
@@ -446,8 +459,8 @@ class BucketGroup:
                 "(set_to_none=True, the default)")
         used = self.links.used.positions(s, self.links.on_device)
         s.scattered = self.engine.phase is REDUCE_SCATTER
-        if views_bound or (s.complete and grad_fields.bound(b.params, b.views)):
-            s.content = set(used)  # (the usual bucket: every position used and bound)
+        if views_bound or b.released or (s.complete and grad_fields.bound(b.params, b.views)):
+            s.content = set(used)  # (the usual bucket; or released in flight: its part)
             return used
         bound = list(map(is_, map(_GRAD, b.params), b.views))
         s.content = {pos for pos in used if bound[pos]}  # (forward mode: none after zero_grad)
@@ -560,6 +573,7 @@ class BucketGroup:
         its buckets' memory, in a reference cycle; dropping them frees it at once."""
         if self.engine is not None:
             self.engine.on_issue = self.engine.on_issued = self.engine.on_slow = None
+        self.in_flight_release = None  # (shard.py's Shards holds the group too)
 
     def close(self) -> None:
         engine, self.engine = self.engine, None

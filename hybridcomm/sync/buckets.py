@@ -114,19 +114,28 @@ class GradBucket:
         self.views = [grad_view(self.buffer[o:o + local_numel(p)].view(local_shape(p)), p)
                       for o, p in zip(self.offsets, self.params)]
 
-    def release(self, keep: Sequence[Tuple[int, int]] = ()) -> None:
+    def reserve_part(self, keep: Sequence[Tuple[int, int]]) -> Callable[[], None]:
+        """Memory for the ranges ``keep`` of the buffer (``part``, read with
+        :meth:`region` once released), and the copy of them into it, for the caller to
+        run where the buffer's reduction is done (a GPU: on the comm stream)."""
+        self._part_at, at = [], 0
+        for a, z in keep:
+            self._part_at.append((a, z, at))
+            at += z - a
+        part = self.part = self._alloc(at, self._dtype)
+        dst = [part[o:o + z - a] for a, z, o in self._part_at]
+        src = [self.buffer[a:z] for a, z, _ in self._part_at]
+        return lambda: copy_into(dst, src)
+
+    def release(self, keep: Sequence[Tuple[int, int]] = (), reserved: bool = False) -> None:
         """Drop the buffer (its memory goes back to the allocator, which knows the
         comm stream used it) until :meth:`restore`: no ``.grad`` may be bound to it.
-        ``keep``: ranges of it copied out first (``part``, read with :meth:`region`)."""
-        self.part, self._part_at = None, []
+        ``keep``: ranges of it copied out first (``part``, read with :meth:`region`);
+        ``reserved``: the part :meth:`reserve_part` made is kept (its copy queued)."""
         if keep:  # host path (released in backward: shard.py)
-            at = 0
-            for a, z in keep:
-                self._part_at.append((a, z, at))
-                at += z - a
-            self.part = self._alloc(at, self._dtype)
-            copy_into([self.part[o:o + z - a] for a, z, o in self._part_at],
-                      [self.buffer[a:z] for a, z, _ in self._part_at])
+            self.reserve_part(keep)()
+        elif not reserved:
+            self.part, self._part_at = None, []
         self.buffer = self.grads = self.flags = None
         self.operations = {}  # (each holds a view of the buffer)
         self.views = [_RELEASED] * len(self.params)  # no .grad is one of them
@@ -136,7 +145,7 @@ class GradBucket:
         """A new buffer, zeroed, with new views (the bucket's first gradient of a round);
         the part :meth:`release` kept back in its place."""
         self._allocate()
-        if self.part is not None:  # host path
+        if self.part is not None:
             copy_into([self.buffer[a:z] for a, z, _ in self._part_at],
                       [self.part[o:o + z - a] for a, z, o in self._part_at])
         self.part, self._part_at = None, []
@@ -146,7 +155,7 @@ class GradBucket:
         """``buffer[at:at + n]``, or where released, the same elements of the part kept."""
         if self.buffer is not None:
             return self.buffer[at:at + n]
-        for a, z, o in self._part_at:  # host path
+        for a, z, o in self._part_at:
             if a <= at and at + n <= z:
                 return self.part[o + at - a:o + at - a + n]
         raise HybridCommError(f"internal error: [{at}, {at + n}) of bucket {self.spec.index} "

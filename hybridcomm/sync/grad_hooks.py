@@ -251,12 +251,14 @@ class GradientHooks:
             return
         s, pos = where
         b = s.bucket
+        rt = sync.rt
         if grad_field(p) is not b.views[pos]:
-            if is_released(grad_field(p)):  # host path (backward kept this rank's part only)
+            if is_released(grad_field(p)):  # (backward kept this rank's part only)
                 with sync.watched():
                     sync.open(s)  # whole again, .grad its view: autograd adds into it
+                    if rt is not None and p.grad is b.views[pos]:
+                        rt.expect_write(b.views[pos])
             return  # else a tensor of autograd's (or the user's): taken in at the launch
-        rt = sync.rt
         if s.phase is _ACCUMULATING and rt is None:
             return
         with sync.watched():

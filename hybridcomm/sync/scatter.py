@@ -7,10 +7,13 @@ whole gradient (``synchronize()``, a late backward pass) :func:`unscatter`
 all-gathers every rank's part. The step's gather sends the updated parameters
 the same way (:func:`all_gather`).
 
-**Released in backward** (``shard="gradients"``, ZeRO-2): once a bucket's
-reduce-scatter is done, before backward ends, :func:`keep_part` copies this
-rank's part out and frees the buffer, so backward holds whole only the buckets
-still being reduced. Each ``.grad`` that was a view of it is then a
+**Released in backward** (``shard="gradients"``, ZeRO-2): on the host path,
+once a bucket's reduce-scatter is done, before backward ends, :func:`keep_part`
+copies this rank's part out and frees the buffer, so backward holds whole only
+the buckets still being reduced. On a GPU, where the host runs ahead, the copy
+is queued on the comm stream behind the reduce-scatter and the buffer dropped
+as the launch is issued (``reserved``; the allocator reuses the memory once
+the comm stream is past it). Each ``.grad`` that was a view of it is then a
 :class:`ReleasedGrad`: the parameter's shape, dtype and device, no memory, and
 any use raises, naming ``opt.synchronize()`` (which all-gathers) and
 ``opt.clip_grad_norm_``. Anything that must add to it (a later backward pass)
@@ -68,15 +71,17 @@ def is_released(grad) -> bool:
 
 
 def keep_part(s, ranges: Sequence[Tuple[int, int]],
-              placeholders: Dict[int, ReleasedGrad]) -> None:
+              placeholders: Dict[int, ReleasedGrad], reserved: bool = False) -> None:
     """Bucket ``s`` (a BucketState) is reduce-scattered and consumed: its buffer's
     ``ranges`` (this rank's part) kept, the rest freed; each ``.grad`` bound to it
-    becomes its placeholder (``placeholders``: id(param) -> its :class:`ReleasedGrad`)."""
+    becomes its placeholder (``placeholders``: id(param) -> its :class:`ReleasedGrad`).
+    ``reserved``: the part was reserved at the launch, and its copy queued behind the
+    reduce-scatter (a GPU)."""
     b = s.bucket
     for p, view in zip(b.params, b.views):
         if p.grad is view:
             p.grad = placeholders[id(p)]
-    b.release(keep=ranges if s.content else ())
+    b.release(keep=ranges if s.content else (), reserved=reserved)
 
 
 def unscatter(group, s) -> None:

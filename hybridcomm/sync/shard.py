@@ -23,7 +23,8 @@ Then ``step()``:
    and each bucket's parameters are pending (pending.py) until their first
    read, which waits for it: the gather overlaps the next forward. With
    ``"gradients"`` the buffer's memory is freed until the bucket's first
-   gradient of the next backward.
+   gradient of the next backward, and from backward on each bucket keeps only
+   this rank's part (scatter.py).
 
 The per-element state (momentum, Adam's moments) is sliced as the
 parameters are; anything else (a step count) is kept per slice as it is. An
@@ -55,7 +56,7 @@ from ..base.errors import HybridCommError
 from ..comm import control
 from ..config import env
 from ..gpu.runtime import runtime_for
-from . import pending
+from . import grad_fields, pending
 from .bucket_group import Phase
 from .buckets import copy_into
 from .scatter import ReleasedGrad, all_gather, keep_part, unscatter
@@ -153,6 +154,22 @@ class Shards:
                 g.consume(s)
                 if s.scattered:  # (no slice holds a view of it: the last gather dropped them)
                     keep_part(s, self.owned[s.index], self.placeholders)
+
+    def reserve(self, s):
+        """A GPU, ``shard="gradients"``, at bucket ``s``'s launch in backward: where every
+        ``.grad`` is its view, memory for this rank's part, and the copy into it that
+        runs on the comm stream behind the reduce-scatter (engine.py); None: kept whole.
+        The host is ahead of the device there, so waiting to see a reduction done
+        would release little before the step."""
+        b = s.bucket
+        if not (s.complete and s.content and grad_fields.bound(b.params, b.views)):
+            return None
+        return b.reserve_part(self.owned[s.index])
+
+    def drop(self, s) -> None:
+        """Bucket ``s``'s launch is issued: its buffer goes (the allocator reuses the
+        memory once the comm stream is past it), its ``.grad`` the placeholders."""
+        keep_part(s, (), self.placeholders, reserved=True)
 
     # ---- the step ------------------------------------------------------------------------
     def step(self, opt, base_step: Callable[[], object]):
@@ -421,9 +438,11 @@ class ShardedOptimizer:
         release = sync.config.shard == "gradients"
         new = Shards(sync.group, sync.params, sync.rank, sync.world,
                      release=release, on_read=sync.deferred.on_read)
-        if release and env.get("HYBRIDCOMM_RELEASE_IN_BACKWARD") and \
-                not sync.channel.stream_ordered:  # host path (a GPU: at the step, as before)
-            sync.after_launch = self._hc_release_reduced
+        if release and env.get("HYBRIDCOMM_RELEASE_IN_BACKWARD"):
+            if sync.channel.stream_ordered:  # in flight: on the comm stream
+                sync.group.in_flight_release = new
+            else:  # host path: once done
+                sync.after_launch = self._hc_release_reduced
         # the optimizer's own per-parameter state (Adagrad makes it in its constructor;
         # a parameter frozen since kept it whole) joins the shards with its parameter
         new.slice_state(self.state, {p: self.state.pop(p) for p in sync.params

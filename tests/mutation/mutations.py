@@ -778,10 +778,10 @@ MUTATIONS = [
              "it (the restore came first, when nothing was freed yet)"),
     Mutation(
         "shard-release-keeps-no-part", "i40 sharded state", "hybridcomm/sync/scatter.py",
-        old="    b.release(keep=ranges if s.content else ())\n",
-        new="    b.release()\n",
+        old="    b.release(keep=ranges if s.content else (), reserved=reserved)\n",
+        new="    b.release(reserved=reserved)\n",
         guards=("tests/test_shard_release.py::test_buckets_keep_only_their_part_from_backward_"
-                "and_train_as_one_process[backward]",),
+                "and_train_as_one_process[backward-host]",),
         what="shard='gradients' releases a bucket in backward without keeping this rank's "
              "part: the step takes a fresh zeroed buffer's gradients"),
     Mutation(
@@ -797,9 +797,34 @@ MUTATIONS = [
         old="                    sync.open(s)  # whole again, .grad its view: autograd adds into it\n",
         new="                    pass\n",
         guards=("tests/test_shard_release.py::test_buckets_keep_only_their_part_from_backward_"
-                "and_train_as_one_process[forward]",),
+                "and_train_as_one_process[forward-host]",),
         what="a later backward pass reaches a released bucket's placeholder without making "
              "the bucket whole first: autograd adds into the placeholder"),
+    Mutation(
+        "shard-in-flight-part-not-copied", "i40 sharded state", "hybridcomm/comm/engine.py",
+        old="                    extra()\n",
+        new="                    pass\n",
+        guards=("tests/test_shard_release.py::test_buckets_keep_only_their_part_from_backward_"
+                "and_train_as_one_process[backward-simgpu]",),
+        what="on a GPU, a bucket released in flight keeps a part its reduce-scatter was never "
+             "copied into: the step takes whatever the new memory held"),
+    Mutation(
+        "shard-in-flight-buffer-kept", "i40 sharded state", "hybridcomm/comm/engine.py",
+        old="                self._after[i] = None  # (in the operation now: it holds the buffer's "
+            "views)\n",
+        new="                pass\n",
+        guards=("tests/test_shard_release.py::test_buckets_keep_only_their_part_from_backward_"
+                "and_train_as_one_process[backward-simgpu]",),
+        what="on a GPU, the engine keeps a launch's part copy (and so the bucket's buffer) until "
+             "the bucket's next launch: the released buffer's memory is not freed in backward"),
+    Mutation(
+        "shard-in-flight-never-dropped", "i40 sharded state", "hybridcomm/sync/bucket_group.py",
+        old="            self.in_flight_release.drop(s)  # (its part reserved at the launch)\n",
+        new="            pass\n",
+        guards=("tests/test_shard_release.py::test_buckets_keep_only_their_part_from_backward_"
+                "and_train_as_one_process[backward-simgpu]",),
+        what="on a GPU, shard='gradients' reserves a part at each launch but never drops the "
+             "buffer: backward holds every bucket whole, and the part besides"),
     Mutation(
         "checkpoint-plan-across-shard", "i40 sharded state", "hybridcomm/sync/checkpoint.py",
         old="    if any(b.flag_copies != copies for b in saved.buckets):\n",
