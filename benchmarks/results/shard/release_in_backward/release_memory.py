@@ -14,7 +14,13 @@ them on loopback (few and large here), and of at most 1 MiB (``fusion_bytes``: a
 many as on a slow link, where the planner made 16 for the transformer). Prints one
 line per model, plan and setting: the largest over the ranks of the median per step.
 
-    python benchmarks/results/shard/release_in_backward/release_memory.py [checkout]
+    python benchmarks/results/shard/release_in_backward/release_memory.py [checkout] [models]
+
+``models``: a comma list (default ``transformer,resnet18``). With
+``HYBRIDCOMM_SIMULATE_GPU=1`` the ranks run the GPU path on the simulated CUDA
+runtime (a GPU releases a bucket as its launch is issued, the part copied on the
+comm stream): the bytes held are the library's, as on a GPU; the step times are
+the simulator's, not a GPU's.
 """
 import os
 import statistics
@@ -72,7 +78,7 @@ def rank(r, w, name, release, fusion):
 
 
 if __name__ == "__main__":
-    for name in ("transformer", "resnet18"):
+    for name in (sys.argv[2] if len(sys.argv) > 2 else "transformer,resnet18").split(","):
         for fusion, release in [(f, r) for f in (None, 1 << 20) for r in ("0", "1")]:
             out = launch(rank, 4, name, release, fusion, backend="gloo", timeout=900)
             held = max(o[0] for o in out)
