@@ -551,8 +551,9 @@ PyObject* add_guard(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     auto on = std::make_shared<std::atomic<bool>>(false);
     auto hook = std::make_unique<GuardHook>(args[1], on);
-    auto* guard = new Guard{node, hook.get(), on};
+    std::unique_ptr<Guard> owned(new Guard{node, hook.get(), on});
     node->add_pre_hook(std::move(hook));
+    Guard* guard = owned.release();  // (the capsule's from here: nothing leaks on a throw)
     PyObject* capsule = PyCapsule_New(guard, GUARD, drop_guard);
     if (capsule == nullptr) {
       take_off(guard);
