@@ -29,7 +29,8 @@ from plan_counts import schedule_counts, sharded_counts
 STEADY = 3  # steps counted, after the measured steps and the re-plan
 
 
-def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None, algorithm=None):
+def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None, algorithm=None,
+                  compression=None):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     if not lean:
@@ -68,7 +69,7 @@ def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None, 
     opt = hybridcomm.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
         overlap=overlap, fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
-        measure_iters=2, timeout=60, shard=sharded,
+        measure_iters=2, timeout=60, shard=sharded, compression=compression,
         **({"strategy": algorithm} if algorithm else {}))
     calls_before = {}
     for s in range(5 + STEADY):
@@ -117,6 +118,19 @@ def test_a_steady_step_costs_a_fixed_count_per_bucket_and_none_per_parameter(ove
         _assert_python_per_bucket(hooks, buckets, params, 2 if overlap == "none" else 1)
 
 
+def test_a_steady_step_with_a_wire_copy_records_the_same_events():
+    """``compression="fp16"``: the reduced wire copy goes back into the buffer on the
+    comm stream behind the reduction, under the reduction's own done event (no second
+    one); the same events, waits and hooks per bucket as without it."""
+    for stats, hooks, buckets, params, *_ in run_ranks(
+            2, _counted_step, "backward", True, True, None, None, "fp16", timeout=180):
+        per_step = {k: v / STEADY for k, v in stats.items()}
+        assert stats["host_syncs"] == 0 and stats["defects"] == 0, stats
+        assert per_step["event_records"] == 4 * buckets, (per_step, buckets)
+        assert per_step["stream_waits"] == 2 * buckets, (per_step, buckets)
+        _assert_python_per_bucket(hooks, buckets, params)
+
+
 def _assert_python_per_bucket(hooks, buckets, params, taken_in=1):
     """Autograd calls each parameter's pre-hook once (a cleared .grad never enters
     its body) and each bucket's closer's post-accumulate hook (the other
@@ -154,10 +168,10 @@ def test_a_steady_sharded_step_costs_a_fixed_count_per_bucket(overlap, shard, al
         # gradient (freed after the gather)
         released = shard == "gradients"
         assert stats["allocations"] == STEADY * buckets * 3 * released, stats
-        # per bucket and phase: a ready event, the comm stream's start and done, and
-        # where the trainer's stream waits; each stream waits once; "gradients": a
-        # done event more, behind the part's copy on the comm stream
-        assert per_step["event_records"] == (8 + released) * buckets, (per_step, buckets)
+        # per bucket and phase: a ready event, the comm stream's start and done (behind
+        # the part's copy under "gradients"), and where the trainer's stream waits;
+        # each stream waits once
+        assert per_step["event_records"] == 8 * buckets, (per_step, buckets)
         assert per_step["stream_waits"] == 4 * buckets, (per_step, buckets)
         assert per_step["event_queries"] <= 8 * buckets, (per_step, buckets)
         _assert_python_per_bucket(hooks, buckets, params)

@@ -183,7 +183,7 @@ class CommEngine:
         ordered = self.channel.stream_ordered
         extra = self._after[index] if last else None
         if last and (b.wire is not None or not ordered or extra is not None):
-            # (on a stream nothing to do without a wire copy: no kernel, no second event)
+            # (on a stream nothing to do without a wire copy or a part to copy: no kernel)
             # The bucket's tensors, not the bucket or the engine: a kept operation makes no
             # reference cycle, so a re-plan's old buckets are freed at once.
             buffer, wire, versions = b.buffer, b.wire, self._versions

@@ -279,7 +279,12 @@ def _enter(transport, buf: torch.Tensor, ready, timed: bool, reserved: bool = Fa
     return None
 
 
-def _leave(transport, start, what: str, timeout: float | None):
+def _leave(transport, start, what: str, timeout: float | None, after=None):
+    """The done event (with ``start``: both), recorded behind ``after`` (queued on the
+    comm stream first: one event covers both), its watchdog armed."""
+    if after is not None:
+        with transport.stream_context():
+            after()
     if start is None:
         done = transport.record_event()
     else:
@@ -292,9 +297,10 @@ def _leave(transport, start, what: str, timeout: float | None):
 
 def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
                   scale: float | None = None, ready=None, timeout: float | None = None,
-                  label: str | None = None, timed: bool = False, reserved: bool = False):
+                  label: str | None = None, timed: bool = False, reserved: bool = False,
+                  after: Optional[Callable[[], None]] = None):
     """Queue the whole schedule on a stream-ordered transport's comm stream and
-    return the event that completes with it.
+    return the event that completes with it (and with ``after``, queued behind it).
 
     The comm stream first waits for ``ready`` (e.g. the gradients' event;
     default: the caller's current stream as it is now). Each step's NCCL group
@@ -325,12 +331,13 @@ def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
         elif scale is not None and scale != 1:
             buf.mul_(scale)
     return _leave(transport, start, label or f"{schedule.algorithm} all-reduce of "
-                  f"{buf.numel()} x {buf.dtype}", timeout)
+                  f"{buf.numel()} x {buf.dtype}", timeout, after)
 
 
 def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
                    timeout: float | None = None, label: str | None = None, timed: bool = False,
-                   reserved: bool = False, phase: str = ALL_REDUCE, tail: int = 0):
+                   reserved: bool = False, phase: str = ALL_REDUCE, tail: int = 0,
+                   after: Optional[Callable[[], None]] = None):
     """The transport's own all-reduce (``native``: gloo's or NCCL's) of ``buf``, or
     its own reduce-scatter or all-gather (``phase``, sharded optimizer state): each
     rank's equal part of the body, then of the ``tail`` (a block a rank,
@@ -338,7 +345,7 @@ def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
 
     Host-ordered: blocks (with ``timeout``) and returns None. Stream-ordered:
     queued on the comm stream after ``ready``, like :func:`execute_async`, and
-    returns its done event (``(start, done)`` with ``timed``).
+    returns its done event (``(start, done)`` with ``timed``), behind ``after``.
     """
     if not transport.stream_ordered:
         _native_calls(buf, transport, average, phase, tail, timeout=timeout)
@@ -346,7 +353,7 @@ def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
     start = _enter(transport, buf, ready, timed, reserved)
     _native_calls(buf, transport, average, phase, tail)
     return _leave(transport, start, label or f"native {phase} of {buf.numel()} x "
-                  f"{buf.dtype}", timeout)
+                  f"{buf.dtype}", timeout, after)
 
 
 def _native_calls(buf: torch.Tensor, transport, average: bool, phase: str, tail: int,
@@ -427,8 +434,11 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
             with _range(range_id, algorithm, nbytes, world):
                 out = execute_native(buf, transport, average=scale is not None, ready=ready,
                                      timeout=timeout, label=label, timed=stream_ordered and timed,
-                                     reserved=reserved, phase=phase, tail=tail)
-            return _then(transport, out, after, stream_ordered, timeout, label)
+                                     reserved=reserved, phase=phase, tail=tail,
+                                     after=after if stream_ordered else None)
+            if after is not None and not stream_ordered:
+                after()
+            return out
         return native
     schedule = get_schedule(algorithm, rank, world, buf.numel(), topology) \
         if phase == ALL_REDUCE else get_phase_schedule(phase, algorithm, rank, world, buf.numel(),
@@ -436,9 +446,9 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
     if stream_ordered:
         def queued():
             with _range(range_id, algorithm, nbytes, world):
-                out = execute_async(schedule, buf, transport, scale=scale, ready=ready,
-                                    timeout=timeout, label=label, timed=timed, reserved=reserved)
-            return _then(transport, out, after, True, timeout, label)
+                return execute_async(schedule, buf, transport, scale=scale, ready=ready,
+                                     timeout=timeout, label=label, timed=timed, reserved=reserved,
+                                     after=after)
         return queued
 
     # (once per operation: an operation the engine keeps runs every step)
@@ -462,20 +472,3 @@ def _ps_operation(buf, servers, scale, after, range_id, world: int, nbytes: int)
         if after is not None:
             after()
     return hosted
-
-
-def _then(transport, out, after, stream_ordered: bool, timeout: float, label: str):
-    """Run ``after`` behind the reduction: on the comm stream (a new done event
-    covers it) or on the host thread."""
-    if after is None:
-        return out
-    if not stream_ordered:
-        after()
-        return out
-    start, _ = out
-    with transport.stream_context():
-        after()
-    done = transport.runtime.new_event(timing=True)
-    done.record(transport.stream)
-    transport.watch(done, timeout, label)
-    return start, done
