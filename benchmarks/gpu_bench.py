@@ -8,7 +8,8 @@ killed run leaves what it had measured:
    device-to-device copy of the same bytes, measured in the same run;
 2. step: a training step at world 1 (plain SGD, DDP, hybridcomm's three overlap modes)
    on ResNet-18 and a 12-layer transformer, configs interleaved in rounds;
-3. ranks: P = 2 and 4 rank processes on the one GPU (the one-device transport);
+3. ranks: P = 2 and 4 rank processes on the one GPU (the one-device transport), and
+   each rank's peak memory, with ``shard="gradients"`` released in flight and at the step;
 4. profile: cProfile and torch.profiler of steady steps (text files beside the JSON).
 
 One timing harness: DEVICE time per call = CUDA events around N back-to-back launches,
@@ -63,7 +64,8 @@ FULL = dict(
     transformer=dict(layers=12, d=768, heads=12, seq=256, batch=8),
     # hybridcomm measures and re-plans in its first ~4-6 steps: warm up past that
     warm=10, synced=10, pipelined=30, rounds=5,
-    ranks=(2, 4), rank_batch=16, rank_configs=("local", "hc-forward", "hc-none", "hc-backward"),
+    ranks=(2, 4), rank_batch=16, rank_configs=("local", "hc-forward", "hc-none", "hc-backward",
+                                                "hc-zero2", "hc-zero2-at-step"),
     profile_steps=20, torch_profile_steps=5,
     budget=dict(kernels=60, step=120, ranks=100, profile=35), total_s=340)
 SPECS = {
@@ -193,6 +195,9 @@ class Trainer:
         if config == "ddp":
             self.module = nn.parallel.DistributedDataParallel(
                 model, device_ids=None if dev.dry else [dev.device.index])
+        elif config.startswith("hc-zero2"):  # sharded state and gradients (issue 40)
+            self.opt = self.hc = hybridcomm.DistributedOptimizer(
+                self.opt, model=model, overlap="forward", shard="gradients", timeout=120)
         elif config.startswith("hc-"):
             self.opt = self.hc = hybridcomm.DistributedOptimizer(
                 self.opt, model=model, overlap=config[3:], timeout=120)
@@ -374,8 +379,14 @@ def rank_main(rank: int, world: int, spec_name: str, dry: bool) -> dict:
     wl = workload("resnet18", spec, dry, batch=spec["rank_batch"])
     out = {}
     for config in spec["rank_configs"]:  # the same on every rank: hybridcomm's steps are collective
+        # hc-zero2: each bucket keeps this rank's part from its launch; -at-step: from step()
+        os.environ["HYBRIDCOMM_RELEASE_IN_BACKWARD"] = "0" if config.endswith("at-step") else "1"
+        if not dry:
+            torch.cuda.reset_peak_memory_stats()
         tr = Trainer(config, wl, dev)
         out[config] = measure_steps([tr], dict(spec, rounds=1))[config]
+        # the most this rank's tensors took at once (the caching allocator's count)
+        out[config]["peak_mb"] = None if dry else torch.cuda.max_memory_allocated() / MB
         if rank == 0 and tr.hc is not None:
             out[config]["plan"] = str(tr.hc.plan)
         tr.close()
@@ -384,7 +395,8 @@ def rank_main(rank: int, world: int, spec_name: str, dry: bool) -> dict:
 
 RANK_COLS = [("P", "P", "d"), ("config", "config", ""), ("rank", "rank", "d"),
              ("synced_ms", "synced(ms)", ".2f"), ("pipelined_ms", "pipelined(ms)", ".2f"),
-             ("host_ms", "host(ms)", ".2f"), ("x_local", "xlocal", ".3f")]
+             ("host_ms", "host(ms)", ".2f"), ("x_local", "xlocal", ".3f"),
+             ("peak_mb", "peak(MiB)", ".1f")]
 
 
 def section_ranks(b, sec) -> None:

@@ -47,9 +47,12 @@ def test_the_dry_run_runs_every_section_and_reports_it(tmp_path):
         assert row["synced_ms"] > 0 and row["pipelined_ms"] > 0 and row["host_ms"] > 0
         assert row["x_ddp"] > 0 and row["added_host_ms"] is not None
 
-    ranks = {(row["P"], row["config"], row["rank"]) for row in r["sections"]["ranks"]["rows"]}
-    assert ranks == {(2, c, rank) for c in ("local", "hc-forward", "hc-none", "hc-backward")
+    rows = r["sections"]["ranks"]["rows"]
+    ranks = {(row["P"], row["config"], row["rank"]) for row in rows}
+    assert ranks == {(2, c, rank) for c in ("local", "hc-forward", "hc-none", "hc-backward",
+                                            "hc-zero2", "hc-zero2-at-step")
                      for rank in (0, 1)}
+    assert all(row["peak_mb"] is None for row in rows)  # (a GPU's allocator: none here)
 
     prof = r["sections"]["profile"]
     assert len(prof["top_tottime"]) == 15 and set(prof["ops_per_step"]) == {"hc-forward", "plain"}
