@@ -184,6 +184,37 @@ def test_buckets_keep_only_their_part_from_backward_and_train_as_one_process(ove
             assert all(freed > 0 for _, freed in seen[1:]), (rank, seen)
 
 
+def _one_rank_keeps_whole(rank, world):
+    """Rank 1 keeps every bucket whole until the step (its own setting), rank 0
+    releases in backward: which buckets a rank released is its own business."""
+    if rank == 1:
+        os.environ["HYBRIDCOMM_RELEASE_IN_BACKWARD"] = "0"
+    model = _model()
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01), model=model, overlap="forward",
+        shard="gradients", fusion_bytes=256, split_bytes=200, cost_model="default",
+        measure_iters=0, timeout=30)
+    _DONE_BEFORE_NEXT.append(opt)
+    seen = []
+    flat, _ = _steps(model, opt, world, rank, lambda o: seen.append(
+        sum(released for released, *_ in _released(o))))
+    opt.close()
+    return flat, seen
+
+
+def test_ranks_that_released_different_buckets_gather_alike():
+    """The step's gather is a collective, so whether a bucket has anything to gather
+    may not depend on what this rank released: after zero_grad() a released bucket
+    has nothing, as a whole one has (a rank that released when the other did not
+    would otherwise gather alone, and the ranks' collectives mismatch)."""
+    (flat0, seen0), (flat1, seen1) = run_ranks(2, _one_rank_keeps_whole, timeout=120)
+    assert min(seen0) >= 2 and max(seen1) == 0, (seen0, seen1)
+    assert torch.equal(flat0, flat1)
+    ref_model = _model()
+    ref, _ = _steps(ref_model, torch.optim.Adam(ref_model.parameters(), lr=0.01), 1, 0)
+    assert torch.allclose(flat0, ref, rtol=TOL, atol=TOL), (flat0 - ref).abs().max()
+
+
 def _misuse(rank, world):
     model = _model()
     opt = hybridcomm.DistributedOptimizer(

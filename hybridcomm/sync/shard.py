@@ -59,7 +59,7 @@ from ..gpu.runtime import runtime_for
 from . import grad_fields, pending
 from .bucket_group import Phase
 from .buckets import copy_into
-from .scatter import ReleasedGrad, all_gather, keep_part, unscatter
+from .scatter import ReleasedGrad, all_gather, is_released, keep_part, unscatter
 
 
 class Slice:
@@ -204,6 +204,10 @@ class Shards:
         g = self.group
         defer = g.config.overlap == "forward"
         for s in self.gather_order:
+            if s.bucket.released:  # (in backward, when its reduction was done here: a rank's
+                # own timing) what is still a placeholder, as a whole bucket's bound views
+                # are its content (settle): zero_grad() since leaves nothing, on every rank
+                s.content = {pos for pos in s.content if is_released(s.bucket.params[pos].grad)}
             if not s.content:  # nothing reduced since the last gather (a step without a
                 # backward), or no rank had a gradient: the parameters stand, and the
                 # buffer holds zeros on every rank (whole: opening it needs no all-gather,

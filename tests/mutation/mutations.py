@@ -801,6 +801,16 @@ MUTATIONS = [
         what="a later backward pass reaches a released bucket's placeholder without making "
              "the bucket whole first: autograd adds into the placeholder"),
     Mutation(
+        "shard-released-content-kept", "i40 sharded state", "hybridcomm/sync/shard.py",
+        old="                s.content = {pos for pos in s.content if "
+            "is_released(s.bucket.params[pos].grad)}\n",
+        new="                pass\n",
+        guards=("tests/test_shard_release.py::test_ranks_that_released_different_buckets_"
+                "gather_alike",),
+        what="a bucket released in backward keeps the content it had then: after zero_grad() "
+             "the rank that released it gathers it, the rank that kept it whole does not, "
+             "and the ranks' collectives mismatch"),
+    Mutation(
         "shard-in-flight-part-not-copied", "i40 sharded state", "hybridcomm/comm/engine.py",
         old="                    extra()\n",
         new="                    pass\n",
