@@ -115,6 +115,16 @@ def _released(opt):
     return out
 
 
+def _sharded(model, inner, overlap, timeout=60):
+    """``shard="gradients"`` with three small buckets, whose reductions the slow
+    layers wait for."""
+    opt = hybridcomm.DistributedOptimizer(
+        inner, model=model, overlap=overlap, shard="gradients", fusion_bytes=256,
+        split_bytes=200, cost_model="default", measure_iters=0, timeout=timeout)
+    _DONE_BEFORE_NEXT.append(opt)
+    return opt
+
+
 def _buffers_reserved() -> list:
     """Weak references to the bucket buffers whose part is reserved at a launch
     (the GPU path's release in flight), as they are."""
@@ -145,11 +155,7 @@ def _ranks(rank, world, overlap, simulate):
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     model = _model()
     refs = _buffers_reserved()
-    opt = hybridcomm.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.01), model=model, overlap=overlap,
-        shard="gradients", fusion_bytes=256, split_bytes=200, cost_model="default",
-        measure_iters=0, timeout=60)
-    _DONE_BEFORE_NEXT.append(opt)
+    opt = _sharded(model, torch.optim.Adam(model.parameters(), lr=0.01), overlap)
     seen = []
     flat, norms = _steps(model, opt, world, rank, lambda o: seen.append(
         (_released(o), _freed(refs) if simulate else None)))
@@ -190,11 +196,7 @@ def _one_rank_keeps_whole(rank, world):
     if rank == 1:
         os.environ["HYBRIDCOMM_RELEASE_IN_BACKWARD"] = "0"
     model = _model()
-    opt = hybridcomm.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.01), model=model, overlap="forward",
-        shard="gradients", fusion_bytes=256, split_bytes=200, cost_model="default",
-        measure_iters=0, timeout=30)
-    _DONE_BEFORE_NEXT.append(opt)
+    opt = _sharded(model, torch.optim.Adam(model.parameters(), lr=0.01), "forward", timeout=30)
     seen = []
     flat, _ = _steps(model, opt, world, rank, lambda o: seen.append(
         sum(released for released, *_ in _released(o))))
@@ -217,11 +219,7 @@ def test_ranks_that_released_different_buckets_gather_alike():
 
 def _misuse(rank, world):
     model = _model()
-    opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model=model, overlap="backward",
-        shard="gradients", fusion_bytes=256, split_bytes=200, cost_model="default",
-        measure_iters=0, timeout=60)
-    _DONE_BEFORE_NEXT.append(opt)
+    opt = _sharded(model, torch.optim.SGD(model.parameters(), lr=0.1), "backward")
     g = torch.Generator().manual_seed(5)
     errors = []
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
