@@ -370,6 +370,67 @@ def _steps_without_backward(rank, world, shard, overlap):
     return out
 
 
+def _state_tensors(opt):
+    return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
+
+
+def _replanned(rank, world, frozen_at=3, joins_at=5):
+    """Adam through the re-plan after the measured steps (the same buckets: every
+    slice stays), then the head frozen (it leads the first bucket in backward's
+    order: every other slice there moves) and joining again: the re-plans'
+    state moves (sync/reshard.py)."""
+    model = _model()
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01), model=model, overlap="backward",
+        shard="optimizer", fusion_bytes=256, split_bytes=200, cost_model="default",
+        measure_iters=1, timeout=30)
+    layouts, held = [], []
+    for s, (x, y) in enumerate(_batches(world, rank, steps=7)):
+        if s == frozen_at:
+            model[4].requires_grad_(False)
+        if s == joins_at:
+            model[4].requires_grad_(True)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        layouts.append([(b.layers, b.algorithm, b.segments) for b in opt.plan.buckets])
+        held.append({id(t) for t in _state_tensors(opt)})
+    out = _flat(model), layouts, held, opt.state_dict()
+    opt.close()
+    return out
+
+
+def _one_process_replanned(frozen_at=3, joins_at=5):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for s, (x, y) in enumerate(_batches(1, 0, steps=7)):
+        model[4].requires_grad_(not frozen_at <= s < joins_at)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return _flat(model), opt.state_dict()
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_replans_keep_the_slices_they_can_and_move_the_rest_as_one_process(world):
+    ref, ref_sd = _one_process_replanned()
+    for params, layouts, held, sd in run_ranks(world, _replanned, timeout=120):
+        assert torch.allclose(params, ref, rtol=TOL, atol=TOL), (params - ref).abs().max()
+        for i, st in ref_sd["state"].items():
+            for key, v in st.items():
+                assert torch.allclose(sd["state"][i][key], v, rtol=TOL, atol=TOL), (i, key)
+        if world == 1:  # (one rank's slice of each parameter is the whole: nothing moves)
+            continue
+        # the re-plan after the measured step keeps the buckets, so each rank keeps
+        # its very state tensors through it (nothing copied, nothing sent)...
+        assert layouts[0] == layouts[2], "the measured re-plan changed the buckets"
+        assert held[0] == held[2]
+        # ...and freezing the head (first in the first bucket) re-cut that bucket only:
+        # the second's state stays, the first's moved into new tensors
+        assert layouts[3][0] != layouts[2][0] and layouts[3][1:] == layouts[2][1:]
+        assert held[3] & held[2] and held[2] - held[3]
+
+
 @pytest.mark.parametrize("shard,overlap", [("gradients", "forward"), ("optimizer", "none")])
 def test_a_step_without_a_backward_changes_nothing(shard, overlap):
     for unchanged, released in run_ranks(2, _steps_without_backward, shard, overlap,

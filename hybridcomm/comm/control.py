@@ -250,6 +250,19 @@ def all_gather_tensor(t: torch.Tensor, *, group=None, timeout: float,
         return parts
 
 
+def exchange(send: torch.Tensor, send_bytes: List[int], recv_bytes: List[int], *,
+             group=None, timeout: float, what: str = "bytes") -> torch.Tensor:
+    """Each rank's bytes to each rank (an all-to-all; a collective), within ``timeout``:
+    ``send`` (a CPU uint8 tensor) is cut into ``send_bytes[r]`` for rank ``r``, in rank
+    order; returns what came, ``recv_bytes[r]`` from rank ``r``, in rank order."""
+    g = control_group(group)
+    with _host_region():
+        recv = torch.empty(sum(recv_bytes), dtype=torch.uint8)
+        wait_work(lambda: dist.all_to_all_single(recv, send, list(recv_bytes), list(send_bytes),
+                                                 group=g, async_op=True), timeout, what)
+        return recv
+
+
 def barrier(*, group=None, timeout: float, what: str = "a barrier") -> None:
     """Every rank of ``group`` arrives, within ``timeout``."""
     all_gather_object(None, group=group, timeout=timeout, what=what)

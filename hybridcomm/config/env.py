@@ -115,8 +115,8 @@ VARIABLES = {v.name: v for v in (
              "directly (off: Triton's own path every call); read by hybridcomm.kernels at "
              "import"),
     Variable("HYBRIDCOMM_RESHARD_BYTES", parse_size, 64 << 20,
-             "shard=: a re-plan moves the optimizer state to the new shards for parameters "
-             "of at most this many bytes at a time (what it holds whole for the move)"),
+             "shard=: a re-plan moves the optimizer state whose slicing changed in runs of "
+             "parameters of at most this many bytes, one all-to-all a run"),
     Variable("HYBRIDCOMM_RELEASE_IN_BACKWARD", parse_bool, True,
              "shard='gradients' on the host path: a bucket keeps only this rank's part of "
              "its gradient from its reduce-scatter's end in backward (off: from the step)"),

@@ -32,7 +32,8 @@ optimizer whose step needs whole tensors (a norm per tensor, a factored
 second moment) steps slices as if they were tensors: refused by name where
 known (LBFGS, ZeroRedundancyOptimizer). ``full_state()`` /
 ``slice_state()`` turn the state into the plain optimizer's and back (a
-consolidated checkpoint, a re-plan), collectively.
+consolidated checkpoint, collectively; a loaded one); a re-plan moves only
+what changes owner, straight to its new owner (reshard.py).
 
 Example::
 
@@ -50,7 +51,7 @@ import torch
 
 import torch.distributed as dist
 
-from ..algorithms import SHARD_BOUNDS, SHARDABLE, tail_body
+from ..algorithms import SHARDABLE
 from ..base.dtensor import is_dtensor
 from ..base.errors import HybridCommError
 from ..comm import control
@@ -59,6 +60,7 @@ from ..gpu.runtime import runtime_for
 from . import grad_fields, pending
 from .bucket_group import Phase
 from .buckets import copy_into
+from .reshard import move_state, owned_ranges, placement
 from .scatter import ReleasedGrad, all_gather, is_released, keep_part, unscatter
 
 
@@ -90,40 +92,24 @@ class Slice:
         self._grad = self._of = None
 
 
-def owned_ranges(segments, rank: int, world: int, algorithm: str,
-                 tail: int = 0) -> List[Tuple[int, int]]:
-    """This rank's parts of a bucket's buffer: its shard of each segment, as the
-    bucket's ``algorithm`` reduce-scatters it (the last segment's ``tail``, a
-    block a rank of the usage flags' copies, left out).
-
-    >>> owned_ranges([(0, 100), (100, 164)], 1, 2, "ring")
-    [(48, 100), (132, 164)]
-    """
-    bounds = SHARD_BOUNDS[algorithm]
-    out = []
-    for i, (a, z) in enumerate(segments):
-        n = tail_body(world, z - a, tail) if i == len(segments) - 1 else z - a
-        lo, hi = bounds(rank, world, n)
-        if hi > lo:
-            out.append((a + lo, a + hi))
-    return out
-
-
 class Shards:
     """This rank's slices of every bucket of ``group``, its step and its gather."""
 
     def __init__(self, group, params: List[torch.nn.Parameter], rank: int, world: int,
                  release: bool, on_read: Callable[[torch.Tensor], None]):
-        self.group, self.release = group, release
+        self.group, self.release, self.rank, self.world = group, release, rank, world
         self.on_read = on_read  # forward mode: a pending parameter is read (deferred.py)
         self.params = params
         index = {id(p): i for i, p in enumerate(params)}
         self.slices: List[Slice] = []
         self.owned: Dict[int, List[Tuple[int, int]]] = {}  # bucket index -> this rank's parts
+        self.placement: Dict[int, tuple] = {}  # id(param) -> how every rank slices it
         for s in group.states:
             b = s.bucket
             self.owned[s.index] = owned_ranges(b.spec.segments, rank, world, b.spec.algorithm,
                                                b.spec.tail)
+            for pos, p in enumerate(b.params):
+                self.placement[id(p)] = placement(b.spec, b.offsets[pos], b.views[pos].numel())
             for lo, hi in self.owned[s.index]:
                 for pos, p in enumerate(b.params):
                     o, n = b.offsets[pos], b.views[pos].numel()
@@ -302,24 +288,6 @@ class Shards:
                                                   what="the sharded optimizer state"),
                         [p.shape for p in self.params])
 
-    def full_state_parts(self, state: dict, group, timeout: float, part_bytes: int):
-        """:meth:`full_state` a part at a time (runs of parameters of at most
-        ``part_bytes``, at least one each; the same parts on every rank), each
-        part's slices' entries dropped from ``state`` once it is put together: a
-        re-plan holds the sharded state and one part whole, never all of it."""
-        part: List[int] = []
-        size = 0
-        for i, p in enumerate(self.params):
-            part.append(i)
-            size += p.numel() * p.element_size()
-            if size >= part_bytes or i == len(self.params) - 1:
-                full = self.full_state(state, group, timeout, set(part))
-                for j in part:
-                    for sl in self.by_param.get(id(self.params[j]), []):
-                        state.pop(sl.tensor, None)
-                yield full
-                part, size = [], 0
-
     def slice_state(self, state: dict, full: Dict[object, dict]) -> None:
         """``state`` holds this rank's slices' entries, cut from ``full`` (param ->
         the plain optimizer's state of that parameter)."""
@@ -451,16 +419,10 @@ class ShardedOptimizer:
         # a parameter frozen since kept it whole) joins the shards with its parameter
         new.slice_state(self.state, {p: self.state.pop(p) for p in sync.params
                                      if p in self.state})
-        if old is not None:  # the old slices' state, whole a part at a time (a collective)
-            kept = {id(p) for p in sync.params}
-            for full in old.full_state_parts(self.state, sync.process_group, sync.timeout,
-                                             env.get("HYBRIDCOMM_RESHARD_BYTES")):
-                plain = {old.params[i]: st for i, st in full.items()}
-                new.slice_state(self.state, plain)
-                for p, st in plain.items():  # frozen now: whole, until it joins again
-                    if id(p) not in kept:
-                        self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v
-                                         for k, v in st.items()}
+        if old is not None:  # the old slices' state to the new ones (a collective where
+            # some parameter's slicing changed; a frozen one's whole: reshard.py)
+            move_state(old, new, self.state, sync.process_group, sync.timeout,
+                       env.get("HYBRIDCOMM_RESHARD_BYTES"))
         self._hc_shards = new
 
     def _hc_release_reduced(self) -> None:  # host path

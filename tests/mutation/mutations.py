@@ -740,13 +740,45 @@ MUTATIONS = [
         what="shard='gradients' releases a bucket while each slice's cached gradient view "
              "still holds its memory: nothing is freed"),
     Mutation(
-        "reshard-drops-later-parts", "i40 sharded state", "hybridcomm/sync/shard.py",
-        old="                for j in part:\n",
-        new="                for j in range(len(self.params)):\n",
+        "reshard-drops-later-parts", "i40 sharded state", "hybridcomm/sync/reshard.py",
+        old="    for sl in by_start.values():\n        state.pop(sl.tensor, None)\n",
+        new="    for sl in old.slices:\n        state.pop(sl.tensor, None)\n",
         guards=("tests/test_shard.py::test_sharded_state_gives_one_process_numbers"
                 "[P3-host-reshard-by-parameter]",),
-        what="a re-plan drops every old slice's state once its first part is moved: the "
-             "later parts' state is lost"),
+        what="a re-plan drops every old slice's state once its first run is moved: the "
+             "later runs' state is lost"),
+    Mutation(
+        "reshard-piece-misplaced", "i40 sharded state", "hybridcomm/sync/reshard.py",
+        old="(j, key, dtype, start, lo - start, (a, z), lo - a, hi - lo)",
+        new="(j, key, dtype, start, lo - start, (a, z), 0, hi - lo)",
+        guards=("tests/test_shard.py::test_sharded_state_gives_one_process_numbers[P2-host]",),
+        what="a re-plan writes each piece of state it receives at the start of the new "
+             "slice, not where the piece belongs in it"),
+    Mutation(
+        "reshard-kept-slice-dropped", "i40 sharded state", "hybridcomm/sync/reshard.py",
+        old="            state[starts[sl.start].tensor] = state.pop(sl.tensor)\n",
+        new="            state.pop(sl.tensor)\n",
+        guards=("tests/test_shard.py::test_sharded_state_gives_one_process_numbers[P2-host]",),
+        what="a re-plan that keeps a parameter's slicing drops its state instead of "
+             "re-keying it to the new slice (Adam starts that parameter over)"),
+    Mutation(
+        "reshard-frozen-not-whole", "i40 sharded state", "hybridcomm/sync/reshard.py",
+        old="        left = id(p) not in new.placement  # (keyed by itself, whole)\n",
+        new="        left = False\n",
+        guards=("tests/test_training_loops.py::test_training_loops_with_sharded_state"
+                "[forward-optimizer-host]",),
+        what="a parameter frozen since the last plan keeps its state sliced under slices "
+             "that no longer exist, not whole: it is lost when the layer joins again"),
+    Mutation(
+        "reshard-frozen-lost-at-one-rank", "i40 sharded state", "hybridcomm/sync/reshard.py",
+        old="                state[p] = {k: v.view(p.shape) if _per_element(v, sl) else v\n"
+            "                            for k, v in state.pop(sl.tensor).items()}\n",
+        new="                state.pop(sl.tensor)\n",
+        guards=("tests/test_shard.py::test_replans_keep_the_slices_they_can_and_move_the_"
+                "rest_as_one_process[1]",),
+        what="at one rank, a parameter frozen since the last plan loses its state (its one "
+             "slice is the whole, so nothing is exchanged): Adam starts it over when it "
+             "joins again"),
     Mutation(
         "shard-flags-wrong-copy", "i40 sharded state", "hybridcomm/sync/buckets.py",
         old="        flags = self.flags if self.flags.dim() == 1 else self.flags[rank]\n",
