@@ -250,8 +250,8 @@ def all_gather_tensor(t: torch.Tensor, *, group=None, timeout: float,
         return parts
 
 
-def exchange(send: torch.Tensor, send_bytes: List[int], recv_bytes: List[int], *,
-             group=None, timeout: float, what: str = "bytes") -> torch.Tensor:
+def all_to_all(send: torch.Tensor, send_bytes: List[int], recv_bytes: List[int], *,
+               group=None, timeout: float, what: str = "bytes") -> torch.Tensor:
     """Each rank's bytes to each rank (an all-to-all; a collective), within ``timeout``:
     ``send`` (a CPU uint8 tensor) is cut into ``send_bytes[r]`` for rank ``r``, in rank
     order; returns what came, ``recv_bytes[r]`` from rank ``r``, in rank order."""

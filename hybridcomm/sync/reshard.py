@@ -91,7 +91,7 @@ def move_state(old, new, state: dict, group, timeout: float, run_bytes: int) -> 
     todo, size = [], 0
     for p in old.params:
         was, now = old.placement.get(id(p)), new.placement.get(id(p))
-        if was == now or cut(was, world) == cut(now, world, p.numel()):
+        if was == now or cut(was, world, p.numel()) == cut(now, world, p.numel()):
             _keep(old, new, p, state)
             continue
         todo.append(p)
@@ -175,8 +175,8 @@ def _exchange(old, new, params: Sequence, state: dict, group, timeout: float) ->
             at += n * dtype.itemsize
     for sl in by_start.values():
         state.pop(sl.tensor, None)
-    got = control.exchange(send, send_bytes, recv_bytes, group=group, timeout=timeout,
-                           what="the optimizer state that changes owner (re-plan)")
+    got = control.all_to_all(send, send_bytes, recv_bytes, group=group, timeout=timeout,
+                             what="the optimizer state that changes owner (re-plan)")
     del send
     # 4. this rank's new slices put together from what it got, in the senders' order
     made: Dict[Tuple[int, Tuple[int, int]], dict] = {}
