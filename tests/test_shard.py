@@ -370,6 +370,32 @@ def _steps_without_backward(rank, world, shard, overlap):
     return out
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling"])
+def test_every_ranks_cut_of_a_parameter_is_its_slice_of_that_ranks_parts(algorithm):
+    """``reshard.cut`` (every rank's slices of a parameter, by a look-up per bucket)
+    against its definition, each rank's ``owned_ranges`` of the bucket intersected
+    with the parameter, on awkward buckets: 1-3 segments, a flags tail, empty and
+    whole parameters, 1-9 ranks (powers of two for halving-doubling)."""
+    import random
+
+    from hybridcomm.sync.reshard import cut, owned_ranges
+
+    rng = random.Random(0)
+    for _ in range(1500):
+        world = rng.choice([1, 2, 4, 8]) if algorithm == "halving_doubling" else \
+            rng.randint(1, 9)
+        tail = rng.choice([0, 0, 8])
+        cuts = sorted(rng.sample(range(1, 400), rng.randint(0, 2)))
+        bounds = [0] + cuts + [400 + world * tail]
+        segments = tuple(zip(bounds, bounds[1:]))
+        o = rng.randint(0, 399)
+        n = rng.choice([0, 400 - o, rng.randint(0, 400 - o)])
+        want = tuple(tuple((max(lo, o) - o, min(hi, o + n) - o)
+                           for lo, hi in owned_ranges(segments, r, world, algorithm, tail)
+                           if max(lo, o) < min(hi, o + n)) for r in range(world))
+        assert cut(((segments, algorithm, tail), o, n), world) == want, (segments, o, n)
+
+
 def _state_tensors(opt):
     return [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()]
 

@@ -27,6 +27,8 @@ Example::
 from __future__ import annotations
 
 import bisect
+import functools
+import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,6 +38,7 @@ from ..base.errors import HybridCommError
 from ..comm import control
 
 Ranges = Tuple[Tuple[int, int], ...]
+log = logging.getLogger("hybridcomm")
 
 
 def owned_ranges(segments, rank: int, world: int, algorithm: str,
@@ -59,7 +62,7 @@ def owned_ranges(segments, rank: int, world: int, algorithm: str,
 
 def placement(spec, offset: int, numel: int) -> tuple:
     """What decides how every rank slices a parameter at ``offset`` of bucket ``spec``."""
-    return (tuple(spec.segments), spec.algorithm, spec.tail), offset, numel
+    return (tuple(map(tuple, spec.segments)), spec.algorithm, spec.tail), offset, numel
 
 
 def cut(place: Optional[tuple], world: int, numel: int = 0) -> Tuple[Ranges, ...]:
@@ -67,16 +70,22 @@ def cut(place: Optional[tuple], world: int, numel: int = 0) -> Tuple[Ranges, ...
     left the buckets): the whole of its ``numel`` elements on every rank."""
     if place is None:
         return (((0, numel),),) * world
-    (segments, algorithm, tail), o, n = place
-    out = []
-    for r in range(world):
-        mine = []
-        for lo, hi in owned_ranges(segments, r, world, algorithm, tail):
-            a, z = max(lo, o), min(hi, o + n)
-            if a < z:
-                mine.append((a - o, z - o))
-        out.append(tuple(mine))
-    return tuple(out)
+    bucket, o, n = place
+    mine: List[list] = [[] for _ in range(world)]
+    for lo, hi, r in _overlapping(_bucket_parts(bucket, world), o, o + n):
+        if max(lo, o) < min(hi, o + n):  # (an empty parameter overlaps nothing)
+            mine[r].append((max(lo, o) - o, min(hi, o + n) - o))
+    return tuple(map(tuple, mine))
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_parts(bucket: tuple, world: int) -> Tuple[list, list]:
+    """Every rank's :func:`owned_ranges` of a bucket ((segments, algorithm, tail)) as
+    :func:`_spans` (lo, hi, rank), once per bucket: a parameter's cut is then a
+    look-up, not a pass over every rank."""
+    segments, algorithm, tail = bucket
+    return _spans((lo, hi, r) for r in range(world)
+                  for lo, hi in owned_ranges(segments, r, world, algorithm, tail))
 
 
 def _per_element(v, sl) -> bool:
@@ -88,19 +97,23 @@ def move_state(old, new, state: dict, group, timeout: float, run_bytes: int) -> 
     a collective where some parameter's slicing changed (module doc); a parameter
     of ``old`` that ``new`` lacks gets its whole state, keyed by itself."""
     world = new.world
-    todo, size = [], 0
+    todo, size, kept, moved = [], 0, 0, 0
     for p in old.params:
         was, now = old.placement.get(id(p)), new.placement.get(id(p))
         if was == now or cut(was, world, p.numel()) == cut(now, world, p.numel()):
             _keep(old, new, p, state)
+            kept += 1
             continue
         todo.append(p)
+        moved += 1
         size += p.numel() * p.element_size()
         if size >= run_bytes:
             _exchange(old, new, todo, state, group, timeout)
             todo, size = [], 0
     if todo:
         _exchange(old, new, todo, state, group, timeout)
+    log.debug("hybridcomm re-plan: %d parameters keep their slices' state, %d have it "
+              "moved to their new owners (runs of %d bytes)", kept, moved, run_bytes)
 
 
 def _keep(old, new, p, state: dict) -> None:
