@@ -261,3 +261,20 @@ def test_no_module_or_class_is_too_big():
                     and rel.parts[1] != "testing":
                 big.append(f"{rel}: class {node.name} is {node.end_lineno - node.lineno + 1} lines")
     assert not big, "too big:\n  " + "\n  ".join(big)
+
+
+def test_importing_the_package_leaves_dtensor_unimported_and_finds_it_once_it_is():
+    """torch.distributed.tensor costs about a second of a process's start; a DTensor
+    can exist only once it is imported, and is then recognized."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, hybridcomm\n"
+            "from hybridcomm.base import dtensor\n"
+            "assert 'torch.distributed.tensor' not in sys.modules\n"
+            "assert not dtensor.is_dtensor(torch.zeros(2))\n"
+            "import torch.distributed.tensor as dt\n"
+            "assert dtensor._dtensor() is dt.DTensor\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -20,17 +20,31 @@ from __future__ import annotations
 
 from typing import Optional
 
+import sys
+
 import torch
 import torch.distributed as dist
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch without DTensor: nothing is one
-    DTensor = None
+# torch.distributed.tensor is not imported here: it costs about a second of every
+# process's start (sympy, the sharding rules), and no tensor can be a DTensor before
+# something has imported it. Its class is looked up once it is there.
+_DTENSOR_MODULE = "torch.distributed.tensor"
+_dtensor_class = None
+
+
+def _dtensor():
+    """DTensor's class, or None while ``torch.distributed.tensor`` is not imported
+    (or has no DTensor)."""
+    global _dtensor_class
+    if _dtensor_class is None:
+        module = sys.modules.get(_DTENSOR_MODULE)
+        _dtensor_class = getattr(module, "DTensor", None)
+    return _dtensor_class
 
 
 def is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    cls = _dtensor_class or _dtensor()
+    return cls is not None and isinstance(t, cls)
 
 
 def local_shape(p) -> torch.Size:
@@ -53,7 +67,7 @@ def grad_view(view: torch.Tensor, p) -> torch.Tensor:
     ``.grad``: a DTensor on ``p``'s mesh and placements for a DTensor ``p``."""
     if not is_dtensor(p):
         return view
-    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+    return _dtensor().from_local(view, p.device_mesh, p.placements, run_check=False,
                               shape=p.shape, stride=p.stride())
 
 
