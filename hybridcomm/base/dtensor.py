@@ -18,9 +18,8 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,13 +36,14 @@ def _dtensor():
     (or has no DTensor)."""
     global _dtensor_class
     if _dtensor_class is None:
-        module = sys.modules.get(_DTENSOR_MODULE)
-        _dtensor_class = getattr(module, "DTensor", None)
+        module = sys.modules.get(_DTENSOR_MODULE)  # a dict look-up until it is imported
+        if module is not None:
+            _dtensor_class = getattr(module, "DTensor", None)
     return _dtensor_class
 
 
 def is_dtensor(t) -> bool:
-    cls = _dtensor_class or _dtensor()
+    cls = _dtensor()
     return cls is not None and isinstance(t, cls)
 
 
