@@ -42,9 +42,17 @@ SIM_TESTS := tests/test_gpu_path.py tests/test_simgpu.py tests/test_optimizer_eq
 COV := $(PY) -m coverage
 COVRC := --rcfile=tests/coverage_gpu_path.rc
 
+# The host suite runs on TEST_WORKERS pytest-xdist workers, a test file per worker
+# at a time (module fixtures are made once); TEST_WORKERS=0 runs it in one process.
+# Its tests wait on sockets and child processes much of the time, so 2 workers
+# on 2 cores cut its wall time by a third; the simulated-GPU suites keep the cores
+# busy on their own (2 workers there measured no faster), so they run in one.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: setup
 	$(PY) -m pytest -q --doctest-modules hybridcomm kernels
-	$(PY) -m pytest -q tests --ignore=tests/test_gpu_path.py --ignore=tests/test_simgpu.py \
+	$(PY) -m pytest -q $(XDIST) tests --ignore=tests/test_gpu_path.py --ignore=tests/test_simgpu.py \
 	    --ignore=tests/test_forward_mode.py --ignore=tests/test_compression.py \
 	    --ignore=tests/test_one_device.py --ignore=tests/test_powersgd.py \
 	    -k "not ((test_training_loops or test_model_reads or test_join or test_shard) and simgpu)"

@@ -183,9 +183,9 @@ def _wrap(config: str, model: nn.Module, opt, total_steps: int):
     return ddp, opt
 
 
-def _rank(rank: int, world: int, config: str, seed: int, cfg: dict) -> dict:
+def _rank(rank: int, world: int, config: str, seed: int, cfg: dict, data: tuple) -> dict:
     torch.set_num_threads(1)
-    xtr, ytr, xte, yte = digits()
+    xtr, ytr, xte, yte = data
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = DigitsNet()
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
@@ -224,13 +224,19 @@ def to_target(curve, target: float):
     return None, None
 
 
-def run_one(config: str, seed: int, cfg: dict, setup=None) -> dict:
+def run_one(config: str, seed: int, cfg: dict, setup=None, data: Optional[tuple] = None) -> dict:
+    """One training run on WORLD ranks. ``data``: ``digits()``'s tensors, made once by
+    the caller and handed to every rank (each rank importing scikit-learn to make
+    them again costs seconds of start-up per rank)."""
     from hybridcomm.tools.launch import launch
 
     from hybridcomm import HybridCommError
 
+    data = digits() if data is None else data
     try:
-        out = launch(_rank, WORLD, config, seed, cfg, setup=setup, timeout=cfg["timeout"])[0]
+        # forkserver: torch is imported once for all the runs, not by every rank of each
+        out = launch(_rank, WORLD, config, seed, cfg, data, setup=setup,
+                     timeout=cfg["timeout"], start_method="forkserver")[0]
     except HybridCommError as e:  # e.g. DDP's bf16 hook, which needs NCCL
         why = str(e).strip().splitlines()[-1]
         return {"config": config, "seed": seed, "steps_to_target": None,
@@ -354,10 +360,12 @@ def main(argv=None) -> int:
         from train import shaped_network
 
         net = shaped_network(WORLD, shape)
+    data = digits()
     with (net if net is not None else _nothing()) as opened:
         for seed in seeds:
             for config in configs:  # interleaved: drift hits every config alike
-                row = run_one(config, seed, cfg, setup=opened.setup if opened else None)
+                row = run_one(config, seed, cfg, setup=opened.setup if opened else None,
+                              data=data)
                 rows.append(row)
                 if args.json:  # after every run: a cut-short run keeps what it measured
                     _write(args.json, rows, cfg)

@@ -974,7 +974,7 @@ def measure(args, shape, batch_sizes):
     with network as net, cost_models_of(label):
         per_rank = launch(_rank, args.nprocs, batch_sizes, args.configs, args.warmup,
                           args.iters, args.rounds, label, args.trace, args.model,
-                          args.optimizer, backend="gloo",
+                          args.optimizer, backend="gloo", start_method="forkserver",
                           setup=net and net.setup, timeout=args.timeout)
         where = f"tbf {net.spec} on each rank's link (a namespace per rank)" if net else "loopback"
     results = aggregate(per_rank, args.configs, batch_sizes)
