@@ -118,7 +118,7 @@ def main(argv=None):
     network = shaped_network(4, args.shape) if args.shape else contextlib.nullcontext()
     with network as net:
         per_rank = launch(_rank, 4, args, backend="gloo", setup=net and net.setup,
-                          timeout=args.timeout)
+                          timeout=args.timeout, start_method="forkserver")  # torch imported once
     where = f"tbf {args.shape} per rank link" if args.shape else "loopback"
     params = args.layers * (args.width * args.width + args.width)
     print(f"DP x PP: 2 replicas x 2 stages, {args.schedule}, {MICRO} micro-batches of "

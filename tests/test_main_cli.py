@@ -1,5 +1,6 @@
-"""``python -m hybridcomm``: --version, env, plan (without training) and calibrate, each
-run as a user runs it (a subprocess)."""
+"""``python -m hybridcomm``: --version, env, plan (without training) and calibrate. The
+entry point, env and calibrate run as a user runs them (a subprocess); plan runs the
+same ``main`` in this process (``_plan``), which spares a start-up of torch per call."""
 import json
 import os
 import subprocess
@@ -20,6 +21,25 @@ def _run(*args, env_vars=None, ok=True, timeout=120):
                        text=True, timeout=timeout, cwd=ROOT, env=environ)
     assert (r.returncode == 0) == ok, f"rc {r.returncode}\n{r.stdout}\n{r.stderr}"
     return r
+
+
+def _plan(monkeypatch, capsys, *args, env_vars=None, ok=True):
+    """``python -m hybridcomm plan ARGS`` in this process, the environment as ``_run``
+    gives it: (exit code, stdout, stderr)."""
+    from hybridcomm.tools.cli import main
+
+    for k in [k for k in os.environ if k.startswith("HYBRIDCOMM_")]:
+        monkeypatch.delenv(k)
+    for k, v in (env_vars or {}).items():
+        monkeypatch.setenv(k, v)
+    capsys.readouterr()
+    try:
+        rc = main(["plan", *args])
+    except SystemExit as e:  # argparse's errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert (rc == 0) == ok, f"rc {rc}\n{out}\n{err}"
+    return rc, out, err
 
 
 def test_version_and_help():
@@ -51,30 +71,34 @@ def test_env_lists_every_variable_with_its_value_default_and_help():
     assert bad.returncode == 1 and "INVALID" in bad.stdout
 
 
-def test_plan_of_listed_layers_is_the_planners():
+def test_plan_of_listed_layers_is_the_planners(monkeypatch, capsys):
     spec = "conv1:1728,conv2:18432,fc1:4M,fc2:2560"
-    r = _run("plan", "--layers", spec, "--world", "8", "--cost-model", "default")
+    _, out, _ = _plan(monkeypatch, capsys, "--layers", spec, "--world", "8",
+                      "--cost-model", "default")
     from hybridcomm.tools.cli import parse_layers
 
     want = str(make_plan(parse_layers(spec), world_size=8, model=DEFAULT_MODEL))
-    assert want in r.stdout, r.stdout
-    assert "# cost model: built-in defaults" in r.stdout and "world size 8" in r.stdout
-    assert "butterfly" in r.stdout and "ring" in r.stdout  # small layers and a large one
-    bad = _run("plan", "--layers", "conv1", ok=False)
-    assert bad.returncode == 2 and "NAME:NUMEL" in bad.stderr
+    assert want in out, out
+    assert "# cost model: built-in defaults" in out and "world size 8" in out
+    assert "butterfly" in out and "ring" in out  # small layers and a large one
+    rc, _, err = _plan(monkeypatch, capsys, "--layers", "conv1", ok=False)
+    assert rc == 2 and "NAME:NUMEL" in err
 
 
-def test_plan_of_a_model_groups_its_modules_as_the_optimizer_does(tmp_path):
-    r = _run("plan", "--model", "benchmarks.models:vgg_small", "--world", "4",
-             env_vars={"HYBRIDCOMM_COST_MODEL": str(tmp_path / "none.json")})
-    assert "# cost model: built-in defaults (no saved calibration" in r.stdout
-    table = r.stdout[r.stdout.index("hybridcomm plan:"):]
+def test_plan_of_a_model_groups_its_modules_as_the_optimizer_does(tmp_path, monkeypatch,
+                                                                   capsys):
+    monkeypatch.chdir(ROOT)  # benchmarks.models, importable from the checkout as in _run
+    monkeypatch.syspath_prepend(ROOT)
+    _, out, _ = _plan(monkeypatch, capsys, "--model", "benchmarks.models:vgg_small",
+                      "--world", "4", env_vars={"HYBRIDCOMM_COST_MODEL": str(tmp_path / "none.json")})
+    assert "# cost model: built-in defaults (no saved calibration" in out
+    table = out[out.index("hybridcomm plan:"):]
     for layer in ("classifier.4", "classifier.2", "classifier.0", "features.0"):
         assert layer in table  # one layer per module, named as the model names it
     assert table.index("classifier.4") < table.index("features.0")  # backward order
 
 
-def test_calibrate_saves_what_plan_then_uses(tmp_path):
+def test_calibrate_saves_what_plan_then_uses(tmp_path, monkeypatch, capsys):
     saved = tmp_path / "cm.json"
     variables = {"HYBRIDCOMM_COST_MODEL": str(saved)}
     r = _run("calibrate", "--nprocs", "2", "-b", "4K", "-e", "16K", "-n", "2", "-w", "0",
@@ -82,24 +106,28 @@ def test_calibrate_saves_what_plan_then_uses(tmp_path):
     assert f"saved to {saved}" in r.stdout, r.stdout
     model = json.loads(saved.read_text())
     assert model["world_size"] == 2 and model["alpha_s"] >= 0
-    p = _run("plan", "--layers", "conv:1728,fc:1M", env_vars=variables)
-    assert f"# cost model: {saved}" in p.stdout
-    assert "# world size 2 (the calibration's)" in p.stdout
-    p = _run("plan", "--layers", "conv:1728,fc:1M", "--world", "4", env_vars=variables)
-    assert "the calibration was measured on 2 ranks" in p.stdout
+    _, out, _ = _plan(monkeypatch, capsys, "--layers", "conv:1728,fc:1M", env_vars=variables)
+    assert f"# cost model: {saved}" in out
+    assert "# world size 2 (the calibration's)" in out
+    _, out, _ = _plan(monkeypatch, capsys, "--layers", "conv:1728,fc:1M", "--world", "4",
+                      env_vars=variables)
+    assert "the calibration was measured on 2 ranks" in out
 
 
-def test_without_a_calibration_plan_uses_the_probe_a_job_of_that_size_kept(tmp_path):
+def test_without_a_calibration_plan_uses_the_probe_a_job_of_that_size_kept(tmp_path,
+                                                                          monkeypatch, capsys):
     from hybridcomm.plan.auto_model import save
     from hybridcomm.plan.cost_model import CostModel
 
     probe = tmp_path / "probe-w4-gloo-cpu-localna.json"  # as calibration.py keeps it
     save(CostModel(1e-4, 1e-8, 1e-10), str(probe), world_size=4, device="cpu")
     variables = {"HYBRIDCOMM_COST_MODEL": str(tmp_path / "cost_model.json")}  # absent
-    p = _run("plan", "--layers", "conv:1728,fc:1M", "--world", "4", env_vars=variables)
-    assert f"# cost model: probe saved at {probe}" in p.stdout
-    p = _run("plan", "--layers", "conv:1728,fc:1M", "--world", "8", env_vars=variables)
-    assert "# cost model: built-in defaults" in p.stdout  # another world size: not that probe
+    _, out, _ = _plan(monkeypatch, capsys, "--layers", "conv:1728,fc:1M", "--world", "4",
+                      env_vars=variables)
+    assert f"# cost model: probe saved at {probe}" in out
+    _, out, _ = _plan(monkeypatch, capsys, "--layers", "conv:1728,fc:1M", "--world", "8",
+                      env_vars=variables)
+    assert "# cost model: built-in defaults" in out  # another world size: not that probe
 
 
 def test_python_m_on_an_old_module_path_runs_it_where_it_moved():
