@@ -70,14 +70,14 @@ def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_
     os._exit(0)
 
 
-def _worker_from_server(environ, payload, results):
+def _worker_from_server(environ, rank, payload, results):
     """A rank forked from the forkserver: the server's environment is the one it had
     when it started, so the caller's, as it was at the launch, is put back first (as
     spawn would give it), and only then are ``fn`` and its arguments unpickled (their
     modules may read it on import)."""
     os.environ.clear()
     os.environ.update(environ)
-    fn, rank, world_size, store_path, backend, setup, args, pg_timeout, one_device = \
+    fn, world_size, store_path, backend, setup, args, pg_timeout, one_device = \
         pickle.loads(payload)
     _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_timeout,
             one_device)
@@ -109,19 +109,19 @@ def _save_coverage() -> None:
         cov.save()
 
 
-def _rank_start(start_method, fn, rank, nprocs, store, backend, setup, args, results,
-                pg_timeout, one_device):
-    """(target, args) of one rank's Process."""
+def _rank_starts(start_method, results, fn, nprocs, store, backend, setup, args, pg_timeout,
+                 one_device):
+    """(target, args) of each rank's Process."""
     if start_method != "forkserver":
-        return _worker, (fn, rank, nprocs, store, backend, setup, args, results, pg_timeout,
-                         one_device)
-    try:
-        payload = pickle.dumps((fn, rank, nprocs, store, backend, setup, args, pg_timeout,
-                                one_device))
+        return [(_worker, (fn, r, nprocs, store, backend, setup, args, results, pg_timeout,
+                           one_device)) for r in range(nprocs)]
+    try:  # once for all the ranks, and before any starts
+        payload = pickle.dumps((fn, nprocs, store, backend, setup, args, pg_timeout, one_device))
     except Exception as e:  # a lambda, a local function, a lock or queue in args
         raise ValueError("launch(start_method='forkserver'): fn, setup and args must be "
                          f"picklable (module-level functions, no locks or queues): {e}") from e
-    return _worker_from_server, (dict(os.environ), payload, results)
+    environ = dict(os.environ)
+    return [(_worker_from_server, (environ, r, payload, results)) for r in range(nprocs)]
 
 
 def default_backend() -> str:
@@ -164,11 +164,10 @@ def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hybridcomm-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = []
-        for r in range(nprocs):
-            target, worker_args = _rank_start(start_method, fn, r, nprocs, store, backend,
-                                              setup, args, results, pg_timeout, one_device)
-            procs.append(ctx.Process(target=target, daemon=True, args=worker_args))
+        procs = [ctx.Process(target=target, daemon=True, args=worker_args)
+                 for target, worker_args in _rank_starts(start_method, results, fn, nprocs, store,
+                                                         backend, setup, args, pg_timeout,
+                                                         one_device)]
         for p in procs:
             p.start()
         out, dead_once, deadline = {}, set(), time.monotonic() + timeout
