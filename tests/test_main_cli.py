@@ -1,6 +1,7 @@
 """``python -m hybridcomm``: --version, env, plan (without training) and calibrate. The
-entry point, env and calibrate run as a user runs them (a subprocess); plan runs the
-same ``main`` in this process (``_plan``), which spares a start-up of torch per call."""
+entry point (``--version``), calibrate and the old module paths run as a user runs them
+(a subprocess); help, env and plan run the same ``main`` in this process (``_main``),
+which spares a start-up of torch (about 3 CPU-seconds here) per call."""
 import json
 import os
 import subprocess
@@ -23,8 +24,8 @@ def _run(*args, env_vars=None, ok=True, timeout=120):
     return r
 
 
-def _plan(monkeypatch, capsys, *args, env_vars=None, ok=True):
-    """``python -m hybridcomm plan ARGS`` in this process, the environment as ``_run``
+def _main(monkeypatch, capsys, *args, env_vars=None, ok=True):
+    """``python -m hybridcomm ARGS`` in this process, the environment as ``_run``
     gives it: (exit code, stdout, stderr)."""
     from hybridcomm.tools.cli import main
 
@@ -34,7 +35,7 @@ def _plan(monkeypatch, capsys, *args, env_vars=None, ok=True):
         monkeypatch.setenv(k, v)
     capsys.readouterr()
     try:
-        rc = main(["plan", *args])
+        rc = main(list(args))
     except SystemExit as e:  # argparse's errors
         rc = e.code
     out, err = capsys.readouterr()
@@ -42,20 +43,21 @@ def _plan(monkeypatch, capsys, *args, env_vars=None, ok=True):
     return rc, out, err
 
 
-def test_version_and_help():
+def test_version_and_help(monkeypatch, capsys):
     r = _run("--version")
     assert f"hybridcomm {hybridcomm.__version__}" in r.stdout
-    r = _run()
+    _, out, _ = _main(monkeypatch, capsys)
     for command in ("env", "plan", "calibrate"):
-        assert command in r.stdout
+        assert command in out
 
 
-def test_env_lists_every_variable_with_its_value_default_and_help():
-    r = _run("env", env_vars={"HYBRIDCOMM_TIMEOUT": "60", "HYBRIDCOMM_TIMOUT": "5"})
-    lines = r.stdout.splitlines()
+def test_env_lists_every_variable_with_its_value_default_and_help(monkeypatch, capsys):
+    _, stdout, _ = _main(monkeypatch, capsys, "env",
+                         env_vars={"HYBRIDCOMM_TIMEOUT": "60", "HYBRIDCOMM_TIMOUT": "5"})
+    lines = stdout.splitlines()
     for v in env.VARIABLES.values():
         line = next((ln for ln in lines if ln.startswith(v.name + " ")), None)
-        assert line is not None, f"{v.name} missing:\n{r.stdout}"
+        assert line is not None, f"{v.name} missing:\n{stdout}"
         assert "default " + ("unset" if v.default is None else repr(v.default)) in line
         assert lines[lines.index(line) + 1].strip() == v.help
     timeout = next(ln for ln in lines if ln.startswith("HYBRIDCOMM_TIMEOUT "))
@@ -64,16 +66,17 @@ def test_env_lists_every_variable_with_its_value_default_and_help():
     assert "value unset" in algo
     typo = next(ln for ln in lines if ln.startswith("HYBRIDCOMM_TIMOUT "))
     assert "UNKNOWN" in typo and "did you mean HYBRIDCOMM_TIMEOUT?" in typo
-    assert "host C++ extension: built (" in r.stdout  # (make setup built it)
-    off = _run("env", env_vars={"HYBRIDCOMM_HOST_EXT": "0"})
-    assert "host C++ extension: off (HYBRIDCOMM_HOST_EXT=0)" in off.stdout
-    bad = _run("env", env_vars={"HYBRIDCOMM_TIMEOUT": "soon"}, ok=False)
-    assert bad.returncode == 1 and "INVALID" in bad.stdout
+    assert "host C++ extension: built (" in stdout  # (make setup built it)
+    _, off, _ = _main(monkeypatch, capsys, "env", env_vars={"HYBRIDCOMM_HOST_EXT": "0"})
+    assert "host C++ extension: off (HYBRIDCOMM_HOST_EXT=0)" in off
+    rc, bad, _ = _main(monkeypatch, capsys, "env", env_vars={"HYBRIDCOMM_TIMEOUT": "soon"},
+                       ok=False)
+    assert rc == 1 and "INVALID" in bad
 
 
 def test_plan_of_listed_layers_is_the_planners(monkeypatch, capsys):
     spec = "conv1:1728,conv2:18432,fc1:4M,fc2:2560"
-    _, out, _ = _plan(monkeypatch, capsys, "--layers", spec, "--world", "8",
+    _, out, _ = _main(monkeypatch, capsys, "plan", "--layers", spec, "--world", "8",
                       "--cost-model", "default")
     from hybridcomm.tools.cli import parse_layers
 
@@ -81,7 +84,7 @@ def test_plan_of_listed_layers_is_the_planners(monkeypatch, capsys):
     assert want in out, out
     assert "# cost model: built-in defaults" in out and "world size 8" in out
     assert "butterfly" in out and "ring" in out  # small layers and a large one
-    rc, _, err = _plan(monkeypatch, capsys, "--layers", "conv1", ok=False)
+    rc, _, err = _main(monkeypatch, capsys, "plan", "--layers", "conv1", ok=False)
     assert rc == 2 and "NAME:NUMEL" in err
 
 
@@ -89,8 +92,9 @@ def test_plan_of_a_model_groups_its_modules_as_the_optimizer_does(tmp_path, monk
                                                                    capsys):
     monkeypatch.chdir(ROOT)  # benchmarks.models, importable from the checkout as in _run
     monkeypatch.syspath_prepend(ROOT)
-    _, out, _ = _plan(monkeypatch, capsys, "--model", "benchmarks.models:vgg_small",
-                      "--world", "4", env_vars={"HYBRIDCOMM_COST_MODEL": str(tmp_path / "none.json")})
+    _, out, _ = _main(monkeypatch, capsys, "plan", "--model", "benchmarks.models:vgg_small",
+                      "--world", "4",
+                      env_vars={"HYBRIDCOMM_COST_MODEL": str(tmp_path / "none.json")})
     assert "# cost model: built-in defaults (no saved calibration" in out
     table = out[out.index("hybridcomm plan:"):]
     for layer in ("classifier.4", "classifier.2", "classifier.0", "features.0"):
@@ -106,10 +110,11 @@ def test_calibrate_saves_what_plan_then_uses(tmp_path, monkeypatch, capsys):
     assert f"saved to {saved}" in r.stdout, r.stdout
     model = json.loads(saved.read_text())
     assert model["world_size"] == 2 and model["alpha_s"] >= 0
-    _, out, _ = _plan(monkeypatch, capsys, "--layers", "conv:1728,fc:1M", env_vars=variables)
+    _, out, _ = _main(monkeypatch, capsys, "plan", "--layers", "conv:1728,fc:1M",
+                      env_vars=variables)
     assert f"# cost model: {saved}" in out
     assert "# world size 2 (the calibration's)" in out
-    _, out, _ = _plan(monkeypatch, capsys, "--layers", "conv:1728,fc:1M", "--world", "4",
+    _, out, _ = _main(monkeypatch, capsys, "plan", "--layers", "conv:1728,fc:1M", "--world", "4",
                       env_vars=variables)
     assert "the calibration was measured on 2 ranks" in out
 
@@ -122,10 +127,10 @@ def test_without_a_calibration_plan_uses_the_probe_a_job_of_that_size_kept(tmp_p
     probe = tmp_path / "probe-w4-gloo-cpu-localna.json"  # as calibration.py keeps it
     save(CostModel(1e-4, 1e-8, 1e-10), str(probe), world_size=4, device="cpu")
     variables = {"HYBRIDCOMM_COST_MODEL": str(tmp_path / "cost_model.json")}  # absent
-    _, out, _ = _plan(monkeypatch, capsys, "--layers", "conv:1728,fc:1M", "--world", "4",
+    _, out, _ = _main(monkeypatch, capsys, "plan", "--layers", "conv:1728,fc:1M", "--world", "4",
                       env_vars=variables)
     assert f"# cost model: probe saved at {probe}" in out
-    _, out, _ = _plan(monkeypatch, capsys, "--layers", "conv:1728,fc:1M", "--world", "8",
+    _, out, _ = _main(monkeypatch, capsys, "plan", "--layers", "conv:1728,fc:1M", "--world", "8",
                       env_vars=variables)
     assert "# cost model: built-in defaults" in out  # another world size: not that probe
 
