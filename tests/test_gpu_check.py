@@ -25,10 +25,18 @@ cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is 
 
 
 def _run(tmp_path, *extra):
+    """gpu_check.py as `make gpu-check` runs it (a subprocess)."""
     out = tmp_path / "report.json"
     p = subprocess.run([sys.executable, SCRIPT, "--output", str(out), *extra], cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     return p, out
+
+
+def _main(tmp_path, *extra):
+    """gpu_check.main in this process (its pytest still a subprocess): (exit code, report)."""
+    out = tmp_path / "report.json"
+    rc = gpu_check.main(["--output", str(out), *extra])
+    return rc, json.loads(out.read_text())
 
 
 @cpu_only
@@ -70,17 +78,15 @@ def test_dry_run_writes_the_report_and_exits_zero(tmp_path):
 
 @cpu_only
 def test_pytest_not_finishing_exits_non_zero(tmp_path):
-    p, out = _run(tmp_path, "--", "--no-such-pytest-option")
-    assert p.returncode == 1
-    r = json.loads(out.read_text())
+    rc, r = _main(tmp_path, "--", "--no-such-pytest-option")
+    assert rc == 1
     assert r["ok"] is False and r["pytest_exit_code"] not in (0, 5)
 
 
 @cpu_only
 def test_nothing_collected_is_a_failure_not_a_dry_run(tmp_path):
-    p, out = _run(tmp_path, "--", "-k", "no_test_is_called_this")
-    assert p.returncode == 1, p.stdout + p.stderr
-    r = json.loads(out.read_text())
+    rc, r = _main(tmp_path, "--", "-k", "no_test_is_called_this")
+    assert rc == 1, r["problems"]
     assert r["pytest_exit_code"] == 5 and r["tests"] == [] and r["ok"] is False
     assert any("exit 5" in why for why in r["problems"]), r["problems"]
 
@@ -89,9 +95,8 @@ def test_nothing_collected_is_a_failure_not_a_dry_run(tmp_path):
 def test_a_module_that_does_not_collect_is_a_failure(tmp_path):
     broken = tmp_path / "test_broken_module.py"
     broken.write_text("import no_such_module_for_gpu_check\n\ndef test_x():\n    pass\n")
-    p, out = _run(tmp_path, "--", str(broken))
-    assert p.returncode == 1, p.stdout + p.stderr
-    r = json.loads(out.read_text())
+    rc, r = _main(tmp_path, "--", str(broken))
+    assert rc == 1, r["problems"]
     errors = [t for t in r["tests"] if t["outcome"] == "collection_error"]
     assert len(errors) == 1 and "no_such_module_for_gpu_check" in errors[0]["reason"]
     assert errors[0]["gpus_needed"] is None
