@@ -143,7 +143,8 @@ def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
     ``start_method``: ``"spawn"`` (the default) starts each rank as a fresh
     interpreter, which imports torch again (about 3.7 s of CPU per rank on a 2-core
     machine; a launch of 4 ranks there took 7.6 s). ``"forkserver"`` forks the ranks
-    from one server process that imported torch once for the caller's whole process
+    from one server process that imported torch (and ``torch._dynamo``, which a
+    rank's first optimizer imports) once for the caller's whole process
     (the same launch: 1.5 s after the first); the ranks get the caller's
     ``os.environ`` as it is at the launch, as with spawn. Use it when one process
     launches many times. ``"fork"`` copies the caller, threads' state included.
@@ -160,7 +161,9 @@ def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
     backend = "gloo" if one_device else backend or default_backend()
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch"])  # no effect once this process's server runs
+        # (no effect once this process's server runs) torch._dynamo: what the first
+        # torch.optim.Optimizer a rank makes imports, 1.7 CPU-s a rank on a 2-core machine
+        ctx.set_forkserver_preload(["torch", "torch._dynamo"])
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hybridcomm-") as tmp:
         store = os.path.join(tmp, "store")
