@@ -78,6 +78,11 @@ from test_training_loops import (IN, OUT, STEPS, HybridComm, ManualDataParallel,
                                  _adam, _all_patterns, _flat, _mlp, _run, _sgd, _whole)
 from test_training_loops import _compare as compare
 
+# What every compiling rank would import (1.3 CPU-s here), imported once in this
+# process: the ranks it forks inherit it (tests/conftest.py does so for torch._dynamo).
+import torch._dynamo.backends.common  # noqa: E402,F401
+import torch._inductor.pattern_matcher  # noqa: E402,F401
+
 DECAY = 0.8  # EMA decay: small, so that a stale read shows in a few steps
 LATE_FROM = 3  # reads that start after the measured steps (measure_iters=2) and the re-plan
 SAVE_STEPS = (1, LATE_FROM)  # whole-module copies: inside and after the measured steps
