@@ -68,6 +68,10 @@ import os
 
 import pytest
 import torch
+# What every compiling rank would import (1.3 CPU-s here), imported once in this
+# process: the ranks it forks inherit it (tests/conftest.py does so for torch._dynamo).
+import torch._dynamo.backends.common  # noqa: F401
+import torch._inductor.pattern_matcher  # noqa: F401
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
@@ -77,11 +81,6 @@ from multiproc import run_ranks
 from test_training_loops import (IN, OUT, STEPS, HybridComm, ManualDataParallel, Reference,
                                  _adam, _all_patterns, _flat, _mlp, _run, _sgd, _whole)
 from test_training_loops import _compare as compare
-
-# What every compiling rank would import (1.3 CPU-s here), imported once in this
-# process: the ranks it forks inherit it (tests/conftest.py does so for torch._dynamo).
-import torch._dynamo.backends.common  # noqa: E402,F401
-import torch._inductor.pattern_matcher  # noqa: E402,F401
 
 DECAY = 0.8  # EMA decay: small, so that a stale read shows in a few steps
 LATE_FROM = 3  # reads that start after the measured steps (measure_iters=2) and the re-plan

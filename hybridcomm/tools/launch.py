@@ -161,8 +161,8 @@ def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
     backend = "gloo" if one_device else backend or default_backend()
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        # (no effect once this process's server runs) torch._dynamo: what the first
-        # torch.optim.Optimizer a rank makes imports, 1.7 CPU-s a rank on a 2-core machine
+        # No effect once this process's server runs. torch._dynamo is what a rank's first
+        # torch.optim.Optimizer imports (1.7 CPU-s a rank on a 2-core machine).
         ctx.set_forkserver_preload(["torch", "torch._dynamo"])
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hybridcomm-") as tmp:
