@@ -264,7 +264,8 @@ class HostChannel:  # host path
                     kind = HybridCommTimeout if isinstance(self._error, HybridCommTimeout) \
                         else HybridCommError
                     raise kind(f"{what}: communication failed at {self._failed_what}: "
-                               f"{self._error}") from self._error
+                               f"{self._error}" + (f" ({note})" if note else "")) \
+                        from self._error
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     raise HybridCommTimeout(f"{what} not reduced within {self.timeout:g}s "
