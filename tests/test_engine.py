@@ -1,5 +1,6 @@
 """The engine on its own: the host channel, the fixed issue order whatever order the
 buckets are launched in, and the buckets' memory layout (each .grad a view)."""
+import threading
 import time
 
 import pytest
@@ -34,6 +35,46 @@ def test_host_channel_wait_honours_the_timeout():
     with pytest.raises(HybridCommTimeout, match="bucket 3 not reduced within 0.3s"):
         ch.wait(t, "bucket 3")
     assert time.monotonic() - t0 < 1.5
+
+
+def test_an_operation_waited_for_at_once_runs_in_its_caller_when_the_channel_is_idle(
+        monkeypatch):
+    ch = HostChannel(timeout=5)
+    ran = []
+    here = ch.submit(lambda: ran.append(threading.current_thread()), "op", here=True)
+    assert ch.done(here) and ran == [threading.current_thread()]  # no hand-off
+    # behind an operation still running on the channel's thread, it keeps the order there
+    slow = ch.submit(lambda: (time.sleep(0.2), ran.append("slow")), "slow op")
+    queued = ch.submit(lambda: ran.append(threading.current_thread()), "op", here=True)
+    ch.wait(queued, "op")
+    assert ch.done(slow) and ran[1] == "slow" and ran[2] is not threading.current_thread()
+    ch.close()
+    monkeypatch.setenv("HYBRIDCOMM_HOST_HERE", "0")  # off: the channel's thread runs it all
+    ch = HostChannel(timeout=5)
+    ch.wait(ch.submit(lambda: ran.append(threading.current_thread()), "op", here=True), "op")
+    assert ran[3] is not threading.current_thread()
+    ch.close()
+
+
+def test_an_operation_run_in_its_caller_is_watched_as_a_wait_would_be():
+    """The stall inspector's call: once, when it has run ``slow_after`` seconds, from
+    the idle channel thread; its note ends the failure's message."""
+    ch = HostChannel(timeout=5)
+    notes = []
+
+    def on_slow():
+        notes.append(threading.current_thread())
+        return "rank 1 is behind"
+
+    ch.submit(lambda: time.sleep(0.05), "quick", here=True, on_slow=on_slow, slow_after=0.3)
+    ch.submit(lambda: time.sleep(0.6), "slow", here=True, on_slow=on_slow, slow_after=0.1)
+    assert len(notes) == 1 and notes[0] is not threading.current_thread()
+    bad = ch.submit(lambda: (time.sleep(0.6), 1 / 0), "bad", here=True, on_slow=on_slow,
+                    slow_after=0.1)
+    with pytest.raises(HybridCommError, match=r"failed at bad.*division by zero \(rank 1 is "
+                                              r"behind\)"):
+        ch.wait(bad, "bucket 0")
+    assert len(notes) == 2
 
 
 class _Recording:

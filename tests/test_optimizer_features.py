@@ -341,6 +341,50 @@ def test_step_with_a_closure_defers_in_forward_mode(clip):
         assert torch.allclose(got, ref, **TOL), (got - ref).abs().max()
 
 
+def _comm_threads(rank, world, overlap, fusion_bytes, defer_always):
+    """Which thread ran each bucket's reduction, per step (the trace's spans)."""
+    if defer_always:
+        os.environ["HYBRIDCOMM_DEFER"] = "always"  # (this rank's process only)
+    model = make_model()
+    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          model=model, overlap=overlap, trace=True, timeout=60,
+                                          cost_model="default", measure_iters=0,
+                                          fusion_bytes=fusion_bytes)
+    x, y = batch(0)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
+        opt.step()
+    opt.synchronize()
+    spans = sorted((e for e in opt.timeline.events if e["cat"] == "comm/channel"),
+                   key=lambda e: e["ts"])
+    n = len(opt.plan.buckets)
+    opt.close()
+    return n, [[e["tid"] for e in spans[i:i + n]] for i in range(0, len(spans), n)]
+
+
+@pytest.mark.parametrize("overlap,fusion_bytes,defer_always", [
+    ("backward", 1 << 30, False), ("backward", 1, False), ("none", 1, False),
+    ("forward", 1 << 30, True)])
+def test_a_reduction_the_step_waits_for_at_once_runs_in_the_trainers_thread(
+        overlap, fusion_bytes, defer_always):
+    """On the host path an operation the trainer waits for next, with nothing to
+    overlap it with, runs in the trainer's thread if the channel is idle: the last
+    of a backward-mode round (the first ones run beside the rest of backward),
+    every one of none mode's (all in step()); forward mode's, which run on into
+    the next forward, stay on the channel's thread."""
+    n, steps = run_ranks(2, _comm_threads, overlap, fusion_bytes, defer_always)[0]
+    assert len(steps) == 3 and all(len(s) == n for s in steps)
+    assert (n == 1) == (fusion_bytes > 1)
+    for threads in steps:
+        if overlap == "forward":
+            assert set(threads) == {"hybridcomm-channel"}, threads
+        elif overlap == "none" or n == 1:
+            assert set(threads) == {"MainThread"}, threads
+        else:  # the last: here when the channel is idle by then, else queued behind
+            assert set(threads[:-1]) == {"hybridcomm-channel"}, threads
+
+
 def _traced(rank, world, path):
     model = make_model()
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

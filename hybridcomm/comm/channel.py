@@ -48,6 +48,7 @@ from .control import new_group_like
 from ..base.errors import HybridCommError, HybridCommTimeout
 from ..gpu.runtime import runtime_for
 from ..base.timeline import Timeline
+from ..config import env
 from .transport.base import OrderedTask
 from .transport.select import select_transport
 from .transport.torch_dist import TorchDistTransport
@@ -173,6 +174,15 @@ class HostChannel:  # host path
     ``inline``: they run at once, in the caller (a group of one rank, whose
     operations communicate nothing: a thread would only cost a hand-off each).
 
+    An operation submitted ``here`` (its caller waits for it at once, with
+    nothing left to overlap it with) runs in the caller's thread when the
+    channel is idle, so the order holds: two thread hand-offs and the worker's
+    fight for the GIL with a trainer running torch ops cost more than the
+    operation on 2 ranks sharing 2 cores (docs/PERFORMANCE.md).
+    ``HYBRIDCOMM_HOST_HERE=0`` sends every operation to the worker. Meanwhile
+    the idle worker keeps the wait's watch: past ``slow_after`` it calls
+    ``on_slow()`` once, as a waiting trainer would.
+
     Example::
 
         >>> ch = HostChannel(timeout=60)
@@ -197,15 +207,24 @@ class HostChannel:  # host path
         self._busy_s = 0.0  # comm time of finished operations, until take_busy()
         self._ops: list = []  # (key, seconds) of finished keyed operations, until take_ops()
         self._inline = inline
+        self._here_ok = env.get("HYBRIDCOMM_HOST_HERE")
+        # the operation running in its caller: [t0, on_slow, slow_after], and the note
+        # on_slow returned for it (kept for the message of its failure)
+        self._here: Optional[list] = None
+        self._here_note: Optional[str] = None
+        self._watch_s: Optional[float] = None  # how often the idle worker looks (None: never)
         self._thread = None
         if not inline:
             self._thread = threading.Thread(target=self._run, name="hybridcomm-channel",
                                             daemon=True)
             self._thread.start()
 
-    def submit(self, fn: Callable[[], None], what: str, key=None) -> int:
+    def submit(self, fn: Callable[[], None], what: str, key=None, *, here: bool = False,
+               on_slow=None, slow_after: float = 0.0) -> int:
         """Queue ``fn``; its ticket. With a ``key``, its duration is kept for
-        :meth:`take_ops`."""
+        :meth:`take_ops`. ``here``: the caller waits for it next, so it runs in
+        the caller if nothing submitted before is still to finish (``on_slow``
+        and ``slow_after`` as :meth:`wait` takes them, for the worker's watch)."""
         with self._cv:
             if self._closed:
                 raise HybridCommError("the communication channel is closed")
@@ -213,6 +232,22 @@ class HostChannel:  # host path
             self._queue.append((self._submitted, fn, what, key))
             if self._inline:
                 self._run_next()
+            elif here and self._here_ok and self._completed == self._submitted - 1:
+                self._here = [time.perf_counter(), on_slow, slow_after]
+                self._here_note = None
+                if on_slow is not None and self._watch_s is None:
+                    # From now on the idle worker looks this often (no wake-up per operation:
+                    # a thread woken beside the trainer costs what running here saves)
+                    self._watch_s = max(slow_after / 4, 1e-3)
+                    self._cv.notify_all()
+                try:
+                    self._run_next()
+                finally:
+                    self._here = None
+                    if self._error is None:  # (kept for a failure's message only)
+                        self._here_note = None
+                    if self._queue:  # (submitted meanwhile by another thread)
+                        self._cv.notify_all()
             else:
                 self._cv.notify_all()
             return self._submitted
@@ -263,6 +298,7 @@ class HostChannel:  # host path
                 if self._error is not None:
                     kind = HybridCommTimeout if isinstance(self._error, HybridCommTimeout) \
                         else HybridCommError
+                    note = note or self._here_note
                     raise kind(f"{what}: communication failed at {self._failed_what}: "
                                f"{self._error}" + (f" ({note})" if note else "")) \
                         from self._error
@@ -284,13 +320,32 @@ class HostChannel:  # host path
     def _run(self) -> None:
         with self._cv:
             while True:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
+                # (nothing runs beside an operation running in its caller)
+                while (not self._queue or self._here is not None) and not self._closed:
+                    self._watch_here()
                 if not self._queue:
                     return
                 self._run_next()
                 if self._error is not None:
                     return
+
+    def _watch_here(self) -> None:
+        """Wait for work (lock held), looking every ``_watch_s``: once an operation
+        running in its caller has run ``slow_after`` seconds, call its ``on_slow``."""
+        here = self._here
+        if here is None or here[1] is None or time.perf_counter() - here[0] < here[2]:
+            self._cv.wait(self._watch_s)
+            return
+        on_slow, here[1] = here[1], None
+        self._cv.release()
+        try:
+            note = on_slow()
+        except Exception:  # noqa: BLE001 - the stall inspector never raises; a watch never breaks
+            note = None
+        finally:
+            self._cv.acquire()
+        if self._here is here:  # (still running, or failed: its message takes the note)
+            self._here_note = note
 
     def _run_next(self) -> None:
         """Run the next queued operation (caller holds the lock, released while it runs)."""

@@ -23,6 +23,7 @@ the DDP hook.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Callable, List, Optional
 
@@ -67,6 +68,13 @@ class CommEngine:
         # rank, so it may post host collectives (the used-parameter agreement).
         self.on_issue: Optional[Callable[[int], None]] = None  # a bucket's first segment goes
         self.on_issued: Optional[Callable[[int], None]] = None  # its last one went
+        # Host path: the trainer waits for a round's results once its last operation is
+        # issued (nothing left to overlap it with: set by the synchronizer where the step
+        # is not deferred), or for every operation issued while ``waits_now`` (the step's
+        # own launches): such an operation runs in the issuing thread when the channel
+        # is idle (HostChannel's ``here``), not on the channel's thread.
+        self.round_end_waits = False
+        self.waits_now = False
         self.round = 0  # passes through plan.order completed
         self.cursor = 0  # position in plan.order
         self.bytes_sent = 0  # by this rank, since the trainer last read it
@@ -80,7 +88,7 @@ class CommEngine:
         self._ready = [None] * n  # device path: the gradients are ready (event)
         self._after: List[Optional[Callable[[], None]]] = [None] * n  # launch's own, after it
         self._versions = [0] * n  # the buffer's version counter after our own writes
-        self._workspace = Workspace()  # host path scratch (the channel thread's alone)
+        self._workspace = Workspace()  # host path scratch (one operation at a time uses it)
 
     # -- launching ---------------------------------------------------------------------
     def launch(self, index: int, after: Optional[Callable[[], None]] = None) -> None:
@@ -127,8 +135,11 @@ class CommEngine:
                 self._after[i] = None  # (in the operation now: it holds the buffer's views)
                 if self.channel.stream_ordered:
                     op = self._noting_version(i, op, self.buckets[i].buffer)
-            self._tickets[i][s] = self.channel.submit(
-                op, f"bucket {i} segment {s}", key=(self.plan, i, s) if self.timed_ops else None)
+            what, key = f"bucket {i} segment {s}", (self.plan, i, s) if self.timed_ops else None
+            if self.waits_now or (self.round_end_waits and self.cursor + 1 == len(order)):
+                self._tickets[i][s] = self.channel.submit(op, what, key, **self._here(i))
+            else:
+                self._tickets[i][s] = self.channel.submit(op, what, key)
             if last:
                 self._issued[i] += 1
                 self._seq += 1
@@ -138,6 +149,24 @@ class CommEngine:
             self.cursor += 1
             if self.cursor == len(order):
                 self.cursor, self.round = 0, self.round + 1
+
+    @contextlib.contextmanager
+    def waited_at_once(self, on: bool = True):
+        """What is issued inside is waited for as soon as it is (``waits_now``)."""
+        self.waits_now = on
+        try:
+            yield
+        finally:
+            self.waits_now = False
+
+    def _here(self, index: int) -> dict:
+        """The host channel's options for an operation the trainer waits for next
+        (none on a stream: its issue never blocks the trainer)."""
+        if self.channel.stream_ordered:
+            return {}
+        slow = self.on_slow
+        return dict(here=True, on_slow=None if slow is None else (lambda: slow(index)),
+                    slow_after=self.slow_after)
 
     def _noting_version(self, index: int, op, buffer):
         """``op``, then the buffer's version counter: our own writes are issued by then

@@ -107,6 +107,10 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDCOMM_ISSUE_THREAD", parse_bool, True,
              "GPU path: the optimizer's buckets are issued by the transport's communicator "
              "thread, whole (off: by the gradient hook, on autograd's thread)"),
+    Variable("HYBRIDCOMM_HOST_HERE", parse_bool, True,
+             "host path (gloo): an operation the trainer waits for at once (the step's "
+             "last launch where nothing is left to overlap it with) runs in the trainer's "
+             "thread when the channel is idle (off: every operation on the channel's thread)"),
     Variable("HYBRIDCOMM_LEAN_HOOKS", parse_bool, True,
              "in a steady step, the post-accumulate hook only on the parameter that completes "
              "each bucket (off: on every parameter in every step)"),

@@ -178,6 +178,7 @@ class GradientSynchronizer:
             lambda: self.measure.measuring(self.state.steps + 1), carry=self.group)
         if old is not None:
             old.retire()
+        self.group.engine.round_end_waits = not self.defers  # (step() waits for the round)
         self.hooks.attach(self.params)
 
     def watched(self):
@@ -225,12 +226,12 @@ class GradientSynchronizer:
         if self.registry.trainable_changed():
             self.refresh()
 
-    def _flush(self) -> None:
-        """Launch every bucket this step has not; if a gradient came after some bucket's
-        launch, launch them all again (nothing if none came: ``hooks.gradients_came``)."""
+    def _flush(self, waited: bool = True) -> None:
+        """Launch every bucket this step has not (all again if a gradient came after a
+        launch; nothing if none came); ``waited``: the caller waits for them next."""
         if not self.hooks.gradients_came():
             return
-        with self.watched():
+        with self.watched(), self.group.engine.waited_at_once(waited):
             self.group.launch_rest(self.open, self.passes.id)
             if self.group.needs_round():
                 self.group.launch_round(self.open, self.passes.id)
@@ -250,7 +251,7 @@ class GradientSynchronizer:
         now). An update still pending from the last step is applied first: this step
         may update the same parameters again (a step() on the same gradients)."""
         self.apply_pending()
-        self._flush()
+        self._flush(waited=False)  # (the updates wait for them in the next forward)
         self._reduce_sparse()
         sparse = [p for p, _ in self.registry.sparse if p.grad is not None]
         if sparse and self.deferred.update is not None:  # not deferred: no first read to wait for
@@ -366,8 +367,7 @@ class GradientSynchronizer:
         self.registry = self._take_params()
         joined = sum(1 for p in self.params if id(p) not in old)
         self._build(self.planning.agree(self.registry.layers))
-        self.planning.log(self.plan, f"re-planned: the trainable parameters changed "
-                          f"({joined} joined)")
+        self.planning.log(self.plan, f"re-planned: the trainable set changed ({joined} joined)")
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
