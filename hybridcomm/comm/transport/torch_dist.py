@@ -32,36 +32,59 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 class TorchDistPending:
-    __slots__ = ("works", "labels", "rank")
+    """One step's posted sends and receives (``transfers``: ``(is_send, peer, tensor)``
+    each, named in an error only)."""
 
-    def __init__(self, works, labels, rank):
-        self.works, self.labels, self.rank = works, labels, rank
+    __slots__ = ("works", "transfers", "rank")
+
+    def __init__(self, works, transfers, rank):
+        self.works, self.transfers, self.rank = works, transfers, rank
 
     def wait(self, timeout: float | None = None) -> None:
-        for work, label in zip(self.works, self.labels):
-            wait_work(work, self.rank, label, timeout)
+        for work, transfer in zip(self.works, self.transfers):
+            wait_work(work, self.rank, transfer, timeout)
 
 
-def wait_work(work, rank: int, label: str, timeout: float | None) -> None:
-    """``work.wait`` with every failure as our error, naming the rank and the work."""
+def _transfer_label(transfer) -> str:
+    """``(is_send, peer, tensor)`` as an error message names it."""
+    is_send, peer, t = transfer
+    return (f"send of {t.numel()} x {t.dtype} to rank {peer}" if is_send else
+            f"receive of {t.numel()} x {t.dtype} from rank {peer}")
+
+
+def wait_work(work, rank: int, label, timeout: float | None) -> None:
+    """``work.wait`` with every failure as our error, naming the rank and the work
+    (``label``: a string, or a transfer, named only if it fails)."""
     kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     try:
         done = work.wait(**kwargs)
     except Exception as e:  # gloo raises RuntimeError for timeouts and dead peers
         kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
-        raise kind(f"rank {rank}: {label} failed (timeout {timeout}s): {e}") from e
+        raise kind(f"rank {rank}: {_label(label)} failed (timeout {timeout}s): {e}") from e
     if done is False:
-        raise HybridCommTimeout(f"rank {rank}: {label} did not complete within {timeout}s")
+        raise HybridCommTimeout(f"rank {rank}: {_label(label)} did not complete within "
+                                f"{timeout}s")
 
 
-def posted(post, rank: int, label: str):
+def _label(label) -> str:
+    return label if isinstance(label, str) else _transfer_label(label)
+
+
+def posted(post, rank: int, label):
     """``post()`` (an isend/irecv/collective call) with a failure at posting time (a
-    peer's socket already closed) as our error too, naming the rank and the work."""
+    peer's socket already closed) as our error too, naming the rank and the work
+    (``label``: a string, or a function that makes it)."""
     try:
         return post()
     except RuntimeError as e:
         kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
-        raise kind(f"rank {rank}: posting {label} failed (a peer dead?): {e}") from e
+        raise kind(f"rank {rank}: posting {label if isinstance(label, str) else label()} "
+                   f"failed (a peer dead?): {e}") from e
+
+
+def _labels(sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> str:
+    return "; ".join([_transfer_label((True, p, t)) for p, t in sends] +
+                     [_transfer_label((False, p, t)) for p, t in recvs])
 
 
 def looks_like_timeout(e: Exception) -> bool:
@@ -97,24 +120,31 @@ class TorchDistTransport:
         # P2P calls take global ranks; map the group's ranks once.
         self._global = [dist.get_global_rank(group, r) if group is not None else r
                         for r in range(self.world_size)]
+        # the group itself (its send and recv take group ranks)
+        self._pg = group if group is not None else dist.distributed_c10d._get_default_group()
 
     def _post(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]):
+        """One ``batch_isend_irecv`` (a single NCCL group on CUDA)."""
         ops: List[dist.P2POp] = []
-        labels: List[str] = []
         for peer, t in sends:
             ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group, self.tag))
-            labels.append(f"send of {t.numel()} x {t.dtype} to rank {peer}")
         for peer, t in recvs:
             ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group, self.tag))
-            labels.append(f"receive of {t.numel()} x {t.dtype} from rank {peer}")
-        works = posted(lambda: dist.batch_isend_irecv(ops), self.rank, "; ".join(labels)) \
-            if ops else []
-        return works, labels
+        return posted(lambda: dist.batch_isend_irecv(ops), self.rank,
+                      lambda: _labels(sends, recvs)) if ops else []
 
     def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *,
                  label=None) -> TorchDistPending:
-        works, labels = self._post(sends, recvs)
-        return TorchDistPending(works, labels, self.rank)
+        """Host-ordered (gloo): the sends, then the receives, posted on the process
+        group itself (group ranks), as ``batch_isend_irecv`` posts them without
+        coalescing, less its Python checks per call (a third of a small step's
+        posting); what they are is formatted only for an error."""
+        pg, tag = self._pg, self.tag
+        works = posted(lambda: [pg.send([t], peer, tag) for peer, t in sends] +
+                       [pg.recv([t], peer, tag) for peer, t in recvs], self.rank,
+                       lambda: _labels(sends, recvs))
+        return TorchDistPending(works, [(True, p, t) for p, t in sends] +
+                                [(False, p, t) for p, t in recvs], self.rank)
 
     def all_reduce(self, t, *, average: bool, timeout: float | None = None) -> None:
         """The group's own all-reduce (``native``) in place. Every rank gets the same
@@ -170,7 +200,7 @@ class TorchNcclTransport(TorchDistTransport, CommStream):
 
     def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *, label=None) -> None:
         with self.stream_context():
-            works, _ = self._post(sends, recvs)
+            works = self._post(sends, recvs)
             for w in works:
                 w.wait()  # the comm stream waits; the host does not
 
