@@ -37,17 +37,17 @@ def test_host_channel_wait_honours_the_timeout():
     assert time.monotonic() - t0 < 1.5
 
 
-def test_an_operation_waited_for_at_once_runs_in_its_caller_when_the_channel_is_idle(
+def test_an_operation_waited_for_at_once_runs_in_its_caller_after_what_came_before(
         monkeypatch):
     ch = HostChannel(timeout=5)
     ran = []
     here = ch.submit(lambda: ran.append(threading.current_thread()), "op", here=True)
     assert ch.done(here) and ran == [threading.current_thread()]  # no hand-off
-    # behind an operation still running on the channel's thread, it keeps the order there
+    # behind an operation still running on the channel's thread: after it, still here
     slow = ch.submit(lambda: (time.sleep(0.2), ran.append("slow")), "slow op")
-    queued = ch.submit(lambda: ran.append(threading.current_thread()), "op", here=True)
-    ch.wait(queued, "op")
-    assert ch.done(slow) and ran[1] == "slow" and ran[2] is not threading.current_thread()
+    after = ch.submit(lambda: ran.append(threading.current_thread()), "op", here=True)
+    assert ch.done(slow) and ch.done(after)
+    assert ran[1] == "slow" and ran[2] is threading.current_thread()
     ch.close()
     monkeypatch.setenv("HYBRIDCOMM_HOST_HERE", "0")  # off: the channel's thread runs it all
     ch = HostChannel(timeout=5)

@@ -369,8 +369,8 @@ def _comm_threads(rank, world, overlap, fusion_bytes, defer_always):
 def test_a_reduction_the_step_waits_for_at_once_runs_in_the_trainers_thread(
         overlap, fusion_bytes, defer_always):
     """On the host path an operation the trainer waits for next, with nothing to
-    overlap it with, runs in the trainer's thread if the channel is idle: the last
-    of a backward-mode round (the first ones run beside the rest of backward),
+    overlap it with, runs in the trainer's thread: the last of a backward-mode
+    round (after the first ones, which run beside the rest of backward),
     every one of none mode's (all in step()); forward mode's, which run on into
     the next forward, stay on the channel's thread."""
     n, steps = run_ranks(2, _comm_threads, overlap, fusion_bytes, defer_always)[0]
@@ -381,8 +381,9 @@ def test_a_reduction_the_step_waits_for_at_once_runs_in_the_trainers_thread(
             assert set(threads) == {"hybridcomm-channel"}, threads
         elif overlap == "none" or n == 1:
             assert set(threads) == {"MainThread"}, threads
-        else:  # the last: here when the channel is idle by then, else queued behind
+        else:  # the last here, once the others (beside the rest of backward) are done
             assert set(threads[:-1]) == {"hybridcomm-channel"}, threads
+            assert threads[-1] == "MainThread", threads
 
 
 def _traced(rank, world, path):

@@ -175,10 +175,10 @@ class HostChannel:  # host path
     operations communicate nothing: a thread would only cost a hand-off each).
 
     An operation submitted ``here`` (its caller waits for it at once, with
-    nothing left to overlap it with) runs in the caller's thread when the
-    channel is idle, so the order holds: two thread hand-offs and the worker's
-    fight for the GIL with a trainer running torch ops cost more than the
-    operation on 2 ranks sharing 2 cores (docs/PERFORMANCE.md).
+    nothing left to overlap it with) runs in the caller's thread once what was
+    submitted before it is done, so the order holds: two thread hand-offs and
+    the worker's fight for the GIL with a trainer running torch ops cost more
+    than the operation on 2 ranks sharing 2 cores (docs/PERFORMANCE.md).
     ``HYBRIDCOMM_HOST_HERE=0`` sends every operation to the worker. Meanwhile
     the idle worker keeps the wait's watch: past ``slow_after`` it calls
     ``on_slow()`` once, as a waiting trainer would.
@@ -223,8 +223,12 @@ class HostChannel:  # host path
                on_slow=None, slow_after: float = 0.0) -> int:
         """Queue ``fn``; its ticket. With a ``key``, its duration is kept for
         :meth:`take_ops`. ``here``: the caller waits for it next, so it runs in
-        the caller if nothing submitted before is still to finish (``on_slow``
-        and ``slow_after`` as :meth:`wait` takes them, for the worker's watch)."""
+        the caller, after what was submitted before it (waited for first, as the
+        caller would wait for it anyway; ``on_slow`` and ``slow_after`` as
+        :meth:`wait` takes them, also for the worker's watch)."""
+        here = here and self._here_ok and not self._inline
+        if here and self._completed < self._submitted:
+            self.wait(self._submitted, what, on_slow, slow_after)
         with self._cv:
             if self._closed:
                 raise HybridCommError("the communication channel is closed")
@@ -232,7 +236,7 @@ class HostChannel:  # host path
             self._queue.append((self._submitted, fn, what, key))
             if self._inline:
                 self._run_next()
-            elif here and self._here_ok and self._completed == self._submitted - 1:
+            elif here and self._completed == self._submitted - 1:  # (else: another thread's)
                 self._here = [time.perf_counter(), on_slow, slow_after]
                 self._here_note = None
                 if on_slow is not None and self._watch_s is None:

@@ -71,8 +71,8 @@ class CommEngine:
         # Host path: the trainer waits for a round's results once its last operation is
         # issued (nothing left to overlap it with: set by the synchronizer where the step
         # is not deferred), or for every operation issued while ``waits_now`` (the step's
-        # own launches): such an operation runs in the issuing thread when the channel
-        # is idle (HostChannel's ``here``), not on the channel's thread.
+        # own launches): such an operation runs in the issuing thread, after what was
+        # issued before it (HostChannel's ``here``), not on the channel's thread.
         self.round_end_waits = False
         self.waits_now = False
         self.round = 0  # passes through plan.order completed
