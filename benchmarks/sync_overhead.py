@@ -38,9 +38,13 @@ Configs (built in one place, ``CONFIGS``):
   column holds them; compare whole steps (``total``).
 
 hybridcomm's options are ``HYBRID``: ``cost_model="probe"`` (the link is
-probed when the optimizer is made, rank 0's figures agreed by every rank, as a
-job without a saved calibration does; a calibration file on this machine is
-not read, so launches do not depend on what an earlier run left there) and
+probed, rank 0's figures agreed by every rank, as a job without a saved
+calibration does; a calibration file on this machine is not read, so launches
+do not depend on what an earlier run left there), probed once per launch and
+that cost model given to every mode's optimizer (``shared_probe``), as a job
+whose probe was kept plans from one: probing each on its own, the three modes
+of one launch planned differently from the same link, a bucket ``native`` in
+one mode and ``butterfly`` in the next, fused up to 1.7 or 3.0 MB) and
 ``measure_iters=0`` (no measured steps and no re-plans: the steady-state step
 with a fixed plan, which is what DDP's steps are after its first-iteration
 bucket rebuild; measured steps are 3 in every 200 by default and would fall
@@ -181,10 +185,12 @@ def describe(name: str, args) -> str:
 class _Run:
     """One config's model and optimizer, stepped ``n`` steps at a time."""
 
-    def __init__(self, config: str, model_name: str, args):
+    def __init__(self, config: str, model_name: str, args, cost_model=None):
         import hybridcomm
 
         kind, options, self.zero = CONFIGS[config]
+        if kind == "hybrid" and cost_model is not None:  # (shared_probe's)
+            options = dict(options, cost_model=cost_model)
         self.config, self.kind = config, kind
         model, self.x = build_model(model_name, args)
         self.model = nn.parallel.DistributedDataParallel(model, **options) if kind == "ddp" else model
@@ -225,12 +231,20 @@ class _Run:
         return out
 
 
+def shared_probe(args):
+    """The link probed once (a collective: every rank calls it), for every mode's
+    optimizer in this launch."""
+    from hybridcomm.comm import calibration
+    return calibration.resolve(HYBRID["cost_model"], timeout=args.timeout)
+
+
 def measure(args) -> dict:
     """``{model: {config: {phase or "added": ms}}}`` on this rank (the process group is up)."""
     torch.set_num_threads(1)
     out = {}
+    cost_model = shared_probe(args)
     for model_name in args.models:
-        runs = [_Run(c, model_name, args) for c in CONFIGS]
+        runs = [_Run(c, model_name, args, cost_model) for c in CONFIGS]
         for run in runs:
             run.steps(args.warmup, keep=False)
         for _ in range(args.rounds):  # interleaved: drift on a shared machine hits all
