@@ -342,7 +342,9 @@ def test_step_with_a_closure_defers_in_forward_mode(clip):
 
 
 def _comm_threads(rank, world, overlap, fusion_bytes, defer_always):
-    """Which thread ran each bucket's reduction, per step (the trace's spans)."""
+    """Which thread ran each bucket's reduction, per step (the trace's spans): the host
+    path's channel, also in the simulated-GPU run of this file."""
+    os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "0"  # (this rank's process only)
     if defer_always:
         os.environ["HYBRIDCOMM_DEFER"] = "always"  # (this rank's process only)
     model = make_model()
