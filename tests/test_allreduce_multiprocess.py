@@ -154,9 +154,10 @@ def test_dead_peer_is_an_error_not_a_hang():
     res = run_ranks(2, _dead_peer, timeout=60, allow_errors=True)
     elapsed, msg = res[0]
     assert elapsed < 10 and "rank 0" in msg
-    # the transfer it was waiting on, named (butterfly at P=2: one send, one receive)
+    # host path: the transfer it was waiting on, named (butterfly at P=2: one send, one
+    # receive); device path (simulated GPU): making the communicator, the first collective
     assert re.search(r"(send of 1000 x torch.float32 to|receive of 1000 x torch.float32 "
-                     r"from) rank 1", msg), msg
+                     r"from) rank 1", msg) or "creating the cupy NCCL communicator" in msg, msg
 
 
 def test_bad_input_errors_without_a_process_group():
