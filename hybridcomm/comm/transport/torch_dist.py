@@ -121,7 +121,7 @@ class TorchDistTransport:
         self._global = [dist.get_global_rank(group, r) if group is not None else r
                         for r in range(self.world_size)]
         # the group itself (its send and recv take group ranks)
-        self._pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self._pg = group if group is not None else dist.group.WORLD
 
     def _post(self, sends: Sequence[Transfer], recvs: Sequence[Transfer]):
         """One ``batch_isend_irecv`` (a single NCCL group on CUDA)."""
@@ -137,8 +137,8 @@ class TorchDistTransport:
                  label=None) -> TorchDistPending:
         """Host-ordered (gloo): the sends, then the receives, posted on the process
         group itself (group ranks), as ``batch_isend_irecv`` posts them without
-        coalescing, less its Python checks per call (a third of a small step's
-        posting); what they are is formatted only for an error."""
+        coalescing, less its Python checks per call (about a quarter of a small
+        step's posting); what they are is formatted only for an error."""
         pg, tag = self._pg, self.tag
         works = posted(lambda: [pg.send([t], peer, tag) for peer, t in sends] +
                        [pg.recv([t], peer, tag) for peer, t in recvs], self.rank,
