@@ -129,3 +129,40 @@ def test_native_is_fitted_offered_and_round_trips():
     assert m.choose(1 << 24, 4, candidates=("ring", "native")) == "native"
 
 
+def _level_with_native(native_gain: float, error=None) -> CostModel:
+    """A model whose native all-reduce of 1 MiB at P = 2 is ``native_gain`` faster
+    than the butterfly, with fit error ``error`` recorded as the probe records it."""
+    ours = CostModel(1e-4, 1e-9, 1e-10)
+    t = ours.predict("butterfly", 1 << 20, 2)
+    meta = {} if error is None else {"fit": {"rms_rel_err": error, "confidence": "medium"}}
+    return CostModel(1e-4, 1e-9, 1e-10, meta=meta, native_alpha=t * (1 - native_gain),
+                     native_beta=0.0)
+
+
+@pytest.mark.parametrize("gain,error,window,expected", [
+    (0.10, 0.25, None, "butterfly"),  # faster by less than the fit can tell: ours
+    (0.10, 0.25, 1.0, "butterfly"),  # (with a window both fit in)
+    (0.40, 0.25, None, "native"),  # faster by more than the fit's error
+    (0.10, None, None, "native"),  # no error recorded (a model built by hand): as predicted
+    (0.10, 0.0, None, "native"),
+])
+def test_native_wins_only_by_more_than_the_fit_error(gain, error, window, expected):
+    m = _level_with_native(gain, error)
+    assert m.fit_error == (error or 0.0)
+    assert m.choose(1 << 20, 2, window, candidates=("butterfly", "native")) == expected
+    # the error travels with a saved model (a calibration, the kept probe)
+    assert CostModel.from_json(json.loads(json.dumps(m.to_json()))).fit_error == m.fit_error
+
+
+def test_a_plan_says_when_it_kept_ours_over_a_native_predicted_faster():
+    from hybridcomm.plan.planner import Layer, make_plan
+
+    layers = [Layer("fc", [0], (1 << 20) // 4)]
+    kept = make_plan(layers, world_size=2, model=_level_with_native(0.10, 0.25))
+    assert [b.algorithm for b in kept.buckets] == ["butterfly"]
+    assert any("native predicted faster" in n and "25%" in n for n in kept.notes), kept.notes
+    chose = make_plan(layers, world_size=2, model=_level_with_native(0.40, 0.25))
+    assert [b.algorithm for b in chose.buckets] == ["native"]
+    assert not any("native predicted faster" in n for n in chose.notes)
+
+

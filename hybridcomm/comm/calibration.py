@@ -8,7 +8,7 @@
   and are importable from here.
 * Without one, :func:`probe` measures this job's network at start-up: the
   reduction kernel alone (gamma, seconds per reduced byte), then the
-  butterfly, the ring and ``native`` at two sizes (median of several runs),
+  butterfly, the ring and ``native`` at two sizes (median of several rounds),
   and fits alpha and beta with gamma held (cost_model.fit).
 * The first probe of a job is kept (``probe-<world>-<backend>-<device>-...json``
   beside the calibration file's place; ``HYBRIDCOMM_PROBE_CACHE=0``: not) and
@@ -172,13 +172,15 @@ def _sync(device) -> None:
         rt.synchronize()
 
 
-def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5, *,
+def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 7, *,
           timeout: Optional[float] = None) -> CostModel:
     """A quick calibration for when none is saved: gamma from the reduction kernel
     alone, then the butterfly, the ring and ``native`` at two sizes over
-    ``group`` (median of ``iters``), alpha and beta fitted with gamma held, and
-    rank 0's fit, rounded, on every rank. A collective: call it on every rank;
-    about 36 small all-reduces (~0.2 s over gloo on a small CPU machine).
+    ``group`` (in ``iters`` rounds of each once, after one to warm up; the
+    median of each), alpha and beta fitted with gamma held, and rank 0's fit,
+    rounded, with its error (``meta["fit"]``, :attr:`CostModel.fit_error`), on
+    every rank. A collective: call it on every rank; 48 small all-reduces
+    (~0.07 s at two ranks over gloo on a small CPU machine).
 
     A fit that comes out degenerate (alpha or beta 0) is kept, logged, and
     marked; the planner then falls back to safe fusion (planner.py).
@@ -191,22 +193,30 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 5, *,
     if world > 1:
         gamma = measure_gamma(device)
         transport = select_transport(device, group, timeout=timeout)
-        samples = []
-        for nbytes in sizes:
-            buf = torch.zeros(nbytes // 4, device=device)
-            for algo in ("butterfly", "ring", NATIVE):
-                times = []
-                for _ in range(iters + 1):  # the first is a warm-up
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    reduce_now(buf, transport, algo, scale=None, timeout=timeout)
-                    _sync(device)
-                    times.append(time.perf_counter() - t0)
-                samples.append((algo, nbytes, world, statistics.median(times[1:])))
+        bufs = {nbytes: torch.zeros(nbytes // 4, device=device) for nbytes in sizes}
+        points = [(algo, nbytes) for nbytes in sizes for algo in ("butterfly", "ring", NATIVE)]
+        times = {point: [] for point in points}
+        # In rounds of every point once: a stall of the machine (several ms now
+        # and then over gloo here) then lands on all of them alike, not on one
+        # point's every run (which once made native look 3x slower, and once
+        # the butterfly).
+        for i in range(iters + 1):  # the first round is a warm-up
+            for algo, nbytes in points:
+                _sync(device)
+                t0 = time.perf_counter()
+                reduce_now(bufs[nbytes], transport, algo, scale=None, timeout=timeout)
+                _sync(device)
+                if i:
+                    times[algo, nbytes].append(time.perf_counter() - t0)
+        samples = [(algo, nbytes, world, statistics.median(times[algo, nbytes]))
+                   for algo, nbytes in points]
         model, report = fit(samples, gamma=gamma)
         model = rounded(model)
-    model = dataclasses.replace(model, source="probe at start-up",
-                                meta={"degenerate": bool(report and report.degenerate)})
+    meta = {"degenerate": bool(report and report.degenerate)}
+    if report is not None:  # (CostModel.fit_error; rounded, as the model is)
+        meta["fit"] = {"rms_rel_err": float(f"{report.rms_rel_err:.2g}"),
+                       "confidence": report.confidence}
+    model = dataclasses.replace(model, source="probe at start-up", meta=meta)
     if report is not None and (report.degenerate or report.confidence == "low") \
             and dist.get_rank(group) == 0:  # rank 0's fit is everyone's: say it once
         log.info("hybridcomm: the start-up probe's fit is %s (rms error %.0f%%%s); the planner "

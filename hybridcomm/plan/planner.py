@@ -34,11 +34,10 @@ when its gradient is ready, and the order the next forward needs the layers.
   predicted to finish within it, the one that sends the fewest bytes, else
   the fastest. Small buckets with short windows get the butterfly, large
   ones with long windows a ring (hybridcomm's, or ``native``, the process
-  group's own in C++, where the measured model offers and predicts it
-  faster); on several nodes (``LOCAL_WORLD_SIZE``), hierarchical too.
-  ``"auto"`` lets every algorithm compete. With ``servers`` (the job's
-  summation servers, ps.py), ``ps`` competes too, where the model has a
-  line for that many servers. ``strategy`` naming an algorithm, or
+  group's own in C++, where the measured model predicts it faster by more
+  than its fit's error); on several nodes, hierarchical too. ``"auto"``: all
+  compete. With ``servers`` (the job's summation servers, ps.py), ``ps``
+  competes too, where the model has a line for that many servers. ``strategy`` naming an algorithm, or
   ``HYBRIDCOMM_ALGO``, forces it for every bucket (``ps`` needs servers).
 - **Low rank** (``compression="powersgd:RANK[:START]"``): a bucket is
   compressed (compressor ``powersgd``, comm/powersgd.py) where its two
@@ -53,8 +52,7 @@ when its gradient is ready, and the order the next forward needs the layers.
   timings (ByteScheduler's idea, fixed ahead so that every rank issues the
   same sequence whatever its local timing): whenever the channel is free,
   the ready segment of the bucket the next forward needs first goes next.
-  The timings are the cost model's, scaled by ``comm_scale`` when the
-  measured steps found the communication slower (or faster) than predicted.
+  The timings are the cost model's, scaled by ``comm_scale`` (measured steps).
 
 ``print(plan)`` shows the table and the order; every default it chose is in
 ``plan.notes``.
@@ -180,20 +178,17 @@ class Plan:
             win = "-" if b.window_s is None else f"{b.window_s * 1e6:.0f}"
             need = "-" if b.need is None else str(b.need)
             layers = ", ".join(b.layers)
-            if len(layers) > 60:
-                layers = layers[:57] + "..."
+            layers = layers if len(layers) <= 60 else layers[:57] + "..."
             algo = b.algorithm if b.compressor is None else f"{b.compressor}+{b.algorithm}"
             rows.append(f"{b.index:>6} {b.nbytes:>10} {b.dtype.replace('torch.', ''):>8} "
                         f"{algo:>17} {b.predicted_s * 1e6:>9.0f} {win:>10} {need:>4} "
                         f"{len(b.segments):>4}  {layers}")
-        order = " ".join(f"{b}.{s}" for b, s in self.order[:40])
-        if len(self.order) > 40:
-            order += f" ... ({len(self.order)} in all)"
+        order = " ".join(f"{b}.{s}" for b, s in self.order[:40]) + (
+            f" ... ({len(self.order)} in all)" if len(self.order) > 40 else "")
         tail = f"\nissue order (bucket.segment): {order}"
         if self.notes:
             tail += "\nnotes: " + "; ".join(self.notes)
         return head + cols + "\n".join(rows) + tail + "\n" + COLUMNS
-
 
 
 def plan_from_dict(d: dict) -> Plan:
@@ -510,7 +505,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     if strategy == "hybrid" and 1 < topo.node_size < world_size:
         candidates.append("hierarchical")  # several nodes: reduce inside them first
     candidates = _with_ps(candidates, forced, servers, model, notes)
-    buckets = []
+    buckets, kept_ours = [], []  # (kept_ours: native predicted faster, within the fit's error)
     for i, group in enumerate(groups):
         params = [p for layer in group for p in layer.params]
         numel = sum(layer.numel for layer in group)
@@ -534,6 +529,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
                 if world_size <= 2 and not shard else candidates
             algorithm = model.choose(nbytes, world_size, window,
                                      pool or candidates or ["butterfly"], topo)
+            if model.native_was_faster(algorithm, pool, nbytes, world_size, topo):
+                kept_ours.append(i)
             if shard and algorithm == "halving_doubling" and model.predict(
                     algorithm, nbytes, world_size, topo) > (1 - SHARDED_HD_GAIN) * \
                     model.predict("ring", nbytes, world_size, topo):
@@ -591,6 +588,9 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     if comm_scale is not None and comm_scale != 1.0:
         notes.append(f"in the measured steps communication took {comm_scale:.2f}x the time the "
                      "cost model predicts: the issue order is timed with the measured speed")
+    if kept_ours:
+        notes.append(f"bucket(s) {kept_ours}: native predicted faster by less than the fit's "
+                     f"error ({model.fit_error:.0%}), so ours (strategy='native' forces it)")
     if defer_pays is False:
         notes.append("forward overlap cannot pay here: in the measured steps every bucket but "
                      "the one the next forward needs first was reduced before step(), so (in "
