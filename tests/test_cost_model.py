@@ -129,29 +129,31 @@ def test_native_is_fitted_offered_and_round_trips():
     assert m.choose(1 << 24, 4, candidates=("ring", "native")) == "native"
 
 
-def _level_with_native(native_gain: float, error=None) -> CostModel:
+def _level_with_native(native_gain: float, error=None, spread=None) -> CostModel:
     """A model whose native all-reduce of 1 MiB at P = 2 is ``native_gain`` faster
-    than the butterfly, with fit error ``error`` recorded as the probe records it."""
+    than the butterfly, with the fit's ``error`` and the samples' ``spread``
+    recorded as the probe records them."""
     ours = CostModel(1e-4, 1e-9, 1e-10)
     t = ours.predict("butterfly", 1 << 20, 2)
-    meta = {} if error is None else {"fit": {"rms_rel_err": error, "confidence": "medium"}}
-    return CostModel(1e-4, 1e-9, 1e-10, meta=meta, native_alpha=t * (1 - native_gain),
-                     native_beta=0.0)
+    fit = {k: v for k, v in (("rms_rel_err", error), ("spread", spread)) if v is not None}
+    return CostModel(1e-4, 1e-9, 1e-10, meta={"fit": fit} if fit else {},
+                     native_alpha=t * (1 - native_gain), native_beta=0.0)
 
 
-@pytest.mark.parametrize("gain,error,window,expected", [
-    (0.10, 0.25, None, "butterfly"),  # faster by less than the fit can tell: ours
-    (0.10, 0.25, 1.0, "butterfly"),  # (with a window both fit in)
-    (0.40, 0.25, None, "native"),  # faster by more than the fit's error
-    (0.10, None, None, "native"),  # no error recorded (a model built by hand): as predicted
-    (0.10, 0.0, None, "native"),
+@pytest.mark.parametrize("gain,error,spread,window,expected", [
+    (0.10, 0.25, None, None, "butterfly"),  # faster by less than the fit can tell: ours
+    (0.10, 0.25, None, 1.0, "butterfly"),  # (with a window both fit in)
+    (0.10, 0.05, 0.25, None, "butterfly"),  # a close fit of noisy samples: ours
+    (0.40, 0.25, 0.05, None, "native"),  # faster by more than either
+    (0.10, None, None, None, "native"),  # nothing recorded (a model built by hand): as predicted
+    (0.10, 0.0, 0.0, None, "native"),
 ])
-def test_native_wins_only_by_more_than_the_fit_error(gain, error, window, expected):
-    m = _level_with_native(gain, error)
-    assert m.fit_error == (error or 0.0)
+def test_native_wins_only_by_more_than_the_uncertainty(gain, error, spread, window, expected):
+    m = _level_with_native(gain, error, spread)
+    assert m.uncertainty == max(error or 0.0, spread or 0.0)
     assert m.choose(1 << 20, 2, window, candidates=("butterfly", "native")) == expected
-    # the error travels with a saved model (a calibration, the kept probe)
-    assert CostModel.from_json(json.loads(json.dumps(m.to_json()))).fit_error == m.fit_error
+    # it travels with a saved model (a calibration, the kept probe)
+    assert CostModel.from_json(json.loads(json.dumps(m.to_json()))).uncertainty == m.uncertainty
 
 
 def test_a_plan_says_when_it_kept_ours_over_a_native_predicted_faster():

@@ -178,9 +178,10 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 7, *,
     alone, then the butterfly, the ring and ``native`` at two sizes over
     ``group`` (in ``iters`` rounds of each once, after one to warm up; the
     median of each), alpha and beta fitted with gamma held, and rank 0's fit,
-    rounded, with its error (``meta["fit"]``, :attr:`CostModel.fit_error`), on
-    every rank. A collective: call it on every rank; 48 small all-reduces
-    (~0.07 s at two ranks over gloo on a small CPU machine).
+    rounded, with its error and its samples' spread (``meta["fit"]``,
+    :attr:`CostModel.uncertainty`), on every rank. A collective: call it on
+    every rank; 48 small all-reduces (~0.07 s at two ranks over gloo on a
+    small CPU machine).
 
     A fit that comes out degenerate (alpha or beta 0) is kept, logged, and
     marked; the planner then falls back to safe fusion (planner.py).
@@ -213,8 +214,9 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 7, *,
         model, report = fit(samples, gamma=gamma)
         model = rounded(model)
     meta = {"degenerate": bool(report and report.degenerate)}
-    if report is not None:  # (CostModel.fit_error; rounded, as the model is)
+    if report is not None:  # (CostModel.uncertainty; rounded, as the model is)
         meta["fit"] = {"rms_rel_err": float(f"{report.rms_rel_err:.2g}"),
+                       "spread": float(f"{_spread(times.values()):.2g}"),
                        "confidence": report.confidence}
     model = dataclasses.replace(model, source="probe at start-up", meta=meta)
     if report is not None and (report.degenerate or report.confidence == "low") \
@@ -225,6 +227,16 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 7, *,
                  ", a coefficient is 0" if report.degenerate else "")
     return control.broadcast_object(model, group=group, timeout=timeout,
                                     what="rank 0's start-up probe")
+
+
+def _spread(runs) -> float:
+    """The median over points of each point's interquartile range over its median:
+    how much the machine moves one measurement (the noise, not the fit's misfit)."""
+    def one(ts):
+        q1, _, q3 = statistics.quantiles(ts, n=4)
+        return (q3 - q1) / statistics.median(ts)
+    spreads = [one(ts) for ts in runs if len(ts) >= 2]
+    return statistics.median(spreads) if spreads else 0.0
 
 
 # ps is probed up to a typical bucket (4 MiB) too: its chunks are pipelined under

@@ -293,7 +293,7 @@ class CostModel:
         bandwidth to the other buckets), then the fastest; if none fits, the
         fastest. Ties go to the earlier name in :data:`MODELED`; ``native`` goes
         to the fastest of ours unless predicted faster than it by more than the
-        fit's error (:attr:`fit_error`).
+        model can resolve (:attr:`uncertainty`).
         """
         order = [a for a in sorted(candidates, key=ALL.index) if self.offers(a)]
         times = {a: self.predict(a, nbytes, world_size, topology) for a in order}
@@ -304,22 +304,26 @@ class CostModel:
             bytes_sent(a, nbytes, world_size, topology), times[a])), fits, times)
 
     @property
-    def fit_error(self) -> float:
-        """The rms relative error of the fit this model came from, where it records
-        one (the start-up probe, a saved calibration), else 0."""
-        return float((self.meta.get("fit") or {}).get("rms_rel_err") or 0.0)
+    def uncertainty(self) -> float:
+        """How far apart two of this model's predictions must be (relative) before it
+        can tell them apart: the larger of its fit's rms relative error and its
+        samples' spread (each point's interquartile range over its median, the
+        median over points), where it records them (the start-up probe; a saved
+        calibration records its error), else 0."""
+        fit = self.meta.get("fit") or {}
+        return float(max(fit.get("rms_rel_err") or 0.0, fit.get("spread") or 0.0))
 
     def native_was_faster(self, pick: str, candidates: Sequence[str], nbytes: int,
                           world_size: int, topology=None) -> bool:
         """Whether ``native``, among ``candidates``, was predicted faster than ``pick``
-        (one of ours, which :meth:`choose` kept: within the fit's error)."""
+        (one of ours, which :meth:`choose` kept: within :attr:`uncertainty`)."""
         return pick != NATIVE and NATIVE in candidates and self.offers(NATIVE) and \
             self.predict(NATIVE, nbytes, world_size, topology) < \
             self.predict(pick, nbytes, world_size, topology)
 
     def _ours_within_error(self, pick: str, among: Sequence[str], times: Dict[str, float]) -> str:
         """``native`` only where it is predicted faster than the fastest of ours by
-        more than :attr:`fit_error`: within it the fit cannot tell them apart,
+        more than :attr:`uncertainty`: within it the model cannot tell them apart,
         and which one a plan got would flip from probe to probe. Ours is kept:
         in a training step at P = 2 here it took 0.75 ms against native's 0.88
         where the probe, which times each alone, found them level
@@ -328,7 +332,7 @@ class CostModel:
         if pick != NATIVE or not ours:
             return pick
         best = min(ours, key=lambda a: times[a])
-        return best if times[best] <= times[NATIVE] * (1 + self.fit_error) else pick
+        return best if times[best] <= times[NATIVE] * (1 + self.uncertainty) else pick
 
     def with_latency(self, seconds: float) -> "CostModel":
         """This model with ``seconds`` more per message (an emulated slower network;

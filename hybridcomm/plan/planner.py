@@ -35,7 +35,7 @@ when its gradient is ready, and the order the next forward needs the layers.
   the fastest. Small buckets with short windows get the butterfly, large
   ones with long windows a ring (hybridcomm's, or ``native``, the process
   group's own in C++, where the measured model predicts it faster by more
-  than its fit's error); on several nodes, hierarchical too. ``"auto"``: all
+  than its uncertainty); on several nodes, hierarchical too. ``"auto"``: all
   compete. With ``servers`` (the job's summation servers, ps.py), ``ps``
   competes too, where the model has a line for that many servers. ``strategy`` naming an algorithm, or
   ``HYBRIDCOMM_ALGO``, forces it for every bucket (``ps`` needs servers).
@@ -589,8 +589,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         notes.append(f"in the measured steps communication took {comm_scale:.2f}x the time the "
                      "cost model predicts: the issue order is timed with the measured speed")
     if kept_ours:
-        notes.append(f"bucket(s) {kept_ours}: native predicted faster by less than the fit's "
-                     f"error ({model.fit_error:.0%}), so ours (strategy='native' forces it)")
+        notes.append(f"bucket(s) {kept_ours}: native predicted faster by less than the model's "
+                     f"uncertainty ({model.uncertainty:.0%}), so ours (strategy='native' forces it)")
     if defer_pays is False:
         notes.append("forward overlap cannot pay here: in the measured steps every bucket but "
                      "the one the next forward needs first was reduced before step(), so (in "
