@@ -36,9 +36,9 @@ when its gradient is ready, and the order the next forward needs the layers.
   ones with long windows a ring (hybridcomm's, or ``native``, the process
   group's own in C++, where the measured model predicts it faster by more
   than its uncertainty); on several nodes, hierarchical too. ``"auto"``: all
-  compete. With ``servers`` (the job's summation servers, ps.py), ``ps``
-  competes too, where the model has a line for that many servers. ``strategy`` naming an algorithm, or
-  ``HYBRIDCOMM_ALGO``, forces it for every bucket (``ps`` needs servers).
+  compete; with ``servers`` (summation servers, ps.py) ``ps`` too, where the
+  model has its line. ``strategy`` naming an algorithm, or ``HYBRIDCOMM_ALGO``,
+  forces it for every bucket (``ps`` needs servers).
 - **Low rank** (``compression="powersgd:RANK[:START]"``): a bucket is
   compressed (compressor ``powersgd``, comm/powersgd.py) where its two
   messages, the low-rank factors (with its 1-D gradients and flags whole) and
@@ -505,7 +505,7 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
     if strategy == "hybrid" and 1 < topo.node_size < world_size:
         candidates.append("hierarchical")  # several nodes: reduce inside them first
     candidates = _with_ps(candidates, forced, servers, model, notes)
-    buckets, kept_ours = [], []  # (kept_ours: native predicted faster, within the fit's error)
+    buckets, kept_ours = [], []  # (kept_ours: native predicted faster, within uncertainty)
     for i, group in enumerate(groups):
         params = [p for layer in group for p in layer.params]
         numel = sum(layer.numel for layer in group)
@@ -589,8 +589,8 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         notes.append(f"in the measured steps communication took {comm_scale:.2f}x the time the "
                      "cost model predicts: the issue order is timed with the measured speed")
     if kept_ours:
-        notes.append(f"bucket(s) {kept_ours}: native predicted faster by less than the model's "
-                     f"uncertainty ({model.uncertainty:.0%}), so ours (strategy='native' forces it)")
+        notes.append(f"bucket(s) {kept_ours}: native predicted faster by less than its "
+                     f"uncertainty ({model.uncertainty:.0%}): ours (strategy='native' forces it)")
     if defer_pays is False:
         notes.append("forward overlap cannot pay here: in the measured steps every bucket but "
                      "the one the next forward needs first was reduced before step(), so (in "
