@@ -118,6 +118,32 @@ def test_a_calibration_for_this_world_is_used(tmp_path):
         assert "model.json" in source and not warnings
 
 
+def _agree_over_an_old_cache(rank, world, tmp):
+    """A job whose kept probe an older release wrote: no uncertainty in it."""
+    os.environ.pop("HYBRIDCOMM_COST_MODEL", None)
+    os.environ["XDG_CACHE_HOME"] = tmp
+    os.environ["HYBRIDCOMM_PROBE_CACHE"] = "1"
+    import torch.distributed as dist  # noqa: F401 - (the group is up: run_ranks)
+
+    path = calibration.probe_cache_path()
+    if rank == 0:
+        calibration.save(CostModel(3e-3, 2e-9, 1e-10, native_alpha=1e-6, native_beta=1e-12),
+                         path, world_size=2, device="cpu", backend="gloo")
+    calibration.set_active(None)
+    model = calibration.agree(timeout=60)
+    # (rank 0 keeps the new probe once it is agreed: read there, after)
+    kept = json.loads(open(path).read()).get("fit") if rank == 0 else None
+    return model.source, model.uncertainty, kept
+
+
+def test_a_probe_an_older_release_kept_is_probed_again_and_replaced(tmp_path):
+    results = run_ranks(2, _agree_over_an_old_cache, str(tmp_path))
+    for source, uncertainty, _ in results:
+        assert source.startswith("probe at start-up") and uncertainty > 0
+    kept = results[0][2]
+    assert kept is not None and kept["rms_rel_err"] >= 0  # the new probe replaced it
+
+
 def _agree_twice_with_the_cache(rank, world, tmp):
     """Two runs of one job in a fresh cache directory, no calibration saved."""
     os.environ.pop("HYBRIDCOMM_COST_MODEL", None)

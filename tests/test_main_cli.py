@@ -129,6 +129,11 @@ def test_without_a_calibration_plan_uses_the_probe_a_job_of_that_size_kept(tmp_p
     variables = {"HYBRIDCOMM_COST_MODEL": str(tmp_path / "cost_model.json")}  # absent
     _, out, _ = _main(monkeypatch, capsys, "plan", "--layers", "conv:1728,fc:1M", "--world", "4",
                       env_vars=variables)
+    assert "# cost model: built-in defaults" in out  # kept without its uncertainty: a job reprobes
+    save(CostModel(1e-4, 1e-8, 1e-10, meta={"fit": {"rms_rel_err": 0.1, "spread": 0.2}}),
+         str(probe), world_size=4, device="cpu")
+    _, out, _ = _main(monkeypatch, capsys, "plan", "--layers", "conv:1728,fc:1M", "--world", "4",
+                      env_vars=variables)
     assert f"# cost model: probe saved at {probe}" in out
     _, out, _ = _main(monkeypatch, capsys, "plan", "--layers", "conv:1728,fc:1M", "--world", "8",
                       env_vars=variables)

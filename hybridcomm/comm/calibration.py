@@ -12,7 +12,8 @@
   and fits alpha and beta with gamma held (cost_model.fit).
 * The first probe of a job is kept (``probe-<world>-<backend>-<device>-...json``
   beside the calibration file's place; ``HYBRIDCOMM_PROBE_CACHE=0``: not) and
-  later runs of the same job use it, so their plans repeat.
+  later runs of the same job use it, so their plans repeat (one kept without
+  its uncertainty, by an older release, is probed again and replaced).
 * With summation servers (ps.py), :func:`with_ps` times ``ps`` at the probe's
   sizes and adds its line, where the agreed model has none for that many
   servers.
@@ -118,6 +119,10 @@ def _load_probe_cache(path: str, group) -> Optional[CostModel]:
         return None
     if model is None or _not_for_this_job(model, group):
         return None
+    if "fit" not in model.meta:  # kept before probes recorded their uncertainty
+        log.info("hybridcomm: the start-up probe kept at %s does not say how far it can be "
+                 "trusted (an older hybridcomm kept it); probing again", path)
+        return None
     log.info("hybridcomm: using the start-up probe an earlier run of this job saved (%s), so "
              "the plan is the same from run to run; `hybridcomm-bench --calibrate` measures "
              "properly", path)
@@ -213,11 +218,10 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 7, *,
                    for algo, nbytes in points]
         model, report = fit(samples, gamma=gamma)
         model = rounded(model)
-    meta = {"degenerate": bool(report and report.degenerate)}
-    if report is not None:  # (CostModel.uncertainty; rounded, as the model is)
-        meta["fit"] = {"rms_rel_err": float(f"{report.rms_rel_err:.2g}"),
-                       "spread": float(f"{_spread(times.values()):.2g}"),
-                       "confidence": report.confidence}
+    # (CostModel.uncertainty, rounded as the model is; one rank: nothing measured)
+    meta = {"degenerate": bool(report and report.degenerate), "fit": {} if report is None else {
+        "rms_rel_err": float(f"{report.rms_rel_err:.2g}"),
+        "spread": float(f"{_spread(times.values()):.2g}"), "confidence": report.confidence}}
     model = dataclasses.replace(model, source="probe at start-up", meta=meta)
     if report is not None and (report.degenerate or report.confidence == "low") \
             and dist.get_rank(group) == 0:  # rank 0's fit is everyone's: say it once

@@ -143,7 +143,7 @@ def _saved_probe(world: int):
             model = auto_model.load(path)
         except ValueError:
             continue
-        if model is not None:
+        if model is not None and "fit" in model.meta:  # (else a job probes again: calibration)
             return dataclasses.replace(model, source=f"probe saved at {path}")
     return None
 
