@@ -15,7 +15,8 @@ median over steps of:
 - ``post`` / ``wait`` / ``add`` / ``rest``: posting, waiting, the add and
   scale (``kernels.reduce``), and the rest, on the rank that entered last (a
   ``native`` bucket's call is all ``rest``: gloo's own all-reduce);
-- ``early wait``: the earlier rank's wait (the skew plus ``after``, spent idle);
+- ``early wait`` / ``early post`` / ``early add``: the earlier rank's (its
+  wait is the skew plus most of ``after``, spent idle);
 - ``lead in`` / ``lead out``: from the start of the phase the reduction runs in
   (backward or step) to its entry, and from its exit to the phase's end (both
   ranks' steps).
@@ -114,7 +115,7 @@ def summarize(ranks) -> dict:
     for config in CONFIGS:
         per = [r["steps"][config] for r in ranks]
         rows = {k: [] for k in ("fwd", "bwd", "step", "skew", "after", "post", "wait", "add", "rest",
-                                "early wait", "lead in", "lead out")}
+                                "early wait", "early post", "early add", "lead in", "lead out")}
         for s0, s1 in zip(*per):
             for i, k in enumerate(("fwd", "bwd", "step")):
                 rows[k].append(max(s["t"][i + 1] - s["t"][i] for s in (s0, s1)))
@@ -128,6 +129,8 @@ def summarize(ranks) -> dict:
                 rows["rest"].append(late["leave"] - late["enter"] - late["post"] - late["wait"]
                                     - late["add"])
                 rows["early wait"].append(early["wait"])
+                rows["early post"].append(early["post"])
+                rows["early add"].append(early["add"])
                 for s, op in ((s0, a), (s1, b)):  # the phase the reduction runs in
                     t = s["t"]
                     i = 1 if op["enter"] < t[2] else 2
