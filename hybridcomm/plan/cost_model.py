@@ -328,7 +328,7 @@ class CostModel:
         more than :attr:`uncertainty`: within it the model cannot tell them apart,
         and which one a plan got would flip from probe to probe. Ours is kept:
         in a training step at P = 2 over gloo here, a 0.71 MB bucket's took
-        0.80-0.89 ms against native's 0.95-1.01, where the probe, which times
+        0.82-0.83 ms against native's 1.01-1.23, where the probe, which times
         each alone, found them level (benchmarks/results/synchronizer/timeline/)."""
         ours = [a for a in among if a not in (NATIVE, PS)]
         if pick != NATIVE or not ours:
