@@ -3,10 +3,11 @@
 Each rank steps each config (sync_overhead.py's models, loop and shared probe)
 and records, per step, on ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for
 both processes of this machine): the step's phases, and for each host-path
-reduction (``executor._execute_on_host``, or ``execute_native`` for a ``native`` bucket) when it was entered and left, how
-long posting its sends and receives took (``TorchDistTransport.exchange``) and
-how long it waited for them (``TorchDistPending.wait``). Then, per config, the
-median over steps of:
+reduction (``executor._execute_on_host``, or ``execute_native`` for a
+``native`` bucket) when it was entered and left, how long posting its sends
+and receives took (``TorchDistTransport.exchange``), how long it waited for
+them (``TorchDistPending.wait``) and how long its add took. Then, per config,
+the median over steps of:
 
 - ``fwd`` / ``bwd`` / ``step``: the phases (the larger rank's);
 - ``skew``: how much later the later rank entered the reduction;
@@ -41,14 +42,14 @@ class _Recorder:
     """The times of the host-path reductions of one step (patched in by ``install``)."""
 
     def __init__(self):
-        self.ops = []  # per reduction: {enter, leave, post, wait}
+        self.ops = []  # per reduction: {enter, leave, post, wait, add}
 
     def install(self) -> None:
         from hybridcomm.comm import executor
         from hybridcomm.comm.transport import torch_dist
 
-        run, exchange, wait, add = (executor._execute_on_host, torch_dist.TorchDistTransport.exchange,
-                                    torch_dist.TorchDistPending.wait, executor.reduce)
+        run, exchange = executor._execute_on_host, torch_dist.TorchDistTransport.exchange
+        wait, add = torch_dist.TorchDistPending.wait, executor.reduce
         rec = self
 
         def entered(fn):
