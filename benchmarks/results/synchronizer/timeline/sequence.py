@@ -7,8 +7,9 @@ exchanges at P = 2) it shows where this machine's multi-ms stalls sit in a
 training step: in the second exchange's post (``TorchDistTransport.exchange``,
 gloo's send), 1-3 ms now and then, while the peer waits. The same ring timed
 alone, between barriers, took 0.56-0.61 ms at the median with one process
-group or with each direction on a group of its own (p90 0.6-3.7 ms), so the
-stall comes with the training step's load on 2 cores, not with the pattern.
+group or with each direction on a group of its own (``duplex.py``; p90
+0.7-3.9 ms), so the stall comes with the training step's load on 2 cores, not
+with the pattern.
 
     HYBRIDCOMM_ALGO=ring python benchmarks/results/synchronizer/timeline/sequence.py
 """
