@@ -30,7 +30,9 @@ def test_host_channel_runs_in_submission_order_and_reports_failures():
 
 def test_host_channel_wait_honours_the_timeout():
     ch = HostChannel(timeout=0.3)
-    t = ch.submit(lambda: time.sleep(2), "slow")
+    started = threading.Event()
+    t = ch.submit(lambda: (started.set(), time.sleep(2)), "slow")
+    assert started.wait(5)  # (running on the channel's thread, so the wait cannot take it)
     t0 = time.monotonic()
     with pytest.raises(HybridCommTimeout, match="bucket 3 not reduced within 0.3s"):
         ch.wait(t, "bucket 3")
@@ -53,6 +55,40 @@ def test_an_operation_waited_for_at_once_runs_in_its_caller_after_what_came_befo
     ch = HostChannel(timeout=5)
     ch.wait(ch.submit(lambda: ran.append(threading.current_thread()), "op", here=True), "op")
     assert ran[3] is not threading.current_thread()
+    ch.close()
+
+
+class _LateWorker(HostChannel):
+    """A channel whose thread wakes late (as it may on a busy machine)."""
+
+    def _run(self):
+        time.sleep(0.5)
+        super()._run()
+
+
+def test_a_wait_runs_an_operation_the_channel_has_not_started_in_its_caller(monkeypatch):
+    ch = _LateWorker(timeout=5)
+    ran = []
+    first = ch.submit(lambda: ran.append(("first", threading.current_thread())), "op 0")
+    second = ch.submit(lambda: ran.append(("second", threading.current_thread())), "op 1")
+    t0 = time.monotonic()
+    ch.wait(second, "bucket 1")  # both not started: this thread runs them, in order
+    assert time.monotonic() - t0 < 0.4 and ch.done(first)
+    assert ran == [("first", threading.current_thread()), ("second", threading.current_thread())]
+    bad = ch.submit(lambda: 1 / 0, "the bad op")
+    with pytest.raises(HybridCommError, match="failed at the bad op.*division by zero"):
+        ch.wait(bad, "bucket 2")  # run here, and failing as on the channel's thread
+    ch.close()
+    ch, notes = _LateWorker(timeout=5), []  # watched as a wait would be: once
+    slow = ch.submit(lambda: time.sleep(0.8), "slow op")
+    ch.wait(slow, "bucket 3", on_slow=lambda: notes.append(threading.current_thread()),
+            slow_after=0.1)
+    assert len(notes) == 1 and notes[0] is not threading.current_thread()
+    ch.close()
+    monkeypatch.setenv("HYBRIDCOMM_HOST_HERE", "0")  # off: the channel's thread runs it
+    ch = _LateWorker(timeout=5)
+    ch.wait(ch.submit(lambda: ran.append(("off", threading.current_thread())), "op"), "op")
+    assert ran[-1][1] is not threading.current_thread()
     ch.close()
 
 

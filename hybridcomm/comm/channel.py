@@ -179,9 +179,11 @@ class HostChannel:  # host path
     submitted before it is done, so the order holds: two thread hand-offs and
     the worker's fight for the GIL with a trainer running torch ops cost more
     than the operation on 2 ranks sharing 2 cores (docs/PERFORMANCE.md).
-    ``HYBRIDCOMM_HOST_HERE=0`` sends every operation to the worker. Meanwhile
-    the idle worker keeps the wait's watch: past ``slow_after`` it calls
-    ``on_slow()`` once, as a waiting trainer would.
+    So does an operation the worker has not started when its caller waits for
+    it (forward mode's, at the next forward's first read). Meanwhile the idle
+    worker keeps the wait's watch: past ``slow_after`` it calls ``on_slow()``
+    once, as a waiting trainer would. ``HYBRIDCOMM_HOST_HERE=0`` sends every
+    operation to the worker.
 
     Example::
 
@@ -201,6 +203,7 @@ class HostChannel:  # host path
         self._cv = threading.Condition()
         self._queue: deque = deque()
         self._submitted = self._completed = 0
+        self._running = False  # an operation is running (in the worker or a caller)
         self._error: Optional[BaseException] = None
         self._failed_what = ""
         self._closed = False
@@ -237,24 +240,30 @@ class HostChannel:  # host path
             if self._inline:
                 self._run_next()
             elif here and self._completed == self._submitted - 1:  # (else: another thread's)
-                self._here = [time.perf_counter(), on_slow, slow_after]
-                self._here_note = None
-                if on_slow is not None and self._watch_s is None:
-                    # From now on the idle worker looks this often (no wake-up per operation:
-                    # a thread woken beside the trainer costs what running here saves)
-                    self._watch_s = max(slow_after / 4, 1e-3)
-                    self._cv.notify_all()
-                try:
-                    self._run_next()
-                finally:
-                    self._here = None
-                    if self._error is None:  # (kept for a failure's message only)
-                        self._here_note = None
-                    if self._queue:  # (submitted meanwhile by another thread)
-                        self._cv.notify_all()
+                self._run_here(on_slow, slow_after)
             else:
                 self._cv.notify_all()
             return self._submitted
+
+    def _run_here(self, on_slow, slow_after: float) -> list:
+        """Run the next queued operation in the calling thread (lock held), watched by
+        the idle worker; what it watched with (its ``on_slow`` is None once called)."""
+        here = self._here = [time.perf_counter(), on_slow, slow_after]
+        self._here_note = None
+        if on_slow is not None and self._watch_s is None:
+            # From now on the idle worker looks this often (no wake-up per operation:
+            # a thread woken beside the trainer costs what running here saves)
+            self._watch_s = max(slow_after / 4, 1e-3)
+            self._cv.notify_all()
+        try:
+            self._run_next()
+        finally:
+            self._here = None
+            if self._error is None:  # (kept for a failure's message only)
+                self._here_note = None
+            if self._queue:  # (submitted meanwhile by another thread)
+                self._cv.notify_all()
+        return here
 
     def done(self, ticket: int) -> bool:
         with self._cv:
@@ -291,6 +300,13 @@ class HostChannel:  # host path
         note = None
         with self._cv:
             while self._completed < ticket:
+                if self._queue and self._queue[0][0] <= ticket and not self._running \
+                        and self._here is None and self._here_ok and not self._inline:
+                    # Not started yet, and this thread waits for it: run it here (the
+                    # worker's wake-up, and then this thread's, would cost more)
+                    if self._run_here(on_slow, slow_after)[1] is None:
+                        on_slow = None  # (the worker's watch called it)
+                    continue
                 if on_slow is not None and time.perf_counter() - t0 > slow_after:
                     self._cv.release()
                     try:
@@ -354,12 +370,14 @@ class HostChannel:  # host path
     def _run_next(self) -> None:
         """Run the next queued operation (caller holds the lock, released while it runs)."""
         ticket, fn, what, key = self._queue.popleft()
+        self._running = True
         self._cv.release()
         t0 = time.perf_counter()
         try:
             fn()
         except BaseException as e:  # surfaced to the trainer on its next wait
             self._cv.acquire()
+            self._running = False
             self._error, self._failed_what = e, what
             self._queue.clear()
             self._closed = True
@@ -368,6 +386,7 @@ class HostChannel:  # host path
         t1 = time.perf_counter()
         self.timeline.add(what, "comm/channel", t0, t1)
         self._cv.acquire()
+        self._running = False
         self._busy_s += t1 - t0
         if key is not None:
             self._ops.append((key, t1 - t0))

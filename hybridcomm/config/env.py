@@ -110,8 +110,9 @@ VARIABLES = {v.name: v for v in (
     Variable("HYBRIDCOMM_HOST_HERE", parse_bool, True,
              "host path (gloo): an operation the trainer waits for at once (the step's "
              "last launch where nothing is left to overlap it with) runs in the trainer's "
-             "thread, after what came before it (off: every operation on the channel's "
-             "thread)"),
+             "thread, after what came before it, and so does one the channel's thread has "
+             "not started when the trainer waits for it (off: every operation on the "
+             "channel's thread)"),
     Variable("HYBRIDCOMM_LEAN_HOOKS", parse_bool, True,
              "in a steady step, the post-accumulate hook only on the parameter that completes "
              "each bucket (off: on every parameter in every step)"),
