@@ -199,17 +199,22 @@ class _Run:
             self.opt = hybridcomm.DistributedOptimizer(self.opt, model=model, **options)
         self.rounds = []  # per timed round: {phase: [seconds per step]}
 
+    def step(self) -> tuple:
+        """One step; ``time.perf_counter()`` at its start, after forward (with
+        ``zero_grad``), after backward and after ``step()``."""
+        t0 = time.perf_counter()
+        self.opt.zero_grad(**self.zero)
+        loss = self.model(self.x).square().mean()
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        self.opt.step()
+        return t0, t1, t2, time.perf_counter()
+
     def steps(self, n: int, keep: bool) -> None:
         times = {phase: [] for phase in PHASES}
         for _ in range(n):
-            t0 = time.perf_counter()
-            self.opt.zero_grad(**self.zero)
-            loss = self.model(self.x).square().mean()
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-            self.opt.step()
-            t3 = time.perf_counter()
+            t0, t1, t2, t3 = self.step()
             for phase, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
                 times[phase].append(dt)
         if keep:

@@ -61,14 +61,7 @@ def _rank(rank, world, args):  # launch()'s function: module level
     for _ in range(20):
         for run in runs:
             for _ in range(10):
-                t0 = time.perf_counter()
-                run.opt.zero_grad(**run.zero)
-                loss = run.model(run.x).square().mean()
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                run.opt.step()
-                steps[run.config].append((t0, t1, t2, time.perf_counter()))
+                steps[run.config].append(run.step())
     for run in runs:
         run.close()
     return steps, events

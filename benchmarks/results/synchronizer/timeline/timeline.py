@@ -92,15 +92,7 @@ def _rank(rank, world, args):  # launch()'s function: module level
         for run in runs:
             for _ in range(args.steps):
                 rec.ops = []
-                t0 = time.perf_counter()
-                run.opt.zero_grad(**run.zero)
-                loss = run.model(run.x).square().mean()
-                t1 = time.perf_counter()
-                loss.backward()
-                t2 = time.perf_counter()
-                run.opt.step()
-                t3 = time.perf_counter()
-                steps[run.config].append({"t": (t0, t1, t2, t3), "ops": rec.ops})
+                steps[run.config].append({"t": run.step(), "ops": rec.ops})
     for run in runs:
         run.close()
     return {"steps": steps}
