@@ -341,13 +341,11 @@ def test_step_with_a_closure_defers_in_forward_mode(clip):
         assert torch.allclose(got, ref, **TOL), (got - ref).abs().max()
 
 
-def _comm_threads(rank, world, overlap, fusion_bytes, defer_always, here="1"):
+def _comm_threads(rank, world, overlap, fusion_bytes, here="1"):
     """Which thread ran each bucket's reduction, per step (the trace's spans): the host
     path's channel, also in the simulated-GPU run of this file."""
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "0"  # (this rank's process only)
     os.environ["HYBRIDCOMM_HOST_HERE"] = here
-    if defer_always:
-        os.environ["HYBRIDCOMM_DEFER"] = "always"  # (this rank's process only)
     model = make_model()
     opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                           model=model, overlap=overlap, trace=True, timeout=60,
@@ -366,30 +364,30 @@ def _comm_threads(rank, world, overlap, fusion_bytes, defer_always, here="1"):
     return n, [[e["tid"] for e in spans[i:i + n]] for i in range(0, len(spans), n)]
 
 
-@pytest.mark.parametrize("overlap,fusion_bytes,defer_always", [
-    ("backward", 1 << 30, False), ("backward", 1, False), ("none", 1, False),
-    ("forward", 1 << 30, True)])
+@pytest.mark.parametrize("overlap,fusion_bytes", [
+    ("backward", 1 << 30), ("backward", 1), ("none", 1)])
 def test_a_reduction_the_step_waits_for_at_once_runs_in_the_trainers_thread(
-        overlap, fusion_bytes, defer_always):
+        overlap, fusion_bytes):
     """On the host path an operation the trainer waits for next, with nothing to
     overlap it with, runs in the trainer's thread: the last of a backward-mode
     round, every one of none mode's (all in step()). The first ones of a round
-    and forward mode's (which run on into the next forward) go to the channel's
-    thread, and run there unless the trainer comes to wait for one the thread
-    has not started (then the trainer runs it: tests/test_engine.py). With
+    (and forward mode's, which run on into the next forward) go to the
+    channel's thread, and run there unless the trainer comes to wait for one
+    the thread has not started (then the trainer runs it, which only timing
+    decides: tests/test_engine.py makes it certain). With
     ``HYBRIDCOMM_HOST_HERE=0`` the channel's thread runs them all."""
-    n, steps = run_ranks(2, _comm_threads, overlap, fusion_bytes, defer_always)[0]
+    n, steps = run_ranks(2, _comm_threads, overlap, fusion_bytes)[0]
     assert len(steps) == 3 and all(len(s) == n for s in steps)
     assert (n == 1) == (fusion_bytes > 1)
     for threads in steps:
-        assert set(threads) <= {"MainThread", "hybridcomm-channel"}, threads
-        if overlap != "forward":
-            assert threads[-1] == "MainThread", threads
+        assert threads[-1] == "MainThread", threads
+        if overlap == "none" or n == 1:
+            assert set(threads) == {"MainThread"}, threads
 
 
 def test_with_host_here_off_the_channels_thread_runs_every_reduction():
     for overlap, fusion_bytes in (("backward", 1), ("none", 1 << 30)):
-        n, steps = run_ranks(2, _comm_threads, overlap, fusion_bytes, False, "0")[0]
+        n, steps = run_ranks(2, _comm_threads, overlap, fusion_bytes, "0")[0]
         assert all(set(threads) == {"hybridcomm-channel"} for threads in steps), steps
 
 
