@@ -143,6 +143,17 @@ def main(argv=None):
     return 0
 
 
+def close() -> None:
+    """Tear the process group down once every rank is done. Lightning leaves it up,
+    and a process that exits with gloo's threads still running may abort
+    ("terminate called without an active exception") or hang in its exit."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    raise SystemExit(main())
+    code = main()
+    close()
+    raise SystemExit(code)

@@ -19,3 +19,4 @@ if __name__ == "__main__":
     for name, argv in json.loads(sys.argv[1]):
         print(f"[lightning_runs] {name}", flush=True)
         lightning_train.main(argv)
+    lightning_train.close()
