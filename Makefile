@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hybridcomm-setup
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup test demo bench profile gpu-check gpu-bench mutation clean
+.PHONY: setup lint format test demo bench profile gpu-check gpu-bench mutation clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile
@@ -50,7 +50,17 @@ COVRC := --rcfile=tests/coverage_gpu_path.rc
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-test: setup
+# The formatter decides layout and the linter catches unused or undefined names
+# (pyproject.toml's [tool.ruff]); `make format` applies both.
+lint: setup
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+test: lint
 	$(PY) -m pytest -q --doctest-modules hybridcomm kernels
 	$(PY) -m pytest -q $(XDIST) tests --ignore=tests/test_gpu_path.py --ignore=tests/test_simgpu.py \
 	    --ignore=tests/test_forward_mode.py --ignore=tests/test_compression.py \

@@ -1,4 +1,5 @@
 """A shim for tools that still call setup.py; the metadata is in pyproject.toml."""
+
 from setuptools import setup
 
 setup()

@@ -14,6 +14,7 @@ process group is killed). After each run, a process still running with that
 run's checkpoint directory counts as stray. The last line reads
 `N of N resumed with bitwise-equal final parameters, 0 hung, 0 stray`.
 """
+
 import argparse
 import os
 import random
@@ -39,15 +40,37 @@ EVERY = 5
 
 def run(ckpt_dir, mode_args, crash=None, limit=300.0):
     """(digest or None, output, seconds, hung)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "2", TRAIN, "--epochs", "1", "--checkpoint-dir", ckpt_dir,
-           "--checkpoint-every", str(EVERY), *mode_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        TRAIN,
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        ckpt_dir,
+        "--checkpoint-every",
+        str(EVERY),
+        *mode_args,
+    ]
     if crash is not None:
         cmd += ["--crash-rank", str(crash[0]), "--crash-at-step", str(crash[1])]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
     hung = False
     try:
         out, _ = proc.communicate(timeout=limit)
@@ -75,15 +98,17 @@ def main(argv=None) -> int:
     ok = hung = strays = 0
     with tempfile.TemporaryDirectory(prefix="hybridcomm-chaos-") as tmp:
         reference = {}
-        for name in names[:min(args.kills, len(names))]:
+        for name in names[: min(args.kills, len(names))]:
             digest, out, secs, _ = run(os.path.join(tmp, f"ref-{name}"), MODES[name])
             if digest is None:
                 print(out[-3000:])
                 raise SystemExit(f"the uninterrupted {name} run failed")
             reference[name] = digest
             print(f"reference {name:9s} {digest}  ({secs:.0f} s)", flush=True)
-        print(f"{'kill':>4} {'mode':9s} {'rank':>4} {'step':>4} {'resumed from':>12} "
-              f"{'digest':16s} {'equal':>5} {'s':>4} {'stray':>5}")
+        print(
+            f"{'kill':>4} {'mode':9s} {'rank':>4} {'step':>4} {'resumed from':>12} "
+            f"{'digest':16s} {'equal':>5} {'s':>4} {'stray':>5}"
+        )
         for i in range(args.kills):
             name = names[i % len(names)]
             rank, step = rng.randrange(2), rng.randrange(1, STEPS)
@@ -96,13 +121,18 @@ def main(argv=None) -> int:
             ok += equal
             hung += was_hung
             strays += left > 0
-            print(f"{i:>4} {name:9s} {rank:>4} {step:>4} "
-                  f"{resumed.group(1) if resumed else '-':>12} {digest or '-':16s} "
-                  f"{'yes' if equal else 'NO':>5} {secs:>4.0f} {left:>5}", flush=True)
+            print(
+                f"{i:>4} {name:9s} {rank:>4} {step:>4} "
+                f"{resumed.group(1) if resumed else '-':>12} {digest or '-':16s} "
+                f"{'yes' if equal else 'NO':>5} {secs:>4.0f} {left:>5}",
+                flush=True,
+            )
             if not equal:
                 print(out[-2000:])
-    print(f"{ok} of {args.kills} resumed with bitwise-equal final parameters, {hung} hung, "
-          f"{strays} stray")
+    print(
+        f"{ok} of {args.kills} resumed with bitwise-equal final parameters, {hung} hung, "
+        f"{strays} stray"
+    )
     return 0 if ok == args.kills and not hung and not strays else 1
 
 

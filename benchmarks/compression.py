@@ -46,6 +46,7 @@ runs on loopback. The JSON holds one row per (config, seed): ``config``, ``seed`
 ``steps_to_target``, ``seconds_to_target`` (null if not reached), ``final_accuracy``,
 ``seconds``, ``bytes_sent`` and the accuracy curve.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,11 +67,26 @@ sys.path.insert(0, ROOT)
 
 WORLD = 4
 PER_RANK = 32
-DDP_CONFIGS = ("ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r2",
-               "ddp-powersgd-r4", "ddp-powersgd-r4-fp16")
-HYBRID_CONFIGS = ("hybrid", "hybrid-fp16", "hybrid-bf16", "hybrid-topk-0.01",
-                  "hybrid-topk-0.1", "hybrid-powersgd-r1", "hybrid-powersgd-r2",
-                  "hybrid-powersgd-r4", "hybrid-powersgd-r4-fp16")
+DDP_CONFIGS = (
+    "ddp",
+    "ddp-fp16",
+    "ddp-bf16",
+    "ddp-powersgd-r1",
+    "ddp-powersgd-r2",
+    "ddp-powersgd-r4",
+    "ddp-powersgd-r4-fp16",
+)
+HYBRID_CONFIGS = (
+    "hybrid",
+    "hybrid-fp16",
+    "hybrid-bf16",
+    "hybrid-topk-0.01",
+    "hybrid-topk-0.1",
+    "hybrid-powersgd-r1",
+    "hybrid-powersgd-r2",
+    "hybrid-powersgd-r4",
+    "hybrid-powersgd-r4-fp16",
+)
 # DDP's hooks issue 30 names as the goal's baseline (ddp-powersgd-r4-fp16, DDP's own
 # fp16 wrapper around PowerSGD, is measured too and named in the report when fastest)
 ISSUE_HOOKS = ("ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r2", "ddp-powersgd-r4")
@@ -157,11 +173,13 @@ def _wrap(config: str, model: nn.Module, opt, total_steps: int):
         if config.startswith("hybrid-topk-"):
             compression = "topk:" + config.rsplit("-", 1)[-1]
         elif config.startswith("hybrid-powersgd-r"):  # exact first steps as DDP's below
-            rank, _, wire = config[len("hybrid-powersgd-r"):].partition("-")
-            compression = f"powersgd:{rank}:{dense_steps(total_steps)}" + \
-                (f"+{wire}" if wire else "")
-        return model, hybridcomm.DistributedOptimizer(opt, model=model, compression=compression,
-                                                      timeout=120, **options)
+            rank, _, wire = config[len("hybrid-powersgd-r") :].partition("-")
+            compression = f"powersgd:{rank}:{dense_steps(total_steps)}" + (
+                f"+{wire}" if wire else ""
+            )
+        return model, hybridcomm.DistributedOptimizer(
+            opt, model=model, compression=compression, timeout=120, **options
+        )
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     # PowerSGD's hook chains all-reduces in future callbacks: over gloo two buckets'
@@ -170,14 +188,19 @@ def _wrap(config: str, model: nn.Module, opt, total_steps: int):
     one_bucket = config.startswith("ddp-powersgd")
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=64 if one_bucket else 25)
     if config in ("ddp-fp16", "ddp-bf16"):
-        hook = default_hooks.fp16_compress_hook if config == "ddp-fp16" \
+        hook = (
+            default_hooks.fp16_compress_hook
+            if config == "ddp-fp16"
             else default_hooks.bf16_compress_hook
+        )
         ddp.register_comm_hook(None, hook)
     elif config.startswith("ddp-powersgd-r"):
-        rank, _, wire = config[len("ddp-powersgd-r"):].partition("-")
+        rank, _, wire = config[len("ddp-powersgd-r") :].partition("-")
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=int(rank),
-            start_powerSGD_iter=dense_steps(total_steps))
+            process_group=None,
+            matrix_approximation_rank=int(rank),
+            start_powerSGD_iter=dense_steps(total_steps),
+        )
         hook = powerSGD_hook.powerSGD_hook
         ddp.register_comm_hook(state, default_hooks.fp16_compress_wrapper(hook) if wire else hook)
     return ddp, opt
@@ -197,7 +220,7 @@ def _rank(rank: int, world: int, config: str, seed: int, cfg: dict, data: tuple)
     for _ in range(cfg["epochs"]):
         order = torch.randperm(len(ytr), generator=shuffle)
         for b in range(steps_per_epoch):
-            idx = order[b * PER_RANK * world:(b + 1) * PER_RANK * world][rank::world]
+            idx = order[b * PER_RANK * world : (b + 1) * PER_RANK * world][rank::world]
             t0 = time.perf_counter()
             opt.zero_grad()
             F.cross_entropy(net(xtr[idx]), ytr[idx]).backward()
@@ -235,18 +258,43 @@ def run_one(config: str, seed: int, cfg: dict, setup=None, data: Optional[tuple]
     data = digits() if data is None else data
     try:
         # forkserver: torch is imported once for all the runs, not by every rank of each
-        out = launch(_rank, WORLD, config, seed, cfg, data, setup=setup,
-                     timeout=cfg["timeout"], start_method="forkserver")[0]
+        out = launch(
+            _rank,
+            WORLD,
+            config,
+            seed,
+            cfg,
+            data,
+            setup=setup,
+            timeout=cfg["timeout"],
+            start_method="forkserver",
+        )[0]
     except HybridCommError as e:  # e.g. DDP's bf16 hook, which needs NCCL
         why = str(e).strip().splitlines()[-1]
-        return {"config": config, "seed": seed, "steps_to_target": None,
-                "seconds_to_target": None, "final_accuracy": None, "seconds": None,
-                "steps": None, "bytes_sent": 0, "curve": [], "error": why}
+        return {
+            "config": config,
+            "seed": seed,
+            "steps_to_target": None,
+            "seconds_to_target": None,
+            "final_accuracy": None,
+            "seconds": None,
+            "steps": None,
+            "bytes_sent": 0,
+            "curve": [],
+            "error": why,
+        }
     steps, seconds = to_target(out["curve"], cfg["target"])
-    return {"config": config, "seed": seed, "steps_to_target": steps,
-            "seconds_to_target": seconds, "final_accuracy": out["curve"][-1][2],
-            "seconds": out["seconds"], "steps": out["steps"], "bytes_sent": out["bytes_sent"],
-            "curve": out["curve"]}
+    return {
+        "config": config,
+        "seed": seed,
+        "steps_to_target": steps,
+        "seconds_to_target": seconds,
+        "final_accuracy": out["curve"][-1][2],
+        "seconds": out["seconds"],
+        "steps": out["steps"],
+        "bytes_sent": out["bytes_sent"],
+        "curve": out["curve"],
+    }
 
 
 def summarize(rows: List[dict], target: float) -> Dict[str, dict]:
@@ -263,78 +311,107 @@ def summarize(rows: List[dict], target: float) -> Dict[str, dict]:
         out[config] = {
             "seconds_to_target": statistics.median(times) if None not in times else None,
             "steps_to_target": statistics.median(r["steps_to_target"] for r in mine)
-            if None not in times else None,
+            if None not in times
+            else None,
             "final_accuracy": statistics.mean(finals),
             "final_spread": max(finals) - min(finals),
             "ms_per_step": statistics.median(1e3 * r["seconds"] / r["steps"] for r in mine),
-            "reached": sum(t is not None for t in times), "seeds": len(mine)}
+            "reached": sum(t is not None for t in times),
+            "seeds": len(mine),
+        }
     return out
 
 
 def _best(summary: Dict[str, dict], prefix: str, among=None) -> Optional[str]:
-    reached = [c for c, s in summary.items() if c.startswith(prefix)
-               and (among is None or c in among) and s.get("seconds_to_target") is not None]
+    reached = [
+        c
+        for c, s in summary.items()
+        if c.startswith(prefix)
+        and (among is None or c in among)
+        and s.get("seconds_to_target") is not None
+    ]
     return min(reached, key=lambda c: summary[c]["seconds_to_target"]) if reached else None
 
 
 def report(rows: List[dict], cfg: dict) -> str:
     summary = summarize(rows, cfg["target"])
-    lines = [f"time to {cfg['target']:.0%} test accuracy on digits (16x16), {WORLD} ranks, "
-             f"network: {cfg['shape'] or 'loopback (unshaped)'}, {cfg['epochs']} epochs, "
-             f"seeds {cfg['seeds']}; median over seeds",
-             f"{'config':>23} {'s to target':>12} {'steps':>6} {'final acc':>10} {'spread':>7} "
-             f"{'reached':>8} {'MB sent/rank':>13} {'ms/step':>8}"]
+    lines = [
+        f"time to {cfg['target']:.0%} test accuracy on digits (16x16), {WORLD} ranks, "
+        f"network: {cfg['shape'] or 'loopback (unshaped)'}, {cfg['epochs']} epochs, "
+        f"seeds {cfg['seeds']}; median over seeds",
+        f"{'config':>23} {'s to target':>12} {'steps':>6} {'final acc':>10} {'spread':>7} "
+        f"{'reached':>8} {'MB sent/rank':>13} {'ms/step':>8}",
+    ]
     for config, s in summary.items():
         if "error" in s:
             lines.append(f"{config:>23}  did not run here: {s['error']}")
             continue
         if config == FLOOR:
-            lines.append(f"{config:>23} {'':>58} {s['ms_per_step']:>8.1f}  (no communication: "
-                         "each rank alone on its shard, the floor of any step)")
+            lines.append(
+                f"{config:>23} {'':>58} {s['ms_per_step']:>8.1f}  (no communication: "
+                "each rank alone on its shard, the floor of any step)"
+            )
             continue
         sent = [r["bytes_sent"] for r in rows if r["config"] == config and not r.get("error")]
         mb = f"{statistics.mean(sent) / 1e6:.1f}" if config.startswith("hybrid") else "-"
         t = "-" if s["seconds_to_target"] is None else f"{s['seconds_to_target']:.1f}"
         st = "-" if s["steps_to_target"] is None else f"{s['steps_to_target']:.0f}"
-        lines.append(f"{config:>23} {t:>12} {st:>6} {s['final_accuracy']:>10.3f} "
-                     f"{s['final_spread']:>7.3f} {s['reached']:>4}/{s['seeds']:<3} "
-                     f"{mb:>13} {s['ms_per_step']:>8.1f}")
+        lines.append(
+            f"{config:>23} {t:>12} {st:>6} {s['final_accuracy']:>10.3f} "
+            f"{s['final_spread']:>7.3f} {s['reached']:>4}/{s['seeds']:<3} "
+            f"{mb:>13} {s['ms_per_step']:>8.1f}"
+        )
     ddp, hyb = _best(summary, "ddp"), _best(summary, "hybrid")
     if ddp and FLOOR in summary and "error" not in summary[FLOOR]:
         # any scheme that needs as many steps as DDP's best takes at least this long
         floor = summary[FLOOR]["ms_per_step"] * summary[ddp]["steps_to_target"] / 1e3
-        lines.append(f"floor: compute alone for {ddp}'s {summary[ddp]['steps_to_target']:.0f} "
-                     f"steps takes {floor:.1f} s, {floor / summary[ddp]['seconds_to_target']:.2f}x "
-                     f"{ddp}'s time to the target")
+        lines.append(
+            f"floor: compute alone for {ddp}'s {summary[ddp]['steps_to_target']:.0f} "
+            f"steps takes {floor:.1f} s, {floor / summary[ddp]['seconds_to_target']:.2f}x "
+            f"{ddp}'s time to the target"
+        )
     listed = _best(summary, "ddp", ISSUE_HOOKS)  # the goal's baseline, if not the best one
     for what, base in (("best DDP", ddp), ("best of the issue's DDP hooks", listed)):
         if not (base and hyb) or (what != "best DDP" and base == ddp):
             continue
         ratio = summary[hyb]["seconds_to_target"] / summary[base]["seconds_to_target"]
-        lines.append(f"{what}: {base} {summary[base]['seconds_to_target']:.1f} s; best "
-                     f"hybridcomm: {hyb} {summary[hyb]['seconds_to_target']:.1f} s: {ratio:.2f}x "
-                     "(goal <= 0.80x), final accuracy "
-                     f"{summary[hyb]['final_accuracy']:.3f} vs {summary[base]['final_accuracy']:.3f}")
+        lines.append(
+            f"{what}: {base} {summary[base]['seconds_to_target']:.1f} s; best "
+            f"hybridcomm: {hyb} {summary[hyb]['seconds_to_target']:.1f} s: {ratio:.2f}x "
+            "(goal <= 0.80x), final accuracy "
+            f"{summary[hyb]['final_accuracy']:.3f} vs {summary[base]['final_accuracy']:.3f}"
+        )
     lines.append("(MB sent/rank: the library's bytes_sent; DDP's hooks do not report theirs)")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="rate 100mbit",
-                    help='tbf shape of each rank\'s link ("rate 100mbit"; "none": loopback)')
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--shape",
+        default="rate 100mbit",
+        help='tbf shape of each rank\'s link ("rate 100mbit"; "none": loopback)',
+    )
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--epochs", type=int, default=5)
-    ap.add_argument("--target", type=float, default=0.93,
-                    help="test accuracy to reach (default 0.93: every exact config reached "
-                         "it on every seed in 5 epochs; 0.95, plain DDP on 2 seeds of 3)")
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=0.93,
+        help="test accuracy to reach (default 0.93: every exact config reached "
+        "it on every seed in 5 epochs; 0.95, plain DDP on 2 seeds of 3)",
+    )
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
-    ap.add_argument("--quick", action="store_true",
-                    help="one seed, one epoch; ddp and hybrid unless --configs (a smoke run)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="one seed, one epoch; ddp and hybrid unless --configs (a smoke run)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -343,16 +420,25 @@ def main(argv=None) -> int:
     except ValueError as e:  # an option not one of train.py's, or on a DDP config
         ap.error(str(e))
     if unknown:
-        ap.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)} (hybridcomm's "
-                 "take options after slashes: hybrid-powersgd-r4/fusion_bytes=64K)")
+        ap.error(
+            f"unknown configs {unknown}; choose from {', '.join(CONFIGS)} (hybridcomm's "
+            "take options after slashes: hybrid-powersgd-r4/fusion_bytes=64K)"
+        )
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:  # ddp and hybrid only, unless --configs says otherwise
         seeds, args.epochs = seeds[:1], 1
         if args.configs == ",".join(CONFIGS):
             configs = ["ddp", "hybrid"]
     shape = None if args.shape in ("", "none") else args.shape
-    cfg = {"epochs": args.epochs, "target": args.target, "eval_every": args.eval_every,
-           "lr": args.lr, "timeout": args.timeout, "shape": shape, "seeds": seeds}
+    cfg = {
+        "epochs": args.epochs,
+        "target": args.target,
+        "eval_every": args.eval_every,
+        "lr": args.lr,
+        "timeout": args.timeout,
+        "shape": shape,
+        "seeds": seeds,
+    }
     rows, t0 = [], time.time()
     net = None
     if shape:
@@ -361,28 +447,41 @@ def main(argv=None) -> int:
 
         net = shaped_network(WORLD, shape)
     data = digits()
-    with (net if net is not None else _nothing()) as opened:
+    with net if net is not None else _nothing() as opened:
         for seed in seeds:
             for config in configs:  # interleaved: drift hits every config alike
-                row = run_one(config, seed, cfg, setup=opened.setup if opened else None,
-                              data=data)
+                row = run_one(config, seed, cfg, setup=opened.setup if opened else None, data=data)
                 rows.append(row)
                 if args.json:  # after every run: a cut-short run keeps what it measured
                     _write(args.json, rows, cfg)
-                print(f"[compression] seed {seed} {config}: " + (
-                      f"failed: {row['error']}" if row.get("error") else
-                      f"{row['seconds_to_target'] if row['seconds_to_target'] is not None else '-'}"
-                      f" s to target, final {row['final_accuracy']:.3f}") +
-                      f" ({time.time() - t0:.0f} s so far)", flush=True)
+                print(
+                    f"[compression] seed {seed} {config}: "
+                    + (
+                        f"failed: {row['error']}"
+                        if row.get("error")
+                        else f"{row['seconds_to_target'] if row['seconds_to_target'] is not None else '-'}"
+                        f" s to target, final {row['final_accuracy']:.3f}"
+                    )
+                    + f" ({time.time() - t0:.0f} s so far)",
+                    flush=True,
+                )
     print(report(rows, cfg))
     return 0
 
 
 def _write(path: str, rows: List[dict], cfg: dict) -> None:
-    doc = {"command": " ".join([sys.executable] + sys.argv), "config": cfg,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                       "torch": torch.__version__, "loadavg": os.getloadavg()},
-           "summary": summarize(rows, cfg["target"]), "results": rows}
+    doc = {
+        "command": " ".join([sys.executable] + sys.argv),
+        "config": cfg,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "loadavg": os.getloadavg(),
+        },
+        "summary": summarize(rows, cfg["target"]),
+        "results": rows,
+    }
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
 

@@ -25,6 +25,7 @@ labelled dry run, and its verdict measures nothing.
     python benchmarks/gpu_bench.py --json gpu-bench.json        # make gpu-bench, ~4 min
     python benchmarks/gpu_bench.py --sections kernels,step --quick
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,29 +60,59 @@ KB, MB = 1 << 10, 1 << 20
 FULL = dict(
     reduce_bytes=[4 * KB << 2 * i for i in range(9)],  # 4K .. 256M by 4x
     packs=[("large", 8, 4 * MB), ("small", 512, 2 * KB), ("tiny", 4096, 64)],  # count x fp32
-    n=(10, 200), traffic_per_row=4 << 30, host_s_per_row=0.05, hold_max_s=0.5,
+    n=(10, 200),
+    traffic_per_row=4 << 30,
+    host_s_per_row=0.05,
+    hold_max_s=0.5,
     resnet=dict(batch=32, image=128, classes=100),
     transformer=dict(layers=12, d=768, heads=12, seq=256, batch=8),
     # hybridcomm measures and re-plans in its first ~4-6 steps: warm up past that
-    warm=10, synced=10, pipelined=30, rounds=5,
-    ranks=(2, 4), rank_batch=16, rank_configs=("local", "hc-forward", "hc-none", "hc-backward",
-                                                "hc-zero2", "hc-zero2-at-step"),
-    profile_steps=20, torch_profile_steps=5,
-    budget=dict(kernels=60, step=120, ranks=100, profile=35), total_s=340)
+    warm=10,
+    synced=10,
+    pipelined=30,
+    rounds=5,
+    ranks=(2, 4),
+    rank_batch=16,
+    rank_configs=("local", "hc-forward", "hc-none", "hc-backward", "hc-zero2", "hc-zero2-at-step"),
+    profile_steps=20,
+    torch_profile_steps=5,
+    budget=dict(kernels=60, step=120, ranks=100, profile=35),
+    total_s=340,
+)
 SPECS = {
     "full": FULL,
-    "quick": dict(FULL, reduce_bytes=[4 * KB << 4 * i for i in range(5)],  # 4K .. 256M by 16x
-                  rounds=1, synced=5, pipelined=10, ranks=(2,), profile_steps=10,
-                  rank_configs=("local", "hc-forward", "hc-none"),
-                  budget=dict(kernels=40, step=60, ranks=50, profile=25), total_s=200),
+    "quick": dict(
+        FULL,
+        reduce_bytes=[4 * KB << 4 * i for i in range(5)],  # 4K .. 256M by 16x
+        rounds=1,
+        synced=5,
+        pipelined=10,
+        ranks=(2,),
+        profile_steps=10,
+        rank_configs=("local", "hc-forward", "hc-none"),
+        budget=dict(kernels=40, step=60, ranks=50, profile=25),
+        total_s=200,
+    ),
     # the CPU dry run: every path, tiny sizes, well under a minute on 2 cores
-    "dry": dict(FULL, reduce_bytes=[4 * KB, 64 * KB],
-                packs=[("large", 8, 4 * KB), ("small", 32, 64), ("tiny", 64, 4)],
-                n=(3, 3), hold_max_s=0.01, resnet=dict(batch=4, image=16, classes=10),
-                transformer=dict(layers=1, d=32, heads=2, seq=8, batch=2),
-                warm=6, synced=2, pipelined=3, rounds=1, ranks=(2,), rank_batch=4,
-                profile_steps=3, torch_profile_steps=2,
-                budget=dict(kernels=30, step=40, ranks=60, profile=20), total_s=150),
+    "dry": dict(
+        FULL,
+        reduce_bytes=[4 * KB, 64 * KB],
+        packs=[("large", 8, 4 * KB), ("small", 32, 64), ("tiny", 64, 4)],
+        n=(3, 3),
+        hold_max_s=0.01,
+        resnet=dict(batch=4, image=16, classes=10),
+        transformer=dict(layers=1, d=32, heads=2, seq=8, batch=2),
+        warm=6,
+        synced=2,
+        pipelined=3,
+        rounds=1,
+        ranks=(2,),
+        rank_batch=4,
+        profile_steps=3,
+        torch_profile_steps=2,
+        budget=dict(kernels=30, step=40, ranks=60, profile=20),
+        total_s=150,
+    ),
 }
 STEP_CONFIGS = ("plain", "ddp", "hc-forward", "hc-backward", "hc-none")
 # CUDA API calls (cudaLaunchKernel, cudaEventQuery, ...) and these, counted per step
@@ -99,13 +130,16 @@ def simulate(one_device: bool = False) -> None:
 
 # -- the timing harness ----------------------------------------------------------------
 
+
 class Device:
     """The GPU, or the simulated one in a dry run, through hybridcomm's device runtime
     (events, sync); the sleep kernel that launches queue behind is the one difference."""
 
     def __init__(self, dry: bool, spec: dict):
         self.dry, self.spec = dry, spec
-        self.device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+        self.device = (
+            torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+        )
         self.rt = runtime_for(self.device)  # CudaRuntime, or simgpu's SimRuntime
         self.cycles_per_s = None if dry else self._sleep_rate()
 
@@ -119,6 +153,7 @@ class Device:
         """Keep the GPU busy for ``seconds`` while the host goes on queueing."""
         if self.dry:
             from hybridcomm.testing import simgpu
+
             simgpu.sleep(seconds)
         else:
             torch.cuda._sleep(max(1, int(seconds * self.cycles_per_s)))
@@ -163,25 +198,52 @@ def workload(name: str, spec: dict, dry: bool, batch=None) -> dict:
     """A model builder, its fixed batch, loss, optimizer and autocast dtype."""
     if name == "resnet18":
         c = dict(spec["resnet"], **({"batch": batch} if batch else {}))
-        build = (lambda: resnet18(num_classes=c["classes"])) if not dry else (lambda: nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, c["classes"])))
-        return dict(build=build, desc=("tiny conv net" if dry else "ResNet-18")
-                    + f", batch {c['batch']}, {c['image']}x{c['image']} fp32",
-                    batch=lambda d: (torch.randn(c["batch"], 3, c["image"], c["image"], device=d),
-                                     torch.randint(0, c["classes"], (c["batch"],), device=d)),
-                    loss=nn.functional.cross_entropy, amp=None,
-                    opt=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9))
+        build = (
+            (lambda: resnet18(num_classes=c["classes"]))
+            if not dry
+            else (
+                lambda: nn.Sequential(
+                    nn.Conv2d(3, 8, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(8),
+                    nn.ReLU(),
+                    nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False),
+                    nn.BatchNorm2d(16),
+                    nn.ReLU(),
+                    nn.AdaptiveAvgPool2d(1),
+                    nn.Flatten(),
+                    nn.Linear(16, c["classes"]),
+                )
+            )
+        )
+        return dict(
+            build=build,
+            desc=("tiny conv net" if dry else "ResNet-18")
+            + f", batch {c['batch']}, {c['image']}x{c['image']} fp32",
+            batch=lambda d: (
+                torch.randn(c["batch"], 3, c["image"], c["image"], device=d),
+                torch.randint(0, c["classes"], (c["batch"],), device=d),
+            ),
+            loss=nn.functional.cross_entropy,
+            amp=None,
+            opt=lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+        )
     c = spec["transformer"]
-    return dict(build=lambda: nn.Sequential(*[nn.TransformerEncoderLayer(
-                    c["d"], c["heads"], 4 * c["d"], dropout=0.0, batch_first=True, norm_first=True)
-                    for _ in range(c["layers"])]),
-                desc=f"{c['layers']} x TransformerEncoderLayer(d {c['d']}, {c['heads']} heads), "
-                     f"seq {c['seq']}, batch {c['batch']}, bf16 autocast, AdamW",
-                batch=lambda d: (torch.randn(c["batch"], c["seq"], c["d"], device=d), None),
-                loss=lambda out, _: out.float().square().mean(), amp=torch.bfloat16,
-                opt=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+    return dict(
+        build=lambda: nn.Sequential(
+            *[
+                nn.TransformerEncoderLayer(
+                    c["d"], c["heads"], 4 * c["d"], dropout=0.0, batch_first=True, norm_first=True
+                )
+                for _ in range(c["layers"])
+            ]
+        ),
+        desc=f"{c['layers']} x TransformerEncoderLayer(d {c['d']}, {c['heads']} heads), "
+        f"seq {c['seq']}, batch {c['batch']}, bf16 autocast, AdamW",
+        batch=lambda d: (torch.randn(c["batch"], c["seq"], c["d"], device=d), None),
+        loss=lambda out, _: out.float().square().mean(),
+        amp=torch.bfloat16,
+        opt=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+    )
 
 
 class Trainer:
@@ -194,20 +256,25 @@ class Trainer:
         self.module, self.opt, self.hc = model, wl["opt"](model.parameters()), None
         if config == "ddp":
             self.module = nn.parallel.DistributedDataParallel(
-                model, device_ids=None if dev.dry else [dev.device.index])
+                model, device_ids=None if dev.dry else [dev.device.index]
+            )
         elif config.startswith("hc-zero2"):  # sharded state and gradients (issue 40)
             self.opt = self.hc = hybridcomm.DistributedOptimizer(
-                self.opt, model=model, overlap="forward", shard="gradients", timeout=120)
+                self.opt, model=model, overlap="forward", shard="gradients", timeout=120
+            )
         elif config.startswith("hc-"):
             self.opt = self.hc = hybridcomm.DistributedOptimizer(
-                self.opt, model=model, overlap=config[3:], timeout=120)
+                self.opt, model=model, overlap=config[3:], timeout=120
+            )
         self.x, self.y = wl["batch"](dev.device)
 
     def step(self) -> float:
         """One step; returns the host time until ``opt.step()`` returned."""
         t0 = time.perf_counter()
         self.opt.zero_grad()
-        with torch.autocast(self.dev.device.type, dtype=self.wl["amp"], enabled=bool(self.wl["amp"])):
+        with torch.autocast(
+            self.dev.device.type, dtype=self.wl["amp"], enabled=bool(self.wl["amp"])
+        ):
             loss = self.wl["loss"](self.module(self.x), self.y)
         loss.backward()
         self.opt.step()
@@ -245,10 +312,15 @@ def measure_steps(trainers, spec: dict, deadline=None) -> dict:
             t[tr.name]["host"] += [tr.step() for _ in range(spec["pipelined"])]
             tr.finish()
             t[tr.name]["pipelined"].append((time.perf_counter() - t0) / spec["pipelined"])
-    return {name: dict(synced_ms=1e3 * statistics.median(v["synced"]),
-                       pipelined_ms=1e3 * statistics.mean(v["pipelined"]),
-                       host_ms=1e3 * statistics.median(v["host"]), rounds=len(v["pipelined"]))
-            for name, v in t.items()}
+    return {
+        name: dict(
+            synced_ms=1e3 * statistics.median(v["synced"]),
+            pipelined_ms=1e3 * statistics.mean(v["pipelined"]),
+            host_ms=1e3 * statistics.median(v["host"]),
+            rounds=len(v["pipelined"]),
+        )
+        for name, v in t.items()
+    }
 
 
 def table(title: str, cols, rows) -> None:
@@ -264,10 +336,19 @@ def table(title: str, cols, rows) -> None:
 
 # -- the sections ----------------------------------------------------------------------
 
-KERNEL_COLS = [("op", "op", ""), ("case", "case", ""), ("dtype", "type", ""),
-               ("bytes", "size(B)", "d"), ("count", "count", "d"), ("variant", "variant", ""),
-               ("n", "N", "d"), ("dev_us", "dev(us)", ".2f"), ("host_us", "host(us)", ".2f"),
-               ("gbps", "GB/s", ".1f"), ("of_copy", "xcopy", ".2f")]
+KERNEL_COLS = [
+    ("op", "op", ""),
+    ("case", "case", ""),
+    ("dtype", "type", ""),
+    ("bytes", "size(B)", "d"),
+    ("count", "count", "d"),
+    ("variant", "variant", ""),
+    ("n", "N", "d"),
+    ("dev_us", "dev(us)", ".2f"),
+    ("host_us", "host(us)", ".2f"),
+    ("gbps", "GB/s", ".1f"),
+    ("of_copy", "xcopy", ".2f"),
+]
 
 
 def section_kernels(b, sec) -> None:
@@ -279,9 +360,21 @@ def section_kernels(b, sec) -> None:
     def measure(op, case, dtype, nbytes, count, variant, fn, traffic, copy=None):
         dev_us, host_us, n = dev.time_call(fn, traffic)
         gbps = traffic / dev_us / 1e3
-        rows.append(dict(op=op, case=case, dtype=str(dtype)[6:], bytes=nbytes, count=count,
-                         variant=variant, n=n, dev_us=dev_us, host_us=host_us, gbps=gbps,
-                         of_copy=gbps / copy["gbps"] if copy else 1.0))
+        rows.append(
+            dict(
+                op=op,
+                case=case,
+                dtype=str(dtype)[6:],
+                bytes=nbytes,
+                count=count,
+                variant=variant,
+                n=n,
+                dev_us=dev_us,
+                host_us=host_us,
+                gbps=gbps,
+                of_copy=gbps / copy["gbps"] if copy else 1.0,
+            )
+        )
         return rows[-1]
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -290,17 +383,23 @@ def section_kernels(b, sec) -> None:
                 sec.setdefault("skipped", []).append(f"reduce {dtype} from {nbytes} B: time budget")
                 break
             numel = nbytes * 8 // torch.finfo(dtype).bits
-            dst, src = torch.zeros(numel, dtype=dtype, device=d), torch.ones(numel, dtype=dtype, device=d)
+            dst, src = (
+                torch.zeros(numel, dtype=dtype, device=d),
+                torch.ones(numel, dtype=dtype, device=d),
+            )
             other = torch.empty_like(dst)
             args = ("reduce", "", dtype, nbytes, numel)
-            copy = measure("copy", "", dtype, nbytes, numel, "dst.copy_", lambda: other.copy_(src),
-                           2 * nbytes)
-            for variant, fn in (("hybridcomm", lambda: K.reduce(dst, src, **impl)),
-                                ("torch add_", lambda: dst.add_(src)),
-                                ("hybridcomm scale", lambda: K.reduce(dst, src, scale=0.5, **impl)),
-                                ("torch add_.mul_", lambda: dst.add_(src).mul_(0.5))):
+            copy = measure(
+                "copy", "", dtype, nbytes, numel, "dst.copy_", lambda: other.copy_(src), 2 * nbytes
+            )
+            for variant, fn in (
+                ("hybridcomm", lambda: K.reduce(dst, src, **impl)),
+                ("torch add_", lambda: dst.add_(src)),
+                ("hybridcomm scale", lambda: K.reduce(dst, src, scale=0.5, **impl)),
+                ("torch add_.mul_", lambda: dst.add_(src).mul_(0.5)),
+            ):
                 measure(*args, variant, fn, 3 * nbytes, copy)
-            del dst, src, other
+            dst = src = other = None  # (freed before the next size)
         b.log(f"kernels: reduce {str(dtype)[6:]} done")
 
     pack_plan, unpack_plan = getattr(K, "pack_plan", None), getattr(K, "unpack_plan", None)
@@ -312,29 +411,53 @@ def section_kernels(b, sec) -> None:
         flat, other = torch.empty(count * numel, device=d), torch.empty(count * numel, device=d)
         views = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
         nbytes = flat.numel() * flat.element_size()
-        copy = measure("copy", case, flat.dtype, nbytes, count, "dst.copy_",
-                       lambda: other.copy_(flat), 2 * nbytes)
-        variants = {"pack": [("hybridcomm", lambda: K.pack(tensors, flat, **impl)),
-                             ("prepared", pack_plan and pack_plan(tensors, flat)),
-                             ("torch.cat", lambda: torch.cat(tensors, out=flat)),
-                             ("_foreach_copy_", lambda: torch._foreach_copy_(views, tensors))],
-                    "unpack": [("hybridcomm", lambda: K.unpack(flat, tensors, **impl)),
-                               ("prepared", unpack_plan and unpack_plan(flat, tensors)),
-                               ("_foreach_copy_", lambda: torch._foreach_copy_(tensors, views))]}
+        copy = measure(
+            "copy",
+            case,
+            flat.dtype,
+            nbytes,
+            count,
+            "dst.copy_",
+            lambda: other.copy_(flat),
+            2 * nbytes,
+        )
+        variants = {
+            "pack": [
+                ("hybridcomm", lambda: K.pack(tensors, flat, **impl)),
+                ("prepared", pack_plan and pack_plan(tensors, flat)),
+                ("torch.cat", lambda: torch.cat(tensors, out=flat)),
+                ("_foreach_copy_", lambda: torch._foreach_copy_(views, tensors)),
+            ],
+            "unpack": [
+                ("hybridcomm", lambda: K.unpack(flat, tensors, **impl)),
+                ("prepared", unpack_plan and unpack_plan(flat, tensors)),
+                ("_foreach_copy_", lambda: torch._foreach_copy_(tensors, views)),
+            ],
+        }
         for op, fns in variants.items():
             for variant, fn in fns:
                 if fn is not None:
                     measure(op, case, flat.dtype, nbytes, count, variant, fn, 2 * nbytes, copy)
         b.log(f"kernels: pack/unpack {count} x {numel} done")
-    table("kernels: dev = per call, N back-to-back launches between CUDA events; host = per "
-          "call, no sync in the loop; xcopy = GB/s / the copy's of the same bytes" + b.label,
-          KERNEL_COLS, rows)
+    table(
+        "kernels: dev = per call, N back-to-back launches between CUDA events; host = per "
+        "call, no sync in the loop; xcopy = GB/s / the copy's of the same bytes" + b.label,
+        KERNEL_COLS,
+        rows,
+    )
 
 
-STEP_COLS = [("model", "model", ""), ("config", "config", ""), ("synced_ms", "synced(ms)", ".2f"),
-             ("pipelined_ms", "pipelined(ms)", ".2f"), ("host_ms", "host(ms)", ".2f"),
-             ("added_host_ms", "+host(ms)", ".2f"), ("x_ddp", "xDDP", ".3f"),
-             ("x_plain", "xplain", ".3f"), ("rounds", "rounds", "d")]
+STEP_COLS = [
+    ("model", "model", ""),
+    ("config", "config", ""),
+    ("synced_ms", "synced(ms)", ".2f"),
+    ("pipelined_ms", "pipelined(ms)", ".2f"),
+    ("host_ms", "host(ms)", ".2f"),
+    ("added_host_ms", "+host(ms)", ".2f"),
+    ("x_ddp", "xDDP", ".3f"),
+    ("x_plain", "xplain", ".3f"),
+    ("rounds", "rounds", "d"),
+]
 
 
 def section_step(b, sec) -> None:
@@ -352,9 +475,13 @@ def section_step(b, sec) -> None:
             got = measure_steps(trainers, b.spec, deadline)
             for c in STEP_CONFIGS:
                 g = got[c]
-                g.update(model=name, config=c, x_ddp=g["pipelined_ms"] / got["ddp"]["pipelined_ms"],
-                         x_plain=g["pipelined_ms"] / got["plain"]["pipelined_ms"],
-                         added_host_ms=g["host_ms"] - got["plain"]["host_ms"])
+                g.update(
+                    model=name,
+                    config=c,
+                    x_ddp=g["pipelined_ms"] / got["ddp"]["pipelined_ms"],
+                    x_plain=g["pipelined_ms"] / got["plain"]["pipelined_ms"],
+                    added_host_ms=g["host_ms"] - got["plain"]["host_ms"],
+                )
                 sec["rows"].append(g)
             sec.setdefault("plans", {})[name] = str(trainers[2].hc.plan)
         except Exception:
@@ -365,9 +492,13 @@ def section_step(b, sec) -> None:
         del trainers
         b.free()
         b.log(f"step: {name} done")
-    table("a step at world 1: synced = sync after each step (median); pipelined = one sync "
-          f"after {b.spec['pipelined']} steps (mean); host = until opt.step() returns (median); "
-          "+host = over plain; xDDP, xplain = pipelined ratios" + b.label, STEP_COLS, sec["rows"])
+    table(
+        "a step at world 1: synced = sync after each step (median); pipelined = one sync "
+        f"after {b.spec['pipelined']} steps (mean); host = until opt.step() returns (median); "
+        "+host = over plain; xDDP, xplain = pipelined ratios" + b.label,
+        STEP_COLS,
+        sec["rows"],
+    )
 
 
 def rank_main(rank: int, world: int, spec_name: str, dry: bool) -> dict:
@@ -393,14 +524,23 @@ def rank_main(rank: int, world: int, spec_name: str, dry: bool) -> dict:
     return out
 
 
-RANK_COLS = [("P", "P", "d"), ("config", "config", ""), ("rank", "rank", "d"),
-             ("synced_ms", "synced(ms)", ".2f"), ("pipelined_ms", "pipelined(ms)", ".2f"),
-             ("host_ms", "host(ms)", ".2f"), ("x_local", "xlocal", ".3f"),
-             ("peak_mb", "peak(MiB)", ".1f")]
+RANK_COLS = [
+    ("P", "P", "d"),
+    ("config", "config", ""),
+    ("rank", "rank", "d"),
+    ("synced_ms", "synced(ms)", ".2f"),
+    ("pipelined_ms", "pipelined(ms)", ".2f"),
+    ("host_ms", "host(ms)", ".2f"),
+    ("x_local", "xlocal", ".3f"),
+    ("peak_mb", "peak(MiB)", ".1f"),
+]
 
 
 def section_ranks(b, sec) -> None:
-    sec["rows"], sec["model"] = [], workload("resnet18", b.spec, b.dry, b.spec["rank_batch"])["desc"]
+    sec["rows"], sec["model"] = (
+        [],
+        workload("resnet18", b.spec, b.dry, b.spec["rank_batch"])["desc"],
+    )
     for i, P in enumerate(b.spec["ranks"]):
         left = b.section_deadline - time.monotonic()
         timeout = left / (len(b.spec["ranks"]) - i)  # an equal share of what is left
@@ -409,7 +549,9 @@ def section_ranks(b, sec) -> None:
             continue
         kw = dict(backend="gloo") if b.dry else dict(one_device=True)
         try:
-            got = launch(rank_main, P, b.spec_name, b.dry, start_method="spawn", timeout=timeout, **kw)
+            got = launch(
+                rank_main, P, b.spec_name, b.dry, start_method="spawn", timeout=timeout, **kw
+            )
         except Exception:
             sec.setdefault("errors", []).append(f"P={P}:\n{traceback.format_exc()}")
             b.log(f"ranks: P={P} failed (traceback in the JSON)")
@@ -419,12 +561,19 @@ def section_ranks(b, sec) -> None:
                 r = res[config]
                 if "plan" in r:
                     sec.setdefault("plans", {})[f"P={P} {config}"] = r.pop("plan")
-                r.update(P=P, config=config, rank=rank,
-                         x_local=r["pipelined_ms"] / res["local"]["pipelined_ms"])
+                r.update(
+                    P=P,
+                    config=config,
+                    rank=rank,
+                    x_local=r["pipelined_ms"] / res["local"]["pipelined_ms"],
+                )
                 sec["rows"].append(r)
         b.log(f"ranks: P={P} done")
-    table(f"P ranks on the one device: {sec['model']}; local = no communication" + b.label,
-          RANK_COLS, sec["rows"])
+    table(
+        f"P ranks on the one device: {sec['model']}; local = no communication" + b.label,
+        RANK_COLS,
+        sec["rows"],
+    )
 
 
 def section_profile(b, sec) -> None:
@@ -448,11 +597,17 @@ def section_profile(b, sec) -> None:
         pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
     sec["files"] = {"cprofile": b.beside("cprofile.txt", text.getvalue())}
     st = pstats.Stats(prof).sort_stats("tottime")
-    sec["top_tottime"] = [dict(function=pstats.func_std_string(f), calls_per_step=st.stats[f][1] / steps,
-                               tottime_us_per_step=1e6 * st.stats[f][2] / steps,
-                               cumtime_us_per_step=1e6 * st.stats[f][3] / steps)
-                          for f in st.fcn_list[:15]]
+    sec["top_tottime"] = [
+        dict(
+            function=pstats.func_std_string(f),
+            calls_per_step=st.stats[f][1] / steps,
+            tottime_us_per_step=1e6 * st.stats[f][2] / steps,
+            cumtime_us_per_step=1e6 * st.stats[f][3] / steps,
+        )
+        for f in st.fcn_list[:15]
+    ]
     from torch.profiler import ProfilerActivity, profile
+
     acts = [ProfilerActivity.CPU] + ([] if b.dry else [ProfilerActivity.CUDA])
     n, sec["ops_per_step"] = spec["torch_profile_steps"], {}
     for tr in (hc, plain):
@@ -466,62 +621,112 @@ def section_profile(b, sec) -> None:
         if not b.dry:
             out += "\n\n" + ka.table(sort_by="self_device_time_total", row_limit=20)
         sec["files"][f"torch-{tr.name}"] = b.beside(f"torch-{tr.name}.txt", out)
-        sec["ops_per_step"][tr.name] = {e.key: e.count / n for e in ka
-                                      if e.key.startswith(("cuda",) + PROFILED_OPS)}
+        sec["ops_per_step"][tr.name] = {
+            e.key: e.count / n for e in ka if e.key.startswith(("cuda",) + PROFILED_OPS)
+        }
         tr.finish()
         tr.close()
-    table(f"cProfile, hc-forward at world 1: top 15 by tottime, per step{b.label}",
-          [("tottime_us_per_step", "tottime(us)", ".1f"), ("cumtime_us_per_step", "cumtime(us)", ".1f"),
-           ("calls_per_step", "calls", ".1f"), ("function", "function", "")], sec["top_tottime"])
+    table(
+        f"cProfile, hc-forward at world 1: top 15 by tottime, per step{b.label}",
+        [
+            ("tottime_us_per_step", "tottime(us)", ".1f"),
+            ("cumtime_us_per_step", "cumtime(us)", ".1f"),
+            ("calls_per_step", "calls", ".1f"),
+            ("function", "function", ""),
+        ],
+        sec["top_tottime"],
+    )
     ops = sorted(set().union(*sec["ops_per_step"].values()))
-    table("torch.profiler: calls per step", [("op", "op", "")] + [(c, c, ".1f") for c in sec["ops_per_step"]],
-          [dict(op=o, **{c: v.get(o, 0.0) for c, v in sec["ops_per_step"].items()}) for o in ops])
+    table(
+        "torch.profiler: calls per step",
+        [("op", "op", "")] + [(c, c, ".1f") for c in sec["ops_per_step"]],
+        [dict(op=o, **{c: v.get(o, 0.0) for c, v in sec["ops_per_step"].items()}) for o in ops],
+    )
 
 
-SECTIONS = {"kernels": section_kernels, "step": section_step, "ranks": section_ranks,
-            "profile": section_profile}
+SECTIONS = {
+    "kernels": section_kernels,
+    "step": section_step,
+    "ranks": section_ranks,
+    "profile": section_profile,
+}
 
 
 # -- goals and verdict -----------------------------------------------------------------
+
 
 def goals(sections: dict, dry: bool) -> list:
     """Each goal: what, the value, the target, met (None: not measured, or a dry run)."""
     out = []
 
     def goal(what, value, target, at_most=True, moonshot=False):
-        met = None if dry or value is None or target is None else \
-            (value <= target if at_most else value >= target)
+        met = (
+            None
+            if dry or value is None or target is None
+            else (value <= target if at_most else value >= target)
+        )
         out.append(dict(goal=what, value=value, target=target, moonshot=moonshot, met=met))
 
     k = sections.get("kernels", {}).get("rows", [])
     hcv = ("hybridcomm", "hybridcomm scale", "prepared")
-    big = [r["of_copy"] for r in k if r["op"] == "reduce" and r["variant"] in hcv[:2]
-           and r["bytes"] >= 64 * MB]
+    big = [
+        r["of_copy"]
+        for r in k
+        if r["op"] == "reduce" and r["variant"] in hcv[:2] and r["bytes"] >= 64 * MB
+    ]
     goal("reduce >= 64 MB: GB/s / copy's (worst)", min(big, default=None), 0.8, at_most=False)
     add = {(r["dtype"], r["bytes"]): r["host_us"] for r in k if r["variant"] == "torch add_"}
-    ratios = [r["host_us"] / add[(r["dtype"], r["bytes"])] for r in k
-              if r["op"] == "reduce" and r["variant"] in hcv[:2] and (r["dtype"], r["bytes"]) in add]
-    goal("reduce host time / torch add_'s (median)", statistics.median(ratios) if ratios else None,
-         1.0)
+    ratios = [
+        r["host_us"] / add[(r["dtype"], r["bytes"])]
+        for r in k
+        if r["op"] == "reduce" and r["variant"] in hcv[:2] and (r["dtype"], r["bytes"]) in add
+    ]
+    goal(
+        "reduce host time / torch add_'s (median)",
+        statistics.median(ratios) if ratios else None,
+        1.0,
+    )
     for op in ("pack", "unpack"):
-        best = {c: min((r for r in k if r["op"] == op and r["case"] == c and r["variant"] in hcv),
-                       key=lambda r: r["dev_us"], default=None) for c in ("large", "small")}
+        best = {
+            c: min(
+                (r for r in k if r["op"] == op and r["case"] == c and r["variant"] in hcv),
+                key=lambda r: r["dev_us"],
+                default=None,
+            )
+            for c in ("large", "small")
+        }
         cat = next((r for r in k if r["variant"] == "torch.cat" and r["case"] == "small"), None)
-        goal(f"{op} large: GB/s / copy's", best["large"] and best["large"]["of_copy"], 0.8,
-             at_most=False)
-        goal(f"{op} small: device time / torch.cat's",
-             best["small"] and cat and best["small"]["dev_us"] / cat["dev_us"], 1.2)
+        goal(
+            f"{op} large: GB/s / copy's",
+            best["large"] and best["large"]["of_copy"],
+            0.8,
+            at_most=False,
+        )
+        goal(
+            f"{op} small: device time / torch.cat's",
+            best["small"] and cat and best["small"]["dev_us"] / cat["dev_us"],
+            1.2,
+        )
     s = sections.get("step", {}).get("rows", [])
     for model in ("resnet18", "transformer"):
         r = {x["config"]: x for x in s if x["model"] == model}
         hc = [v for c, v in r.items() if c.startswith("hc-")]
-        goal(f"{model}: hc pipelined / DDP's (worst mode)",
-             max((v["x_ddp"] for v in hc), default=None), 1.0)
-        goal(f"{model}: hc added host ms over plain (worst) <= DDP's",
-             max((v["added_host_ms"] for v in hc), default=None),
-             r["ddp"]["added_host_ms"] if "ddp" in r else None)
-        goal(f"{model}: hc pipelined / plain's (worst)", max((v["x_plain"] for v in hc), default=None),
-             1.05, moonshot=True)
+        goal(
+            f"{model}: hc pipelined / DDP's (worst mode)",
+            max((v["x_ddp"] for v in hc), default=None),
+            1.0,
+        )
+        goal(
+            f"{model}: hc added host ms over plain (worst) <= DDP's",
+            max((v["added_host_ms"] for v in hc), default=None),
+            r["ddp"]["added_host_ms"] if "ddp" in r else None,
+        )
+        goal(
+            f"{model}: hc pipelined / plain's (worst)",
+            max((v["x_plain"] for v in hc), default=None),
+            1.05,
+            moonshot=True,
+        )
     return out
 
 
@@ -544,6 +749,7 @@ def verdict(gs: list, dry: bool) -> str:
 
 # -- the run ---------------------------------------------------------------------------
 
+
 def versions() -> dict:
     """Each one's version, or 'missing' (a CPU build has no CUDA, NCCL or CuPy)."""
     import importlib
@@ -557,11 +763,17 @@ def versions() -> dict:
                 pass
         return "missing"
 
-    v = {"torch": torch.__version__, "cuda": torch.version.cuda or "missing",
-         "triton": installed("triton", "pytorch-triton"),
-         "cupy": installed("cupy-cuda13x", "cupy-cuda12x", "cupy"), "hybridcomm": hybridcomm.__version__}
-    for name, get in (("nccl (torch)", lambda: ".".join(map(str, torch.cuda.nccl.version()))),
-                      ("nccl (cupy)", lambda: str(importlib.import_module("cupy.cuda.nccl").get_version()))):
+    v = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "missing",
+        "triton": installed("triton", "pytorch-triton"),
+        "cupy": installed("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+        "hybridcomm": hybridcomm.__version__,
+    }
+    for name, get in (
+        ("nccl (torch)", lambda: ".".join(map(str, torch.cuda.nccl.version()))),
+        ("nccl (cupy)", lambda: str(importlib.import_module("cupy.cuda.nccl").get_version())),
+    ):
         try:
             v[name] = get()
         except Exception as e:  # noqa: BLE001 - informational only
@@ -572,8 +784,13 @@ def versions() -> dict:
 def git_commit() -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root, timeout=10).returncode
         return (head + ("+local changes" if dirty else "")) if head else "unknown (no git checkout)"
     except (OSError, subprocess.SubprocessError):
@@ -593,14 +810,23 @@ class Bench:
             torch.backends.cudnn.benchmark = True
         self.dev = Device(dry, self.spec)
         self.tmp = tempfile.mkdtemp(prefix="gpu-bench-")
-        self.result = dict(dry_run=dry, spec=self.spec_name, command=sys.argv,
-                           started=time.strftime("%Y-%m-%d %H:%M:%S"), git=git_commit(),
-                           device=torch.cuda.get_device_name(0) if not dry
-                           else "cpu (dry run: simulated GPU, HYBRIDCOMM_SIMULATE_GPU=1)",
-                           versions=versions(), sections={})
+        self.result = dict(
+            dry_run=dry,
+            spec=self.spec_name,
+            command=sys.argv,
+            started=time.strftime("%Y-%m-%d %H:%M:%S"),
+            git=git_commit(),
+            device=torch.cuda.get_device_name(0)
+            if not dry
+            else "cpu (dry run: simulated GPU, HYBRIDCOMM_SIMULATE_GPU=1)",
+            versions=versions(),
+            sections={},
+        )
 
     def log(self, msg: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - self.t0:5.1f}s] {msg}", flush=True)
+        print(
+            f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - self.t0:5.1f}s] {msg}", flush=True
+        )
 
     def save(self) -> None:
         tmp = self.json + ".tmp"
@@ -616,8 +842,12 @@ class Bench:
 
     def world1(self) -> None:
         if not dist.is_initialized():
-            dist.init_process_group("gloo" if self.dry else "nccl", rank=0, world_size=1,
-                                    store=dist.FileStore(os.path.join(self.tmp, "store"), 1))
+            dist.init_process_group(
+                "gloo" if self.dry else "nccl",
+                rank=0,
+                world_size=1,
+                store=dist.FileStore(os.path.join(self.tmp, "store"), 1),
+            )
 
     def free(self) -> None:
         gc.collect()
@@ -647,12 +877,15 @@ class Bench:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--json", default="gpu-bench.json", help="results (default gpu-bench.json)")
     p.add_argument("--sections", default=",".join(SECTIONS), help="any of " + ",".join(SECTIONS))
     p.add_argument("--quick", action="store_true", help="fewer sizes and steps")
-    p.add_argument("--dry-run", action="store_true", help="the CPU dry run (automatic without CUDA)")
+    p.add_argument(
+        "--dry-run", action="store_true", help="the CPU dry run (automatic without CUDA)"
+    )
     args = p.parse_args(argv)
     sections = [s for s in args.sections.split(",") if s]
     if set(sections) - set(SECTIONS):
@@ -662,16 +895,27 @@ def main(argv=None) -> int:
         simulate()
     b = Bench(args, dry)
     r = b.result
-    print(f"# gpu_bench: {r['device']}{b.label}\n# commit {r['git']}; "
-          + ", ".join(f"{k} {v}" for k, v in r["versions"].items()), flush=True)
+    print(
+        f"# gpu_bench: {r['device']}{b.label}\n# commit {r['git']}; "
+        + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
+        flush=True,
+    )
     b.save()
     for name in sections:
         b.run(name)
     r["goals"] = goals(r["sections"], dry)
     r["verdict"] = verdict(r["goals"], dry)
     r["wall_s"] = round(time.monotonic() - b.t0, 1)
-    table("goals" + b.label, [("goal", "goal", ""), ("value", "value", ".3f"),
-                              ("target", "target", ".3f"), ("met", "met", "")], r["goals"])
+    table(
+        "goals" + b.label,
+        [
+            ("goal", "goal", ""),
+            ("value", "value", ".3f"),
+            ("target", "target", ".3f"),
+            ("met", "met", ""),
+        ],
+        r["goals"],
+    )
     if dist.is_initialized():
         dist.destroy_process_group()
     b.save()

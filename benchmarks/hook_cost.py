@@ -21,6 +21,7 @@ Example::
     python benchmarks/hook_cost.py            # ~15 s
     python benchmarks/hook_cost.py --rounds 3 --steps 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,9 @@ def build(kind: str, layers: int, width: int) -> nn.Module:
     return model
 
 
-def measure(layers: int = 100, width: int = 64, batch: int = 32, rounds: int = 30,
-            steps: int = 20) -> dict:
+def measure(
+    layers: int = 100, width: int = 64, batch: int = 32, rounds: int = 30, steps: int = 20
+) -> dict:
     """{kind: us per parameter and pass over no hook}, and the no-hook backward (ms)."""
     torch.set_num_threads(1)
     x = torch.randn(batch, width)
@@ -66,8 +68,11 @@ def measure(layers: int = 100, width: int = 64, batch: int = 32, rounds: int = 3
             if r:
                 per_round[k].append(statistics.median(times))
     nparams = 2 * layers
-    out = {k: statistics.median(a - b for a, b in zip(per_round[k], per_round["none"]))
-           / nparams * 1e6 for k in KINDS if k != "none"}
+    out = {
+        k: statistics.median(a - b for a, b in zip(per_round[k], per_round["none"])) / nparams * 1e6
+        for k in KINDS
+        if k != "none"
+    }
     out["backward_ms"] = statistics.median(per_round["none"]) * 1e3
     out["params"] = nparams
     return out
@@ -81,8 +86,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args(argv)
     res = measure(args.layers, args.width, rounds=args.rounds, steps=args.steps)
-    print(f"# {res['params']} parameters, backward without hooks {res['backward_ms']:.2f} ms, "
-          f"torch {torch.__version__}")
+    print(
+        f"# {res['params']} parameters, backward without hooks {res['backward_ms']:.2f} ms, "
+        f"torch {torch.__version__}"
+    )
     for k in KINDS[1:]:
         print(f"{k:7s} hook: {res[k]:+.2f} us per parameter and pass")
     return 0

@@ -39,6 +39,7 @@ than the best DDP. Under valgrind a step takes ~10 s and the start ~4 min.
 Needs valgrind (``apt-get install valgrind``); ``--no-valgrind`` runs the
 configs once without it (nothing counted: checks that the script works).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,12 @@ def step_phases(run: _Run) -> None:
         nonlocal loss
         loss = run.model(run.x).square().mean()
 
-    for work in (lambda: run.opt.zero_grad(**run.zero), forward, lambda: loss.backward(),
-                 run.opt.step):
+    for work in (
+        lambda: run.opt.zero_grad(**run.zero),
+        forward,
+        lambda: loss.backward(),
+        run.opt.step,
+    ):
         torch._C._valgrind_toggle()  # collection on
         work()
         torch._C._valgrind_toggle_and_dump_stats()  # off, and one dump
@@ -86,8 +91,9 @@ def count_steps(args, order_path: str) -> None:
     torch.set_num_threads(1)
     order = []
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1),
-                                rank=0, world_size=1)
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1
+        )
         try:
             for model_name in args.models:
                 for config in args.configs:
@@ -125,19 +131,30 @@ def run_under_callgrind(args) -> dict:
     callgrind."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
-        raise SystemExit("valgrind is not installed (apt-get install valgrind), or run with "
-                         "--no-valgrind to check the script without counting")
+        raise SystemExit(
+            "valgrind is not installed (apt-get install valgrind), or run with "
+            "--no-valgrind to check the script without counting"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         base, order_path = os.path.join(tmp, "callgrind.out"), os.path.join(tmp, "order.json")
-        cmd = [valgrind, "--tool=callgrind", "--collect-atstart=no",
-               f"--callgrind-out-file={base}", sys.executable, os.path.abspath(__file__),
-               *settings_argv(args), "--_inside", order_path]
+        cmd = [
+            valgrind,
+            "--tool=callgrind",
+            "--collect-atstart=no",
+            f"--callgrind-out-file={base}",
+            sys.executable,
+            os.path.abspath(__file__),
+            *settings_argv(args),
+            "--_inside",
+            order_path,
+        ]
         # (a fixed seed: the same dict and set layouts, so the same code counts the same)
         env = dict(os.environ, PYTHONHASHSEED=str(args.hash_seed))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            raise SystemExit(f"the run under callgrind failed ({proc.returncode}):\n"
-                             f"{proc.stderr[-4000:]}")
+            raise SystemExit(
+                f"the run under callgrind failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+            )
         with open(order_path) as f:
             order = json.load(f)
         found = dumps(base)
@@ -170,56 +187,95 @@ def figures(counts: dict, nparams: dict) -> list:
         rows = {}
         for c, phases in per_config.items():
             total = sum(phases.values())
-            rows[c] = {"phases": dict(phases), "per_step": total, "added": total - plain,
-                       "added_per_param": (total - plain) / n}
+            rows[c] = {
+                "phases": dict(phases),
+                "per_step": total,
+                "added": total - plain,
+                "added_per_param": (total - plain) / n,
+            }
         best = min((c for c in DDPS if c in rows), key=lambda c: rows[c]["added"])
         for c, r in rows.items():
-            r["x_ddp"] = r["added"] / rows[best]["added"] \
-                if c != "plain" and rows[best]["added"] > 0 else None
+            r["x_ddp"] = (
+                r["added"] / rows[best]["added"]
+                if c != "plain" and rows[best]["added"] > 0
+                else None
+            )
         ok = all(rows[m]["added"] <= rows[best]["added"] for m in MODES if m in rows)
-        results.append({"model": model, "parameters": n, "configs": rows, "best_ddp": best,
-                        "hybridcomm_le_ddp": ok})
+        results.append(
+            {
+                "model": model,
+                "parameters": n,
+                "configs": rows,
+                "best_ddp": best,
+                "hybridcomm_le_ddp": ok,
+            }
+        )
     return results
 
 
 def verdict(res: dict) -> str:
-    ratios = ", ".join(f"{m} {sync_overhead._ratio(res['configs'][m]['x_ddp'])}"
-                       for m in MODES if m in res["configs"])
-    return (f"hybridcomm adds <= DDP's instructions in every mode: "
-            f"{'yes' if res['hybridcomm_le_ddp'] else 'no'} ({ratios} x DDP)")
+    ratios = ", ".join(
+        f"{m} {sync_overhead._ratio(res['configs'][m]['x_ddp'])}"
+        for m in MODES
+        if m in res["configs"]
+    )
+    return (
+        f"hybridcomm adds <= DDP's instructions in every mode: "
+        f"{'yes' if res['hybridcomm_le_ddp'] else 'no'} ({ratios} x DDP)"
+    )
 
 
 def print_table(res: dict, header: str) -> None:
     print(f"\n## {res['model']}, world 1: {header}")
-    print(f"{'config':<10} " + " ".join(f"{p:>9}" for p in PHASES) +
-          f" {'total':>8} {'added':>8} {'K/param':>8} {'x DDP':>6}")
+    print(
+        f"{'config':<10} "
+        + " ".join(f"{p:>9}" for p in PHASES)
+        + f" {'total':>8} {'added':>8} {'K/param':>8} {'x DDP':>6}"
+    )
     for c, r in res["configs"].items():
         mark = " (best DDP)" if c == res["best_ddp"] else ""
         x = "" if c == "plain" else sync_overhead._ratio(r["x_ddp"])
-        print(f"{c:<10} " + " ".join(f"{r['phases'][p] / 1e6:>9.3f}" for p in PHASES) +
-              f" {r['per_step'] / 1e6:>8.3f} {r['added'] / 1e6:>+8.3f} "
-              f"{r['added_per_param'] / 1e3:>+8.2f} {x:>6}{mark}")
+        print(
+            f"{c:<10} "
+            + " ".join(f"{r['phases'][p] / 1e6:>9.3f}" for p in PHASES)
+            + f" {r['per_step'] / 1e6:>8.3f} {r['added'] / 1e6:>+8.3f} "
+            f"{r['added_per_param'] / 1e3:>+8.2f} {x:>6}{mark}"
+        )
     print(verdict(res))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="linear,conv", help="linear, conv or both")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help="of sync_overhead.py's CONFIGS: plain and a DDP at least")
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="of sync_overhead.py's CONFIGS: plain and a DDP at least",
+    )
     sync_overhead.add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=5, help="counted steps per config")
     parser.add_argument("--warmup", type=int, default=5, help="uncounted steps first")
-    parser.add_argument("--no-valgrind", action="store_true",
-                        help="run the configs once without valgrind: nothing is counted")
-    parser.add_argument("--hash-seed", type=int, default=0,
-                        help="PYTHONHASHSEED of the counted process (fixed: a launch counts "
-                             "what the last launch of the same code counted; another seed "
-                             "lays dicts out another way, ~0.1M a step either way)")
+    parser.add_argument(
+        "--no-valgrind",
+        action="store_true",
+        help="run the configs once without valgrind: nothing is counted",
+    )
+    parser.add_argument(
+        "--hash-seed",
+        type=int,
+        default=0,
+        help="PYTHONHASHSEED of the counted process (fixed: a launch counts "
+        "what the last launch of the same code counted; another seed "
+        "lays dicts out another way, ~0.1M a step either way)",
+    )
     parser.add_argument("--json", default=None, help="write every figure here")
-    parser.add_argument("--keep", default=None, metavar="DIR",
-                        help="keep each config's callgrind dump here (<model>-<config>.callgrind: "
-                             "callgrind_annotate shows where its instructions go)")
+    parser.add_argument(
+        "--keep",
+        default=None,
+        metavar="DIR",
+        help="keep each config's callgrind dump here (<model>-<config>.callgrind: "
+        "callgrind_annotate shows where its instructions go)",
+    )
     parser.add_argument("--_inside", dest="inside", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
@@ -244,10 +300,12 @@ def main(argv=None) -> int:
     counts = run_under_callgrind(args)
     nparams = {m: len(list(build_model(m, args)[0].parameters())) for m in args.models}
     results = figures(counts, nparams)
-    print(f"# millions of instructions per step (callgrind, every thread; added: over plain, "
-          f"K/param: thousands per parameter), {args.steps} steps counted per "
-          f"config after {args.warmup}; world 1; forward mode with HYBRIDCOMM_DEFER=always; "
-          f"hybridcomm {sync_overhead.HYBRID}")
+    print(
+        f"# millions of instructions per step (callgrind, every thread; added: over plain, "
+        f"K/param: thousands per parameter), {args.steps} steps counted per "
+        f"config after {args.warmup}; world 1; forward mode with HYBRIDCOMM_DEFER=always; "
+        f"hybridcomm {sync_overhead.HYBRID}"
+    )
     for res in results:
         print_table(res, describe(res["model"], args).split(":")[0])
     print("\n# verdicts")
@@ -256,9 +314,14 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - t0
     print(f"# {wall:.0f} s")
     if args.json:
-        doc = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "inside")},
-               "hybridcomm_options": sync_overhead.HYBRID, "torch": torch.__version__,
-               "git": sync_overhead._git_state(), "seconds": wall, "results": results}
+        doc = {
+            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "inside")},
+            "hybridcomm_options": sync_overhead.HYBRID,
+            "torch": torch.__version__,
+            "git": sync_overhead._git_state(),
+            "seconds": wall,
+            "results": results,
+        }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     return 0

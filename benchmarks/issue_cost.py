@@ -16,6 +16,7 @@ both ways, in the same run.
 A GPU run (nsys: the NVTX ranges of benchmarks/profile/nsys_train.sh) is what
 settles the effect on backward kernels; none was available here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,14 +45,21 @@ def _rank(rank: int, world: int, threaded: bool, steps: int, layers: int, width:
         t0 = time.perf_counter()
         launch(self, s, pass_id)
         spent.append(time.perf_counter() - t0)
+
     BucketGroup.launch = timed
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
-                                          model=model, overlap="backward", strategy="ring",
-                                          fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
-                                          measure_iters=0, timeout=120)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-3),
+        model=model,
+        overlap="backward",
+        strategy="ring",
+        fusion_bytes=0,
+        cost_model=CostModel(2e-5, 1e-9, 1e-10),
+        measure_iters=0,
+        timeout=120,
+    )
     x = torch.randn(16, width)
     backward = []
     for s in range(steps):
@@ -80,18 +88,30 @@ def main() -> None:
 
     rows = []
     for threaded in (False, True):
-        out = launch(_rank, args.ranks, threaded, args.steps, args.layers, args.width,
-                     backend="gloo", timeout=600)
+        out = launch(
+            _rank,
+            args.ranks,
+            threaded,
+            args.steps,
+            args.layers,
+            args.width,
+            backend="gloo",
+            timeout=600,
+        )
         hook = statistics.mean(o[0] for o in out)
         bwd = statistics.mean(o[1] for o in out)
         rows.append(("channel thread" if threaded else "in the hook", hook, bwd, out[0][2]))
-    print(f"# issue cost on the simulated GPU: {args.ranks} ranks, ring, {args.layers} "
-          f"Linear({args.width}, {args.width}) layers, {args.steps - 2} measured steps")
+    print(
+        f"# issue cost on the simulated GPU: {args.ranks} ranks, ring, {args.layers} "
+        f"Linear({args.width}, {args.width}) layers, {args.steps - 2} measured steps"
+    )
     print(f"{'issued':>15} {'buckets':>7} {'hook us/bucket':>15} {'backward ms':>12}")
     for name, hook, bwd, buckets in rows:
         print(f"{name:>15} {buckets:>7} {hook * 1e6:>15.0f} {bwd * 1e3:>12.2f}")
-    print(f"hook time per bucket: {rows[0][1] / rows[1][1]:.1f}x less on the channel's thread; "
-          f"backward wall {rows[0][2] / rows[1][2]:.2f}x")
+    print(
+        f"hook time per bucket: {rows[0][1] / rows[1][1]:.1f}x less on the channel's thread; "
+        f"backward wall {rows[0][2] / rows[1][2]:.2f}x"
+    )
 
 
 if __name__ == "__main__":

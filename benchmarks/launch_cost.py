@@ -11,6 +11,7 @@ the launch returns is timed (no synchronize inside the loop).
     python benchmarks/launch_cost.py                 # 100 MiB fp32 bucket, 25 tensors
     python benchmarks/launch_cost.py --mib 100 --tensors 25 --block 1024 --op unpack
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,6 +49,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     from hybridcomm import kernels as K
+
     module = importlib.import_module(f"hybridcomm.kernels.{args.op}")
     device = torch.device(args.device)
     stub = None
@@ -78,11 +80,17 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     programs = stub.programs if stub else -(-numel // args.block)
-    result = {"op": args.op, "device": str(device), "bucket_mib": args.mib,
-              "tensors": args.tensors, "block": args.block, "programs": programs,
-              "first_launch_ms": first * 1e3,
-              "host_ms_per_launch_median": statistics.median(times) * 1e3,
-              "host_ms_per_launch_min": min(times) * 1e3}
+    result = {
+        "op": args.op,
+        "device": str(device),
+        "bucket_mib": args.mib,
+        "tensors": args.tensors,
+        "block": args.block,
+        "programs": programs,
+        "first_launch_ms": first * 1e3,
+        "host_ms_per_launch_median": statistics.median(times) * 1e3,
+        "host_ms_per_launch_min": min(times) * 1e3,
+    }
     for k, v in result.items():
         print(f"{k:28s} {v:.4f}" if isinstance(v, float) else f"{k:28s} {v}")
     return result

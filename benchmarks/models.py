@@ -19,6 +19,7 @@ input is the embeddings themselves, ``input_shape("transformer")`` = (tokens, wi
 mean-pooled into a 10-class head: the shape of a language model's body at CPU size, for
 the sharded-optimizer comparison (issue 40).
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,17 +33,16 @@ DEFAULT_MODEL = "vgg_small"  # the thesis model: the regime map and the demo run
 # name -> what it is (--help prints these)
 MODELS = {
     "vgg_small": "the thesis model: 3 small convs, 3 large FC layers, 2.39M params",
-    "vgg11": "torchvision's VGG-11 with a CIFAR head (global pool + Linear(512, 10)), "
-             "9.23M params",
+    "vgg11": "torchvision's VGG-11 with a CIFAR head (global pool + Linear(512, 10)), 9.23M params",
     "resnet18": "torchvision's ResNet-18 with the CIFAR stem (3x3 stride-1 conv1, no maxpool), "
-                "fc 512->10, 11.17M params",
+    "fc 512->10, 11.17M params",
 }
 
 # Models whose input is a sequence of token embeddings rather than an image (not in MODELS,
 # which lists the image models; train.py offers both).
 TOKEN_MODELS = {
     "transformer": "4 nn.TransformerEncoderLayer (width 256, 4 heads, FF 1024, no dropout) "
-                   "on 32 synthetic token embeddings, mean-pooled, Linear(256, 10); 3.16M params",
+    "on 32 synthetic token embeddings, mean-pooled, Linear(256, 10); 3.16M params",
 }
 ALL_MODELS = {**MODELS, **TOKEN_MODELS}
 TOKENS, WIDTH = 32, 256
@@ -59,13 +59,20 @@ class VggSmall(nn.Module):
     def __init__(self, fc_width: int = 512, num_classes: int = NUM_CLASSES):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
         )
         self.classifier = nn.Sequential(
-            nn.Linear(64 * 8 * 8, fc_width), nn.ReLU(inplace=True),
-            nn.Linear(fc_width, fc_width), nn.ReLU(inplace=True),
+            nn.Linear(64 * 8 * 8, fc_width),
+            nn.ReLU(inplace=True),
+            nn.Linear(fc_width, fc_width),
+            nn.ReLU(inplace=True),
             nn.Linear(fc_width, num_classes),
         )
 
@@ -85,12 +92,19 @@ class TokenTransformer(nn.Module):
     embeddings, mean over the tokens, Linear(width, classes). Dropout 0, so every
     config of the benchmark trains on the same numbers."""
 
-    def __init__(self, layers: int = 4, width: int = WIDTH, heads: int = 4, ff: int = 1024,
-                 num_classes: int = NUM_CLASSES):
+    def __init__(
+        self,
+        layers: int = 4,
+        width: int = WIDTH,
+        heads: int = 4,
+        ff: int = 1024,
+        num_classes: int = NUM_CLASSES,
+    ):
         super().__init__()
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(width, heads, ff, dropout=0.0, batch_first=True)
-            for _ in range(layers))
+            for _ in range(layers)
+        )
         self.head = nn.Linear(width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,6 +121,7 @@ def transformer(seed: int = 0) -> TokenTransformer:
 
 
 # ---------------------------------------------------------------- real architectures
+
 
 @functools.lru_cache(maxsize=None)
 def _torchvision_models():
@@ -216,12 +231,26 @@ def build(name: str = DEFAULT_MODEL, seed: int = 0, use_torchvision=None) -> nn.
 
 def param_counts(model: nn.Module) -> dict:
     """Parameter counts and bytes, split into conv and fully-connected layers."""
-    conv = sum(p.numel() for m in model.modules() if isinstance(m, nn.Conv2d)
-               for p in m.parameters(recurse=False))
-    fc = sum(p.numel() for m in model.modules() if isinstance(m, nn.Linear)
-             for p in m.parameters(recurse=False))
+    conv = sum(
+        p.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Conv2d)
+        for p in m.parameters(recurse=False)
+    )
+    fc = sum(
+        p.numel()
+        for m in model.modules()
+        if isinstance(m, nn.Linear)
+        for p in m.parameters(recurse=False)
+    )
     total = sum(p.numel() for p in model.parameters())
     layers = [(name, p.numel()) for name, p in model.named_parameters()]
-    return {"name": type(model).__name__, "params": total, "conv_params": conv, "fc_params": fc,
-            "bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "tensors": len(layers), "largest_tensor": max(n for _, n in layers)}
+    return {
+        "name": type(model).__name__,
+        "params": total,
+        "conv_params": conv,
+        "fc_params": fc,
+        "bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "tensors": len(layers),
+        "largest_tensor": max(n for _, n in layers),
+    }

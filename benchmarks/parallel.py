@@ -19,6 +19,7 @@ is the step), and each config's ratio to ddp.
 
     python benchmarks/parallel.py --shape "rate 100mbit" --steps 12
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,12 +61,17 @@ def _run_config(config, rank, world, args, pp, dp):
     if config == "ddp":
         wrapped = nn.parallel.DistributedDataParallel(module, process_group=dp)
     elif config != "local":
-        opt = hybridcomm.DistributedOptimizer(base, model=module, process_group=dp,
-                                              overlap=config.split("-")[1], timeout=300)
+        opt = hybridcomm.DistributedOptimizer(
+            base, model=module, process_group=dp, overlap=config.split("-")[1], timeout=300
+        )
     stage = PipelineStage(wrapped, stage_index, STAGES, torch.device("cpu"), group=pp)
     schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[args.schedule]
-    pipe = schedule(stage, n_microbatches=MICRO, scale_grads=False,
-                    loss_fn=lambda out, y: F.mse_loss(out, y) / MICRO)
+    pipe = schedule(
+        stage,
+        n_microbatches=MICRO,
+        scale_grads=False,
+        loss_fn=lambda out, y: F.mse_loss(out, y) / MICRO,
+    )
     g = torch.Generator().manual_seed(replica)
     x = torch.randn(args.batch, args.width, generator=g)
     y = torch.randn(args.batch, args.width, generator=g)
@@ -117,16 +123,28 @@ def main(argv=None):
 
     network = shaped_network(4, args.shape) if args.shape else contextlib.nullcontext()
     with network as net:
-        per_rank = launch(_rank, 4, args, backend="gloo", setup=net and net.setup,
-                          timeout=args.timeout, start_method="forkserver")  # torch imported once
+        per_rank = launch(
+            _rank,
+            4,
+            args,
+            backend="gloo",
+            setup=net and net.setup,
+            timeout=args.timeout,
+            start_method="forkserver",
+        )  # torch imported once
     where = f"tbf {args.shape} per rank link" if args.shape else "loopback"
     params = args.layers * (args.width * args.width + args.width)
-    print(f"DP x PP: 2 replicas x 2 stages, {args.schedule}, {MICRO} micro-batches of "
-          f"{args.batch // MICRO}, {params / 1e6:.2f}M params per stage "
-          f"({params * 4 / 2**20:.1f} MiB of gradients), 4 ranks on CPU (gloo), {where}; "
-          f"median of {args.steps} steps after {args.warmup}, slowest rank")
-    ddp = max(r[args.configs.index("ddp")]["step_ms"] for r in per_rank) \
-        if "ddp" in args.configs else None
+    print(
+        f"DP x PP: 2 replicas x 2 stages, {args.schedule}, {MICRO} micro-batches of "
+        f"{args.batch // MICRO}, {params / 1e6:.2f}M params per stage "
+        f"({params * 4 / 2**20:.1f} MiB of gradients), 4 ranks on CPU (gloo), {where}; "
+        f"median of {args.steps} steps after {args.warmup}, slowest rank"
+    )
+    ddp = (
+        max(r[args.configs.index("ddp")]["step_ms"] for r in per_rank)
+        if "ddp" in args.configs
+        else None
+    )
     print(f"{'config':<16} {'step ms':>9} {'vs ddp':>7}  plan")
     for i, config in enumerate(args.configs):
         step = max(r[i]["step_ms"] for r in per_rank)

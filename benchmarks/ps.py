@@ -29,6 +29,7 @@ workers (printed, and a mismatch is an error). ``--json`` writes everything.
     python benchmarks/ps.py --shape "rate 100mbit"
     python benchmarks/ps.py --shape "rate 100mbit" --sizes 16777216 --train --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,8 +110,9 @@ def _train_config(config, rank, group, srv, train):
             kw["cost_model"] = "probe"  # this network's line (and ps's, with servers)
         else:
             kw["strategy"] = config
-        opt = hybridcomm.DistributedOptimizer(base, model=model, overlap="backward",
-                                              timeout=1800, **kw)
+        opt = hybridcomm.DistributedOptimizer(
+            base, model=model, overlap="backward", timeout=1800, **kw
+        )
     g = torch.Generator().manual_seed(1000 + rank)  # each worker its own shard
     x = torch.randn(train["batch"], train["width"], generator=g)
     y = torch.randn(train["batch"], train["width"], generator=g)
@@ -124,8 +126,9 @@ def _train_config(config, rank, group, srv, train):
         if step >= train["warmup"]:
             times.append(time.perf_counter() - t0)
     if config in ("ddp", "local"):
-        note = {"ddp": "DDP, 25 MB buckets (its default)",
-                "local": "no averaging (the floor)"}[config]
+        note = {"ddp": "DDP, 25 MB buckets (its default)", "local": "no averaging (the floor)"}[
+            config
+        ]
     else:
         opt.synchronize()
         plan = opt.plan
@@ -135,9 +138,13 @@ def _train_config(config, rank, group, srv, train):
         note = f"{len(plan.buckets)} buckets: " + ", ".join(f"{a} x{n}" for a, n in algos.items())
         opt.close()  # the servers (shared, closed after the last config) stay up
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    return {"config": config, "step_ms": statistics.median(times) * 1e3,
-            "times_ms": [t * 1e3 for t in times], "note": note,
-            "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest()}
+    return {
+        "config": config,
+        "step_ms": statistics.median(times) * 1e3,
+        "times_ms": [t * 1e3 for t in times],
+        "note": note,
+        "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+    }
 
 
 def _rank(rank, world, servers, sizes, iters, chunk_bytes, train=None):
@@ -150,8 +157,9 @@ def _rank(rank, world, servers, sizes, iters, chunk_bytes, train=None):
     if servers:  # the raw pattern first, every rank (the servers serve after it)
         for row in out:
             for name, pull in (("push", False), ("pushpull", True)):
-                row[name] = _time(lambda b, p=pull: _raw_exchange(role, row["bytes"], p), None,
-                                  iters, None)
+                row[name] = _time(
+                    lambda b, p=pull: _raw_exchange(role, row["bytes"], p), None, iters, None
+                )
     if role.is_server:
         ps.serve(role, timeout=1800)
         return (out, None) if train else out
@@ -166,12 +174,16 @@ def _rank(rank, world, servers, sizes, iters, chunk_bytes, train=None):
             row[name] = _time(fn, buf, iters, group)
     if srv is not None:
         for row in out:
-            row["ps"] = _time(lambda b: srv.all_reduce(b), torch.ones(row["bytes"] // 4), iters,
-                              group)
+            row["ps"] = _time(
+                lambda b: srv.all_reduce(b), torch.ones(row["bytes"] // 4), iters, group
+            )
     steps = None
     if train:
-        steps = [_train_config(c, rank, group, srv, train) for c in train["configs"]
-                 if c != "ps" or srv is not None]
+        steps = [
+            _train_config(c, rank, group, srv, train)
+            for c in train["configs"]
+            if c != "ps" or srv is not None
+        ]
     if srv is not None:
         srv.close()
     return (out, steps) if train else out
@@ -181,77 +193,139 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default=None, help='tbf spec per link, e.g. "rate 100mbit"')
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--servers", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[0, 2, 4])
-    parser.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[1 << 20, 4 << 20, 16 << 20], help="bytes (fp32)")
+    parser.add_argument(
+        "--servers", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2, 4]
+    )
+    parser.add_argument(
+        "--sizes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1 << 20, 4 << 20, 16 << 20],
+        help="bytes (fp32)",
+    )
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=64 << 10, help="ps chunk bytes")
-    parser.add_argument("--train", action="store_true",
-                        help="also time a training step per config in each K's launch")
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="also time a training step per config in each K's launch",
+    )
     parser.add_argument("--width", type=int, default=1024, help="MLP width (--train)")
     parser.add_argument("--layers", type=int, default=4, help="MLP layers (--train)")
     parser.add_argument("--batch", type=int, default=32, help="per worker (--train)")
-    parser.add_argument("--warmup", type=int, default=4,
-                        help="untimed steps (--train; hybridcomm measures 3, then re-plans)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=4,
+        help="untimed steps (--train; hybridcomm measures 3, then re-plans)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps (--train)")
-    parser.add_argument("--configs", type=lambda s: s.split(","), default=list(TRAIN_CONFIGS),
-                        help="--train configs")
+    parser.add_argument(
+        "--configs",
+        type=lambda s: s.split(","),
+        default=list(TRAIN_CONFIGS),
+        help="--train configs",
+    )
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
-    train = dict(width=args.width, layers=args.layers, batch=args.batch, warmup=args.warmup,
-                 steps=args.steps, configs=args.configs) if args.train else None
+    train = (
+        dict(
+            width=args.width,
+            layers=args.layers,
+            batch=args.batch,
+            warmup=args.warmup,
+            steps=args.steps,
+            configs=args.configs,
+        )
+        if args.train
+        else None
+    )
     os.environ.setdefault("HYBRIDCOMM_LOG_LEVEL", "WARNING")  # the plans: the table's column
 
     from hybridcomm.tools.launch import launch
     from train import shaped_network
 
     where = f"tbf {args.shape} on every process's link" if args.shape else "loopback"
-    print(f"all-reduce over {args.workers} workers (fp32), CPU/gloo, {where}; median of "
-          f"{args.iters} after a warm-up; ring/native/ps timed in the same launch; "
-          f"ps = BytePS-style summation servers (hybridcomm.comm.servers, {args.chunk} B chunks)")
-    print("raw push / raw push+pull: ps's flows as plain gloo isend/irecv (no summing, "
-          "no pipelining): what this network gives that pattern")
-    print(f"{'servers':>7} {'bytes':>10} {'ring ms':>9} {'native ms':>9} {'ps ms':>9} "
-          f"{'ring/ps':>7} {'native/ps':>9} {'raw push':>9} {'raw p+p':>8}")
-    doc = {"command": sys.argv, "shape": args.shape, "workers": args.workers,
-           "chunk": args.chunk, "iters": args.iters, "train": train, "allreduce": [],
-           "steps": []}
+    print(
+        f"all-reduce over {args.workers} workers (fp32), CPU/gloo, {where}; median of "
+        f"{args.iters} after a warm-up; ring/native/ps timed in the same launch; "
+        f"ps = BytePS-style summation servers (hybridcomm.comm.servers, {args.chunk} B chunks)"
+    )
+    print(
+        "raw push / raw push+pull: ps's flows as plain gloo isend/irecv (no summing, "
+        "no pipelining): what this network gives that pattern"
+    )
+    print(
+        f"{'servers':>7} {'bytes':>10} {'ring ms':>9} {'native ms':>9} {'ps ms':>9} "
+        f"{'ring/ps':>7} {'native/ps':>9} {'raw push':>9} {'raw p+p':>8}"
+    )
+    doc = {
+        "command": sys.argv,
+        "shape": args.shape,
+        "workers": args.workers,
+        "chunk": args.chunk,
+        "iters": args.iters,
+        "train": train,
+        "allreduce": [],
+        "steps": [],
+    }
     for k in args.servers:
         nprocs = args.workers + k
         network = shaped_network(nprocs, args.shape) if args.shape else contextlib.nullcontext()
         with network as net:
-            per_rank = launch(_rank, nprocs, k, args.sizes, args.iters, args.chunk, train,
-                              backend="gloo", setup=net and net.setup, timeout=3600)
+            per_rank = launch(
+                _rank,
+                nprocs,
+                k,
+                args.sizes,
+                args.iters,
+                args.chunk,
+                train,
+                backend="gloo",
+                setup=net and net.setup,
+                timeout=3600,
+            )
         if train:
-            steps = [r[1] for r in per_rank[:args.workers]]
+            steps = [r[1] for r in per_rank[: args.workers]]
             per_rank = [r[0] for r in per_rank]
             for i, row in enumerate(steps[0]):
                 hashes = {s[i]["params_sha256"] for s in steps}
-                doc["steps"].append({
-                    "servers": k, "config": row["config"],
-                    "step_ms": max(s[i]["step_ms"] for s in steps),
-                    "per_worker_ms": [s[i]["step_ms"] for s in steps],
-                    "note": row["note"],
-                    "identical": len(hashes) == 1})
-        doc["allreduce"] += [dict(servers=k, bytes=nbytes,
-                                  **{a: max(r[i][a] for r in per_rank[:args.workers])
-                                     for a in ("ring", "native", "ps") if a in per_rank[0][i]})
-                             for i, nbytes in enumerate(args.sizes)]
+                doc["steps"].append(
+                    {
+                        "servers": k,
+                        "config": row["config"],
+                        "step_ms": max(s[i]["step_ms"] for s in steps),
+                        "per_worker_ms": [s[i]["step_ms"] for s in steps],
+                        "note": row["note"],
+                        "identical": len(hashes) == 1,
+                    }
+                )
+        doc["allreduce"] += [
+            dict(
+                servers=k,
+                bytes=nbytes,
+                **{
+                    a: max(r[i][a] for r in per_rank[: args.workers])
+                    for a in ("ring", "native", "ps")
+                    if a in per_rank[0][i]
+                },
+            )
+            for i, nbytes in enumerate(args.sizes)
+        ]
         for i, nbytes in enumerate(args.sizes):
-            rows = [r[i] for r in per_rank[:args.workers]]
+            rows = [r[i] for r in per_rank[: args.workers]]
             ring = max(r["ring"] for r in rows) * 1e3
             native = max(r["native"] for r in rows) * 1e3
             if k:
                 p = max(r["ps"] for r in rows) * 1e3
                 push = max(x[i]["push"] for x in per_rank)
                 both = max(x[i]["pushpull"] for x in per_rank)
-                print(f"{k:>7} {nbytes:>10} {ring:>9.1f} {native:>9.1f} {p:>9.1f} "
-                      f"{ring / p:>7.2f} {native / p:>9.2f} {push * 1e3:>9.1f} "
-                      f"{both * 1e3:>8.1f}")
+                print(
+                    f"{k:>7} {nbytes:>10} {ring:>9.1f} {native:>9.1f} {p:>9.1f} "
+                    f"{ring / p:>7.2f} {native / p:>9.2f} {push * 1e3:>9.1f} "
+                    f"{both * 1e3:>8.1f}"
+                )
             else:
-                print(f"{k:>7} {nbytes:>10} {ring:>9.1f} {native:>9.1f} {'-':>9} {'-':>7} "
-                      f"{'-':>9}")
+                print(f"{k:>7} {nbytes:>10} {ring:>9.1f} {native:>9.1f} {'-':>9} {'-':>7} {'-':>9}")
 
     if train:
         _print_steps(args, doc["steps"])
@@ -259,8 +333,11 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")
-    bad = [f"K={r['servers']} {r['config']}" for r in doc["steps"]
-           if not r["identical"] and r["config"] != "local"]
+    bad = [
+        f"K={r['servers']} {r['config']}"
+        for r in doc["steps"]
+        if not r["identical"] and r["config"] != "local"
+    ]
     if bad:
         raise SystemExit(f"error: parameters differ across workers: {', '.join(bad)}")
 
@@ -269,13 +346,17 @@ def _print_steps(args, rows):
     params = args.layers * (args.width * args.width + args.width)
     where = f"tbf {args.shape} on every process's link" if args.shape else "loopback"
     print()
-    print(f"training step over {args.workers} workers: MLP {args.layers} x Linear({args.width}, "
-          f"{args.width}), {params / 1e6:.2f}M params ({params * 4 / 2**20:.1f} MiB fp32 "
-          f"gradients), batch {args.batch} per worker, SGD; CPU/gloo, {where}; hybridcomm "
-          f"overlap=backward; median of {args.steps} steps after {args.warmup}, slowest worker; "
-          f"each K one launch (after its all-reduce timing)")
-    print(f"{'servers':>7} {'config':<7} {'step ms':>9} {'vs ring':>7} {'vs ddp':>7} "
-          f"{'params':>9}  plan")
+    print(
+        f"training step over {args.workers} workers: MLP {args.layers} x Linear({args.width}, "
+        f"{args.width}), {params / 1e6:.2f}M params ({params * 4 / 2**20:.1f} MiB fp32 "
+        f"gradients), batch {args.batch} per worker, SGD; CPU/gloo, {where}; hybridcomm "
+        f"overlap=backward; median of {args.steps} steps after {args.warmup}, slowest worker; "
+        f"each K one launch (after its all-reduce timing)"
+    )
+    print(
+        f"{'servers':>7} {'config':<7} {'step ms':>9} {'vs ring':>7} {'vs ddp':>7} "
+        f"{'params':>9}  plan"
+    )
     for k in args.servers:
         mine = {r["config"]: r for r in rows if r["servers"] == k}
         ring, ddp = mine.get("ring"), mine.get("ddp")
@@ -283,11 +364,15 @@ def _print_steps(args, rows):
             vs_ring = f"{ring['step_ms'] / r['step_ms']:.2f}" if ring else "-"
             vs_ddp = f"{ddp['step_ms'] / r['step_ms']:.2f}" if ddp else "-"
             same = "identical" if r["identical"] else "differ"
-            print(f"{k:>7} {config:<7} {r['step_ms']:>9.1f} {vs_ring:>7} {vs_ddp:>7} "
-                  f"{same:>9}  {r['note']}")
-    print("vs ring / vs ddp: that config's step time / this one's (> 1: this one is faster); "
-          "params: the trained parameters bitwise identical on every worker (local: no averaging, "
-          "so they differ: the check can fail)")
+            print(
+                f"{k:>7} {config:<7} {r['step_ms']:>9.1f} {vs_ring:>7} {vs_ddp:>7} "
+                f"{same:>9}  {r['note']}"
+            )
+    print(
+        "vs ring / vs ddp: that config's step time / this one's (> 1: this one is faster); "
+        "params: the trained parameters bitwise identical on every worker (local: no averaging, "
+        "so they differ: the check can fail)"
+    )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ namespace per rank under tbf, as train.py did; root) and predicts every
 config it measured. Which conclusions rest on which assumptions:
 docs/PERFORMANCE.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,6 +61,7 @@ SIM_CONFIGS = ("stock", "ddp:25", "hybrid-backward", "hybrid-forward")
 
 
 # ------------------------------------------------------------------ inputs
+
 
 @dataclass
 class LayerProfile:
@@ -100,6 +102,7 @@ class Network:
 
 # ------------------------------------------------------------------ the simulation
 
+
 @dataclass
 class Comm:
     """One all-reduce on the channel: ready after the backward of ``after`` (layer
@@ -110,8 +113,13 @@ class Comm:
     gates: List[int] = field(default_factory=list)
 
 
-def simulate(layers: Sequence[LayerProfile], comms: Sequence[Comm], mode: str,
-             cpu_share: float = 0.0, iterations: int = 6) -> Tuple[float, List[tuple]]:
+def simulate(
+    layers: Sequence[LayerProfile],
+    comms: Sequence[Comm],
+    mode: str,
+    cpu_share: float = 0.0,
+    iterations: int = 6,
+) -> Tuple[float, List[tuple]]:
     """Steady-state step time of ``layers`` with ``comms`` (in channel order).
 
     ``mode``: ``"after"`` (comms start after the whole backward: stock),
@@ -215,12 +223,14 @@ def simulate(layers: Sequence[LayerProfile], comms: Sequence[Comm], mode: str,
     issue_ready(float("inf"))
     last = iterations - 1
     end_last = max([t] + [comm_done[(ci, last)] for ci in range(len(comms))])
-    period = ((end_last - fwd_start[1]) / (iterations - 1) if iterations > 1
-              else end_last - fwd_start[0])
+    period = (
+        (end_last - fwd_start[1]) / (iterations - 1) if iterations > 1 else end_last - fwd_start[0]
+    )
     return period, timeline
 
 
 # ------------------------------------------------------------------ configs -> comms
+
 
 def stock_comms(layers, network, world) -> List[Comm]:
     """One all-reduce per gradient tensor, last layer first (the order the loop
@@ -262,8 +272,16 @@ def hybrid_plan(layers, network, world):
         need[x.name] = i
         plan_layers.append(PlanLayer(x.name, list(range(p, p + len(x.tensors))), x.grad_bytes // 4))
         p += len(x.tensors)
-    return make_plan(plan_layers, world_size=world, model=network.model, strategy="hybrid",
-                     windows=windows, ready=ready, need=need, topology=network.topology(world))
+    return make_plan(
+        plan_layers,
+        world_size=world,
+        model=network.model,
+        strategy="hybrid",
+        windows=windows,
+        ready=ready,
+        need=need,
+        topology=network.topology(world),
+    )
 
 
 def hybrid_comms(layers, network, world) -> List[Comm]:
@@ -275,8 +293,9 @@ def hybrid_comms(layers, network, world) -> List[Comm]:
         bucket = plan.buckets[b]
         a, z = bucket.segments[s]
         members = [index[name] for name in bucket.layers]
-        seconds = network.model.predict(bucket.algorithm, (z - a) * 4, world, topo) \
-            if world > 1 else 0.0
+        seconds = (
+            network.model.predict(bucket.algorithm, (z - a) * 4, world, topo) if world > 1 else 0.0
+        )
         last = s == len(bucket.segments) - 1
         out.append(Comm(seconds, members, members if last else []))
     return out
@@ -317,14 +336,30 @@ def _linear(name, fin, fout, tokens=1):
 
 
 def vgg16_layers():
-    cfg = [(64, 224), (64, 224), (128, 112), (128, 112), (256, 56), (256, 56), (256, 56),
-           (512, 28), (512, 28), (512, 28), (512, 14), (512, 14), (512, 14)]
+    cfg = [
+        (64, 224),
+        (64, 224),
+        (128, 112),
+        (128, 112),
+        (256, 56),
+        (256, 56),
+        (256, 56),
+        (512, 28),
+        (512, 28),
+        (512, 28),
+        (512, 14),
+        (512, 14),
+        (512, 14),
+    ]
     out, cin = [], 3
     for j, (c, hw) in enumerate(cfg):
         out.append(_conv(f"conv{j + 1}", cin, c, 3, hw))
         cin = c
-    return out + [_linear("fc6", 25088, 4096), _linear("fc7", 4096, 4096),
-                  _linear("fc8", 4096, 1000)]
+    return out + [
+        _linear("fc6", 25088, 4096),
+        _linear("fc7", 4096, 4096),
+        _linear("fc8", 4096, 1000),
+    ]
 
 
 def resnet50_layers():
@@ -334,8 +369,9 @@ def resnet50_layers():
     for s, (blocks, mid, hw) in enumerate([(3, 64, 56), (4, 128, 28), (6, 256, 14), (3, 512, 7)]):
         for b in range(blocks):
             pre = f"layer{s + 1}.{b}"
-            out.append(_conv(f"{pre}.conv1", cin, mid, 1, hw if b else hw * (2 if s else 1),
-                             bias=False))
+            out.append(
+                _conv(f"{pre}.conv1", cin, mid, 1, hw if b else hw * (2 if s else 1), bias=False)
+            )
             out.append(_conv(f"{pre}.conv2", mid, mid, 3, hw, bias=False))
             out.append(_conv(f"{pre}.conv3", mid, mid * 4, 1, hw, bias=False))
             if b == 0:
@@ -368,27 +404,34 @@ PROJECTED_MODELS = {  # name -> (layers, per-GPU batch, what a sample is)
 
 
 def profile_from_flops(spec, batch: int, flops: float = GPU_FLOPS) -> List[LayerProfile]:
-    return [LayerProfile(name, f * batch / flops, 2 * f * batch / flops, tensors)
-            for name, f, tensors in spec]
+    return [
+        LayerProfile(name, f * batch / flops, 2 * f * batch / flops, tensors)
+        for name, f, tensors in spec
+    ]
 
 
 # Per network: intra-node NVLink, 8 GPUs a node; between nodes as named. gamma:
 # a reduction kernel at ~400 GB/s of HBM traffic.
 NETWORKS = {
-    "nvlink+ib": Network("nvlink+ib", CostModel(5e-6, 1 / 150e9, 1 / 400e9, inter_alpha=15e-6,
-                                                inter_beta=1 / 100e9), node_size=8,
-                         notes="NVLink 150 GB/s inside 8-GPU nodes; 4 x 200 Gb/s InfiniBand "
-                               "(100 GB/s) per node"),
-    "nvlink+eth": Network("nvlink+eth", CostModel(5e-6, 1 / 150e9, 1 / 400e9, inter_alpha=50e-6,
-                                                  inter_beta=1 / 12.5e9), node_size=8,
-                          notes="NVLink 150 GB/s inside 8-GPU nodes; one 100 Gb/s Ethernet "
-                                "(12.5 GB/s) per node"),
+    "nvlink+ib": Network(
+        "nvlink+ib",
+        CostModel(5e-6, 1 / 150e9, 1 / 400e9, inter_alpha=15e-6, inter_beta=1 / 100e9),
+        node_size=8,
+        notes="NVLink 150 GB/s inside 8-GPU nodes; 4 x 200 Gb/s InfiniBand (100 GB/s) per node",
+    ),
+    "nvlink+eth": Network(
+        "nvlink+eth",
+        CostModel(5e-6, 1 / 150e9, 1 / 400e9, inter_alpha=50e-6, inter_beta=1 / 12.5e9),
+        node_size=8,
+        notes="NVLink 150 GB/s inside 8-GPU nodes; one 100 Gb/s Ethernet (12.5 GB/s) per node",
+    ),
 }
 GPU_COUNTS = [4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 
-def project(models=PROJECTED_MODELS, networks=NETWORKS, gpus=GPU_COUNTS,
-            configs=SIM_CONFIGS) -> List[dict]:
+def project(
+    models=PROJECTED_MODELS, networks=NETWORKS, gpus=GPU_COUNTS, configs=SIM_CONFIGS
+) -> List[dict]:
     rows = []
     for mname, (spec_fn, batch, _) in models.items():
         layers = profile_from_flops(spec_fn(), batch)
@@ -397,14 +440,22 @@ def project(models=PROJECTED_MODELS, networks=NETWORKS, gpus=GPU_COUNTS,
             for p in gpus:
                 for config in configs:
                     step = predict(config, layers, net, p)
-                    rows.append({"model": mname, "gpus": p, "network": net.name,
-                                 "config": config, "step_ms": step * 1e3,
-                                 "compute_ms": compute * 1e3,
-                                 "scaling_efficiency": compute / step})
+                    rows.append(
+                        {
+                            "model": mname,
+                            "gpus": p,
+                            "network": net.name,
+                            "config": config,
+                            "step_ms": step * 1e3,
+                            "compute_ms": compute * 1e3,
+                            "scaling_efficiency": compute / step,
+                        }
+                    )
     return rows
 
 
 # ------------------------------------------------------------------ validation
+
 
 def profile_vgg_small(batch: int, reps: int = 5) -> List[LayerProfile]:
     """VggSmall's per-layer forward and backward seconds here (one thread; medians)."""
@@ -449,14 +500,17 @@ def profile_vgg_small(batch: int, reps: int = 5) -> List[LayerProfile]:
     out = []
     for n, m in layers:
         tensors = [p.numel() * p.element_size() for p in m.parameters(recurse=False)]
-        out.append(LayerProfile(n, statistics.median(fwd[n][1:]), statistics.median(bwd[n][1:]),
-                                tensors))
+        out.append(
+            LayerProfile(n, statistics.median(fwd[n][1:]), statistics.median(bwd[n][1:]), tensors)
+        )
     # Time outside the hooked layers (activations, pooling, the loss) goes to the
     # layers in proportion, so the profile sums to the whole step.
     whole = statistics.median(totals[1:])
     inside = sum(x.fwd_s + x.bwd_s for x in out)
-    return [LayerProfile(x.name, x.fwd_s * whole / inside, x.bwd_s * whole / inside, x.tensors)
-            for x in out]
+    return [
+        LayerProfile(x.name, x.fwd_s * whole / inside, x.bwd_s * whole / inside, x.tensors)
+        for x in out
+    ]
 
 
 def scaled(layers: Sequence[LayerProfile], total_s: float) -> List[LayerProfile]:
@@ -507,8 +561,15 @@ def calibrate(nprocs: int, shape: Optional[str], sizes=CAL_SIZES, reps: int = 3)
     from hybridcomm.plan.cost_model import fit
     from hybridcomm.tools.launch import launch
 
-    run = lambda setup=None: launch(_calibration_rank, nprocs, sizes, reps,  # noqa: E731
-                                    backend="gloo", setup=setup, timeout=900)
+    run = lambda setup=None: launch(
+        _calibration_rank,
+        nprocs,
+        sizes,
+        reps,  # noqa: E731
+        backend="gloo",
+        setup=setup,
+        timeout=900,
+    )
     if shape:
         from hybridcomm.tools.netns import ShapedNetwork
 
@@ -518,8 +579,9 @@ def calibrate(nprocs: int, shape: Optional[str], sizes=CAL_SIZES, reps: int = 3)
         per_rank = run()
     points = [(n, max(r[i][1] for r in per_rank)) for i, (n, _) in enumerate(per_rank[0])]
     gamma = measure_gamma()
-    samples = [("ring", n, nprocs, t) for n, t in points] + \
-              [("native", n, nprocs, t) for n, t in points]
+    samples = [("ring", n, nprocs, t) for n, t in points] + [
+        ("native", n, nprocs, t) for n, t in points
+    ]
     model, _ = fit(samples, gamma=gamma)
     return dataclasses.replace(model, meta={"points": points})
 
@@ -542,16 +604,32 @@ def validate(train_json: str, calibration: Optional[CostModel] = None) -> dict:
             if config not in ("stock", "ddp") and not config.startswith(("ddp:", "hybrid-")):
                 continue  # compute, comm, and the configs the simulation has no model of
             pred = predict(config, layers, network, world) * 1e3
-            rows.append({"config": config, "batch_size": bs, "shape": shape or "loopback",
-                         "predicted_ms": pred, "measured_ms": r["step_ms"],
-                         "error": pred / r["step_ms"] - 1})
-    return {"validation": rows, "calibration": {
-        "alpha": model.alpha, "beta": model.beta, "gamma": model.gamma,
-        "native_alpha": model.native_alpha, "native_beta": model.native_beta,
-        "points": model.meta.get("points")}, "train_json": train_json}
+            rows.append(
+                {
+                    "config": config,
+                    "batch_size": bs,
+                    "shape": shape or "loopback",
+                    "predicted_ms": pred,
+                    "measured_ms": r["step_ms"],
+                    "error": pred / r["step_ms"] - 1,
+                }
+            )
+    return {
+        "validation": rows,
+        "calibration": {
+            "alpha": model.alpha,
+            "beta": model.beta,
+            "gamma": model.gamma,
+            "native_alpha": model.native_alpha,
+            "native_beta": model.native_beta,
+            "points": model.meta.get("points"),
+        },
+        "train_json": train_json,
+    }
 
 
 # ------------------------------------------------------------------ output
+
 
 def print_projection(rows):
     keys = list(dict.fromkeys((r["model"], r["network"]) for r in rows))
@@ -563,8 +641,12 @@ def print_projection(rows):
         print(f"{'GPUs':>6} " + " ".join(f"{c:>20}" for c in configs))
         for p in sorted({r["gpus"] for r in rows}):
             cells = [by[(mname, net, p, c)] for c in configs]
-            print(f"{p:>6} " + " ".join(f"{c['step_ms']:>11.1f} ({c['scaling_efficiency']:>5.0%})"
-                                        for c in cells))
+            print(
+                f"{p:>6} "
+                + " ".join(
+                    f"{c['step_ms']:>11.1f} ({c['scaling_efficiency']:>5.0%})" for c in cells
+                )
+            )
 
 
 def plot_projection(rows, path):
@@ -577,8 +659,11 @@ def plot_projection(rows, path):
     fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.4), squeeze=False)
     for ax, (mname, net) in zip(axes[0], keys):
         for config in dict.fromkeys(r["config"] for r in rows):
-            pts = sorted((r["gpus"], r["scaling_efficiency"]) for r in rows
-                         if r["model"] == mname and r["network"] == net and r["config"] == config)
+            pts = sorted(
+                (r["gpus"], r["scaling_efficiency"])
+                for r in rows
+                if r["model"] == mname and r["network"] == net and r["config"] == config
+            )
             ax.plot(*zip(*pts), marker=".", label=config)
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1.05)
@@ -592,35 +677,60 @@ def plot_projection(rows, path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[2:]))
-    ap.add_argument("--validate-against", metavar="TRAIN_JSON",
-                    help="a benchmarks/train.py --json file: predict its configs here")
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    ap.add_argument(
+        "--validate-against",
+        metavar="TRAIN_JSON",
+        help="a benchmarks/train.py --json file: predict its configs here",
+    )
     ap.add_argument("--no-projection", action="store_true", help="only the validation")
     ap.add_argument("--json", metavar="OUT")
     ap.add_argument("--plot", metavar="PNG", help="scaling efficiency per model and network")
     args = ap.parse_args(argv)
-    doc: dict = {"assumptions": {
-        "gpu_flops": GPU_FLOPS, "backward_over_forward": 2.0, "gradient_bytes_per_param": 4,
-        "networks": {k: {"notes": n.notes, "alpha": n.model.alpha, "beta": n.model.beta,
-                         "gamma": n.model.gamma, "inter_alpha": n.model.inter_alpha,
-                         "inter_beta": n.model.inter_beta, "node_size": n.node_size}
-                     for k, n in NETWORKS.items()},
-        "models": {k: {"batch_per_gpu": b, "sample": s} for k, (_, b, s) in PROJECTED_MODELS.items()},
-    }}
+    doc: dict = {
+        "assumptions": {
+            "gpu_flops": GPU_FLOPS,
+            "backward_over_forward": 2.0,
+            "gradient_bytes_per_param": 4,
+            "networks": {
+                k: {
+                    "notes": n.notes,
+                    "alpha": n.model.alpha,
+                    "beta": n.model.beta,
+                    "gamma": n.model.gamma,
+                    "inter_alpha": n.model.inter_alpha,
+                    "inter_beta": n.model.inter_beta,
+                    "node_size": n.node_size,
+                }
+                for k, n in NETWORKS.items()
+            },
+            "models": {
+                k: {"batch_per_gpu": b, "sample": s} for k, (_, b, s) in PROJECTED_MODELS.items()
+            },
+        }
+    }
     if args.validate_against:
         out = validate(args.validate_against)
         doc.update(out)
         cal = out["calibration"]
-        print(f"calibrated here: alpha {cal['alpha'] * 1e6:.0f} us, beta "
-              f"{1 / cal['beta'] / 1e6 if cal['beta'] else float('inf'):.1f} MB/s, gamma "
-              f"{1 / cal['gamma'] / 1e9 if cal['gamma'] else float('inf'):.2f} GB/s")
-        print(f"{'config':>16} {'batch':>5} {'shape':>14} {'predicted':>10} {'measured':>9} "
-              f"{'error':>6}")
+        print(
+            f"calibrated here: alpha {cal['alpha'] * 1e6:.0f} us, beta "
+            f"{1 / cal['beta'] / 1e6 if cal['beta'] else float('inf'):.1f} MB/s, gamma "
+            f"{1 / cal['gamma'] / 1e9 if cal['gamma'] else float('inf'):.2f} GB/s"
+        )
+        print(
+            f"{'config':>16} {'batch':>5} {'shape':>14} {'predicted':>10} {'measured':>9} "
+            f"{'error':>6}"
+        )
         for r in out["validation"]:
-            print(f"{r['config']:>16} {r['batch_size']:>5} {r['shape']:>14} "
-                  f"{r['predicted_ms']:>10.1f} {r['measured_ms']:>9.1f} {r['error']:>+6.0%}")
+            print(
+                f"{r['config']:>16} {r['batch_size']:>5} {r['shape']:>14} "
+                f"{r['predicted_ms']:>10.1f} {r['measured_ms']:>9.1f} {r['error']:>+6.0%}"
+            )
     if not args.no_projection:
         doc["projection"] = project()
         print_projection(doc["projection"])

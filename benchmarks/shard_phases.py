@@ -15,6 +15,7 @@ Prints, per size, each algorithm's ms per call (the median over ``--iters``
 calls of the slowest rank), its ratio to ``native``, and whether every rank's
 result was right (small integers: exact in any order). fp32, sum.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,12 +60,14 @@ def _run(rank: int, world: int, args) -> dict | None:
     from hybridcomm.comm.transport.select import select_transport
     from hybridcomm.gpu.runtime import runtime_for
 
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
     transport = select_transport(device, None, timeout=args.timeout)
     rt = runtime_for(device)
-    algorithms = [a for a in args.algorithms
-                  if a != "halving_doubling" or world & (world - 1) == 0]
+    algorithms = [a for a in args.algorithms if a != "halving_doubling" or world & (world - 1) == 0]
     rows = []
     for nbytes in args.sizes:
         n = equal_padding(max(nbytes // 4, 1), world)  # equal parts (native's layout)
@@ -73,8 +76,9 @@ def _run(rank: int, world: int, args) -> dict | None:
                 buf = torch.empty(n, device=device)
 
                 def call():
-                    reduce_now(buf, transport, algorithm, scale=None, timeout=args.timeout,
-                               phase=phase)
+                    reduce_now(
+                        buf, transport, algorithm, scale=None, timeout=args.timeout, phase=phase
+                    )
 
                 times = []
                 for i in range(args.warmup + args.iters):
@@ -90,38 +94,55 @@ def _run(rank: int, world: int, args) -> dict | None:
                         times.append(time.perf_counter() - t0)
                 where, want = _expected(phase, algorithm, rank, world, n, device)
                 right = bool(torch.equal(buf[where], want))
-                rows.append({"bytes": n * 4, "phase": phase, "algorithm": algorithm,
-                             "ms": statistics.median(times) * 1e3, "right": right})
+                rows.append(
+                    {
+                        "bytes": n * 4,
+                        "phase": phase,
+                        "algorithm": algorithm,
+                        "ms": statistics.median(times) * 1e3,
+                        "right": right,
+                    }
+                )
     every = [None] * world
     dist.all_gather_object(every, rows)
     if rank:
         return None
     merged = []
     for i, row in enumerate(every[0]):  # the slowest rank's median; right on every rank
-        merged.append(dict(row, ms=max(r[i]["ms"] for r in every),
-                           right=all(r[i]["right"] for r in every)))
-    return {"world": world, "backend": dist.get_backend(), "device": device.type,
-            "torch": torch.__version__, "rows": merged}
+        merged.append(
+            dict(row, ms=max(r[i]["ms"] for r in every), right=all(r[i]["right"] for r in every))
+        )
+    return {
+        "world": world,
+        "backend": dist.get_backend(),
+        "device": device.type,
+        "torch": torch.__version__,
+        "rows": merged,
+    }
 
 
 def report(doc: dict) -> str:
-    lines = [f"# sharded phases over {doc['world']} ranks, {doc['backend']} on "
-             f"{doc['device']}, fp32 sum, torch {doc['torch']}; ms per call (slowest rank's "
-             "median), x native",
-             f"{'bytes':>10} {'phase':>15} {'algorithm':>17} {'ms':>9} {'x native':>9} right"]
-    native = {(r["bytes"], r["phase"]): r["ms"] for r in doc["rows"]
-              if r["algorithm"] == "native"}
+    lines = [
+        f"# sharded phases over {doc['world']} ranks, {doc['backend']} on "
+        f"{doc['device']}, fp32 sum, torch {doc['torch']}; ms per call (slowest rank's "
+        "median), x native",
+        f"{'bytes':>10} {'phase':>15} {'algorithm':>17} {'ms':>9} {'x native':>9} right",
+    ]
+    native = {(r["bytes"], r["phase"]): r["ms"] for r in doc["rows"] if r["algorithm"] == "native"}
     for r in doc["rows"]:
         base = native.get((r["bytes"], r["phase"]))
         ratio = f"{r['ms'] / base:.2f}" if base else "-"
-        lines.append(f"{r['bytes']:>10} {r['phase']:>15} {r['algorithm']:>17} "
-                     f"{r['ms']:>9.3f} {ratio:>9} {'yes' if r['right'] else 'NO'}")
+        lines.append(
+            f"{r['bytes']:>10} {r['phase']:>15} {r['algorithm']:>17} "
+            f"{r['ms']:>9.3f} {ratio:>9} {'yes' if r['right'] else 'NO'}"
+        )
     return "\n".join(lines)
 
 
 def _worker(rank: int, world: int, port: int, args, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         doc = _run(rank, world, args)
         if doc is not None:
@@ -136,8 +157,11 @@ def parse_args(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nprocs", type=int, default=4, help="local ranks (not under torchrun)")
-    ap.add_argument("--sizes", default="64K,1M,16M",
-                    help="bytes per buffer, comma-separated (each padded to equal parts)")
+    ap.add_argument(
+        "--sizes",
+        default="64K,1M,16M",
+        help="bytes per buffer, comma-separated (each padded to equal parts)",
+    )
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS))
     ap.add_argument("--iters", type=int, default=10)
@@ -148,11 +172,14 @@ def parse_args(argv=None):
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     args.phases = [p for p in args.phases.split(",") if p]
     args.algorithms = [a for a in args.algorithms.split(",") if a]
-    bad = [p for p in args.phases if p not in PHASES] + \
-        [a for a in args.algorithms if a not in ALGORITHMS]
+    bad = [p for p in args.phases if p not in PHASES] + [
+        a for a in args.algorithms if a not in ALGORITHMS
+    ]
     if bad or not args.sizes or args.iters < 1 or args.warmup < 0 or args.nprocs < 1:
-        ap.error(f"unknown {bad}; phases from {PHASES}, algorithms from {ALGORITHMS}; "
-                 "--iters >= 1, --warmup >= 0, --nprocs >= 1, some --sizes")
+        ap.error(
+            f"unknown {bad}; phases from {PHASES}, algorithms from {ALGORITHMS}; "
+            "--iters >= 1, --warmup >= 0, --nprocs >= 1, some --sizes"
+        )
     return args
 
 

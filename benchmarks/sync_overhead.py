@@ -86,6 +86,7 @@ figure (per-parameter figures and ratios from the median added times).
     python benchmarks/sync_overhead.py --quick          # one launch, fewer steps, ~30 s
     python benchmarks/sync_overhead.py --models linear --worlds 1 --launches 1 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -132,6 +133,7 @@ FIGURES = PHASES + ("added",)  # what a launch reports per config
 
 # ---------------------------------------------------------------- models
 
+
 class _Block(nn.Module):
     """ResNet's basic block: two 3x3 conv+BN, a 1x1 conv+BN shortcut where the shape changes."""
 
@@ -141,8 +143,11 @@ class _Block(nn.Module):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.short = (nn.Sequential() if stride == 1 and cin == cout else
-                      nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+        self.short = (
+            nn.Sequential()
+            if stride == 1 and cin == cout
+            else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        )
 
     def forward(self, x):
         y = torch.relu(self.bn1(self.conv1(x)))
@@ -173,14 +178,17 @@ def build_model(name: str, args):
 def describe(name: str, args) -> str:
     model, x = build_model(name, args)
     n, numel = len(list(model.parameters())), sum(p.numel() for p in model.parameters())
-    what = (f"{args.layers} x Linear({args.width}, {args.width}), batch {args.batch}"
-            if name == "linear" else
-            f"ResNet-18 layout, {args.channels} base channels, batch {args.conv_batch} x 3 x "
-            f"{args.image} x {args.image}")
+    what = (
+        f"{args.layers} x Linear({args.width}, {args.width}), batch {args.batch}"
+        if name == "linear"
+        else f"ResNet-18 layout, {args.channels} base channels, batch {args.conv_batch} x 3 x "
+        f"{args.image} x {args.image}"
+    )
     return f"{what}: {n} parameters, {numel * 4 / 1e6:.2f} MB of gradients"
 
 
 # ---------------------------------------------------------------- the timing loop
+
 
 class _Run:
     """One config's model and optimizer, stepped ``n`` steps at a time."""
@@ -193,7 +201,9 @@ class _Run:
             options = dict(options, cost_model=cost_model)
         self.config, self.kind = config, kind
         model, self.x = build_model(model_name, args)
-        self.model = nn.parallel.DistributedDataParallel(model, **options) if kind == "ddp" else model
+        self.model = (
+            nn.parallel.DistributedDataParallel(model, **options) if kind == "ddp" else model
+        )
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
         if kind == "hybrid":
             self.opt = hybridcomm.DistributedOptimizer(self.opt, model=model, **options)
@@ -230,9 +240,13 @@ class _Run:
         a change in machine load hits both sides of a difference alike), the
         median over rounds."""
         out = {p: statistics.median(t for r in self.rounds for t in r[p]) * 1e3 for p in PHASES}
-        out["added"] = statistics.median(
-            statistics.median(mine["total"]) - statistics.median(base["total"])
-            for mine, base in zip(self.rounds, plain.rounds)) * 1e3
+        out["added"] = (
+            statistics.median(
+                statistics.median(mine["total"]) - statistics.median(base["total"])
+                for mine, base in zip(self.rounds, plain.rounds)
+            )
+            * 1e3
+        )
         return out
 
 
@@ -240,6 +254,7 @@ def shared_probe(args):
     """The link probed once (a collective: every rank calls it), for every mode's
     optimizer in this launch."""
     from hybridcomm.comm import calibration
+
     return calibration.resolve(HYBRID["cost_model"], timeout=args.timeout)
 
 
@@ -274,20 +289,27 @@ def one_launch(args) -> dict:
     for world in args.worlds:
         if world == 1:
             with tempfile.TemporaryDirectory() as tmp:
-                dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1),
-                                        rank=0, world_size=1)
+                dist.init_process_group(
+                    "gloo",
+                    store=dist.FileStore(os.path.join(tmp, "store"), 1),
+                    rank=0,
+                    world_size=1,
+                )
                 try:
                     out[world] = measure(args)
                 finally:
                     dist.destroy_process_group()
         else:
             ranks = launch(_rank, world, args, backend="gloo", timeout=args.timeout)
-            out[world] = {m: {c: {k: max(r[m][c][k] for r in ranks) for k in FIGURES}
-                              for c in CONFIGS} for m in args.models}
+            out[world] = {
+                m: {c: {k: max(r[m][c][k] for r in ranks) for k in FIGURES} for c in CONFIGS}
+                for m in args.models
+            }
     return out
 
 
 # ---------------------------------------------------------------- launches and figures
+
 
 def run_launches(args) -> list:
     """Each launch's figures; with ``--launches 1`` in this process, else each in a fresh one."""
@@ -297,7 +319,13 @@ def run_launches(args) -> list:
     for i in range(args.launches):
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "launch.json")
-            cmd = [sys.executable, os.path.abspath(__file__), *_settings_argv(args), "--_one-launch", path]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                *_settings_argv(args),
+                "--_one-launch",
+                path,
+            ]
             subprocess.run(cmd, check=True)
             with open(path) as f:
                 out.append({int(w): v for w, v in json.load(f).items()})
@@ -306,10 +334,23 @@ def run_launches(args) -> list:
 
 
 def _settings_argv(args) -> list:
-    keys = ("layers", "width", "batch", "channels", "image", "conv_batch", "steps", "warmup",
-            "rounds", "timeout")
+    keys = (
+        "layers",
+        "width",
+        "batch",
+        "channels",
+        "image",
+        "conv_batch",
+        "steps",
+        "warmup",
+        "rounds",
+        "timeout",
+    )
     argv = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keys]
-    return argv + [f"--models={','.join(args.models)}", f"--worlds={','.join(map(str, args.worlds))}"]
+    return argv + [
+        f"--models={','.join(args.models)}",
+        f"--worlds={','.join(map(str, args.worlds))}",
+    ]
 
 
 def figures(launches: list, nparams: dict) -> list:
@@ -319,8 +360,10 @@ def figures(launches: list, nparams: dict) -> list:
     results = []
     for world in launches[0]:
         for model in launches[0][world]:
-            rows = {c: {k: statistics.median(l[world][model][c][k] for l in launches) for k in FIGURES}
-                    for c in CONFIGS}
+            rows = {
+                c: {k: statistics.median(l[world][model][c][k] for l in launches) for k in FIGURES}
+                for c in CONFIGS
+            }
             n = nparams[model]
             for r in rows.values():
                 r["added_ms"] = r.pop("added")
@@ -330,15 +373,25 @@ def figures(launches: list, nparams: dict) -> list:
             for c, r in rows.items():
                 r["x_ddp"] = r["added_ms"] / ddp_added if c != "plain" and ddp_added > 0 else None
             ok = all(rows[m]["added_ms"] <= ddp_added for m in MODES)
-            results.append({"model": model, "world": world, "parameters": n, "configs": rows,
-                            "best_ddp": best, "hybridcomm_le_ddp": ok})
+            results.append(
+                {
+                    "model": model,
+                    "world": world,
+                    "parameters": n,
+                    "configs": rows,
+                    "best_ddp": best,
+                    "hybridcomm_le_ddp": ok,
+                }
+            )
     return results
 
 
 def verdict(res: dict) -> str:
     ratios = ", ".join(f"{m} {_ratio(res['configs'][m]['x_ddp'])}" for m in MODES)
-    return (f"hybridcomm added <= DDP in every mode: {'yes' if res['hybridcomm_le_ddp'] else 'no'} "
-            f"({ratios} x DDP)")
+    return (
+        f"hybridcomm added <= DDP in every mode: {'yes' if res['hybridcomm_le_ddp'] else 'no'} "
+        f"({ratios} x DDP)"
+    )
 
 
 def _ratio(x) -> str:
@@ -347,21 +400,29 @@ def _ratio(x) -> str:
 
 def print_table(res: dict, header: str) -> None:
     print(f"\n## {res['model']}, world {res['world']}: {header}")
-    print(f"{'config':<10} {'forward':>8} {'backward':>9} {'step':>8} {'total':>8} {'added':>8} "
-          f"{'us/param':>9} {'x DDP':>6}")
+    print(
+        f"{'config':<10} {'forward':>8} {'backward':>9} {'step':>8} {'total':>8} {'added':>8} "
+        f"{'us/param':>9} {'x DDP':>6}"
+    )
     for c, r in res["configs"].items():
         mark = " (best DDP)" if c == res["best_ddp"] else ""
-        print(f"{c:<10} {r['forward']:>8.2f} {r['backward']:>9.2f} {r['step']:>8.2f} "
-              f"{r['total']:>8.2f} {r['added_ms']:>+8.2f} {r['added_us_per_param']:>+9.2f} "
-              f"{'' if c == 'plain' else _ratio(r['x_ddp']):>6}{mark}")
+        print(
+            f"{c:<10} {r['forward']:>8.2f} {r['backward']:>9.2f} {r['step']:>8.2f} "
+            f"{r['total']:>8.2f} {r['added_ms']:>+8.2f} {r['added_us_per_param']:>+9.2f} "
+            f"{'' if c == 'plain' else _ratio(r['x_ddp']):>6}{mark}"
+        )
     print(verdict(res))
 
 
 def _git_state() -> dict:
     try:
-        run = lambda *a: subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True,
-                                        check=True).stdout.strip()
-        return {"commit": run("rev-parse", "HEAD"), "dirty": run("status", "--porcelain", "--", "hybridcomm")}
+        run = lambda *a: subprocess.run(
+            ["git", "-C", ROOT, *a], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        return {
+            "commit": run("rev-parse", "HEAD"),
+            "dirty": run("status", "--porcelain", "--", "hybridcomm"),
+        }
     except Exception as exc:  # not a checkout
         return {"error": str(exc)}
 
@@ -381,18 +442,31 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="linear,conv", help="linear, conv or both")
     parser.add_argument("--worlds", default="1,2", help="world sizes: 1 (in process), 2 (launch())")
     add_model_arguments(parser)
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per config (default 100)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="timed steps per config (default 100)"
+    )
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 10)")
-    parser.add_argument("--launches", type=int, default=None,
-                        help="fresh processes; the median of each figure over them (default 3)")
-    parser.add_argument("--quick", action="store_true", help="30 steps, 3 rounds, one launch: ~30 s")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds a world-2 launch may take")
+    parser.add_argument(
+        "--launches",
+        type=int,
+        default=None,
+        help="fresh processes; the median of each figure over them (default 3)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="30 steps, 3 rounds, one launch: ~30 s"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600, help="seconds a world-2 launch may take"
+    )
     parser.add_argument("--json", default=None, help="write every figure here")
     parser.add_argument("--_one-launch", dest="one_launch", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    defaults = dict(steps=30, warmup=5, rounds=3, launches=1) if args.quick else \
-        dict(steps=100, warmup=10, rounds=10, launches=3)
+    defaults = (
+        dict(steps=30, warmup=5, rounds=3, launches=1)
+        if args.quick
+        else dict(steps=100, warmup=10, rounds=10, launches=3)
+    )
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -412,16 +486,22 @@ def main(argv=None) -> int:
     launches = run_launches(args)
     nparams = {m: len(list(build_model(m, args)[0].parameters())) for m in args.models}
     results = figures(launches, nparams)
-    header = (f"median of {args.steps} steps in {args.rounds} rounds, median of {args.launches} "
-              f"launch(es); ms per step; added: over plain, paired by round; forward mode with "
-              f"HYBRIDCOMM_DEFER=always (its updates wait in the next forward); hybridcomm {HYBRID}")
+    header = (
+        f"median of {args.steps} steps in {args.rounds} rounds, median of {args.launches} "
+        f"launch(es); ms per step; added: over plain, paired by round; forward mode with "
+        f"HYBRIDCOMM_DEFER=always (its updates wait in the next forward); hybridcomm {HYBRID}"
+    )
     print(f"# {header}")
     for m in args.models:
         print(f"# {m}: {describe(m, args)}")
-    print(f"# load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}")
-    print("# world 2: gloo on loopback, the larger rank's medians; plain has no communication, "
-          "so added includes the all-reduce wait")
+    print(
+        f"# load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end, "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}"
+    )
+    print(
+        "# world 2: gloo on loopback, the larger rank's medians; plain has no communication, "
+        "so added includes the all-reduce wait"
+    )
     for res in results:
         print_table(res, describe(res["model"], args).split(":")[0])
     print("\n# verdicts")
@@ -431,10 +511,18 @@ def main(argv=None) -> int:
     print(f"# {wall:.0f} s")
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k not in ("json", "one_launch")}
-        doc = {"settings": settings, "hybridcomm_options": HYBRID, "ddp_view_options": DDP_VIEW,
-               "torch": torch.__version__, "git": _git_state(), "seconds": wall,
-               "loadavg": os.getloadavg(), "cpus": os.cpu_count(),
-               "results": results, "launches": launches}
+        doc = {
+            "settings": settings,
+            "hybridcomm_options": HYBRID,
+            "ddp_view_options": DDP_VIEW,
+            "torch": torch.__version__,
+            "git": _git_state(),
+            "seconds": wall,
+            "loadavg": os.getloadavg(),
+            "cpus": os.cpu_count(),
+            "results": results,
+            "launches": launches,
+        }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
     return 0

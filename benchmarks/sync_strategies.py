@@ -38,6 +38,7 @@ worker's clock starts at one barrier), the samples the whole job had trained
 on when it got there (Downpour: shard 0's applied pushes x batch), and the
 bytes worker 0 sent (downpour_mp: its pushes and its activations).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,15 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import hybridcomm  # noqa: E402
 from hybridcomm.tools.launch import launch  # noqa: E402
-from hybridcomm.strategies import ADMM, DownpourSGD, DownpourStage, LocalSGD, ParallelSGD, init_downpour, serve
+from hybridcomm.strategies import (
+    ADMM,
+    DownpourSGD,
+    DownpourStage,
+    LocalSGD,
+    ParallelSGD,
+    init_downpour,
+    serve,
+)
 
 STRATEGIES = ("sync", "parallel_sgd", "local_sgd", "admm", "downpour", "downpour_mp")
 SCENARIOS = ("uniform", "straggler")
@@ -98,8 +107,13 @@ def accuracy(model, x, y) -> float:
 def _serve_shard(index, rdv, cfg):
     """A Downpour server process (started, and restarted, by :class:`_Servers`)."""
     torch.set_num_threads(1)
-    serve(index=index, workers=WORKERS, rendezvous=rdv, checkpoint_every=cfg["checkpoint_every"],
-          timeout=60)
+    serve(
+        index=index,
+        workers=WORKERS,
+        rendezvous=rdv,
+        checkpoint_every=cfg["checkpoint_every"],
+        timeout=60,
+    )
 
 
 class _Servers:
@@ -119,8 +133,9 @@ class _Servers:
         p.start()
         with open(os.path.join(self.rdv, f"server{i}.pid.tmp"), "w") as f:
             f.write(str(p.pid))
-        os.replace(os.path.join(self.rdv, f"server{i}.pid.tmp"),
-                   os.path.join(self.rdv, f"server{i}.pid"))
+        os.replace(
+            os.path.join(self.rdv, f"server{i}.pid.tmp"), os.path.join(self.rdv, f"server{i}.pid")
+        )
         return p
 
     def _watch(self):
@@ -139,8 +154,10 @@ class _Servers:
             if p.is_alive():
                 p.kill()
                 p.join()
-        return [torch.load(os.path.join(self.rdv, f"server{i}.pt"), weights_only=True)["pushes"]
-                for i in range(SERVERS)]
+        return [
+            torch.load(os.path.join(self.rdv, f"server{i}.pt"), weights_only=True)["pushes"]
+            for i in range(SERVERS)
+        ]
 
 
 def _kill_server(rdv, index):
@@ -148,8 +165,19 @@ def _kill_server(rdv, index):
         os.kill(int(f.read()), signal.SIGKILL)
 
 
-def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of, replica=None, replicas=WORKERS,
-                 evaluator=None, compute=1.0, job_steps=None):
+def _worker_loop(
+    rank,
+    cfg,
+    model,
+    step_fn,
+    evaluate,
+    bytes_of,
+    replica=None,
+    replicas=WORKERS,
+    evaluator=None,
+    compute=1.0,
+    job_steps=None,
+):
     """Train ``cfg['epochs']`` epochs of this replica's shard (``replica`` of
     ``replicas``, default: one per rank); rank 0 records (seconds, accuracy) every
     ``eval_every`` steps, and with each point the mini-batches the whole job has
@@ -161,8 +189,12 @@ def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of, replica=None, re
     evaluator = rank == 0 if evaluator is None else evaluator
     xtr, ytr, xte, yte = digits()
     xs, ys = xtr[replica::replicas], ytr[replica::replicas]
-    delay = compute * cfg["step_ms"] / 1e3 * (SLOWDOWN if cfg["scenario"] == "straggler"
-                                              and rank == STRAGGLER else 1.0)
+    delay = (
+        compute
+        * cfg["step_ms"]
+        / 1e3
+        * (SLOWDOWN if cfg["scenario"] == "straggler" and rank == STRAGGLER else 1.0)
+    )
     curve, at, step = [], [], 0
     # one start for every worker (they come up at different times, Downpour's
     # after connecting to the servers): rank 0's clock is the job's
@@ -170,10 +202,11 @@ def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of, replica=None, re
     t0 = time.perf_counter()
     bs = cfg["batch"]
     for epoch in range(cfg["epochs"]):
-        perm = torch.randperm(len(xs),
-                              generator=torch.Generator().manual_seed(100 * epoch + replica))
+        perm = torch.randperm(
+            len(xs), generator=torch.Generator().manual_seed(100 * epoch + replica)
+        )
         for i in range(0, len(xs) - bs + 1, bs):
-            idx = perm[i:i + bs]
+            idx = perm[i : i + bs]
             time.sleep(delay)  # a bigger model's compute
             step_fn(xs[idx], ys[idx], epoch_end=False)
             step += 1
@@ -186,9 +219,13 @@ def _worker_loop(rank, cfg, model, step_fn, evaluate, bytes_of, replica=None, re
             curve.append((time.perf_counter() - t0, evaluate(xte, yte)))
     # curve_steps: the job's mini-batches at each point (x batch: the samples
     # trained on, which the machine's load does not change)
-    return {"curve": curve if rank == 0 else [], "curve_steps": at if rank == 0 else [],
-            "bytes_sent": bytes_of(), "accuracy": evaluate(xte, yte) if evaluator else None,
-            "steps": step}
+    return {
+        "curve": curve if rank == 0 else [],
+        "curve_steps": at if rank == 0 else [],
+        "bytes_sent": bytes_of(),
+        "accuracy": evaluate(xte, yte) if evaluator else None,
+        "steps": step,
+    }
 
 
 def _run(rank, world, cfg, rdv):
@@ -199,8 +236,14 @@ def _run(rank, world, cfg, rdv):
     if name == "downpour":  # the workers; the servers are _Servers' processes
         init_downpour(rank, WORKERS, SERVERS, f"file://{rdv}", timeout=60)
         model = mlp()
-        opt = DownpourSGD(model, [f"server{i}" for i in range(SERVERS)], lr=cfg["lr_async"],
-                          rule=cfg["rule"], timeout=60, replay_log=cfg["replay_log"])
+        opt = DownpourSGD(
+            model,
+            [f"server{i}" for i in range(SERVERS)],
+            lr=cfg["lr_async"],
+            rule=cfg["rule"],
+            timeout=60,
+            replay_log=cfg["replay_log"],
+        )
         kills = set(cfg["kill_at"]) if rank == 0 else set()
 
         def step(x, y, epoch_end):
@@ -213,11 +256,23 @@ def _run(rank, world, cfg, rdv):
                 _kill_server(rdv, 0)
 
         # each push is one worker's mini-batch: shard 0's count is the job's
-        out = _worker_loop(rank, cfg, model, step, lambda x, y: accuracy(model, x, y),
-                           lambda: opt.bytes_sent, job_steps=lambda: opt.links[0].shard_pushes)
+        out = _worker_loop(
+            rank,
+            cfg,
+            model,
+            step,
+            lambda x, y: accuracy(model, x, y),
+            lambda: opt.bytes_sent,
+            job_steps=lambda: opt.links[0].shard_pushes,
+        )
         opt.close()
-        return dict(out, reconnects=opt.reconnects, replayed=opt.replayed, lost=opt.lost,
-                    reconnect_seconds=opt.reconnect_seconds)
+        return dict(
+            out,
+            reconnects=opt.reconnects,
+            replayed=opt.replayed,
+            lost=opt.lost,
+            reconnect_seconds=opt.reconnect_seconds,
+        )
     model = mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     evaluate = lambda x, y: accuracy(model, x, y)  # noqa: E731
@@ -252,8 +307,9 @@ def _run(rank, world, cfg, rdv):
         if name == "sync":
             sent[0] += opt.last_step_stats["bytes_sent"]
 
-    out = _worker_loop(rank, cfg, model, step, evaluate,
-                       bytes_of if name == "sync" else lambda: opt.bytes_sent)
+    out = _worker_loop(
+        rank, cfg, model, step, evaluate, bytes_of if name == "sync" else lambda: opt.bytes_sent
+    )
     if name == "sync":
         opt.close()
     return out
@@ -265,9 +321,17 @@ def _run_pipeline(rank, cfg, rdv):
     init_downpour(rank, WORKERS, SERVERS, f"file://{rdv}", timeout=60)
     replica, stage = divmod(rank, STAGES)
     peers = [replica * STAGES + s for s in range(STAGES)]
-    pipe = DownpourStage(mlp_stages()[stage], [f"server{i}" for i in range(SERVERS)],
-                         lr=cfg["lr_async"], rule=cfg["rule"], stage=stage, peers=peers,
-                         loss_fn=F.cross_entropy, timeout=60, replay_log=cfg["replay_log"])
+    pipe = DownpourStage(
+        mlp_stages()[stage],
+        [f"server{i}" for i in range(SERVERS)],
+        lr=cfg["lr_async"],
+        rule=cfg["rule"],
+        stage=stage,
+        peers=peers,
+        loss_fn=F.cross_entropy,
+        timeout=60,
+        replay_log=cfg["replay_log"],
+    )
 
     def step(x, y, epoch_end):
         if x is not None:
@@ -278,15 +342,31 @@ def _run_pipeline(rank, cfg, rdv):
             return pipe.forward()
         return (pipe.forward(x).argmax(1) == y).float().mean().item()
 
-    out = _worker_loop(rank, cfg, None, step, evaluate, lambda: pipe.bytes_sent + pipe.bytes_p2p,
-                       replica=replica, replicas=WORKERS // STAGES, evaluator=replica == 0,
-                       compute=1.0 / STAGES,
-                       # a replica's mini-batch is one push per stage to every shard
-                       job_steps=lambda: pipe.opt.links[0].shard_pushes // STAGES)
+    out = _worker_loop(
+        rank,
+        cfg,
+        None,
+        step,
+        evaluate,
+        lambda: pipe.bytes_sent + pipe.bytes_p2p,
+        replica=replica,
+        replicas=WORKERS // STAGES,
+        evaluator=replica == 0,
+        compute=1.0 / STAGES,
+        # a replica's mini-batch is one push per stage to every shard
+        job_steps=lambda: pipe.opt.links[0].shard_pushes // STAGES,
+    )
     pipe.close()
-    return dict(out, reconnects=pipe.reconnects, replayed=pipe.replayed, lost=pipe.lost,
-                reconnect_seconds=pipe.opt.reconnect_seconds, pushes=pipe.pushes,
-                bytes_pushed=pipe.bytes_sent, bytes_p2p=pipe.bytes_p2p)
+    return dict(
+        out,
+        reconnects=pipe.reconnects,
+        replayed=pipe.replayed,
+        lost=pipe.lost,
+        reconnect_seconds=pipe.opt.reconnect_seconds,
+        pushes=pipe.pushes,
+        bytes_pushed=pipe.bytes_sent,
+        bytes_p2p=pipe.bytes_p2p,
+    )
 
 
 def run(strategy: str, scenario: str, cfg: dict) -> dict:
@@ -296,19 +376,29 @@ def run(strategy: str, scenario: str, cfg: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="hybridcomm-rdv-") as tmp:
         rdv = os.path.join(tmp, "rdv")
         if not strategy.startswith("downpour"):
-            return launch(_run, WORKERS, cfg, rdv, backend="gloo", start_method="spawn",
-                          timeout=1200)[0]
+            return launch(
+                _run, WORKERS, cfg, rdv, backend="gloo", start_method="spawn", timeout=1200
+            )[0]
         os.makedirs(rdv)
         servers = _Servers(rdv, cfg)
         try:
-            results = launch(_run, WORKERS, cfg, rdv, backend="gloo", start_method="spawn",
-                             timeout=1200)
+            results = launch(
+                _run, WORKERS, cfg, rdv, backend="gloo", start_method="spawn", timeout=1200
+            )
         finally:
             applied = servers.finish()
-    sent = [sum(r["pushes"][i] for r in results) for i in range(SERVERS)] \
-        if strategy == "downpour_mp" else sum(r["steps"] for r in results)
-    out = dict(results[0], kills=len(cfg["kill_at"]), restarts=servers.restarts,
-               shard_pushes=applied, pushes_sent=sent)
+    sent = (
+        [sum(r["pushes"][i] for r in results) for i in range(SERVERS)]
+        if strategy == "downpour_mp"
+        else sum(r["steps"] for r in results)
+    )
+    out = dict(
+        results[0],
+        kills=len(cfg["kill_at"]),
+        restarts=servers.restarts,
+        shard_pushes=applied,
+        pushes_sent=sent,
+    )
     for k in ("reconnects", "replayed", "lost", "reconnect_seconds"):
         out[k] = sum(r[k] for r in results)
     return out
@@ -325,43 +415,73 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--epochs", type=int, default=None)
     ap.add_argument("--target", type=float, default=0.90, help="test accuracy to reach")
-    ap.add_argument("--step-ms", type=float, default=10.0,
-                    help="simulated compute per step (the straggler: 3x)")
+    ap.add_argument(
+        "--step-ms", type=float, default=10.0, help="simulated compute per step (the straggler: 3x)"
+    )
     ap.add_argument("--lr", type=float, default=0.1, help="momentum-SGD learning rate")
     ap.add_argument("--lr-async", type=float, default=0.2, help="Downpour servers' rate")
-    ap.add_argument("--rule", default="sgd", choices=("sgd", "adagrad"),
-                    help="Downpour servers' update rule")
+    ap.add_argument(
+        "--rule", default="sgd", choices=("sgd", "adagrad"), help="Downpour servers' update rule"
+    )
     ap.add_argument("--rho", type=float, default=0.1, help="ADMM's penalty")
-    ap.add_argument("--period", type=int, default=8,
-                    help="local SGD's H (ADMM: local steps = H/2)")
-    ap.add_argument("--kill-server-at", action="append", default=[], metavar="STEPS",
-                    help="also run Downpour with server 0 SIGKILLed (and restarted) after "
-                         "each of these steps of worker 0, e.g. 20 or 15,35,55; repeatable")
-    ap.add_argument("--checkpoint-every", type=int, default=50,
-                    help="Downpour servers' pushes between checkpoints")
-    ap.add_argument("--replay-log", type=int, default=None,
-                    help="Downpour workers' replay log per server (default: checkpoint_every+1)")
+    ap.add_argument("--period", type=int, default=8, help="local SGD's H (ADMM: local steps = H/2)")
+    ap.add_argument(
+        "--kill-server-at",
+        action="append",
+        default=[],
+        metavar="STEPS",
+        help="also run Downpour with server 0 SIGKILLed (and restarted) after "
+        "each of these steps of worker 0, e.g. 20 or 15,35,55; repeatable",
+    )
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=50,
+        help="Downpour servers' pushes between checkpoints",
+    )
+    ap.add_argument(
+        "--replay-log",
+        type=int,
+        default=None,
+        help="Downpour workers' replay log per server (default: checkpoint_every+1)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
-    cfg = {"epochs": args.epochs or (6 if args.quick else 15), "batch": 32, "lr": args.lr,
-           "lr_async": args.lr_async, "rule": args.rule, "period": args.period,
-           "rho": args.rho, "eval_every": 4, "step_ms": args.step_ms,
-           "checkpoint_every": args.checkpoint_every, "replay_log": args.replay_log,
-           "kill_at": []}
+    cfg = {
+        "epochs": args.epochs or (6 if args.quick else 15),
+        "batch": 32,
+        "lr": args.lr,
+        "lr_async": args.lr_async,
+        "rule": args.rule,
+        "period": args.period,
+        "rho": args.rho,
+        "eval_every": 4,
+        "step_ms": args.step_ms,
+        "checkpoint_every": args.checkpoint_every,
+        "replay_log": args.replay_log,
+        "kill_at": [],
+    }
     faults = [[int(k) for k in spec.split(",") if k] for spec in args.kill_server_at]
     strategies = [s for s in args.strategies.split(",") if s]
     scenarios = [s for s in args.scenarios.split(",") if s]
-    bad = [s for s in strategies if s not in STRATEGIES] + [s for s in scenarios
-                                                            if s not in SCENARIOS]
+    bad = [s for s in strategies if s not in STRATEGIES] + [
+        s for s in scenarios if s not in SCENARIOS
+    ]
     if bad:
         raise SystemExit(f"unknown: {bad}")
     rows, curves, t_start = [], {}, time.perf_counter()
-    print(f"# sync strategies on digits: {WORKERS} workers (+{SERVERS} servers for downpour), "
-          f"{cfg['epochs']} epochs, batch {cfg['batch']}/worker, {args.step_ms:g} ms simulated "
-          f"compute per step (straggler x{SLOWDOWN:g}), target accuracy {args.target}", flush=True)
-    print(f"# {'scenario':>10} {'strategy':>13} {'accuracy':>9} {'to target(s)':>13} "
-          f"{'bytes sent':>12} {'wall(s)':>8}", flush=True)
+    print(
+        f"# sync strategies on digits: {WORKERS} workers (+{SERVERS} servers for downpour), "
+        f"{cfg['epochs']} epochs, batch {cfg['batch']}/worker, {args.step_ms:g} ms simulated "
+        f"compute per step (straggler x{SLOWDOWN:g}), target accuracy {args.target}",
+        flush=True,
+    )
+    print(
+        f"# {'scenario':>10} {'strategy':>13} {'accuracy':>9} {'to target(s)':>13} "
+        f"{'bytes sent':>12} {'wall(s)':>8}",
+        flush=True,
+    )
     runs = [(s, []) for s in strategies]
     if "downpour" in strategies:
         at = strategies.index("downpour") + 1
@@ -374,36 +494,69 @@ def main(argv=None) -> int:
             s_at = time_to(list(zip(out["curve_steps"], (a for _, a in curve))), args.target)
             samples = None if s_at is None else s_at * cfg["batch"]
             label = strategy + (f"+kill@{','.join(map(str, kills))}" if kills else "")
-            row = {"strategy": label, "scenario": scenario,
-                   "test_accuracy": out["accuracy"], "time_to_target_s": t,
-                   "bytes_sent": out["bytes_sent"], "samples_to_target": samples}
+            row = {
+                "strategy": label,
+                "scenario": scenario,
+                "test_accuracy": out["accuracy"],
+                "time_to_target_s": t,
+                "bytes_sent": out["bytes_sent"],
+                "samples_to_target": samples,
+            }
             if strategy.startswith("downpour"):
-                row.update({k: out[k] for k in ("kills", "restarts", "reconnects", "replayed",
-                                                "lost", "reconnect_seconds", "shard_pushes",
-                                                "pushes_sent", "steps")})
+                row.update(
+                    {
+                        k: out[k]
+                        for k in (
+                            "kills",
+                            "restarts",
+                            "reconnects",
+                            "replayed",
+                            "lost",
+                            "reconnect_seconds",
+                            "shard_pushes",
+                            "pushes_sent",
+                            "steps",
+                        )
+                    }
+                )
             if strategy == "downpour_mp":
                 row.update(bytes_pushed=out["bytes_pushed"], bytes_p2p=out["bytes_p2p"])
             rows.append(row)
             curves[f"{scenario}/{label}"] = curve
-            print(f"  {scenario:>10} {label:>13} {out['accuracy']:>9.3f} "
-                  f"{'-' if t is None else f'{t:.2f}':>13} {out['bytes_sent']:>12} "
-                  f"{curve[-1][0]:>8.1f}   ({time.perf_counter() - t_start:.0f} s elapsed)",
-                  flush=True)
+            print(
+                f"  {scenario:>10} {label:>13} {out['accuracy']:>9.3f} "
+                f"{'-' if t is None else f'{t:.2f}':>13} {out['bytes_sent']:>12} "
+                f"{curve[-1][0]:>8.1f}   ({time.perf_counter() - t_start:.0f} s elapsed)",
+                flush=True,
+            )
             if strategy == "downpour_mp":
-                print(f"  {'':>10} {'':>13} {WORKERS // STAGES} replicas x {STAGES} stages; "
-                      f"rank 0: {out['steps']} steps, {out['bytes_pushed']} B pushed + "
-                      f"{out['bytes_p2p']} B to its next stage", flush=True)
+                print(
+                    f"  {'':>10} {'':>13} {WORKERS // STAGES} replicas x {STAGES} stages; "
+                    f"rank 0: {out['steps']} steps, {out['bytes_pushed']} B pushed + "
+                    f"{out['bytes_p2p']} B to its next stage",
+                    flush=True,
+                )
             if strategy.startswith("downpour"):
-                print(f"  {'':>10} {'':>13} the target after {samples} samples trained on "
-                      "(all replicas: shard 0's pushes x batch, at rank 0's evaluation)",
-                      flush=True)
-                print(f"  {'':>10} {'':>13} servers: {out['kills']} killed, {out['restarts']} "
-                      f"restarted; workers: {out['reconnects']} reconnects "
-                      f"({out['reconnect_seconds']:.2f} s), {out['replayed']} pushes replayed, "
-                      f"{out['lost']} lost; shards applied {out['shard_pushes']} of "
-                      f"{out['pushes_sent']} pushes sent", flush=True)
-    doc = {"target_accuracy": args.target, "results": rows, "curves": curves, "config": cfg,
-           "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:]))}
+                print(
+                    f"  {'':>10} {'':>13} the target after {samples} samples trained on "
+                    "(all replicas: shard 0's pushes x batch, at rank 0's evaluation)",
+                    flush=True,
+                )
+                print(
+                    f"  {'':>10} {'':>13} servers: {out['kills']} killed, {out['restarts']} "
+                    f"restarted; workers: {out['reconnects']} reconnects "
+                    f"({out['reconnect_seconds']:.2f} s), {out['replayed']} pushes replayed, "
+                    f"{out['lost']} lost; shards applied {out['shard_pushes']} of "
+                    f"{out['pushes_sent']} pushes sent",
+                    flush=True,
+                )
+    doc = {
+        "target_accuracy": args.target,
+        "results": rows,
+        "curves": curves,
+        "config": cfg,
+        "command": " ".join([os.path.basename(sys.argv[0])] + (argv or sys.argv[1:])),
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -94,6 +94,7 @@ peakMB (everyone's persistent state underneath) cannot.
     python benchmarks/train.py --configs hybrid-forward --batch-sizes 32 --trace traces/
                                                      # timelines (ui.perfetto.dev), per rank
 """
+
 from __future__ import annotations
 
 import argparse
@@ -115,8 +116,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # models.py, als
 import hybridcomm  # noqa: E402
 from hybridcomm.tools.bench.report import machine_info  # noqa: E402
 from hybridcomm.tools.launch import launch  # noqa: E402
-from models import (ALL_MODELS, DEFAULT_MODEL, NUM_CLASSES, build,  # noqa: E402
-                    input_shape, model_source, param_counts)
+from models import (
+    ALL_MODELS,
+    DEFAULT_MODEL,
+    NUM_CLASSES,
+    build,  # noqa: E402
+    input_shape,
+    model_source,
+    param_counts,
+)
 
 # config -> (strategy, overlap, shard) for hybridcomm.DistributedOptimizer; None: plain torch.
 # "ddp:CAP_MB" (any cap) is accepted besides these; see config_kind.
@@ -136,9 +144,24 @@ CONFIGS = {
     "shard-gradients": (None, "forward", "gradients"),
     "shard-optimizer-backward": (None, "backward", "optimizer"),
 }
-SHARD_CONFIGS = ["ddp", "zero", "fsdp2", "shard-optimizer", "shard-gradients",
-                 "shard-optimizer-backward"]  # issue 40's comparison (with --optimizer adam)
-DEFAULT_CONFIGS = ["comm", "limit", "stock", "ddp", "ring", "butterfly", "hybrid-backward", "hybrid-forward"]
+SHARD_CONFIGS = [
+    "ddp",
+    "zero",
+    "fsdp2",
+    "shard-optimizer",
+    "shard-gradients",
+    "shard-optimizer-backward",
+]  # issue 40's comparison (with --optimizer adam)
+DEFAULT_CONFIGS = [
+    "comm",
+    "limit",
+    "stock",
+    "ddp",
+    "ring",
+    "butterfly",
+    "hybrid-backward",
+    "hybrid-forward",
+]
 LR, MOMENTUM, SEED, DATA_BATCHES = 0.01, 0.9, 1234, 4
 ADAM_LR = 1e-3
 OPTIMIZERS = {  # --optimizer: name -> (class, keywords)
@@ -155,16 +178,28 @@ REGIME_BATCHES = [32, 128, 256, 512]  # 512: compute and comm about equal at 100
 REGIME_CONFIGS = ["comm", "limit", "stock", "ddp:0.5", "ddp:2", "ddp:25", "hybrid-forward"]
 REGIME_RUN = {"iters": 6, "warmup": 4, "rounds": 2}
 # --demo: the wire-bound case, quick (make demo; < 3 minutes).
-DEMO = {"shape": "rate 100mbit", "batch_sizes": [256], "iters": 4, "warmup": 4, "rounds": 1,
-        "configs": ["comm", "limit", "stock", "ddp:25", "ddp:2", "hybrid-forward"]}
+DEMO = {
+    "shape": "rate 100mbit",
+    "batch_sizes": [256],
+    "iters": 4,
+    "warmup": 4,
+    "rounds": 1,
+    "configs": ["comm", "limit", "stock", "ddp:25", "ddp:2", "hybrid-forward"],
+}
 DEMO_LOOPBACK_BATCHES = [32]  # without namespaces: loopback, a quick batch
 UNSYNCED = ("compute", "limit")  # configs that train on local gradients (no averaging)
 
 
 # A hybridcomm config may carry DistributedOptimizer options after slashes:
 # "hybrid-forward/fusion_bytes=4M/split_bytes=0" (sizes take K/M/G), to compare plans.
-HYBRID_OPTIONS = {"fusion_bytes": "size", "split_bytes": "size", "lazy_bytes": "size",
-                  "measure_iters": int, "replan_every": int, "strategy": str}
+HYBRID_OPTIONS = {
+    "fusion_bytes": "size",
+    "split_bytes": "size",
+    "lazy_bytes": "size",
+    "measure_iters": int,
+    "replan_every": int,
+    "strategy": str,
+}
 
 
 def hybrid_options(name: str, takes_options=lambda base: CONFIGS.get(base) is not None):
@@ -187,8 +222,9 @@ def hybrid_options(name: str, takes_options=lambda base: CONFIGS.get(base) is no
         key, _, value = part.partition("=")
         kind = HYBRID_OPTIONS.get(key)
         if kind is None or not value:
-            raise ValueError(f"{name!r}: expected KEY=VALUE with KEY one of "
-                             f"{', '.join(HYBRID_OPTIONS)}")
+            raise ValueError(
+                f"{name!r}: expected KEY=VALUE with KEY one of {', '.join(HYBRID_OPTIONS)}"
+            )
         options[key] = parse_size(value) if kind == "size" else kind(value)
     return base, options
 
@@ -243,13 +279,18 @@ def shaped_network(nprocs: int, shape: str):
 
 # ---------------------------------------------------------------- per rank
 
+
 def _shard(rank: int, batch_size: int, model: str = DEFAULT_MODEL):
     """This rank's synthetic batches: fixed seed, a different shard on every rank (images,
     or token embeddings for the transformer)."""
     g = torch.Generator().manual_seed(SEED * 1_000_003 + rank * 1009 + batch_size)
-    return [(torch.randn(batch_size, *input_shape(model), generator=g),
-             torch.randint(0, NUM_CLASSES, (batch_size,), generator=g))
-            for _ in range(DATA_BATCHES)]
+    return [
+        (
+            torch.randn(batch_size, *input_shape(model), generator=g),
+            torch.randint(0, NUM_CLASSES, (batch_size,), generator=g),
+        )
+        for _ in range(DATA_BATCHES)
+    ]
 
 
 class _Concurrent:
@@ -304,7 +345,8 @@ def fsdp_units(model):
     def walk(m):
         for child in m.children():
             if type(child).__name__ in FSDP_BLOCKS or (
-                    any(True for _ in child.parameters(recurse=False))):
+                any(True for _ in child.parameters(recurse=False))
+            ):
                 units.append(child)
             else:
                 walk(child)
@@ -334,15 +376,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def state_bytes(state) -> int:
     """Bytes of every tensor in an optimizer's ``state`` (DTensors: their local shard)."""
-    return sum(_local(v).numel() * _local(v).element_size()
-               for st in state.values() for v in st.values() if torch.is_tensor(v))
+    return sum(
+        _local(v).numel() * _local(v).element_size()
+        for st in state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
+    )
 
 
 class _Trainer:
     """One config's model, optimizer and step; ``step`` is what gets timed."""
 
-    def __init__(self, config: str, world: int, trace: bool = False, model: str = DEFAULT_MODEL,
-                 optimizer: str = DEFAULT_OPTIMIZER):
+    def __init__(
+        self,
+        config: str,
+        world: int,
+        trace: bool = False,
+        model: str = DEFAULT_MODEL,
+        optimizer: str = DEFAULT_OPTIMIZER,
+    ):
         self.config, self.world = config, world
         self.model = build(model, SEED)
         opt_class, opt_kwargs = OPTIMIZERS[optimizer]
@@ -356,8 +408,7 @@ class _Trainer:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             self.net = torch.nn.parallel.DistributedDataParallel(self.model)
-            self.opt = ZeroRedundancyOptimizer(self.params, optimizer_class=opt_class,
-                                               **opt_kwargs)
+            self.opt = ZeroRedundancyOptimizer(self.params, optimizer_class=opt_class, **opt_kwargs)
         if config in ("comm", "limit"):  # every gradient's bytes in one buffer
             self.flat = torch.zeros(sum(p.numel() for p in self.params))
         if config == "limit":  # that all_reduce beside compute's step, in a persistent thread
@@ -371,9 +422,14 @@ class _Trainer:
             extra = {} if shard is None else {"shard": shard}
             if strategy is not None:
                 extra["strategy"] = strategy
-            self.opt = hybridcomm.DistributedOptimizer(base, model=self.model, overlap=overlap,
-                                                       op="avg", trace=trace,
-                                                       **{**extra, **options})
+            self.opt = hybridcomm.DistributedOptimizer(
+                base,
+                model=self.model,
+                overlap=overlap,
+                op="avg",
+                trace=trace,
+                **{**extra, **options},
+            )
 
     def step(self, x, y):
         if self.config == "comm":
@@ -402,14 +458,16 @@ class _Trainer:
         """Every parameter, flattened and concatenated, as this rank holds it whole (FSDP2:
         the shards all-gathered, a collective every rank calls alike)."""
         if self.config == "fsdp2":
-            return torch.cat([p.detach().full_tensor().reshape(-1)
-                              for p in self.model.parameters()])
+            return torch.cat(
+                [p.detach().full_tensor().reshape(-1) for p in self.model.parameters()]
+            )
         return _flat_params(self.model)
 
     def plan(self):
         """hybridcomm's plan table as it stands now, or None."""
-        plan = getattr(self.opt, "plan", None) \
-            if CONFIGS.get(hybrid_options(self.config)[0]) else None
+        plan = (
+            getattr(self.opt, "plan", None) if CONFIGS.get(hybrid_options(self.config)[0]) else None
+        )
         return None if plan is None else str(plan)
 
     def library_stats(self):
@@ -541,8 +599,19 @@ def reference_config(names):
     return "stock" if "stock" in names else next((c for c in names if is_ddp(c)), None)
 
 
-def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, label,
-                    trace_dir=None, model=DEFAULT_MODEL, optimizer=DEFAULT_OPTIMIZER):
+def _run_batch_size(
+    rank,
+    world,
+    batch_size,
+    configs,
+    warmup,
+    iters,
+    rounds,
+    label,
+    trace_dir=None,
+    model=DEFAULT_MODEL,
+    optimizer=DEFAULT_OPTIMIZER,
+):
     """Every config on this batch size, interleaved in ``rounds`` so slow drift in the
     machine's load (shared cores) hits all configs alike. Each config runs the same
     number of steps on the same data from the same initial ``model`` (a models.ALL_MODELS
@@ -559,8 +628,9 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
         footprint, built = {}, {}
         for c in names:
             before = resident_kb(trim=True)
-            trainers[c] = _Trainer(c, world, trace=trace_dir is not None, model=model,
-                                   optimizer=optimizer)
+            trainers[c] = _Trainer(
+                c, world, trace=trace_dir is not None, model=model, optimizer=optimizer
+            )
             after = resident_kb(trim=True)
             footprint[c] = None if before is None or after is None else after - before
             built[c] = footprint[c]  # its construction's part alone
@@ -577,10 +647,16 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
                 dist.barrier()  # start together; no barrier inside the timed steps
                 # Round 0 warms up; later rounds drop one step to refill the pipeline.
                 this_round = [None if peak[c][0] is None else 0]
-                steps_done[c] = _run_steps(trainers[c], data, steps_done[c],
-                                           warmup if r == 0 else 1, timed,
-                                           lambda dt, st, c=c: samples[c].append((dt, *st)),
-                                           cpu[c], this_round)
+                steps_done[c] = _run_steps(
+                    trainers[c],
+                    data,
+                    steps_done[c],
+                    warmup if r == 0 else 1,
+                    timed,
+                    lambda dt, st, c=c: samples[c].append((dt, *st)),
+                    cpu[c],
+                    this_round,
+                )
                 trainers[c].finish()  # its communication done before the next config runs
                 # the round's peak over its start, on top of what the config held before it
                 # (round 0: its construction alone; later: its whole footprint)
@@ -589,17 +665,26 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
                     peak[c][0] = own[c] = None
                 else:
                     peak[c][0] = max(peak[c][0], this_round[0])
-                    own[c] = (None if own[c] is None or start_kb is None or held is None
-                              else max(own[c], held + this_round[0] - start_kb))
+                    own[c] = (
+                        None
+                        if own[c] is None or start_kb is None or held is None
+                        else max(own[c], held + this_round[0] - start_kb)
+                    )
                 if r == 0 and footprint[c] is not None:
                     end_kb = resident_kb(trim=True)
-                    footprint[c] = (None if start_kb is None or end_kb is None
-                                    else footprint[c] + end_kb - start_kb)
+                    footprint[c] = (
+                        None
+                        if start_kb is None or end_kb is None
+                        else footprint[c] + end_kb - start_kb
+                    )
                 if rank == 0:  # progress: a long sweep is never silent
                     so_far = statistics.median(s[0] for s in samples[c]) * 1e3
-                    print(f"[train] {label} batch {batch_size} round {r + 1}/{rounds} "
-                          f"{c}: {so_far:.0f} ms/step so far ({time.perf_counter() - t_start:.0f} s)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[train] {label} batch {batch_size} round {r + 1}/{rounds} "
+                        f"{c}: {so_far:.0f} ms/step so far ({time.perf_counter() - t_start:.0f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
         # max|d|: against stock (or DDP where stock is not run). The sharded configs (zero,
         # fsdp2, shard-*) are compared like every other: each rank steps its part of the
         # state, but the parameters they end with are whole on every rank (FSDP2's: its
@@ -614,42 +699,67 @@ def _run_batch_size(rank, world, batch_size, configs, warmup, iters, rounds, lab
             if c == ref_name:
                 ref_flat = flat
             times, lib_exposed, lib_busy = zip(*samples[c])
-            rows.append({
-                "config": c, "batch_size": batch_size, "step_s": statistics.median(times),
-                "lib_exposed_s": _median_or_none(lib_exposed), "lib_busy_s": _median_or_none(lib_busy),
-                # compute and limit average no gradients: their replicas differ by design
-                "same": None if c in UNSYNCED else _same_across_ranks(flat, world),
-                "max_abs_diff_vs_stock": (None if ref_flat is None or c in UNSYNCED + ("comm",)
-                                          else float((flat - ref_flat).abs().max())),
-                "diff_vs": ref_name,
-                "cpu_busy_pct": 100.0 * cpu[c][0] / cpu[c][1] if cpu[c][1] else None,
-                "peak_rss_mb": None if not peak[c][0] else peak[c][0] / 1024,
-                "footprint_mb": None if footprint[c] is None else footprint[c] / 1024,
-                "own_peak_mb": None if not own[c] else own[c] / 1024,
-                "opt_state_bytes": trainers[c].state_bytes(),
-                "plan": trainers[c].plan() if rank == 0 else None,
-            })
+            rows.append(
+                {
+                    "config": c,
+                    "batch_size": batch_size,
+                    "step_s": statistics.median(times),
+                    "lib_exposed_s": _median_or_none(lib_exposed),
+                    "lib_busy_s": _median_or_none(lib_busy),
+                    # compute and limit average no gradients: their replicas differ by design
+                    "same": None if c in UNSYNCED else _same_across_ranks(flat, world),
+                    "max_abs_diff_vs_stock": (
+                        None
+                        if ref_flat is None or c in UNSYNCED + ("comm",)
+                        else float((flat - ref_flat).abs().max())
+                    ),
+                    "diff_vs": ref_name,
+                    "cpu_busy_pct": 100.0 * cpu[c][0] / cpu[c][1] if cpu[c][1] else None,
+                    "peak_rss_mb": None if not peak[c][0] else peak[c][0] / 1024,
+                    "footprint_mb": None if footprint[c] is None else footprint[c] / 1024,
+                    "own_peak_mb": None if not own[c] else own[c] / 1024,
+                    "opt_state_bytes": trainers[c].state_bytes(),
+                    "plan": trainers[c].plan() if rank == 0 else None,
+                }
+            )
         if trace_dir is not None:
             for c, t in trainers.items():
                 if hasattr(t.opt, "export_trace"):
-                    t.opt.export_trace(os.path.join(
-                        trace_dir, f"{label}-b{batch_size}-{c.replace('/', '+')}-rank{rank}.json"))
+                    t.opt.export_trace(
+                        os.path.join(
+                            trace_dir,
+                            f"{label}-b{batch_size}-{c.replace('/', '+')}-rank{rank}.json",
+                        )
+                    )
     finally:
         for t in trainers.values():
             t.close()
     return rows
 
 
-def _rank(rank, world, batch_sizes, configs, warmup, iters, rounds, label="loopback",
-          trace_dir=None, model=DEFAULT_MODEL, optimizer=DEFAULT_OPTIMIZER):
+def _rank(
+    rank,
+    world,
+    batch_sizes,
+    configs,
+    warmup,
+    iters,
+    rounds,
+    label="loopback",
+    trace_dir=None,
+    model=DEFAULT_MODEL,
+    optimizer=DEFAULT_OPTIMIZER,
+):
     rows = []
     for bs in batch_sizes:
-        rows += _run_batch_size(rank, world, bs, configs, warmup, iters, rounds, label,
-                                trace_dir, model, optimizer)
+        rows += _run_batch_size(
+            rank, world, bs, configs, warmup, iters, rounds, label, trace_dir, model, optimizer
+        )
     return rows
 
 
 # ---------------------------------------------------------------- driver
+
 
 def _mean(xs):
     return statistics.mean(xs) if xs else None
@@ -665,10 +775,14 @@ def aggregate(per_rank, configs, batch_sizes):
     out = {}
     for i, row in enumerate(per_rank[0]):
         ranks = [r[i] for r in per_rank]
-        assert all(r["config"] == row["config"] and r["batch_size"] == row["batch_size"] for r in ranks)
+        assert all(
+            r["config"] == row["config"] and r["batch_size"] == row["batch_size"] for r in ranks
+        )
         lib = [r["lib_exposed_s"] for r in ranks]
         busy = [r["lib_busy_s"] for r in ranks]
-        diffs = [r["max_abs_diff_vs_stock"] for r in ranks if r["max_abs_diff_vs_stock"] is not None]
+        diffs = [
+            r["max_abs_diff_vs_stock"] for r in ranks if r["max_abs_diff_vs_stock"] is not None
+        ]
         out[(row["config"], row["batch_size"])] = {
             "step_ms": _mean([r["step_s"] * 1e3 for r in ranks]),
             "step_ms_per_rank": [round(r["step_s"] * 1e3, 3) for r in ranks],
@@ -703,28 +817,39 @@ def aggregate(per_rank, configs, batch_sizes):
             r = out[(config, bs)]
             step = r["step_ms"]
             state = r["opt_state_bytes_per_rank"]
-            results.append({
-                "config": config, "batch_size": bs, "step_ms": step, "compute_ms": compute,
-                "exposed_comm_ms": step - compute,
-                "bound_ms": bound, "vs_bound": step / bound if bound else None,
-                "limit_ms": limit, "vs_limit": step / limit if limit else None,
-                "best_ddp": best_ddp,
-                "speedup_vs_stock": stock / step if stock else None,
-                "speedup_vs_ddp": ddp / step if ddp else None,
-                "cpu_busy_pct": r["cpu_busy_pct"],
-                "peak_rss_mb": r["peak_rss_mb"], "footprint_mb": r["footprint_mb"],
-                "peak_rss_mb_per_rank": r["peak_rss_mb_per_rank"],
-                "own_peak_mb": r["own_peak_mb"], "own_peak_mb_per_rank": r["own_peak_mb_per_rank"],
-                "opt_state_bytes": max(state), "opt_state_bytes_per_rank": state,
-                "opt_state_replicated_bytes": replicated,
-                "opt_state_ref_bytes": replicated / world,  # DDP's / P
-                "opt_state_vs_ref": max(state) * world / replicated if replicated else None,
-                "diff_vs": r["diff_vs"],
-                "lib_exposed_comm_ms": r["lib_exposed_comm_ms"],
-                "lib_comm_busy_ms": r["lib_comm_busy_ms"], "same": r["same"],
-                "max_abs_diff_vs_stock": r["max_abs_diff_vs_stock"],
-                "step_ms_per_rank": r["step_ms_per_rank"],
-            })
+            results.append(
+                {
+                    "config": config,
+                    "batch_size": bs,
+                    "step_ms": step,
+                    "compute_ms": compute,
+                    "exposed_comm_ms": step - compute,
+                    "bound_ms": bound,
+                    "vs_bound": step / bound if bound else None,
+                    "limit_ms": limit,
+                    "vs_limit": step / limit if limit else None,
+                    "best_ddp": best_ddp,
+                    "speedup_vs_stock": stock / step if stock else None,
+                    "speedup_vs_ddp": ddp / step if ddp else None,
+                    "cpu_busy_pct": r["cpu_busy_pct"],
+                    "peak_rss_mb": r["peak_rss_mb"],
+                    "footprint_mb": r["footprint_mb"],
+                    "peak_rss_mb_per_rank": r["peak_rss_mb_per_rank"],
+                    "own_peak_mb": r["own_peak_mb"],
+                    "own_peak_mb_per_rank": r["own_peak_mb_per_rank"],
+                    "opt_state_bytes": max(state),
+                    "opt_state_bytes_per_rank": state,
+                    "opt_state_replicated_bytes": replicated,
+                    "opt_state_ref_bytes": replicated / world,  # DDP's / P
+                    "opt_state_vs_ref": max(state) * world / replicated if replicated else None,
+                    "diff_vs": r["diff_vs"],
+                    "lib_exposed_comm_ms": r["lib_exposed_comm_ms"],
+                    "lib_comm_busy_ms": r["lib_comm_busy_ms"],
+                    "same": r["same"],
+                    "max_abs_diff_vs_stock": r["max_abs_diff_vs_stock"],
+                    "step_ms_per_rank": r["step_ms_per_rank"],
+                }
+            )
     return results
 
 
@@ -739,28 +864,35 @@ def _mb(n):
 def print_table(results, header):
     print(header)
     w = max([16] + [len(r["config"]) for r in results])
-    print(f"{'batch':>5} {'config':>{w}} {'step(ms)':>9} {'compute':>8} {'bound':>8} {'limit':>8} "
-          f"{'exposed':>8} {'lib_exp':>8} {'/bound':>7} {'/limit':>7} {'vs stock':>8} "
-          f"{'vs ddp':>7} {'cpu%':>5} {'peakMB':>7} {'footMB':>7} {'ownMB':>7} {'stateMB':>8} "
-          f"{'/rep':>6} {'same':>5} {'max|d|':>8}")
+    print(
+        f"{'batch':>5} {'config':>{w}} {'step(ms)':>9} {'compute':>8} {'bound':>8} {'limit':>8} "
+        f"{'exposed':>8} {'lib_exp':>8} {'/bound':>7} {'/limit':>7} {'vs stock':>8} "
+        f"{'vs ddp':>7} {'cpu%':>5} {'peakMB':>7} {'footMB':>7} {'ownMB':>7} {'stateMB':>8} "
+        f"{'/rep':>6} {'same':>5} {'max|d|':>8}"
+    )
     for r in results:
         same = "-" if r["same"] is None else ("yes" if r["same"] else "NO")
-        print(f"{r['batch_size']:>5} {r['config']:>{w}} {r['step_ms']:>9.1f} {r['compute_ms']:>8.1f} "
-              f"{_fmt(r['bound_ms'], '.1f', 8)} {_fmt(r['limit_ms'], '.1f', 8)} "
-              f"{r['exposed_comm_ms']:>8.1f} {_fmt(r['lib_exposed_comm_ms'], '.1f', 8)} "
-              f"{_fmt(r['vs_bound'], '.2f', 6)}{'x' if r['vs_bound'] else ' '} "
-              f"{_fmt(r['vs_limit'], '.2f', 6)}{'x' if r['vs_limit'] else ' '} "
-              f"{_fmt(r['speedup_vs_stock'], '.2f', 7)}{'x' if r['speedup_vs_stock'] else ' '} "
-              f"{_fmt(r['speedup_vs_ddp'], '.2f', 6)}{'x' if r['speedup_vs_ddp'] else ' '} "
-              f"{_fmt(r['cpu_busy_pct'], '.0f', 5)} {_fmt(r['peak_rss_mb'], '.0f', 7)} "
-              f"{_fmt(r['footprint_mb'], '.1f', 7)} {_fmt(r.get('own_peak_mb'), '.0f', 7)} "
-              f"{_fmt(_mb(r.get('opt_state_bytes')), '.2f', 8)} "
-              f"{_fmt(r.get('opt_state_vs_ref'), '.2f', 5)}{'x' if r.get('opt_state_vs_ref') else ' '} "
-              f"{same:>5} {_fmt(r['max_abs_diff_vs_stock'], '.1e', 8)}")
+        print(
+            f"{r['batch_size']:>5} {r['config']:>{w}} {r['step_ms']:>9.1f} {r['compute_ms']:>8.1f} "
+            f"{_fmt(r['bound_ms'], '.1f', 8)} {_fmt(r['limit_ms'], '.1f', 8)} "
+            f"{r['exposed_comm_ms']:>8.1f} {_fmt(r['lib_exposed_comm_ms'], '.1f', 8)} "
+            f"{_fmt(r['vs_bound'], '.2f', 6)}{'x' if r['vs_bound'] else ' '} "
+            f"{_fmt(r['vs_limit'], '.2f', 6)}{'x' if r['vs_limit'] else ' '} "
+            f"{_fmt(r['speedup_vs_stock'], '.2f', 7)}{'x' if r['speedup_vs_stock'] else ' '} "
+            f"{_fmt(r['speedup_vs_ddp'], '.2f', 6)}{'x' if r['speedup_vs_ddp'] else ' '} "
+            f"{_fmt(r['cpu_busy_pct'], '.0f', 5)} {_fmt(r['peak_rss_mb'], '.0f', 7)} "
+            f"{_fmt(r['footprint_mb'], '.1f', 7)} {_fmt(r.get('own_peak_mb'), '.0f', 7)} "
+            f"{_fmt(_mb(r.get('opt_state_bytes')), '.2f', 8)} "
+            f"{_fmt(r.get('opt_state_vs_ref'), '.2f', 5)}{'x' if r.get('opt_state_vs_ref') else ' '} "
+            f"{same:>5} {_fmt(r['max_abs_diff_vs_stock'], '.1e', 8)}"
+        )
     best = {r["batch_size"]: r["best_ddp"] for r in results if r["best_ddp"]}
     if best:
-        print("vs ddp: against the fastest DDP config at that batch size ("
-              + ", ".join(f"batch {bs}: {c}" for bs, c in best.items()) + ")")
+        print(
+            "vs ddp: against the fastest DDP config at that batch size ("
+            + ", ".join(f"batch {bs}: {c}" for bs, c in best.items())
+            + ")"
+        )
 
 
 def plot(results, path):
@@ -779,18 +911,34 @@ def plot(results, path):
         steps = [by[(config, bs)]["step_ms"] for bs in batch_sizes]
         computes = [by[(config, bs)]["compute_ms"] for bs in batch_sizes]
         bars = ax.bar(xs, steps, width, label=config)
-        ax.bar(xs, computes, width, color="none", edgecolor="black", hatch="///", linewidth=0,
-               label="compute (no comm)" if j == 0 else None)
+        ax.bar(
+            xs,
+            computes,
+            width,
+            color="none",
+            edgecolor="black",
+            hatch="///",
+            linewidth=0,
+            label="compute (no comm)" if j == 0 else None,
+        )
         for b, bs in zip(bars, batch_sizes):
             s = by[(config, bs)]["speedup_vs_stock"]
             if s and config != "stock":
-                ax.annotate(f"{s:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()),
-                            ha="center", va="bottom", fontsize=7)
+                ax.annotate(
+                    f"{s:.2f}x",
+                    (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
     ax.set_xticks(range(len(batch_sizes)), [str(bs) for bs in batch_sizes])
     ax.set_xlabel("batch size per rank")
     ax.set_ylabel("step time (ms), median")
-    ax.set_title("training step time per config (hatched: compute with no communication;\n"
-                 "labels: speed-up vs stock)", fontsize=9)
+    ax.set_title(
+        "training step time per config (hatched: compute with no communication;\n"
+        "labels: speed-up vs stock)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.margins(y=0.08)
     fig.tight_layout()
@@ -808,21 +956,30 @@ def plot_regime_map(cells, path):
     networks = list(dict.fromkeys(c["network"] for c in cells))
     batches = sorted({c["batch_size"] for c in cells})
     by = {(c["network"], c["batch_size"]): c for c in cells}
-    grid = [[by[(n, b)]["hybrid_vs_best_ddp"] if (n, b) in by else float("nan") for b in batches]
-            for n in networks]
+    grid = [
+        [by[(n, b)]["hybrid_vs_best_ddp"] if (n, b) in by else float("nan") for b in batches]
+        for n in networks
+    ]
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(batches), 1.2 + 0.7 * len(networks)))
     im = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.6, vmax=1.4, aspect="auto")
     for i, n in enumerate(networks):
         for j, b in enumerate(batches):
             c = by.get((n, b))
             if c:
-                ax.text(j, i, f"{c['hybrid_vs_best_ddp']:.2f}x\n({c['best_ddp']})",
-                        ha="center", va="center", fontsize=8)
+                ax.text(
+                    j,
+                    i,
+                    f"{c['hybrid_vs_best_ddp']:.2f}x\n({c['best_ddp']})",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                )
     busy = {c["network"]: c["comm_cpu_busy_pct"] for c in cells}
     ax.set_xticks(range(len(batches)), [str(b) for b in batches])
-    ax.set_yticks(range(len(networks)),
-                  [f"{n}\n(comm: {busy[n]:.0f}% CPU)" if busy.get(n) is not None else n
-                   for n in networks])
+    ax.set_yticks(
+        range(len(networks)),
+        [f"{n}\n(comm: {busy[n]:.0f}% CPU)" if busy.get(n) is not None else n for n in networks],
+    )
     ax.set_xlabel("batch size per rank")
     ax.set_title("hybrid-forward step time / best DDP (< 1: hybridcomm faster)", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.05)
@@ -843,102 +1000,167 @@ def regime_cells(network, results):
             continue
         best = by[(hf["best_ddp"], bs)]
         ddp = best["step_ms"]
-        cells.append({"network": network, "batch_size": bs, "hybrid_forward_ms": hf["step_ms"],
-                      "best_ddp": hf["best_ddp"], "best_ddp_ms": ddp,
-                      "hybrid_vs_best_ddp": hf["step_ms"] / ddp,
-                      "stock_ms": by.get(("stock", bs), {}).get("step_ms"),
-                      "compute_ms": hf["compute_ms"], "bound_ms": hf["bound_ms"],
-                      "hybrid_vs_bound": hf["vs_bound"],
-                      "limit_ms": hf.get("limit_ms"), "hybrid_vs_limit": hf.get("vs_limit"),
-                      "hybrid_peak_rss_mb": hf.get("peak_rss_mb"),
-                      "best_ddp_peak_rss_mb": best.get("peak_rss_mb"),
-                      "comm_cpu_busy_pct": comm and comm["cpu_busy_pct"]})
+        cells.append(
+            {
+                "network": network,
+                "batch_size": bs,
+                "hybrid_forward_ms": hf["step_ms"],
+                "best_ddp": hf["best_ddp"],
+                "best_ddp_ms": ddp,
+                "hybrid_vs_best_ddp": hf["step_ms"] / ddp,
+                "stock_ms": by.get(("stock", bs), {}).get("step_ms"),
+                "compute_ms": hf["compute_ms"],
+                "bound_ms": hf["bound_ms"],
+                "hybrid_vs_bound": hf["vs_bound"],
+                "limit_ms": hf.get("limit_ms"),
+                "hybrid_vs_limit": hf.get("vs_limit"),
+                "hybrid_peak_rss_mb": hf.get("peak_rss_mb"),
+                "best_ddp_peak_rss_mb": best.get("peak_rss_mb"),
+                "comm_cpu_busy_pct": comm and comm["cpu_busy_pct"],
+            }
+        )
     return cells
 
 
 def print_regime_map(cells):
-    print(f"{'network':>14} {'batch':>5} {'hybrid-fwd':>10} {'best DDP':>14} {'ratio':>6} "
-          f"{'bound':>8} {'/bound':>6} {'limit':>8} {'/limit':>6} {'comm cpu%':>9}")
+    print(
+        f"{'network':>14} {'batch':>5} {'hybrid-fwd':>10} {'best DDP':>14} {'ratio':>6} "
+        f"{'bound':>8} {'/bound':>6} {'limit':>8} {'/limit':>6} {'comm cpu%':>9}"
+    )
     for c in cells:
-        print(f"{c['network']:>14} {c['batch_size']:>5} {c['hybrid_forward_ms']:>10.1f} "
-              f"{c['best_ddp_ms']:>7.1f} {c['best_ddp']:>6} {c['hybrid_vs_best_ddp']:>5.2f}x "
-              f"{_fmt(c['bound_ms'], '.1f', 8)} {_fmt(c['hybrid_vs_bound'], '.2f', 5)}x "
-              f"{_fmt(c.get('limit_ms'), '.1f', 8)} {_fmt(c.get('hybrid_vs_limit'), '.2f', 5)}"
-              f"{'x' if c.get('hybrid_vs_limit') else ' '} "
-              f"{_fmt(c['comm_cpu_busy_pct'], '.0f', 9)}")
+        print(
+            f"{c['network']:>14} {c['batch_size']:>5} {c['hybrid_forward_ms']:>10.1f} "
+            f"{c['best_ddp_ms']:>7.1f} {c['best_ddp']:>6} {c['hybrid_vs_best_ddp']:>5.2f}x "
+            f"{_fmt(c['bound_ms'], '.1f', 8)} {_fmt(c['hybrid_vs_bound'], '.2f', 5)}x "
+            f"{_fmt(c.get('limit_ms'), '.1f', 8)} {_fmt(c.get('hybrid_vs_limit'), '.2f', 5)}"
+            f"{'x' if c.get('hybrid_vs_limit') else ' '} "
+            f"{_fmt(c['comm_cpu_busy_pct'], '.0f', 9)}"
+        )
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[2:]))
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
     ap.add_argument("--nprocs", type=int, default=4)
-    ap.add_argument("--model", default=DEFAULT_MODEL, choices=list(ALL_MODELS),
-                    help=f"what trains (default {DEFAULT_MODEL}; --demo and --regime-map "
-                         "run only that): "
-                         + "; ".join(f"{name} = {what}" for name, what in ALL_MODELS.items())
-                         + ". resnet18, vgg11: torchvision.models where it imports, else "
-                         "benchmarks/vision_arch.py (written here from the papers, with "
-                         "torchvision's names; the same weights either way)")
-    ap.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=list(OPTIMIZERS),
-                    help=f"every config's optimizer (default {DEFAULT_OPTIMIZER}): sgd = "
-                         f"SGD(lr={LR}, momentum={MOMENTUM}); adam = Adam(lr={ADAM_LR}), whose "
-                         "state (two moments) the sharded configs split: "
-                         + ",".join(SHARD_CONFIGS))
-    ap.add_argument("--batch-sizes", default=None, help="per rank, comma-separated (default 8,16,32,64)")
-    ap.add_argument("--configs", default="all",
-                    help=f"comma-separated from {','.join(CONFIGS)}, ddp:CAP_MB, or all; "
-                         f"shard stands for {','.join(SHARD_CONFIGS)}; "
-                         "hybridcomm's take DistributedOptimizer options after slashes, "
-                         "e.g. hybrid-forward/fusion_bytes=4M/split_bytes=0 (keys: "
-                         f"{', '.join(HYBRID_OPTIONS)})")
+    ap.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        choices=list(ALL_MODELS),
+        help=f"what trains (default {DEFAULT_MODEL}; --demo and --regime-map "
+        "run only that): "
+        + "; ".join(f"{name} = {what}" for name, what in ALL_MODELS.items())
+        + ". resnet18, vgg11: torchvision.models where it imports, else "
+        "benchmarks/vision_arch.py (written here from the papers, with "
+        "torchvision's names; the same weights either way)",
+    )
+    ap.add_argument(
+        "--optimizer",
+        default=DEFAULT_OPTIMIZER,
+        choices=list(OPTIMIZERS),
+        help=f"every config's optimizer (default {DEFAULT_OPTIMIZER}): sgd = "
+        f"SGD(lr={LR}, momentum={MOMENTUM}); adam = Adam(lr={ADAM_LR}), whose "
+        "state (two moments) the sharded configs split: " + ",".join(SHARD_CONFIGS),
+    )
+    ap.add_argument(
+        "--batch-sizes", default=None, help="per rank, comma-separated (default 8,16,32,64)"
+    )
+    ap.add_argument(
+        "--configs",
+        default="all",
+        help=f"comma-separated from {','.join(CONFIGS)}, ddp:CAP_MB, or all; "
+        f"shard stands for {','.join(SHARD_CONFIGS)}; "
+        "hybridcomm's take DistributedOptimizer options after slashes, "
+        "e.g. hybrid-forward/fusion_bytes=4M/split_bytes=0 (keys: "
+        f"{', '.join(HYBRID_OPTIONS)})",
+    )
     ap.add_argument("--iters", type=int, default=None, help="timed steps per config (default 20)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5; "
-                    "keep it above DistributedOptimizer's measure_iters=3, when it re-plans)")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="interleave the configs in this many rounds of iters/rounds timed "
-                         "steps each, so drift in machine load hits all alike (default 4)")
-    ap.add_argument("--shape", default=None, help='e.g. "rate 100mbit": each rank in its own network '
-                                                  "namespace, egress shaped with tbf (root)")
-    ap.add_argument("--regime-map", action="store_true",
-                    help=f"sweep networks (loopback, {', '.join(n for n in REGIME_NETWORKS if n)}) x "
-                         f"batch sizes {REGIME_BATCHES} with {','.join(REGIME_CONFIGS)}; "
-                         "--plot draws the heat map (root for the shaped networks)")
-    ap.add_argument("--demo", action="store_true",
-                    help="the wire-bound case (100mbit, batch 256) quick, one summary line; "
-                         "loopback where namespaces cannot be made (make demo)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps first (default 5; "
+        "keep it above DistributedOptimizer's measure_iters=3, when it re-plans)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleave the configs in this many rounds of iters/rounds timed "
+        "steps each, so drift in machine load hits all alike (default 4)",
+    )
+    ap.add_argument(
+        "--shape",
+        default=None,
+        help='e.g. "rate 100mbit": each rank in its own network '
+        "namespace, egress shaped with tbf (root)",
+    )
+    ap.add_argument(
+        "--regime-map",
+        action="store_true",
+        help=f"sweep networks (loopback, {', '.join(n for n in REGIME_NETWORKS if n)}) x "
+        f"batch sizes {REGIME_BATCHES} with {','.join(REGIME_CONFIGS)}; "
+        "--plot draws the heat map (root for the shaped networks)",
+    )
+    ap.add_argument(
+        "--demo",
+        action="store_true",
+        help="the wire-bound case (100mbit, batch 256) quick, one summary line; "
+        "loopback where namespaces cannot be made (make demo)",
+    )
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("--plot", default=None, metavar="PATH.png")
-    ap.add_argument("--quick", action="store_true",
-                    help=f"batch sizes {QUICK['batch_sizes']}, {QUICK['iters']} iters, "
-                         f"{QUICK['warmup']} warm-up")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"batch sizes {QUICK['batch_sizes']}, {QUICK['iters']} iters, "
+        f"{QUICK['warmup']} warm-up",
+    )
     ap.add_argument("--show-plan", action="store_true", help="print hybridcomm's plan per config")
-    ap.add_argument("--trace", default=None, metavar="DIR",
-                    help="write each hybridcomm config's timeline (Chrome trace) per rank to DIR")
+    ap.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="write each hybridcomm config's timeline (Chrome trace) per rank to DIR",
+    )
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for each launch")
     args = ap.parse_args(argv)
     if args.regime_map and args.demo:
         ap.error("--regime-map and --demo are separate runs")
     if (args.regime_map or args.demo) and args.model != DEFAULT_MODEL:
         # their batch sizes and networks are sized for the thesis model's step and bytes
-        ap.error(f"--regime-map and --demo run {DEFAULT_MODEL}; --model {args.model} "
-                 "is for a single run (--shape, --batch-sizes, --configs)")
+        ap.error(
+            f"--regime-map and --demo run {DEFAULT_MODEL}; --model {args.model} "
+            "is for a single run (--shape, --batch-sizes, --configs)"
+        )
     defaults = QUICK if args.quick else REGIME_RUN if args.regime_map else FULL
     if args.demo:
         defaults = DEMO
-    args.batch_sizes = ([int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes
-                        else REGIME_BATCHES if args.regime_map else defaults["batch_sizes"])
+    args.batch_sizes = (
+        [int(b) for b in args.batch_sizes.split(",")]
+        if args.batch_sizes
+        else REGIME_BATCHES
+        if args.regime_map
+        else defaults["batch_sizes"]
+    )
     args.iters = defaults["iters"] if args.iters is None else args.iters
     args.warmup = defaults["warmup"] if args.warmup is None else args.warmup
     args.rounds = min(defaults["rounds"] if args.rounds is None else args.rounds, args.iters)
     if min(args.iters, args.rounds, args.nprocs, *args.batch_sizes) < 1 or args.warmup < 0:
         ap.error("--iters, --rounds, --nprocs and batch sizes must be >= 1, --warmup >= 0")
     if args.configs == "all":
-        names = (REGIME_CONFIGS if args.regime_map else DEMO["configs"] if args.demo
-                 else DEFAULT_CONFIGS)
+        names = (
+            REGIME_CONFIGS if args.regime_map else DEMO["configs"] if args.demo else DEFAULT_CONFIGS
+        )
     else:  # "shard" in the list stands for SHARD_CONFIGS
-        names = [n for c in args.configs.split(",") if c.strip()
-                 for n in (SHARD_CONFIGS if c.strip() == "shard" else [c.strip()])]
+        names = [
+            n
+            for c in args.configs.split(",")
+            if c.strip()
+            for n in (SHARD_CONFIGS if c.strip() == "shard" else [c.strip()])
+        ]
     try:
         for c in names:
             config_kind(c)
@@ -972,10 +1194,23 @@ def measure(args, shape, batch_sizes):
     network = contextlib.nullcontext() if not shape else shaped_network(args.nprocs, shape)
     label = shape.replace("rate ", "") if shape else "loopback"
     with network as net, cost_models_of(label):
-        per_rank = launch(_rank, args.nprocs, batch_sizes, args.configs, args.warmup,
-                          args.iters, args.rounds, label, args.trace, args.model,
-                          args.optimizer, backend="gloo", start_method="forkserver",
-                          setup=net and net.setup, timeout=args.timeout)
+        per_rank = launch(
+            _rank,
+            args.nprocs,
+            batch_sizes,
+            args.configs,
+            args.warmup,
+            args.iters,
+            args.rounds,
+            label,
+            args.trace,
+            args.model,
+            args.optimizer,
+            backend="gloo",
+            start_method="forkserver",
+            setup=net and net.setup,
+            timeout=args.timeout,
+        )
         where = f"tbf {net.spec} on each rank's link (a namespace per rank)" if net else "loopback"
     results = aggregate(per_rank, args.configs, batch_sizes)
     plans = {f"{r['config']} batch {r['batch_size']}": r["plan"] for r in per_rank[0] if r["plan"]}
@@ -985,22 +1220,26 @@ def measure(args, shape, batch_sizes):
 def model_line(model) -> str:
     """The model, where it comes from and its size: ``resnet18 (torchvision 0.28.0; 11.17M
     params, 44.7 MB of gradients, 0.0% in FC layers)``."""
-    return (f"{model['arch']} ({model['source']}; {model['params'] / 1e6:.2f}M params, "
-            f"{model['bytes'] / 1e6:.1f} MB of gradients, "
-            f"{model['fc_params'] / model['params']:.1%} in FC layers)")
+    return (
+        f"{model['arch']} ({model['source']}; {model['params'] / 1e6:.2f}M params, "
+        f"{model['bytes'] / 1e6:.1f} MB of gradients, "
+        f"{model['fc_params'] / model['params']:.1%} in FC layers)"
+    )
 
 
 def header_line(args, model, where):
-    return (f"training step, {model_line(model)}, {OPTIMIZER_LINES[args.optimizer]}, "
-            f"{args.nprocs} ranks on CPU (gloo), network: {where}; median of {args.iters} steps (configs interleaved "
-            f"in {args.rounds} rounds, {args.warmup} warm-up) per rank, averaged across ranks; "
-            f"exposed = step - compute; lib_exp = the library's own exposed_comm_s; "
-            f"bound = max(compute, comm); limit = compute with comm in a thread at the same "
-            f"time; peakMB = peak resident memory over the timed steps, footMB = the config's "
-            f"own persistent memory, ownMB = footMB + what its timed steps added on top, "
-            f"stateMB = optimizer state per rank (10^6 bytes; all: largest over ranks), "
-            f"/rep = stateMB over the replicated state / {args.nprocs}; max|d| against "
-            f"{reference_config(args.configs) or 'nothing (neither stock nor ddp runs)'}")
+    return (
+        f"training step, {model_line(model)}, {OPTIMIZER_LINES[args.optimizer]}, "
+        f"{args.nprocs} ranks on CPU (gloo), network: {where}; median of {args.iters} steps (configs interleaved "
+        f"in {args.rounds} rounds, {args.warmup} warm-up) per rank, averaged across ranks; "
+        f"exposed = step - compute; lib_exp = the library's own exposed_comm_s; "
+        f"bound = max(compute, comm); limit = compute with comm in a thread at the same "
+        f"time; peakMB = peak resident memory over the timed steps, footMB = the config's "
+        f"own persistent memory, ownMB = footMB + what its timed steps added on top, "
+        f"stateMB = optimizer state per rank (10^6 bytes; all: largest over ranks), "
+        f"/rep = stateMB over the replicated state / {args.nprocs}; max|d| against "
+        f"{reference_config(args.configs) or 'nothing (neither stock nor ddp runs)'}"
+    )
 
 
 OPTIMIZER_LINES = {"sgd": f"SGD(lr={LR}, momentum={MOMENTUM})", "adam": f"Adam(lr={ADAM_LR})"}
@@ -1024,19 +1263,28 @@ def demo_line(results, where) -> str:
     ddp = by.get(hf["best_ddp"]) if hf["best_ddp"] else None
     parts = [f"hybrid-forward {hf['step_ms']:.0f} ms/step"]
     if stock:
-        parts.append(f"{1 - hf['step_ms'] / stock['step_ms']:.0%} less time than stock "
-                     f"({stock['step_ms']:.0f} ms)")
+        parts.append(
+            f"{1 - hf['step_ms'] / stock['step_ms']:.0%} less time than stock "
+            f"({stock['step_ms']:.0f} ms)"
+        )
     if ddp:
-        parts.append(f"{1 - hf['step_ms'] / ddp['step_ms']:.0%} less than the best DDP "
-                     f"({hf['best_ddp']}, {ddp['step_ms']:.0f} ms)")
+        parts.append(
+            f"{1 - hf['step_ms'] / ddp['step_ms']:.0%} less than the best DDP "
+            f"({hf['best_ddp']}, {ddp['step_ms']:.0f} ms)"
+        )
     if hf["bound_ms"]:
-        parts.append(f"{hf['vs_bound']:.2f}x the bound max(compute, comm) = {hf['bound_ms']:.0f} ms")
+        parts.append(
+            f"{hf['vs_bound']:.2f}x the bound max(compute, comm) = {hf['bound_ms']:.0f} ms"
+        )
     if hf.get("limit_ms"):
-        parts.append(f"{hf['vs_limit']:.2f}x the limit (compute and comm at once) = "
-                     f"{hf['limit_ms']:.0f} ms")
+        parts.append(
+            f"{hf['vs_limit']:.2f}x the limit (compute and comm at once) = {hf['limit_ms']:.0f} ms"
+        )
     if ddp and hf.get("peak_rss_mb") and ddp.get("peak_rss_mb"):
-        parts.append(f"peak memory {hf['peak_rss_mb']:.0f} MB vs {ddp['peak_rss_mb']:.0f} MB "
-                     f"({hf['best_ddp']})")
+        parts.append(
+            f"peak memory {hf['peak_rss_mb']:.0f} MB vs {ddp['peak_rss_mb']:.0f} MB "
+            f"({hf['best_ddp']})"
+        )
     return f"demo ({where}, batch {hf['batch_size']}): " + ", ".join(parts)
 
 
@@ -1045,8 +1293,9 @@ def main(argv=None):
     if args.trace:
         os.makedirs(args.trace, exist_ok=True)
     command = " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv)
-    model = dict(param_counts(build(args.model, SEED)), arch=args.model,
-                 source=model_source(args.model))
+    model = dict(
+        param_counts(build(args.model, SEED)), arch=args.model, source=model_source(args.model)
+    )
     print(f"[train] model: {model_line(model)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     if args.demo and args.shape is None:
@@ -1055,9 +1304,12 @@ def main(argv=None):
             args.shape = DEMO["shape"]
         else:
             args.batch_sizes = DEMO_LOOPBACK_BATCHES
-            print(f"[demo] loopback only ({why}). On loopback the cores, not a wire, move the "
-                  "bytes, so there is nothing for overlap to hide: expect hybridcomm close to "
-                  "DDP here. Run as root to see the wire-bound case (100mbit).", flush=True)
+            print(
+                f"[demo] loopback only ({why}). On loopback the cores, not a wire, move the "
+                "bytes, so there is nothing for overlap to hide: expect hybridcomm close to "
+                "DDP here. Run as root to see the wire-bound case (100mbit).",
+                flush=True,
+            )
     networks = [args.shape]
     if args.regime_map:
         why = can_shape()
@@ -1082,15 +1334,24 @@ def main(argv=None):
         print_regime_map(cells)
     if args.demo:
         print(demo_line(runs[next(iter(runs))]["results"], next(iter(runs))))
-    print(f"({wall:.0f} s wall; load average {load:.1f} on {os.cpu_count()} cores"
-          + (": the machine was busy, expect noise)" if load > args.nprocs + 1 else ")"))
+    print(
+        f"({wall:.0f} s wall; load average {load:.1f} on {os.cpu_count()} cores"
+        + (": the machine was busy, expect noise)" if load > args.nprocs + 1 else ")")
+    )
     all_results = [r for run in runs.values() for r in run["results"]]
     if args.json:
-        doc = {"nprocs": args.nprocs, "model": model,
-               "machine": dict(machine_info(), backend="gloo"), "command": command,
-               "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
-               "optimizer": OPTIMIZER_LINES[args.optimizer],
-               "loadavg_after": os.getloadavg(), "plans": all_plans}
+        doc = {
+            "nprocs": args.nprocs,
+            "model": model,
+            "machine": dict(machine_info(), backend="gloo"),
+            "command": command,
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "optimizer": OPTIMIZER_LINES[args.optimizer],
+            "loadavg_after": os.getloadavg(),
+            "plans": all_plans,
+        }
         if args.regime_map:
             doc.update(runs=runs, regime_map=cells)
         else:
@@ -1098,8 +1359,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
     if args.plot:
-        (plot_regime_map(cells, args.plot) if args.regime_map
-         else plot(all_results, args.plot))
+        (plot_regime_map(cells, args.plot) if args.regime_map else plot(all_results, args.plot))
     broken = [f"{r['config']}@{r['batch_size']}" for r in all_results if r["same"] is False]
     if broken:
         raise SystemExit(f"FAILED: parameters differ across ranks for {', '.join(broken)}")

@@ -25,6 +25,7 @@ shapes, and ``models.build`` draws the same weights on both. The weights are dra
 (torchvision's distributions, in module order, from the seed alone); these constructors
 leave PyTorch's defaults.
 """
+
 from __future__ import annotations
 
 from typing import Sequence, Union
@@ -39,8 +40,7 @@ VGG11_PLAN = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
 def _conv(cin: int, cout: int, kernel: int, stride: int = 1) -> nn.Conv2d:
     """A bias-free convolution padded to keep the size (before batch norm)."""
-    return nn.Conv2d(cin, cout, kernel_size=kernel, stride=stride, padding=kernel // 2,
-                     bias=False)
+    return nn.Conv2d(cin, cout, kernel_size=kernel, stride=stride, padding=kernel // 2, bias=False)
 
 
 class BasicBlock(nn.Module):
@@ -56,8 +56,11 @@ class BasicBlock(nn.Module):
         self.conv2 = _conv(cout, cout, 3)
         self.bn2 = nn.BatchNorm2d(cout)
         # a projection only where the shape changes (option B); registered last
-        self.downsample = nn.Sequential(_conv(cin, cout, 1, stride), nn.BatchNorm2d(cout)) \
-            if stride != 1 or cin != cout else None
+        self.downsample = (
+            nn.Sequential(_conv(cin, cout, 1, stride), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
@@ -105,15 +108,24 @@ def vgg_features(plan: Sequence[Union[int, str]]) -> nn.Sequential:
 class VGG(nn.Module):
     """A VGG: ``features``, a 7x7 adaptive pool, three fully connected layers."""
 
-    def __init__(self, plan: Sequence[Union[int, str]] = VGG11_PLAN, num_classes: int = 1000,
-                 dropout: float = 0.5):
+    def __init__(
+        self,
+        plan: Sequence[Union[int, str]] = VGG11_PLAN,
+        num_classes: int = 1000,
+        dropout: float = 0.5,
+    ):
         super().__init__()
         self.features = vgg_features(plan)
         self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
         self.classifier = nn.Sequential(
-            nn.Linear(512 * 7 * 7, 4096), nn.ReLU(inplace=True), nn.Dropout(dropout),
-            nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Dropout(dropout),
-            nn.Linear(4096, num_classes))
+            nn.Linear(512 * 7 * 7, 4096),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(4096, 4096),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(4096, num_classes),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))

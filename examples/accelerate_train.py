@@ -42,6 +42,7 @@ step sent N bytes``), and every rank a digest of its parameters;
 ``--params-out P`` writes the parameters (a flat fp32 tensor,
 ``torch.load``-able) to ``P.<overlap>.acc<K>.pt``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,9 @@ def say(line: str) -> None:
 
 def make_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
-                         nn.Linear(64, 4))
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
 
 
 def make_data(n: int, seed: int) -> TensorDataset:
@@ -88,15 +90,18 @@ def train(accelerator: Accelerator, args, overlap: str, accumulation: int) -> No
     accelerator.gradient_accumulation_steps = accumulation
     world = accelerator.num_processes
     if args.global_batch_size % world:
-        raise SystemExit(f"--global-batch-size {args.global_batch_size} is not a multiple of "
-                         f"the {world} processes")
+        raise SystemExit(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of "
+            f"the {world} processes"
+        )
     model = make_model(args.seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     samples = args.steps * accumulation * args.global_batch_size
     # In order (no shuffle): Accelerate gives process r every P-th micro-batch of
     # G/P samples, which together are the G samples one process would take.
-    loader = DataLoader(make_data(samples, args.seed + 1),
-                        batch_size=args.global_batch_size // world)
+    loader = DataLoader(
+        make_data(samples, args.seed + 1), batch_size=args.global_batch_size // world
+    )
 
     state = None
     if args.no_hybridcomm or overlap == "backward":
@@ -105,7 +110,8 @@ def train(accelerator: Accelerator, args, overlap: str, accumulation: int) -> No
             state = hybridcomm.integrations.accelerate.register(accelerator, model)
     else:  # the change: no DDP; hybridcomm.DistributedOptimizer, forward overlap
         model, optimizer, loader = hybridcomm.integrations.accelerate.prepare(
-            accelerator, model, optimizer, loader, overlap="forward")
+            accelerator, model, optimizer, loader, overlap="forward"
+        )
 
     losses, clipped = [], 0
     for x, y in loader:
@@ -122,22 +128,32 @@ def train(accelerator: Accelerator, args, overlap: str, accumulation: int) -> No
     hybridcomm.integrations.accelerate.synchronize(optimizer)  # forward: the last update
 
     label = f"overlap {overlap}, accumulation {accumulation}"
-    params = torch.cat([p.detach().reshape(-1).cpu()
-                        for p in accelerator.unwrap_model(model).parameters()])
+    params = torch.cat(
+        [p.detach().reshape(-1).cpu() for p in accelerator.unwrap_model(model).parameters()]
+    )
     say(f"[rank {accelerator.process_index}] {label}: parameters sha256 {digest(model)}")
     if accelerator.is_main_process:
         steps = len(losses) // accumulation
-        how = ("stock" if args.no_hybridcomm else "hybridcomm" if world > 1
-               else "one process: nothing to reduce")
-        say(f"{label}: final loss {losses[-1]:.6f} (first {losses[0]:.6f}) over {steps} "
-              f"steps ({clipped} clipped), {world} process(es), {how}")
+        how = (
+            "stock"
+            if args.no_hybridcomm
+            else "hybridcomm"
+            if world > 1
+            else "one process: nothing to reduce"
+        )
+        say(
+            f"{label}: final loss {losses[-1]:.6f} (first {losses[0]:.6f}) over {steps} "
+            f"steps ({clipped} clipped), {world} process(es), {how}"
+        )
         if state is not None:
             say(f"{label}: hybridcomm algorithms {state.algorithms}")
         inner = optimizer.optimizer  # Accelerate's wrapper holds the (hybridcomm) optimizer
         if not args.no_hybridcomm and hasattr(inner, "plan"):
-            say(f"{label}: hybridcomm optimizer algorithms "
-                  f"{[b.algorithm for b in inner.plan.buckets]}, last step sent "
-                  f"{inner.last_step_stats.get('bytes_sent', 0)} bytes")
+            say(
+                f"{label}: hybridcomm optimizer algorithms "
+                f"{[b.algorithm for b in inner.plan.buckets]}, last step sent "
+                f"{inner.last_step_stats.get('bytes_sent', 0)} bytes"
+            )
         if args.params_out:
             torch.save(params, f"{args.params_out}.{overlap}.acc{accumulation}.pt")
     # hybridcomm's threads and channels end here, not in the interpreter's teardown
@@ -149,22 +165,40 @@ def train(accelerator: Accelerator, args, overlap: str, accumulation: int) -> No
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
-    p.add_argument("--global-batch-size", type=int, default=16,
-                   help="samples per micro-batch over all processes")
-    p.add_argument("--accumulation", default="1",
-                   help="micro-batches per step; a comma list trains once per value")
-    p.add_argument("--overlap", default="backward",
-                   help="backward: the DDP hook (register); forward: hybridcomm's optimizer "
-                        "(prepare); a comma list trains once per value")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=16,
+        help="samples per micro-batch over all processes",
+    )
+    p.add_argument(
+        "--accumulation",
+        default="1",
+        help="micro-batches per step; a comma list trains once per value",
+    )
+    p.add_argument(
+        "--overlap",
+        default="backward",
+        help="backward: the DDP hook (register); forward: hybridcomm's optimizer "
+        "(prepare); a comma list trains once per value",
+    )
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--max-grad-norm", type=float, default=0.0, help="clip (0: no clipping)")
-    p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="DDP's bucket size (small: several buckets)")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP's bucket size (small: several buckets)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--params-out", default=None,
-                   help="write the parameters to PATH.<overlap>.acc<K>.pt")
-    p.add_argument("--no-hybridcomm", action="store_true",
-                   help="Accelerate's stock path (DDP's own all-reduce; --overlap is ignored)")
+    p.add_argument(
+        "--params-out", default=None, help="write the parameters to PATH.<overlap>.acc<K>.pt"
+    )
+    p.add_argument(
+        "--no-hybridcomm",
+        action="store_true",
+        help="Accelerate's stock path (DDP's own all-reduce; --overlap is ignored)",
+    )
     args = p.parse_args()
 
     handlers = []

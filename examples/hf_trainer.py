@@ -27,6 +27,7 @@ over the run (``mean loss X``, not rounded), the hook's algorithms
 ran), and ``--params-out P`` writes the final parameters (a flat fp32 tensor)
 to ``P.<run>.pt``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download anything
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import torch  # noqa: E402
-from transformers import (BertConfig, BertForSequenceClassification, Trainer,  # noqa: E402
-                          TrainingArguments)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,  # noqa: E402
+    TrainingArguments,
+)
 
 import hybridcomm.integrations.transformers  # noqa: E402
 
@@ -59,8 +64,11 @@ class Tokens(torch.utils.data.Dataset):
         return len(self.ids)
 
     def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long),
-                "labels": self.labels[i]}
+        return {
+            "input_ids": self.ids[i],
+            "attention_mask": torch.ones(SEQ, dtype=torch.long),
+            "labels": self.labels[i],
+        }
 
 
 def say(line: str) -> None:
@@ -72,9 +80,17 @@ def say(line: str) -> None:
 
 def make_model(seed: int) -> BertForSequenceClassification:
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=SEQ,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=2,
+    )
     return BertForSequenceClassification(config)
 
 
@@ -83,14 +99,23 @@ def train(args, hybrid: bool, out_dir: str) -> None:
     targs = TrainingArguments(
         output_dir=os.path.join(out_dir, run),
         per_device_train_batch_size=args.per_device_batch_size,
-        gradient_accumulation_steps=args.accumulation, max_steps=args.steps,
-        learning_rate=args.lr, max_grad_norm=args.max_grad_norm, seed=args.seed,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
+        gradient_accumulation_steps=args.accumulation,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        max_grad_norm=args.max_grad_norm,
+        seed=args.seed,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+    )
     world = targs.world_size
     samples = args.steps * args.accumulation * args.per_device_batch_size * world
-    trainer = Trainer(model=make_model(args.seed), args=targs,
-                      train_dataset=Tokens(samples, args.seed + 1))
+    trainer = Trainer(
+        model=make_model(args.seed), args=targs, train_dataset=Tokens(samples, args.seed + 1)
+    )
     callback = None
     if hybrid:  # the change
         callback = hybridcomm.integrations.transformers.enable(trainer)
@@ -100,8 +125,10 @@ def train(args, hybrid: bool, out_dir: str) -> None:
     if trainer.is_world_process_zero():
         say(f"{run}: losses {json.dumps([h['loss'] for h in logs])}")
         say(f"{run}: grad_norms {json.dumps([h['grad_norm'] for h in logs])}")
-        say(f"{run}: {world} process(es), accumulation {args.accumulation}, final loss "
-              f"{logs[-1]['loss']:.4f}, mean loss {result.training_loss!r}")
+        say(
+            f"{run}: {world} process(es), accumulation {args.accumulation}, final loss "
+            f"{logs[-1]['loss']:.4f}, mean loss {result.training_loss!r}"
+        )
         if callback is not None and callback.state is not None:
             say(f"{run}: hybridcomm algorithms {callback.state.algorithms}")
         if args.params_out:
@@ -120,10 +147,14 @@ def main() -> None:
     p.add_argument("--output-dir", default=None, help="the Trainer's (default: a temporary one)")
     p.add_argument("--params-out", default=None, help="write the parameters to PATH.<run>.pt")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--no-hybridcomm", action="store_true",
-                   help="the stock Trainer (DDP's all-reduce)")
-    g.add_argument("--also-stock", action="store_true",
-                   help="after the hybridcomm run, train the stock way from the same start")
+    g.add_argument(
+        "--no-hybridcomm", action="store_true", help="the stock Trainer (DDP's all-reduce)"
+    )
+    g.add_argument(
+        "--also-stock",
+        action="store_true",
+        help="after the hybridcomm run, train the stock way from the same start",
+    )
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="hf-trainer-") as tmp:

@@ -9,6 +9,7 @@ Lightning starts the other processes itself (CPU, gloo). A small CNN trains on
 synthetic data; ``--out`` writes the final parameters (rank 0) for the tests,
 ``--ckpt-dir`` saves a checkpoint each epoch and ``--resume`` continues from one.
 """
+
 import argparse
 import json
 import os
@@ -54,8 +55,8 @@ class Net(pl.LightningModule):
         # one process's batch of P times the size (Lightning's own sampler shuffles).
         data = dataset()
         sampler = torch.utils.data.DistributedSampler(
-            data, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
-            shuffle=False)
+            data, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+        )
         return torch.utils.data.DataLoader(data, batch_size=self.batch_size, sampler=sampler)
 
     def configure_optimizers(self):
@@ -78,11 +79,15 @@ def strategy_for(args):
     if args.devices == 1:
         return "auto"
     if args.route == "strategy":
-        return HybridStrategy(overlap=args.overlap, process_group_backend="gloo",
-                              hybridcomm_options=json.loads(args.hybridcomm_options))
+        return HybridStrategy(
+            overlap=args.overlap,
+            process_group_backend="gloo",
+            hybridcomm_options=json.loads(args.hybridcomm_options),
+        )
     if args.route == "hook":  # on GPUs, DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...) too
-        return HybridDDPStrategy(hybridcomm.ddp.HybridState(cost_model="default"),
-                                 process_group_backend="gloo")
+        return HybridDDPStrategy(
+            hybridcomm.ddp.HybridState(cost_model="default"), process_group_backend="gloo"
+        )
     return DDPStrategy(process_group_backend="gloo")
 
 
@@ -90,10 +95,15 @@ def proof_of_hybridcomm(trainer) -> dict:
     """What shows that hybridcomm reduced the gradients (the tests check it)."""
     strategy = trainer.strategy
     if isinstance(strategy, HybridStrategy):
-        return {"wrapped": [type(o).__name__ for o in strategy.optimizers
-                            if isinstance(o, hybridcomm.optimizer._DistributedOptimizer)],
-                "buckets": [len(o.plan.buckets) for o in strategy.optimizers],
-                "defers": [o.plan.defer_updates for o in strategy.optimizers]}
+        return {
+            "wrapped": [
+                type(o).__name__
+                for o in strategy.optimizers
+                if isinstance(o, hybridcomm.optimizer._DistributedOptimizer)
+            ],
+            "buckets": [len(o.plan.buckets) for o in strategy.optimizers],
+            "defers": [o.plan.defer_updates for o in strategy.optimizers],
+        }
     state = getattr(strategy, "_ddp_comm_state", None)
     if isinstance(state, hybridcomm.ddp.HybridState):
         return {"algorithms": sorted(set(state.algorithms.values()))}
@@ -105,8 +115,12 @@ def main(argv=None):
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--route", choices=["strategy", "hook", "ddp"], default="strategy")
     ap.add_argument("--overlap", choices=["forward", "backward", "none"], default="forward")
-    ap.add_argument("--hybridcomm-options", default='{"cost_model": "default"}', metavar="JSON",
-                    help="DistributedOptimizer's keyword arguments (route strategy)")
+    ap.add_argument(
+        "--hybridcomm-options",
+        default='{"cost_model": "default"}',
+        metavar="JSON",
+        help="DistributedOptimizer's keyword arguments (route strategy)",
+    )
     ap.add_argument("--batch-size", type=int, default=16, help="per process")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=-1)
@@ -124,19 +138,34 @@ def main(argv=None):
     model = Net(args.optimizer, args.lr, args.batch_size)
     callbacks = []
     if args.ckpt_dir:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, save_top_k=-1,
-                                                      every_n_epochs=1, filename="{epoch}"))
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy_for(args),
-                         max_epochs=args.epochs, max_steps=args.max_steps,
-                         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
-                         precision=args.precision, callbacks=callbacks, logger=False,
-                         enable_checkpointing=bool(args.ckpt_dir), enable_progress_bar=False,
-                         enable_model_summary=False, use_distributed_sampler=False)
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=args.ckpt_dir, save_top_k=-1, every_n_epochs=1, filename="{epoch}"
+            )
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy_for(args),
+        max_epochs=args.epochs,
+        max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
+        precision=args.precision,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=bool(args.ckpt_dir),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     trainer.fit(model, ckpt_path=args.resume)
     proof = proof_of_hybridcomm(trainer)
     if trainer.is_global_zero:
-        print(f"steps {trainer.global_step}, loss {float(trainer.callback_metrics['loss']):.5f}, "
-              f"hybridcomm {json.dumps(proof)}")
+        print(
+            f"steps {trainer.global_step}, loss {float(trainer.callback_metrics['loss']):.5f}, "
+            f"hybridcomm {json.dumps(proof)}"
+        )
         if args.out:
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             torch.save({"params": flat, "steps": trainer.global_step, "proof": proof}, args.out)

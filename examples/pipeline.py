@@ -26,6 +26,7 @@ loss by the micro-batch count (the same gradients): the schedule's own scaling
 divides ``p.grad`` in place after the last backward, while hybridcomm is
 already reducing it (and says so if it happens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,15 +49,22 @@ GLOBAL_BATCH = 32
 def make_model() -> nn.Sequential:
     """The whole model (one process's reference); stages are slices of it."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-                         nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    return nn.Sequential(
+        nn.Linear(IN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, OUT),
+    )
 
 
 def split(model: nn.Sequential, stages: int, index: int) -> nn.Sequential:
     """Stage ``index`` of ``stages``: a contiguous slice of the layers."""
     layers = list(model)
     cut = [round(i * len(layers) / stages) for i in range(stages + 1)]
-    return nn.Sequential(*layers[cut[index]:cut[index + 1]])
+    return nn.Sequential(*layers[cut[index] : cut[index + 1]])
 
 
 def batch(step: int):
@@ -71,8 +79,16 @@ def groups(stages: int, replicas: int):
     return mesh["pp"].get_group(), mesh["dp"].get_group()
 
 
-def train(schedule: str = "1f1b", steps: int = 6, stages: int = 2, microbatches: int = 4,
-          overlap: str = "forward", lr: float = 0.05, scale_grads: bool = False, **options):
+def train(
+    schedule: str = "1f1b",
+    steps: int = 6,
+    stages: int = 2,
+    microbatches: int = 4,
+    overlap: str = "forward",
+    lr: float = 0.05,
+    scale_grads: bool = False,
+    **options,
+):
     """Train on every rank of the default group; returns this stage's flat parameters
     and its last plan (``options`` go to ``DistributedOptimizer``).
 
@@ -89,20 +105,25 @@ def train(schedule: str = "1f1b", steps: int = 6, stages: int = 2, microbatches:
     stage_index, replica = rank % stages, rank // stages
     pp, dp = groups(stages, replicas)
     module = split(make_model(), stages, stage_index)
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(module.parameters(), lr=lr),
-                                          model=module, process_group=dp, overlap=overlap,
-                                          **options)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(module.parameters(), lr=lr),
+        model=module,
+        process_group=dp,
+        overlap=overlap,
+        **options,
+    )
     stage = PipelineStage(module, stage_index, stages, torch.device("cpu"), group=pp)
 
     def loss_fn(out, target):  # the mean over the micro-batch, / the count: scale_grads=False
         return F.mse_loss(out, target) / (1 if scale_grads else microbatches)
 
-    pipe = SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn,
-                               scale_grads=scale_grads)
+    pipe = SCHEDULES[schedule](
+        stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads
+    )
     per_replica = GLOBAL_BATCH // replicas
     for step in range(steps):
         x, y = batch(step)
-        x, y = (t[replica * per_replica:(replica + 1) * per_replica] for t in (x, y))
+        x, y = (t[replica * per_replica : (replica + 1) * per_replica] for t in (x, y))
         opt.zero_grad()
         if stage_index == 0:
             pipe.step(x)
@@ -126,8 +147,10 @@ def reference(steps: int = 6, lr: float = 0.05, stages: int = 2) -> list:
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         opt.step()
-    return [torch.cat([p.detach().reshape(-1) for p in split(model, stages, s).parameters()])
-            for s in range(stages)]
+    return [
+        torch.cat([p.detach().reshape(-1) for p in split(model, stages, s).parameters()])
+        for s in range(stages)
+    ]
 
 
 def main() -> None:
@@ -142,9 +165,11 @@ def main() -> None:
     params, plan = train(args.schedule, args.steps, args.stages, args.microbatches, args.overlap)
     want = reference(args.steps, stages=args.stages)[dist.get_rank() % args.stages]
     diff = (params - want).abs().max().item()
-    print(f"rank {dist.get_rank()}: stage {dist.get_rank() % args.stages}, buckets launched in "
-          f"backward pass {plan.launch_pass} of {args.microbatches}, max difference from one "
-          f"process on the whole batch: {diff:.2e}")
+    print(
+        f"rank {dist.get_rank()}: stage {dist.get_rank() % args.stages}, buckets launched in "
+        f"backward pass {plan.launch_pass} of {args.microbatches}, max difference from one "
+        f"process on the whole batch: {diff:.2e}"
+    )
     dist.destroy_process_group()
 
 

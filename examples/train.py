@@ -36,6 +36,7 @@ elasticity) continues the same training: the plan is re-made for the new world
 and the data shard follows. ``--crash-at-step K`` makes rank ``--crash-rank`` (default 1)
 kill itself (SIGKILL) at step K of the first attempt: the fault the tests inject.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,17 +90,31 @@ def init_distributed(backend: str) -> None:
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true" and rank == 0
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=hosts, timeout=timedelta(seconds=120))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"hybridcomm/attempt{attempt}", store),
-                            rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=hosts,
+        timeout=timedelta(seconds=120),
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"hybridcomm/attempt{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
 
 
 def save_checkpoint(directory, model, opt, step: int, global_batch: int) -> None:
     """Every rank takes part (the optimizer's state gathers every rank's part);
     rank 0 writes, atomically: a reader never sees half a file."""
-    state = {"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-             "global_batch": global_batch}
+    state = {
+        "model": model.state_dict(),
+        "opt": opt.state_dict(),
+        "step": step,
+        "global_batch": global_batch,
+    }
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, "checkpoint.pt")
@@ -148,14 +163,17 @@ def compare(args, device, dtype) -> None:
             net = nn.parallel.DistributedDataParallel(net)
             sgd = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         elif kind == "hybridcomm":
-            sgd = hybridcomm.DistributedOptimizer(sgd, model=net, overlap=args.overlap,
-                                                  strategy=args.strategy)
+            sgd = hybridcomm.DistributedOptimizer(
+                sgd, model=net, overlap=args.overlap, strategy=args.strategy
+            )
         runs[kind] = (net, sgd, [])
     steps = max(1, args.compare_steps)
     for r in range(4):  # interleaved rounds: drift on a shared machine hits every config
         for kind, (net, opt, times) in runs.items():
             for i in range(steps):
-                lo = ((r * steps + i) * args.batch_size * world) % (len(x_train) - args.batch_size * world)
+                lo = ((r * steps + i) * args.batch_size * world) % (
+                    len(x_train) - args.batch_size * world
+                )
                 idx = torch.arange(lo, lo + args.batch_size * world)[rank::world]
                 x, y = x_train[idx].to(device, dtype), y_train[idx].to(device)
                 _sync(device)
@@ -173,11 +191,14 @@ def compare(args, device, dtype) -> None:
             opt.close()
     if rank == 0:
         hc = ms["hybridcomm"]
-        print(f"compare ({world} ranks, {dist.get_backend()}, batch {args.batch_size} per rank, "
-              f"median of {3 * steps} steps): stock {ms['stock']:.1f} ms/step, DDP "
-              f"{ms['ddp']:.1f} ms/step, hybridcomm {hc:.1f} ms/step: "
-              f"{1 - hc / ms['stock']:.0%} less time than stock, "
-              f"{1 - hc / ms['ddp']:.0%} less than DDP", flush=True)
+        print(
+            f"compare ({world} ranks, {dist.get_backend()}, batch {args.batch_size} per rank, "
+            f"median of {3 * steps} steps): stock {ms['stock']:.1f} ms/step, DDP "
+            f"{ms['ddp']:.1f} ms/step, hybridcomm {hc:.1f} ms/step: "
+            f"{1 - hc / ms['stock']:.0%} less time than stock, "
+            f"{1 - hc / ms['ddp']:.0%} less than DDP",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -189,20 +210,44 @@ def main() -> None:
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: never)")
     ap.add_argument("--compression", default=None, help='e.g. "topk:0.1" or "fp16"')
-    ap.add_argument("--local-sgd", type=int, default=0, metavar="H",
-                    help="local SGD: average the parameters every H steps (0: synchronous)")
-    ap.add_argument("--crash-at-step", type=int, default=None,
-                    help="--crash-rank SIGKILLs itself at this step of the first attempt (testing)")
+    ap.add_argument(
+        "--local-sgd",
+        type=int,
+        default=0,
+        metavar="H",
+        help="local SGD: average the parameters every H steps (0: synchronous)",
+    )
+    ap.add_argument(
+        "--crash-at-step",
+        type=int,
+        default=None,
+        help="--crash-rank SIGKILLs itself at this step of the first attempt (testing)",
+    )
     ap.add_argument("--crash-rank", type=int, default=1)
-    ap.add_argument("--save-params", default=None, metavar="PATH",
-                    help="rank 0 saves the final parameters (flat tensor) here")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "float64"),
-                    help="the model's and the data's dtype (float64: runs that differ only in "
-                         "summation order agree to ~1e-12, e.g. across world sizes)")
-    ap.add_argument("--compare", action="store_true",
-                    help="time stock PyTorch, DDP and hybridcomm side by side; print one line")
-    ap.add_argument("--compare-steps", type=int, default=10,
-                    help="timed steps per config and round with --compare")
+    ap.add_argument(
+        "--save-params",
+        default=None,
+        metavar="PATH",
+        help="rank 0 saves the final parameters (flat tensor) here",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float64"),
+        help="the model's and the data's dtype (float64: runs that differ only in "
+        "summation order agree to ~1e-12, e.g. across world sizes)",
+    )
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="time stock PyTorch, DDP and hybridcomm side by side; print one line",
+    )
+    ap.add_argument(
+        "--compare-steps",
+        type=int,
+        default=10,
+        help="timed steps per config and round with --compare",
+    )
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -224,20 +269,26 @@ def main() -> None:
         hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hybridcomm.strategies.LocalSGD(sgd, model, period=args.local_sgd)
     else:  # the one-line change (it starts every rank from rank 0's parameters)
-        opt = hybridcomm.DistributedOptimizer(sgd, model=model, overlap=args.overlap,
-                                              strategy=args.strategy,
-                                              compression=args.compression)
+        opt = hybridcomm.DistributedOptimizer(
+            sgd,
+            model=model,
+            overlap=args.overlap,
+            strategy=args.strategy,
+            compression=args.compression,
+        )
     x_train, y_train = synthetic_digits(4096, seed=1)
     x_test, y_test = synthetic_digits(1024, seed=2)
     x_train, y_train, x_test = x_train.to(device, dtype), y_train.to(device), x_test.to(dtype)
 
-    start, global_batch = load_checkpoint(args.checkpoint_dir, model, opt,
-                                          args.batch_size * world)
+    start, global_batch = load_checkpoint(args.checkpoint_dir, model, opt, args.batch_size * world)
     if global_batch % world:
         raise SystemExit(f"the global batch {global_batch} does not split over {world} ranks")
     if rank == 0 and start:
-        print(f"resumed from step {start} (attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}, "
-              f"{world} ranks, global batch {global_batch})", flush=True)
+        print(
+            f"resumed from step {start} (attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}, "
+            f"{world} ranks, global batch {global_batch})",
+            flush=True,
+        )
     per_epoch = len(x_train) // global_batch
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     t0, step = time.perf_counter(), start
@@ -247,7 +298,7 @@ def main() -> None:
             if step == args.crash_at_step and rank == args.crash_rank and first_attempt:
                 os.kill(os.getpid(), signal.SIGKILL)  # the injected fault
             # this step's global batch; this rank's share of it (the shard follows the world)
-            idx = perm[i * global_batch:(i + 1) * global_batch][rank::world].to(device)
+            idx = perm[i * global_batch : (i + 1) * global_batch][rank::world].to(device)
             opt.zero_grad()
             loss = F.cross_entropy(model(x_train[idx]), y_train[idx])
             loss.backward()
@@ -258,8 +309,11 @@ def main() -> None:
         with torch.no_grad():  # forward mode's pending updates apply as the model is read
             acc = (model(x_test.to(device)).argmax(1).cpu() == y_test).float().mean().item()
         if rank == 0:
-            print(f"epoch {epoch}: loss {loss.item():.3f}, test accuracy {acc:.3f}, "
-                  f"{time.perf_counter() - t0:.1f}s", flush=True)
+            print(
+                f"epoch {epoch}: loss {loss.item():.3f}, test accuracy {acc:.3f}, "
+                f"{time.perf_counter() - t0:.1f}s",
+                flush=True,
+            )
     if rank == 0 and hasattr(opt, "plan"):
         print(opt.plan)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()

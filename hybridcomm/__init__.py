@@ -20,6 +20,7 @@ call sit here (``optimizer``, ``ddp``, ``collectives``, ``broadcast``,
 of releases before that layout (``hybridcomm.ps``, ``hybridcomm.launch``,
 ``hybridcomm.planner``, ...) still import: ``base.moved`` maps them.
 """
+
 from .config import logs
 from .algorithms import ALGORITHMS
 from .collectives import all_reduce
@@ -43,5 +44,13 @@ def _simulated_runtime():  # the runtime for HYBRIDCOMM_SIMULATE_GPU=1, made on 
 
 _runtime.set_simulator(_simulated_runtime)
 logs.setup()
-__all__ = ["ALGORITHMS", "all_reduce", "DistributedOptimizer", "broadcast_parameters",
-           "broadcast_optimizer_state", "HybridCommError", "HybridCommTimeout", "__version__"]
+__all__ = [
+    "ALGORITHMS",
+    "all_reduce",
+    "DistributedOptimizer",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "HybridCommError",
+    "HybridCommTimeout",
+    "__version__",
+]

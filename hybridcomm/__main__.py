@@ -1,4 +1,5 @@
 """``python -m hybridcomm``: --version, env, plan, calibrate (tools/cli.py)."""
+
 import sys
 
 from .tools.cli import main

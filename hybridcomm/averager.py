@@ -11,6 +11,7 @@ unpack are prepared once (``pack_plan``/``unpack_plan``: checked once, no
 per-tensor work in the launch) and prepared again only when a tensor or the
 bucket's buffer has moved.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,14 @@ class TensorAverager:
         (0, tensor([1., 1., 1.]))
     """
 
-    def __init__(self, group=None, *, timeout: Optional[float] = None, cost_model=None,
-                 strategy: str = "hybrid"):
+    def __init__(
+        self,
+        group=None,
+        *,
+        timeout: Optional[float] = None,
+        cost_model=None,
+        strategy: str = "hybrid",
+    ):
         self.group, self.timeout, self.strategy = group, env.timeout(timeout), strategy
         self._cost_model = cost_model
         self._transport = self._channel = None
@@ -92,48 +99,69 @@ class TensorAverager:
         """kernels.unpack, through a plan kept per buffer (its layout repeats)."""
         self._planned("unpack", flat, tensors, offsets)()
 
-    def _planned(self, op: str, flat: torch.Tensor, tensors: List[torch.Tensor],
-                 offsets) -> Callable:
+    def _planned(
+        self, op: str, flat: torch.Tensor, tensors: List[torch.Tensor], offsets
+    ) -> Callable:
         """The prepared ``op`` between ``flat`` and ``tensors``, prepared again when one
         of them is somewhere else than last time (or no longer contiguous: the plan's
         checks then say so)."""
-        where = (flat.numel(), flat.dtype, None if offsets is None else tuple(offsets),
-                 tuple([(t.data_ptr(), t.numel(), t.is_contiguous()) for t in tensors]))
+        where = (
+            flat.numel(),
+            flat.dtype,
+            None if offsets is None else tuple(offsets),
+            tuple([(t.data_ptr(), t.numel(), t.is_contiguous()) for t in tensors]),
+        )
         held = self._plans.get((op, flat.data_ptr()))
         if held is None or held[0] != where:
-            plan = (pack_plan(tensors, flat, offsets=offsets) if op == "pack"
-                    else unpack_plan(flat, tensors, offsets=offsets))
+            plan = (
+                pack_plan(tensors, flat, offsets=offsets)
+                if op == "pack"
+                else unpack_plan(flat, tensors, offsets=offsets)
+            )
             held = self._plans[(op, flat.data_ptr())] = (where, plan)
         return held[1]
 
     def _make(self, tensors: List[torch.Tensor]):
         """Buckets and an engine for this signature (collective: every rank)."""
         mine = [(tuple(t.shape), str(t.dtype)) for t in tensors]
-        everyone = control.all_gather_object(mine, group=self.group, timeout=self.timeout,
-                                             what="the tensors to average")
+        everyone = control.all_gather_object(
+            mine, group=self.group, timeout=self.timeout, what="the tensors to average"
+        )
         for r, theirs in enumerate(everyone):
             if theirs != mine:
-                raise HybridCommError(f"average_: rank {r}'s tensors differ from this rank's "
-                                      f"({len(theirs)} tensors against {len(mine)}, or shapes or "
-                                      "dtypes differ)")
+                raise HybridCommError(
+                    f"average_: rank {r}'s tensors differ from this rank's "
+                    f"({len(theirs)} tensors against {len(mine)}, or shapes or "
+                    "dtypes differ)"
+                )
         if self._channel is None:
-            self._transport, self._channel = open_channel(tensors[0].device, self.group,
-                                                          self.timeout)
+            self._transport, self._channel = open_channel(
+                tensors[0].device, self.group, self.timeout
+            )
             self._cost_model = calibration.resolve(self._cost_model, self.group, self.timeout)
-        layers = [Layer(f"tensor{i}", [i], t.numel(), t.element_size(), str(t.dtype),
-                        [t.numel()]) for i, t in enumerate(tensors)][::-1]
+        layers = [
+            Layer(f"tensor{i}", [i], t.numel(), t.element_size(), str(t.dtype), [t.numel()])
+            for i, t in enumerate(tensors)
+        ][::-1]
         world = dist.get_world_size(self.group)
         plan = control.rank0_decides(
-            lambda: make_plan(layers, world_size=world, model=self._cost_model,
-                              strategy=self.strategy),
-            group=self.group, timeout=self.timeout, what="the averaging plan")
+            lambda: make_plan(
+                layers, world_size=world, model=self._cost_model, strategy=self.strategy
+            ),
+            group=self.group,
+            timeout=self.timeout,
+            what="the averaging plan",
+        )
         device = tensors[0].device
         rt = runtime_for(device)
         alloc = bucket_allocator(rt, device, self._transport.stream if rt is not None else None)
-        buckets = [GradBucket(b, [tensors[i] for i in b.params], tensors[b.params[0]].dtype, None,
-                              alloc) for b in plan.buckets]
-        engine = CommEngine(plan, buckets, self._channel, self._transport,
-                            scale=1.0 / world, timeout=self.timeout)
+        buckets = [
+            GradBucket(b, [tensors[i] for i in b.params], tensors[b.params[0]].dtype, None, alloc)
+            for b in plan.buckets
+        ]
+        engine = CommEngine(
+            plan, buckets, self._channel, self._transport, scale=1.0 / world, timeout=self.timeout
+        )
         return buckets, engine
 
     def close(self) -> None:
@@ -142,4 +170,3 @@ class TensorAverager:
             self._channel = None
         self._made = {}
         self._plans = {}
-

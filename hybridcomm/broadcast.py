@@ -5,6 +5,7 @@ Both first agree across ranks on what is broadcast (names, shapes, dtypes) and
 raise the same ``HybridCommError`` on every rank, naming the difference, instead
 of crashing or copying part of it; every wait honours the timeout.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,8 +25,9 @@ def _signature(items):
     return [(name, tuple(t.shape), str(t.dtype)) for name, t in items]
 
 
-def broadcast_parameters(params, root_rank: int = 0, process_group=None,
-                         timeout: Optional[float] = None) -> None:
+def broadcast_parameters(
+    params, root_rank: int = 0, process_group=None, timeout: Optional[float] = None
+) -> None:
     """Copy ``root_rank``'s parameters (a state_dict or (name, tensor) pairs) to every rank.
 
     The ranks first agree that they hold the same names, shapes and dtypes; a
@@ -40,15 +42,17 @@ def broadcast_parameters(params, root_rank: int = 0, process_group=None,
     timeout = env.timeout(timeout)
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
     items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
-    sigs = control.all_gather_object(_signature(items), group=process_group, timeout=timeout,
-                                     what="the parameters to broadcast")
+    sigs = control.all_gather_object(
+        _signature(items), group=process_group, timeout=timeout, what="the parameters to broadcast"
+    )
     root = sigs[root_rank]
     for r, theirs in enumerate(sigs):
         if theirs != root:
-            raise HybridCommError(f"broadcast_parameters: the tensors differ between rank "
-                                  f"{root_rank} and rank {r}: "
-                                  + describe_param_difference(root, theirs, r).replace(
-                                      "rank 0", f"rank {root_rank}"))
+            raise HybridCommError(
+                f"broadcast_parameters: the tensors differ between rank "
+                f"{root_rank} and rank {r}: "
+                + describe_param_difference(root, theirs, r).replace("rank 0", f"rank {root_rank}")
+            )
     src = dist.get_global_rank(process_group, root_rank) if process_group is not None else root_rank
     _broadcast_coalesced(items, src, process_group, timeout)
 
@@ -63,12 +67,15 @@ def _broadcast_coalesced(items, src: int, group, timeout: float) -> None:
             by_kind.setdefault((t.device, t.dtype), []).append(t)
     for (device, dtype), tensors in by_kind.items():
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        control.wait_work(lambda: dist.broadcast(flat, src=src, group=group, async_op=True),
-                          timeout, f"broadcasting {len(tensors)} {dtype} tensors")
+        control.wait_work(
+            lambda: dist.broadcast(flat, src=src, group=group, async_op=True),
+            timeout,
+            f"broadcasting {len(tensors)} {dtype} tensors",
+        )
         at = 0
         with torch.no_grad():
             for t in tensors:
-                t.copy_(flat[at:at + t.numel()].view_as(t))
+                t.copy_(flat[at : at + t.numel()].view_as(t))
                 at += t.numel()
 
 
@@ -90,8 +97,12 @@ def check_parameters_agree(params, process_group=None, timeout: Optional[float] 
     items = sorted(params.items()) if isinstance(params, dict) else list(params)
     items = [(n, t) for n, t in items if isinstance(t, torch.Tensor)]
     mine = [(name, tuple(t.shape), str(t.dtype), _digest(t)) for name, t in items]
-    every = control.all_gather_object(mine, group=process_group, timeout=timeout,
-                                      what="the parameters' values (a digest per tensor)")
+    every = control.all_gather_object(
+        mine,
+        group=process_group,
+        timeout=timeout,
+        what="the parameters' values (a digest per tensor)",
+    )
     for r, theirs in enumerate(every[1:], start=1):
         for (name, *ours), (_, *other) in zip(every[0], theirs):
             if ours != other:
@@ -100,7 +111,8 @@ def check_parameters_agree(params, process_group=None, timeout: Optional[float] 
                     "(a different seed or checkpoint per rank?). Let DistributedOptimizer "
                     "broadcast them from rank 0 (broadcast_parameters=True, the default) or "
                     "call hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0) "
-                    "before wrapping")
+                    "before wrapping"
+                )
 
 
 def _to_cpu(obj):
@@ -124,8 +136,12 @@ def _shared_state(optimizer) -> dict:
     return state
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              process_group=None, timeout: Optional[float] = None) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    root_rank: int = 0,
+    process_group=None,
+    timeout: Optional[float] = None,
+) -> None:
     """Make every rank's optimizer state (and hyper-parameters) equal ``root_rank``'s.
 
     The ranks first agree on the optimizer's parameter groups (sizes, shapes,
@@ -139,19 +155,28 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     control.require_initialized("broadcast_optimizer_state")
     timeout = env.timeout(timeout)
     mine = [[(tuple(p.shape), str(p.dtype)) for p in g["params"]] for g in optimizer.param_groups]
-    groups = control.all_gather_object(mine, group=process_group, timeout=timeout,
-                                       what="the optimizer's parameter groups")
+    groups = control.all_gather_object(
+        mine, group=process_group, timeout=timeout, what="the optimizer's parameter groups"
+    )
     for r, theirs in enumerate(groups):
         if theirs != groups[root_rank]:
             raise HybridCommError(
                 f"broadcast_optimizer_state: rank {r}'s parameter groups differ from rank "
                 f"{root_rank}'s: {len(theirs)} groups of sizes {[len(g) for g in theirs]} vs "
                 f"{len(groups[root_rank])} of sizes {[len(g) for g in groups[root_rank]]}"
-                + ("" if [len(g) for g in theirs] != [len(g) for g in groups[root_rank]]
-                   else " (same sizes, different shapes or dtypes)"))
+                + (
+                    ""
+                    if [len(g) for g in theirs] != [len(g) for g in groups[root_rank]]
+                    else " (same sizes, different shapes or dtypes)"
+                )
+            )
     rank = dist.get_rank(process_group)
-    state = control.broadcast_object(_shared_state(optimizer) if rank == root_rank else None,
-                                     group=process_group, root=root_rank, timeout=timeout,
-                                     what="the optimizer state")
+    state = control.broadcast_object(
+        _shared_state(optimizer) if rank == root_rank else None,
+        group=process_group,
+        root=root_rank,
+        timeout=timeout,
+        what="the optimizer state",
+    )
     if rank != root_rank:
         optimizer.load_state_dict(state)

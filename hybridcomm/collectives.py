@@ -1,4 +1,5 @@
 """``all_reduce``: the collective, with its input checks and algorithm choice."""
+
 from __future__ import annotations
 
 import logging
@@ -25,21 +26,26 @@ _agreed: Set[Tuple] = set()  # (group, call signature) pairs every rank has agre
 _agreed_lock = threading.Lock()
 
 
-def resolve_algorithm(algorithm: str, nbytes: int, world_size: int, topology=None, *,
-                      model=None, candidates=None) -> str:
+def resolve_algorithm(
+    algorithm: str, nbytes: int, world_size: int, topology=None, *, model=None, candidates=None
+) -> str:
     """The concrete algorithm for a request ("auto" honours ``HYBRIDCOMM_ALGO``, else
     :func:`~hybridcomm.plan.auto_model.choose_algorithm` with ``model`` and
     ``candidates``: the DDP hook passes its agreed cost model and ``native``)."""
     if algorithm == "auto":
         forced = env.get("HYBRIDCOMM_ALGO")
         if forced == "ps":  # the summation servers are a DistributedOptimizer option
-            raise ValueError("HYBRIDCOMM_ALGO=ps applies to DistributedOptimizer(servers=...); "
-                             "this all-reduce has no summation servers")
-        return forced or choose_algorithm(nbytes, world_size, topology, model=model,
-                                          candidates=candidates)
+            raise ValueError(
+                "HYBRIDCOMM_ALGO=ps applies to DistributedOptimizer(servers=...); "
+                "this all-reduce has no summation servers"
+            )
+        return forced or choose_algorithm(
+            nbytes, world_size, topology, model=model, candidates=candidates
+        )
     if algorithm not in ALGORITHMS + (NATIVE,):
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of "
-                         f"{ALGORITHMS + (NATIVE, 'auto')}")
+        raise ValueError(
+            f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS + (NATIVE, 'auto')}"
+        )
     return algorithm
 
 
@@ -60,8 +66,9 @@ def check_same_call(group, signature: Tuple, timeout: float) -> None:
     """Raise on every rank if the ranks' call signatures (numel, dtype, algorithm,
     op, transport, and the resolved node size and grid of a two-level algorithm)
     differ: without this a mismatch would hang or corrupt data."""
-    rows = control.all_gather_object(signature, group=group, timeout=timeout,
-                                     what="all_reduce's arguments")
+    rows = control.all_gather_object(
+        signature, group=group, timeout=timeout, what="all_reduce's arguments"
+    )
     names = ("numel", "dtype", "algorithm", "op", "transport", "node_size", "grid")
     problems = []
     for i, what in enumerate(names):
@@ -69,13 +76,22 @@ def check_same_call(group, signature: Tuple, timeout: float) -> None:
         if len(set(values)) > 1:
             problems.append(f"{what} differs: " + control.describe_difference(values, str))
     if problems:
-        raise HybridCommError("all_reduce called with mismatched arguments across ranks: "
-                              + "; ".join(problems))
+        raise HybridCommError(
+            "all_reduce called with mismatched arguments across ranks: " + "; ".join(problems)
+        )
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", group=None, *,
-               timeout: float | None = None, check=None, node_size: int | None = None,
-               grid: tuple[int, int] | None = None) -> torch.Tensor:
+def all_reduce(
+    tensor: torch.Tensor,
+    op: str = "sum",
+    algorithm: str = "auto",
+    group=None,
+    *,
+    timeout: float | None = None,
+    check=None,
+    node_size: int | None = None,
+    grid: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """All-reduce ``tensor`` in place across the ranks of ``group`` and return it.
 
     Args:
@@ -112,11 +128,15 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", g
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"all_reduce does not support dtype {tensor.dtype}; "
-                        f"supported: {', '.join(map(str, SUPPORTED_DTYPES))}")
+        raise TypeError(
+            f"all_reduce does not support dtype {tensor.dtype}; "
+            f"supported: {', '.join(map(str, SUPPORTED_DTYPES))}"
+        )
     if tensor.is_sparse:
-        raise TypeError("all_reduce takes dense tensors; for sparse ones use "
-                        "torch.distributed.all_gather of indices and values")
+        raise TypeError(
+            "all_reduce takes dense tensors; for sparse ones use "
+            "torch.distributed.all_gather of indices and values"
+        )
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; choose one of {OPS}")
     mode = check_mode(check)
@@ -140,8 +160,15 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", g
             with _agreed_lock:
                 _agreed.add(key)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    reduce_now(flat, transport, name, scale=1.0 / world if op == "avg" else None,
-               timeout=timeout, topology=topology, what=f"all_reduce ({name}, {nbytes} bytes)")
+    reduce_now(
+        flat,
+        transport,
+        name,
+        scale=1.0 / world if op == "avg" else None,
+        timeout=timeout,
+        topology=topology,
+        what=f"all_reduce ({name}, {nbytes} bytes)",
+    )
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return tensor

@@ -77,15 +77,30 @@ class HybridState:
         {0: 'butterfly'}
     """
 
-    __slots__ = ("process_group", "cost_model", "timeout", "algorithms", "_transport", "_channel",
-                 "_world")
+    __slots__ = (
+        "process_group",
+        "cost_model",
+        "timeout",
+        "algorithms",
+        "_transport",
+        "_channel",
+        "_world",
+    )
 
-    def __init__(self, process_group=None, cost_model: Optional[CostModel] = None,
-                 timeout: Optional[float] = None):
-        if not (cost_model is None or isinstance(cost_model, CostModel)
-                or cost_model in ("default", "probe")):
-            raise ValueError(f"cost_model must be a CostModel, None, 'probe' or 'default', "
-                             f"got {cost_model!r}")
+    def __init__(
+        self,
+        process_group=None,
+        cost_model: Optional[CostModel] = None,
+        timeout: Optional[float] = None,
+    ):
+        if not (
+            cost_model is None
+            or isinstance(cost_model, CostModel)
+            or cost_model in ("default", "probe")
+        ):
+            raise ValueError(
+                f"cost_model must be a CostModel, None, 'probe' or 'default', got {cost_model!r}"
+            )
         self.process_group = process_group
         self.cost_model = cost_model
         self.timeout = env.timeout(timeout)
@@ -94,8 +109,11 @@ class HybridState:
         self._world = 0
 
     def __getstate__(self):
-        return {"cost_model": self.cost_model, "timeout": self.timeout,
-                "algorithms": dict(self.algorithms)}
+        return {
+            "cost_model": self.cost_model,
+            "timeout": self.timeout,
+            "algorithms": dict(self.algorithms),
+        }
 
     def __setstate__(self, state):
         self.process_group = None  # as PowerSGDState: the default group after unpickling
@@ -114,11 +132,11 @@ class HybridState:
         device = torch.device(device)
         self._world = dist.get_world_size(self.process_group)
         if isinstance(self.cost_model, str):  # "default" or "probe": the same on every rank
-            self.cost_model = calibration.resolve(self.cost_model, self.process_group,
-                                                  self.timeout)
+            self.cost_model = calibration.resolve(self.cost_model, self.process_group, self.timeout)
         else:  # given or saved on rank 0: rank 0's
-            self.cost_model = calibration.agree(self.cost_model, group=self.process_group,
-                                                timeout=self.timeout)
+            self.cost_model = calibration.agree(
+                self.cost_model, group=self.process_group, timeout=self.timeout
+            )
         self._transport, self._channel = open_channel(device, self.process_group, self.timeout)
         return self
 
@@ -128,8 +146,9 @@ class HybridState:
         (``HYBRIDCOMM_ALGO`` forces one)."""
         algo = self.algorithms.get(index)
         if algo is None:
-            algo = resolve_algorithm("auto", nbytes, self._world, model=self.cost_model,
-                                     candidates=_CANDIDATES)
+            algo = resolve_algorithm(
+                "auto", nbytes, self._world, model=self.cost_model, candidates=_CANDIDATES
+            )
             self.algorithms[index] = algo
             log.info("hybridcomm DDP hook: bucket %d, %d bytes -> %s", index, nbytes, algo)
         return algo
@@ -148,8 +167,10 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
     """
     buf = bucket.buffer()
     if not state._world:
-        log.info("hybridcomm DDP hook: setting up inside the first backward (agreement, "
-                 "probe, communicator); hybridcomm.ddp.register(ddp) does it at registration")
+        log.info(
+            "hybridcomm DDP hook: setting up inside the first backward (agreement, "
+            "probe, communicator); hybridcomm.ddp.register(ddp) does it at registration"
+        )
         state.prepare(buf.device)
     t, channel = state._transport, state._channel
     nbytes = buf.numel() * buf.element_size()
@@ -163,9 +184,17 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
         # the reduction waits for it there (an issuing thread's is another stream).
         ready = rt.new_event()
         ready.record(rt.current_stream())
-    op = reduce_operation(buf, t, name, scale=1.0 / state._world, timeout=state.timeout,
-                          label=what, range_id=f"DDP {bucket.index()}", ready=ready,
-                          stream_ordered=channel.stream_ordered)
+    op = reduce_operation(
+        buf,
+        t,
+        name,
+        scale=1.0 / state._world,
+        timeout=state.timeout,
+        label=what,
+        range_id=f"DDP {bucket.index()}",
+        ready=ready,
+        stream_ordered=channel.stream_ordered,
+    )
     if channel.stream_ordered:  # device path: queued on the comm stream
         channel.take_busy()  # forget finished operations' timing events (no host sync)
         channel.submit(op, what)  # issued when it returns (by an issuing thread or here)
@@ -189,8 +218,9 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
     return fut
 
 
-def register(ddp: torch.nn.parallel.DistributedDataParallel,
-             state: Optional[HybridState] = None) -> HybridState:
+def register(
+    ddp: torch.nn.parallel.DistributedDataParallel, state: Optional[HybridState] = None
+) -> HybridState:
     """Register :func:`hybrid_hook` on ``ddp`` and set it up now (collective).
 
     ``state`` defaults to a ``HybridState`` on the DDP model's process group.

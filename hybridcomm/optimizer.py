@@ -25,6 +25,7 @@ re-planning and the engine. This module maps the optimizer API onto it:
   ``step()``; its inf check runs on the reduced gradients, identically on every
   rank, and a user's ``scaler.unscale_(opt)`` (to clip) is honoured.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -63,15 +64,21 @@ def evaluates_closure_once(base: type) -> bool:
     (True, False)
     """
     step = getattr(base, "step", None)
-    return (getattr(step, "__module__", "").startswith("torch.optim.")
-            and getattr(step, "__qualname__", "").split(".")[0] not in _WHOLE_MODEL_OPTIMIZERS)
+    return (
+        getattr(step, "__module__", "").startswith("torch.optim.")
+        and getattr(step, "__qualname__", "").split(".")[0] not in _WHOLE_MODEL_OPTIMIZERS
+    )
 
 
 class _JoinableOptimizer:
     """torch's ``Joinable`` protocol, for uneven inputs (sync/join.py)."""
 
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
         """A context in which ranks that run out of data shadow the others until
         every rank has, as DDP's ``model.join()`` (the same options and defaults).
 
@@ -93,16 +100,23 @@ class _JoinableOptimizer:
             ...         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
             >>> opt.close()
         """
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
 
     def join_hook(self, **kwargs):
         if type(self).__name__ == "ZeroRedundancyOptimizer":
-            raise HybridCommError("join: a ZeroRedundancyOptimizer inside a DistributedOptimizer "
-                                  "communicates in its step, which a joined rank cannot shadow: "
-                                  "wrap a plain optimizer to train with uneven inputs")
-        return self._hc_sync.joining.hook(self, self._hc_copy_state, kwargs.get(
-            "divide_by_initial_world_size", True))
+            raise HybridCommError(
+                "join: a ZeroRedundancyOptimizer inside a DistributedOptimizer "
+                "communicates in its step, which a joined rank cannot shadow: "
+                "wrap a plain optimizer to train with uneven inputs"
+            )
+        return self._hc_sync.joining.hook(
+            self, self._hc_copy_state, kwargs.get("divide_by_initial_world_size", True)
+        )
 
     @property
     def join_device(self) -> torch.device:
@@ -123,10 +137,15 @@ class _JoinableOptimizer:
     def _hc_copy_state(self, root: int) -> None:
         """Every rank gets rank ``root``'s parameters, buffers and optimizer state."""
         sync = self._hc_sync
-        broadcast.broadcast_parameters(self._hc_named_values(sync.model), root_rank=root,
-                                       process_group=sync.process_group, timeout=sync.timeout)
-        broadcast.broadcast_optimizer_state(self, root_rank=root, process_group=sync.process_group,
-                                            timeout=sync.timeout)
+        broadcast.broadcast_parameters(
+            self._hc_named_values(sync.model),
+            root_rank=root,
+            process_group=sync.process_group,
+            timeout=sync.timeout,
+        )
+        broadcast.broadcast_optimizer_state(
+            self, root_rank=root, process_group=sync.process_group, timeout=sync.timeout
+        )
 
 
 class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
@@ -135,37 +154,51 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
     # GradScaler then hands itself to step(), so the inf check sees reduced gradients.
     _step_supports_amp_scaling = True
 
-    def _hc_init(self, model, agree: bool, named_parameters, servers, process_group,
-                 **options) -> None:
+    def _hc_init(
+        self, model, agree: bool, named_parameters, servers, process_group, **options
+    ) -> None:
         control.require_initialized("DistributedOptimizer")
         forced_algorithm(options["strategy"])  # every rank refuses a bad name alike
         refuse_wrapped(model)  # (every rank alike: no collective has started)
         if options["shard"]:
-            options = sharding.settle_options(options, type(self).__name__, process_group,
-                                              servers, self.param_groups)
+            options = sharding.settle_options(
+                options, type(self).__name__, process_group, servers, self.param_groups
+            )
         overlap = options["overlap"]
         if overlap == "forward" and model is None:
-            warnings.warn("hybridcomm: overlap='forward' needs model= to hook its forward; "
-                          "using overlap='backward'", stacklevel=3)
+            warnings.warn(
+                "hybridcomm: overlap='forward' needs model= to hook its forward; "
+                "using overlap='backward'",
+                stacklevel=3,
+            )
             overlap = "backward"
         if overlap == "forward" and type(self).__name__ in _WHOLE_MODEL_OPTIMIZERS:
-            warnings.warn(f"hybridcomm: {type(self).__name__} steps all its parameters at once "
-                          "(forward mode steps one bucket at a time); using "
-                          "overlap='backward'", stacklevel=3)
+            warnings.warn(
+                f"hybridcomm: {type(self).__name__} steps all its parameters at once "
+                "(forward mode steps one bucket at a time); using "
+                "overlap='backward'",
+                stacklevel=3,
+            )
             overlap = "backward"
         config = SyncConfig.build(**dict(options, overlap=overlap))  # checks every value
         config = config.replace(correction_momentum=self._hc_correction_momentum(config.topk))
         servers, process_group, self._hc_own_servers = ps.resolve(
-            servers, process_group, config.strategy, config.timeout)
+            servers, process_group, config.strategy, config.timeout
+        )
         self._hc_skip = self._hc_synchronized = False
         self._hc_closure_first = evaluates_closure_once(type(self).__bases__[1])  # wrapped class
         self._hc_zero_grad_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
         sync = None
         try:
             sync = self._hc_sync = GradientSynchronizer(
-                self.param_groups, self._hc_update, config, model=model,
-                named_parameters=named_parameters, process_group=process_group,
-                servers=servers)
+                self.param_groups,
+                self._hc_update,
+                config,
+                model=model,
+                named_parameters=named_parameters,
+                process_group=process_group,
+                servers=servers,
+            )
             # after the synchronizer agreed on the parameters' names and shapes
             self._hc_agree_values(model, agree, process_group, config.timeout)
             self._hc_link_topk_state()  # (and this rank's shard)
@@ -185,8 +218,7 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         ones: a difference is refused on every rank, naming the first."""
         named = self._hc_named_values(model)
         if broadcast_parameters:
-            broadcast.broadcast_parameters(named, root_rank=0, process_group=group,
-                                           timeout=timeout)
+            broadcast.broadcast_parameters(named, root_rank=0, process_group=group, timeout=timeout)
         else:
             broadcast.check_parameters_agree(named, process_group=group, timeout=timeout)
 
@@ -194,8 +226,11 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         """(name, tensor) of the model's parameters and buffers, else the optimizer's."""
         if model is not None:
             return list(model.named_parameters()) + list(model.named_buffers())
-        return [(f"param_groups[{g}][{i}]", p) for g, group_ in enumerate(self.param_groups)
-                for i, p in enumerate(group_["params"])]
+        return [
+            (f"param_groups[{g}][{i}]", p)
+            for g, group_ in enumerate(self.param_groups)
+            for i, p in enumerate(group_["params"])
+        ]
 
     # ---- what the synchronizer shows -----------------------------------------------------
     @property
@@ -268,12 +303,18 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         free = self._hc_sync.momentum_free()
         if free:
             if closure is not None or grad_scaler is not None:
-                raise HybridCommError("compression='topk' with momentum correction takes no "
-                                      "closure or GradScaler in step()")
+                raise HybridCommError(
+                    "compression='topk' with momentum correction takes no "
+                    "closure or GradScaler in step()"
+                )
             hyper = self._hc_hyper()
             for momentum_free in (True, False):
-                params = [p for g in self.param_groups for p in g["params"] if p.grad is not None
-                          and (id(p) in free) == momentum_free]
+                params = [
+                    p
+                    for g in self.param_groups
+                    for p in g["params"]
+                    if p.grad is not None and (id(p) in free) == momentum_free
+                ]
                 if params:
                     self._hc_update(params, [p.grad for p in params], hyper, momentum_free)
             return None
@@ -290,19 +331,25 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             hyper = [dict(h, momentum=0.0) for h in hyper]
         # What would change nothing is skipped (the usual deferred update: every
         # parameter, its .grad the reduced view, the hyper-parameters of now)
-        saved_grads = None if bound or all(map(is_, map(attrgetter("grad"), params), grads)) else \
-            [p.grad for p in params]
+        saved_grads = (
+            None
+            if bound or all(map(is_, map(attrgetter("grad"), params), grads))
+            else [p.grad for p in params]
+        )
         if saved_grads is not None:
             for p, g in zip(params, grads):
                 p.grad = g
         saved_groups = self.param_groups
         if len(params) != sum(len(g["params"]) for g in saved_groups) or any(
-                len(h) != len(g) - 1 or any(k not in g or (g[k] is not v and g[k] != v)
-                                            for k, v in h.items())
-                for g, h in zip(saved_groups, hyper)):
+            len(h) != len(g) - 1
+            or any(k not in g or (g[k] is not v and g[k] != v) for k, v in h.items())
+            for g, h in zip(saved_groups, hyper)
+        ):
             chosen = {id(p) for p in params}
-            groups = [dict(h, params=[p for p in g["params"] if id(p) in chosen])
-                      for g, h in zip(saved_groups, hyper)]
+            groups = [
+                dict(h, params=[p for p in g["params"] if id(p) in chosen])
+                for g, h in zip(saved_groups, hyper)
+            ]
             self.param_groups = [g for g in groups if g["params"]]
         try:
             super().step()
@@ -384,8 +431,11 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             hybridcomm.broadcast_optimizer_state(opt, root_rank=0)
         """
         self._hc_sync.apply_pending()  # the state must include every update step() accepted
-        state = super().state_dict() if self._hc_shards is None else \
-            self._hc_sharded_state_dict(super().state_dict)
+        state = (
+            super().state_dict()
+            if self._hc_shards is None
+            else self._hc_sharded_state_dict(super().state_dict)
+        )
         state["hybridcomm"] = self._hc_sync.state_dict()
         return state
 
@@ -427,11 +477,14 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         of its groups, which must agree; 0 (error feedback alone) otherwise."""
         if not topk or type(self).__name__ != "SGD":
             return 0.0
-        found = {(g.get("momentum", 0.0), bool(g.get("nesterov", False)))
-                 for g in self.param_groups}
+        found = {
+            (g.get("momentum", 0.0), bool(g.get("nesterov", False))) for g in self.param_groups
+        }
         if len(found) != 1:
-            raise ValueError("compression='topk:...' with SGD needs one momentum for all "
-                             f"parameter groups, got {sorted(found)}")
+            raise ValueError(
+                "compression='topk:...' with SGD needs one momentum for all "
+                f"parameter groups, got {sorted(found)}"
+            )
         momentum, nesterov = found.pop()
         return 0.0 if nesterov else float(momentum)
 
@@ -457,16 +510,29 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
 Joinable.register(_DistributedOptimizer)
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module] = None,
-                         named_parameters=None, strategy: str = "hybrid", overlap: str = "forward",
-                         op: str = "avg", backward_passes_per_step: Optional[int] = None,
-                         compression=None, cost_model=None, process_group=None,
-                         timeout: Optional[float] = None, fusion_bytes: Optional[int] = None,
-                         split_bytes: Optional[int] = None, measure_iters: int = 3,
-                         replan_every: int = 200, trace: bool = False,
-                         lazy_bytes: Optional[int] = None, find_unused_parameters: bool = False,
-                         servers=None, broadcast_parameters: bool = True,
-                         shard: Optional[str] = None):
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    model: Optional[torch.nn.Module] = None,
+    named_parameters=None,
+    strategy: str = "hybrid",
+    overlap: str = "forward",
+    op: str = "avg",
+    backward_passes_per_step: Optional[int] = None,
+    compression=None,
+    cost_model=None,
+    process_group=None,
+    timeout: Optional[float] = None,
+    fusion_bytes: Optional[int] = None,
+    split_bytes: Optional[int] = None,
+    measure_iters: int = 3,
+    replan_every: int = 200,
+    trace: bool = False,
+    lazy_bytes: Optional[int] = None,
+    find_unused_parameters: bool = False,
+    servers=None,
+    broadcast_parameters: bool = True,
+    shard: Optional[str] = None,
+):
     """Wrap ``optimizer`` so each step's gradients are all-reduced across ranks.
 
     Any training loop that runs in one process runs unchanged: several backward
@@ -590,11 +656,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, model: Optional[torch
     # Share the wrapped optimizer's state, but not a `step` an LR scheduler may
     # have patched onto the instance: it would call the unwrapped step.
     opt.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
-    opt._hc_init(model, broadcast_parameters, named_parameters, servers, process_group,
-                 overlap=overlap, backward_passes_per_step=backward_passes_per_step,
-                 compression=compression, strategy=strategy, op=op, cost_model=cost_model,
-                 timeout=timeout, fusion_bytes=fusion_bytes, split_bytes=split_bytes,
-                 lazy_bytes=lazy_bytes, measure_iters=measure_iters,
-                 replan_every=replan_every, trace=trace,
-                 find_unused_parameters=find_unused_parameters, shard=shard)
+    opt._hc_init(
+        model,
+        broadcast_parameters,
+        named_parameters,
+        servers,
+        process_group,
+        overlap=overlap,
+        backward_passes_per_step=backward_passes_per_step,
+        compression=compression,
+        strategy=strategy,
+        op=op,
+        cost_model=cost_model,
+        timeout=timeout,
+        fusion_bytes=fusion_bytes,
+        split_bytes=split_bytes,
+        lazy_bytes=lazy_bytes,
+        measure_iters=measure_iters,
+        replan_every=replan_every,
+        trace=trace,
+        find_unused_parameters=find_unused_parameters,
+        shard=shard,
+    )
     return opt

@@ -11,6 +11,7 @@ On a GPU a kernel's first launch of each specialization goes through Triton's
 ``HYBRIDCOMM_TRITON_FAST_LAUNCH=0`` in the environment (read at import) keeps
 every launch on Triton's own path.
 """
+
 from ._triton import SUPPORTED_DTYPES, triton_available
 from .pack import pack, pack_plan, pack_ref
 from .reduce import reduce, reduce_ref

@@ -3,6 +3,7 @@ launch geometry, the argument checks, the launch itself (Triton's path for a
 specialization's first launch, its compiled launcher directly after that), the
 multi-tensor launch and its prepared form, and the simulator's launch seam (so
 each rule lives in one place)."""
+
 import collections
 import itertools
 import math
@@ -122,8 +123,11 @@ def fine(t) -> bool:
 
 def checked_sizes(tensors: list) -> list:
     """Each tensor's numel, after ``check_tensor(tensors[i], "tensors[i]")`` on each."""
-    sizes = [t.numel() for t in tensors
-             if isinstance(t, torch.Tensor) and t.dtype in _SUPPORTED and t.is_contiguous()]
+    sizes = [
+        t.numel()
+        for t in tensors
+        if isinstance(t, torch.Tensor) and t.dtype in _SUPPORTED and t.is_contiguous()
+    ]
     if len(sizes) != len(tensors):
         for i, t in enumerate(tensors):
             check_tensor(t, f"tensors[{i}]")
@@ -202,8 +206,11 @@ if triton_available:
         CompiledKernel = None
     # Where Triton keeps its launch hooks: triton.knobs.runtime from 3.4 on (a
     # HookChain, empty when unused, from 3.5), CompiledKernel's class before.
-    _HOOK_OWNERS = [o for o in (getattr(getattr(triton, "knobs", None), "runtime", None),
-                                CompiledKernel) if o is not None]
+    _HOOK_OWNERS = [
+        o
+        for o in (getattr(getattr(triton, "knobs", None), "runtime", None), CompiledKernel)
+        if o is not None
+    ]
 
 
 def specialization_key(args, constexpr) -> tuple:
@@ -244,7 +251,7 @@ def specialize(args, constexpr):
 
 def _int_key(v: int) -> tuple:
     # Triton folds a 1 into the kernel, marks multiples of 16, and passes i32, i64 or u64.
-    return v == 1, v % 16 == 0, "i32" if -2**31 <= v < 2**31 else "i64" if v < 2**63 else "u64"
+    return v == 1, v % 16 == 0, "i32" if -(2**31) <= v < 2**31 else "i64" if v < 2**63 else "u64"
 
 
 class _Compiled:
@@ -266,8 +273,13 @@ _compiled: dict = {}
 def _compiled_for(kernel):
     held = _compiled.get(id(kernel))
     if held is None or held[0] is not kernel:
-        usable = (FAST_LAUNCH and isinstance(kernel, JITFunction) and CompiledKernel is not None
-                  and _raw_stream is not None and not interpreting())
+        usable = (
+            FAST_LAUNCH
+            and isinstance(kernel, JITFunction)
+            and CompiledKernel is not None
+            and _raw_stream is not None
+            and not interpreting()
+        )
         held = _compiled[id(kernel)] = (kernel, _Compiled(kernel) if usable else None)
     return held[1]
 
@@ -277,8 +289,10 @@ def _watched(kernel) -> bool:
     if getattr(kernel, "pre_run_hooks", None):
         return True
     for owner in _HOOK_OWNERS:
-        for hook in (getattr(owner, "launch_enter_hook", None),
-                     getattr(owner, "launch_exit_hook", None)):
+        for hook in (
+            getattr(owner, "launch_enter_hook", None),
+            getattr(owner, "launch_exit_hook", None),
+        ):
             if hook is not None and getattr(hook, "calls", True):  # a HookChain: if not empty
                 return True
     return False
@@ -297,8 +311,9 @@ def direct_run(kernel, compiled):
             return None
         takes = compiled.src.signature
         keep = tuple(i for i, p in enumerate(kernel.params) if p.name in takes)
-        if len(keep) != len(takes) or any(not p.is_constexpr and i not in keep
-                                          for i, p in enumerate(kernel.params)):
+        if len(keep) != len(takes) or any(
+            not p.is_constexpr and i not in keep for i, p in enumerate(kernel.params)
+        ):
             return None
         run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
         if function is None:
@@ -306,11 +321,14 @@ def direct_run(kernel, compiled):
     except Exception:  # an attribute Triton renamed: its own path then
         return None
     if len(keep) == len(kernel.params):
+
         def go(grid, stream, args):
             run(grid, 1, 1, stream, function, packed, None, None, None, *args)
     else:
+
         def go(grid, stream, args):
             run(grid, 1, 1, stream, function, packed, None, None, None, *[args[i] for i in keep])
+
     return go
 
 
@@ -354,8 +372,12 @@ def _launch(kernel, grid, num_warps, device, args, key):
 
 # -- one launch for many tensors ---------------------------------------------------
 if triton_available:
-    _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16,
-                  torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
+    _TL_DTYPES = {
+        torch.float32: tl.float32,
+        torch.float16: tl.float16,
+        torch.bfloat16: tl.bfloat16,
+        torch.float64: tl.float64,
+    }
 # Per (device, stream, dtype, block, layout): the device copy of a table, its
 # row count and its rows' alignment. The layout is each tensor's (address, numel,
 # offset), so a launch of a seen bucket costs a per-tensor key and one lookup,
@@ -383,8 +405,13 @@ def tensor_table(members, block: int, device: torch.device):
     the first time this layout is seen on this stream, and its ``row_alignment``.
     """
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    key = (device, stream, members[0][0].dtype, block,
-           tuple([(t.data_ptr(), t.numel(), offset) for t, offset in members]))
+    key = (
+        device,
+        stream,
+        members[0][0].dtype,
+        block,
+        tuple([(t.data_ptr(), t.numel(), offset) for t, offset in members]),
+    )
     hit = _tables.get(key)
     if hit is not None:
         _tables.move_to_end(key)
@@ -466,8 +493,7 @@ def flat_offsets(tensors, offsets, flat_numel: int, flat_name: str, sizes=None):
     if offsets is None:
         total = sum(sizes)
         if flat_numel != total:
-            raise ValueError(f"{flat_name} has {flat_numel} elements but the tensors hold "
-                             f"{total}")
+            raise ValueError(f"{flat_name} has {flat_numel} elements but the tensors hold {total}")
         return list(itertools.accumulate(sizes, initial=0))[:-1]
     offsets = [int(o) for o in offsets]
     if len(offsets) != len(sizes):
@@ -475,8 +501,10 @@ def flat_offsets(tensors, offsets, flat_numel: int, flat_name: str, sizes=None):
     end = 0
     for i, (o, n) in enumerate(zip(offsets, sizes)):
         if o < end:
-            raise ValueError(f"offsets[{i}]={o} overlaps the tensor before it (which ends at "
-                             f"{end}); offsets must be increasing")
+            raise ValueError(
+                f"offsets[{i}]={o} overlaps the tensor before it (which ends at "
+                f"{end}); offsets must be increasing"
+            )
         end = o + n
     if end > flat_numel:
         raise ValueError(f"the tensors end at element {end} but {flat_name} has {flat_numel}")
@@ -495,8 +523,15 @@ def dtype_groups(tensors, offsets) -> dict:
 def table_args(table, flat, scale, dtype, alignment, block) -> tuple:
     """The table kernels' arguments, in order: (table_ptr, flat, scale, TENSOR,
     HAS_SCALE, ALIGN, BLOCK)."""
-    return (table, flat, 1.0 if scale is None else scale, _TL_DTYPES[dtype], scale is not None,
-            flat_vec(alignment, flat), block)
+    return (
+        table,
+        flat,
+        1.0 if scale is None else scale,
+        _TL_DTYPES[dtype],
+        scale is not None,
+        flat_vec(alignment, flat),
+        block,
+    )
 
 
 def launch_table(kernel, flat: torch.Tensor, tensors, offsets, scale, block) -> None:
@@ -510,12 +545,16 @@ def launch_table(kernel, flat: torch.Tensor, tensors, offsets, scale, block) -> 
         for dtype, members in groups.items():
             blk, warps = geometry(max([t.numel() for t, _ in members]), on_gpu, block)
             table, programs, alignment = tensor_table(members, blk, flat.device)
-            launch(kernel, programs, warps, device,
-                   table_args(table, flat, scale, dtype, alignment, blk))
+            launch(
+                kernel,
+                programs,
+                warps,
+                device,
+                table_args(table, flat, scale, dtype, alignment, blk),
+            )
 
 
-def copy_plan(kernel, flat: torch.Tensor, tensors, offsets, scale, block, impl, elsewhere,
-              result):
+def copy_plan(kernel, flat: torch.Tensor, tensors, offsets, scale, block, impl, elsewhere, result):
     """The function ``pack_plan`` / ``unpack_plan`` return: on a Triton device the
     prepared table launch (:func:`table_plan`), else ``elsewhere()`` (the simulated
     GPU or the torch reference) every call; either returns ``result``."""
@@ -526,9 +565,11 @@ def copy_plan(kernel, flat: torch.Tensor, tensors, offsets, scale, block, impl, 
             launch()
             return result
     else:
+
         def copied():
             elsewhere()
             return result
+
     return copied
 
 
@@ -547,14 +588,22 @@ def table_plan(kernel, flat: torch.Tensor, tensors, offsets, scale, block):
     per_stream: dict = {}  # stream -> [(programs, warps, args, key)]
 
     def run() -> None:
-        stream = (_raw_stream(device) if _raw_stream is not None
-                  else torch.cuda.current_stream(device).cuda_stream) if on_gpu else None
+        stream = (
+            (
+                _raw_stream(device)
+                if _raw_stream is not None
+                else torch.cuda.current_stream(device).cuda_stream
+            )
+            if on_gpu
+            else None
+        )
         ready = per_stream.get(stream)
         if ready is None:
             ready = per_stream[stream] = []
             for rows, warps, dtype, alignment, blk in groups:
-                args = table_args(device_table(rows, flat.device), flat, scale, dtype,
-                                  alignment, blk)
+                args = table_args(
+                    device_table(rows, flat.device), flat, scale, dtype, alignment, blk
+                )
                 ready.append((len(rows), warps, args, launch_key(kernel, args)))
                 _table_stats["built"] += 1
         for programs, warps, args, key in ready:

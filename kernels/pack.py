@@ -1,4 +1,5 @@
 """pack: many tensors -> one flat buffer, with optional scale and cast."""
+
 import torch
 
 from ._triton import (
@@ -84,11 +85,13 @@ def _prepare(tensors, out, dtype, offsets):
             dtype = dtypes.pop() if dtypes else torch.float32
         check_dtype(dtype, "dtype")
         device = tensors[0].device if tensors else torch.device("cpu")
-        total = sum(sizes) if offsets is None else max(
-            [int(o) + n for o, n in zip(offsets, sizes)], default=0)
+        total = (
+            sum(sizes)
+            if offsets is None
+            else max([int(o) + n for o, n in zip(offsets, sizes)], default=0)
+        )
         # Gaps between offset tensors are zero in a buffer pack allocates.
-        out = (torch.empty if offsets is None else torch.zeros)(total, dtype=dtype,
-                                                               device=device)
+        out = (torch.empty if offsets is None else torch.zeros)(total, dtype=dtype, device=device)
     else:
         check_tensor(out, "out")
         if dtype is not None and dtype != out.dtype:
@@ -155,15 +158,25 @@ def pack_plan(tensors, out, *, offsets=None, scale=None, impl=None, _block=None)
     """
     tensors, out, offsets = _prepare(tensors, out, None, offsets)
     scale = check_scale(scale)
-    return copy_plan(_pack_kernel, out, tensors, offsets, scale, _block, impl,
-                     lambda: _packed_without_triton(tensors, out, scale, offsets, impl), out)
+    return copy_plan(
+        _pack_kernel,
+        out,
+        tensors,
+        offsets,
+        scale,
+        _block,
+        impl,
+        lambda: _packed_without_triton(tensors, out, scale, offsets, impl),
+        out,
+    )
 
 
 def _packed_without_triton(tensors, out, scale, offsets, impl) -> bool:
     """The simulated GPU takes the launch, or the torch reference packs; False if
     neither does (the Triton kernel is the one to run)."""
-    if simulated("pack", out, impl, _pack_torch, (tensors, out, scale, offsets), reads=tensors,
-                 writes=[out]):
+    if simulated(
+        "pack", out, impl, _pack_torch, (tensors, out, scale, offsets), reads=tensors, writes=[out]
+    ):
         return True
     if not use_triton(out, impl):
         _pack_torch(tensors, out, scale, offsets)

@@ -1,4 +1,5 @@
 """reduce: ``dst = (dst + src) * scale`` with fp32 accumulation, optional copy-out."""
+
 import torch
 
 from ._triton import (
@@ -18,8 +19,17 @@ from ._triton import (
 if triton_available:
 
     @triton.jit
-    def _reduce_block(dst_ptr, src_ptr, out_ptr, offs, mask, scale, ACC: tl.constexpr,
-                      HAS_SCALE: tl.constexpr, HAS_OUT: tl.constexpr):
+    def _reduce_block(
+        dst_ptr,
+        src_ptr,
+        out_ptr,
+        offs,
+        mask,
+        scale,
+        ACC: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        HAS_OUT: tl.constexpr,
+    ):
         # Upcast before any math (ACC: fp32, or fp64 for fp64): fp16/bf16 sums
         # must not round (or overflow) per step, and the interpreter gets bf16
         # arithmetic wrong.
@@ -55,8 +65,9 @@ if triton_available:
             # keep every access scalar); only the last block is masked.
             _reduce_block(dst_ptr, src_ptr, out_ptr, offs, None, scale, ACC, HAS_SCALE, HAS_OUT)
         else:
-            _reduce_block(dst_ptr, src_ptr, out_ptr, offs, offs < numel, scale, ACC, HAS_SCALE,
-                          HAS_OUT)
+            _reduce_block(
+                dst_ptr, src_ptr, out_ptr, offs, offs < numel, scale, ACC, HAS_SCALE, HAS_OUT
+            )
 
 else:
     _reduce_kernel = None
@@ -65,9 +76,13 @@ else:
 def _check(dst, src, out):
     # A valid call (the common one) costs a few attribute reads; anything else
     # goes through the full checks, which name the culprit.
-    if (fine(dst) and fine(src) and src.numel() == dst.numel() and src.device == dst.device
-            and (out is None or (fine(out) and out.numel() == dst.numel()
-                                 and out.device == dst.device))):
+    if (
+        fine(dst)
+        and fine(src)
+        and src.numel() == dst.numel()
+        and src.device == dst.device
+        and (out is None or (fine(out) and out.numel() == dst.numel() and out.device == dst.device))
+    ):
         return
     check_tensor(dst, "dst")
     check_tensor(src, "src")
@@ -105,8 +120,15 @@ def reduce(dst, src, *, scale=None, out=None, impl=None, _block=None):
     if scale is not None:
         scale = check_scale(scale)
     if not (impl is None and triton_available and dst.is_cuda):  # else: the GPU kernel, at once
-        if simulated("reduce", dst, impl, _reduce_torch, (dst, src, scale, out), reads=[src],
-                     writes=[dst] if out is None else [dst, out]):
+        if simulated(
+            "reduce",
+            dst,
+            impl,
+            _reduce_torch,
+            (dst, src, scale, out),
+            reads=[src],
+            writes=[dst] if out is None else [dst, out],
+        ):
             return dst
         if not use_triton(dst, impl):
             return _reduce_torch(dst, src, scale, out)
@@ -114,17 +136,23 @@ def reduce(dst, src, *, scale=None, out=None, impl=None, _block=None):
     if numel == 0:
         return dst
     block, warps = geometry(numel, dst.is_cuda, _block)
-    launch(_reduce_kernel, -(-numel // block), warps, dst.get_device(), (
-        dst,
-        src,
-        dst if out is None else out,  # never written when HAS_OUT is False
-        numel,
-        1.0 if scale is None else scale,
-        tl.float64 if dst.dtype is torch.float64 else tl.float32,  # ACC
-        scale is not None,  # HAS_SCALE
-        out is not None,  # HAS_OUT
-        block,  # BLOCK
-    ))
+    launch(
+        _reduce_kernel,
+        -(-numel // block),
+        warps,
+        dst.get_device(),
+        (
+            dst,
+            src,
+            dst if out is None else out,  # never written when HAS_OUT is False
+            numel,
+            1.0 if scale is None else scale,
+            tl.float64 if dst.dtype is torch.float64 else tl.float32,  # ACC
+            scale is not None,  # HAS_SCALE
+            out is not None,  # HAS_OUT
+            block,  # BLOCK
+        ),
+    )
     return dst
 
 

@@ -1,4 +1,5 @@
 """unpack: one flat buffer -> many tensors, with optional scale and cast."""
+
 import torch
 
 from ._triton import (
@@ -72,8 +73,14 @@ def _check(flat, tensors, offsets):
     check_tensor(flat, "flat")
     tensors = list(tensors)
     device = flat.device
-    sizes = [t.numel() for t in tensors if isinstance(t, torch.Tensor) and t.dtype in _SUPPORTED
-             and t.is_contiguous() and t.device == device]
+    sizes = [
+        t.numel()
+        for t in tensors
+        if isinstance(t, torch.Tensor)
+        and t.dtype in _SUPPORTED
+        and t.is_contiguous()
+        and t.device == device
+    ]
     if len(sizes) != len(tensors):  # the full checks name the culprit
         for i, t in enumerate(tensors):
             check_tensor(t, f"tensors[{i}]")
@@ -131,16 +138,31 @@ def unpack_plan(flat, tensors, *, offsets=None, scale=None, impl=None, _block=No
     """
     tensors, offsets = _check(flat, tensors, offsets)
     scale = check_scale(scale)
-    return copy_plan(_unpack_kernel, flat, tensors, offsets, scale, _block, impl,
-                     lambda: _unpacked_without_triton(flat, tensors, scale, offsets, impl),
-                     tensors)
+    return copy_plan(
+        _unpack_kernel,
+        flat,
+        tensors,
+        offsets,
+        scale,
+        _block,
+        impl,
+        lambda: _unpacked_without_triton(flat, tensors, scale, offsets, impl),
+        tensors,
+    )
 
 
 def _unpacked_without_triton(flat, tensors, scale, offsets, impl) -> bool:
     """The simulated GPU takes the launch, or the torch reference unpacks; False if
     neither does (the Triton kernel is the one to run)."""
-    if simulated("unpack", flat, impl, _unpack_torch, (flat, tensors, scale, offsets),
-                 reads=[flat], writes=tensors):
+    if simulated(
+        "unpack",
+        flat,
+        impl,
+        _unpack_torch,
+        (flat, tensors, scale, offsets),
+        reads=[flat],
+        writes=tensors,
+    ):
         return True
     if not use_triton(flat, impl):
         _unpack_torch(flat, tensors, scale, offsets)

@@ -12,6 +12,7 @@ float). ``launched_ptx`` runs that binder on the arguments a launcher really
 passes and compiles for sm_90 on CPU, so a test can read the GPU's parameter
 types and arithmetic.
 """
+
 import importlib
 import os
 
@@ -55,7 +56,6 @@ def assert_within_ulps(actual, expected, ulps):
     )
 
 
-
 class _Captured:
     """Stands in for a Triton kernel: records the arguments of ``kernel[grid](...)``."""
 
@@ -88,14 +88,11 @@ def launched_ptx(monkeypatch, op: str, launch):
         if name.startswith("_") and type(helper).__name__ == "InterpretedFunction":
             monkeypatch.setattr(module, name, JITFunction(helper.fn))
     target = GPUTarget("cuda", 90, 32)
-    binder = create_function_from_signature(fn.signature, fn.params,
-                                            CUDABackend(target))
+    binder = create_function_from_signature(fn.signature, fn.params, CUDABackend(target))
     bound, spec, _ = binder(*args, **kwargs)
     signature = {p.name: s[0] for p, s in zip(fn.params, spec)}
-    constexprs = {(i,): bound[p.name] for i, p in enumerate(fn.params)
-                  if spec[i][0] == "constexpr"}
-    compiled = triton.compile(triton.compiler.ASTSource(fn, signature, constexprs),
-                              target=target)
+    constexprs = {(i,): bound[p.name] for i, p in enumerate(fn.params) if spec[i][0] == "constexpr"}
+    compiled = triton.compile(triton.compiler.ASTSource(fn, signature, constexprs), target=target)
     runtime_params = [p.name for p, s in zip(fn.params, spec) if s[0] != "constexpr"]
     return signature, compiled.asm["ptx"], runtime_params.index("scale")
 
@@ -113,4 +110,3 @@ def assert_scale_is_fp64(signature, ptx: str, index: int, op: str, dtype) -> Non
     else:
         assert "cvt.rn.f32.f64" in ptx and re.search(r"\bmul(\.rn)?\.f32\b", ptx)
         assert not mul64
-

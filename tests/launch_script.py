@@ -1,6 +1,7 @@
 """Example scripts run as real processes for the integration tests: each in a
 session of its own (on a timeout it and every process it started are killed),
 on 127.0.0.1 and free ports, offline."""
+
 import os
 import signal
 import socket
@@ -9,8 +10,13 @@ import sys
 from typing import List, Sequence
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-ENV = dict(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="",
-           HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+ENV = dict(
+    OMP_NUM_THREADS="1",
+    GLOO_SOCKET_IFNAME="lo",
+    CUDA_VISIBLE_DEVICES="",
+    HF_HUB_OFFLINE="1",
+    TOKENIZERS_PARALLELISM="false",
+)
 
 
 def free_port() -> int:
@@ -20,9 +26,15 @@ def free_port() -> int:
 
 
 def start(cmd: Sequence[str], env: dict = None) -> subprocess.Popen:
-    return subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=ROOT, env=dict(os.environ, **ENV, **(env or {})),
-                            start_new_session=True)
+    return subprocess.Popen(
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, **ENV, **(env or {})),
+        start_new_session=True,
+    )
 
 
 def _finish(proc: subprocess.Popen, timeout: float) -> str:
@@ -51,9 +63,21 @@ def run_script(script: str, args: Sequence[str], nprocs: int, timeout: float = 2
     """``script`` as ``nprocs`` ranks, with the variables torchrun sets (no
     launcher, no launcher's start-up delay); each rank's output."""
     port = str(free_port())
-    return finish_all(*(start([sys.executable, os.path.join(ROOT, script), *args],
-                              env=dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                                       WORLD_SIZE=str(nprocs), RANK=str(rank),
-                                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
-                                       NODE_RANK="0"))
-                        for rank in range(nprocs)), timeout=timeout)
+    return finish_all(
+        *(
+            start(
+                [sys.executable, os.path.join(ROOT, script), *args],
+                env=dict(
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                    WORLD_SIZE=str(nprocs),
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    LOCAL_WORLD_SIZE=str(nprocs),
+                    NODE_RANK="0",
+                ),
+            )
+            for rank in range(nprocs)
+        ),
+        timeout=timeout,
+    )

@@ -7,6 +7,7 @@ are imported once per rank instead of once per run).
 Lightning initializes the process group once and reuses it for each later
 Trainer; every run seeds itself (``pl.seed_everything(0)``).
 """
+
 import json
 import os
 import sys

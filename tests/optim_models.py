@@ -1,4 +1,5 @@
 """Small models and a single-process reference for the optimizer tests."""
+
 import torch
 import torch.nn as nn
 
@@ -28,12 +29,14 @@ def make_model(seed=0, cls=ConvNet):
 
 def batch(step):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(GLOBAL_BATCH, 2, 6, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+    return torch.randn(GLOBAL_BATCH, 2, 6, 6, generator=g), torch.randn(
+        GLOBAL_BATCH, 3, generator=g
+    )
 
 
 def shard(t, rank, world):
     n = t.shape[0] // world
-    return t[rank * n:(rank + 1) * n]
+    return t[rank * n : (rank + 1) * n]
 
 
 def make_optimizer(name, params):
@@ -72,6 +75,7 @@ def flat(params):
 
 # ---- the compression tests' task --------------------------------------------------------
 
+
 def teacher_task(n, seed):
     """``n`` inputs of 64 features, labelled by a fixed random linear teacher (10
     classes): learnable, so compression's cost shows in the accuracy."""
@@ -92,9 +96,12 @@ def compressed_steps(rank, world, compression, steps=3, momentum=0.0):
     import hybridcomm
 
     model = mlp()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
-                                                          momentum=momentum),
-                                          model=model, compression=compression, timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
+        model=model,
+        compression=compression,
+        timeout=60,
+    )
     x, y = teacher_task(300, 3)
     for _ in range(steps):
         opt.zero_grad()
@@ -103,17 +110,22 @@ def compressed_steps(rank, world, compression, steps=3, momentum=0.0):
     return model, opt
 
 
-def train_compressed(rank, world, compression, overlap, *, samples, batch, epochs, steps=None,
-                     **options):
+def train_compressed(
+    rank, world, compression, overlap, *, samples, batch, epochs, steps=None, **options
+):
     """hybridcomm with ``compression`` on this rank's share of the teacher task:
     test accuracy, bytes sent, the parameters, the plan and the optimizer's state."""
     import hybridcomm
 
     model = mlp()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
-                                                          momentum=0.9),
-                                          model=model, compression=compression,
-                                          overlap=overlap, timeout=60, **options)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model=model,
+        compression=compression,
+        overlap=overlap,
+        timeout=60,
+        **options,
+    )
     x, y = teacher_task(samples, 1)
     x, y = x[rank::world], y[rank::world]
     sent, done = 0, 0
@@ -122,14 +134,19 @@ def train_compressed(rank, world, compression, overlap, *, samples, batch, epoch
             if steps is not None and done == steps:
                 break
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[i:i + batch]), y[i:i + batch]).backward()
+            torch.nn.functional.cross_entropy(model(x[i : i + batch]), y[i : i + batch]).backward()
             opt.step()
             sent += opt.last_step_stats["bytes_sent"]
             done += 1
     opt.synchronize()
     xt, yt = teacher_task(1000, 2)
     acc = (model(xt).argmax(1) == yt).float().mean().item()
-    out = {"acc": acc, "sent": sent, "params": flat(model.parameters()),
-           "plan": str(opt.plan), "state": opt.state_dict()}
+    out = {
+        "acc": acc,
+        "sent": sent,
+        "params": flat(model.parameters()),
+        "plan": str(opt.plan),
+        "state": opt.state_dict(),
+    }
     opt.close()
     return out

@@ -18,8 +18,10 @@ def schedule_counts(plan, rank, world):
 
 def _counts(sched):
     """(reducing receives, sends and receives) of one schedule."""
-    return (sum(1 for st in sched.steps for r in st.recvs if r.reduce),
-            sum(len(st.sends) + len(st.recvs) for st in sched.steps))
+    return (
+        sum(1 for st in sched.steps for r in st.recvs if r.reduce),
+        sum(len(st.sends) + len(st.recvs) for st in sched.steps),
+    )
 
 
 def sharded_counts(plan, rank, world):

@@ -1,4 +1,5 @@
 """hybridcomm.all_reduce over real gloo processes: exact, identical on every rank, like torch."""
+
 import os
 import re
 
@@ -45,7 +46,9 @@ def _sweep(rank, world):
             x = integer_input(rank, 100, torch.float32)
             avg = hybridcomm.all_reduce(x, op="avg", algorithm=algo)
             want = sum(integer_input(r, 100, torch.float64) for r in range(world)) / world
-            if not torch.allclose(avg.double(), want, rtol=2 * torch.finfo(torch.float32).eps, atol=0):
+            if not torch.allclose(
+                avg.double(), want, rtol=2 * torch.finfo(torch.float32).eps, atol=0
+            ):
                 wrong.append((algo, "avg", 100))
     return wrong, identical
 
@@ -63,7 +66,7 @@ def test_exact_identical_and_like_torch(world):
 
 def _shapes_and_layouts(rank, world):
     out = {}
-    m = (torch.arange(12, dtype=torch.float32).view(3, 4) + rank)
+    m = torch.arange(12, dtype=torch.float32).view(3, 4) + rank
     t = m.t()  # non-contiguous view: reduced through a copy, written back in place
     res = hybridcomm.all_reduce(t, algorithm="ring")
     out["noncontig_same_object"] = res is t
@@ -94,7 +97,9 @@ def _mismatch(rank, world):
 
 def test_length_mismatch_names_the_ranks():
     for msg in run_ranks(3, _mismatch):
-        assert "numel differs" in msg and "ranks [0, 1] have 10" in msg and "ranks [2] have 11" in msg
+        assert (
+            "numel differs" in msg and "ranks [0, 1] have 10" in msg and "ranks [2] have 11" in msg
+        )
 
 
 def _algo_mismatch(rank, world):
@@ -113,9 +118,11 @@ def test_algorithm_mismatch_is_an_error():
 def _absent_peer(rank, world, check):
     if rank == 1:
         import time
+
         time.sleep(5)  # never calls all_reduce (rank 0 gives up after 2 s)
         return "absent"
     import time
+
     t0 = time.monotonic()
     try:
         hybridcomm.all_reduce(torch.ones(100), algorithm="ring", timeout=2, check=check)
@@ -140,8 +147,10 @@ def _dead_peer(rank, world):
     dist.barrier()  # both joined the mesh
     if rank == 1:
         import os
+
         os._exit(0)  # dies after joining the group
     import time
+
     t0 = time.monotonic()
     try:
         hybridcomm.all_reduce(torch.ones(1000), algorithm="butterfly", timeout=5, check=False)
@@ -156,8 +165,14 @@ def test_dead_peer_is_an_error_not_a_hang():
     assert elapsed < 10 and "rank 0" in msg
     # host path: the transfer it was waiting on, named (butterfly at P=2: one send, one
     # receive); device path (simulated GPU): making the communicator, the first collective
-    assert re.search(r"(send of 1000 x torch.float32 to|receive of 1000 x torch.float32 "
-                     r"from) rank 1", msg) or "creating the cupy NCCL communicator" in msg, msg
+    assert (
+        re.search(
+            r"(send of 1000 x torch.float32 to|receive of 1000 x torch.float32 "
+            r"from) rank 1",
+            msg,
+        )
+        or "creating the cupy NCCL communicator" in msg
+    ), msg
 
 
 def test_bad_input_errors_without_a_process_group():

@@ -2,6 +2,7 @@
 (NCCL's FIFO matching without tags, several peers in one step): exact, bitwise
 identical on every rank, at world sizes that leave the last node short
 (LOCAL_WORLD_SIZE=2)."""
+
 import json
 import os
 import subprocess
@@ -28,8 +29,12 @@ def _sweep(rank, world, simulate=False):
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     lengths = LENGTHS[:-1] if simulate else LENGTHS
     wrong, identical = [], {}
-    for algo, kw in (("hierarchical", {}), ("torus2d", {}), ("hierarchical", {"node_size": 3}),
-                     ("torus2d", {"grid": (-(-world // 2), 2)})):
+    for algo, kw in (
+        ("hierarchical", {}),
+        ("torus2d", {}),
+        ("hierarchical", {"node_size": 3}),
+        ("torus2d", {"grid": (-(-world // 2), 2)}),
+    ):
         tag = f"{algo}{kw}"
         for dtype in DTYPES:
             for n in lengths:
@@ -48,8 +53,9 @@ def _sweep(rank, world, simulate=False):
             wrong.append((tag, "avg", 100))
     os.environ["HYBRIDCOMM_ALGO"] = "hierarchical"  # forces auto
     forced = hybridcomm.all_reduce(integer_input(rank, 37, torch.float32))
-    if not torch.equal(forced.double(), sum(integer_input(r, 37, torch.float64)
-                                            for r in range(world))):
+    if not torch.equal(
+        forced.double(), sum(integer_input(r, 37, torch.float64) for r in range(world))
+    ):
         wrong.append(("HYBRIDCOMM_ALGO", "float32", 37))
     return wrong, identical
 
@@ -67,8 +73,9 @@ def test_exact_and_identical_with_short_last_node(world, simulate):
 
 def _node_size_mismatch(rank, world):
     try:
-        hybridcomm.all_reduce(torch.ones(8), algorithm="hierarchical", node_size=2 + (rank == 2),
-                              timeout=30)
+        hybridcomm.all_reduce(
+            torch.ones(8), algorithm="hierarchical", node_size=2 + (rank == 2), timeout=30
+        )
     except hybridcomm.HybridCommError as e:
         return str(e)
     return "no error"
@@ -85,10 +92,34 @@ def test_step_formula_against_emulated_latency(tmp_path):
     # up in the measured times, loosely.
     out = tmp_path / "lat.json"
     delay = 0.02
-    r = subprocess.run([sys.executable, "-m", "hybridcomm.tools.bench", "--nprocs", "4", "--node-size",
-                        "2", "-b", "4K", "-e", "4K", "-n", "3", "-w", "1", "--latency", "20ms",
-                        "--algo", "ring,hierarchical,torus2d", "--json", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridcomm.tools.bench",
+            "--nprocs",
+            "4",
+            "--node-size",
+            "2",
+            "-b",
+            "4K",
+            "-e",
+            "4K",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "--latency",
+            "20ms",
+            "--algo",
+            "ring,hierarchical,torus2d",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     doc = json.loads(out.read_text())
     assert doc["node_size"] == 2 and doc["grid"] == [2, 2]
@@ -98,4 +129,5 @@ def test_step_formula_against_emulated_latency(tmp_path):
     check = {row["algo"]: row for row in doc["two_level_check"]["rows"]}
     for algo in ("hierarchical", "torus2d"):
         assert check[algo]["predicted_speedup"] == pytest.approx(
-            check[algo]["measured_speedup"], rel=0.3)
+            check[algo]["measured_speedup"], rel=0.3
+        )

@@ -19,6 +19,7 @@ with ``inspect.signature``: the same names, kinds (``*``, ``*args``,
 ``...`` lists a prefix. Anything else (``register(ddp, HybridState())``,
 ``split_world(num_servers=K)``) is a usage: it must bind to the signature.
 """
+
 import ast
 import importlib
 import inspect
@@ -70,7 +71,7 @@ def _without_return(text: str) -> str:
     for i, c in enumerate(text):
         depth += (c in "([{") - (c in ")]}")
         if c == ")" and depth == 0:
-            return text[:i + 1]
+            return text[: i + 1]
     return text
 
 
@@ -134,9 +135,15 @@ def _nested(call: ast.Call, aliases, where: str) -> List[Check]:
         if isinstance(node, ast.Call):
             name = ast.unparse(node.func)
             target = _absolute(name, aliases)
-            args = ", ".join([ast.unparse(a) for a in node.args]
-                             + [f"**{ast.unparse(k.value)}" if k.arg is None
-                                else f"{k.arg}={ast.unparse(k.value)}" for k in node.keywords])
+            args = ", ".join(
+                [ast.unparse(a) for a in node.args]
+                + [
+                    f"**{ast.unparse(k.value)}"
+                    if k.arg is None
+                    else f"{k.arg}={ast.unparse(k.value)}"
+                    for k in node.keywords
+                ]
+            )
             if target:
                 out.append(Check(f"{where}: {name}", target, args, usage=True))
             out += _nested(node, aliases, where)
@@ -155,8 +162,11 @@ def _prose_checks(text: str) -> List[Check]:
     checks = []
     outside = re.sub(r"```.*?```", "", text, flags=re.S)
     units = [ln.strip() for ln in outside.splitlines() if ln.strip().startswith("|")]
-    units += [p.replace("\n", " ").strip() for p in re.split(r"\n\s*\n", outside)
-              if not p.lstrip().startswith("|")]  # paragraphs
+    units += [
+        p.replace("\n", " ").strip()
+        for p in re.split(r"\n\s*\n", outside)
+        if not p.lstrip().startswith("|")
+    ]  # paragraphs
     for unit in units:
         tokens = TOKEN.findall(unit)
         for tok in tokens:  # hybridcomm.x.y anywhere: it exists (and fits, if called)
@@ -166,7 +176,8 @@ def _prose_checks(text: str) -> List[Check]:
                 checks.append(Check(f"`{tok}`", name, None))
             elif m and DOTTED.match(m.group(1)):  # a signature in a table's first cell
                 signature = bool(FIRST_CELL.match(unit)) and tok in TOKEN.findall(
-                    FIRST_CELL.match(unit).group(1))
+                    FIRST_CELL.match(unit).group(1)
+                )
                 checks.append(Check(f"`{tok}`", m.group(1), m.group(2), usage=not signature))
         # a row or paragraph about hybridcomm.x: its calls are x's (or its class's)
         if not re.match(r"^\|?\s*`hybridcomm\.", unit):
@@ -190,8 +201,15 @@ def _prose_checks(text: str) -> List[Check]:
                     continue
                 if not (m or in_first):
                     continue  # a bare word in the text: too loose to check
-                checks.append(Check(f"`{tok}` (in {context[0] if context else '?'})", base,
-                                    m.group(2) if m else None, list(context), owner))
+                checks.append(
+                    Check(
+                        f"`{tok}` (in {context[0] if context else '?'})",
+                        base,
+                        m.group(2) if m else None,
+                        list(context),
+                        owner,
+                    )
+                )
                 if base.split(".")[-1][:1].isupper() and not base.startswith(".") and context:
                     owner = f"{context[0]}.{base}"
     return checks
@@ -209,6 +227,7 @@ CHECKS = collect()
 
 
 # --- resolving and comparing ------------------------------------------------------------
+
 
 class Missing(Exception):
     pass
@@ -270,18 +289,23 @@ def _written(args: str):
     try:
         fn = ast.parse(f"def _f({args}): pass").body[0].args
         pos = fn.posonlyargs + fn.args
-        if any(isinstance(d, ast.Constant) and d.value is Ellipsis
-               for d in fn.defaults + [d for d in fn.kw_defaults if d is not None]):
+        if any(
+            isinstance(d, ast.Constant) and d.value is Ellipsis
+            for d in fn.defaults + [d for d in fn.kw_defaults if d is not None]
+        ):
             return None, partial  # `name=...`: a value left out, not a default
         defaults = [inspect.Parameter.empty] * (len(pos) - len(fn.defaults)) + [
-            ast.literal_eval(d) for d in fn.defaults]
+            ast.literal_eval(d) for d in fn.defaults
+        ]
         out = [(a.arg, "positional", d) for a, d in zip(pos, defaults)]
         if fn.vararg:
             out.append(("*", "*", inspect.Parameter.empty))
         elif fn.kwonlyargs:
             out.append(("*", "bare *", inspect.Parameter.empty))
-        out += [(a.arg, "keyword", inspect.Parameter.empty if d is None else ast.literal_eval(d))
-                for a, d in zip(fn.kwonlyargs, fn.kw_defaults)]
+        out += [
+            (a.arg, "keyword", inspect.Parameter.empty if d is None else ast.literal_eval(d))
+            for a, d in zip(fn.kwonlyargs, fn.kw_defaults)
+        ]
         if fn.kwarg:
             out.append(("**", "**", inspect.Parameter.empty))
     except (SyntaxError, ValueError):
@@ -312,6 +336,7 @@ def _fmt(params):
     def one(name, kind, default):
         text = {"*": "*args", "bare *": "*", "**": "**kwargs"}.get(kind, name)
         return text if default is inspect.Parameter.empty else f"{text}={default!r}"
+
     return "(" + ", ".join(one(*p) for p in params) + ")"
 
 
@@ -327,28 +352,38 @@ def test_documented_name_exists_with_its_documented_parameters(check):
     written, partial = _written(check.args)
     if check.usage or written is None or not written and not partial:  # values: they must fit
         call = ast.parse(f"_f({check.args})", mode="eval").body
-        if any(isinstance(a, ast.Starred) for a in call.args) or \
-                any(k.arg is None for k in call.keywords):
+        if any(isinstance(a, ast.Starred) for a in call.args) or any(
+            k.arg is None for k in call.keywords
+        ):
             return
         try:
             sig.bind_partial(*call.args, **{k.arg: k.value for k in call.keywords})
         except TypeError as e:
-            pytest.fail(f"docs/API.md's {check.where}: ({check.args}) does not fit "
-                        f"{check.target}{sig}: {e}")
+            pytest.fail(
+                f"docs/API.md's {check.where}: ({check.args}) does not fit {check.target}{sig}: {e}"
+            )
         return
     real = _as_written(sig, any(k == "bare *" for _, k, _ in written))
-    got = real[:len(written)] if partial else real
-    assert written == got, (f"docs/API.md writes {check.where} as {_fmt(written)}"
-                            f"{' ...' if partial else ''}; the code has {check.target}{_fmt(real)}")
+    got = real[: len(written)] if partial else real
+    assert written == got, (
+        f"docs/API.md writes {check.where} as {_fmt(written)}"
+        f"{' ...' if partial else ''}; the code has {check.target}{_fmt(real)}"
+    )
 
 
 def test_the_reader_finds_the_signatures():
     """The parser still sees the documented fronts (a format change must not make
     this test check nothing)."""
     targets = {c.target for c in CHECKS if c.args is not None}
-    for name in ("hybridcomm.DistributedOptimizer", "hybridcomm.all_reduce",
-                 "hybridcomm.broadcast_parameters", "hybridcomm.broadcast_optimizer_state",
-                 "hybridcomm.ddp.HybridState", "hybridcomm.integrations.accelerate.prepare",
-                 "hybridcomm.averager.TensorAverager", "fit"):
+    for name in (
+        "hybridcomm.DistributedOptimizer",
+        "hybridcomm.all_reduce",
+        "hybridcomm.broadcast_parameters",
+        "hybridcomm.broadcast_optimizer_state",
+        "hybridcomm.ddp.HybridState",
+        "hybridcomm.integrations.accelerate.prepare",
+        "hybridcomm.averager.TensorAverager",
+        "fit",
+    ):
         assert name in targets, sorted(targets)
     assert len(CHECKS) > 40

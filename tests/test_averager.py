@@ -2,6 +2,7 @@
 rank ends with the exact mean, for tensors of awkward sizes and every supported
 dtype, on the host path and the simulated GPU (where the tensors are packed
 into each bucket and unpacked back, one kernel each)."""
+
 import os
 
 import pytest
@@ -45,15 +46,22 @@ def _average(rank, world, simulate):
         runtime_for("cpu").synchronize()
     buckets, engine = next(iter(avg._made.values()))
     avg.close()
-    return tensors, again, sent, stats, [len(b.params) for b in buckets], \
-        schedule_counts(engine.plan, rank, world)
+    return (
+        tensors,
+        again,
+        sent,
+        stats,
+        [len(b.params) for b in buckets],
+        schedule_counts(engine.plan, rank, world),
+    )
 
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["host", "simgpu"])
 def test_every_rank_gets_the_exact_mean(simulate):
     want = [(t.double() + 6).to(t.dtype) for t in _tensors(0)]
-    for tensors, again, sent, stats, sizes, (reduces, calls) in run_ranks(4, _average, simulate,
-                                                                         timeout=180):
+    for tensors, again, sent, stats, sizes, (reduces, calls) in run_ranks(
+        4, _average, simulate, timeout=180
+    ):
         for got in (tensors, again):
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype and torch.equal(g, w)

@@ -2,6 +2,7 @@
 per device type ("cpu:gloo" here, "cpu:gloo,cuda:nccl" on a GPU machine), and
 ``get_backend()`` answers "undefined" on torch 2.13. hybridcomm must read the
 per-device backend (docs: issue 20, defect 2)."""
+
 import torch
 import torch.distributed as dist
 
@@ -37,21 +38,22 @@ def _no_backend(rank, world, store_path):
     seen = (str(dist.get_backend()), str(dist.get_backend_config()))
     model = torch.nn.Linear(4, 2)
     torch.manual_seed(0)
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, overlap="backward", timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, overlap="backward", timeout=60
+    )
     x = torch.full((3, 4), float(rank + 1))
     model(x).sum().backward()
     opt.step()
     grad = model.weight.grad.clone()
     opt.close()
     t = hybridcomm.all_reduce(torch.full((5,), float(rank + 1)), algorithm="ring", timeout=60)
-    return (seen, TorchDistTransport().backend, control.control_group(None) is None,
-            grad, t)
+    return (seen, TorchDistTransport().backend, control.control_group(None) is None, grad, t)
 
 
 def test_a_group_made_without_a_backend_works(tmp_path):
     for seen, transport_backend, own_group, grad, t in run_ranks(
-            2, _no_backend, str(tmp_path / "store"), timeout=120):
+        2, _no_backend, str(tmp_path / "store"), timeout=120
+    ):
         assert seen[1] == "cpu:gloo"  # (and seen[0] "undefined" on torch 2.13)
         assert transport_backend == "gloo"
         assert own_group  # gloo for CPU objects already: no extra group made

@@ -1,4 +1,5 @@
 """The executor's pipelined path (large buffers cut into parts), forced onto small buffers."""
+
 import pytest
 import torch
 
@@ -12,8 +13,10 @@ def _pipelined(rank, world):
     for algo in hybridcomm.ALGORITHMS:
         for dtype in (torch.float32, torch.bfloat16):
             for n in (world * 8 - 1, 1000, 4099):
-                parts = executor.num_parts(hybridcomm.algorithms.get_schedule(algo, rank, world, n),
-                                           torch.empty((), dtype=dtype).element_size())
+                parts = executor.num_parts(
+                    hybridcomm.algorithms.get_schedule(algo, rank, world, n),
+                    torch.empty((), dtype=dtype).element_size(),
+                )
                 x = ((torch.arange(n) * 7 + rank * 3) % 11 - 5).to(dtype)
                 want = sum(((torch.arange(n) * 7 + r * 3) % 11 - 5) for r in range(world))
                 got = hybridcomm.all_reduce(x, algorithm=algo, check=False)

@@ -10,6 +10,7 @@ torchvision's names), which these tests build where torchvision cannot load, mus
 same; where torchvision loads, the two must give bitwise the same state_dict for a seed.
 vgg_small's are the thesis model's (2,389,034 params, as benchmarks/README.md shows).
 """
+
 import os
 import sys
 
@@ -17,71 +18,121 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+)
 import models  # noqa: E402
 import vision_arch  # noqa: E402
 
 VGG_SMALL_PARAMS = 2389034
 VGG_SMALL_SHAPES = [
-    ('features.0.weight', (16, 3, 3, 3)), ('features.0.bias', (16,)),
-    ('features.2.weight', (32, 16, 3, 3)), ('features.2.bias', (32,)),
-    ('features.5.weight', (64, 32, 3, 3)), ('features.5.bias', (64,)),
-    ('classifier.0.weight', (512, 4096)), ('classifier.0.bias', (512,)),
-    ('classifier.2.weight', (512, 512)), ('classifier.2.bias', (512,)),
-    ('classifier.4.weight', (10, 512)), ('classifier.4.bias', (10,)),
+    ("features.0.weight", (16, 3, 3, 3)),
+    ("features.0.bias", (16,)),
+    ("features.2.weight", (32, 16, 3, 3)),
+    ("features.2.bias", (32,)),
+    ("features.5.weight", (64, 32, 3, 3)),
+    ("features.5.bias", (64,)),
+    ("classifier.0.weight", (512, 4096)),
+    ("classifier.0.bias", (512,)),
+    ("classifier.2.weight", (512, 512)),
+    ("classifier.2.bias", (512,)),
+    ("classifier.4.weight", (10, 512)),
+    ("classifier.4.bias", (10,)),
 ]
 VGG11_PARAMS = 9225610
 VGG11_SHAPES = [
-    ('features.0.weight', (64, 3, 3, 3)), ('features.0.bias', (64,)),
-    ('features.3.weight', (128, 64, 3, 3)), ('features.3.bias', (128,)),
-    ('features.6.weight', (256, 128, 3, 3)), ('features.6.bias', (256,)),
-    ('features.8.weight', (256, 256, 3, 3)), ('features.8.bias', (256,)),
-    ('features.11.weight', (512, 256, 3, 3)), ('features.11.bias', (512,)),
-    ('features.13.weight', (512, 512, 3, 3)), ('features.13.bias', (512,)),
-    ('features.16.weight', (512, 512, 3, 3)), ('features.16.bias', (512,)),
-    ('features.18.weight', (512, 512, 3, 3)), ('features.18.bias', (512,)),
-    ('classifier.0.weight', (10, 512)), ('classifier.0.bias', (10,)),
+    ("features.0.weight", (64, 3, 3, 3)),
+    ("features.0.bias", (64,)),
+    ("features.3.weight", (128, 64, 3, 3)),
+    ("features.3.bias", (128,)),
+    ("features.6.weight", (256, 128, 3, 3)),
+    ("features.6.bias", (256,)),
+    ("features.8.weight", (256, 256, 3, 3)),
+    ("features.8.bias", (256,)),
+    ("features.11.weight", (512, 256, 3, 3)),
+    ("features.11.bias", (512,)),
+    ("features.13.weight", (512, 512, 3, 3)),
+    ("features.13.bias", (512,)),
+    ("features.16.weight", (512, 512, 3, 3)),
+    ("features.16.bias", (512,)),
+    ("features.18.weight", (512, 512, 3, 3)),
+    ("features.18.bias", (512,)),
+    ("classifier.0.weight", (10, 512)),
+    ("classifier.0.bias", (10,)),
 ]
 RESNET18_PARAMS = 11173962
 RESNET18_SHAPES = [
-    ('conv1.weight', (64, 3, 3, 3)), ('bn1.weight', (64,)), ('bn1.bias', (64,)),
-    ('layer1.0.conv1.weight', (64, 64, 3, 3)), ('layer1.0.bn1.weight', (64,)),
-    ('layer1.0.bn1.bias', (64,)), ('layer1.0.conv2.weight', (64, 64, 3, 3)),
-    ('layer1.0.bn2.weight', (64,)), ('layer1.0.bn2.bias', (64,)),
-    ('layer1.1.conv1.weight', (64, 64, 3, 3)), ('layer1.1.bn1.weight', (64,)),
-    ('layer1.1.bn1.bias', (64,)), ('layer1.1.conv2.weight', (64, 64, 3, 3)),
-    ('layer1.1.bn2.weight', (64,)), ('layer1.1.bn2.bias', (64,)),
-    ('layer2.0.conv1.weight', (128, 64, 3, 3)), ('layer2.0.bn1.weight', (128,)),
-    ('layer2.0.bn1.bias', (128,)), ('layer2.0.conv2.weight', (128, 128, 3, 3)),
-    ('layer2.0.bn2.weight', (128,)), ('layer2.0.bn2.bias', (128,)),
-    ('layer2.0.downsample.0.weight', (128, 64, 1, 1)), ('layer2.0.downsample.1.weight', (128,)),
-    ('layer2.0.downsample.1.bias', (128,)), ('layer2.1.conv1.weight', (128, 128, 3, 3)),
-    ('layer2.1.bn1.weight', (128,)), ('layer2.1.bn1.bias', (128,)),
-    ('layer2.1.conv2.weight', (128, 128, 3, 3)), ('layer2.1.bn2.weight', (128,)),
-    ('layer2.1.bn2.bias', (128,)), ('layer3.0.conv1.weight', (256, 128, 3, 3)),
-    ('layer3.0.bn1.weight', (256,)), ('layer3.0.bn1.bias', (256,)),
-    ('layer3.0.conv2.weight', (256, 256, 3, 3)), ('layer3.0.bn2.weight', (256,)),
-    ('layer3.0.bn2.bias', (256,)), ('layer3.0.downsample.0.weight', (256, 128, 1, 1)),
-    ('layer3.0.downsample.1.weight', (256,)), ('layer3.0.downsample.1.bias', (256,)),
-    ('layer3.1.conv1.weight', (256, 256, 3, 3)), ('layer3.1.bn1.weight', (256,)),
-    ('layer3.1.bn1.bias', (256,)), ('layer3.1.conv2.weight', (256, 256, 3, 3)),
-    ('layer3.1.bn2.weight', (256,)), ('layer3.1.bn2.bias', (256,)),
-    ('layer4.0.conv1.weight', (512, 256, 3, 3)), ('layer4.0.bn1.weight', (512,)),
-    ('layer4.0.bn1.bias', (512,)), ('layer4.0.conv2.weight', (512, 512, 3, 3)),
-    ('layer4.0.bn2.weight', (512,)), ('layer4.0.bn2.bias', (512,)),
-    ('layer4.0.downsample.0.weight', (512, 256, 1, 1)), ('layer4.0.downsample.1.weight', (512,)),
-    ('layer4.0.downsample.1.bias', (512,)), ('layer4.1.conv1.weight', (512, 512, 3, 3)),
-    ('layer4.1.bn1.weight', (512,)), ('layer4.1.bn1.bias', (512,)),
-    ('layer4.1.conv2.weight', (512, 512, 3, 3)), ('layer4.1.bn2.weight', (512,)),
-    ('layer4.1.bn2.bias', (512,)), ('fc.weight', (10, 512)), ('fc.bias', (10,)),
+    ("conv1.weight", (64, 3, 3, 3)),
+    ("bn1.weight", (64,)),
+    ("bn1.bias", (64,)),
+    ("layer1.0.conv1.weight", (64, 64, 3, 3)),
+    ("layer1.0.bn1.weight", (64,)),
+    ("layer1.0.bn1.bias", (64,)),
+    ("layer1.0.conv2.weight", (64, 64, 3, 3)),
+    ("layer1.0.bn2.weight", (64,)),
+    ("layer1.0.bn2.bias", (64,)),
+    ("layer1.1.conv1.weight", (64, 64, 3, 3)),
+    ("layer1.1.bn1.weight", (64,)),
+    ("layer1.1.bn1.bias", (64,)),
+    ("layer1.1.conv2.weight", (64, 64, 3, 3)),
+    ("layer1.1.bn2.weight", (64,)),
+    ("layer1.1.bn2.bias", (64,)),
+    ("layer2.0.conv1.weight", (128, 64, 3, 3)),
+    ("layer2.0.bn1.weight", (128,)),
+    ("layer2.0.bn1.bias", (128,)),
+    ("layer2.0.conv2.weight", (128, 128, 3, 3)),
+    ("layer2.0.bn2.weight", (128,)),
+    ("layer2.0.bn2.bias", (128,)),
+    ("layer2.0.downsample.0.weight", (128, 64, 1, 1)),
+    ("layer2.0.downsample.1.weight", (128,)),
+    ("layer2.0.downsample.1.bias", (128,)),
+    ("layer2.1.conv1.weight", (128, 128, 3, 3)),
+    ("layer2.1.bn1.weight", (128,)),
+    ("layer2.1.bn1.bias", (128,)),
+    ("layer2.1.conv2.weight", (128, 128, 3, 3)),
+    ("layer2.1.bn2.weight", (128,)),
+    ("layer2.1.bn2.bias", (128,)),
+    ("layer3.0.conv1.weight", (256, 128, 3, 3)),
+    ("layer3.0.bn1.weight", (256,)),
+    ("layer3.0.bn1.bias", (256,)),
+    ("layer3.0.conv2.weight", (256, 256, 3, 3)),
+    ("layer3.0.bn2.weight", (256,)),
+    ("layer3.0.bn2.bias", (256,)),
+    ("layer3.0.downsample.0.weight", (256, 128, 1, 1)),
+    ("layer3.0.downsample.1.weight", (256,)),
+    ("layer3.0.downsample.1.bias", (256,)),
+    ("layer3.1.conv1.weight", (256, 256, 3, 3)),
+    ("layer3.1.bn1.weight", (256,)),
+    ("layer3.1.bn1.bias", (256,)),
+    ("layer3.1.conv2.weight", (256, 256, 3, 3)),
+    ("layer3.1.bn2.weight", (256,)),
+    ("layer3.1.bn2.bias", (256,)),
+    ("layer4.0.conv1.weight", (512, 256, 3, 3)),
+    ("layer4.0.bn1.weight", (512,)),
+    ("layer4.0.bn1.bias", (512,)),
+    ("layer4.0.conv2.weight", (512, 512, 3, 3)),
+    ("layer4.0.bn2.weight", (512,)),
+    ("layer4.0.bn2.bias", (512,)),
+    ("layer4.0.downsample.0.weight", (512, 256, 1, 1)),
+    ("layer4.0.downsample.1.weight", (512,)),
+    ("layer4.0.downsample.1.bias", (512,)),
+    ("layer4.1.conv1.weight", (512, 512, 3, 3)),
+    ("layer4.1.bn1.weight", (512,)),
+    ("layer4.1.bn1.bias", (512,)),
+    ("layer4.1.conv2.weight", (512, 512, 3, 3)),
+    ("layer4.1.bn2.weight", (512,)),
+    ("layer4.1.bn2.bias", (512,)),
+    ("fc.weight", (10, 512)),
+    ("fc.bias", (10,)),
 ]
 
 # torchvision 0.28.0's resnet18/vgg11(num_classes=10) before the CIFAR adaptation
 UNADAPTED_PARAMS = {"resnet18": 11181642, "vgg11": 128807306}
-EXPECTED = {"vgg_small": (VGG_SMALL_PARAMS, VGG_SMALL_SHAPES),
-            "vgg11": (VGG11_PARAMS, VGG11_SHAPES),
-            "resnet18": (RESNET18_PARAMS, RESNET18_SHAPES)}
+EXPECTED = {
+    "vgg_small": (VGG_SMALL_PARAMS, VGG_SMALL_SHAPES),
+    "vgg11": (VGG11_PARAMS, VGG11_SHAPES),
+    "resnet18": (RESNET18_PARAMS, RESNET18_SHAPES),
+}
 TORCHVISION = models._torchvision_models() is not None
 
 

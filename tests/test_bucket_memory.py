@@ -1,4 +1,5 @@
 """What a bucket holds beyond its gradients, as the debug line reports it."""
+
 import logging
 
 import torch
@@ -16,8 +17,7 @@ def _alloc(n, dt):
 
 def _bucket(wire=None):
     ps = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
-    return GradBucket(Bucket(0, ["l"], [0, 1], 5, 20, "ring", 0.0), ps, torch.float32, wire,
-                      _alloc)
+    return GradBucket(Bucket(0, ["l"], [0, 1], 5, 20, "ring", 0.0), ps, torch.float32, wire, _alloc)
 
 
 def test_padding_and_flags_are_all_a_plain_bucket_adds():
@@ -50,8 +50,9 @@ def _debug_lines(rank, world):
     logger.addHandler(Keep())
     logger.setLevel(logging.DEBUG)
     model = torch.nn.Linear(4, 2)
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, cost_model="default", timeout=30)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, cost_model="default", timeout=30
+    )
     opt.close()
     return [line for line in lines if "bytes of gradients" in line]
 

@@ -1,4 +1,5 @@
 """Where cost models come from: saved calibrations, the probe, rank 0's model for all."""
+
 import json
 import os
 
@@ -15,8 +16,13 @@ def test_save_load_round_trip_and_active_model(tmp_path, monkeypatch):
     calibration.set_active(None)
     assert calibration.load() is None
     assert calibration.active_model() is DEFAULT_MODEL
-    model, rep = fit([(a, n, 4, CostModel(1e-3, 1e-9, 1e-10).predict(a, n, 4))
-                      for a in MODELED for n in (4096, 1 << 20, 16 << 20)])
+    model, rep = fit(
+        [
+            (a, n, 4, CostModel(1e-3, 1e-9, 1e-10).predict(a, n, 4))
+            for a in MODELED
+            for n in (4096, 1 << 20, 16 << 20)
+        ]
+    )
     assert calibration.save(model, report=rep, world_size=4, backend="gloo") == str(path)
     data = json.loads(path.read_text())
     assert data["version"] == 1 and data["world_size"] == 4 and "rms_rel_err" in data["fit"]
@@ -54,8 +60,12 @@ def _agree(rank, world, tmp):
     os.environ["HYBRIDCOMM_COST_MODEL"] = os.path.join(tmp, "nowhere.json")
     calibration.set_active(None)
     probed = calibration.agree(timeout=60)  # nobody has one: all probe, rank 0's fit for all
-    return (saved.alpha, saved.beta), (probed.alpha, probed.beta, probed.gamma,
-                                       probed.native_alpha), probed.source, probed.uncertainty
+    return (
+        (saved.alpha, saved.beta),
+        (probed.alpha, probed.beta, probed.gamma, probed.native_alpha),
+        probed.source,
+        probed.uncertainty,
+    )
 
 
 def test_agree_takes_rank_0s_calibration_else_probes(tmp_path):
@@ -95,14 +105,17 @@ def _agree_with_a_bad_file(rank, world, path, content):
 _GOOD = CostModel(3e-3, 2e-9, 1e-10).to_json()
 
 
-@pytest.mark.parametrize("content,why", [
-    ('{"version": 1, "alpha_s": 0.00', "cannot read"),  # truncated
-    ("not json at all", "cannot read"),
-    ('{"version": 999, "alpha_s": 1}', "cannot read"),  # another format
-    (json.dumps({k: v for k, v in _GOOD.items() if k != "beta_s_per_byte"}), "cannot read"),
-    (json.dumps({**_GOOD, "world_size": 8}), "on 8 ranks, and this group has 2"),
-    (json.dumps({**_GOOD, "world_size": 2, "device": "cuda"}), "on cuda"),
-])
+@pytest.mark.parametrize(
+    "content,why",
+    [
+        ('{"version": 1, "alpha_s": 0.00', "cannot read"),  # truncated
+        ("not json at all", "cannot read"),
+        ('{"version": 999, "alpha_s": 1}', "cannot read"),  # another format
+        (json.dumps({k: v for k, v in _GOOD.items() if k != "beta_s_per_byte"}), "cannot read"),
+        (json.dumps({**_GOOD, "world_size": 8}), "on 8 ranks, and this group has 2"),
+        (json.dumps({**_GOOD, "world_size": 2, "device": "cuda"}), "on cuda"),
+    ],
+)
 def test_a_bad_or_foreign_calibration_file_warns_and_probes(tmp_path, content, why):
     """Never a crash, never a silent misuse: rank 0 warns, and every rank uses a fresh probe."""
     results = run_ranks(2, _agree_with_a_bad_file, str(tmp_path / "model.json"), content)
@@ -112,8 +125,12 @@ def test_a_bad_or_foreign_calibration_file_warns_and_probes(tmp_path, content, w
 
 
 def test_a_calibration_for_this_world_is_used(tmp_path):
-    results = run_ranks(2, _agree_with_a_bad_file, str(tmp_path / "model.json"),
-                        json.dumps({**_GOOD, "world_size": 2, "device": "cpu"}))
+    results = run_ranks(
+        2,
+        _agree_with_a_bad_file,
+        str(tmp_path / "model.json"),
+        json.dumps({**_GOOD, "world_size": 2, "device": "cpu"}),
+    )
     for source, warnings in results:
         assert "model.json" in source and not warnings
 
@@ -127,8 +144,13 @@ def _agree_over_an_old_cache(rank, world, tmp):
 
     path = calibration.probe_cache_path()
     if rank == 0:
-        calibration.save(CostModel(3e-3, 2e-9, 1e-10, native_alpha=1e-6, native_beta=1e-12),
-                         path, world_size=2, device="cpu", backend="gloo")
+        calibration.save(
+            CostModel(3e-3, 2e-9, 1e-10, native_alpha=1e-6, native_beta=1e-12),
+            path,
+            world_size=2,
+            device="cpu",
+            backend="gloo",
+        )
     calibration.set_active(None)
     model = calibration.agree(timeout=60)
     # (rank 0 keeps the new probe once it is agreed: read there, after)

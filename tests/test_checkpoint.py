@@ -5,6 +5,7 @@ algorithm in the same order; the step count). Rank 0 writes it atomically,
 and ``torch.load(weights_only=True)`` reads it. Top-k's error feedback is
 each rank's own: with it, every rank saves its own optimizer state too. 3 ranks, so the plan's
 algorithms matter to the bits (with 2, a + b is the same sum in any order)."""
+
 import os
 
 import pytest
@@ -26,9 +27,14 @@ def _build(overlap):
     model = make_model()
     extra = {"compression": "topk:0.3"} if overlap == "topk" else {}
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
-        overlap="backward" if overlap == "topk" else overlap, measure_iters=2, timeout=60,
-        fusion_bytes=0, **extra)
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model=model,
+        overlap="backward" if overlap == "topk" else overlap,
+        measure_iters=2,
+        timeout=60,
+        fusion_bytes=0,
+        **extra,
+    )
     return model, opt
 
 
@@ -69,8 +75,9 @@ def _resumed(rank, world, overlap, path):
     model, opt = _build(overlap)
     state = torch.load(path, weights_only=True)
     model.load_state_dict(state["model"])
-    opt.load_state_dict(state["opt"] if overlap != "topk"
-                        else torch.load(f"{path}.rank{rank}", weights_only=True))
+    opt.load_state_dict(
+        state["opt"] if overlap != "topk" else torch.load(f"{path}.rank{rank}", weights_only=True)
+    )
     plan = str(opt.plan)
     _steps(model, opt, rank, world, AT, STEPS)
     opt.synchronize()

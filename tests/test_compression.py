@@ -1,5 +1,6 @@
 """Top-k sparsification with error feedback: exact bookkeeping, identical ranks,
 accuracy close to dense at a tenth of its bytes, residuals in the state_dict."""
+
 import os
 
 import pytest
@@ -55,7 +56,7 @@ def test_momentum_correction_masks_sent_entries():
     t = TopK(10, 1, 0.2, 0, 1, 0.9, _alloc)
     g = torch.arange(10.0)
     t.select(g, torch.ones(1))
-    sent = t.gathered[:t.k]
+    sent = t.gathered[: t.k]
     assert sorted(sent.tolist()) == [8.0, 9.0]  # v = u = g at first
     assert t.velocity[8] == 0 and t.velocity[9] == 0 and t.velocity[7] == 7
     assert t.residual[9] == 0 and t.residual[7] == 7
@@ -69,17 +70,17 @@ def test_the_gather_schedule_is_a_ring_of_copies():
         scheds = [gather_schedule(r, world, seg) for r in range(world)]
         bufs = [[None] * (world * seg) for _ in range(world)]
         for r in range(world):
-            bufs[r][r * seg:(r + 1) * seg] = [(r, i) for i in range(seg)]
+            bufs[r][r * seg : (r + 1) * seg] = [(r, i) for i in range(seg)]
         for i in range(world - 1):
             msgs = {}
             for r, s in enumerate(scheds):
                 (snd,), (rcv,) = s.steps[i].sends, s.steps[i].recvs
                 assert snd.peer == (r + 1) % world and rcv.peer == (r - 1) % world
                 assert not rcv.reduce
-                msgs[(r, snd.peer)] = bufs[r][snd.start:snd.stop]
+                msgs[(r, snd.peer)] = bufs[r][snd.start : snd.stop]
             for r, s in enumerate(scheds):
                 rcv = s.steps[i].recvs[0]
-                bufs[r][rcv.start:rcv.stop] = msgs[(rcv.peer, r)]
+                bufs[r][rcv.start : rcv.stop] = msgs[(rcv.peer, r)]
         want = [(r, i) for r in range(world) for i in range(seg)]
         assert all(b == want for b in bufs)
 
@@ -105,13 +106,15 @@ def test_parse():
 
 # --- training ---------------------------------------------------------------------------
 
+
 def _train(rank, world, compression, simulate_gpu, overlap):
     if simulate_gpu:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     out = train_compressed(rank, world, compression, overlap, samples=3000, batch=50, epochs=8)
     state = out["state"]
-    has_residuals = all("hc_topk_residual" in s for s in state["state"].values()) \
-        if compression else None
+    has_residuals = (
+        all("hc_topk_residual" in s for s in state["state"].values()) if compression else None
+    )
     return out["acc"], out["sent"], out["params"], has_residuals
 
 
@@ -137,8 +140,9 @@ def test_topk_on_the_simulated_gpu_keeps_ranks_identical(overlap):
 def _resume(rank, world):
     model, opt = compressed_steps(rank, world, "topk:0.01", momentum=0.9)
     saved = opt.state_dict()
-    residual = torch.cat([saved["state"][i]["hc_topk_residual"].reshape(-1).clone()
-                          for i in sorted(saved["state"])])  # keys: parameter positions
+    residual = torch.cat(
+        [saved["state"][i]["hc_topk_residual"].reshape(-1).clone() for i in sorted(saved["state"])]
+    )  # keys: parameter positions
     opt.load_state_dict(saved)  # round trip: the buckets hold the loaded residuals
     back = torch.cat([opt.state[p]["hc_topk_residual"].reshape(-1) for p in model.parameters()])
     opt.close()

@@ -1,4 +1,5 @@
 """The alpha-beta-gamma model: formulas, robust least-squares fitting, choice."""
+
 import json
 import math
 
@@ -24,9 +25,14 @@ def test_fold_adds_two_messages_and_a_whole_buffer_each_way():
         coefficients("tree", n, 4)
 
 
-@pytest.mark.parametrize("true", [CostModel(700e-6, 1 / 0.4e9, 1 / 2e9),
-                                  CostModel(20e-6, 1 / 12e9, 1 / 50e9),
-                                  CostModel(5e-6, 1 / 100e9, 0.0)])
+@pytest.mark.parametrize(
+    "true",
+    [
+        CostModel(700e-6, 1 / 0.4e9, 1 / 2e9),
+        CostModel(20e-6, 1 / 12e9, 1 / 50e9),
+        CostModel(5e-6, 1 / 100e9, 0.0),
+    ],
+)
 def test_fit_recovers_known_parameters_from_synthetic_timings(true):
     sizes = [4 << 10 << (2 * i) for i in range(8)]  # 4K .. 64M
     samples = [(a, n, p, true.predict(a, n, p)) for a in MODELED for n in sizes for p in (4, 6)]
@@ -42,8 +48,11 @@ def test_fit_with_noise_stays_close_and_non_negative():
 
     rng = random.Random(0)
     true = CostModel(300e-6, 1 / 1e9, 1 / 4e9)
-    samples = [(a, n, 4, true.predict(a, n, 4) * rng.uniform(0.9, 1.1))
-               for a in MODELED for n in [1 << s for s in range(12, 27, 2)]]
+    samples = [
+        (a, n, 4, true.predict(a, n, 4) * rng.uniform(0.9, 1.1))
+        for a in MODELED
+        for n in [1 << s for s in range(12, 27, 2)]
+    ]
     model, rep = fit(samples)
     assert model.alpha == pytest.approx(true.alpha, rel=0.15)
     assert model.beta == pytest.approx(true.beta, rel=0.15)
@@ -66,8 +75,12 @@ def test_fit_with_gamma_measured_separates_beta_from_noise():
     rng = random.Random(3)
     true = CostModel(1e-3, 8e-8, 2e-10)  # a 100 Mbit/s wire, slow per message
     for _ in range(20):
-        pts = [(a, n, 4, true.predict(a, n, 4) * rng.uniform(0.9, 1.1))
-               for a in ("butterfly", "ring") for n in (4096, 1 << 20) for _ in range(3)]
+        pts = [
+            (a, n, 4, true.predict(a, n, 4) * rng.uniform(0.9, 1.1))
+            for a in ("butterfly", "ring")
+            for n in (4096, 1 << 20)
+            for _ in range(3)
+        ]
         model, rep = fit(pts, gamma=true.gamma)
         assert model.gamma == true.gamma
         assert model.beta == pytest.approx(true.beta, rel=0.2)
@@ -136,18 +149,33 @@ def _level_with_native(native_gain: float, error=None, spread=None) -> CostModel
     ours = CostModel(1e-4, 1e-9, 1e-10)
     t = ours.predict("butterfly", 1 << 20, 2)
     fit = {k: v for k, v in (("rms_rel_err", error), ("spread", spread)) if v is not None}
-    return CostModel(1e-4, 1e-9, 1e-10, meta={"fit": fit} if fit else {},
-                     native_alpha=t * (1 - native_gain), native_beta=0.0)
+    return CostModel(
+        1e-4,
+        1e-9,
+        1e-10,
+        meta={"fit": fit} if fit else {},
+        native_alpha=t * (1 - native_gain),
+        native_beta=0.0,
+    )
 
 
-@pytest.mark.parametrize("gain,error,spread,window,expected", [
-    (0.10, 0.25, None, None, "butterfly"),  # faster by less than the fit can tell: ours
-    (0.10, 0.25, None, 1.0, "butterfly"),  # (with a window both fit in)
-    (0.10, 0.05, 0.25, None, "butterfly"),  # a close fit of noisy samples: ours
-    (0.40, 0.25, 0.05, None, "native"),  # faster by more than either
-    (0.10, None, None, None, "native"),  # nothing recorded (a model built by hand): as predicted
-    (0.10, 0.0, 0.0, None, "native"),
-])
+@pytest.mark.parametrize(
+    "gain,error,spread,window,expected",
+    [
+        (0.10, 0.25, None, None, "butterfly"),  # faster by less than the fit can tell: ours
+        (0.10, 0.25, None, 1.0, "butterfly"),  # (with a window both fit in)
+        (0.10, 0.05, 0.25, None, "butterfly"),  # a close fit of noisy samples: ours
+        (0.40, 0.25, 0.05, None, "native"),  # faster by more than either
+        (
+            0.10,
+            None,
+            None,
+            None,
+            "native",
+        ),  # nothing recorded (a model built by hand): as predicted
+        (0.10, 0.0, 0.0, None, "native"),
+    ],
+)
 def test_native_wins_only_by_more_than_the_uncertainty(gain, error, spread, window, expected):
     m = _level_with_native(gain, error, spread)
     assert m.uncertainty == max(error or 0.0, spread or 0.0)
@@ -166,5 +194,3 @@ def test_a_plan_says_when_it_kept_ours_over_a_native_predicted_faster():
     chose = make_plan(layers, world_size=2, model=_level_with_native(0.40, 0.25))
     assert [b.algorithm for b in chose.buckets] == ["native"]
     assert not any("native predicted faster" in n for n in chose.notes)
-
-

@@ -1,11 +1,20 @@
 """The two-level algorithms in the cost model: formulas, inter-node links, fit, choice."""
+
 import json
 
 import pytest
 
 from hybridcomm.plan import cost_model
 from hybridcomm.algorithms import Topology
-from hybridcomm.plan.cost_model import MODELED, TWO_LEVEL, CostModel, LinkCoefficients, coefficients, fit, link_coefficients
+from hybridcomm.plan.cost_model import (
+    MODELED,
+    TWO_LEVEL,
+    CostModel,
+    LinkCoefficients,
+    coefficients,
+    fit,
+    link_coefficients,
+)
 
 N = 1 << 20
 
@@ -14,16 +23,17 @@ N = 1 << 20
 def test_full_groups_send_the_rings_bytes_in_fewer_messages(p, node):
     m = p // node
     want = (2 * (node - 1) + 2 * (m - 1), 2 * (p - 1) / p * N, (p - 1) / p * N)
-    for algo, topo in (("hierarchical", Topology(node_size=node)),
-                       ("torus2d", Topology(grid=(m, node)))):
+    for algo, topo in (
+        ("hierarchical", Topology(node_size=node)),
+        ("torus2d", Topology(grid=(m, node))),
+    ):
         assert coefficients(algo, N, p, topo) == pytest.approx(want)
 
 
 def test_short_last_node_by_hand():
     # P=3 in nodes {0,1},{2}: rank 2 owns both chunks, so it runs two rings of
     # n/4 messages at once: n/2 in, n across, n/2 out.
-    assert coefficients("hierarchical", N, 3, Topology(node_size=2)) == pytest.approx(
-        (4, 2 * N, N))
+    assert coefficients("hierarchical", N, 3, Topology(node_size=2)) == pytest.approx((4, 2 * N, N))
     assert coefficients("torus2d", N, 7, Topology(grid=(1, 7))) == coefficients("ring", N, 7)
     assert coefficients("hierarchical", N, 1) == (0, 0, 0)
 
@@ -36,21 +46,27 @@ def test_link_accounting_on_one_node_is_the_flat_formula(algo, p):
             topo = Topology(node_size=node, grid=grid)
             flat = coefficients(algo, N, p, topo)
             c = link_coefficients(algo, N, p, topo)
-            assert (c.messages + c.inter_messages, c.bytes + c.inter_bytes, c.reduced) == \
-                pytest.approx(flat)
+            assert (
+                c.messages + c.inter_messages,
+                c.bytes + c.inter_bytes,
+                c.reduced,
+            ) == pytest.approx(flat)
 
 
 def test_shared_node_link_by_hand():
     two = Topology(node_size=2)
     # ring over 2 nodes of 2: every step crosses; each node link carries one chunk per step
     assert link_coefficients("ring", N, 4, two) == pytest.approx(
-        LinkCoefficients(0, 0, 0.75 * N, 6, 1.5 * N))
+        LinkCoefficients(0, 0, 0.75 * N, 6, 1.5 * N)
+    )
     # hierarchical: one step in each node each way; across, both ranks of a node send n/4
     assert link_coefficients("hierarchical", N, 4, two) == pytest.approx(
-        LinkCoefficients(2, N, 0.75 * N, 2, N))
+        LinkCoefficients(2, N, 0.75 * N, 2, N)
+    )
     # butterfly: step 1 inside (n per rank), step 2 both ranks cross: 2n on the node link
     assert link_coefficients("butterfly", N, 4, two) == pytest.approx(
-        LinkCoefficients(1, N, 2 * N, 1, 2 * N))
+        LinkCoefficients(1, N, 2 * N, 1, 2 * N)
+    )
 
 
 def test_no_inter_coefficients_predicts_as_before():
@@ -63,12 +79,18 @@ def test_no_inter_coefficients_predicts_as_before():
     same = CostModel(1e-3, 1e-9, 1e-10, inter_alpha=1e-3, inter_beta=1e-9)
     # one node: the inter-node values are never used
     assert same.predict("halving_doubling", N, 8, Topology(node_size=8)) == pytest.approx(
-        flat.predict("halving_doubling", N, 8))
+        flat.predict("halving_doubling", N, 8)
+    )
 
 
 def test_json_round_trip_old_and_new():
-    old = {"version": 1, "alpha_s": 1e-3, "beta_s_per_byte": 1e-9, "gamma_s_per_byte": 1e-10,
-           "world_size": 4}
+    old = {
+        "version": 1,
+        "alpha_s": 1e-3,
+        "beta_s_per_byte": 1e-9,
+        "gamma_s_per_byte": 1e-10,
+        "world_size": 4,
+    }
     m = CostModel.from_json(json.loads(json.dumps(old)))
     assert not m.two_level and m.inter_alpha is None and "inter_alpha_s" not in m.to_json()
     two = CostModel(1e-3, 1e-9, 1e-10, inter_alpha=2e-3, inter_beta=8e-8)
@@ -82,8 +104,12 @@ def test_fit_recovers_inter_node_coefficients():
     true = CostModel(300e-6, 1 / 2e9, 1 / 4e9, inter_alpha=800e-6, inter_beta=1 / 12.5e6)
     topo = Topology(node_size=2)
     sizes = [4 << 10 << (2 * i) for i in range(7)]
-    samples = [(a, n, p, true.predict(a, n, p, topo)) for a in MODELED + ("hierarchical",)
-               for n in sizes for p in (4, 6)]
+    samples = [
+        (a, n, p, true.predict(a, n, p, topo))
+        for a in MODELED + ("hierarchical",)
+        for n in sizes
+        for p in (4, 6)
+    ]
     model, rep = fit(samples, topo)
     for name in ("alpha", "beta", "gamma", "inter_alpha", "inter_beta"):
         assert getattr(model, name) == pytest.approx(getattr(true, name), rel=1e-6), name

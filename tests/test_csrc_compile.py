@@ -2,6 +2,7 @@
 the loader says plainly why it cannot build on a machine without CUDA, and a
 build that fails (faked here) is reported: logged, ``build_failed()``, an error
 with ``required=True``, and a failure (not a skip) in the GPU tests' fixture."""
+
 import logging
 import os
 import shutil
@@ -24,8 +25,19 @@ def test_kernels_compile_with_nvcc(tmp_path):
         pytest.skip("nvcc not on PATH")
     obj = tmp_path / "hybridcomm_kernels.o"
     # One architecture keeps this quick; bf16 conversions need sm_80+ for native code.
-    cmd = [nvcc, "-std=c++17", "-O3", "-c", str(CSRC / "hybridcomm_kernels.cu"), "-o", str(obj),
-           "-gencode", "arch=compute_80,code=sm_80", "-Werror", "all-warnings"]
+    cmd = [
+        nvcc,
+        "-std=c++17",
+        "-O3",
+        "-c",
+        str(CSRC / "hybridcomm_kernels.cu"),
+        "-o",
+        str(obj),
+        "-gencode",
+        "arch=compute_80,code=sm_80",
+        "-Werror",
+        "all-warnings",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     nm = shutil.which("nm")
@@ -40,14 +52,20 @@ def test_header_is_plain_c():
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler")
-    r = subprocess.run([cc, "-x", "c", "-fsyntax-only", "-Wall", "-Werror", "-"],
-                       input='#include "hybridcomm_kernels.h"\nint main(void){return HC_BFLOAT16;}\n',
-                       capture_output=True, text=True, cwd=CSRC, timeout=60)
+    r = subprocess.run(
+        [cc, "-x", "c", "-fsyntax-only", "-Wall", "-Werror", "-"],
+        input='#include "hybridcomm_kernels.h"\nint main(void){return HC_BFLOAT16;}\n',
+        capture_output=True,
+        text=True,
+        cwd=CSRC,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
 
 
-@pytest.mark.skipif(not os.environ.get("HYBRIDCOMM_SLOW_TESTS"),
-                    reason="~30 s; set HYBRIDCOMM_SLOW_TESTS=1")
+@pytest.mark.skipif(
+    not os.environ.get("HYBRIDCOMM_SLOW_TESTS"), reason="~30 s; set HYBRIDCOMM_SLOW_TESTS=1"
+)
 def test_bindings_syntax_with_torch_headers(tmp_path):
     """bindings.cpp against torch's headers (a CPU torch lacks one generated CUDA
     header, stubbed here; CUDA headers from the CUDA toolkit)."""
@@ -60,13 +78,27 @@ def test_bindings_syntax_with_torch_headers(tmp_path):
     stub.mkdir(parents=True)
     real = Path(torch.__file__).parent / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     (stub / "cuda_cmake_macros.h").write_text(
-        real.read_text() if real.is_file() else "#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        real.read_text() if real.is_file() else "#define C10_CUDA_BUILD_SHARED_LIBS\n"
+    )
     inc = Path(torch.__file__).parent / "include"
-    r = subprocess.run([cxx, "-std=c++20", "-fsyntax-only", f"-I{tmp_path}", f"-I{inc}",
-                        f"-I{inc / 'torch/csrc/api/include'}", f"-I{cuda_home / 'include'}",
-                        f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC}",
-                        "-DTORCH_EXTENSION_NAME=hybridcomm_cuda", str(CSRC / "bindings.cpp")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            cxx,
+            "-std=c++20",
+            "-fsyntax-only",
+            f"-I{tmp_path}",
+            f"-I{inc}",
+            f"-I{inc / 'torch/csrc/api/include'}",
+            f"-I{cuda_home / 'include'}",
+            f"-I{sysconfig.get_paths()['include']}",
+            f"-I{CSRC}",
+            "-DTORCH_EXTENSION_NAME=hybridcomm_cuda",
+            str(CSRC / "bindings.cpp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
 
 
@@ -87,7 +119,7 @@ def failing_build(monkeypatch):
 
     def build(verbose):
         calls.append(verbose)
-        raise RuntimeError("hybridcomm_kernels.cu(12): error: expected a \";\"")
+        raise RuntimeError('hybridcomm_kernels.cu(12): error: expected a ";"')
 
     monkeypatch.setattr(cuda_ext, "_build", build)
     return calls
@@ -98,15 +130,17 @@ def test_a_failing_build_is_reported_not_swallowed(failing_build, caplog):
         assert cuda_ext.load() is None  # optional: None, but never quietly
     assert cuda_ext.build_failed()
     assert 'expected a ";"' in cuda_ext.why_not()
-    assert any('expected a ";"' in r.getMessage() and r.levelno == logging.WARNING
-               for r in caplog.records), caplog.text
+    assert any(
+        'expected a ";"' in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records
+    ), caplog.text
     with pytest.raises(cuda_ext.CsrcBuildError, match='expected a ";"'):
         cuda_ext.load(required=True)
     assert failing_build == [False]  # tried once, not retried
 
 
 def test_the_gpu_tests_fail_on_a_failed_build_and_skip_only_without_a_toolkit(
-        failing_build, monkeypatch):
+    failing_build, monkeypatch
+):
     monkeypatch.syspath_prepend(GPU_TESTS)
     from gpu_common import require_csrc
 

@@ -3,6 +3,7 @@
 Needs only the CPU-installable packages (cupy-cuda12x + nvidia-nccl-cu12, the
 ``cuda12`` extra): no GPU. Skips where they are not installed.
 """
+
 import inspect
 import re
 
@@ -40,8 +41,16 @@ def test_send_recv_take_pointer_count_dtype_peer_stream():
 
 
 def test_dtype_map_values_are_the_real_enums():
-    want = {torch.float32: 7, torch.float16: 6, torch.bfloat16: 9, torch.float64: 8,
-            torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4}  # nccl.h
+    want = {
+        torch.float32: 7,
+        torch.float16: 6,
+        torch.bfloat16: 9,
+        torch.float64: 8,
+        torch.int8: 0,
+        torch.uint8: 1,
+        torch.int32: 2,
+        torch.int64: 4,
+    }  # nccl.h
     assert cupy_nccl.nccl_dtypes(nccl) == want
 
 

@@ -1,6 +1,7 @@
 """Transport selection: auto picks CuPy NCCL for CUDA tensors when it imports,
 torch.distributed's NCCL otherwise; CPU tensors take gloo; a transport asked for by
 name never falls back."""
+
 import sys
 
 import pytest
@@ -22,18 +23,25 @@ def stubs(monkeypatch):
     """Replace the transports by markers and CUDA by a stand-in (no GPU needed)."""
     made = []
     monkeypatch.setattr(select, "TorchDistTransport", lambda group: made.append("gloo") or "gloo")
-    monkeypatch.setattr(select, "_device_transport",
-                        lambda group, rt, choice, timeout: made.append(choice) or choice)
-    monkeypatch.setattr(select, "runtime_for", lambda device: _FakeCudaRuntime()
-                        if torch.device(device).type == "cuda" else None)
+    monkeypatch.setattr(
+        select,
+        "_device_transport",
+        lambda group, rt, choice, timeout: made.append(choice) or choice,
+    )
+    monkeypatch.setattr(
+        select,
+        "runtime_for",
+        lambda device: _FakeCudaRuntime() if torch.device(device).type == "cuda" else None,
+    )
     monkeypatch.delenv(select.ENV_VAR, raising=False)
     monkeypatch.delenv("HYBRIDCOMM_SIMULATE_GPU", raising=False)
     return made
 
 
 def with_cupy(monkeypatch, ok):
-    monkeypatch.setattr(select, "cupy_nccl_status",
-                        lambda: (True, "") if ok else (False, "no module named 'cupy'"))
+    monkeypatch.setattr(
+        select, "cupy_nccl_status", lambda: (True, "") if ok else (False, "no module named 'cupy'")
+    )
 
 
 @pytest.mark.parametrize("ok", [True, False])
@@ -101,8 +109,11 @@ def test_unique_ids_of_both_cupy_styles_round_trip():
             self.uid = uid
 
     for want, expect in ((bytes, raw), (tuple, signed)):
-        module = type("M", (), {"NcclCommunicator": staticmethod(
-            lambda n, uid, r, want=want: Comm(n, uid, r, want))})
+        module = type(
+            "M",
+            (),
+            {"NcclCommunicator": staticmethod(lambda n, uid, r, want=want: Comm(n, uid, r, want))},
+        )
         assert cupy_nccl.make_communicator(module, 2, raw, 0).uid == expect
 
 
@@ -144,13 +155,15 @@ def test_the_watchdog_exempts_its_thread_from_global_graph_capture(monkeypatch, 
 
     def missing(name):
         raise OSError(f"{name}: cannot open shared object file")
+
     with caplog.at_level("WARNING", logger="hybridcomm"):
         t = watchdog_round(missing)
     assert calls == [(1, "watchdog")] and t._failure is None
     assert [r.getMessage() for r in caplog.records] == [
         "rank 3: the NCCL watchdog could not set its CUDA stream-capture mode to "
         "thread-local: its queries invalidate a graph captured in global mode on another "
-        "thread"]
+        "thread"
+    ]
 
 
 def test_the_communicators_thread_exempts_itself_and_makes_the_last_call(monkeypatch):
@@ -180,8 +193,12 @@ def test_the_communicators_thread_exempts_itself_and_makes_the_last_call(monkeyp
 
     monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver())
     t = cupy_nccl.CupyNcclTransport.__new__(cupy_nccl.CupyNcclTransport)
-    t.runtime, t.rank, t.comm, t.nccl = Runtime(), 3, Comm(), types.SimpleNamespace(
-        NcclError=RuntimeError)
+    t.runtime, t.rank, t.comm, t.nccl = (
+        Runtime(),
+        3,
+        Comm(),
+        types.SimpleNamespace(NcclError=RuntimeError),
+    )
     t._cv, t._aborted, t._failure, t._destroy_on_close = threading.Condition(), True, None, False
     t.stream = None
     owner = comm_thread.CommThread(t)  # failed already: exempt, then straight to the abort

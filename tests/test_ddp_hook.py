@@ -1,6 +1,7 @@
 """hybridcomm as a DDP communication hook: DDP's numbers, identical on every rank,
 on the host path and on the simulated GPU (there also with backward on a side
 stream while the transport has an issuing thread: no race)."""
+
 import pickle
 
 import pytest
@@ -29,10 +30,13 @@ def _train(rank, world, hook, algo):
 
         def refused(*a, **k):
             raise AssertionError("set-up inside backward")
-        for mod, name in ((hybridcomm.ddp.calibration, "agree"),
-                          (hybridcomm.ddp.calibration, "resolve"),
-                          (hybridcomm.ddp.control, "new_group_like"),
-                          (hybridcomm.ddp, "open_channel")):
+
+        for mod, name in (
+            (hybridcomm.ddp.calibration, "agree"),
+            (hybridcomm.ddp.calibration, "resolve"),
+            (hybridcomm.ddp.control, "new_group_like"),
+            (hybridcomm.ddp, "open_channel"),
+        ):
             setattr(mod, name, refused)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     for s in range(4):
@@ -41,12 +45,14 @@ def _train(rank, world, hook, algo):
         nn.functional.mse_loss(ddp(shard(x, rank, world)), shard(y, rank, world)).backward()
         opt.step()
     algos = dict(state.algorithms) if state else {}
-    return flat(model.parameters()), algos, pickle.loads(pickle.dumps(state)).algorithms \
-        if state else {}
+    return (
+        flat(model.parameters()),
+        algos,
+        pickle.loads(pickle.dumps(state)).algorithms if state else {},
+    )
 
 
-@pytest.mark.parametrize("hook,algo", [("hand", None), ("register", "ring"),
-                                       ("hand", "butterfly")])
+@pytest.mark.parametrize("hook,algo", [("hand", None), ("register", "ring"), ("hand", "butterfly")])
 def test_hook_gives_ddps_numbers_on_every_rank(hook, algo):
     """By hand the hook sets itself up in the first backward; ``register`` sets
     it up before (the first backward would fail on any collective set-up)."""
@@ -134,7 +140,7 @@ def test_backward_on_a_side_stream_with_an_issuing_thread(algo):
 
 
 def test_state_takes_the_optimizers_cost_model_names_and_refuses_others():
-    """"default" and "probe" as DistributedOptimizer takes them (resolved on first
+    """ "default" and "probe" as DistributedOptimizer takes them (resolved on first
     use, alike on every rank: test_integrations_lightning runs "default"); anything
     else fails at construction, not inside the first backward."""
     for name in ("default", "probe", None):

@@ -5,6 +5,7 @@ parameters to the same sharded servers.
 Real processes (forked, gloo on 127.0.0.1 through a FileStore: no port to pick;
 the servers listen on free ports): workers are ranks ``replica * 2 + stage``,
 the servers the ranks after them."""
+
 import os
 import tempfile
 import threading
@@ -26,8 +27,10 @@ STAGES = 2
 def _stages(seed=0):
     """A 2-stage MLP: stage 0 then stage 1 is the unsplit model."""
     torch.manual_seed(seed)
-    return [nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh()),
-            nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3))]
+    return [
+        nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 12), nn.Tanh()),
+        nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 3)),
+    ]
 
 
 def _teacher_batch(step, replica, n=16):
@@ -45,9 +48,17 @@ def _job(rank, world, workers, rdv, steps, n_fetch, n_push, lr):
     if role == "server":
         return ("server", serve(timeout=10))
     replica, stage = divmod(rank, STAGES)
-    pipe = DownpourStage(_stages()[stage], servers, lr=lr, stage=stage,
-                         peers=[replica * STAGES + s for s in range(STAGES)],
-                         loss_fn=F.mse_loss, n_fetch=n_fetch, n_push=n_push, timeout=10)
+    pipe = DownpourStage(
+        _stages()[stage],
+        servers,
+        lr=lr,
+        stage=stage,
+        peers=[replica * STAGES + s for s in range(STAGES)],
+        loss_fn=F.mse_loss,
+        n_fetch=n_fetch,
+        n_push=n_push,
+        timeout=10,
+    )
     losses = []
     for s in range(steps):
         x, y = _teacher_batch(s, replica)  # each stage process makes the same batches
@@ -66,8 +77,9 @@ def _job(rank, world, workers, rdv, steps, n_fetch, n_push, lr):
 def test_one_replica_of_two_stages_equals_one_process_with_plain_sgd(shards):
     steps, lr = 8, 0.1
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(STAGES + shards, _job, STAGES, os.path.join(tmp, "rdv"), steps, 1, 1,
-                            lr, timeout=60)
+        results = run_ranks(
+            STAGES + shards, _job, STAGES, os.path.join(tmp, "rdv"), steps, 1, 1, lr, timeout=60
+        )
     # the reference: the unsplit model, torch.optim.SGD, the same batches
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks: the same kernels, the same summation order
@@ -97,15 +109,21 @@ def test_two_replicas_of_two_stages_converge_and_every_push_lands():
     workers = replicas * STAGES
     with tempfile.TemporaryDirectory() as tmp:
         rdv = os.path.join(tmp, "rdv")
-        results = run_ranks(workers + shards, _job, workers, rdv, steps, n_fetch, n_push, 0.2,
-                            timeout=90)
-        final = [torch.load(os.path.join(rdv, f"server{i}.pt"), weights_only=True)
-                 for i in range(shards)]
+        results = run_ranks(
+            workers + shards, _job, workers, rdv, steps, n_fetch, n_push, 0.2, timeout=90
+        )
+        final = [
+            torch.load(os.path.join(rdv, f"server{i}.pt"), weights_only=True) for i in range(shards)
+        ]
     stage_runs = results[:workers]
     # converges: the baseline predictor (0, the targets' mean) has the targets'
     # mean square as its loss; the last 10 steps' loss must be under a tenth of it
-    baseline = torch.stack([_teacher_batch(s, r)[1] for s in range(steps)
-                            for r in range(replicas)]).pow(2).mean().item()
+    baseline = (
+        torch.stack([_teacher_batch(s, r)[1] for s in range(steps) for r in range(replicas)])
+        .pow(2)
+        .mean()
+        .item()
+    )
     for r in range(replicas):
         losses = stage_runs[r * STAGES + STAGES - 1][3]
         assert len(losses) == steps
@@ -127,42 +145,82 @@ def test_two_parts_claiming_one_name_and_bad_stages_are_refused():
         t.start()
         try:
             # split by hand, unprefixed: both halves have '0.weight' and '0.bias'
-            first = DownpourSGD(nn.Sequential(nn.Linear(4, 3)), ["server0"], lr=0.1, worker=0,
-                                rendezvous=rdv, part="front")
-            with pytest.raises(HybridCommError, match=r"part 'back' claims \['0.bias', "
-                                                      r"'0.weight'\], which part 'front' holds"):
-                DownpourSGD(nn.Sequential(nn.Linear(3, 2)), ["server0"], lr=0.1, worker=1,
-                            rendezvous=rdv, part="back")
+            first = DownpourSGD(
+                nn.Sequential(nn.Linear(4, 3)),
+                ["server0"],
+                lr=0.1,
+                worker=0,
+                rendezvous=rdv,
+                part="front",
+            )
+            with pytest.raises(
+                HybridCommError,
+                match=r"part 'back' claims \['0.bias', "
+                r"'0.weight'\], which part 'front' holds",
+            ):
+                DownpourSGD(
+                    nn.Sequential(nn.Linear(3, 2)),
+                    ["server0"],
+                    lr=0.1,
+                    worker=1,
+                    rendezvous=rdv,
+                    part="back",
+                )
             # a stage whose slice differs from the part its first process set up
-            with pytest.raises(HybridCommError, match=r"0.weight: torch.float32 \(3, 5\) does "
-                                                      r"not match the shard's"):
-                DownpourSGD(nn.Sequential(nn.Linear(5, 3)), ["server0"], lr=0.1, worker=1,
-                            rendezvous=rdv, part="front")
+            with pytest.raises(
+                HybridCommError,
+                match=r"0.weight: torch.float32 \(3, 5\) does "
+                r"not match the shard's",
+            ):
+                DownpourSGD(
+                    nn.Sequential(nn.Linear(5, 3)),
+                    ["server0"],
+                    lr=0.1,
+                    worker=1,
+                    rendezvous=rdv,
+                    part="front",
+                )
             # a push of a name the servers do not hold
             with pytest.raises(HybridCommError, match="stray: not held by this shard"):
                 first.links[0].push({"stray": torch.ones(1)})
                 first.links[0].finish_push()
-            second = DownpourSGD(nn.Sequential(nn.Linear(4, 3)), ["server0"], lr=0.1, worker=1,
-                                 rendezvous=rdv, part="front")
+            second = DownpourSGD(
+                nn.Sequential(nn.Linear(4, 3)),
+                ["server0"],
+                lr=0.1,
+                worker=1,
+                rendezvous=rdv,
+                part="front",
+            )
             second.close()
         finally:
             first.close()
             t.join(timeout=10)
     with pytest.raises(HybridCommError, match="0 <= stage < len"):
-        DownpourStage(nn.Linear(2, 2), ["server0"], lr=0.1, stage=2, peers=[0, 1],
-                      worker=0, rendezvous=rdv)
+        DownpourStage(
+            nn.Linear(2, 2), ["server0"], lr=0.1, stage=2, peers=[0, 1], worker=0, rendezvous=rdv
+        )
     with pytest.raises(HybridCommError, match="init_process_group first"):
-        DownpourStage(nn.Linear(2, 2), ["server0"], lr=0.1, stage=0, peers=[0, 1],
-                      worker=0, rendezvous=rdv)
+        DownpourStage(
+            nn.Linear(2, 2), ["server0"], lr=0.1, stage=0, peers=[0, 1], worker=0, rendezvous=rdv
+        )
     with pytest.raises(HybridCommError, match="needs loss_fn"):
-        DownpourStage(nn.Linear(2, 2), ["server0"], lr=0.1, stage=0, peers=[0],
-                      worker=0, rendezvous=rdv)
+        DownpourStage(
+            nn.Linear(2, 2), ["server0"], lr=0.1, stage=0, peers=[0], worker=0, rendezvous=rdv
+        )
 
 
 def _claimed_twice(rank, world):
     if rank == 1:  # rank 1 says it is stage 0 too (refused before any server is asked)
-        DownpourStage(nn.Linear(2, 2), ["127.0.0.1:1"], lr=0.1, stage=0, peers=[0, 1],
-                      worker=rank, loss_fn=F.mse_loss)
+        DownpourStage(
+            nn.Linear(2, 2),
+            ["127.0.0.1:1"],
+            lr=0.1,
+            stage=0,
+            peers=[0, 1],
+            worker=rank,
+            loss_fn=F.mse_loss,
+        )
 
 
 def test_a_stage_claimed_by_the_wrong_rank_is_refused():
@@ -175,8 +233,15 @@ def _silent_first_stage(rank, world, rdv):
     role, _ = init_downpour(rank, STAGES, world - STAGES, f"file://{rdv}", timeout=10)
     if role == "server":
         return serve(timeout=10)
-    pipe = DownpourStage(_stages()[rank], ["server0"], lr=0.1, stage=rank, peers=[0, 1],
-                         loss_fn=F.mse_loss, timeout=1)
+    pipe = DownpourStage(
+        _stages()[rank],
+        ["server0"],
+        lr=0.1,
+        stage=rank,
+        peers=[0, 1],
+        loss_fn=F.mse_loss,
+        timeout=1,
+    )
     error = None
     if rank == 0:
         time.sleep(2)  # never sends its activations
@@ -191,7 +256,6 @@ def _silent_first_stage(rank, world, rdv):
 
 def test_a_stage_whose_peer_is_silent_raises_within_its_timeout():
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(STAGES + 1, _silent_first_stage, os.path.join(tmp, "rdv"),
-                            timeout=60)
+        results = run_ranks(STAGES + 1, _silent_first_stage, os.path.join(tmp, "rdv"), timeout=60)
     waited, message = results[1]
     assert 0.9 < waited < 5, message  # the 1 s timeout, not the process group's 60 s

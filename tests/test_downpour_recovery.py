@@ -5,6 +5,7 @@ hidden. Also the wire format's checks, the loopback default, and clear errors.
 
 Servers are real processes (forked) on 127.0.0.1 with free ports; every test
 kills what it started."""
+
 import contextlib
 import multiprocessing as mp
 import os
@@ -64,8 +65,16 @@ def _train(rdv, rule, kill_at=None, every=5, replay_log=None):
     step ``kill_at`` and started again. Returns (params, opt, pushes per shard)."""
     with _servers(rdv, 2, 1, every) as (procs, start):
         model = make_model()
-        opt = DownpourSGD(model, ["server0", "server1"], lr=0.05, rule=rule, timeout=10,
-                          worker=0, rendezvous=rdv, replay_log=replay_log)
+        opt = DownpourSGD(
+            model,
+            ["server0", "server1"],
+            lr=0.05,
+            rule=rule,
+            timeout=10,
+            worker=0,
+            rendezvous=rdv,
+            replay_log=replay_log,
+        )
         for s in range(STEPS):
             x, y = batch(s)
             opt.zero_grad()
@@ -75,8 +84,10 @@ def _train(rdv, rule, kill_at=None, every=5, replay_log=None):
                 _kill(procs, 0)
                 start(0)
         opt.close()
-    pushes = [torch.load(os.path.join(rdv, f"server{i}.pt"), weights_only=True)["pushes"]
-              for i in range(2)]
+    pushes = [
+        torch.load(os.path.join(rdv, f"server{i}.pt"), weights_only=True)["pushes"]
+        for i in range(2)
+    ]
     return flat(model.parameters()), opt, pushes
 
 
@@ -110,8 +121,9 @@ def _ones_worker(rank, rdv, steps, signal, out):
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    opt = DownpourSGD(model, ["server0", "server1"], lr=1.0, timeout=10, worker=rank,
-                      rendezvous=rdv)
+    opt = DownpourSGD(
+        model, ["server0", "server1"], lr=1.0, timeout=10, worker=rank, rendezvous=rdv
+    )
     for s in range(steps):
         for p in model.parameters():
             p.grad = torch.ones_like(p)
@@ -128,8 +140,10 @@ def test_several_workers_lose_no_update_across_a_server_restart():
     signal, out = CTX.Event(), CTX.Queue()
     with tempfile.TemporaryDirectory() as rdv:
         with _servers(rdv, 2, workers, 7) as (procs, start):
-            ws = [CTX.Process(target=_ones_worker, args=(r, rdv, steps, signal, out), daemon=True)
-                  for r in range(workers)]
+            ws = [
+                CTX.Process(target=_ones_worker, args=(r, rdv, steps, signal, out), daemon=True)
+                for r in range(workers)
+            ]
             try:
                 for w in ws:
                     w.start()
@@ -143,8 +157,9 @@ def test_several_workers_lose_no_update_across_a_server_restart():
                     if w.is_alive():
                         w.kill()
                         w.join()
-        final = [torch.load(os.path.join(rdv, f"server{i}.pt"), weights_only=True)
-                 for i in range(2)]
+        final = [
+            torch.load(os.path.join(rdv, f"server{i}.pt"), weights_only=True) for i in range(2)
+        ]
     assert [f["pushes"] for f in final] == [workers * steps] * 2  # every push, once
     for f in final:
         for v in f["params"].values():
@@ -157,9 +172,14 @@ def test_wire_round_trips_tensors_and_rejects_malformed_messages(monkeypatch):
     monkeypatch.setattr(ps_wire, "_PART", 40)  # large payloads arrive in parts: test the joins
     a, b = socket.socketpair()
     with a, b:
-        tensors = {"f": torch.randn(3, 5), "h": torch.randn(7).half(),
-                   "bf": torch.randn(2, 3).bfloat16(), "d": torch.randn(()).double(),
-                   "empty": torch.zeros(0, 4), "strided": torch.randn(4, 6)[:, ::2]}
+        tensors = {
+            "f": torch.randn(3, 5),
+            "h": torch.randn(7).half(),
+            "bf": torch.randn(2, 3).bfloat16(),
+            "d": torch.randn(()).double(),
+            "empty": torch.zeros(0, 4),
+            "strided": torch.randn(4, 6)[:, ::2],
+        }
         ps_wire.send(a, {"op": "x", "n": [1, 2]}, tensors, timeout=5)
         header, got = ps_wire.recv(b, timeout=5)
         assert header == {"op": "x", "n": [1, 2]} and list(got) == list(tensors)
@@ -239,11 +259,16 @@ def test_a_worker_that_disagrees_with_the_shard_is_refused_by_name():
         t.start()
         try:
             first = DownpourSGD(nn.Linear(4, 3), ["server0"], lr=0.1, worker=0, rendezvous=rdv)
-            with pytest.raises(HybridCommError, match="server0 refused setting up its shard.*"
-                                                      "asked for sgd at lr 0.2"):
+            with pytest.raises(
+                HybridCommError,
+                match="server0 refused setting up its shard.*asked for sgd at lr 0.2",
+            ):
                 DownpourSGD(nn.Linear(4, 3), ["server0"], lr=0.2, worker=1, rendezvous=rdv)
-            with pytest.raises(HybridCommError, match=r"\(4, 4\) does not match the shard's "
-                                                      r"torch.float32 \(3, 4\)"):
+            with pytest.raises(
+                HybridCommError,
+                match=r"\(4, 4\) does not match the shard's "
+                r"torch.float32 \(3, 4\)",
+            ):
                 DownpourSGD(nn.Linear(4, 4), ["server0"], lr=0.1, worker=2, rendezvous=rdv)
         finally:
             first.close()

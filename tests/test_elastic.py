@@ -8,6 +8,7 @@ another world size: the same global batches, re-planned, resharded. The runs
 train in fp64 (``--dtype float64``): a restart on another world size sums the
 gradients in another order, and in fp32 22 SGD steps amplify that past any
 tolerance that would still catch a real error; in fp64 it stays below 1e-12."""
+
 import os
 import re
 import signal
@@ -22,11 +23,33 @@ TRAIN = os.path.join(ROOT, "examples", "train.py")
 
 
 def _torchrun(ckpt_dir, torchrun_args=(), script_args=(), nproc=2, ok=True):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), *torchrun_args, TRAIN, "--epochs", "1", "--checkpoint-dir", str(ckpt_dir),
-           "--checkpoint-every", "5", "--dtype", "float64", *script_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        *torchrun_args,
+        TRAIN,
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        str(ckpt_dir),
+        "--checkpoint-every",
+        "5",
+        "--dtype",
+        "float64",
+        *script_args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
@@ -56,12 +79,15 @@ def test_a_killed_worker_is_restarted_and_training_resumes_exactly(tmp_path, str
     straight, _ = straight
     crashed = _torchrun(tmp_path / "crashed", ["--max-restarts", "2"], ["--crash-at-step", "12"])
     assert "exitcode: -9" in crashed  # the worker really was killed
-    assert "resumed from step 10 (attempt 1, 2 ranks" in crashed  # the last checkpoint before step 12
+    assert (
+        "resumed from step 10 (attempt 1, 2 ranks" in crashed
+    )  # the last checkpoint before step 12
     assert _digest(crashed) == _digest(straight)
     assert "ranks identical: True" in crashed
     # no stray process: nothing still runs the script with this run's checkpoint dir
-    left = subprocess.run(["pgrep", "-f", str(tmp_path / "crashed")], capture_output=True,
-                          text=True)
+    left = subprocess.run(
+        ["pgrep", "-f", str(tmp_path / "crashed")], capture_output=True, text=True
+    )
     assert left.stdout.strip() == "", left.stdout
 
 

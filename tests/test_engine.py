@@ -1,5 +1,6 @@
 """The engine on its own: the host channel, the fixed issue order whatever order the
 buckets are launched in, and the buckets' memory layout (each .grad a view)."""
+
 import threading
 import time
 
@@ -16,8 +17,10 @@ from hybridcomm.plan.planner import ALIGN_BYTES, Bucket, Plan
 def test_host_channel_runs_in_submission_order_and_reports_failures():
     ch = HostChannel(timeout=5)
     seen = []
-    tickets = [ch.submit(lambda i=i: (time.sleep(0.01 * (3 - i)), seen.append(i)), f"op {i}")
-               for i in range(3)]
+    tickets = [
+        ch.submit(lambda i=i: (time.sleep(0.01 * (3 - i)), seen.append(i)), f"op {i}")
+        for i in range(3)
+    ]
     assert ch.wait(tickets[-1], "op 2") >= 0 and seen == [0, 1, 2]
     assert ch.take_busy() > 0 and ch.take_busy() == 0  # read once
     bad = ch.submit(lambda: 1 / 0, "the bad op")
@@ -39,8 +42,7 @@ def test_host_channel_wait_honours_the_timeout():
     assert time.monotonic() - t0 < 1.5
 
 
-def test_an_operation_waited_for_at_once_runs_in_its_caller_after_what_came_before(
-        monkeypatch):
+def test_an_operation_waited_for_at_once_runs_in_its_caller_after_what_came_before(monkeypatch):
     ch = HostChannel(timeout=5)
     ran = []
     here = ch.submit(lambda: ran.append(threading.current_thread()), "op", here=True)
@@ -81,8 +83,9 @@ def test_a_wait_runs_an_operation_the_channel_has_not_started_in_its_caller(monk
     ch.close()
     ch, notes = _LateWorker(timeout=5), []  # watched as a wait would be: once
     slow = ch.submit(lambda: time.sleep(0.8), "slow op")
-    ch.wait(slow, "bucket 3", on_slow=lambda: notes.append(threading.current_thread()),
-            slow_after=0.1)
+    ch.wait(
+        slow, "bucket 3", on_slow=lambda: notes.append(threading.current_thread()), slow_after=0.1
+    )
     assert len(notes) == 1 and notes[0] is not threading.current_thread()
     ch.close()
     monkeypatch.setenv("HYBRIDCOMM_HOST_HERE", "0")  # off: the channel's thread runs it
@@ -105,10 +108,14 @@ def test_an_operation_run_in_its_caller_is_watched_as_a_wait_would_be():
     ch.submit(lambda: time.sleep(0.05), "quick", here=True, on_slow=on_slow, slow_after=0.3)
     ch.submit(lambda: time.sleep(0.6), "slow", here=True, on_slow=on_slow, slow_after=0.1)
     assert len(notes) == 1 and notes[0] is not threading.current_thread()
-    bad = ch.submit(lambda: (time.sleep(0.6), 1 / 0), "bad", here=True, on_slow=on_slow,
-                    slow_after=0.1)
-    with pytest.raises(HybridCommError, match=r"failed at bad.*division by zero \(rank 1 is "
-                                              r"behind\)"):
+    bad = ch.submit(
+        lambda: (time.sleep(0.6), 1 / 0), "bad", here=True, on_slow=on_slow, slow_after=0.1
+    )
+    with pytest.raises(
+        HybridCommError,
+        match=r"failed at bad.*division by zero \(rank 1 is "
+        r"behind\)",
+    ):
         ch.wait(bad, "bucket 0")
     assert len(notes) == 2
 
@@ -141,14 +148,23 @@ class _Transport:
 
 
 def _buckets(plan, params):
-    return [GradBucket(b, [params[i] for i in b.params], torch.float32, None,
-                       lambda n, dt: torch.empty(n, dtype=dt)) for b in plan.buckets]
+    return [
+        GradBucket(
+            b,
+            [params[i] for i in b.params],
+            torch.float32,
+            None,
+            lambda n, dt: torch.empty(n, dtype=dt),
+        )
+        for b in plan.buckets
+    ]
 
 
 def test_the_issue_order_is_the_plans_whatever_the_launch_order():
     params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
-    buckets = [Bucket(i, [f"l{i}"], [i], 4, 16, "ring", 0.0, segments=[(0, 3), (3, 5)])
-               for i in range(3)]
+    buckets = [
+        Bucket(i, [f"l{i}"], [i], 4, 16, "ring", 0.0, segments=[(0, 3), (3, 5)]) for i in range(3)
+    ]
     order = [(2, 0), (0, 0), (2, 1), (0, 1), (1, 0), (1, 1)]  # what rank 0 planned for all
     plan = Plan(2, "hybrid", buckets, order)
     ch = _Recording()
@@ -170,12 +186,14 @@ def test_operations_are_keyed_for_timing_only_when_asked():
     """The synchronizer takes each operation's time every step; an engine whose
     owner never takes them (the averager's) must not have the channel keep them."""
     params = [torch.nn.Parameter(torch.ones(2))]
-    plan = Plan(2, "hybrid", [Bucket(0, ["l0"], [0], 2, 8, "ring", 0.0, segments=[(0, 3)])],
-                [(0, 0)])
+    plan = Plan(
+        2, "hybrid", [Bucket(0, ["l0"], [0], 2, 8, "ring", 0.0, segments=[(0, 3)])], [(0, 0)]
+    )
     for timed, want in ((False, [None]), (True, [(plan, 0, 0)])):
         ch = _Recording()
-        CommEngine(plan, _buckets(plan, params), ch, _Transport(), scale=None, timeout=5,
-                   timed_ops=timed).launch(0)
+        CommEngine(
+            plan, _buckets(plan, params), ch, _Transport(), scale=None, timeout=5, timed_ops=timed
+        ).launch(0)
         assert ch.keys == want
 
 
@@ -183,8 +201,9 @@ def test_waiting_for_a_bucket_before_its_turn_is_an_error_not_a_hang():
     params = [torch.nn.Parameter(torch.ones(2)) for _ in range(2)]
     buckets = [Bucket(i, [f"l{i}"], [i], 2, 8, "ring", 0.0, segments=[(0, 3)]) for i in range(2)]
     plan = Plan(2, "hybrid", buckets, [(1, 0), (0, 0)])
-    engine = CommEngine(plan, _buckets(plan, params), _Recording(), _Transport(), scale=None,
-                        timeout=5)
+    engine = CommEngine(
+        plan, _buckets(plan, params), _Recording(), _Transport(), scale=None, timeout=5
+    )
     engine.launch(0)  # queued behind bucket 1, which was never launched
     with pytest.raises(HybridCommError, match="before its turn"):
         engine.wait(0)
@@ -215,7 +234,9 @@ def test_each_grad_is_an_aligned_view_of_one_buffer_with_the_flags_after():
 def test_a_wire_dtype_is_a_second_buffer_cast_in_and_out():
     params = [torch.nn.Parameter(torch.zeros(5))]
     spec = Bucket(0, ["l"], [0], 5, 10, "ring", 0.0)
-    b = GradBucket(spec, params, torch.float32, torch.float16, lambda n, dt: torch.empty(n, dtype=dt))
+    b = GradBucket(
+        spec, params, torch.float32, torch.float16, lambda n, dt: torch.empty(n, dtype=dt)
+    )
     assert b.comm.dtype == torch.float16 and b.buffer.dtype == torch.float32
     b.views[0].copy_(torch.tensor([1.0, 2.0, 3.0, 4.0, 1 / 3]))
     b.set_flags({0})

@@ -2,6 +2,7 @@
 ``torch.distributed.init_process_group``: hybridcomm's own HybridCommError saying
 what to call first (not torch's bare ValueError about a default process group).
 One process, no group."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,10 +30,12 @@ def _sgd(model):
 
 
 CALLS = {
-    "broadcast_parameters": lambda: hybridcomm.broadcast_parameters(_model().state_dict(),
-                                                                    root_rank=0),
+    "broadcast_parameters": lambda: hybridcomm.broadcast_parameters(
+        _model().state_dict(), root_rank=0
+    ),
     "broadcast_parameters(named pairs)": lambda: hybridcomm.broadcast_parameters(
-        list(_model().named_parameters())),
+        list(_model().named_parameters())
+    ),
     "broadcast_optimizer_state": lambda: hybridcomm.broadcast_optimizer_state(_sgd(_model())),
     "all_reduce": lambda: hybridcomm.all_reduce(torch.ones(3), op="avg"),
     "all_reduce(ring)": lambda: hybridcomm.all_reduce(torch.ones(3), algorithm="ring"),

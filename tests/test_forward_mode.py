@@ -3,6 +3,7 @@ a parent's ``F.linear(x, self.head.weight)``, the loss, code between ``step()``
 and the next forward (an EMA), a module called twice, a weight shared by two
 modules, a layer the watched forwards skip, a layer that joins after the
 measured steps. Each is compared with one process on the whole batch."""
+
 import copy
 import os
 
@@ -105,9 +106,14 @@ class LateJoinerParentReads(nn.Module):
         opt.add_param_group({"params": list(self.extra.parameters())})
 
 
-MODELS = {"parent": ParentUsesChildWeight, "loss": LossOnlyParameter,
-          "twice": CalledTwiceAndShared, "ema": ParentUsesChildWeight,
-          "sometimes": SometimesUsed, "late_joiner": LateJoinerParentReads}
+MODELS = {
+    "parent": ParentUsesChildWeight,
+    "loss": LossOnlyParameter,
+    "twice": CalledTwiceAndShared,
+    "ema": ParentUsesChildWeight,
+    "sometimes": SometimesUsed,
+    "late_joiner": LateJoinerParentReads,
+}
 
 
 def _loss(model, out, y):
@@ -145,10 +151,14 @@ def _distributed(rank, world, name, simulate):
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     model = _make(name)
     ema = [p.detach().clone() for p in model.parameters()] if name == "ema" else None
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(_trainable(model), lr=0.1,
-                                                          momentum=0.9),
-                                          model=model, overlap="forward", fusion_bytes=0,
-                                          measure_iters=2, timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(_trainable(model), lr=0.1, momentum=0.9),
+        model=model,
+        overlap="forward",
+        fusion_bytes=0,
+        measure_iters=2,
+        timeout=60,
+    )
     _run(name, opt, model, rank, world, ema)
     opt.synchronize()
     opt.close()
@@ -170,14 +180,15 @@ def test_forward_mode_matches_one_process(name, simulate):
     params, ema = results[0]
     assert torch.allclose(params, ref, **TOL), f"max diff {(params - ref).abs().max():.3g}"
     if ref_ema is not None:
-        assert torch.allclose(ema, ref_ema, **TOL), f"EMA read stale weights"
+        assert torch.allclose(ema, ref_ema, **TOL), "EMA read stale weights"
     assert all(torch.equal(r[0], params) for r in results)
 
 
 def _state_dict_after_step(rank, world):
     model = _make("parent")
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, overlap="forward", timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, overlap="forward", timeout=60
+    )
     x, y = batch(0)
     opt.zero_grad()
     _loss(model, model(shard(x, rank, world)), shard(y, rank, world)).backward()
@@ -205,9 +216,13 @@ def _optimizers_in_turn(rank, world):
     model = _make("parent")
     plain_after_close = []
     for first in (0, 3):
-        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                              model=model, overlap="forward", measure_iters=0,
-                                              timeout=60)
+        opt = hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model=model,
+            overlap="forward",
+            measure_iters=0,
+            timeout=60,
+        )
         for s in range(first, first + 3):
             x, y = batch(s)
             opt.zero_grad()
@@ -240,9 +255,13 @@ def _closed_after_a_freeze(rank, world):
 
     os.environ["HYBRIDCOMM_DEFER"] = "always"
     model = _make("parent")
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, overlap="forward", measure_iters=0,
-                                          timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        overlap="forward",
+        measure_iters=0,
+        timeout=60,
+    )
     for s in range(4):
         if s == 2:
             model.body.requires_grad_(False)  # leaves the buckets at the next step
@@ -278,8 +297,12 @@ def _gradients_between_zero_grad_and_forward(opt, model, rank, world):
         if s % 3 == 2:
             model.head.weight.grad = torch.ones(model.head.weight.shape)  # (reads no data)
         opt.zero_grad()
-        seen.append((sum(map(is_pending, model.parameters())),
-                     all(p.grad is None for p in model.parameters())))
+        seen.append(
+            (
+                sum(map(is_pending, model.parameters())),
+                all(p.grad is None for p in model.parameters()),
+            )
+        )
         if s % 3 == 1:  # (reads no data: set while the update is pending)
             model.body.bias.grad = torch.full(model.body.bias.shape, 0.01)
         if s % 3 == 2:
@@ -295,10 +318,13 @@ def _zeroed_while_pending(rank, world, simulate):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     model = _make("parent")
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1,
-                                                          momentum=0.9),
-                                          model=model, overlap="forward", measure_iters=0,
-                                          timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model=model,
+        overlap="forward",
+        measure_iters=0,
+        timeout=60,
+    )
     out = _gradients_between_zero_grad_and_forward(opt, model, rank, world)
     opt.synchronize()
     opt.close()
@@ -309,7 +335,8 @@ def _zeroed_while_pending(rank, world, simulate):
 def test_gradients_zeroed_while_an_update_waits_read_as_in_one_process(simulate):
     model = _make("parent")
     ref, ref_seen = _gradients_between_zero_grad_and_forward(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, None, 1)
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, None, 1
+    )
     for params, seen in run_ranks(2, _zeroed_while_pending, simulate, timeout=120):
         assert torch.allclose(params, ref, **TOL), f"max diff {(params - ref).abs().max():.3g}"
         assert [none for _, none in seen] == [none for _, none in ref_seen]
@@ -372,13 +399,17 @@ def test_a_compiled_forward_applies_the_pending_updates_first(monkeypatch, flags
         pending.forget(apply)
 
 
-@pytest.mark.parametrize("read", [
-    lambda ps, x: torch.cat([x, torch.stack([ps[0], ps[1]]).sum(0)]),  # in a list
-    lambda ps, x: torch.add(input=x, other=ps[1]),  # keywords only
-    lambda ps, x: torch.stack((ps[0], x)),  # in a tuple
-    lambda ps, x: torch.einsum("i,i->i", x, ps[2]),  # after a str
-    lambda ps, x: torch.nn.utils.parameters_to_vector([ps[0], ps[1], ps[2]]),
-], ids=["list", "keywords", "tuple", "after_a_string", "a_function_of_a_list"])
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda ps, x: torch.cat([x, torch.stack([ps[0], ps[1]]).sum(0)]),  # in a list
+        lambda ps, x: torch.add(input=x, other=ps[1]),  # keywords only
+        lambda ps, x: torch.stack((ps[0], x)),  # in a tuple
+        lambda ps, x: torch.einsum("i,i->i", x, ps[2]),  # after a str
+        lambda ps, x: torch.nn.utils.parameters_to_vector([ps[0], ps[1], ps[2]]),
+    ],
+    ids=["list", "keywords", "tuple", "after_a_string", "a_function_of_a_list"],
+)
 def test_a_read_applies_the_update_of_every_pending_argument(read):
     """However a call passes a pending parameter (in a list or a tuple, by keyword,
     beside arguments that hold no tensor), the call sees its update."""

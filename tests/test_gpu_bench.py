@@ -2,6 +2,7 @@
 simulated GPU at tiny sizes, runs every section and code path of the script, writes
 the JSON with every config's and kernel's rows and the profile files beside it, prints
 the dry-run verdict and exits 0. The real run is for GPUs (~4 min there)."""
+
 import json
 import os
 import subprocess
@@ -17,8 +18,13 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_bench.py")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for CPU machines")
 def test_the_dry_run_runs_every_section_and_reports_it(tmp_path):
     out = tmp_path / "bench.json"
-    p = subprocess.run([sys.executable, SCRIPT, "--json", str(out)], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [sys.executable, SCRIPT, "--json", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "verdict: dry run: no GPU, nothing measured against the goals" in p.stdout
     assert "DRY RUN" in p.stdout  # its figures are never printed as GPU figures
@@ -32,9 +38,14 @@ def test_the_dry_run_runs_every_section_and_reports_it(tmp_path):
     k = r["sections"]["kernels"]["rows"]
     got = {(row["op"], row["case"], row["variant"]) for row in k}
     for case in ("large", "small", "tiny"):
-        assert {("copy", case, "dst.copy_"), ("pack", case, "hybridcomm"),
-                ("pack", case, "torch.cat"), ("pack", case, "_foreach_copy_"),
-                ("unpack", case, "hybridcomm"), ("unpack", case, "_foreach_copy_")} <= got
+        assert {
+            ("copy", case, "dst.copy_"),
+            ("pack", case, "hybridcomm"),
+            ("pack", case, "torch.cat"),
+            ("pack", case, "_foreach_copy_"),
+            ("unpack", case, "hybridcomm"),
+            ("unpack", case, "_foreach_copy_"),
+        } <= got
     for dtype in ("float32", "bfloat16"):
         variants = {row["variant"] for row in k if row["op"] == "reduce" and row["dtype"] == dtype}
         assert variants == {"hybridcomm", "torch add_", "hybridcomm scale", "torch add_.mul_"}
@@ -49,9 +60,11 @@ def test_the_dry_run_runs_every_section_and_reports_it(tmp_path):
 
     rows = r["sections"]["ranks"]["rows"]
     ranks = {(row["P"], row["config"], row["rank"]) for row in rows}
-    assert ranks == {(2, c, rank) for c in ("local", "hc-forward", "hc-none", "hc-backward",
-                                            "hc-zero2", "hc-zero2-at-step")
-                     for rank in (0, 1)}
+    assert ranks == {
+        (2, c, rank)
+        for c in ("local", "hc-forward", "hc-none", "hc-backward", "hc-zero2", "hc-zero2-at-step")
+        for rank in (0, 1)
+    }
     assert all(row["peak_mb"] is None for row in rows)  # (a GPU's allocator: none here)
 
     prof = r["sections"]["profile"]

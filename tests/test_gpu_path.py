@@ -1,6 +1,7 @@
 """The production GPU path (CuPy NCCL transport, comm stream, the optimizer's
 channel) run on the simulated CUDA runtime, and mutation tests: each defect
 class of issue 8, put back deliberately, is reported by the simulator."""
+
 import os
 
 import pytest
@@ -49,9 +50,14 @@ def _train_odd(rank, world, combos, simulate):
     out = {}
     for opt_name, overlap in combos:
         model = make_model(cls=Odd)
-        opt = hybridcomm.DistributedOptimizer(_optimizer(opt_name, model.parameters()),
-                                              model=model, overlap=overlap, measure_iters=2,
-                                              fusion_bytes=0, timeout=60)
+        opt = hybridcomm.DistributedOptimizer(
+            _optimizer(opt_name, model.parameters()),
+            model=model,
+            overlap=overlap,
+            measure_iters=2,
+            fusion_bytes=0,
+            timeout=60,
+        )
         for s in range(STEPS):
             x, y = batch(s)
             opt.zero_grad()
@@ -81,8 +87,9 @@ def test_three_ranks_on_the_simulated_gpu_equal_one_process():
     results = run_ranks(3, _train_odd, COMBOS, True, timeout=300)
     for combo in COMBOS:
         ref, got = _single(combo[0]), results[0][combo]
-        assert torch.allclose(got, ref, rtol=RTOL, atol=ATOL), \
+        assert torch.allclose(got, ref, rtol=RTOL, atol=ATOL), (
             f"{combo}: max diff {(got - ref).abs().max():.3g}"
+        )
         for r in results[1:]:
             assert torch.equal(r[combo], got), f"{combo}: ranks differ"
     # (the unused layer is left exactly as one process leaves it: weight decay
@@ -94,9 +101,16 @@ def _fixed(optimizer, model, overlap, measure_iters=2, **options):
     the same plan, with our own schedules (no native), every run."""
     from hybridcomm.plan.cost_model import CostModel
 
-    return hybridcomm.DistributedOptimizer(optimizer, model=model, overlap=overlap,
-                                           fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
-                                           measure_iters=measure_iters, timeout=60, **options)
+    return hybridcomm.DistributedOptimizer(
+        optimizer,
+        model=model,
+        overlap=overlap,
+        fusion_bytes=0,
+        cost_model=CostModel(2e-5, 1e-9, 1e-10),
+        measure_iters=measure_iters,
+        timeout=60,
+        **options,
+    )
 
 
 def _update_calls(plan):
@@ -144,14 +158,21 @@ def _steady(rank, world, overlap):
     updates = (calls, _update_calls(opt.plan) if overlap == "forward" else None)
     stats["record_stream"] = len(recorded)  # bucket memory is recorded once, when allocated
     kernels, calls = schedule_counts(opt.plan, rank, world)
-    return stats, len(opt.plan.buckets), 3 * kernels, 3 * calls, \
-        sorted({b.algorithm for b in opt.plan.buckets}), updates
+    return (
+        stats,
+        len(opt.plan.buckets),
+        3 * kernels,
+        3 * calls,
+        sorted({b.algorithm for b in opt.plan.buckets}),
+        updates,
+    )
 
 
 @pytest.mark.parametrize("overlap", ["forward", "backward"])
 def test_steady_state_steps_make_no_host_sync(overlap):
-    for stats, buckets, reduces, calls, algos, updates in run_ranks(3, _steady, overlap,
-                                                                   timeout=120):
+    for stats, buckets, reduces, calls, algos, updates in run_ranks(
+        3, _steady, overlap, timeout=120
+    ):
         assert buckets > 1 and set(algos) <= {"butterfly", "ring"}, algos
         assert stats["host_syncs"] == 0 and stats["defects"] == 0, stats
         assert stats["record_stream"] == 0, stats
@@ -171,8 +192,13 @@ def _missing(rank, world, overlap, agree, options=None):
     from hybridcomm.testing import simgpu
 
     model = make_model(cls=Odd)
-    opt = _fixed(_optimizer("sgd", model.parameters()), model, overlap,
-                 find_unused_parameters=agree, **(options or {}))
+    opt = _fixed(
+        _optimizer("sgd", model.parameters()),
+        model,
+        overlap,
+        find_unused_parameters=agree,
+        **(options or {}),
+    )
     for s in range(STEPS + 4):
         if s == 5:
             opt.synchronize()
@@ -187,7 +213,11 @@ def _missing(rank, world, overlap, agree, options=None):
     unused = flat([model.unused.weight, model.unused.bias])
     opt.close()
     if options:
-        return stats["host_syncs"], stats["defects"], sorted({b.algorithm for b in opt.plan.buckets})
+        return (
+            stats["host_syncs"],
+            stats["defects"],
+            sorted({b.algorithm for b in opt.plan.buckets}),
+        )
     return stats["host_syncs"], lacking, unused
 
 
@@ -212,8 +242,9 @@ def test_a_missing_gradient_in_a_topk_bucket_costs_no_host_sync(overlap):
     """Top-k buckets send their usage flags in the message, so they are written
     even with find_unused_parameters=True (issue 29's defect 2: they were copied
     from a host mask, ATen's memcpy_and_sync, in the backward of every step)."""
-    for syncs, defects, algos in run_ranks(2, _missing, overlap, True,
-                                           {"compression": "topk:0.1"}, timeout=120):
+    for syncs, defects, algos in run_ranks(
+        2, _missing, overlap, True, {"compression": "topk:0.1"}, timeout=120
+    ):
         assert algos == ["topk"], algos
         assert syncs == 0 and defects == 0, (syncs, defects)
 
@@ -230,8 +261,13 @@ def _flags(rank, world, n):
 
     rt = simgpu.runtime()
     params = [nn.Parameter(torch.zeros(3)) for _ in range(n)]
-    b = GradBucket(Bucket(0, ["l"], list(range(n)), 3 * n, 12 * n, "ring", 0.0), params,
-                   torch.float32, None, lambda k, dt: rt.empty(k, dt))
+    b = GradBucket(
+        Bucket(0, ["l"], list(range(n)), 3 * n, 12 * n, "ring", 0.0),
+        params,
+        torch.float32,
+        None,
+        lambda k, dt: rt.empty(k, dt),
+    )
     out, syncs = {}, 0
     for r in range(n + 1):
         for positions in combinations(range(n), r):
@@ -246,9 +282,9 @@ def _flags(rank, world, n):
 
 def test_flags_are_written_on_the_device_without_a_host_sync():
     n = 5
-    (out, syncs), = run_ranks(1, _flags, n, timeout=60)
+    ((out, syncs),) = run_ranks(1, _flags, n, timeout=60)
     assert syncs == 0
-    assert len(out) == 2 ** n
+    assert len(out) == 2**n
     for positions, (used, flags) in out.items():
         assert used == list(positions)
         assert flags == [1.0 if i in positions else 0.0 for i in range(n)], (positions, flags)
@@ -272,12 +308,14 @@ def _issuing_threads(rank, world, threaded):
     def noting(self, calls, what):
         seen.add(("nccl", threading.current_thread().name))
         return issue(self, calls, what)
+
     CupyNcclTransport._issue = noting
     import hybridcomm.comm.executor as engine_module  # the dispatch the engine calls
 
     def launching(*args, **kwargs):
         seen.add(("schedule", threading.current_thread().name))
         return execute_async(*args, **kwargs)
+
     engine_module.execute_async = launching
     model = make_model()
     opt = _fixed(torch.optim.SGD(model.parameters(), lr=0.05), model, "forward")
@@ -312,8 +350,7 @@ def _exposure(rank, world):
     import time
 
     model = make_model()
-    opt = _fixed(torch.optim.SGD(model.parameters(), lr=0.05), model, "backward",
-                 measure_iters=0)
+    opt = _fixed(torch.optim.SGD(model.parameters(), lr=0.05), model, "backward", measure_iters=0)
     channel, on_gpu = opt._hc_sync.channel, []  # the stream waits' part, on the GPU's clock
     take = channel.take_exposed
     channel.take_exposed = lambda: on_gpu.append(take()) or on_gpu[-1]
@@ -383,10 +420,16 @@ def _long_run(rank, world):
     model = make_model()
     # native for the big buckets, ours for the small: two kinds of NCCL work, one order
     cm = CostModel(2e-5, 1e-9, 1e-10, native_alpha=1e-4, native_beta=0.0)
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, cost_model=cm, fusion_bytes=0,
-                                          split_bytes=4096, measure_iters=2, replan_every=7,
-                                          timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model=model,
+        cost_model=cm,
+        fusion_bytes=0,
+        split_bytes=4096,
+        measure_iters=2,
+        replan_every=7,
+        timeout=60,
+    )
     algos = set()
     for s in range(20):
         algos |= {b.algorithm for b in opt.plan.buckets}
@@ -409,6 +452,7 @@ def test_twenty_steps_with_one_nccl_kernel_slot_do_not_deadlock():
 
 # --- mutation tests: each defect of issue 8, put back, is reported ----------------------
 
+
 def _mutated(rank, world, mutation):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     from hybridcomm.comm import channel
@@ -420,6 +464,7 @@ def _mutated(rank, world, mutation):
         channel.StreamChannel.wait = lambda self, event, what, **kw: 0.0
     elif mutation == "comm_skips_ready":  # defect 6: comm stream not after the gradients
         from hybridcomm.comm.transport.cupy_nccl import CupyNcclTransport
+
         CupyNcclTransport.wait_event = lambda self, event: None
     elif mutation == "rank1_reversed_order" and rank == 1:  # issue orders differ per rank
         real = synchronizer.GradientSynchronizer._build
@@ -427,15 +472,20 @@ def _mutated(rank, world, mutation):
         def build(self, plan, *args):
             plan.order = list(reversed(plan.order))
             real(self, plan, *args)
+
         synchronizer.GradientSynchronizer._build = build
     elif mutation == "watchdog_unbound":  # defect 5: a helper thread on device 0
         runtime.CudaRuntime.bind_thread = lambda self: None
         simgpu.SimRuntime.bind_thread = lambda self: None
     model = make_model()
     try:
-        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                              model=model, fusion_bytes=0, measure_iters=0,
-                                              timeout=8)
+        opt = hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            model=model,
+            fusion_bytes=0,
+            measure_iters=0,
+            timeout=8,
+        )
         for s in range(3):
             x, y = batch(s)
             opt.zero_grad()
@@ -451,13 +501,16 @@ def _mutated(rank, world, mutation):
 # A consumer that does not wait is seen by the race detector, or, when the simulated
 # stream has already written the result by the time the bucket is read, by the bucket's
 # version check (the reduction's own writes came after the engine noted the version).
-@pytest.mark.parametrize("mutation,expect", [
-    ("none", None),
-    ("no_wait_before_use", ("race", "written in place while it was being all-reduced")),
-    ("comm_skips_ready", "race"),
-    ("rank1_reversed_order", "different orders"),
-    ("watchdog_unbound", "context on GPU 0"),
-])
+@pytest.mark.parametrize(
+    "mutation,expect",
+    [
+        ("none", None),
+        ("no_wait_before_use", ("race", "written in place while it was being all-reduced")),
+        ("comm_skips_ready", "race"),
+        ("rank1_reversed_order", "different orders"),
+        ("watchdog_unbound", "context on GPU 0"),
+    ],
+)
 def test_each_defect_put_back_is_reported(mutation, expect):
     results = run_ranks(2, _mutated, mutation, timeout=120)
     if expect is None:
@@ -479,6 +532,7 @@ def _scratch_reuse(rank, world, broken):
     rt = runtime_for("cpu")
     trainer = rt.current_stream()
     if broken:  # defect 2: scratch allocated on another stream, used on the comm stream
+
         def alloc(n, dt, dev):
             with rt.use(trainer):
                 return rt.empty(n, dt)
@@ -488,6 +542,7 @@ def _scratch_reuse(rank, world, broken):
             if ws is None:
                 ws = transport._bad = executor.Workspace(alloc)
             return ws.get(numel, dtype, transport.device)
+
         executor.comm_scratch = comm_scratch
     t = select_transport("cpu", timeout=30)
     try:
@@ -554,9 +609,13 @@ def _stalled_peer(rank, world, how):
     from hybridcomm.gpu.runtime import runtime_for
 
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, overlap="forward", measure_iters=0,
-                                          timeout=3)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model=model,
+        overlap="forward",
+        measure_iters=0,
+        timeout=3,
+    )
     t0 = None
     try:
         for s in range(6):
@@ -598,9 +657,10 @@ def _transport_errors(rank, world):
     buf = rt.empty(64, torch.float32)
     found = {}
     for name, call in [
-            ("peer", lambda: t.exchange([(rank, buf)], [])),
-            ("dtype", lambda: t.exchange([(1 - rank, torch.zeros(4, dtype=torch.int16))], [])),
-            ("contiguous", lambda: t.exchange([(1 - rank, buf.view(8, 8).t())], []))]:
+        ("peer", lambda: t.exchange([(rank, buf)], [])),
+        ("dtype", lambda: t.exchange([(1 - rank, torch.zeros(4, dtype=torch.int16))], [])),
+        ("contiguous", lambda: t.exchange([(1 - rank, buf.view(8, 8).t())], [])),
+    ]:
         try:
             call()
         except HybridCommError as e:
@@ -639,14 +699,22 @@ def _late_gradient(rank, world, broken):
     from hybridcomm.testing import simgpu
 
     if broken:  # a late gradient added into a bucket still being reduced: no wait
+
         def open_(self, s, apply_pending):
             s._phase = bucket_group.Phase.ACCUMULATING
             return True
+
         bucket_group.BucketGroup.open = open_
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, overlap="backward", fusion_bytes=0,
-                                          backward_passes_per_step=1, measure_iters=0, timeout=20)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model=model,
+        overlap="backward",
+        fusion_bytes=0,
+        backward_passes_per_step=1,
+        measure_iters=0,
+        timeout=20,
+    )
     try:
         for s in range(2):
             x, y = batch(s)
@@ -697,10 +765,15 @@ def _silent_before_first_use(rank, world, how):
     model = make_model()
     if how == "step":  # making the optimizer is collective (the transport included); a
         # given cost model: no probe, so the first step is the first NCCL operation
-        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                              model=model, overlap="none", measure_iters=0,
-                                              cost_model=CostModel(2e-5, 1e-9, 1e-10),
-                                              fusion_bytes=0, timeout=FIRST_USE_TIMEOUT)
+        opt = hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05),
+            model=model,
+            overlap="none",
+            measure_iters=0,
+            cost_model=CostModel(2e-5, 1e-9, 1e-10),
+            fusion_bytes=0,
+            timeout=FIRST_USE_TIMEOUT,
+        )
     else:
         select_transport("cpu", timeout=FIRST_USE_TIMEOUT)
     if rank == 1:  # silent until rank 0 is done (bounded: the old code never is)
@@ -718,8 +791,9 @@ def _silent_before_first_use(rank, world, how):
             opt.step()
             opt.synchronize()
         else:
-            hybridcomm.all_reduce(torch.ones(1000), algorithm="native", check="off",
-                                  timeout=FIRST_USE_TIMEOUT)
+            hybridcomm.all_reduce(
+                torch.ones(1000), algorithm="native", check="off", timeout=FIRST_USE_TIMEOUT
+            )
         result = ("no error", time.monotonic() - t0, "")
     except hybridcomm.HybridCommError as e:
         result = (type(e).__name__, time.monotonic() - t0, str(e))
@@ -740,6 +814,7 @@ def test_a_peer_silent_before_its_first_operation_is_a_timeout_not_a_hang(how, n
 # while another thread aborts is a use after free. The query is held in progress here
 # (0.5 s) while the main thread closes the transport: under the lock, close() waits for it.
 
+
 def _query_during_close(rank, world):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     import threading
@@ -756,6 +831,7 @@ def _query_during_close(rank, world):
         entered.set()
         time.sleep(0.5)  # the query in progress when close() comes
         real()
+
     comm.check_async_error = slow_query
     t.watch(t.record_event(), 30, "probe")  # starts the watchdog: its first round queries
     assert entered.wait(20)
@@ -774,6 +850,7 @@ def test_the_watchdogs_async_error_query_never_races_an_abort():
 
 # --- issue 8, defect 10: the bench times the transport the optimizer uses ----------------------
 
+
 def _bench_on_the_simulated_gpu(rank, world, iters, warmup):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     from hybridcomm.comm import calibration
@@ -782,8 +859,15 @@ def _bench_on_the_simulated_gpu(rank, world, iters, warmup):
     from hybridcomm.testing import simgpu
 
     calibration.set_active(CostModel(2e-5, 1e-9, 1e-10))  # no probe
-    cfg = Config(sizes=[4096], algos=["ring"], iters=iters, warmup=warmup, live=False,
-                 progress=False, timeout_s=60)
+    cfg = Config(
+        sizes=[4096],
+        algos=["ring"],
+        iters=iters,
+        warmup=warmup,
+        live=False,
+        progress=False,
+        timeout_s=60,
+    )
     simgpu.reset_stats()
     doc = run_rank(rank, world, cfg)
     return simgpu.stats(), doc
@@ -813,6 +897,7 @@ def test_the_bench_times_the_transport_the_optimizer_uses():
 # An exception in the watchdog (a sticky CUDA error in its event query) used to end its
 # thread: nothing watched any more, later hangs never aborted. It now fails the transport.
 
+
 def _watchdog_error(rank, world):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     import time
@@ -832,6 +917,7 @@ def _watchdog_error(rank, world):
     class Sticky:  # what a sticky CUDA error makes every event query do
         def query(self):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
     t.watch(Sticky(), 30, "probe")
     deadline = time.monotonic() + 5
     while t.failure is None and time.monotonic() < deadline:
@@ -842,8 +928,14 @@ def _watchdog_error(rank, world):
     except hybridcomm.HybridCommError as e:
         t._watchdog.join(5)
         t.comm_thread.thread.join(5)
-        return (type(e).__name__, str(e), t._watchdog.is_alive(), t.comm_thread.released,
-                t.comm.aborted, [str(x) for x in simgpu.errors()])
+        return (
+            type(e).__name__,
+            str(e),
+            t._watchdog.is_alive(),
+            t.comm_thread.released,
+            t.comm.aborted,
+            [str(x) for x in simgpu.errors()],
+        )
 
 
 def test_an_exception_in_the_watchdog_fails_the_transport():
@@ -851,8 +943,10 @@ def test_an_exception_in_the_watchdog_fails_the_transport():
     assert result != "no error", "the watchdog died silently: nothing failed the transport"
     kind, msg, watchdog_alive, released, aborted, errors = result
     assert kind == "HybridCommError"
-    assert msg.startswith("rank 0: the NCCL watchdog failed (RuntimeError: CUDA error: an "
-                          "illegal memory access was encountered)"), msg
+    assert msg.startswith(
+        "rank 0: the NCCL watchdog failed (RuntimeError: CUDA error: an "
+        "illegal memory access was encountered)"
+    ), msg
     assert "communicator was aborted" in msg
     assert (watchdog_alive, released, aborted, errors) == (False, True, True, [])
 
@@ -902,6 +996,7 @@ def _abort_mid_group_end(rank, world, how):
             t.exchange(*step, label=("ring", 0))
         except hybridcomm.HybridCommError as e:
             raised.update(kind=type(e).__name__, msg=str(e), after=time.monotonic() - t0)
+
     issuing = threading.Thread(target=issue)
     issuing.start()
     close_s = None
@@ -919,14 +1014,21 @@ def _abort_mid_group_end(rank, world, how):
         store.set("mid-group-end/raised", "1")
     store.wait(["mid-group-end/posted"], timedelta(seconds=30))
     t.comm_thread.thread.join(20)
-    return (raised, t.comm_thread.released, t.comm.aborted, t.comm.destroyed, close_s,
-            [str(e) for e in simgpu.errors()])
+    return (
+        raised,
+        t.comm_thread.released,
+        t.comm.aborted,
+        t.comm.destroyed,
+        close_s,
+        [str(e) for e in simgpu.errors()],
+    )
 
 
 @pytest.mark.parametrize("how", ["close", "deadline"])
 def test_an_abort_never_overlaps_a_blocked_group_end(how):
-    raised, released, aborted, destroyed, close_s, errors = \
-        run_ranks(2, _abort_mid_group_end, how, timeout=60)[0]
+    raised, released, aborted, destroyed, close_s, errors = run_ranks(
+        2, _abort_mid_group_end, how, timeout=60
+    )[0]
     assert errors == []  # no abort on another thread while the groupEnd was inside NCCL
     assert (released, aborted, destroyed) == (True, True, False)  # a call was in flight
     if how == "close":
@@ -936,7 +1038,8 @@ def test_an_abort_never_overlaps_a_blocked_group_end(how):
         assert close_s > 0.5, close_s  # close() waited for the owner's abort, after groupEnd
     else:
         assert raised["kind"] == "HybridCommTimeout", raised
-        assert raised["msg"].startswith(f"rank 0: ring step 0 did not complete within "
-                                        f"{ABORT_TIMEOUT}s"), raised
+        assert raised["msg"].startswith(
+            f"rank 0: ring step 0 did not complete within {ABORT_TIMEOUT}s"
+        ), raised
         assert "aborted" in raised["msg"]
         assert ABORT_TIMEOUT <= raised["after"] < ABORT_TIMEOUT + 1.0, raised

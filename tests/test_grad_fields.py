@@ -3,6 +3,7 @@ extension and its Python twins mean the same, on awkward sizes and dtypes; a
 tensor subclass or a torch function mode still sees every access; the extension
 can be turned off, and a failed build is reported, not raised, and not retried;
 training gives the same bits with the extension on and off."""
+
 import logging
 import sys
 
@@ -30,12 +31,14 @@ def impl(request, monkeypatch):
 
 
 def _bucket(shapes, dtype=torch.float32):
-    params = [nn.Parameter(torch.randn(s).to(dtype), requires_grad=dtype.is_floating_point)
-              for s in shapes]
+    params = [
+        nn.Parameter(torch.randn(s).to(dtype), requires_grad=dtype.is_floating_point)
+        for s in shapes
+    ]
     buffer = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
     views, at = [], 0
     for p in params:
-        views.append(buffer[at:at + p.numel()].view(p.shape))
+        views.append(buffer[at : at + p.numel()].view(p.shape))
         at += p.numel()
     return params, views, buffer
 
@@ -76,8 +79,9 @@ def test_bad_values_are_refused(impl):
         impl.kept_apart([params[0], "not a tensor"], views)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16,
-                                   torch.int64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64]
+)
 def test_copy_into_copies_as_copy_does(impl, dtype):
     """Every pair as ``view.copy_(grad)`` would leave it, bit for bit, each view's
     version bumped: contiguous ones, a transposed and a channels-last gradient, one
@@ -94,6 +98,7 @@ def test_copy_into_copies_as_copy_does(impl, dtype):
         v.copy_(gr)
     before = [v._version for v in views]
     from hybridcomm.sync.buckets import copy_into
+
     copy_into(views, grads)
     assert torch.equal(buffer, expected)
     assert all(v._version > b for v, b in zip(views, before))
@@ -104,6 +109,7 @@ def test_copy_into_bumps_versions_as_a_multi_tensor_copy_does(impl):
     ``torch._foreach_copy_`` does (once per view), which is how a write into a
     bucket since the step is told from none (grad_hooks.py: the lean hooks)."""
     from hybridcomm.sync.buckets import copy_into
+
     shapes = [(7, 3), (5,), (2, 2, 2)]
     _, views, buffer = _bucket(shapes)
     _, reference_views, reference = _bucket(shapes)
@@ -193,9 +199,9 @@ def _train(rank, world, overlap, use_ext):
 
     fields._ext = None if use_ext else False
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05,
-                                                          momentum=0.9),
-                                          model=model, overlap=overlap)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model, overlap=overlap
+    )
     for s in range(5):
         x, y = batch(s)
         opt.zero_grad()
@@ -224,6 +230,7 @@ def _entry(p, calls, name):
 
     def hook(grad):
         calls.append(name)
+
     return (p, key, hook, OrderedDict({key: hook}))
 
 
@@ -286,8 +293,8 @@ def test_guards_of_cpp_call_before_the_add_only_while_on():
     seen = []  # (name, .grad as the guard found it)
 
     def before(i):
-        return lambda: seen.append((i, None if params[i].grad is None
-                                    else params[i].grad.clone()))
+        return lambda: seen.append((i, None if params[i].grad is None else params[i].grad.clone()))
+
     guards = [grad_fields.add_guard(p, before(i)) for i, p in enumerate(params)]
     _backward(params)
     assert seen == []  # off
@@ -306,6 +313,7 @@ def test_guards_of_cpp_call_before_the_add_only_while_on():
 
     def fails():
         raise ValueError("from a guard")
+
     failing = grad_fields.add_guard(params[1], fails)
     grad_fields.set_guards([failing], True)
     with pytest.raises(ValueError, match="from a guard"):
@@ -359,6 +367,7 @@ def test_class_switches(impl):
     def apply(p):
         applied.append(p)
         pending.release_all(params)
+
     pending.defer(params, apply)
     assert all(pending.is_pending(p) for p in params)
     params[1] * 2  # a read applies it

@@ -9,6 +9,7 @@ Each run's parameters must equal one process's on the whole batch (the same
 script, no launcher), which runs at the same time. The rest checks the
 helpers' answers to a single process and to bad input, in this process.
 """
+
 import ast
 import os
 import re
@@ -21,8 +22,11 @@ import torch.nn as nn
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import (DDPCommunicationHookType, DistributedDataParallelKwargs,
-                               DistributedType)
+from accelerate.utils import (
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    DistributedType,
+)
 
 import hybridcomm.integrations.accelerate as hca
 from hybridcomm.base.errors import HybridCommError
@@ -33,8 +37,18 @@ SCRIPT = os.path.join(ROOT, "examples", "accelerate_train.py")
 # of the whole batch: the same numbers summed in another order, a few fp32
 # roundings per step, scaled by the values' size (the repository's convention).
 RTOL = ATOL = 64 * torch.finfo(torch.float32).eps
-ARGS = ["--steps", "6", "--global-batch-size", "16", "--accumulation", "1,2",
-        "--overlap", "backward,forward", "--max-grad-norm", "0.1"]  # 0.1: every step clips
+ARGS = [
+    "--steps",
+    "6",
+    "--global-batch-size",
+    "16",
+    "--accumulation",
+    "1,2",
+    "--overlap",
+    "backward,forward",
+    "--max-grad-norm",
+    "0.1",
+]  # 0.1: every step clips
 RUNS = [(o, a) for o in ("backward", "forward") for a in (1, 2)]
 
 
@@ -47,19 +61,39 @@ def _line(out, pattern):
 
 
 def test_two_processes_equal_one_on_the_whole_batch(tmp_path):
-    two = start([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-                  "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-                  "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-                  SCRIPT, *ARGS, "--bucket-cap-mb", "0.005",  # DDP: two buckets
-                  "--params-out", str(tmp_path / "two")])
+    two = start(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            SCRIPT,
+            *ARGS,
+            "--bucket-cap-mb",
+            "0.005",  # DDP: two buckets
+            "--params-out",
+            str(tmp_path / "two"),
+        ]
+    )
     one = start([sys.executable, SCRIPT, *ARGS, "--params-out", str(tmp_path / "one")])
     out_one, out_two = finish_all(one, two)
 
     for overlap, acc in RUNS:
         label = f"overlap {overlap}, accumulation {acc}"
         # the same clipping in both: all 6 steps, on the averaged gradients
-        summary_two, summary_one = (_line(out, rf"{label}: final loss (.*)")
-                                    for out in (out_two, out_one))
+        summary_two, summary_one = (
+            _line(out, rf"{label}: final loss (.*)") for out in (out_two, out_one)
+        )
         assert "over 6 steps (6 clipped), 2 process(es), hybridcomm" in summary_two, summary_two
         assert "over 6 steps (6 clipped), 1 process(es)" in summary_one, summary_one
         # hybridcomm ran: the hook's buckets, or the optimizer's plan and bytes
@@ -67,24 +101,33 @@ def test_two_processes_equal_one_on_the_whole_batch(tmp_path):
             algos = ast.literal_eval(_line(out_two, rf"{label}: hybridcomm algorithms (.*)"))
             assert len(algos) == 2, algos  # both DDP buckets went through the hook
         else:
-            m = re.search(rf"{label}: hybridcomm optimizer algorithms (\[.*\]), last step sent "
-                          rf"(\d+) bytes", out_two)
+            m = re.search(
+                rf"{label}: hybridcomm optimizer algorithms (\[.*\]), last step sent "
+                rf"(\d+) bytes",
+                out_two,
+            )
             assert m and ast.literal_eval(m.group(1)) and int(m.group(2)) > 0, out_two[-3000:]
-        digests = set(re.findall(rf"\[rank \d\] {label}: parameters sha256 ([0-9a-f]{{16}})$",
-                                 out_two, re.M))
+        digests = set(
+            re.findall(rf"\[rank \d\] {label}: parameters sha256 ([0-9a-f]{{16}})$", out_two, re.M)
+        )
         assert len(re.findall(rf"\[rank \d\] {label}: parameters", out_two)) == 2
         assert len(digests) == 1, digests  # every rank holds the same parameters
         got = torch.load(tmp_path / f"two.{overlap}.acc{acc}.pt")
         want = torch.load(tmp_path / f"one.{overlap}.acc{acc}.pt")
-        assert torch.allclose(got, want, rtol=RTOL, atol=ATOL), \
-            (label, (got - want).abs().max().item())
+        assert torch.allclose(got, want, rtol=RTOL, atol=ATOL), (
+            label,
+            (got - want).abs().max().item(),
+        )
     # the two routes train the same: in one process they are the same code
     for acc in (1, 2):
-        assert torch.equal(torch.load(tmp_path / f"one.backward.acc{acc}.pt"),
-                           torch.load(tmp_path / f"one.forward.acc{acc}.pt"))
+        assert torch.equal(
+            torch.load(tmp_path / f"one.backward.acc{acc}.pt"),
+            torch.load(tmp_path / f"one.forward.acc{acc}.pt"),
+        )
 
 
 # ------------------------------------------------------------------ in this process
+
 
 @pytest.fixture
 def accelerator():
@@ -96,8 +139,9 @@ def accelerator():
 
 @pytest.fixture
 def one_rank(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     yield
     from hybridcomm.comm.calibration import set_active
 

@@ -10,6 +10,7 @@ all-reduce): a few fp32 roundings per step, scaled by the values' size. With
 2 ranks every all-reduce algorithm adds the same two numbers, so hybridcomm
 and stock DDP give the same bits: the bf16-autocast run (whose bf16 roundings
 depend on the batch size) is compared with stock DDP bitwise."""
+
 import json
 import sys
 
@@ -32,12 +33,42 @@ ALWAYS_DEFER = '{"cost_model": "default", "measure_iters": 0}'
 # name -> lightning_train.py arguments. "resumed" reads "full"'s checkpoint.
 RUNS = {
     "hook": ["--route", "hook", "--epochs", "2"],
-    "full": ["--route", "strategy", "--overlap", "forward", "--epochs", "2",
-             "--ckpt-dir", "{tmp}/ckpt", "--hybridcomm-options", ALWAYS_DEFER],
-    "resumed": ["--route", "strategy", "--overlap", "forward", "--epochs", "2",
-                "--resume", "{tmp}/ckpt/epoch=0.ckpt", "--hybridcomm-options", ALWAYS_DEFER],
-    "accum": ["--route", "strategy", "--accumulate", "2", "--clip", "0.05",
-              "--hybridcomm-options", ALWAYS_DEFER, "--batch-size", "8"],
+    "full": [
+        "--route",
+        "strategy",
+        "--overlap",
+        "forward",
+        "--epochs",
+        "2",
+        "--ckpt-dir",
+        "{tmp}/ckpt",
+        "--hybridcomm-options",
+        ALWAYS_DEFER,
+    ],
+    "resumed": [
+        "--route",
+        "strategy",
+        "--overlap",
+        "forward",
+        "--epochs",
+        "2",
+        "--resume",
+        "{tmp}/ckpt/epoch=0.ckpt",
+        "--hybridcomm-options",
+        ALWAYS_DEFER,
+    ],
+    "accum": [
+        "--route",
+        "strategy",
+        "--accumulate",
+        "2",
+        "--clip",
+        "0.05",
+        "--hybridcomm-options",
+        ALWAYS_DEFER,
+        "--batch-size",
+        "8",
+    ],
     "bf16": ["--route", "strategy", "--overlap", "backward", "--precision", "bf16-mixed"],
     "bf16_ddp": ["--route", "ddp", "--precision", "bf16-mixed"],
 }
@@ -47,8 +78,19 @@ RUNS = {
 def two_processes(tmp_path_factory):
     """name -> what rank 0 saved for that run (the parameters, steps, proof)."""
     tmp = tmp_path_factory.mktemp("two")
-    runs = [[name, ["--devices", "2", *(a.replace("{tmp}", str(tmp)) for a in args),
-                    "--out", str(tmp / f"{name}.pt")]] for name, args in RUNS.items()]
+    runs = [
+        [
+            name,
+            [
+                "--devices",
+                "2",
+                *(a.replace("{tmp}", str(tmp)) for a in args),
+                "--out",
+                str(tmp / f"{name}.pt"),
+            ],
+        ]
+        for name, args in RUNS.items()
+    ]
     run_script("tests/lightning_runs.py", [json.dumps(runs)], nprocs=2, timeout=480)
     return {name: torch.load(tmp / f"{name}.pt") for name in RUNS}
 
@@ -93,8 +135,9 @@ def test_strategy_accumulation_and_clipping(two_processes, tmp_path):
     """accumulate_grad_batches=2 (the first micro-batch under no_sync) and
     gradient_clip_val (the clip reads the reduced gradients)."""
     got = two_processes["accum"]
-    ref = _one_process(tmp_path, "accum_ref", "--accumulate", "2", "--clip", "0.05",
-                       "--batch-size", "16")
+    ref = _one_process(
+        tmp_path, "accum_ref", "--accumulate", "2", "--clip", "0.05", "--batch-size", "16"
+    )
     _close(got, ref)
 
 

@@ -9,6 +9,7 @@ same time. The logged losses, gradient norms (taken on the averaged gradients,
 before clipping) and final parameters must agree. The rest checks the
 callback's logic on a stand-in Trainer, in this process.
 """
+
 import ast
 import json
 import os
@@ -41,11 +42,13 @@ ARGS = ["--steps", "6", "--accumulation", "2", "--max-grad-norm", "0.2"]
 
 def _run_logs(out, run):
     """The logged losses, gradient norms and unrounded mean loss of ``run``."""
+
     def one(pattern):
         found = re.findall(rf"\b{run}: {pattern}$", out, re.M)  # whole lines; a rank's
         # stderr may precede one
         assert len(found) == 1, (run, pattern, out[-3000:])
         return found[0]
+
     losses = json.loads(one(r"losses (\[.*\])"))
     norms = json.loads(one(r"grad_norms (\[.*\])"))
     mean = float(one(r".*mean loss (\S+)"))
@@ -54,16 +57,43 @@ def _run_logs(out, run):
 
 
 def _close(a, b, atol=ATOL):
-    return torch.allclose(torch.tensor(a, dtype=torch.float64),
-                          torch.tensor(b, dtype=torch.float64), rtol=RTOL, atol=atol)
+    return torch.allclose(
+        torch.tensor(a, dtype=torch.float64),
+        torch.tensor(b, dtype=torch.float64),
+        rtol=RTOL,
+        atol=atol,
+    )
 
 
 def test_trainer_with_hybridcomm_equals_stock_ddp_and_one_process(tmp_path):
-    two = start([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                  "--nproc-per-node", "2", SCRIPT, *ARGS, "--per-device-batch-size", "8",
-                  "--also-stock", "--params-out", str(tmp_path / "two")])
-    one = start([sys.executable, SCRIPT, *ARGS, "--per-device-batch-size", "16",
-                  "--params-out", str(tmp_path / "one")])
+    two = start(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            SCRIPT,
+            *ARGS,
+            "--per-device-batch-size",
+            "8",
+            "--also-stock",
+            "--params-out",
+            str(tmp_path / "two"),
+        ]
+    )
+    one = start(
+        [
+            sys.executable,
+            SCRIPT,
+            *ARGS,
+            "--per-device-batch-size",
+            "16",
+            "--params-out",
+            str(tmp_path / "one"),
+        ]
+    )
     out_one, out_two = finish_all(one, two)
 
     assert "hybridcomm: 2 process(es), accumulation 2" in out_two
@@ -74,28 +104,37 @@ def test_trainer_with_hybridcomm_equals_stock_ddp_and_one_process(tmp_path):
     assert len(found) == 1 and ast.literal_eval(found[0]), out_two[-3000:]
     assert "hybridcomm algorithms" not in out_one
 
-    hybrid, stock, single = (_run_logs(out_two, "hybridcomm"), _run_logs(out_two, "stock"),
-                             _run_logs(out_one, "hybridcomm"))
+    hybrid, stock, single = (
+        _run_logs(out_two, "hybridcomm"),
+        _run_logs(out_two, "stock"),
+        _run_logs(out_one, "hybridcomm"),
+    )
     assert sum(n > 0.2 for n in hybrid[1]) >= 2  # clipping changed some steps
     params = torch.load(tmp_path / "two.hybridcomm.pt")
-    for name, (losses, norms, mean), other in (("stock DDP", stock, "two.stock.pt"),
-                                               ("one process", single, "one.hybridcomm.pt")):
+    for name, (losses, norms, mean), other in (
+        ("stock DDP", stock, "two.stock.pt"),
+        ("one process", single, "one.hybridcomm.pt"),
+    ):
         assert _close(hybrid[0], losses, LOGGED_LOSS_ATOL), (name, hybrid[0], losses)
         assert _close(hybrid[1], norms), (name, hybrid[1], norms)
         assert _close(hybrid[2], mean), (name, hybrid[2], mean)
         want = torch.load(tmp_path / other)
-        assert torch.allclose(params, want, rtol=RTOL, atol=ATOL), \
-            (name, (params - want).abs().max().item())
+        assert torch.allclose(params, want, rtol=RTOL, atol=ATOL), (
+            name,
+            (params - want).abs().max().item(),
+        )
 
 
 # ------------------------------------------------------------------ in this process
+
 
 @pytest.fixture
 def stand_in(tmp_path):
     """A Trainer as on_train_begin sees it (its accelerator and wrapped model), on a
     one-rank gloo group; no training loop."""
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
     trainer = transformers.Trainer.__new__(transformers.Trainer)
     trainer.accelerator = Accelerator(cpu=True)
     yield trainer
@@ -136,8 +175,9 @@ def test_the_callback_registers_once_per_ddp_model(stand_in, monkeypatch):
 
     # several processes, but no DDP model: DeepSpeed, FSDP
     monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))
-    monkeypatch.setattr(Accelerator, "distributed_type",
-                        property(lambda self: DistributedType.FSDP))
+    monkeypatch.setattr(
+        Accelerator, "distributed_type", property(lambda self: DistributedType.FSDP)
+    )
     stand_in.model_wrapped = _model()
     with pytest.raises(HybridCommError, match="FSDP"):
         hct.HybridCommCallback(stand_in).on_train_begin(None, None, None)

@@ -6,6 +6,7 @@ and with hybridcomm's, in one process group, and compares the final
 parameters (DDP leaves every rank with a last joiner's). Rank r is r batches
 short, or one rank has no batch at all; the plan has two buckets and is
 re-made at step 3, after a rank joined (its measured steps are 3)."""
+
 import os
 import time
 
@@ -32,8 +33,10 @@ def _model():
 
 def _batches(rank, counts, micro=1):
     g = torch.Generator().manual_seed(100 + rank)
-    return [[(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g))
-             for _ in range(micro)] for _ in range(counts[rank])]
+    return [
+        [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(micro)]
+        for _ in range(counts[rank])
+    ]
 
 
 def _loss(model, x, y):
@@ -63,11 +66,20 @@ def _ddp(rank, counts, divide, micro=1):
 def _hybridcomm(rank, counts, divide, overlap, micro=1, compression=None, torch_join=False):
     model = _model()
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), model=model, overlap=overlap,
-        fusion_bytes=200, cost_model="default", compression=compression, measure_iters=3,
-        timeout=30)
-    context = (Join([opt], divide_by_initial_world_size=divide) if torch_join
-               else opt.join(divide_by_initial_world_size=divide))
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9),
+        model=model,
+        overlap=overlap,
+        fusion_bytes=200,
+        cost_model="default",
+        compression=compression,
+        measure_iters=3,
+        timeout=30,
+    )
+    context = (
+        Join([opt], divide_by_initial_world_size=divide)
+        if torch_join
+        else opt.join(divide_by_initial_world_size=divide)
+    )
     with context:
         for batch in _batches(rank, counts, micro):
             opt.zero_grad()
@@ -79,22 +91,33 @@ def _hybridcomm(rank, counts, divide, overlap, micro=1, compression=None, torch_
                     _loss(model, x, y).backward()
             opt.step()
     params = _flat(model)
-    momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
-                          for p in model.parameters()])
+    momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
     steps = opt.state_dict()["hybridcomm"]["steps"]
     total = torch.tensor([float(rank)])
     hybridcomm.all_reduce(total)  # a collective after the loop finds every rank there
     # one more step on every rank: they go on together
     x, y = _batches(rank, [1, 1, 1])[0][0]
-    opt.zero_grad(); _loss(model, x, y).backward(); opt.step(); opt.synchronize()
+    opt.zero_grad()
+    _loss(model, x, y).backward()
+    opt.step()
+    opt.synchronize()
     after = _flat(model)
     opt.close()
-    return {"params": params, "momentum": momentum, "steps": steps, "sum": total.item(),
-            "after": after}
+    return {
+        "params": params,
+        "momentum": momentum,
+        "steps": steps,
+        "sum": total.item(),
+        "after": after,
+    }
 
 
-CASES = [(counts, divide, overlap) for counts in (SHORT, ONE_EMPTY) for divide in (True, False)
-         for overlap in ("forward", "backward", "none")]
+CASES = [
+    (counts, divide, overlap)
+    for counts in (SHORT, ONE_EMPTY)
+    for divide in (True, False)
+    for overlap in ("forward", "backward", "none")
+]
 
 
 def _against_ddp(rank, world, simulate):
@@ -104,11 +127,14 @@ def _against_ddp(rank, world, simulate):
     for counts, divide, overlap in CASES:
         key = (str(counts), divide, overlap)
         out[key] = (_ddp(rank, counts, divide), _hybridcomm(rank, counts, divide, overlap))
-    out["accumulation+fp16"] = (_ddp(rank, SHORT, True, micro=2),
-                                _hybridcomm(rank, SHORT, True, "forward", micro=2,
-                                            compression="fp16"))
-    out["torch Join"] = (_ddp(rank, ONE_EMPTY, True),
-                         _hybridcomm(rank, ONE_EMPTY, True, "backward", torch_join=True))
+    out["accumulation+fp16"] = (
+        _ddp(rank, SHORT, True, micro=2),
+        _hybridcomm(rank, SHORT, True, "forward", micro=2, compression="fp16"),
+    )
+    out["torch Join"] = (
+        _ddp(rank, ONE_EMPTY, True),
+        _hybridcomm(rank, ONE_EMPTY, True, "backward", torch_join=True),
+    )
     return out
 
 
@@ -120,7 +146,10 @@ def _check(results, key, rtol, steps):
         ddp, got = r[key]
         assert torch.equal(ddp, ref), (key, "DDP's ranks differ")
         assert torch.allclose(got["params"], ref, rtol=rtol, atol=rtol), (
-            key, rank, (got["params"] - ref).abs().max().item())
+            key,
+            rank,
+            (got["params"] - ref).abs().max().item(),
+        )
         for field in ("params", "momentum", "after"):
             assert torch.equal(got[field], results[0][key][1][field]), (key, rank, field)
         assert got["steps"] == steps, (key, rank, got["steps"])  # a joined rank counts them
@@ -138,20 +167,31 @@ def test_join_gives_ddps_join_numbers_in_every_mode(simulate):
     _check(results, "torch Join", 64 * EPS32, max(ONE_EMPTY))
     # the cases can fail: the two divisors give different numbers
     first = results[0]
-    assert not torch.allclose(first[(str(SHORT), True, "forward")][0],
-                              first[(str(SHORT), False, "forward")][0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(
+        first[(str(SHORT), True, "forward")][0],
+        first[(str(SHORT), False, "forward")][0],
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def _throws(rank, world):
     model = _model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
-                                          model=model, overlap="backward", fusion_bytes=200,
-                                          cost_model="default", timeout=30)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model=model,
+        overlap="backward",
+        fusion_bytes=200,
+        cost_model="default",
+        timeout=30,
+    )
     t0, error, steps = time.monotonic(), None, 0
     try:
         with opt.join(throw_on_early_termination=True):
-            for (x, y), in _batches(rank, SHORT):
-                opt.zero_grad(); _loss(model, x, y).backward(); opt.step()
+            for ((x, y),) in _batches(rank, SHORT):
+                opt.zero_grad()
+                _loss(model, x, y).backward()
+                opt.step()
                 steps += 1
     except RuntimeError as e:
         error = str(e)
@@ -186,9 +226,11 @@ class _Other(Joinable):
 
 def _refusals(rank, world):
     """Each combination a join cannot shadow: its error, on every rank."""
+
     def refused(inner, model, join):
-        opt = hybridcomm.DistributedOptimizer(inner, model=model, overlap="backward",
-                                              cost_model="default", timeout=30)
+        opt = hybridcomm.DistributedOptimizer(
+            inner, model=model, overlap="backward", cost_model="default", timeout=30
+        )
         try:
             join(opt)
             return None
@@ -198,22 +240,27 @@ def _refusals(rank, world):
             opt.close()
 
     model, sparse = _model(), nn.Embedding(10, 3, sparse=True)
-    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD,
-                                  lr=LR)
-    sharded = hybridcomm.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=LR),
-                                              shard="optimizer", cost_model="default",
-                                              timeout=30)
+    zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=LR)
+    sharded = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(_model().parameters(), lr=LR),
+        shard="optimizer",
+        cost_model="default",
+        timeout=30,
+    )
     try:
         sharded.join()
         shard_error = None
     except hybridcomm.HybridCommError as e:
         shard_error = str(e)
     sharded.close()
-    return [refused(torch.optim.SGD(model.parameters(), lr=LR), model,
-                    lambda opt: Join([_Other(), opt])),
-            refused(zero, model, lambda opt: opt.join()),
-            refused(torch.optim.SGD(sparse.parameters(), lr=LR), sparse,
-                    lambda opt: opt.join()), shard_error]
+    return [
+        refused(
+            torch.optim.SGD(model.parameters(), lr=LR), model, lambda opt: Join([_Other(), opt])
+        ),
+        refused(zero, model, lambda opt: opt.join()),
+        refused(torch.optim.SGD(sparse.parameters(), lr=LR), sparse, lambda opt: opt.join()),
+        shard_error,
+    ]
 
 
 def test_what_a_join_cannot_shadow_is_refused_on_every_rank():

@@ -18,8 +18,15 @@ import sys
 import pytest
 import torch
 
-from kernel_checks import (BLOCKS, DTYPES, SIZES, allowed_ulps, assert_scale_is_fp64,
-                           assert_within_ulps, launched_ptx)
+from kernel_checks import (
+    BLOCKS,
+    DTYPES,
+    SIZES,
+    allowed_ulps,
+    assert_scale_is_fp64,
+    assert_within_ulps,
+    launched_ptx,
+)
 
 from hybridcomm import kernels as K
 
@@ -143,6 +150,7 @@ def test_pack_rejects_bad_arguments(fn):
     if fn == "ref":
         call = K.pack_ref
     else:
+
         def call(*args, **kwargs):
             return K.pack(*args, impl=fn, **kwargs)
 
@@ -170,6 +178,7 @@ def test_unpack_rejects_bad_arguments(fn):
     if fn == "ref":
         call = K.unpack_ref
     else:
+
         def call(*args, **kwargs):
             return K.unpack(*args, impl=fn, **kwargs)
 
@@ -236,6 +245,7 @@ def test_launch_tables_are_kept_for_every_bucket_of_a_large_model():
     """A model with more buckets than a small cache holds: after the first step
     every bucket's table is reused, none rebuilt."""
     from hybridcomm.kernels import _triton
+
     buckets = [[torch.randn(3), torch.randn(2)] for _ in range(300)]
     flats = [torch.empty(5) for _ in buckets]
     for step in range(2):
@@ -276,8 +286,8 @@ def test_pack_unpack_at_offsets_match_ref_and_leave_the_gaps(n, dtype, block):
     assert torch.equal(got, ref)
     gap = torch.ones(total + 3, dtype=torch.bool)
     for t, o in zip(tensors, offsets):
-        assert torch.equal(got[o:o + t.numel()], t.reshape(-1))
-        gap[o:o + t.numel()] = False
+        assert torch.equal(got[o : o + t.numel()], t.reshape(-1))
+        gap[o : o + t.numel()] = False
     assert (got[gap] == -99).all()
 
     back = [torch.empty_like(t) for t in tensors]
@@ -321,11 +331,14 @@ def test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32(monkeypatch,
     is multiplied by it in fp64, fp32 data by its fp32 rounding in fp32."""
     tensors, flat = [torch.ones(10, dtype=dtype)], torch.ones(10, dtype=dtype)
     if op == "pack":
+
         def launch():
             K.pack(tensors, flat, scale=1 / 3, impl="triton")
     else:
+
         def launch():
             K.unpack(flat, tensors, scale=1 / 3, impl="triton")
+
     assert_scale_is_fp64(*launched_ptx(monkeypatch, op, launch), op, dtype)
 
 
@@ -335,8 +348,9 @@ def test_fp64_pack_and_unpack_scale_in_exact_fp64(world):
     tensors = [torch.randn(n, generator=gen, dtype=torch.float64) for n in (7, 1000, 1)]
     flat = K.pack(tensors, scale=1.0 / world, impl="triton", _block=128)
     assert torch.equal(flat, torch.cat(tensors) * (1.0 / world))
-    back = K.unpack(flat, [torch.empty_like(t) for t in tensors], scale=1.0 / world,
-                    impl="triton", _block=128)
+    back = K.unpack(
+        flat, [torch.empty_like(t) for t in tensors], scale=1.0 / world, impl="triton", _block=128
+    )
     for b, f in zip(back, flat.split([t.numel() for t in tensors])):
         assert torch.equal(b, f * (1.0 / world))
 
@@ -355,6 +369,7 @@ def test_a_seen_layout_builds_no_rows_and_costs_the_same_whatever_its_blocks(mon
     Rows are built once per layout; a launch of a seen layout makes the same
     Python calls for 4 blocks as for 4096."""
     from hybridcomm.kernels import _triton
+
     module = importlib.import_module(f"hybridcomm.kernels.{op}")
     monkeypatch.setattr(module, f"_{op}_kernel", _NoLaunch())
     real_rows, built = _triton.block_rows, []
@@ -362,6 +377,7 @@ def test_a_seen_layout_builds_no_rows_and_costs_the_same_whatever_its_blocks(mon
     def counted_rows(members, block):
         built.append(block)
         return real_rows(members, block)
+
     monkeypatch.setattr(_triton, "block_rows", counted_rows)
 
     def launch(tensors, flat):
@@ -375,6 +391,7 @@ def test_a_seen_layout_builds_no_rows_and_costs_the_same_whatever_its_blocks(mon
 
         def profile(frame, event, arg):
             calls[0] += event in ("call", "c_call")
+
         sys.setprofile(profile)
         try:
             launch(tensors, flat)
@@ -395,16 +412,18 @@ def test_a_seen_layout_builds_no_rows_and_costs_the_same_whatever_its_blocks(mon
 
 @pytest.mark.parametrize("dst_dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("src_dtype", DTYPES, ids=lambda d: str(d)[6:])
-def test_every_dtype_pair_scales_like_the_reference_in_fp64_where_either_is(src_dtype,
-                                                                           dst_dtype):
+def test_every_dtype_pair_scales_like_the_reference_in_fp64_where_either_is(src_dtype, dst_dtype):
     """Scaled in fp64 (the fp64 scale) where the source or the destination is fp64,
     else in fp32: the kernels and the references alike, at a scale fp32 cannot hold."""
     gen = torch.Generator().manual_seed(11)
     sizes = (7, 1000, 1)
     tensors = [torch.randn(n, generator=gen).to(src_dtype) for n in sizes]
     packed = K.pack(tensors, scale=1 / 3, dtype=dst_dtype, impl="triton", _block=128)
-    assert_within_ulps(packed, K.pack_ref(tensors, scale=1 / 3, dtype=dst_dtype),
-                       allowed_ulps(dst_dtype, src_dtype))
+    assert_within_ulps(
+        packed,
+        K.pack_ref(tensors, scale=1 / 3, dtype=dst_dtype),
+        allowed_ulps(dst_dtype, src_dtype),
+    )
     flat = torch.randn(sum(sizes), generator=gen).to(src_dtype)
     got = [torch.empty(n, dtype=dst_dtype) for n in sizes]
     ref = [torch.empty(n, dtype=dst_dtype) for n in sizes]
@@ -430,11 +449,11 @@ def test_plans_equal_the_one_shot_calls_and_the_references(n, dtype, wire, block
     tensors = _tensors(n, dtype, gen, integer=True)
     offsets, total = _aligned_offsets(tensors)
     flat = torch.full((total + 3,), -99.0, dtype=wire)
-    pack_again = K.pack_plan(tensors, flat, offsets=offsets, scale=0.5, impl="triton",
-                             _block=block)
+    pack_again = K.pack_plan(tensors, flat, offsets=offsets, scale=0.5, impl="triton", _block=block)
     back = [torch.empty_like(t) for t in tensors]
-    unpack_again = K.unpack_plan(flat, back, offsets=offsets, scale=2.0, impl="triton",
-                                 _block=block)
+    unpack_again = K.unpack_plan(
+        flat, back, offsets=offsets, scale=2.0, impl="triton", _block=block
+    )
     for run in range(2):
         for t in tensors:
             t.copy_(torch.randint(-8, 8, t.shape, generator=gen))
@@ -454,8 +473,11 @@ def test_plans_of_random_data_match_the_references(impl):
     tensors = [torch.randn(s, generator=gen) for s in [(1000,), (3, 5), (0,), (1,), (4099,)]]
     wire = torch.empty(sum(t.numel() for t in tensors), dtype=torch.bfloat16)
     K.pack_plan(tensors, wire, scale=1 / 3, impl=impl)()
-    assert_within_ulps(wire, K.pack_ref(tensors, torch.empty_like(wire), scale=1 / 3),
-                       allowed_ulps(torch.bfloat16) if impl == "triton" else 0)
+    assert_within_ulps(
+        wire,
+        K.pack_ref(tensors, torch.empty_like(wire), scale=1 / 3),
+        allowed_ulps(torch.bfloat16) if impl == "triton" else 0,
+    )
     got = [torch.empty_like(t) for t in tensors]
     ref = K.unpack_ref(wire, [torch.empty_like(t) for t in tensors], scale=3.0)
     K.unpack_plan(wire, got, scale=3.0, impl=impl)()
@@ -469,12 +491,16 @@ def test_a_plan_launches_once_per_call_with_no_per_tensor_work(monkeypatch, op):
     (one dtype), builds no rows, and makes the same Python calls for 4 tensors of
     one block as for 64 tensors of many blocks."""
     from hybridcomm.kernels import _triton
+
     module = importlib.import_module(f"hybridcomm.kernels.{op}")
     counter = _CountingKernel(_NoLaunch())
     monkeypatch.setattr(module, f"_{op}_kernel", counter)
     real_rows, built = _triton.block_rows, []
-    monkeypatch.setattr(_triton, "block_rows",
-                        lambda members, block: built.append(block) or real_rows(members, block))
+    monkeypatch.setattr(
+        _triton,
+        "block_rows",
+        lambda members, block: built.append(block) or real_rows(members, block),
+    )
 
     def plan(count, size):
         tensors = [torch.zeros(size) for _ in range(count)]
@@ -492,6 +518,7 @@ def test_a_plan_launches_once_per_call_with_no_per_tensor_work(monkeypatch, op):
 
         def profile(frame, event, arg):
             calls[0] += event in ("call", "c_call")
+
         sys.setprofile(profile)
         try:
             run()
@@ -533,6 +560,7 @@ def test_a_plan_keeps_the_memory_it_writes_alive():
     which it keeps alive as long as it lives, never into memory freed and handed
     to someone else."""
     from torch.multiprocessing.reductions import StorageWeakRef
+
     p = torch.nn.Parameter(torch.zeros(1000))
     old = StorageWeakRef(p.untyped_storage())
     again = K.unpack_plan(torch.ones(1000), [p], impl="triton")
@@ -545,15 +573,19 @@ def test_a_plan_keeps_the_memory_it_writes_alive():
     assert old.expired()
 
 
-@pytest.mark.parametrize("members, aligned", [
-    ([(0, 0), (0, 24)], True),  # 16-byte addresses, offsets multiples of 4 fp32 elements
-    ([(0, 0), (0, 22)], False),  # an offset that is no multiple of 4
-    ([(1, 0)], False),  # a misaligned view
-])
+@pytest.mark.parametrize(
+    "members, aligned",
+    [
+        ([(0, 0), (0, 24)], True),  # 16-byte addresses, offsets multiples of 4 fp32 elements
+        ([(0, 0), (0, 22)], False),  # an offset that is no multiple of 4
+        ([(1, 0)], False),  # a misaligned view
+    ],
+)
 def test_the_table_kernels_assume_alignment_only_where_every_row_has_it(members, aligned):
     from hybridcomm.kernels import _triton
+
     buf, flat = torch.zeros(1 << 12), torch.zeros(64)
-    members = [(buf[start:start + 100], offset) for start, offset in members]
+    members = [(buf[start : start + 100], offset) for start, offset in members]
     alignment = _triton.row_alignment(members, 16)
     vec = _triton.flat_vec(alignment, flat)
     assert vec == (4 if aligned else 0)
@@ -566,6 +598,7 @@ def test_the_table_kernels_assume_alignment_only_where_every_row_has_it(members,
 
 def test_the_gpu_launch_geometry():
     from hybridcomm.kernels import _triton
+
     assert _triton.geometry(1000, True) == (1024, 4)
     assert _triton.geometry(1 << 22, True) == (4096, 8)
     assert _triton.geometry(10, True, 128) == (128, 4)

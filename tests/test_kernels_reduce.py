@@ -8,14 +8,22 @@ truncates where torch (and the GPU) round to nearest even. fp64 averages are
 exact fp64 arithmetic (an fp64 scale), checked in the interpreter and in the
 PTX Triton compiles for a GPU from the launcher's own arguments.
 """
+
 import importlib
 import types
 
 import pytest
 import torch
 
-from kernel_checks import (BLOCKS, DTYPES, SIZES, allowed_ulps, assert_scale_is_fp64,
-                           assert_within_ulps, launched_ptx)
+from kernel_checks import (
+    BLOCKS,
+    DTYPES,
+    SIZES,
+    allowed_ulps,
+    assert_scale_is_fp64,
+    assert_within_ulps,
+    launched_ptx,
+)
 
 from hybridcomm import kernels as K
 from hybridcomm.kernels._triton import use_triton
@@ -115,6 +123,7 @@ def test_reduce_rejects_bad_arguments(fn):
     if fn == "ref":
         call = K.reduce_ref
     else:
+
         def call(*args, **kwargs):
             return K.reduce(*args, impl=fn, **kwargs)
 
@@ -182,15 +191,28 @@ def test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32(monkeypatch,
     multiplied by it in fp64, and other data by its fp32 rounding in fp32 (as
     torch's reference does)."""
     dst, src = torch.ones(10, dtype=dtype), torch.ones(10, dtype=dtype)
-    assert_scale_is_fp64(*launched_ptx(
-        monkeypatch, "reduce", lambda: K.reduce(dst, src, scale=1 / 3, impl="triton")),
-        "reduce", dtype)
+    assert_scale_is_fp64(
+        *launched_ptx(
+            monkeypatch, "reduce", lambda: K.reduce(dst, src, scale=1 / 3, impl="triton")
+        ),
+        "reduce",
+        dtype,
+    )
 
 
 # -- the direct launch (kernels/_triton.py: launch) ---------------------------------------
 def _reduce_args(dst, src, out=None, scale=None, block=1024):
-    return (dst, src, dst if out is None else out, dst.numel(), 1.0 if scale is None else scale,
-            tl.float32, scale is not None, out is not None, block)
+    return (
+        dst,
+        src,
+        dst if out is None else out,
+        dst.numel(),
+        1.0 if scale is None else scale,
+        tl.float32,
+        scale is not None,
+        out is not None,
+        block,
+    )
 
 
 def _reduce_arg_sets():
@@ -202,12 +224,15 @@ def _reduce_arg_sets():
     sets = []
     for start in (0, 1, 4):
         for n in (1, 16, 17, 32, 4099):
-            sets.append(_reduce_args(buf[start:start + n], other[:n]))
-    sets += [_reduce_args(buf[:16], half[:16]), _reduce_args(buf[:16], half[1:17]),
-             _reduce_args(buf[:16], other[:16], scale=0.5),
-             _reduce_args(buf[:16], other[:16], scale=0.25),
-             _reduce_args(buf[:16], other[:16], out=half[:16]),
-             _reduce_args(buf[:16], other[:16], block=4096)]
+            sets.append(_reduce_args(buf[start : start + n], other[:n]))
+    sets += [
+        _reduce_args(buf[:16], half[:16]),
+        _reduce_args(buf[:16], half[1:17]),
+        _reduce_args(buf[:16], other[:16], scale=0.5),
+        _reduce_args(buf[:16], other[:16], scale=0.25),
+        _reduce_args(buf[:16], other[:16], out=half[:16]),
+        _reduce_args(buf[:16], other[:16], block=4096),
+    ]
     return sets
 
 
@@ -227,8 +252,9 @@ def test_the_launch_key_separates_exactly_what_tritons_binder_specializes():
 
     module = importlib.import_module("hybridcomm.kernels.reduce")
     fn = JITFunction(getattr(module._reduce_kernel, "fn", module._reduce_kernel))
-    binder = create_function_from_signature(fn.signature, fn.params,
-                                            CUDABackend(GPUTarget("cuda", 90, 32)))
+    binder = create_function_from_signature(
+        fn.signature, fn.params, CUDABackend(GPUTarget("cuda", 90, 32))
+    )
     constexpr = [p.is_constexpr for p in fn.params]
     sets = _reduce_arg_sets()
     ours = [_triton.specialization_key(args, constexpr) for args in sets]
@@ -278,10 +304,13 @@ def direct(monkeypatch):
     monkeypatch.setattr(_triton, "_current_device", lambda: 0)
     monkeypatch.setattr(_triton, "_HOOK_OWNERS", [])
     monkeypatch.setattr(_triton, "_compiled", {})
-    direct = types.SimpleNamespace(kernel=kernel, log=log, compiled=compiled,
-                                   takes=["a_ptr", "n", "scale", "FLAG", "BLOCK"],
-                                   launch=lambda args, warps=4: _triton.launch(kernel, 3, warps, 0,
-                                                                               args))
+    direct = types.SimpleNamespace(
+        kernel=kernel,
+        log=log,
+        compiled=compiled,
+        takes=["a_ptr", "n", "scale", "FLAG", "BLOCK"],
+        launch=lambda args, warps=4: _triton.launch(kernel, 3, warps, 0, args),
+    )
     return direct
 
 
@@ -293,12 +322,32 @@ def test_a_seen_specialization_is_launched_through_its_compiled_launcher(direct)
     assert direct.log[0][1] == (3,) and direct.log[0][3] == {"num_warps": 4}
     # As JITFunction.run calls it with no hook set: grid, stream, function, metadata,
     # no launch metadata and no hooks, then every argument (Triton 3.3 on).
-    assert direct.log[1] == ("direct", 3, 1, 1, 7000, "function", ("packed",), None, None, None,
-                             x.data_ptr(), 48, 0.25, True, 128)  # a tensor as its address
-    for args, warps in [((x, 33, 0.5, True, 128), 4),  # another specialization each
-                        ((x[1:], 32, 0.5, True, 128), 4), ((x, 32, 0.5, False, 128), 4),
-                        ((x, 1, 0.5, True, 128), 4), ((x, 32, 0.5, True, 256), 4),
-                        ((x.double(), 32, 0.5, True, 128), 4), ((x, 32, 0.5, True, 128), 8)]:
+    assert direct.log[1] == (
+        "direct",
+        3,
+        1,
+        1,
+        7000,
+        "function",
+        ("packed",),
+        None,
+        None,
+        None,
+        x.data_ptr(),
+        48,
+        0.25,
+        True,
+        128,
+    )  # a tensor as its address
+    for args, warps in [
+        ((x, 33, 0.5, True, 128), 4),  # another specialization each
+        ((x[1:], 32, 0.5, True, 128), 4),
+        ((x, 32, 0.5, False, 128), 4),
+        ((x, 1, 0.5, True, 128), 4),
+        ((x, 32, 0.5, True, 256), 4),
+        ((x.double(), 32, 0.5, True, 128), 4),
+        ((x, 32, 0.5, True, 128), 8),
+    ]:
         del direct.log[:]
         direct.launch(args, warps)
         direct.launch(args, warps)
@@ -325,13 +374,27 @@ def test_the_direct_launch_falls_back_to_tritons_path(direct, monkeypatch):
     assert [e[0] for e in direct.log] == ["triton", "triton", "triton"]
 
     del direct.log[:]  # a launch hook (a profiler): Triton's path, which calls it
-    monkeypatch.setattr(_triton, "_HOOK_OWNERS", [types.SimpleNamespace(
-        launch_enter_hook=types.SimpleNamespace(calls=[print]), launch_exit_hook=None)])
+    monkeypatch.setattr(
+        _triton,
+        "_HOOK_OWNERS",
+        [
+            types.SimpleNamespace(
+                launch_enter_hook=types.SimpleNamespace(calls=[print]), launch_exit_hook=None
+            )
+        ],
+    )
     direct.launch((x, 17, 0.5, True, 128))
     direct.launch((x, 17, 0.5, True, 128))
     assert [e[0] for e in direct.log] == ["triton", "triton"]
-    monkeypatch.setattr(_triton, "_HOOK_OWNERS", [types.SimpleNamespace(  # empty chains: unwatched
-        launch_enter_hook=types.SimpleNamespace(calls=[]), launch_exit_hook=None)])
+    monkeypatch.setattr(
+        _triton,
+        "_HOOK_OWNERS",
+        [
+            types.SimpleNamespace(  # empty chains: unwatched
+                launch_enter_hook=types.SimpleNamespace(calls=[]), launch_exit_hook=None
+            )
+        ],
+    )
     direct.launch((x, 17, 0.5, True, 128))
     direct.launch((x, 17, 0.5, True, 128))
     assert [e[0] for e in direct.log] == ["triton", "triton", "triton", "direct"]

@@ -61,6 +61,7 @@ where the GPU path is simulated (the Makefile runs those under coverage).
 ManualDataParallel (no hybridcomm) runs every pattern at P = 3 to show that the
 references and the sharding are right.
 """
+
 import copy
 import functools
 import io
@@ -68,6 +69,7 @@ import os
 
 import pytest
 import torch
+
 # What every compiling rank would import (1.3 CPU-s here), imported once in this
 # process: the ranks it forks inherit it (tests/conftest.py does so for torch._dynamo).
 import torch._dynamo.backends.common  # noqa: F401
@@ -78,8 +80,21 @@ import torch.nn.functional as F
 
 import hybridcomm
 from multiproc import run_ranks
-from test_training_loops import (IN, OUT, STEPS, HybridComm, ManualDataParallel, Reference,
-                                 _adam, _all_patterns, _flat, _mlp, _run, _sgd, _whole)
+from test_training_loops import (
+    IN,
+    OUT,
+    STEPS,
+    HybridComm,
+    ManualDataParallel,
+    Reference,
+    _adam,
+    _all_patterns,
+    _flat,
+    _mlp,
+    _run,
+    _sgd,
+    _whole,
+)
 from test_training_loops import _compare as compare
 
 DECAY = 0.8  # EMA decay: small, so that a stale read shows in a few steps
@@ -106,6 +121,7 @@ HOST_ONLY = {"compile_before_wrap", "compile_after_wrap"}
 # a checkpoint only rank 0 wrote), ``broadcast_optimizer_state(opt)``,
 # ``broadcast_parameters(state_dict)`` and ``retire(opt)`` (a restarted job
 # drops its old optimizer).
+
 
 class OneProcess(Reference):
     rank = 0
@@ -135,8 +151,7 @@ def _from_root(loop, obj):
 
 class Hybrid(HybridComm):
     def wrap(self, optimizer, model, **options):
-        kwargs = dict(overlap=self.overlap, measure_iters=2, timeout=60,
-                      process_group=self.group)
+        kwargs = dict(overlap=self.overlap, measure_iters=2, timeout=60, process_group=self.group)
         kwargs.update(self.options)
         kwargs.update(options)
         opt = hybridcomm.DistributedOptimizer(optimizer, model=model, **kwargs)
@@ -146,12 +161,14 @@ class Hybrid(HybridComm):
     from_root = _from_root
 
     def broadcast_optimizer_state(self, opt):
-        hybridcomm.broadcast_optimizer_state(opt, root_rank=0, process_group=self.group,
-                                             timeout=RESUME_TIMEOUT)
+        hybridcomm.broadcast_optimizer_state(
+            opt, root_rank=0, process_group=self.group, timeout=RESUME_TIMEOUT
+        )
 
     def broadcast_parameters(self, state):
-        hybridcomm.broadcast_parameters(state, root_rank=0, process_group=self.group,
-                                        timeout=RESUME_TIMEOUT)
+        hybridcomm.broadcast_parameters(
+            state, root_rank=0, process_group=self.group, timeout=RESUME_TIMEOUT
+        )
 
     def retire(self, opt):
         self.opts.remove(opt)
@@ -179,6 +196,7 @@ class Manual(ManualDataParallel):
 
 
 # ------------------------------------------------------------------------- models
+
 
 class Net(nn.Module):
     """inp -> (BatchNorm) -> fc -> out, and a ``head`` once one is set."""
@@ -224,6 +242,7 @@ def _x_eval(seed):
 
 # ----------------------------------------------------------------------- patterns
 # Each returns what it trained and what it read (modules, or tensors).
+
 
 @torch.no_grad()
 def _ema_lerp(ema, model):
@@ -405,8 +424,12 @@ def _checkpoint_values(state):
     own part of the optimizer's left out: one process has none)."""
     model = [state["model"][k] for k in sorted(state["model"])]
     opt = state["optimizer"]["state"]
-    return model + [v for i in sorted(opt) for k, v in sorted(opt[i].items())
-                    if isinstance(v, torch.Tensor) and not k.startswith("hc_")]
+    return model + [
+        v
+        for i in sorted(opt)
+        for k, v in sorted(opt[i].items())
+        if isinstance(v, torch.Tensor) and not k.startswith("hc_")
+    ]
 
 
 def resume(loop, restart):
@@ -444,8 +467,13 @@ def resume_topk(loop):
     then training goes on: it must complete, every rank alike."""
     torch.manual_seed(20)
     model = _mlp(IN, 16, OUT)
-    opt = loop.wrap(_sgd(model.parameters()), model, compression="topk:0.3",
-                    overlap="backward", timeout=RESUME_TIMEOUT)
+    opt = loop.wrap(
+        _sgd(model.parameters()),
+        model,
+        compression="topk:0.3",
+        overlap="backward",
+        timeout=RESUME_TIMEOUT,
+    )
     checkpoint = None
     for s in range(STEPS):
         _iteration(model, opt, loop, 20000 + s)
@@ -486,21 +514,27 @@ PATTERNS = {
 # ------------------------------------------------------------------ the harness
 # As in test_training_loops (its helpers), over this file's PATTERNS.
 
+
 def _names(simulate):
     return [name for name in PATTERNS if not (simulate and name in HOST_ONLY)]
 
 
 def _hybridcomm(rank, world, overlap, simulate, fusion_bytes, defer, measure_iters=2):
-    for var, value in (("HYBRIDCOMM_SIMULATE_GPU", "1" if simulate else None),
-                       ("HYBRIDCOMM_DEFER", defer)):
+    for var, value in (
+        ("HYBRIDCOMM_SIMULATE_GPU", "1" if simulate else None),
+        ("HYBRIDCOMM_DEFER", defer),
+    ):
         if value is None:
             os.environ.pop(var, None)
         else:
             os.environ[var] = value
-    return _all_patterns(rank, world,
-                         lambda r, w, g: Hybrid(r, w, g, overlap, fusion_bytes,
-                                                measure_iters=measure_iters),
-                         PATTERNS, _names(simulate))
+    return _all_patterns(
+        rank,
+        world,
+        lambda r, w, g: Hybrid(r, w, g, overlap, fusion_bytes, measure_iters=measure_iters),
+        PATTERNS,
+        _names(simulate),
+    )
 
 
 def _manual(rank, world):
@@ -537,33 +571,39 @@ def test_manual_data_parallel_matches_the_references():
 
 
 # (world, overlap, simulated GPU, fusion_bytes, HYBRIDCOMM_DEFER): see the docstring.
-COMBOS = ([(3, "forward", simulate, 0, defer) for simulate in (False, True)
-           for defer in ("always", None)]
-          + [(2, overlap, False, None, None) for overlap in ("backward", "none")])
+COMBOS = [
+    (3, "forward", simulate, 0, defer) for simulate in (False, True) for defer in ("always", None)
+] + [(2, overlap, False, None, None) for overlap in ("backward", "none")]
 
 
 def _id(world, overlap, simulate, fusion_bytes, defer):
-    return (f"P{world}-{overlap}-{'simgpu' if simulate else 'host'}"
-            + ("-layer_buckets" if fusion_bytes == 0 else "")
-            + (f"-defer_{defer or 'measured'}" if overlap == "forward" else ""))
+    return (
+        f"P{world}-{overlap}-{'simgpu' if simulate else 'host'}"
+        + ("-layer_buckets" if fusion_bytes == 0 else "")
+        + (f"-defer_{defer or 'measured'}" if overlap == "forward" else "")
+    )
 
 
-@pytest.mark.parametrize("world,overlap,simulate,fusion_bytes,defer", COMBOS,
-                         ids=[_id(*c) for c in COMBOS])
+@pytest.mark.parametrize(
+    "world,overlap,simulate,fusion_bytes,defer", COMBOS, ids=[_id(*c) for c in COMBOS]
+)
 def test_model_reads_match_one_process(world, overlap, simulate, fusion_bytes, defer):
-    results = run_ranks(world, _hybridcomm, overlap, simulate, fusion_bytes, defer,
-                        timeout=300, allow_errors=True)
+    results = run_ranks(
+        world, _hybridcomm, overlap, simulate, fusion_bytes, defer, timeout=300, allow_errors=True
+    )
     failures = _compare(results, _names(simulate))
-    assert not failures, (f"{len(failures)} failures in {len(_names(simulate))} patterns:\n"
-                          + "\n".join(failures))
+    assert not failures, (
+        f"{len(failures)} failures in {len(_names(simulate))} patterns:\n" + "\n".join(failures)
+    )
 
 
 def test_model_reads_match_one_process_with_lean_hooks():
     """No measured steps (measure_iters=0), forward mode with its updates always
     deferred: the reads after step() (EMA, copies, saves, compile) come while
     only each bucket's closer has its post-accumulate hook (grad_hooks.py)."""
-    results = run_ranks(3, _hybridcomm, "forward", False, 0, "always", 0, timeout=300,
-                        allow_errors=True)
+    results = run_ranks(
+        3, _hybridcomm, "forward", False, 0, "always", 0, timeout=300, allow_errors=True
+    )
     failures = _compare(results, _names(False))
     assert not failures, "\n".join(failures)
 
@@ -573,8 +613,9 @@ def test_model_reads_match_one_process_with_lean_hooks():
 # Left out, as docs/API.md says: the resume patterns save on rank 0 alone
 # (under shard, state_dict() is a collective), and step_calls_adam's second
 # step() on the same gradients (step() consumes them: .grad is None after it).
-SHARDED = [name for name in PATTERNS
-           if not name.startswith("resume_") and name != "step_calls_adam"]
+SHARDED = [
+    name for name in PATTERNS if not name.startswith("resume_") and name != "step_calls_adam"
+]
 SHARD_COMBOS = [(2, "optimizer", False), (2, "gradients", True)]  # (P = 3: test_shard.py)
 
 
@@ -582,14 +623,19 @@ def _sharded(rank, world, shard, simulate):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     names = [n for n in SHARDED if not (simulate and n in HOST_ONLY)]
-    return _all_patterns(rank, world, lambda r, w, g: Hybrid(r, w, g, "forward", 0, shard=shard),
-                         PATTERNS, names)
+    return _all_patterns(
+        rank, world, lambda r, w, g: Hybrid(r, w, g, "forward", 0, shard=shard), PATTERNS, names
+    )
 
 
-@pytest.mark.parametrize("world,shard,simulate", SHARD_COMBOS,
-                         ids=[f"P{w}-{s}-{'simgpu' if g else 'host'}" for w, s, g in SHARD_COMBOS])
+@pytest.mark.parametrize(
+    "world,shard,simulate",
+    SHARD_COMBOS,
+    ids=[f"P{w}-{s}-{'simgpu' if g else 'host'}" for w, s, g in SHARD_COMBOS],
+)
 def test_model_reads_with_sharded_state(world, shard, simulate):
     names = [n for n in SHARDED if not (simulate and n in HOST_ONLY)]
-    failures = _compare(run_ranks(world, _sharded, shard, simulate, timeout=300,
-                                  allow_errors=True), names)
+    failures = _compare(
+        run_ranks(world, _sharded, shard, simulate, timeout=300, allow_errors=True), names
+    )
     assert not failures, "\n".join(failures)

@@ -2,6 +2,7 @@
 each mutation's old text occurs exactly once in its file, so a refactor that makes a
 mutation stale fails `make test` here instead of silently weakening `make mutation`.
 Also the harness's parsing (SIM_TESTS, pytest's summary). Cheap: no test is run."""
+
 import importlib.util
 import re
 import sys
@@ -14,8 +15,9 @@ MUTATION_DIR = ROOT / "tests" / "mutation"
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"hybridcomm_mutation_{name}",
-                                                  MUTATION_DIR / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"hybridcomm_mutation_{name}", MUTATION_DIR / f"{name}.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # (dataclasses look their module up there)
     spec.loader.exec_module(module)
@@ -29,8 +31,9 @@ run = _load("run")
 @pytest.mark.parametrize("m", MUTATIONS, ids=lambda m: m.id)
 def test_every_mutation_still_applies_exactly_once(m):
     text = (ROOT / m.file).read_text()
-    assert text.count(m.old) == 1, f"{m.id}: stale, its old text occurs {text.count(m.old)} " \
-        f"times in {m.file}"
+    assert text.count(m.old) == 1, (
+        f"{m.id}: stale, its old text occurs {text.count(m.old)} times in {m.file}"
+    )
     assert m.new != m.old and text.replace(m.old, m.new) != text
     assert m.guards, f"{m.id}: no guarding test"
 
@@ -62,13 +65,15 @@ def test_the_makefile_has_the_target_and_the_harness_reads_sim_tests():
 
 
 def test_the_harness_reads_pytests_summary_and_refuses_a_stale_mutation(tmp_path):
-    log = ("tests/test_a.py::test_x PASSED\ntests/test_a.py::test_y[step-step 0] \n"
-           "FAILED tests/test_a.py::test_y[step-step 0] - AssertionError: no - really\n")
+    log = (
+        "tests/test_a.py::test_x PASSED\ntests/test_a.py::test_y[step-step 0] \n"
+        "FAILED tests/test_a.py::test_y[step-step 0] - AssertionError: no - really\n"
+    )
     assert run.first_failure(log) == "tests/test_a.py::test_y[step-step 0]"
     assert run.last_started(log) == "tests/test_a.py::test_y[step-step 0]"
-    assert run.split_by_env(["tests/s.py::a", "tests/s.py::b", "tests/h.py::c"],
-                            ["tests/s.py"]) == [(True, ["tests/s.py::a", "tests/s.py::b"]),
-                                                (False, ["tests/h.py::c"])]
+    assert run.split_by_env(
+        ["tests/s.py::a", "tests/s.py::b", "tests/h.py::c"], ["tests/s.py"]
+    ) == [(True, ["tests/s.py::a", "tests/s.py::b"]), (False, ["tests/h.py::c"])]
     m = MUTATIONS[0]
     (tmp_path / m.file).parent.mkdir(parents=True)
     (tmp_path / m.file).write_text(m.old + m.old)  # twice: stale

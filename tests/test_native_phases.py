@@ -5,6 +5,7 @@ one-device transport (mailboxes of 1 KiB: every message in several pieces).
 
 Values are small integers, so every sum is exact in any order and dtype; the
 average is checked at 2 ranks, where halving is exact too."""
+
 import os
 
 import pytest
@@ -38,11 +39,19 @@ def _phases(rank, world, setting, dtype_name):
         for tail in (0, TAIL):
             for average in (False, True):
                 buf = _values(body + world * tail, rank, dtype)
-                reduce_now(buf, transport, "native", scale=1.0 / world if average else None,
-                           timeout=60, phase=REDUCE_SCATTER, tail=tail)
+                reduce_now(
+                    buf,
+                    transport,
+                    "native",
+                    scale=1.0 / world if average else None,
+                    timeout=60,
+                    phase=REDUCE_SCATTER,
+                    tail=tail,
+                )
                 scattered = buf.cpu().clone()
-                reduce_now(buf, transport, "native", scale=None, timeout=60, phase=ALL_GATHER,
-                           tail=tail)
+                reduce_now(
+                    buf, transport, "native", scale=None, timeout=60, phase=ALL_GATHER, tail=tail
+                )
                 out[(body, tail, average)] = scattered, buf.cpu()
     if setting != "host":
         simgpu.check()
@@ -56,13 +65,21 @@ def _parts(numel, world, tail):
     """Each rank's parts: its equal part of the body, its block of the tail."""
     body = tail_body(world, numel, tail)
     part = body // world
-    return [[(r * part, (r + 1) * part)] + ([(body + r * tail, body + (r + 1) * tail)]
-                                             if tail else []) for r in range(world)]
+    return [
+        [(r * part, (r + 1) * part)] + ([(body + r * tail, body + (r + 1) * tail)] if tail else [])
+        for r in range(world)
+    ]
 
 
-@pytest.mark.parametrize("world,setting,dtype_name",
-                         [(3, "host", "float32"), (2, "host", "bfloat16"),
-                          (2, "simgpu", "float16"), (3, "one-device", "bfloat16")])
+@pytest.mark.parametrize(
+    "world,setting,dtype_name",
+    [
+        (3, "host", "float32"),
+        (2, "host", "bfloat16"),
+        (2, "simgpu", "float16"),
+        (3, "one-device", "bfloat16"),
+    ],
+)
 def test_native_reduce_scatter_then_all_gather_is_the_all_reduce(world, setting, dtype_name):
     dtype = getattr(torch, dtype_name)
     results = run_ranks(world, _phases, setting, dtype_name, timeout=180)

@@ -1,4 +1,5 @@
 """--shape: spec parsing, the clear error without root, and (as root) the namespaces."""
+
 import os
 import signal
 import subprocess
@@ -12,7 +13,13 @@ from hybridcomm.tools.netns import NetnsError, ShapedNetwork, parse_shape
 def test_parse_shape_fills_defaults_and_rejects_nonsense():
     assert parse_shape("rate 1gbit") == ["rate", "1gbit", "burst", "64kb", "latency", "50ms"]
     assert parse_shape("tbf rate 100mbit burst 128kb limit 1mb") == [
-        "rate", "100mbit", "burst", "128kb", "limit", "1mb"]
+        "rate",
+        "100mbit",
+        "burst",
+        "128kb",
+        "limit",
+        "1mb",
+    ]
     for bad in ("", "1gbit", "burst 64kb", "rate 1gbit delay 10ms"):
         with pytest.raises(NetnsError):
             parse_shape(bad)
@@ -26,8 +33,10 @@ def test_not_root_gives_a_clear_error(monkeypatch):
 
 def test_cli_reports_the_error_instead_of_hanging(tmp_path):
     # As a non-root user (or where namespaces cannot be made) the CLI must say so.
-    code = ("import os, sys; os.geteuid = lambda: 1000; from hybridcomm.tools.bench.cli import main; "
-            "sys.exit(main(['--nprocs', '2', '--shape', 'rate 1gbit', '-b', '4K', '-e', '4K']))")
+    code = (
+        "import os, sys; os.geteuid = lambda: 1000; from hybridcomm.tools.bench.cli import main; "
+        "sys.exit(main(['--nprocs', '2', '--shape', 'rate 1gbit', '-b', '4K', '-e', '4K']))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "--shape" in r.stderr and "root" in r.stderr
@@ -44,10 +53,34 @@ def _can_make_namespaces():
 @pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and network namespaces")
 def test_shaped_tiny_sweep_runs_and_cleans_up(tmp_path):
     out = tmp_path / "shaped.json"
-    proc = subprocess.Popen([sys.executable, "-m", "hybridcomm.tools.bench", "--nprocs", "2", "--shape",
-                             "rate 1gbit", "-b", "4K", "-e", "64K", "-f", "16", "-n", "2", "-w", "1",
-                             "--algo", "ring,native", "--json", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hybridcomm.tools.bench",
+            "--nprocs",
+            "2",
+            "--shape",
+            "rate 1gbit",
+            "-b",
+            "4K",
+            "-e",
+            "64K",
+            "-f",
+            "16",
+            "-n",
+            "2",
+            "-w",
+            "1",
+            "--algo",
+            "ring,native",
+            "--json",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     text, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, text
     import json

@@ -1,5 +1,6 @@
 """The two-level shaped network: a bridge per node, a shaped uplink per node; as
 root, hierarchical beats ring across a slow link and nothing is left behind."""
+
 import json
 import os
 import subprocess
@@ -35,8 +36,9 @@ def test_open_close_leaves_nothing():
     try:
         links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
         assert all(f" {b}:" in links for b in net.node_bridges + [net.core_bridge])
-        qdisc = subprocess.run(["tc", "qdisc", "show", "dev", net.uplinks[0][0]],
-                               capture_output=True, text=True).stdout
+        qdisc = subprocess.run(
+            ["tc", "qdisc", "show", "dev", net.uplinks[0][0]], capture_output=True, text=True
+        ).stdout
         assert "tbf" in qdisc and "100Mbit" in qdisc
     finally:
         net.close()
@@ -48,11 +50,34 @@ def test_hierarchical_ahead_of_ring_across_a_slow_link(tmp_path):
     # 2 nodes of 2 joined at 100 Mbit/s: at 1 MiB the wire dominates, and ring
     # puts 1.5 MiB through each node's link against hierarchical's 1 MiB.
     out = tmp_path / "two.json"
-    proc = subprocess.Popen([sys.executable, "-m", "hybridcomm.tools.bench", "--nprocs", "4",
-                             "--node-size", "2", "--inter-shape", "rate 100mbit", "-b", "1M",
-                             "-e", "1M", "-n", "3", "-w", "1", "--algo", "ring,hierarchical",
-                             "--json", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hybridcomm.tools.bench",
+            "--nprocs",
+            "4",
+            "--node-size",
+            "2",
+            "--inter-shape",
+            "rate 100mbit",
+            "-b",
+            "1M",
+            "-e",
+            "1M",
+            "-n",
+            "3",
+            "-w",
+            "1",
+            "--algo",
+            "ring,hierarchical",
+            "--json",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     text, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, text
     doc = json.loads(out.read_text())

@@ -5,6 +5,7 @@ simulated GPU (its streams run late, so a missing event wait corrupts sums);
 tests/gpu/ runs the same on a real GPU.
 
 Mailboxes of 1-2 KiB make every message move in several pieces."""
+
 import os
 import time
 
@@ -38,8 +39,9 @@ def _every_algorithm(rank, world, dtype_name, sizes):
     out = {}
     for algo in ALGORITHMS:
         for n in sizes:
-            out[(algo, n)] = hybridcomm.all_reduce(_values(n, rank, dtype), op="sum",
-                                                   algorithm=algo, timeout=60)
+            out[(algo, n)] = hybridcomm.all_reduce(
+                _values(n, rank, dtype), op="sum", algorithm=algo, timeout=60
+            )
     simgpu.check()
     kinds = [t.kind for t in _device_transports.values()]
     return out, kinds, simgpu.stats()

@@ -18,6 +18,7 @@ either order, and halving it is exact.
   (``zero_grad(set_to_none=False)``); both must still be reduced.
 - ``unused_on_one_rank``: rank 1 skips a layer for one step.
 """
+
 import copy
 
 import pytest
@@ -49,10 +50,12 @@ def _how(scenario, step, rank):
     set_to_none."""
     if step != LEAN_STEP:
         return "ab", True
-    return {"order_on_one_rank": ("ba" if rank == 0 else "ab", True),
-            "head_only": ("head", True),
-            "head_only_zeroed": ("head", False),
-            "unused_on_one_rank": ("b" if rank == 1 else "ab", True)}[scenario]
+    return {
+        "order_on_one_rank": ("ba" if rank == 0 else "ab", True),
+        "head_only": ("head", True),
+        "head_only_zeroed": ("head", False),
+        "unused_on_one_rank": ("b" if rank == 1 else "ab", True),
+    }[scenario]
 
 
 def _data(step, rank):
@@ -77,8 +80,12 @@ def _scenario(rank, world, overlap, scenario, calls):
     model = Chain()
     ref = copy.deepcopy(model)
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
-        overlap=overlap, measure_iters=0, timeout=20)
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model=model,
+        overlap=overlap,
+        measure_iters=0,
+        timeout=20,
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     per_step = []
     for step in range(STEPS):
@@ -103,6 +110,7 @@ def _scenario(rank, world, overlap, scenario, calls):
 def _all_scenarios(rank, world, overlap, simulate):
     if simulate:
         import os
+
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     from hybridcomm.sync.grad_hooks import GradientHooks
 
@@ -112,19 +120,22 @@ def _all_scenarios(rank, world, overlap, simulate):
     def counted(self, p):  # registered through attach: counts autograd's calls
         calls[0] += 1
         return after_grad(self, p)
+
     GradientHooks.after_grad = counted
-    return {name: _scenario(rank, world, overlap, name, calls)
-            for name in ("order_on_one_rank", "head_only", "head_only_zeroed",
-                         "unused_on_one_rank")}
+    return {
+        name: _scenario(rank, world, overlap, name, calls)
+        for name in ("order_on_one_rank", "head_only", "head_only_zeroed", "unused_on_one_rank")
+    }
 
 
-@pytest.mark.parametrize("overlap,simulate", [("forward", False), ("backward", True),
-                                              ("none", False)],
-                         ids=["forward-host", "backward-simgpu", "none-host"])
+@pytest.mark.parametrize(
+    "overlap,simulate",
+    [("forward", False), ("backward", True), ("none", False)],
+    ids=["forward-host", "backward-simgpu", "none-host"],
+)
 def test_a_step_that_changes_under_lean_hooks_is_still_reduced_exactly(overlap, simulate):
     params = len(list(Chain().parameters()))
-    for rank, results in enumerate(run_ranks(2, _all_scenarios, overlap, simulate,
-                                             timeout=240)):
+    for rank, results in enumerate(run_ranks(2, _all_scenarios, overlap, simulate, timeout=240)):
         for name, (per_step, buckets, diff) in results.items():
             # lean before the irregular step, and again two steps after it
             assert per_step[LEAN_STEP - 1] == buckets < params, (name, per_step)

@@ -1,5 +1,6 @@
 """What a serious wrapper handles: unused, frozen and tied parameters, accumulation,
 no_sync, state_dict, GradScaler, mismatched models, misuse, the plan."""
+
 import copy
 import os
 
@@ -54,8 +55,12 @@ def branchy_reference(world, steps):
         x, y = branchy_data(s)
         opt.zero_grad()
         # the average of the per-shard losses: what P ranks compute together
-        loss = sum(branchy_loss(model, shard(x, r, world), shard(y, r, world), r)
-                   for r in range(world)) / world
+        loss = (
+            sum(
+                branchy_loss(model, shard(x, r, world), shard(y, r, world), r) for r in range(world)
+            )
+            / world
+        )
         loss.backward()
         opt.step()
     return model
@@ -66,7 +71,10 @@ def _branchy(rank, world, overlap, steps):
     model = Branchy()
     opt = hybridcomm.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
-        model=model, overlap=overlap, timeout=60)
+        model=model,
+        overlap=overlap,
+        timeout=60,
+    )
     plan_params = sum(len(b.params) for b in opt.plan.buckets)
     for s in range(steps):
         x, y = branchy_data(s)
@@ -75,7 +83,11 @@ def _branchy(rank, world, overlap, steps):
         opt.step()
     opt.synchronize()
     opt.close()
-    return {k: v.clone() for k, v in model.state_dict().items()}, plan_params, model.never.weight.grad
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        plan_params,
+        model.never.weight.grad,
+    )
 
 
 @pytest.mark.parametrize("overlap", ["forward", "backward"])
@@ -101,8 +113,13 @@ def test_unused_frozen_and_tied_parameters(overlap):
 def _accumulate(rank, world, how):
     model = make_model()
     kwargs = {"backward_passes_per_step": 2} if how == "passes" else {}
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                          model=model, overlap="backward", timeout=60, **kwargs)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model=model,
+        overlap="backward",
+        timeout=60,
+        **kwargs,
+    )
     for s in range(2):
         x, y = batch(s)
         x, y = shard(x, rank, world), shard(y, rank, world)
@@ -140,8 +157,9 @@ def test_gradient_accumulation_syncs_once(how):
 
 def _state_roundtrip(rank, world):
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
-                                          model=model, overlap="forward", timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), model=model, overlap="forward", timeout=60
+    )
     x, y = batch(0)
     for _ in range(2):
         opt.zero_grad()
@@ -152,8 +170,9 @@ def _state_roundtrip(rank, world):
     steps = [float(s["step"]) for s in sd["state"].values()]
     model2 = make_model()
     model2.load_state_dict(model.state_dict())
-    opt2 = hybridcomm.DistributedOptimizer(torch.optim.Adam(model2.parameters(), lr=1e-2),
-                                           model=model2, overlap="forward", timeout=60)
+    opt2 = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model2.parameters(), lr=1e-2), model=model2, overlap="forward", timeout=60
+    )
     opt2.load_state_dict(sd)
     for m, o in ((model, opt), (model2, opt2)):
         o.zero_grad()
@@ -172,9 +191,10 @@ def test_state_dict_roundtrip_includes_pending_updates():
 
 def _grad_scaler(rank, world, overlap):
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, overlap=overlap, timeout=60)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model=model, overlap=overlap, timeout=60
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     params, scales = [], []
     for s in range(3):
         x, y = batch(s)
@@ -197,7 +217,7 @@ def _grad_scaler(rank, world, overlap):
 def test_grad_scaler_skips_the_same_step_on_every_rank(overlap):
     results = run_ranks(2, _grad_scaler, overlap)
     (p0, s0), (p1, s1) = results
-    assert s0 == s1 == [2.0 ** 8, 2.0 ** 7, 2.0 ** 7]  # the inf step halved the scale everywhere
+    assert s0 == s1 == [2.0**8, 2.0**7, 2.0**7]  # the inf step halved the scale everywhere
     for a, b in zip(p0, p1):
         assert torch.equal(a, b)
     assert torch.equal(p0[1], p0[0])  # step 1 skipped
@@ -217,13 +237,16 @@ def _mismatch(rank, world):
 
 def test_parameter_mismatch_is_a_clear_error():
     for msg in run_ranks(2, _mismatch):
-        assert "differ across ranks" in msg and "only rank 1 has ['extra.weight', 'extra.bias']" in msg
+        assert (
+            "differ across ranks" in msg and "only rank 1 has ['extra.weight', 'extra.bias']" in msg
+        )
 
 
 def _dropped_and_plan(rank, world, overlap):
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, overlap=overlap, timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, overlap=overlap, timeout=60
+    )
     before = flat(model.parameters())
     x, y = batch(0)
     nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
@@ -239,8 +262,9 @@ def _dropped_and_plan(rank, world, overlap):
     table = str(opt.plan)
     opt.close()
     os.environ["HYBRIDCOMM_ALGO"] = "halving_doubling"
-    forced = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                             model=model)
+    forced = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model
+    )
     algos = {b.algorithm for b in forced.plan.buckets}
     forced.close()
     return unchanged, flat(model.parameters()), table, algos
@@ -264,8 +288,9 @@ def test_zero_grad_drops_unstepped_gradients_and_plan_is_visible_and_overridable
 
 def _forward_mode_defers(rank, world):
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, overlap="forward", timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, overlap="forward", timeout=60
+    )
     x, y = batch(0)
     before = flat(model.parameters())
     nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
@@ -290,8 +315,9 @@ def _closure_defers(rank, world, clip):
     """A framework's step (Lightning's): ``opt.step(closure)`` whose closure runs
     the forward and backward (and, to clip, ``synchronize()`` then the clip)."""
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, overlap="forward", timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, overlap="forward", timeout=60
+    )
     deferred = []
     for s in range(4):
         x, y = batch(s)
@@ -347,27 +373,34 @@ def _comm_threads(rank, world, overlap, fusion_bytes, here="1"):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "0"  # (this rank's process only)
     os.environ["HYBRIDCOMM_HOST_HERE"] = here
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, overlap=overlap, trace=True, timeout=60,
-                                          cost_model="default", measure_iters=0,
-                                          fusion_bytes=fusion_bytes)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        overlap=overlap,
+        trace=True,
+        timeout=60,
+        cost_model="default",
+        measure_iters=0,
+        fusion_bytes=fusion_bytes,
+    )
     x, y = batch(0)
     for _ in range(3):
         opt.zero_grad()
         nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
         opt.step()
     opt.synchronize()
-    spans = sorted((e for e in opt.timeline.events if e["cat"] == "comm/channel"),
-                   key=lambda e: e["ts"])
+    spans = sorted(
+        (e for e in opt.timeline.events if e["cat"] == "comm/channel"), key=lambda e: e["ts"]
+    )
     n = len(opt.plan.buckets)
     opt.close()
-    return n, [[e["tid"] for e in spans[i:i + n]] for i in range(0, len(spans), n)]
+    return n, [[e["tid"] for e in spans[i : i + n]] for i in range(0, len(spans), n)]
 
 
-@pytest.mark.parametrize("overlap,fusion_bytes", [
-    ("backward", 1 << 30), ("backward", 1), ("none", 1)])
-def test_a_reduction_the_step_waits_for_at_once_runs_in_the_trainers_thread(
-        overlap, fusion_bytes):
+@pytest.mark.parametrize(
+    "overlap,fusion_bytes", [("backward", 1 << 30), ("backward", 1), ("none", 1)]
+)
+def test_a_reduction_the_step_waits_for_at_once_runs_in_the_trainers_thread(overlap, fusion_bytes):
     """On the host path an operation the trainer waits for next, with nothing to
     overlap it with, runs in the trainer's thread: the last of a backward-mode
     round, every one of none mode's (all in step()). The first ones of a round
@@ -393,8 +426,13 @@ def test_with_host_here_off_the_channels_thread_runs_every_reduction():
 
 def _traced(rank, world, path):
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, overlap="forward", trace=True, timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        overlap="forward",
+        trace=True,
+        timeout=60,
+    )
     x, y = batch(0)
     per_step = []
     for _ in range(3):
@@ -411,6 +449,7 @@ def _traced(rank, world, path):
 
 def test_trace_and_step_stats(tmp_path):
     import json
+
     path = str(tmp_path / "trace.json")
     per_step = run_ranks(2, _traced, path)[0]
     # In forward mode a step's communication may still be running when step()
@@ -419,8 +458,10 @@ def test_trace_and_step_stats(tmp_path):
     assert sum(s["comm_busy_s"] for s in per_step) > 0
     for stats in per_step:
         assert stats["exposed_comm_s"] >= 0
-        assert abs(stats["hidden_comm_s"]
-                   - max(0, stats["comm_busy_s"] - stats["exposed_comm_s"])) < 1e-12
+        assert (
+            abs(stats["hidden_comm_s"] - max(0, stats["comm_busy_s"] - stats["exposed_comm_s"]))
+            < 1e-12
+        )
     events = json.load(open(path))["traceEvents"]
     cats = {e["cat"] for e in events}
     assert "compute" in cats and any(c.startswith("comm/") for c in cats)
@@ -429,8 +470,9 @@ def test_trace_and_step_stats(tmp_path):
 
 def _two_backwards(rank, world, overlap):
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, overlap=overlap, timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, overlap=overlap, timeout=60
+    )
     x, y = batch(0)
     loss = nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world))
     loss.backward(retain_graph=True)
@@ -459,9 +501,13 @@ def test_backward_twice_before_step_is_reduced_like_one_process(overlap):
 
 def _compressed(rank, world, overlap):
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, overlap=overlap, compression="fp16",
-                                          timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model=model,
+        overlap=overlap,
+        compression="fp16",
+        timeout=60,
+    )
     grads = []
     for s in range(3):
         x, y = batch(s)
@@ -526,16 +572,23 @@ def test_broadcast_parameters_and_optimizer_state():
 
 def _drift(rank, world, change):
     from hybridcomm.plan.cost_model import CostModel
+
     model = make_model()
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
-        overlap="forward", cost_model=CostModel(1e-3, 1e-9, 1e-10), measure_iters=2,
-        replan_every=5, timeout=60)
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model=model,
+        overlap="forward",
+        cost_model=CostModel(1e-3, 1e-9, 1e-10),
+        measure_iters=2,
+        replan_every=5,
+        timeout=60,
+    )
     plans = []
     for s in range(9):
         if s == 4 and change:  # the network got faster for the group's own all_reduce
-            opt._hc_sync.planning.cost_model = CostModel(1e-3, 1e-9, 1e-10, native_alpha=1e-7,
-                                                         native_beta=1e-13)
+            opt._hc_sync.planning.cost_model = CostModel(
+                1e-3, 1e-9, 1e-10, native_alpha=1e-7, native_beta=1e-13
+            )
         x, y = batch(s % 4)
         opt.zero_grad()
         nn.functional.mse_loss(model(shard(x, rank, world)), shard(y, rank, world)).backward()
@@ -580,8 +633,9 @@ def _logged(rank, world):
     logger.setLevel(logging.INFO)  # the default (a forked rank inherits the parent's)
     logger.addHandler(Keep())
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, timeout=60
+    )
     opt.close()
     return [(lvl, msg.splitlines()[0]) for lvl, msg in records if msg.startswith("initial plan")]
 
@@ -596,9 +650,12 @@ def test_the_plan_is_logged_at_info_once_on_rank_0():
 
 def _lazy(rank, world):
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05,
-                                                          momentum=0.9),
-                                          model=model, lazy_bytes=4096, timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model=model,
+        lazy_bytes=4096,
+        timeout=60,
+    )
     for s in range(3):
         x, y = batch(s)
         opt.zero_grad()
@@ -627,9 +684,13 @@ def _nothing_left_at_step(rank, world):
     import time
 
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, overlap="forward", measure_iters=2,
-                                          timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model=model,
+        overlap="forward",
+        measure_iters=2,
+        timeout=60,
+    )
     applied_in_step = []
     for s in range(5):
         x, y = batch(s)
@@ -666,8 +727,9 @@ def _grads_set_by_hand(rank, world, overlap):
     model = nn.Linear(4, 3)
     torch.nn.init.zeros_(model.weight)
     torch.nn.init.zeros_(model.bias)
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
-                                          model=model, overlap=overlap, timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), model=model, overlap=overlap, timeout=60
+    )
     for s in range(2):  # e.g. gradients from torch.autograd.grad, assigned: no backward pass
         opt.zero_grad()
         for p in model.parameters():
@@ -693,9 +755,12 @@ def _seeded_apart(rank, world, agree):
     with torch.no_grad():
         model[1].running_mean.add_(rank + 1)  # a buffer that differs too
     try:
-        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                              model=model, broadcast_parameters=agree,
-                                              timeout=60)
+        opt = hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model=model,
+            broadcast_parameters=agree,
+            timeout=60,
+        )
     except hybridcomm.HybridCommError as e:
         return str(e)
     state = flat(model.state_dict().values())
@@ -721,8 +786,9 @@ def test_without_the_broadcast_differing_parameters_are_refused_on_every_rank():
 def _bogus_strategy(rank, world):
     model = make_model()
     try:
-        hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        model=model, strategy="bogus", timeout=60)
+        hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model=model, strategy="bogus", timeout=60
+        )
     except ValueError as e:
         return str(e)
     return "no error"
@@ -735,9 +801,13 @@ def test_a_bad_strategy_is_refused_alike_on_every_rank():
 
 def _last_layer_pending_when_the_first_runs(rank, world):
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, overlap="forward", fusion_bytes=0,
-                                          timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model=model,
+        overlap="forward",
+        fusion_bytes=0,
+        timeout=60,
+    )
     layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     seen = []
     layers[0].register_forward_pre_hook(lambda m, a: seen.append(is_pending(layers[-1].weight)))
@@ -770,8 +840,9 @@ def _replaced_buckets(rank, world, host=False):
     gc.disable()  # only reference counting may free them: no cycle may hold them
     try:
         model = make_model()
-        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                              model=model, measure_iters=2, timeout=60)
+        opt = hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), model=model, measure_iters=2, timeout=60
+        )
         first = weakref.ref(opt._hc_sync.group.states[0].bucket.buffer)
         for s in range(4):
             x, y = batch(s)

@@ -2,6 +2,7 @@
 x 2 stages on 4 gloo ranks, GPipe and 1F1B, each stage's gradients reduced by
 hybridcomm over its data-parallel group, with no micro-batch count given:
 every stage ends with one process's parameters (the whole batch, plain SGD)."""
+
 import os
 import sys
 import traceback
@@ -21,8 +22,9 @@ TOL = dict(rtol=64 * torch.finfo(torch.float32).eps, atol=64 * torch.finfo(torch
 
 
 def _train(rank, world, schedule, overlap):
-    params, plan = pipeline.train(schedule, steps=STEPS, overlap=overlap, measure_iters=2,
-                                  timeout=60, cost_model="default")
+    params, plan = pipeline.train(
+        schedule, steps=STEPS, overlap=overlap, measure_iters=2, timeout=60, cost_model="default"
+    )
     return params, plan.launch_pass
 
 
@@ -36,16 +38,23 @@ def test_dp_x_pp_matches_one_process(schedule, overlap):
     results = [params for params, _ in results]
     for rank, got in enumerate(results):
         stage = rank % 2
-        assert torch.allclose(got, want[stage], **TOL), \
+        assert torch.allclose(got, want[stage], **TOL), (
             f"rank {rank} (stage {stage}): max diff {(got - want[stage]).abs().max():.3g}"
+        )
     # the replicas of a stage are bitwise equal (they applied the same reduced gradients)
     assert torch.equal(results[0], results[2]) and torch.equal(results[1], results[3])
 
 
 def _scaled_by_the_schedule(rank, world):
     try:
-        params, _ = pipeline.train("gpipe", steps=STEPS, scale_grads=True, measure_iters=2,
-                                   timeout=60, cost_model="default")
+        params, _ = pipeline.train(
+            "gpipe",
+            steps=STEPS,
+            scale_grads=True,
+            measure_iters=2,
+            timeout=60,
+            cost_model="default",
+        )
     except Exception as e:  # noqa: BLE001 - the message is what is checked
         # pipelining re-raises a stage's error as the cause of its own
         return "error", "".join(traceback.format_exception(e))
@@ -86,25 +95,34 @@ def _dp_x_tp(rank, world, overlap, dp_group):
     """A 2 x 2 mesh (dp, tp): the MLP column- then row-parallel over tp; each dp
     replica trains on its half of the batch; hybridcomm reduces over ``dp``."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     import hybridcomm
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(_tp_model(), mesh["tp"], {"0": ColwiseParallel(),
-                                                         "2": RowwiseParallel()})
+    model = parallelize_module(
+        _tp_model(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
     group = mesh["dp"].get_group() if dp_group else None
     try:
         opt = hybridcomm.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model=model,
-            process_group=group, overlap=overlap, measure_iters=2, timeout=60,
-            cost_model="default")
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            model=model,
+            process_group=group,
+            overlap=overlap,
+            measure_iters=2,
+            timeout=60,
+            cost_model="default",
+        )
     except Exception as e:  # noqa: BLE001 - the message is what is checked
         return "error", str(e)
     replica = mesh.get_coordinate()[0]
     for step in range(TP_STEPS):
-        x, y = (t[replica * 4:(replica + 1) * 4] for t in _tp_batch(step))
+        x, y = (t[replica * 4 : (replica + 1) * 4] for t in _tp_batch(step))
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
@@ -139,13 +157,28 @@ def test_the_dp_x_pp_benchmark_runs_and_prints_every_config_against_ddp():
     import subprocess
 
     out = subprocess.run(
-        [sys.executable, os.path.join(os.path.dirname(__file__), "..", "benchmarks",
-                                      "parallel.py"),
-         "--width", "32", "--batch", "16", "--warmup", "3", "--steps", "2"],
-        capture_output=True, text=True, timeout=300, check=True).stdout
-    rows = {line.split()[0]: line.split() for line in out.splitlines()
-            if line.split() and line.split()[0] in ("hybrid-forward", "hybrid-backward", "ddp",
-                                                    "local")}
+        [
+            sys.executable,
+            os.path.join(os.path.dirname(__file__), "..", "benchmarks", "parallel.py"),
+            "--width",
+            "32",
+            "--batch",
+            "16",
+            "--warmup",
+            "3",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    rows = {
+        line.split()[0]: line.split()
+        for line in out.splitlines()
+        if line.split() and line.split()[0] in ("hybrid-forward", "hybrid-backward", "ddp", "local")
+    }
     assert set(rows) == {"hybrid-forward", "hybrid-backward", "ddp", "local"}, out
     assert rows["ddp"][2] == "1.00" and float(rows["hybrid-forward"][1]) > 0
     assert "launched in pass 4" in " ".join(rows["hybrid-forward"])  # learned: 4 micro-batches

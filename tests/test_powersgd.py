@@ -1,6 +1,7 @@
 """PowerSGD (comm/powersgd.py): the arithmetic against a reference written apart, the
 same bits on every rank, the planner's choice, training on the host path and on the
 simulated GPU, the exact first steps, and its state through a checkpoint."""
+
 import os
 
 import pytest
@@ -104,18 +105,18 @@ def test_one_step_matches_the_reference_and_every_rank_agrees(world):
     out, got_flags = _step(ranks, grads, flags, 1 / world)
     for o, f in zip(out, got_flags):  # the same bits everywhere
         assert torch.equal(o, out[0]) and torch.equal(f, torch.full_like(flags, world))
-    xs = [g[:40 * 24].view(40, 24) for g in grads]  # E was 0
+    xs = [g[: 40 * 24].view(40, 24) for g in grads]  # E was 0
     approx, errors, q_next = _reference(xs, q0, rank)
     # Gram-Schmidt against Householder on a well-conditioned 40 x 3 P: a few hundred
     # fp32 roundings apart at most, relative to the entries' size
     tol = 256 * EPS * max(x.abs().max().item() for x in xs)
-    torch.testing.assert_close(out[0][:40 * 24].view(40, 24), approx, atol=tol, rtol=0)
+    torch.testing.assert_close(out[0][: 40 * 24].view(40, 24), approx, atol=tol, rtol=0)
     torch.testing.assert_close(ranks[0].state(0)[1], q_next, atol=tol, rtol=0)
     for lr, e in zip(ranks, errors):
         torch.testing.assert_close(lr.state(0)[0], e, atol=tol, rtol=0)
     # the bias went whole: the exact average (a sum of `world` fp32 values, then 1/world)
-    bias = sum(g[40 * 24:40 * 24 + 24] for g in grads) * (1 / world)
-    assert torch.equal(out[0][40 * 24:40 * 24 + 24], bias)
+    bias = sum(g[40 * 24 : 40 * 24 + 24] for g in grads) * (1 / world)
+    assert torch.equal(out[0][40 * 24 : 40 * 24 + 24], bias)
     assert ranks[0].state(1) is None
 
 
@@ -158,9 +159,12 @@ def test_error_feedback_keeps_what_was_not_sent():
 
 def test_the_planner_compresses_a_bucket_where_its_messages_are_smaller():
     model = CostModel(1e-4, 1e-9, 1e-10)
-    layers = [Layer("fc", [0, 1], 4096 * 256 + 256, sizes=[4096 * 256, 256],
-                    shapes=[(256, 4096), (256,)]),
-              Layer("bn", [2, 3], 128, sizes=[64, 64], shapes=[(64,), (64,)])]
+    layers = [
+        Layer(
+            "fc", [0, 1], 4096 * 256 + 256, sizes=[4096 * 256, 256], shapes=[(256, 4096), (256,)]
+        ),
+        Layer("bn", [2, 3], 128, sizes=[64, 64], shapes=[(64,), (64,)]),
+    ]
     plan = make_plan(layers, world_size=4, model=model, fusion_bytes=0, low_rank=(4, 0))
     assert [b.compressor for b in plan.buckets] == ["powersgd", None]  # vectors: nothing to gain
     fc = plan.buckets[0]
@@ -173,8 +177,9 @@ def test_the_planner_compresses_a_bucket_where_its_messages_are_smaller():
 def test_fusion_weighs_the_compressed_messages():
     """Two 4 MB layers put ~70 KB each on the wire compressed: under a 256 KB
     fusion they share one bucket (two all-reduces a step instead of four)."""
-    fc = [Layer(f"fc{i}", [i], 4096 * 256, sizes=[4096 * 256], shapes=[(256, 4096)])
-          for i in range(2)]
+    fc = [
+        Layer(f"fc{i}", [i], 4096 * 256, sizes=[4096 * 256], shapes=[(256, 4096)]) for i in range(2)
+    ]
     model = CostModel(1e-4, 1e-9, 1e-10)
     low = make_plan(fc, world_size=4, model=model, fusion_bytes=256 << 10, low_rank=(4, 0))
     dense = make_plan(fc, world_size=4, model=model, fusion_bytes=256 << 10)
@@ -184,10 +189,20 @@ def test_fusion_weighs_the_compressed_messages():
 
 # --- training ---------------------------------------------------------------------------
 
+
 def _train(rank, world, compression, simulate_gpu, overlap, steps=None, strategy="hybrid"):
     os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1" if simulate_gpu else "0"
-    out = train_compressed(rank, world, compression, overlap, samples=2400, batch=40, epochs=5,
-                           steps=steps, strategy=strategy)
+    out = train_compressed(
+        rank,
+        world,
+        compression,
+        overlap,
+        samples=2400,
+        batch=40,
+        epochs=5,
+        steps=steps,
+        strategy=strategy,
+    )
     return out["acc"], out["sent"], out["params"], "powersgd+" in out["plan"]
 
 
@@ -195,8 +210,7 @@ def test_powersgd_trains_close_to_dense_at_a_fifth_of_the_bytes():
     # one algorithm for both (bytes sent depend on it: a re-plan that finds the
     # window short picks the butterfly, 2.25x a ring's bytes at 3 ranks)
     dense = run_ranks(3, _train, None, False, "forward", None, "ring", timeout=300)
-    low = run_ranks(3, _train, "powersgd:4", False, "forward", None, "ring",
-                    timeout=300)
+    low = run_ranks(3, _train, "powersgd:4", False, "forward", None, "ring", timeout=300)
     assert dense[0][0] > 0.8  # the task is learnable at all
     assert low[0][3]  # the plan compressed
     assert low[0][0] >= dense[0][0] - 0.03, (low[0][0], dense[0][0])
@@ -217,7 +231,7 @@ def test_the_first_steps_are_the_exact_all_reduce():
 
 
 def test_with_a_wire_dtype_the_exact_steps_travel_in_it():
-    """"powersgd:4:4+fp16": its four exact steps are compression="fp16"'s, bit for
+    """ "powersgd:4:4+fp16": its four exact steps are compression="fp16"'s, bit for
     bit and byte for byte; the fifth is compressed (and its messages fp32)."""
     half = run_ranks(2, _train, "fp16", False, "backward", 4)
     start = run_ranks(2, _train, "powersgd:4:4+fp16", False, "backward", 4)
@@ -228,9 +242,10 @@ def test_with_a_wire_dtype_the_exact_steps_travel_in_it():
     assert five[0][1] < five_half[0][1] and five[0][3]
 
 
-@pytest.mark.parametrize("overlap,compression", [("backward", "powersgd:2:2"),
-                                                 ("forward", "powersgd:2:2"),
-                                                 ("forward", "powersgd:2:2+bf16")])
+@pytest.mark.parametrize(
+    "overlap,compression",
+    [("backward", "powersgd:2:2"), ("forward", "powersgd:2:2"), ("forward", "powersgd:2:2+bf16")],
+)
 def test_powersgd_on_the_simulated_gpu_keeps_ranks_identical(overlap, compression):
     results = run_ranks(2, _train, compression, True, overlap, 30, timeout=300)
     assert results[0][3] and torch.equal(results[0][2], results[1][2])

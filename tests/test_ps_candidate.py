@@ -2,6 +2,7 @@
 plan picks it where its cost model says so, the optimizer runs buckets through
 the servers (same bits as a plain all-reduce on integer-valued gradients), its
 fitted line survives the calibration file, and the bench's ``--servers``."""
+
 import json
 import os
 
@@ -23,8 +24,15 @@ LAYERS = [Layer("fc", [0, 1], 1 << 20), Layer("head", [2], 1 << 10)]
 
 
 def _plan(model, servers, strategy="hybrid"):
-    return make_plan(LAYERS, world_size=4, model=model, servers=servers, strategy=strategy,
-                     fusion_bytes=64 << 10, split_bytes=0)
+    return make_plan(
+        LAYERS,
+        world_size=4,
+        model=model,
+        servers=servers,
+        strategy=strategy,
+        fusion_bytes=64 << 10,
+        split_bytes=0,
+    )
 
 
 def test_the_planner_picks_ps_where_its_line_is_faster_and_not_otherwise():
@@ -46,26 +54,33 @@ def test_the_planner_picks_ps_where_its_line_is_faster_and_not_otherwise():
 def test_a_fitted_ps_line_round_trips_through_the_calibration_file(tmp_path, monkeypatch):
     path = tmp_path / "model.json"
     monkeypatch.setenv("HYBRIDCOMM_COST_MODEL", str(path))
-    samples = [(a, n, 4, BASE.predict(a, n, 4)) for a in ("ring", "butterfly")
-               for n in (4096, 1 << 20)]
+    samples = [
+        (a, n, 4, BASE.predict(a, n, 4)) for a in ("ring", "butterfly") for n in (4096, 1 << 20)
+    ]
     samples += [("ps", n, 4, 2e-3 + n * 3e-9) for n in (4096, 1 << 20, 16 << 20)]
     model, _ = hybridcomm.plan.cost_model.fit(samples, ps_servers=4)
     assert model.ps_servers == 4
     assert model.ps_alpha == pytest.approx(2e-3) and model.ps_beta == pytest.approx(3e-9)
     calibration.save(model, world_size=4, backend="gloo")
     loaded = calibration.load()
-    assert (loaded.ps_alpha, loaded.ps_beta, loaded.ps_servers) == \
-        (model.ps_alpha, model.ps_beta, 4)
+    assert (loaded.ps_alpha, loaded.ps_beta, loaded.ps_servers) == (
+        model.ps_alpha,
+        model.ps_beta,
+        4,
+    )
     assert loaded.offers("ps", 4) and not loaded.offers("ps", 2)
     assert loaded.predict("ps", 1 << 20, 4) == model.predict("ps", 1 << 20, 4)
 
 
-@pytest.mark.parametrize("argv,why", [
-    (["--servers", "-1"], "--servers must be >= 0"),
-    (["--algo", "ring,ps"], "--algo ps needs summation servers"),
-    (["--servers", "2", "--node-size", "2"], "flat network"),
-    (["--servers", "2", "--latency", "100us"], "emulated latency"),
-])
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["--servers", "-1"], "--servers must be >= 0"),
+        (["--algo", "ring,ps"], "--algo ps needs summation servers"),
+        (["--servers", "2", "--node-size", "2"], "flat network"),
+        (["--servers", "2", "--latency", "100us"], "emulated latency"),
+    ],
+)
 def test_the_bench_checks_servers(argv, why):
     with pytest.raises(SystemExit, match=why):
         cli.config_from(cli.build_parser().parse_args(argv))
@@ -79,9 +94,32 @@ def test_the_bench_adds_ps_with_servers():
 def test_the_bench_times_and_calibrates_ps(tmp_path, capsys):
     """2 workers + 1 server: ps timed beside ring and checked, its line fitted and saved."""
     path, doc = tmp_path / "cal.json", tmp_path / "out.json"
-    rc = cli.main(["--nprocs", "2", "--servers", "1", "-b", "4K", "-e", "64K", "-f", "16",
-                   "-n", "2", "-w", "0", "--algo", "ring,butterfly", "--calibrate", str(path),
-                   "--json", str(doc), "--timeout", "60"])
+    rc = cli.main(
+        [
+            "--nprocs",
+            "2",
+            "--servers",
+            "1",
+            "-b",
+            "4K",
+            "-e",
+            "64K",
+            "-f",
+            "16",
+            "-n",
+            "2",
+            "-w",
+            "0",
+            "--algo",
+            "ring,butterfly",
+            "--calibrate",
+            str(path),
+            "--json",
+            str(doc),
+            "--timeout",
+            "60",
+        ]
+    )
     assert rc == 0, capsys.readouterr().out  # every result checked exact (#wrong 0)
     rows = json.loads(doc.read_text())["results"]
     assert {r["algo"] for r in rows} == {"ring", "butterfly", "ps"}
@@ -134,16 +172,24 @@ def _workers_and_servers(rank, world, k):
     for strategy, overlap in (("ps", "forward"), ("ps", "backward"), ("ring", "backward")):
         model = _model()
         opt = hybridcomm.DistributedOptimizer(
-            torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5), model=model,
-            strategy=strategy, overlap=overlap, servers=servers, cost_model="default",
-            fusion_bytes=4 << 10, measure_iters=2, timeout=60)
+            torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5),
+            model=model,
+            strategy=strategy,
+            overlap=overlap,
+            servers=servers,
+            cost_model="default",
+            fusion_bytes=4 << 10,
+            measure_iters=2,
+            timeout=60,
+        )
         out[strategy, overlap] = _train(opt, model, rank)
         out[strategy, overlap, "plan"] = {b.algorithm for b in opt.plan.buckets}
         opt.close()
     # the start-up probe adds a ps line for this many servers (hybrid may then pick ps)
     model = _model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                          model=model, servers=servers, timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), model=model, servers=servers, timeout=60
+    )
     out["probed"] = opt._hc_sync.cost_model.offers("ps", k)
     opt.close()
     servers.close()
@@ -177,8 +223,13 @@ def _gpu_path(rank, world):
         return ps.serve(role, timeout=60)  # returns: the worker's failed optimizer closed it
     model = _model()
     try:
-        hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model,
-                                        servers=role, cost_model="default", timeout=60)
+        hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model=model,
+            servers=role,
+            cost_model="default",
+            timeout=60,
+        )
     except HybridCommError as e:
         return str(e)
     return "no error"

@@ -9,6 +9,7 @@ be. The epilogue, after the snippet's loop, gathers every rank's parameters and
 compares them with each other and with one process trained on the whole batches
 from rank 0's initial weights (fp64: the summation order moves the last bits only).
 """
+
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from launch_script import ROOT, run_script
 
 STEPS = 4
 
-PRELUDE = f'''
+PRELUDE = f"""
 import torch as _torch
 _torch.set_default_dtype(_torch.float64)  # summation order then costs ~1e-16, not 1e-7
 _RANK, _WORLD = int(__import__("os").environ["RANK"]), int(__import__("os").environ["WORLD_SIZE"])
@@ -44,9 +45,9 @@ _BATCHES = [(_torch.randn(8, 2, 4, 4, generator=_g), _torch.randn(8, 5, generato
             for _ in range({STEPS})]
 loader = [(x.chunk(_WORLD)[_RANK], y.chunk(_WORLD)[_RANK]) for x, y in _BATCHES]
 loss_fn = _torch.nn.functional.mse_loss
-'''
+"""
 
-EPILOGUE = '''
+EPILOGUE = """
 import json as _json
 import torch.distributed as _dist
 
@@ -76,14 +77,15 @@ print("SNIPPET-RESULT " + _json.dumps(_report), flush=True)
 if hasattr(opt, "close"):
     opt.close()
 _dist.destroy_process_group()
-'''
+"""
 
 
 def snippet() -> str:
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    m = re.search(r"<!-- snippet:start -->\s*```python\n(.*?)```\s*<!-- snippet:end -->", text,
-                  re.S)
+    m = re.search(
+        r"<!-- snippet:start -->\s*```python\n(.*?)```\s*<!-- snippet:end -->", text, re.S
+    )
     assert m, "README.md has no ```python block between <!-- snippet:start/end --> markers"
     return m.group(1)
 
@@ -92,8 +94,13 @@ def snippet() -> str:
 def ran(tmp_path_factory):
     code = snippet()
     script = tmp_path_factory.mktemp("readme") / "snippet.py"
-    script.write_text(PRELUDE + "\n# --- README.md's snippet, as written ---\n" + code
-                      + "\n# --- the test's epilogue ---\n" + EPILOGUE)
+    script.write_text(
+        PRELUDE
+        + "\n# --- README.md's snippet, as written ---\n"
+        + code
+        + "\n# --- the test's epilogue ---\n"
+        + EPILOGUE
+    )
     outs = run_script(str(script), [], nprocs=2, timeout=180)
     results = []
     for out in outs:

@@ -4,6 +4,7 @@ already synchronizes, and parameters a lazy module has not made yet. Before,
 the first failed within a few steps (an in-place write into a bucket in flight,
 on one rank, the other in a raw gloo timeout) and the second came out as
 torch's message about ``load_state_dict``."""
+
 import time
 
 import pytest
@@ -21,25 +22,32 @@ def _make(rank, world, case):
         inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
         model = nn.parallel.DistributedDataParallel(inner)
     elif case == "ddp_inside":  # a submodule wrapped, the whole handed over
-        model = nn.Sequential(nn.parallel.DistributedDataParallel(nn.Linear(4, 4)),
-                              nn.Linear(4, 2))
+        model = nn.Sequential(nn.parallel.DistributedDataParallel(nn.Linear(4, 4)), nn.Linear(4, 2))
     else:
         model = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.Linear(4, 2))
     t0 = time.monotonic()
     try:
-        hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                        model=model, timeout=30)
+        hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model=model, timeout=30
+        )
     except hybridcomm.HybridCommError as e:
         return str(e), time.monotonic() - t0
     return None, time.monotonic() - t0
 
 
 def test_a_model_ddp_synchronizes_and_a_lazy_module_are_refused_on_every_rank():
-    for case, says in (("ddp", ["the model is wrapped in DistributedDataParallel",
-                                "ddp_model.module", "hybridcomm.ddp.register"]),
-                       ("ddp_inside", ["the module '0' is wrapped in DistributedDataParallel"]),
-                       ("lazy", ["'0.weight', '0.bias' are not initialized yet",
-                                 "run one forward pass"])):
+    for case, says in (
+        (
+            "ddp",
+            [
+                "the model is wrapped in DistributedDataParallel",
+                "ddp_model.module",
+                "hybridcomm.ddp.register",
+            ],
+        ),
+        ("ddp_inside", ["the module '0' is wrapped in DistributedDataParallel"]),
+        ("lazy", ["'0.weight', '0.bias' are not initialized yet", "run one forward pass"]),
+    ):
         for error, seconds in run_ranks(2, _make, case, timeout=120):
             assert error is not None, case
             for text in says:
@@ -51,8 +59,9 @@ def _lazy_after_a_forward(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.Linear(4, 2))
     model(torch.zeros(1, 3))  # materialized: accepted
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, timeout=30)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, timeout=30
+    )
     n = sum(len(b.params) for b in opt.plan.buckets)
     opt.close()
     return n
@@ -71,9 +80,9 @@ def _zero_inner(rank, world):
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
     zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
     with pytest.warns(UserWarning, match="steps all its parameters at once"):
-        opt = hybridcomm.DistributedOptimizer(zero, model=model, overlap="forward",
-                                              fusion_bytes=200, cost_model="default",
-                                              timeout=30)
+        opt = hybridcomm.DistributedOptimizer(
+            zero, model=model, overlap="forward", fusion_bytes=200, cost_model="default", timeout=30
+        )
     buckets = len(opt.plan.buckets)
     for x, y in _shards(rank, world):
         opt.zero_grad()
@@ -85,8 +94,9 @@ def _zero_inner(rank, world):
 
 def _shards(rank, world, steps=4):
     g = torch.Generator().manual_seed(7)
-    batches = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g))
-               for _ in range(steps)]
+    batches = [
+        (torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(steps)
+    ]
     return [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
 
 

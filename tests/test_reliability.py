@@ -2,6 +2,7 @@
 construction, on every rank, naming the parameter), broadcasts of mismatched
 tensors, a dead or a stalled peer at every blocking point (our error within the
 timeout, never a raw backend error or a hang), and no deprecation warnings."""
+
 import os
 import time
 import warnings
@@ -20,17 +21,22 @@ SLACK = 15.0  # start-up (process groups, the plan) on 2 busy cores
 
 # --- fp64 -------------------------------------------------------------------------------
 
+
 def _fp64(rank, world, strategy):
     model = make_model().double()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05,
-                                                          momentum=0.9),
-                                          model=model, strategy=strategy, fusion_bytes=0,
-                                          timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model=model,
+        strategy=strategy,
+        fusion_bytes=0,
+        timeout=60,
+    )
     for s in range(3):
         x, y = batch(s)
         opt.zero_grad()
-        nn.functional.mse_loss(model(shard(x, rank, world).double()),
-                               shard(y, rank, world).double()).backward()
+        nn.functional.mse_loss(
+            model(shard(x, rank, world).double()), shard(y, rank, world).double()
+        ).backward()
         opt.step()
     opt.synchronize()
     return flat(model.parameters())
@@ -53,6 +59,7 @@ def test_fp64_models_reduce_with_our_algorithms(strategy):
 
 # --- inputs we cannot reduce: an error at construction, on every rank ------------------
 
+
 def _bad_model(rank, world, kind):
     if kind == "sparse":  # the device path has no sparse reduction
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
@@ -68,17 +75,24 @@ def _bad_model(rank, world, kind):
     elif kind == "integer":  # integer parameters cannot require grad: frozen, skipped
         model.i = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)
     try:
-        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                              model=model, timeout=30)
+        opt = hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model=model, timeout=30
+        )
     except hybridcomm.HybridCommError as e:
         return str(e)
     opt.close()
     return "accepted"
 
 
-@pytest.mark.parametrize("kind,expect", [("sparse", "'emb.weight' belongs to a module with sparse"),
-                                         ("complex", "'c' is complex"),
-                                         ("devices", "several devices"), ("integer", None)])
+@pytest.mark.parametrize(
+    "kind,expect",
+    [
+        ("sparse", "'emb.weight' belongs to a module with sparse"),
+        ("complex", "'c' is complex"),
+        ("devices", "several devices"),
+        ("integer", None),
+    ],
+)
 def test_unreducible_parameters_fail_at_construction_on_every_rank(kind, expect):
     for msg in run_ranks(2, _bad_model, kind):
         if expect is None:
@@ -106,8 +120,9 @@ def _sparse_batch(s):
 def _sparse_train(rank, world, overlap):
     torch.manual_seed(0)
     model = SparseNet()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                          model=model, overlap=overlap, timeout=60)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), model=model, overlap=overlap, timeout=60
+    )
     for s in range(4):
         ids, y = _sparse_batch(s)
         opt.zero_grad()
@@ -136,8 +151,9 @@ def test_sparse_embeddings_train_like_one_process(overlap):
 
 def _sparse_grad_anyway(rank, world):
     model = nn.Linear(4, 4)
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, timeout=30)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, timeout=30
+    )
     model.weight.grad = torch.zeros(4, 4).to_sparse()  # as a custom sparse op would leave it
     try:
         opt.step()
@@ -152,6 +168,7 @@ def test_a_sparse_gradient_that_slips_through_is_our_error():
 
 
 # --- broadcasts -------------------------------------------------------------------------
+
 
 def _broadcast_mismatch(rank, world, bigger):
     model = make_model()
@@ -189,6 +206,7 @@ def test_broadcast_optimizer_state_checks_groups_first():
 
 # --- a dead or stalled peer at every blocking point -------------------------------------
 
+
 def _peer_fails(rank, world, where, how):
     from hybridcomm.comm import calibration
 
@@ -214,9 +232,13 @@ def _peer_fails(rank, world, where, how):
             hybridcomm.broadcast_parameters(model.state_dict(), timeout=TIMEOUT)
             return "no error"
         kw = {"cost_model": "probe"} if where == "probe" else {}
-        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                              model=model, measure_iters=2, timeout=TIMEOUT,
-                                              **kw)
+        opt = hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model=model,
+            measure_iters=2,
+            timeout=TIMEOUT,
+            **kw,
+        )
         for s in range(4):
             x, y = batch(s)
             opt.zero_grad()
@@ -258,8 +280,9 @@ def _replan_peer(rank, world, how):
 
     planning.Planning.agree = agree
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                          model=model, measure_iters=2, timeout=TIMEOUT)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, measure_iters=2, timeout=TIMEOUT
+    )
     t0 = None
     try:
         for s in range(4):
@@ -294,13 +317,15 @@ def test_stalled_or_dead_peer_at_the_replan(how):
 
 # --- warnings ---------------------------------------------------------------------------
 
+
 def _no_warnings(rank, world):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = make_model()
         hybridcomm.broadcast_parameters(model.state_dict(), timeout=30)
-        opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                              model=model, timeout=30)
+        opt = hybridcomm.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model=model, timeout=30
+        )
         hybridcomm.broadcast_optimizer_state(opt, timeout=30)
         for s in range(4):
             x, y = batch(s)
@@ -309,8 +334,11 @@ def _no_warnings(rank, world):
             opt.step()
         hybridcomm.all_reduce(torch.ones(10), check="always", timeout=30)
         opt.close()
-    return [f"{w.category.__name__}: {w.message}" for w in caught
-            if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+    return [
+        f"{w.category.__name__}: {w.message}"
+        for w in caught
+        if issubclass(w.category, (DeprecationWarning, FutureWarning))
+    ]
 
 
 def test_the_library_raises_no_deprecation_warnings():
@@ -330,12 +358,14 @@ def _unsafe_agreement(rank, world):
     from hybridcomm.base.errors import HybridCommError
     from hybridcomm.plan.planner import Bucket, Plan
 
-    plan = Plan(world, "hybrid", [Bucket(0, ["fc"], [0], 3, 12, "ring", 1e-4, segments=[(0, 4)])],
-                [(0, 0)])
+    plan = Plan(
+        world, "hybrid", [Bucket(0, ["fc"], [0], 3, 12, "ring", 1e-4, segments=[(0, 4)])], [(0, 0)]
+    )
     got = control.broadcast_object(plan if rank == 0 else None, timeout=30, what="a plan")
     try:
-        control.broadcast_object(_RunsCodeWhenLoaded() if rank == 0 else None, timeout=30,
-                                 what="a hostile object")
+        control.broadcast_object(
+            _RunsCodeWhenLoaded() if rank == 0 else None, timeout=30, what="a hostile object"
+        )
         refused = rank == 0  # the root keeps its own object
     except HybridCommError as e:
         refused = "refused what a peer sent" in str(e)

@@ -1,4 +1,5 @@
 """benchmarks/scale.py: the step-time simulation, on cases worked out by hand."""
+
 import json
 import os
 import sys
@@ -99,14 +100,19 @@ def test_published_shapes_have_their_published_sizes():
 
 
 def test_validation_reads_a_train_json_and_predicts_each_config(tmp_path):
-    results = [{"config": c, "batch_size": 8, "step_ms": ms, "cpu_busy_pct": cpu}
-               for c, ms, cpu in [("compute", 50.0, 100.0), ("comm", 40.0, 20.0),
-                                  ("stock", 120.0, 60.0), ("ddp:2", 70.0, 80.0),
-                                  ("hybrid-forward", 60.0, 90.0)]]
+    results = [
+        {"config": c, "batch_size": 8, "step_ms": ms, "cpu_busy_pct": cpu}
+        for c, ms, cpu in [
+            ("compute", 50.0, 100.0),
+            ("comm", 40.0, 20.0),
+            ("stock", 120.0, 60.0),
+            ("ddp:2", 70.0, 80.0),
+            ("hybrid-forward", 60.0, 90.0),
+        ]
+    ]
     path = tmp_path / "train.json"
     path.write_text(json.dumps({"results": results, "nprocs": 4, "shape": None}))
-    model = CostModel(1e-4, 4e-9, 1e-10, native_alpha=1e-4, native_beta=4e-9,
-                      meta={"points": []})
+    model = CostModel(1e-4, 4e-9, 1e-10, native_alpha=1e-4, native_beta=4e-9, meta={"points": []})
     out = scale.validate(str(path), calibration=model)
     rows = {r["config"]: r for r in out["validation"]}
     assert set(rows) == {"stock", "ddp:2", "hybrid-forward"}

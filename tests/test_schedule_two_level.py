@@ -2,6 +2,7 @@
 the simulator for every world size 1..17 and many node sizes and grids (short
 last groups, primes), and their structure (step counts, matched sends, which
 ranks talk across groups)."""
+
 import math
 import random
 
@@ -27,8 +28,9 @@ def topologies(p):
     for cols in {2, 3, math.isqrt(p - 1) + 1, p - 1}:
         if 2 <= cols < p:
             grids.add((-(-p // cols), cols))  # the last row short unless cols divides p
-    return ([("hierarchical", Topology(node_size=n)) for n in sorted(nodes) if n >= 1]
-            + [("torus2d", Topology(grid=g)) for g in sorted(grids)])
+    return [("hierarchical", Topology(node_size=n)) for n in sorted(nodes) if n >= 1] + [
+        ("torus2d", Topology(grid=g)) for g in sorted(grids)
+    ]
 
 
 def run(algo, p, n, topo, inputs):
@@ -46,8 +48,9 @@ def test_exact_and_bitwise_identical_for_every_node_size_and_grid(p):
         # Floats of mixed magnitude: a sum's rounding depends on its order, so
         # identical results mean each element was summed once, then copied.
         n = 2 * p + 3
-        floats = [[rng.uniform(-1, 1) * 10 ** rng.randint(-8, 8) for _ in range(n)]
-                  for _ in range(p)]
+        floats = [
+            [rng.uniform(-1, 1) * 10 ** rng.randint(-8, 8) for _ in range(n)] for _ in range(p)
+        ]
         out = run(algo, p, n, topo, floats)
         assert all(o == out[0] for o in out), (algo, topo)
 
@@ -56,10 +59,20 @@ def test_identical_check_catches_rank_dependent_order():
     # The check above must be able to fail: here every rank adds the others'
     # buffers in its own order (left neighbour first), so the ranks differ.
     p, n = 3, 64
-    scheds = [Schedule("x", r, p, n, (
-        Step(tuple(Send(q, 0, n) for q in range(p) if q != r), ()),
-        Step((), (Recv((r - 1) % p, 0, n, reduce=True),)),
-        Step((), (Recv((r + 1) % p, 0, n, reduce=True, final=True),)))) for r in range(p)]
+    scheds = [
+        Schedule(
+            "x",
+            r,
+            p,
+            n,
+            (
+                Step(tuple(Send(q, 0, n) for q in range(p) if q != r), ()),
+                Step((), (Recv((r - 1) % p, 0, n, reduce=True),)),
+                Step((), (Recv((r + 1) % p, 0, n, reduce=True, final=True),)),
+            ),
+        )
+        for r in range(p)
+    ]
     rng = random.Random(0)
     floats = [[rng.uniform(-1, 1) * 10 ** rng.randint(-8, 8) for _ in range(n)] for _ in range(p)]
     out = simulate(scheds, floats)
@@ -70,8 +83,10 @@ def test_identical_check_catches_rank_dependent_order():
 def test_step_counts_follow_the_formula(p, node):
     m = p // node
     n = 1000 * p
-    for algo, topo in (("hierarchical", Topology(node_size=node)),
-                       ("torus2d", Topology(grid=(m, node)))):
+    for algo, topo in (
+        ("hierarchical", Topology(node_size=node)),
+        ("torus2d", Topology(grid=(m, node))),
+    ):
         want = coefficients(algo, n, p, topo)[0]
         assert want == 2 * (node - 1) + 2 * (m - 1)
         assert all(len(get_schedule(algo, r, p, n, topo).steps) == want for r in range(p))
@@ -83,10 +98,12 @@ def test_one_node_or_one_rank_per_node_is_the_ring():
     for p in (3, 5, 8):
         ring = [len(get_schedule("ring", r, p, 100).steps) for r in range(p)]
         for topo in (Topology(node_size=1), Topology(node_size=p), Topology(node_size=10 * p)):
-            assert [len(get_schedule("hierarchical", r, p, 100, topo).steps)
-                    for r in range(p)] == ring
-        assert [len(get_schedule("torus2d", r, p, 100, Topology(grid=(1, p))).steps)
-                for r in range(p)] == ring
+            assert [
+                len(get_schedule("hierarchical", r, p, 100, topo).steps) for r in range(p)
+            ] == ring
+        assert [
+            len(get_schedule("torus2d", r, p, 100, Topology(grid=(1, p))).steps) for r in range(p)
+        ] == ring
 
 
 @pytest.mark.parametrize("p,node", [(3, 2), (6, 2), (7, 2), (7, 3), (11, 4), (13, 5)])
@@ -118,8 +135,10 @@ def test_final_once_per_element_is_checked():
     bad = []
     for r in range(p):
         s = get_schedule("hierarchical", r, p, n, topo)
-        steps = tuple(Step(st.sends, tuple(Recv(v.peer, v.start, v.stop, v.reduce, False)
-                                            for v in st.recvs)) for st in s.steps)
+        steps = tuple(
+            Step(st.sends, tuple(Recv(v.peer, v.start, v.stop, v.reduce, False) for v in st.recvs))
+            for st in s.steps
+        )
         bad.append(Schedule(s.algorithm, r, p, n, steps))
     with pytest.raises(ScheduleError, match="final"):
         simulate(bad, [[1] * n] * p)

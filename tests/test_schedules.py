@@ -1,4 +1,5 @@
 """Schedules as pure data: exact sums through the simulator, and their structure."""
+
 import math
 import random
 
@@ -96,8 +97,10 @@ def test_final_reduction_once_per_element():
     bad = []
     for r in range(p):
         s = get_schedule("ring", r, p, n)
-        steps = tuple(Step(st.sends, tuple(Recv(v.peer, v.start, v.stop, v.reduce, False)
-                                            for v in st.recvs)) for st in s.steps)
+        steps = tuple(
+            Step(st.sends, tuple(Recv(v.peer, v.start, v.stop, v.reduce, False) for v in st.recvs))
+            for st in s.steps
+        )
         bad.append(Schedule(s.algorithm, r, p, n, steps))
     with pytest.raises(ScheduleError, match="final"):
         simulate(bad, [[1] * n] * p)
@@ -107,8 +110,13 @@ def test_simulator_catches_order_mismatch_without_tags():
     # rank 0 sends two differently sized messages; rank 1 posts its receives
     # in the other order: NCCL would mismatch, so must the simulator.
     s0 = Schedule("x", 0, 2, 3, (Step((Send(1, 0, 1),), ()), Step((Send(1, 1, 3),), ())))
-    s1 = Schedule("x", 1, 2, 3, (Step((), (Recv(0, 1, 3, reduce=False),)),
-                                 Step((), (Recv(0, 0, 1, reduce=False),))))
+    s1 = Schedule(
+        "x",
+        1,
+        2,
+        3,
+        (Step((), (Recv(0, 1, 3, reduce=False),)), Step((), (Recv(0, 0, 1, reduce=False),))),
+    )
     with pytest.raises(ScheduleError, match="expects 2 elements"):
         simulate([s0, s1], [[1, 2, 3], [0, 0, 0]])
 
@@ -140,8 +148,10 @@ def test_scratch_is_bounded_by_the_buffer():
         for p in (2, 3, 8):
             for r in range(p):
                 s = get_schedule(algo, r, p, 1000)
-                folded_out = (r >= 1 << (p.bit_length() - 1)
-                              and algo in ("butterfly", "halving_doubling"))
+                folded_out = r >= 1 << (p.bit_length() - 1) and algo in (
+                    "butterfly",
+                    "halving_doubling",
+                )
                 assert s.scratch_numel == 0 if folded_out else 0 < s.scratch_numel <= 1000
     # the largest chunk: 1000 split at multiples of 8 elements is 248, 248, 248, 256
     assert get_schedule("ring", 0, 4, 1000).scratch_numel == 256
@@ -152,6 +162,7 @@ def test_chunks_start_at_aligned_offsets(algo):
     """Every transfer of a chunked schedule starts at a multiple of 8 elements, so
     NCCL and the reduction kernels get aligned (vectorisable) addresses."""
     from hybridcomm.algorithms.schedule import ALIGN_ELEMENTS
+
     for p in (2, 3, 4, 8):
         for n in (1, 7, 100, 1000, 4099):
             for r in range(p):
@@ -177,21 +188,33 @@ def test_a_phased_segments_tail_gives_each_rank_its_whole_block(algorithm):
                 assert tail_body(world, numel, tail) == body
                 inputs = [[rng.randint(-9, 9) for _ in range(numel)] for _ in range(world)]
                 total = [sum(col) for col in zip(*inputs)]
-                owned = [[SHARD_BOUNDS[algorithm](r, world, body),
-                          tail_block(r, world, numel, tail)] for r in range(world)]
-                rs = [get_phase_schedule("reduce_scatter", algorithm, r, world, numel, tail)
-                      for r in range(world)]
-                plain = [get_phase_schedule("reduce_scatter", algorithm, r, world, body)
-                         for r in range(world)]
+                owned = [
+                    [SHARD_BOUNDS[algorithm](r, world, body), tail_block(r, world, numel, tail)]
+                    for r in range(world)
+                ]
+                rs = [
+                    get_phase_schedule("reduce_scatter", algorithm, r, world, numel, tail)
+                    for r in range(world)
+                ]
+                plain = [
+                    get_phase_schedule("reduce_scatter", algorithm, r, world, body)
+                    for r in range(world)
+                ]
                 if body >= 8 * world:  # no part empty: the tail adds no step of its own
                     assert [len(s.steps) for s in rs] == [len(s.steps) for s in plain]
                 scattered = simulate(rs, inputs, owned, "reduce_scatter")
                 for r in range(world):
                     for lo, hi in owned[r]:
                         assert scattered[r][lo:hi] == total[lo:hi], (world, body, tail, r)
-                gathered = simulate([get_phase_schedule("all_gather", algorithm, r, world,
-                                                        numel, tail) for r in range(world)],
-                                    scattered, owned, "all_gather")
+                gathered = simulate(
+                    [
+                        get_phase_schedule("all_gather", algorithm, r, world, numel, tail)
+                        for r in range(world)
+                    ],
+                    scattered,
+                    owned,
+                    "all_gather",
+                )
                 assert all(g == total for g in gathered), (world, body, tail)
     with pytest.raises(ValueError, match="multiple of 8"):
         get_phase_schedule("reduce_scatter", algorithm, 0, 2, 100, 5)
@@ -215,12 +238,26 @@ def test_a_reduce_scatter_then_an_all_gather_is_the_all_reduce(algorithm):
             owned = [SHARD_BOUNDS[algorithm](r, world, numel) for r in range(world)]
             assert owned[0][0] == 0 and owned[-1][1] == numel
             assert all(owned[r][1] == owned[r + 1][0] for r in range(world - 1))
-            scattered = simulate([get_phase_schedule("reduce_scatter", algorithm, r, world, numel)
-                                  for r in range(world)], inputs, owned, "reduce_scatter")
+            scattered = simulate(
+                [
+                    get_phase_schedule("reduce_scatter", algorithm, r, world, numel)
+                    for r in range(world)
+                ],
+                inputs,
+                owned,
+                "reduce_scatter",
+            )
             for r, (lo, hi) in enumerate(owned):
                 assert scattered[r][lo:hi] == total[lo:hi], (world, numel, r)
-            gathered = simulate([get_phase_schedule("all_gather", algorithm, r, world, numel)
-                                 for r in range(world)], scattered, owned, "all_gather")
+            gathered = simulate(
+                [
+                    get_phase_schedule("all_gather", algorithm, r, world, numel)
+                    for r in range(world)
+                ],
+                scattered,
+                owned,
+                "all_gather",
+            )
             assert all(g == total for g in gathered), (world, numel)
     if algorithm == "halving_doubling":
         with pytest.raises(ValueError, match="power-of-two"):

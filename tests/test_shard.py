@@ -6,6 +6,7 @@ Each rank trains on its shard of the same global batches; the reference is one
 process on the whole batch. The model's sizes are awkward (7, 13, 3-wide
 layers), the buckets small and split in segments, so shards cut parameters in
 the middle and a parameter spans ranks."""
+
 import gc
 import os
 import time
@@ -26,8 +27,7 @@ STEPS = 5
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 13), nn.Tanh(), nn.Linear(13, 7), nn.Tanh(),
-                         nn.Linear(7, 3))
+    return nn.Sequential(nn.Linear(6, 13), nn.Tanh(), nn.Linear(13, 7), nn.Tanh(), nn.Linear(7, 3))
 
 
 def _batches(world, rank, steps=STEPS, seed=5):
@@ -67,8 +67,10 @@ def _train(model, opt, world, rank, clip=None, head_joins_at=None, scheduler=Non
 
 def _groups(model):
     model[4].bias.requires_grad_(False)
-    return [{"params": list(model[0].parameters()) + list(model[2].parameters())},
-            {"params": [model[4].weight], "lr": 0.005}]
+    return [
+        {"params": list(model[0].parameters()) + list(model[2].parameters())},
+        {"params": [model[4].weight], "lr": 0.005},
+    ]
 
 
 def _flat(model):
@@ -76,8 +78,12 @@ def _flat(model):
 
 
 def _state_bytes(opt):
-    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
-               if torch.is_tensor(v) and v.dim())
+    return sum(
+        v.numel() * v.element_size()
+        for st in opt.state.values()
+        for v in st.values()
+        if torch.is_tensor(v) and v.dim()
+    )
 
 
 def _reference(name, clip):
@@ -89,9 +95,15 @@ def _reference(name, clip):
     return _flat(model), norms, _state_bytes(opt), opt.state_dict()
 
 
-CASES = [(name, shard, overlap, clip) for name in OPTIMIZERS
-         for shard, overlap, clip in (("optimizer", "backward", None), ("gradients", "none", 0.05),
-                                      ("optimizer", "forward", 0.05))]
+CASES = [
+    (name, shard, overlap, clip)
+    for name in OPTIMIZERS
+    for shard, overlap, clip in (
+        ("optimizer", "backward", None),
+        ("gradients", "none", 0.05),
+        ("optimizer", "forward", 0.05),
+    )
+]
 
 
 def _sharded(rank, world, simulate, reshard_bytes=None):
@@ -103,24 +115,45 @@ def _sharded(rank, world, simulate, reshard_bytes=None):
     for name, shard, overlap, clip in CASES:
         model = _model()
         opt = hybridcomm.DistributedOptimizer(
-            OPTIMIZERS[name](_groups(model)), model=model, overlap=overlap, shard=shard,
-            fusion_bytes=256, split_bytes=200, cost_model="default", measure_iters=3,
-            timeout=30)
+            OPTIMIZERS[name](_groups(model)),
+            model=model,
+            overlap=overlap,
+            shard=shard,
+            fusion_bytes=256,
+            split_bytes=200,
+            cost_model="default",
+            measure_iters=3,
+            timeout=30,
+        )
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        norms = _train(model, opt, world, rank, (lambda: opt.clip_grad_norm_(clip)) if clip
-                       else None, head_joins_at=2, scheduler=sched)
+        norms = _train(
+            model,
+            opt,
+            world,
+            rank,
+            (lambda: opt.clip_grad_norm_(clip)) if clip else None,
+            head_joins_at=2,
+            scheduler=sched,
+        )
         grads_released = all(p.grad is None for p in model.parameters())
         # forward mode: the parameters' all-gather waits for their first read
         assert opt._hc_sync.deferred.any_pending() == (overlap == "forward")
-        out[(name, shard, overlap, clip)] = (_flat(model), norms, _state_bytes(opt),
-                                             opt.state_dict(), grads_released)
+        out[(name, shard, overlap, clip)] = (
+            _flat(model),
+            norms,
+            _state_bytes(opt),
+            opt.state_dict(),
+            grads_released,
+        )
         opt.close()
     return out
 
 
-@pytest.mark.parametrize("world,simulate,reshard_bytes",
-                         [(2, False, None), (3, False, "0"), (2, True, None)],
-                         ids=["P2-host", "P3-host-reshard-by-parameter", "P2-simgpu"])
+@pytest.mark.parametrize(
+    "world,simulate,reshard_bytes",
+    [(2, False, None), (3, False, "0"), (2, True, None)],
+    ids=["P2-host", "P3-host-reshard-by-parameter", "P2-simgpu"],
+)
 def test_sharded_state_gives_one_process_numbers(world, simulate, reshard_bytes):
     results = run_ranks(world, _sharded, simulate, reshard_bytes, timeout=300)
     refs = {(name, clip): _reference(name, clip) for name in OPTIMIZERS for clip in (None, 0.05)}
@@ -130,18 +163,25 @@ def test_sharded_state_gives_one_process_numbers(world, simulate, reshard_bytes)
         got = [r[case] for r in results]
         for rank, (params, norms, nbytes, sd, released) in enumerate(got):
             assert torch.equal(params, got[0][0]), (case, rank)
-            assert torch.allclose(params, ref, rtol=TOL, atol=TOL), \
-                (case, rank, (params - ref).abs().max().item())
+            assert torch.allclose(params, ref, rtol=TOL, atol=TOL), (
+                case,
+                rank,
+                (params - ref).abs().max().item(),
+            )
             assert norms == pytest.approx(ref_norms, rel=TOL), (case, rank)
             assert released, (case, rank)
             # the plain optimizer's state, put together from the shards
             assert sd["state"].keys() == ref_sd["state"].keys(), case
-            assert [g["lr"] for g in sd["param_groups"]] == \
-                [g["lr"] for g in ref_sd["param_groups"]], case
+            assert [g["lr"] for g in sd["param_groups"]] == [
+                g["lr"] for g in ref_sd["param_groups"]
+            ], case
             for i, st in ref_sd["state"].items():
                 for key, v in st.items():
-                    assert torch.allclose(sd["state"][i][key], v, rtol=TOL, atol=TOL), \
-                        (case, i, key)
+                    assert torch.allclose(sd["state"][i][key], v, rtol=TOL, atol=TOL), (
+                        case,
+                        i,
+                        key,
+                    )
         # the ranks' states split the plain optimizer's: no element kept twice
         if ref_bytes:
             assert sum(r[2] for r in got) == ref_bytes, case
@@ -151,14 +191,21 @@ def _big_state(rank, world):
     """A model of 200k parameters: each rank's Adam state within 5% of 1/P."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 400), nn.ReLU(), nn.Linear(400, 200))
-    opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
-                                          model=model, overlap="backward", shard="gradients",
-                                          cost_model="default", timeout=30)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        model=model,
+        overlap="backward",
+        shard="gradients",
+        cost_model="default",
+        timeout=30,
+    )
     x = torch.randn(8, 300)
     model(x).square().mean().backward()
     # (a bucket whose reduce-scatter ended in backward holds only its part by now)
-    memory = [weakref.ref(s.bucket.buffer if s.bucket.buffer is not None else s.bucket.part)
-              for s in opt._hc_sync.group.states]
+    memory = [
+        weakref.ref(s.bucket.buffer if s.bucket.buffer is not None else s.bucket.part)
+        for s in opt._hc_sync.group.states
+    ]
     opt.step()
     buffers = [s.bucket.buffer for s in opt._hc_sync.group.states]
     gc.collect()
@@ -184,9 +231,15 @@ def _resume(rank, world, mode, path, form, simulate=False):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     model = _model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                          model=model, overlap="forward", shard="optimizer",
-                                          fusion_bytes=256, cost_model="default", timeout=30)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        model=model,
+        overlap="forward",
+        shard="optimizer",
+        fusion_bytes=256,
+        cost_model="default",
+        timeout=30,
+    )
     batches = _batches(world, rank)
     if mode == "resume":
         if form == "full":
@@ -195,16 +248,21 @@ def _resume(rank, world, mode, path, form, simulate=False):
         else:
             ckpt = torch.load(f"{path}.0", weights_only=True)
             saved_world = ckpt["opt"]["hybridcomm_shard"]["world"]
-            opt.load_sharded_state_dict([torch.load(f"{path}.{r}", weights_only=True)["opt"]
-                                         for r in range(saved_world)])
+            opt.load_sharded_state_dict(
+                [torch.load(f"{path}.{r}", weights_only=True)["opt"] for r in range(saved_world)]
+            )
         model.load_state_dict(ckpt["model"])
     for x, y in batches[:2] if mode == "save" else batches[2:] if mode == "resume" else batches:
-        opt.zero_grad(); nn.functional.mse_loss(model(x), y).backward(); opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
     if mode == "save":
         state = opt.state_dict() if form == "full" else opt.sharded_state_dict()
         if form == "sharded" or rank == 0:
-            torch.save({"model": model.state_dict(), "opt": state},
-                       path if form == "full" else f"{path}.{rank}")
+            torch.save(
+                {"model": model.state_dict(), "opt": state},
+                path if form == "full" else f"{path}.{rank}",
+            )
     out = _flat(model)
     opt.close()
     return out
@@ -218,17 +276,20 @@ def _plain_resume(path):
     ckpt["opt"].pop("hybridcomm", None)
     opt.load_state_dict(ckpt["opt"])
     for x, y in _batches(1, 0)[2:]:
-        opt.zero_grad(); nn.functional.mse_loss(model(x), y).backward(); opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
     return _flat(model)
 
 
-@pytest.mark.parametrize("form,simulate", [("full", False), ("sharded", False),
-                                           ("sharded", True)],
-                         ids=["full-host", "sharded-host", "sharded-simgpu"])
+@pytest.mark.parametrize(
+    "form,simulate",
+    [("full", False), ("sharded", False), ("sharded", True)],
+    ids=["full-host", "sharded-host", "sharded-simgpu"],
+)
 def test_a_checkpoint_resumes_bitwise_and_at_another_world_size(tmp_path, form, simulate):
     path = str(tmp_path / "ckpt.pt")
-    uninterrupted = run_ranks(2, _resume, "uninterrupted", path, form, simulate,
-                              timeout=120)[0]
+    uninterrupted = run_ranks(2, _resume, "uninterrupted", path, form, simulate, timeout=120)[0]
     run_ranks(2, _resume, "save", path, form, simulate, timeout=120)
     again = run_ranks(2, _resume, "resume", path, form, simulate, timeout=120)
     assert all(torch.equal(got, uninterrupted) for got in again)  # the same plan: bitwise
@@ -236,8 +297,9 @@ def test_a_checkpoint_resumes_bitwise_and_at_another_world_size(tmp_path, form, 
     if form == "full":
         elsewhere.append(_plain_resume(path))  # a plain optimizer loads it too
     for got in elsewhere:
-        assert torch.allclose(got, uninterrupted, rtol=TOL, atol=TOL), \
+        assert torch.allclose(got, uninterrupted, rtol=TOL, atol=TOL), (
             (got - uninterrupted).abs().max().item()
+        )
 
 
 def _refused(rank, world):
@@ -255,9 +317,15 @@ def _refused(rank, world):
             return str(e), time.monotonic() - t0
 
     def wrap(inner, model, **kw):
-        return hybridcomm.DistributedOptimizer(inner, model=model, shard="optimizer",
-                                               overlap="backward", cost_model="default",
-                                               timeout=30, **kw)
+        return hybridcomm.DistributedOptimizer(
+            inner,
+            model=model,
+            shard="optimizer",
+            overlap="backward",
+            cost_model="default",
+            timeout=30,
+            **kw,
+        )
 
     model = _model()
     sgd = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
@@ -270,8 +338,12 @@ def _refused(rank, world):
 
 
 def test_what_sharding_cannot_do_yet_is_refused_on_every_rank():
-    says = ["compression='fp16'", "the algorithm 'butterfly'", "LBFGS",
-            "needs plain contiguous parameters"]
+    says = [
+        "compression='fp16'",
+        "the algorithm 'butterfly'",
+        "LBFGS",
+        "needs plain contiguous parameters",
+    ]
     for errors in run_ranks(2, _refused, timeout=120):
         for (error, seconds), text in zip(errors, says):
             assert error is not None and text in error, (text, error)
@@ -285,13 +357,23 @@ def _algorithms(rank, world):
         for overlap in ("forward", "backward"):
             model = _model()
             opt = hybridcomm.DistributedOptimizer(
-                OPTIMIZERS["adam"](_groups(model)), model=model, overlap=overlap,
-                shard="optimizer", strategy=strategy, fusion_bytes=256, split_bytes=200,
-                cost_model="default", measure_iters=3, timeout=30)
+                OPTIMIZERS["adam"](_groups(model)),
+                model=model,
+                overlap=overlap,
+                shard="optimizer",
+                strategy=strategy,
+                fusion_bytes=256,
+                split_bytes=200,
+                cost_model="default",
+                measure_iters=3,
+                timeout=30,
+            )
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
             _train(model, opt, world, rank, head_joins_at=2, scheduler=sched)
-            out[(strategy, overlap)] = (_flat(model), sorted({b.algorithm
-                                                              for b in opt.plan.buckets}))
+            out[(strategy, overlap)] = (
+                _flat(model),
+                sorted({b.algorithm for b in opt.plan.buckets}),
+            )
             opt.close()
     return out
 
@@ -311,8 +393,7 @@ def test_halving_doublings_reduce_scatter_forced_or_chosen_gives_one_process_num
 # A cost model under which the process group's own reduce-scatter pays from about
 # 420 bytes at 3 ranks: the test model's larger bucket (476-488 bytes) goes
 # native, its smaller (364 bytes) the ring (on a device: not over gloo)
-MIXED = CostModel(alpha=1e-4, beta=1e-6, gamma=1e-10, native_alpha=8.2e-4,
-                 native_beta=1e-6 / 3)
+MIXED = CostModel(alpha=1e-4, beta=1e-6, gamma=1e-10, native_alpha=8.2e-4, native_beta=1e-6 / 3)
 
 
 def _native(rank, world, simulate):
@@ -322,24 +403,38 @@ def _native(rank, world, simulate):
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     out = {}
     for strategy, cost_model in (("native", "default"), ("hybrid", MIXED)):
-        for shard, overlap in (("optimizer", "forward"), ("gradients", "backward"),
-                               ("optimizer", "none")):
+        for shard, overlap in (
+            ("optimizer", "forward"),
+            ("gradients", "backward"),
+            ("optimizer", "none"),
+        ):
             model = _model()
             opt = hybridcomm.DistributedOptimizer(
-                OPTIMIZERS["adam"](_groups(model)), model=model, overlap=overlap, shard=shard,
-                strategy=strategy, fusion_bytes=256, split_bytes=200, cost_model=cost_model,
-                measure_iters=3, timeout=30)
+                OPTIMIZERS["adam"](_groups(model)),
+                model=model,
+                overlap=overlap,
+                shard=shard,
+                strategy=strategy,
+                fusion_bytes=256,
+                split_bytes=200,
+                cost_model=cost_model,
+                measure_iters=3,
+                timeout=30,
+            )
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
             _train(model, opt, world, rank, head_joins_at=2, scheduler=sched)
-            out[(strategy, shard, overlap)] = (_flat(model), sorted({
-                b.algorithm for b in opt.plan.buckets}))
+            out[(strategy, shard, overlap)] = (
+                _flat(model),
+                sorted({b.algorithm for b in opt.plan.buckets}),
+            )
             opt.close()
     return out
 
 
 @pytest.mark.parametrize("world,simulate", [(3, False), (3, True)], ids=["P3-host", "P3-simgpu"])
 def test_the_process_groups_own_reduce_scatter_forced_or_chosen_gives_one_process_numbers(
-        world, simulate):
+    world, simulate
+):
     results = run_ranks(world, _native, simulate, timeout=300)
     ref = _reference("adam", None)[0]
     for key, (params, algorithms) in results[0].items():
@@ -354,9 +449,15 @@ def test_the_process_groups_own_reduce_scatter_forced_or_chosen_gives_one_proces
 
 def _steps_without_backward(rank, world, shard, overlap):
     model = _model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                          model=model, overlap=overlap, shard=shard,
-                                          fusion_bytes=256, cost_model="default", timeout=30)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        model=model,
+        overlap=overlap,
+        shard=shard,
+        fusion_bytes=256,
+        cost_model="default",
+        timeout=30,
+    )
     opt.step()  # before any backward
     x, y = _batches(world, rank)[0]
     nn.functional.mse_loss(model(x), y).backward()
@@ -382,17 +483,21 @@ def test_every_ranks_cut_of_a_parameter_is_its_slice_of_that_ranks_parts(algorit
 
     rng = random.Random(0)
     for _ in range(1500):
-        world = rng.choice([1, 2, 4, 8]) if algorithm == "halving_doubling" else \
-            rng.randint(1, 9)
+        world = rng.choice([1, 2, 4, 8]) if algorithm == "halving_doubling" else rng.randint(1, 9)
         tail = rng.choice([0, 0, 8])
         cuts = sorted(rng.sample(range(1, 400), rng.randint(0, 2)))
         bounds = [0] + cuts + [400 + world * tail]
         segments = tuple(zip(bounds, bounds[1:]))
         o = rng.randint(0, 399)
         n = rng.choice([0, 400 - o, rng.randint(0, 400 - o)])
-        want = tuple(tuple((max(lo, o) - o, min(hi, o + n) - o)
-                           for lo, hi in owned_ranges(segments, r, world, algorithm, tail)
-                           if max(lo, o) < min(hi, o + n)) for r in range(world))
+        want = tuple(
+            tuple(
+                (max(lo, o) - o, min(hi, o + n) - o)
+                for lo, hi in owned_ranges(segments, r, world, algorithm, tail)
+                if max(lo, o) < min(hi, o + n)
+            )
+            for r in range(world)
+        )
         assert cut(((segments, algorithm, tail), o, n), world) == want, (segments, o, n)
 
 
@@ -407,9 +512,16 @@ def _replanned(rank, world, frozen_at=3, joins_at=5):
     state moves (sync/reshard.py)."""
     model = _model()
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.Adam(model.parameters(), lr=0.01), model=model, overlap="backward",
-        shard="optimizer", fusion_bytes=256, split_bytes=200, cost_model="default",
-        measure_iters=1, timeout=30)
+        torch.optim.Adam(model.parameters(), lr=0.01),
+        model=model,
+        overlap="backward",
+        shard="optimizer",
+        fusion_bytes=256,
+        split_bytes=200,
+        cost_model="default",
+        measure_iters=1,
+        timeout=30,
+    )
     layouts, held = [], []
     for s, (x, y) in enumerate(_batches(world, rank, steps=7)):
         if s == frozen_at:
@@ -459,8 +571,7 @@ def test_replans_keep_the_slices_they_can_and_move_the_rest_as_one_process(world
 
 @pytest.mark.parametrize("shard,overlap", [("gradients", "forward"), ("optimizer", "none")])
 def test_a_step_without_a_backward_changes_nothing(shard, overlap):
-    for unchanged, released in run_ranks(2, _steps_without_backward, shard, overlap,
-                                         timeout=120):
+    for unchanged, released in run_ranks(2, _steps_without_backward, shard, overlap, timeout=120):
         assert unchanged and released
 
 
@@ -475,8 +586,14 @@ def _uses_b(step, rank, world):
 
 def _branchy():
     torch.manual_seed(1)
-    return nn.ModuleDict({"trunk": nn.Linear(5, 6), "a": nn.Linear(6, 3),
-                          "b": nn.Linear(6, 3), "never": nn.Linear(6, 3)})
+    return nn.ModuleDict(
+        {
+            "trunk": nn.Linear(5, 6),
+            "a": nn.Linear(6, 3),
+            "b": nn.Linear(6, 3),
+            "never": nn.Linear(6, 3),
+        }
+    )
 
 
 def _branch_loss(model, x, y, use_b):
@@ -487,16 +604,22 @@ def _branch_loss(model, x, y, use_b):
 
 def _branch_batches(world):
     g = torch.Generator().manual_seed(7)
-    return [[(torch.randn(3, 5, generator=g), torch.randn(3, 3, generator=g))
-             for _ in range(world)] for _ in range(USES)]
+    return [
+        [(torch.randn(3, 5, generator=g), torch.randn(3, 3, generator=g)) for _ in range(world)]
+        for _ in range(USES)
+    ]
 
 
 def _branch_flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-BRANCH_CASES = [("optimizer", "backward", "hybrid"), ("gradients", "forward", "hybrid"),
-                ("optimizer", "none", "halving_doubling"), ("gradients", "forward", "native")]
+BRANCH_CASES = [
+    ("optimizer", "backward", "hybrid"),
+    ("gradients", "forward", "hybrid"),
+    ("optimizer", "none", "halving_doubling"),
+    ("gradients", "forward", "native"),
+]
 
 
 def _branchy_ranks(rank, world, simulate=False, agree=False):
@@ -514,9 +637,18 @@ def _branchy_ranks(rank, world, simulate=False, agree=False):
             continue
         model = _branchy()
         opt = hybridcomm.DistributedOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1), model=model,
-            overlap=overlap, shard=shard, strategy=strategy, fusion_bytes=96, split_bytes=64,
-            cost_model="default", measure_iters=2, timeout=30, find_unused_parameters=agree)
+            torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1),
+            model=model,
+            overlap=overlap,
+            shard=shard,
+            strategy=strategy,
+            fusion_bytes=96,
+            split_bytes=64,
+            cost_model="default",
+            measure_iters=2,
+            timeout=30,
+            find_unused_parameters=agree,
+        )
         for s, per_rank in enumerate(_branch_batches(world)):
             opt.zero_grad()
             x, y = per_rank[rank]
@@ -527,12 +659,14 @@ def _branchy_ranks(rank, world, simulate=False, agree=False):
     return out, len(made)
 
 
-@pytest.mark.parametrize("world,simulate,agree",
-                         [(2, False, False), (3, False, False), (4, False, False),
-                          (2, True, False), (2, True, True)],
-                         ids=["2", "3", "4", "2-simgpu", "2-simgpu-agreed"])
-def test_a_parameter_some_ranks_have_no_gradient_for_steps_as_in_one_process(world, simulate,
-                                                                             agree):
+@pytest.mark.parametrize(
+    "world,simulate,agree",
+    [(2, False, False), (3, False, False), (4, False, False), (2, True, False), (2, True, True)],
+    ids=["2", "3", "4", "2-simgpu", "2-simgpu-agreed"],
+)
+def test_a_parameter_some_ranks_have_no_gradient_for_steps_as_in_one_process(
+    world, simulate, agree
+):
     """Layer ``b`` is used by one rank a step (none in step 3), ``never`` by no
     rank: AdamW's weight decay moves a parameter only in the steps some rank had a
     gradient for it, as one process on the whole batch. Each rank learns which
@@ -543,15 +677,21 @@ def test_a_parameter_some_ranks_have_no_gradient_for_steps_as_in_one_process(wor
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     for s, per_rank in enumerate(_branch_batches(world)):
         opt.zero_grad()
-        loss = sum(_branch_loss(model, x, y, _uses_b(s, r, world))
-                   for r, (x, y) in enumerate(per_rank)) / world
+        loss = (
+            sum(
+                _branch_loss(model, x, y, _uses_b(s, r, world)) for r, (x, y) in enumerate(per_rank)
+            )
+            / world
+        )
         loss.backward()
         opt.step()
     ref = _branch_flat(model)
     results = run_ranks(world, _branchy_ranks, simulate, agree, timeout=300)
     for case, params in results[0][0].items():
-        assert torch.allclose(params, ref, rtol=TOL, atol=TOL), \
-            (case, (params - ref).abs().max().item())
+        assert torch.allclose(params, ref, rtol=TOL, atol=TOL), (
+            case,
+            (params - ref).abs().max().item(),
+        )
         for r, (out, _) in enumerate(results):
             assert torch.equal(out[case], params), (case, r)
     assert all((made > 0) == agree for _, made in results), [m for _, m in results]
@@ -561,10 +701,17 @@ def _plan_after_loading(rank, world):
     """An optimizer with and one without ``shard`` each load the other's
     ``state_dict()`` (same parameters, same world): the buckets' flag layout is the
     loader's own, not the checkpoint's (a sharded bucket keeps a copy a rank)."""
+
     def make(shard):
         return hybridcomm.DistributedOptimizer(
-            torch.optim.Adam(model.parameters(), lr=0.01), model=model, shard=shard,
-            overlap="backward", fusion_bytes=256, cost_model="default", timeout=30)
+            torch.optim.Adam(model.parameters(), lr=0.01),
+            model=model,
+            shard=shard,
+            overlap="backward",
+            fusion_bytes=256,
+            cost_model="default",
+            timeout=30,
+        )
 
     out = {}
     for saved, loading in (("optimizer", None), (None, "optimizer")):

@@ -7,6 +7,7 @@ buckets, so that each bucket's reduce-scatter is done before the next bucket
 launches: the release then happens in every step (asserted), and everything a
 user does between backward and step meets a released bucket.
 """
+
 import gc
 import os
 import time
@@ -39,7 +40,8 @@ class _Pause(torch.autograd.Function):
         for opt in _DONE_BEFORE_NEXT:
             group, t0 = opt._hc_sync.group, time.perf_counter()
             while time.perf_counter() - t0 < 10 and not all(
-                    group.engine.done(s.index) for s in group.states if s.launched):
+                group.engine.done(s.index) for s in group.states if s.launched
+            ):
                 time.sleep(0.001)
         return g
 
@@ -51,13 +53,21 @@ class Slow(nn.Module):
 
 def _model():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 40), Slow(), nn.Tanh(), nn.Linear(40, 30), Slow(),
-                         nn.Tanh(), nn.Linear(30, 3))
+    return nn.Sequential(
+        nn.Linear(6, 40), Slow(), nn.Tanh(), nn.Linear(40, 30), Slow(), nn.Tanh(), nn.Linear(30, 3)
+    )
 
 
 # what each step does between backward and step(); one process does the same
-KINDS = ("plain", "two passes", "synchronize, then torch's clip", "opt.clip_grad_norm_",
-         "grad scaler", "zero_grad after backward", "plain")
+KINDS = (
+    "plain",
+    "two passes",
+    "synchronize, then torch's clip",
+    "opt.clip_grad_norm_",
+    "grad scaler",
+    "zero_grad after backward",
+    "plain",
+)
 
 
 def _batch(g, world, rank):
@@ -68,7 +78,7 @@ def _batch(g, world, rank):
 def _steps(model, opt, world, rank, seen=None):
     """The loop of KINDS; ``seen(opt)`` after each backward (the distributed run)."""
     g = torch.Generator().manual_seed(5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     loss_of = lambda x, y: nn.functional.mse_loss(model(x), y)  # noqa: E731
     norms = []
     for kind in KINDS:
@@ -93,8 +103,11 @@ def _steps(model, opt, world, rank, seen=None):
                 opt.synchronize()
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
         elif kind == "opt.clip_grad_norm_":
-            norms.append(float(opt.clip_grad_norm_(0.05)) if world > 1 else
-                         float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            norms.append(
+                float(opt.clip_grad_norm_(0.05))
+                if world > 1
+                else float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            )
         elif kind == "zero_grad after backward":
             opt.zero_grad()
         opt.step()
@@ -109,9 +122,16 @@ def _released(opt):
     for s in opt._hc_sync.group.states:
         b = s.bucket
         owned = sum(z - a for a, z in shards.owned[s.index]) if shards else None
-        out.append((b.released, None if b.part is None else b.part.numel(), owned,
-                    all(p.grad is None or type(p.grad).__name__ == "ReleasedGrad"
-                        for p in b.params) if b.released else None))
+        out.append(
+            (
+                b.released,
+                None if b.part is None else b.part.numel(),
+                owned,
+                all(p.grad is None or type(p.grad).__name__ == "ReleasedGrad" for p in b.params)
+                if b.released
+                else None,
+            )
+        )
     return out
 
 
@@ -119,8 +139,16 @@ def _sharded(model, inner, overlap, timeout=60):
     """``shard="gradients"`` with three small buckets, whose reductions the slow
     layers wait for."""
     opt = hybridcomm.DistributedOptimizer(
-        inner, model=model, overlap=overlap, shard="gradients", fusion_bytes=256,
-        split_bytes=200, cost_model="default", measure_iters=0, timeout=timeout)
+        inner,
+        model=model,
+        overlap=overlap,
+        shard="gradients",
+        fusion_bytes=256,
+        split_bytes=200,
+        cost_model="default",
+        measure_iters=0,
+        timeout=timeout,
+    )
     _DONE_BEFORE_NEXT.append(opt)
     return opt
 
@@ -129,11 +157,13 @@ def _buffers_reserved() -> list:
     """Weak references to the bucket buffers whose part is reserved at a launch
     (the GPU path's release in flight), as they are."""
     from hybridcomm.sync.buckets import GradBucket
+
     refs, reserve = [], GradBucket.reserve_part
 
     def spied(self, keep):
         refs.append(weakref.ref(self.buffer))
         return reserve(self, keep)
+
     GradBucket.reserve_part = spied
     return refs
 
@@ -157,17 +187,23 @@ def _ranks(rank, world, overlap, simulate):
     refs = _buffers_reserved()
     opt = _sharded(model, torch.optim.Adam(model.parameters(), lr=0.01), overlap)
     seen = []
-    flat, norms = _steps(model, opt, world, rank, lambda o: seen.append(
-        (_released(o), _freed(refs) if simulate else None)))
+    flat, norms = _steps(
+        model,
+        opt,
+        world,
+        rank,
+        lambda o: seen.append((_released(o), _freed(refs) if simulate else None)),
+    )
     buckets = len(opt._hc_sync.group.states)
     opt.close()
     return flat, norms, seen, buckets
 
 
-@pytest.mark.parametrize("overlap,simulate", [("backward", False), ("forward", False),
-                                              ("backward", True), ("forward", True)],
-                         ids=["backward-host", "forward-host", "backward-simgpu",
-                              "forward-simgpu"])
+@pytest.mark.parametrize(
+    "overlap,simulate",
+    [("backward", False), ("forward", False), ("backward", True), ("forward", True)],
+    ids=["backward-host", "forward-host", "backward-simgpu", "forward-simgpu"],
+)
 def test_buckets_keep_only_their_part_from_backward_and_train_as_one_process(overlap, simulate):
     results = run_ranks(2, _ranks, overlap, simulate, timeout=180)
     ref_model = _model()
@@ -183,7 +219,7 @@ def test_buckets_keep_only_their_part_from_backward_and_train_as_one_process(ove
         # comm stream behind the reduce-scatter)
         assert len(seen) == len(KINDS)
         for step, freed in seen:
-            for released, kept, owned, placeholders in (step if simulate else step[:-1]):
+            for released, kept, owned, placeholders in step if simulate else step[:-1]:
                 assert released and kept == owned and placeholders, (rank, seen)
         if simulate:  # and the memory of each bucket's buffer is free by then
             assert all(freed >= 0 for _, freed in seen), (rank, seen)
@@ -198,8 +234,13 @@ def _one_rank_keeps_whole(rank, world):
     model = _model()
     opt = _sharded(model, torch.optim.Adam(model.parameters(), lr=0.01), "forward", timeout=30)
     seen = []
-    flat, _ = _steps(model, opt, world, rank, lambda o: seen.append(
-        sum(released for released, *_ in _released(o))))
+    flat, _ = _steps(
+        model,
+        opt,
+        world,
+        rank,
+        lambda o: seen.append(sum(released for released, *_ in _released(o))),
+    )
     opt.close()
     return flat, seen
 
@@ -222,17 +263,22 @@ def _misuse(rank, world):
     opt = _sharded(model, torch.optim.SGD(model.parameters(), lr=0.1), "backward")
     g = torch.Generator().manual_seed(5)
     errors = []
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     for step in range(3):
         opt.zero_grad()
         x, y = _batch(g, world, rank)
         scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
         if step == 2:
-            memory = [weakref.ref(s.bucket.part) for s in opt._hc_sync.group.states
-                      if s.bucket.part is not None]
-            for misuse in (lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05),
-                           lambda: scaler.unscale_(opt),
-                           lambda: model[6].weight.grad.sum()):  # (its bucket released)
+            memory = [
+                weakref.ref(s.bucket.part)
+                for s in opt._hc_sync.group.states
+                if s.bucket.part is not None
+            ]
+            for misuse in (
+                lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05),
+                lambda: scaler.unscale_(opt),
+                lambda: model[6].weight.grad.sum(),
+            ):  # (its bucket released)
                 with pytest.raises(HybridCommError, match="opt.synchronize"):
                     misuse()
                 errors.append(True)

@@ -4,6 +4,7 @@ variant (a mutation test) and to stay quiet on the correct one.
 Each scenario runs in forked rank processes with HYBRIDCOMM_SIMULATE_GPU=1
 (the simulator watches its thread's torch calls for the rest of the process).
 """
+
 import os
 import time
 
@@ -32,6 +33,7 @@ def run(world, scenario, *args, timeout=90):
 
 # --- streams, events, host syncs --------------------------------------------------------
 
+
 def _after_current(rt, stream):
     """``stream`` waits for what the current stream has queued so far."""
     ev = rt.new_event()
@@ -59,7 +61,7 @@ def _late_and_ordered(rank, world, rt, simgpu):
 
 
 def test_streams_run_late_and_events_order_them():
-    (status, (right_after, total, launches, syncs), errors), = run(1, _late_and_ordered)
+    ((status, (right_after, total, launches, syncs), errors),) = run(1, _late_and_ordered)
     assert status == "ok" and errors == []
     assert right_after is False  # the kernel had not run when the host went on
     assert total == 1000.0 and launches == 1 and syncs == 1
@@ -135,6 +137,7 @@ def test_a_kernel_on_another_stream_without_an_event_is_a_race(wait):
         # it names both operations and their streams
         assert result[1].count("reduce") >= 2 and "stream" in result[1]
 
+
 def _h2d_copies(rank, world, rt, simgpu):
     """Host syncs of copies into device memory, one kind of source at a time."""
     dev = rt.empty(8, torch.float32)
@@ -143,15 +146,17 @@ def _h2d_copies(rank, world, rt, simgpu):
     host = torch.zeros(8)  # no device: pageable host memory
     host[[1, 3]] = 1
     counts = {}
-    for name, copy in (("pageable", lambda: dev.copy_(host)),
-                       ("pageable view", lambda: dev[:4].copy_(host[:4])),
-                       ("made from host", lambda: dev.copy_(host.float() * 2)),
-                       ("pageable non_blocking", lambda: dev.copy_(host, non_blocking=True)),
-                       ("device", lambda: dev.copy_(made_on_device)),
-                       ("made from device", lambda: dev.copy_(made_on_device + 1)),
-                       ("device to host", lambda: host.copy_(dev)),
-                       ("host to host", lambda: host.copy_(host.float() * 2)),
-                       ("fill", lambda: dev[2:5].fill_(1))):
+    for name, copy in (
+        ("pageable", lambda: dev.copy_(host)),
+        ("pageable view", lambda: dev[:4].copy_(host[:4])),
+        ("made from host", lambda: dev.copy_(host.float() * 2)),
+        ("pageable non_blocking", lambda: dev.copy_(host, non_blocking=True)),
+        ("device", lambda: dev.copy_(made_on_device)),
+        ("made from device", lambda: dev.copy_(made_on_device + 1)),
+        ("device to host", lambda: host.copy_(dev)),
+        ("host to host", lambda: host.copy_(host.float() * 2)),
+        ("fill", lambda: dev[2:5].fill_(1)),
+    ):
         before = simgpu.stats()["host_syncs"]
         copy()
         counts[name] = simgpu.stats()["host_syncs"] - before
@@ -162,15 +167,23 @@ def test_a_copy_between_pageable_host_memory_and_the_device_is_a_host_sync():
     """ATen copies between host and device with memcpy_and_sync (the stream
     synchronized) unless non_blocking with the host side pinned (no pinned memory
     exists without CUDA); a copy between device tensors, or a fill, is queued."""
-    (status, counts, errors), = run(1, _h2d_copies)
+    ((status, counts, errors),) = run(1, _h2d_copies)
     assert status == "ok" and errors == [], (status, errors)
-    assert counts == {"pageable": 1, "pageable view": 1, "made from host": 1,
-                      "pageable non_blocking": 1, "device": 0, "made from device": 0,
-                      "device to host": 1, "host to host": 0, "fill": 0}, counts
-
+    assert counts == {
+        "pageable": 1,
+        "pageable view": 1,
+        "made from host": 1,
+        "pageable non_blocking": 1,
+        "device": 0,
+        "made from device": 0,
+        "device to host": 1,
+        "host to host": 0,
+        "fill": 0,
+    }, counts
 
 
 # --- the allocator ----------------------------------------------------------------------
+
 
 def _reuse(rank, world, rt, simgpu, record):
     slow = rt.new_stream()
@@ -230,12 +243,13 @@ def _user_memory_recorded(rank, world, rt, simgpu):
 def test_user_memory_given_to_record_stream_outlives_the_work_queued_before_its_free():
     """The caching allocator reuses a block only after the work its recorded streams
     had queued when it was freed: memory DDP made is held as long."""
-    (status, (held_while_busy, freed_when_idle), errors), = run(1, _user_memory_recorded)
+    ((status, (held_while_busy, freed_when_idle), errors),) = run(1, _user_memory_recorded)
     assert status == "ok" and errors == []
     assert held_while_busy and freed_when_idle
 
 
 # --- devices ----------------------------------------------------------------------------
+
 
 def _helper_thread(rank, world, rt, simgpu, bind):
     import threading
@@ -266,6 +280,7 @@ def test_a_helper_thread_must_bind_to_the_ranks_device(bind):
 
 # --- NCCL -------------------------------------------------------------------------------
 
+
 def _comm(rt, simgpu, world, rank, name):
     import torch.distributed as dist
 
@@ -295,6 +310,7 @@ def _opposite_orders(rank, world, rt, simgpu, opposite):
             comm.send(buf.data_ptr(), 32, nccl.NCCL_FLOAT32, peer, rt.handle(stream))
             comm.recv(buf.data_ptr() + 128, 32, nccl.NCCL_FLOAT32, peer, rt.handle(stream))
             nccl.groupEnd()
+
     # NCCL connects on first use, in groupEnd, waiting for the peer: first uses in
     # opposite orders would deadlock the hosts already. Connect both in one order.
     groups()
@@ -305,8 +321,11 @@ def _opposite_orders(rank, world, rt, simgpu, opposite):
     groups()
     # Wait for what is being tested: both done, or a deadlock reported (3 s in).
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (s1.query() and s2.query()) \
-            and not any("deadlock" in str(e) for e in simgpu.errors()):
+    while (
+        time.monotonic() < deadline
+        and not (s1.query() and s2.query())
+        and not any("deadlock" in str(e) for e in simgpu.errors())
+    ):
         time.sleep(0.05)
     return s1.query() and s2.query(), [str(e) for e in simgpu.errors()]
 
@@ -428,7 +447,7 @@ def _signed_chars_only(rank, world, rt, simgpu):
 
 def test_cupy13_style_ids_must_be_signed_chars(monkeypatch):
     monkeypatch.setenv("HYBRIDCOMM_SIM_CUPY_UID", "tuple")
-    (status, message, errors), = run(1, _signed_chars_only)
+    ((status, message, errors),) = run(1, _signed_chars_only)
     assert status == "ok" and "convert to char" in message
 
 

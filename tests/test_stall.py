@@ -2,6 +2,7 @@
 behind; at the last step the other rank waits for a bucket that will never
 come. Before its timeout, that rank's warning names the rank behind and both
 ranks' launch counts, and the wait still ends in HybridCommTimeout."""
+
 import logging
 import os
 import re
@@ -28,9 +29,14 @@ def _skipper(rank, world):
     logging.getLogger("hybridcomm").addHandler(Keep())
     torch.manual_seed(0)
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, overlap="backward", timeout=10, measure_iters=1,
-                                          cost_model="default")  # re-planned before the skip
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model=model,
+        overlap="backward",
+        timeout=10,
+        measure_iters=1,
+        cost_model="default",
+    )  # re-planned before the skip
     error, t0 = None, time.perf_counter()
     try:
         for s in range(STEPS):
@@ -73,9 +79,14 @@ def _one_more_step(rank, world):
 
     logging.getLogger("hybridcomm").addHandler(Keep())
     model = make_model()
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                          model=model, overlap="backward", timeout=6,
-                                          measure_iters=1, cost_model="default")
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model=model,
+        overlap="backward",
+        timeout=6,
+        measure_iters=1,
+        cost_model="default",
+    )
     error = None
     try:
         for s in range(QUICK_STEPS + (rank == 1)):
@@ -99,8 +110,7 @@ def test_the_stall_report_names_the_step_a_rank_really_stopped_at():
     assert stalls1, "no stall warning"
     for text in (stalls1[0], error1):
         theirs = re.search(r"rank 0 has launched (\d+) buckets in all after (\d+) steps", text)
-        mine = re.search(r"this rank \(rank 1\) has launched (\d+) buckets after (\d+) steps",
-                         text)
+        mine = re.search(r"this rank \(rank 1\) has launched (\d+) buckets after (\d+) steps", text)
         assert theirs and mine, text
         assert int(theirs.group(2)) == int(mine.group(2)) == QUICK_STEPS, text
         assert 0 < int(theirs.group(1)) < int(mine.group(1)), text  # one step's buckets short

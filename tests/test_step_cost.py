@@ -16,6 +16,7 @@ each in-place add; off it, on the host path and a real GPU, they are on only
 while a bucket is launched, in flight or pending: a steady step calls none,
 and a late pass still does.)
 """
+
 import os
 
 import pytest
@@ -29,8 +30,9 @@ from plan_counts import schedule_counts, sharded_counts
 STEADY = 3  # steps counted, after the measured steps and the re-plan
 
 
-def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None, algorithm=None,
-                  compression=None):
+def _counted_step(
+    rank, world, overlap, simulate=True, lean=True, sharded=None, algorithm=None, compression=None
+):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     if not lean:
@@ -49,6 +51,7 @@ def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None, 
         def counted(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
             return method(*args, **kwargs)
+
         setattr(cls, name, counted)
 
     for name in ("before_grad", "after_grad"):
@@ -61,16 +64,25 @@ def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None, 
         def pre_hook(*grad):  # (a guard of C++ passes no gradient)
             calls["pre_hook"] = calls.get("pre_hook", 0) + 1
             return hook(*grad)
+
         return pre_hook
+
     GradientHooks._before = counted_pre_hook
     for name in ("open", "absorb", "launch", "wait"):
         counting(BucketGroup, name)
     model = make_model()
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
-        overlap=overlap, fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
-        measure_iters=2, timeout=60, shard=sharded, compression=compression,
-        **({"strategy": algorithm} if algorithm else {}))
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model=model,
+        overlap=overlap,
+        fusion_bytes=0,
+        cost_model=CostModel(2e-5, 1e-9, 1e-10),
+        measure_iters=2,
+        timeout=60,
+        shard=sharded,
+        compression=compression,
+        **({"strategy": algorithm} if algorithm else {}),
+    )
     calls_before = {}
     for s in range(5 + STEADY):
         if s == 5:  # past the measured steps and the re-plan: the steady state
@@ -89,14 +101,22 @@ def _counted_step(rank, world, overlap, simulate=True, lean=True, sharded=None, 
     kernels, nccl = (sharded_counts if sharded else schedule_counts)(plan, rank, world)
     params = sum(len(b.params) for b in plan.buckets)
     opt.close()
-    return stats, hooks, len(plan.buckets), params, kernels, nccl, \
-        sorted({b.algorithm for b in plan.buckets})
+    return (
+        stats,
+        hooks,
+        len(plan.buckets),
+        params,
+        kernels,
+        nccl,
+        sorted({b.algorithm for b in plan.buckets}),
+    )
 
 
 @pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
 def test_a_steady_step_costs_a_fixed_count_per_bucket_and_none_per_parameter(overlap):
     for stats, hooks, buckets, params, kernels, nccl, algos in run_ranks(
-            2, _counted_step, overlap, timeout=180):
+        2, _counted_step, overlap, timeout=180
+    ):
         assert buckets > 1 and set(algos) <= {"butterfly", "ring"}, algos
         per_step = {k: v / STEADY for k, v in stats.items()}
         # the schedules' own work, nothing per parameter
@@ -123,7 +143,8 @@ def test_a_steady_step_with_a_wire_copy_records_the_same_events():
     comm stream behind the reduction, under the reduction's own done event (no second
     one); the same events, waits and hooks per bucket as without it."""
     for stats, hooks, buckets, params, *_ in run_ranks(
-            2, _counted_step, "backward", True, True, None, None, "fp16", timeout=180):
+        2, _counted_step, "backward", True, True, None, None, "fp16", timeout=180
+    ):
         per_step = {k: v / STEADY for k, v in stats.items()}
         assert stats["host_syncs"] == 0 and stats["defects"] == 0, stats
         assert per_step["event_records"] == 4 * buckets, (per_step, buckets)
@@ -147,8 +168,11 @@ def _assert_python_per_bucket(hooks, buckets, params, taken_in=1):
 SHARDED_CASES = [("forward", "optimizer", None), ("backward", "gradients", "native")]
 
 
-@pytest.mark.parametrize("overlap,shard,algorithm", SHARDED_CASES,
-                         ids=[f"{o}-{s}-{a or 'chosen'}" for o, s, a in SHARDED_CASES])
+@pytest.mark.parametrize(
+    "overlap,shard,algorithm",
+    SHARDED_CASES,
+    ids=[f"{o}-{s}-{a or 'chosen'}" for o, s, a in SHARDED_CASES],
+)
 def test_a_steady_sharded_step_costs_a_fixed_count_per_bucket(overlap, shard, algorithm):
     """The same under ``shard``: each bucket reduce-scattered in backward and
     all-gathered at ``step()`` (forward mode: before its first read), with the
@@ -157,7 +181,8 @@ def test_a_steady_sharded_step_costs_a_fixed_count_per_bucket(overlap, shard, al
     buffer made again where ``"gradients"`` freed it; nothing per parameter but
     autograd's call of the pre-hook."""
     for stats, hooks, buckets, params, kernels, nccl, algos in run_ranks(
-            2, _counted_step, overlap, True, True, shard, algorithm, timeout=180):
+        2, _counted_step, overlap, True, True, shard, algorithm, timeout=180
+    ):
         assert buckets > 1 and algos == [algorithm or "ring"], algos
         per_step = {k: v / STEADY for k, v in stats.items()}
         assert stats["kernel_launches"] == STEADY * kernels, (stats, kernels)  # (native: 0)
@@ -177,9 +202,16 @@ def test_a_steady_sharded_step_costs_a_fixed_count_per_bucket(overlap, shard, al
         _assert_python_per_bucket(hooks, buckets, params)
 
 
-@pytest.mark.parametrize("overlap,shard", [("forward", None), ("backward", None),
-                                           ("none", None), ("forward", "optimizer"),
-                                           ("backward", "gradients")])
+@pytest.mark.parametrize(
+    "overlap,shard",
+    [
+        ("forward", None),
+        ("backward", None),
+        ("none", None),
+        ("forward", "optimizer"),
+        ("backward", "gradients"),
+    ],
+)
 def test_a_steady_host_step_calls_no_pre_hook(overlap, shard):
     """Off the simulator the pre-hooks are armed only while a bucket is launched,
     in flight or pending, or reduce-scattered under ``shard`` (grad_hooks.py), so
@@ -187,8 +219,9 @@ def test_a_steady_host_step_calls_no_pre_hook(overlap, shard):
     none: autograd's call into Python is ~1 us per parameter. The post-accumulate
     hook is called once per bucket, on its closer. (A late pass, which must wait
     for the reduction in flight, is below.)"""
-    for _, hooks, buckets, params, *_ in run_ranks(2, _counted_step, overlap, False, True,
-                                                   shard, timeout=180):
+    for _, hooks, buckets, params, *_ in run_ranks(
+        2, _counted_step, overlap, False, True, shard, timeout=180
+    ):
         assert buckets > 1
         assert hooks.get("pre_hook", 0) == 0, (hooks, params)
         assert hooks["after_grad"] == STEADY * buckets < STEADY * params, (hooks, params)
@@ -198,8 +231,9 @@ def test_a_steady_host_step_calls_no_pre_hook(overlap, shard):
 def test_lean_hooks_off_keeps_every_parameters_post_accumulate_hook():
     """HYBRIDCOMM_LEAN_HOOKS=0: the post-accumulate hook is called once per
     parameter in every step, steady or not (the choice is the user's)."""
-    for _, hooks, buckets, params, *_ in run_ranks(2, _counted_step, "backward", False, False,
-                                                   timeout=180):
+    for _, hooks, buckets, params, *_ in run_ranks(
+        2, _counted_step, "backward", False, False, timeout=180
+    ):
         assert hooks["after_grad"] == STEADY * params > STEADY * buckets, (hooks, params)
         assert hooks["launch"] == STEADY * buckets, (hooks, buckets)
 
@@ -214,12 +248,19 @@ def _late_pass(rank, world, overlap, sharded=None):
     def counted(self, p):
         entered.append(self.sync.group.where[id(p)][0].phase.value)
         return before_grad(self, p)
+
     GradientHooks.before_grad = counted
     model = make_model()
     # measure_iters=0: the launching pass stays the first, so the second is late
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05), model=model, overlap=overlap,
-        fusion_bytes=0, measure_iters=0, timeout=60, shard=sharded)
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        model=model,
+        overlap=overlap,
+        fusion_bytes=0,
+        measure_iters=0,
+        timeout=60,
+        shard=sharded,
+    )
     late = []
     for s in range(3):
         x, y = batch(s)
@@ -249,8 +290,9 @@ def _late_pass_in_one_process():
     return flat(model.parameters())
 
 
-@pytest.mark.parametrize("overlap,shard", [("forward", None), ("backward", None),
-                                           ("backward", "optimizer")])
+@pytest.mark.parametrize(
+    "overlap,shard", [("forward", None), ("backward", None), ("backward", "optimizer")]
+)
 def test_a_late_pass_enters_the_pre_hook_of_every_launched_parameter(overlap, shard):
     """The pre-hooks are off in a steady step, but a pass after the launching one
     adds into buckets launched or in flight: the pre-hook of each bucket's first
@@ -264,5 +306,4 @@ def test_a_late_pass_enters_the_pre_hook_of_every_launched_parameter(overlap, sh
             assert buckets <= len(entered) <= params, (entered, buckets)
             assert set(entered) <= {"launched", "in flight"}, entered
         eps = torch.finfo(torch.float32).eps
-        assert torch.allclose(got, want, rtol=64 * eps, atol=64 * eps), \
-            (got - want).abs().max()
+        assert torch.allclose(got, want, rtol=64 * eps, atol=64 * eps), (got - want).abs().max()

@@ -1,11 +1,11 @@
 """Parallel SGD, local SGD, ADMM and Downpour with real processes: their numbers,
 their bytes, and Downpour's concurrency and failure paths."""
+
 import os
 import tempfile
 import threading
 import time
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -32,8 +32,13 @@ def _one_process(steps, momentum=0.9):
 
 def _local(rank, world, period, warmup, steps):
     model = make_model(seed=rank)  # different starts: the wrapper broadcasts rank 0's
-    opt = LocalSGD(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
-                   period=period, warmup_steps=warmup, timeout=60)
+    opt = LocalSGD(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model,
+        period=period,
+        warmup_steps=warmup,
+        timeout=60,
+    )
     for s in range(steps):
         x, y = batch(s)
         opt.zero_grad()
@@ -94,8 +99,9 @@ def _admm(rank, world):
     a = torch.randn(30, 5)
     b = a @ torch.arange(1.0, 6.0) + 0.01 * torch.randn(30)
     model = nn.Linear(5, 1, bias=False)
-    opt = ADMM(torch.optim.SGD(model.parameters(), lr=0.01), model, rho=1.0, local_steps=5,
-               timeout=60)
+    opt = ADMM(
+        torch.optim.SGD(model.parameters(), lr=0.01), model, rho=1.0, local_steps=5, timeout=60
+    )
     rows = slice(rank * 10, (rank + 1) * 10)  # each rank its third of the least squares
     for _ in range(600):
         opt.zero_grad()
@@ -116,6 +122,7 @@ def test_admm_reaches_the_global_least_squares_solution():
 
 
 # --- Downpour ---------------------------------------------------------------------------
+
 
 def _downpour(rank, world, workers, scenario, rdv):
     role, name = init_downpour(rank, workers, world - workers, f"file://{rdv}", timeout=10)
@@ -155,8 +162,9 @@ def _downpour(rank, world, workers, scenario, rdv):
 def test_downpour_loses_no_update_under_concurrent_pushes():
     workers, servers = 3, 2
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(workers + servers, _downpour, workers, "count",
-                            os.path.join(tmp, "rdv"), timeout=120)
+        results = run_ranks(
+            workers + servers, _downpour, workers, "count", os.path.join(tmp, "rdv"), timeout=120
+        )
     applied = [r[1] for r in results if r[0] == "server"]
     assert applied == [workers * 20] * servers  # every push, on every shard
 
@@ -177,6 +185,7 @@ def _final_params(rank, world, workers, rdv):
         opt.step()
     # make sure every worker's pushes landed before reading: wait for the others
     import torch.distributed as dist
+
     opt._finish_pushes()
     dist.barrier(group=dist.new_group(list(range(workers)), use_local_synchronization=True))
     opt.fetch()
@@ -188,8 +197,9 @@ def _final_params(rank, world, workers, rdv):
 def test_downpour_applies_every_worker_every_push_exactly():
     workers = 3
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(workers + 1, _final_params, workers, os.path.join(tmp, "rdv"),
-                            timeout=120)
+        results = run_ranks(
+            workers + 1, _final_params, workers, os.path.join(tmp, "rdv"), timeout=120
+        )
     for params in results[:workers]:
         assert torch.equal(params, torch.full_like(params, -30.0))  # 3 workers x 10 pushes
 
@@ -198,8 +208,15 @@ def test_a_killed_server_is_a_clear_error_on_every_worker_within_its_timeout():
     """Killed and not restarted: the workers' reconnects end after their timeout."""
     workers = 3
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_ranks(workers + 2, _downpour, workers, "kill", os.path.join(tmp, "rdv"),
-                            timeout=120, allow_errors=True)
+        results = run_ranks(
+            workers + 2,
+            _downpour,
+            workers,
+            "kill",
+            os.path.join(tmp, "rdv"),
+            timeout=120,
+            allow_errors=True,
+        )
     for role, outcome in results[:workers]:
         kind, elapsed, msg = outcome
         assert kind in ("HybridCommError", "HybridCommTimeout")

@@ -5,6 +5,7 @@ parameters, duals and optimizer state. The averaging plan comes from a saved
 calibration (as a job with one has): the start-up probe could pick another
 algorithm in the resumed run, and with 3 ranks another algorithm sums in
 another order (a different last bit)."""
+
 import os
 
 import pytest
@@ -32,8 +33,9 @@ def _build(kind, path):
     model = make_model()
     base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     if kind == "local_sgd":
-        return model, LocalSGD(base, model, period=3, average_state=True, warmup_steps=2,
-                               timeout=60)
+        return model, LocalSGD(
+            base, model, period=3, average_state=True, warmup_steps=2, timeout=60
+        )
     return model, ADMM(base, model, rho=0.1, local_steps=3, timeout=60)
 
 

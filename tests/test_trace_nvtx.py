@@ -1,5 +1,6 @@
 """NVTX ranges: names carry algorithm, bytes and peers; off means no work at all;
 on CPU the real ``nvtx`` package is a cheap no-op (torch.cuda.nvtx is never used)."""
+
 import pytest
 
 from hybridcomm.base import trace

@@ -1,4 +1,5 @@
 """benchmarks/train.py runs end to end (2 ranks, tiny settings) and writes the documented JSON."""
+
 import json
 import math
 import os
@@ -12,9 +13,19 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "train.py")
 HYBRID = ["ring", "butterfly", "hybrid-backward", "hybrid-forward"]
-ROW_KEYS = {"config", "batch_size", "step_ms", "compute_ms", "exposed_comm_ms",
-            "speedup_vs_stock", "speedup_vs_ddp", "limit_ms", "vs_limit", "peak_rss_mb",
-            "footprint_mb"}
+ROW_KEYS = {
+    "config",
+    "batch_size",
+    "step_ms",
+    "compute_ms",
+    "exposed_comm_ms",
+    "speedup_vs_stock",
+    "speedup_vs_ddp",
+    "limit_ms",
+    "vs_limit",
+    "peak_rss_mb",
+    "footprint_mb",
+}
 UNSYNCED = ("compute", "limit")  # no gradient averaging: replicas differ by design
 LINUX = sys.platform.startswith("linux")
 
@@ -28,8 +39,21 @@ def _train_module():
 
 def _run(tmp_path, *extra, timeout=120):
     out = tmp_path / "train.json"
-    cmd = [sys.executable, SCRIPT, "--nprocs", "2", "--batch-sizes", "4", "--iters", "2",
-           "--warmup", "1", "--json", str(out), *extra]
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--nprocs",
+        "2",
+        "--batch-sizes",
+        "4",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        str(out),
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return json.loads(out.read_text()), proc.stdout
@@ -68,7 +92,6 @@ def test_hybridcomm_configs(tmp_path):
     _check(doc, ["stock"] + HYBRID)
 
 
-
 def test_ddp_caps_comm_the_bound_and_the_limit(tmp_path):
     configs = ["comm", "limit", "stock", "ddp:0.5", "ddp:25", "hybrid-forward"]
     doc, stdout = _run(tmp_path, "--configs", ",".join(configs))
@@ -103,8 +126,19 @@ def test_ddp_caps_comm_the_bound_and_the_limit(tmp_path):
 
 def test_a_real_model_resnet18(tmp_path):
     configs = ["stock", "hybrid-forward"]  # a smoke: batch 2, one timed step, one round
-    doc, stdout = _run(tmp_path, "--model", "resnet18", "--configs", ",".join(configs),
-                       "--batch-sizes", "2", "--iters", "1", "--rounds", "1")
+    doc, stdout = _run(
+        tmp_path,
+        "--model",
+        "resnet18",
+        "--configs",
+        ",".join(configs),
+        "--batch-sizes",
+        "2",
+        "--iters",
+        "1",
+        "--rounds",
+        "1",
+    )
     model = doc["model"]
     assert model["arch"] == "resnet18" and model["params"] == 11173962  # the CIFAR stem
     assert model["bytes"] == 4 * model["params"] and "torchvision" in model["source"]
@@ -117,17 +151,34 @@ def test_a_real_model_resnet18(tmp_path):
 
 
 SHARDED = ["zero", "fsdp2", "shard-optimizer", "shard-gradients", "shard-optimizer-backward"]
-SHARD_KEYS = {"opt_state_bytes", "opt_state_bytes_per_rank", "opt_state_replicated_bytes",
-              "opt_state_ref_bytes", "opt_state_vs_ref", "own_peak_mb", "own_peak_mb_per_rank",
-              "peak_rss_mb_per_rank", "diff_vs"}
+SHARD_KEYS = {
+    "opt_state_bytes",
+    "opt_state_bytes_per_rank",
+    "opt_state_replicated_bytes",
+    "opt_state_ref_bytes",
+    "opt_state_vs_ref",
+    "own_peak_mb",
+    "own_peak_mb_per_rank",
+    "peak_rss_mb_per_rank",
+    "diff_vs",
+}
 
 
 def test_sharded_optimizer_state_configs_with_adam_on_the_transformer(tmp_path):
     """Issue 40's comparison, tiny: DDP, ZeroRedundancyOptimizer, FSDP2 and hybridcomm's
     shard= configs train the transformer with Adam to DDP's parameters (2 ranks: every
     sum of two is exact, so up to nothing), each keeping its share of the state."""
-    doc, stdout = _run(tmp_path, "--optimizer", "adam", "--model", "transformer",
-                       "--configs", "shard", "--batch-sizes", "2")
+    doc, stdout = _run(
+        tmp_path,
+        "--optimizer",
+        "adam",
+        "--model",
+        "transformer",
+        "--configs",
+        "shard",
+        "--batch-sizes",
+        "2",
+    )
     configs = ["ddp"] + SHARDED
     assert doc["optimizer"] == "Adam(lr=0.001)" and doc["model"]["arch"] == "transformer"
     assert doc["model"]["source"] == "in-repo" and doc["model"]["params"] == 3161610
@@ -165,8 +216,7 @@ def test_optimizer_option_defaults_to_the_old_sgd_and_shard_names_the_comparison
     train = _train_module()
     assert train.parse_args([]).optimizer == "sgd"  # the thesis runs keep their optimizer
     assert train.parse_args(["--optimizer", "adam"]).optimizer == "adam"
-    assert train.parse_args(["--configs", "stock,shard"]).configs == ["stock"] + [
-        "ddp"] + SHARDED
+    assert train.parse_args(["--configs", "stock,shard"]).configs == ["stock"] + ["ddp"] + SHARDED
     assert train.reference_config(["ddp:2", "zero"]) == "ddp:2"
     assert train.reference_config(["ddp", "stock"]) == "stock"
     assert train.reference_config(["zero"]) is None
@@ -186,8 +236,14 @@ def test_fsdp2_shards_each_layer_then_the_root():
     assert names(models.build("transformer")) == [f"layers.{i}" for i in range(4)] + ["head"]
     resnet = names(models.build("resnet18"))
     assert resnet[:3] == ["conv1", "bn1", "layer1.0"] and resnet[-1] == "fc" and len(resnet) == 11
-    assert names(models.build("vgg_small")) == ["features.0", "features.2", "features.5",
-                                                "classifier.0", "classifier.2", "classifier.4"]
+    assert names(models.build("vgg_small")) == [
+        "features.0",
+        "features.2",
+        "features.5",
+        "classifier.0",
+        "classifier.2",
+        "classifier.4",
+    ]
 
 
 def test_model_is_documented_and_kept_off_the_demo_and_the_regime_map(capsys):
@@ -263,8 +319,13 @@ def test_config_names_are_checked_before_anything_runs(capsys):
         with pytest.raises(SystemExit) as e:
             train.parse_args(["--configs", bad])
         assert e.value.code == 2 and bad in capsys.readouterr().err
-    proc = subprocess.run([sys.executable, SCRIPT, "--configs", "nccl"], capture_output=True,
-                          text=True, timeout=60, cwd=ROOT)  # and the script exits with it
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--configs", "nccl"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )  # and the script exits with it
     assert proc.returncode == 2 and "nccl" in proc.stderr
 
 
@@ -285,14 +346,28 @@ def test_regime_cells_and_the_demo_line():
     train = _train_module()
 
     def row(config, ms):
-        return {"config": config, "batch_size": 256, "step_ms": ms, "compute_ms": 900.0,
-                "bound_ms": 1200.0, "vs_bound": ms / 1200.0, "best_ddp": "ddp:2",
-                "limit_ms": 1250.0, "vs_limit": ms / 1250.0,
-                "peak_rss_mb": 700.0 if config == "hybrid-forward" else 650.0,
-                "cpu_busy_pct": 24.0 if config == "comm" else 99.0}
+        return {
+            "config": config,
+            "batch_size": 256,
+            "step_ms": ms,
+            "compute_ms": 900.0,
+            "bound_ms": 1200.0,
+            "vs_bound": ms / 1200.0,
+            "best_ddp": "ddp:2",
+            "limit_ms": 1250.0,
+            "vs_limit": ms / 1250.0,
+            "peak_rss_mb": 700.0 if config == "hybrid-forward" else 650.0,
+            "cpu_busy_pct": 24.0 if config == "comm" else 99.0,
+        }
 
-    results = [row("compute", 900.0), row("comm", 1200.0), row("limit", 1250.0),
-               row("stock", 2400.0), row("ddp:2", 1800.0), row("hybrid-forward", 1500.0)]
+    results = [
+        row("compute", 900.0),
+        row("comm", 1200.0),
+        row("limit", 1250.0),
+        row("stock", 2400.0),
+        row("ddp:2", 1800.0),
+        row("hybrid-forward", 1500.0),
+    ]
     (cell,) = train.regime_cells("100mbit", results)
     assert cell["hybrid_vs_best_ddp"] == pytest.approx(1500 / 1800)
     assert cell["comm_cpu_busy_pct"] == 24.0 and cell["best_ddp"] == "ddp:2"

@@ -25,6 +25,7 @@ parameters or its error; a pattern that raises is reported by name and the
 others still run (after a failure, on a fresh process group each). The
 references are computed once in the test process.
 """
+
 import contextlib
 import datetime
 import faulthandler
@@ -64,6 +65,7 @@ AGREE_TIMEOUT = datetime.timedelta(seconds=200)
 
 
 # --------------------------------------------------------------------------- runs
+
 
 class Reference:
     """One process on the whole batch, plain torch."""
@@ -131,8 +133,9 @@ class HybridComm(_Sharded):
 
     def wrap(self, optimizer, model):
         options = {"measure_iters": 2, "timeout": 60, **self.options}
-        opt = hybridcomm.DistributedOptimizer(optimizer, model=model, overlap=self.overlap,
-                                              process_group=self.group, **options)
+        opt = hybridcomm.DistributedOptimizer(
+            optimizer, model=model, overlap=self.overlap, process_group=self.group, **options
+        )
         self.opts.append(opt)
         return opt
 
@@ -177,6 +180,7 @@ class ManualDataParallel(_Sharded):
         def step(closure=None):
             state = optimizer._manual
             if closure is not None:
+
                 def reduced_closure():
                     loss = closure()
                     reduce()
@@ -207,6 +211,7 @@ class ManualDataParallel(_Sharded):
 
 
 # ------------------------------------------------------------------------- models
+
 
 def _whole(seed, *shapes, n=GLOBAL_BATCH):
     """A whole batch of random tensors, the same in every process."""
@@ -367,7 +372,7 @@ def amp_clip(loop):
     torch.manual_seed(4)
     model = _mlp(IN, 16, 16, OUT)
     opt = loop.wrap(_sgd(model.parameters(), lr=0.1), model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for s in range(STEPS):
         x, y = _whole(4000 + s, (IN,), (OUT,))
         if s == INF_STEP:
@@ -385,7 +390,7 @@ def amp_clip(loop):
         scaler.step(opt)
         scaler.update()
     if loop.reference:
-        assert scaler.get_scale() == 2.0 ** 7, scaler.get_scale()
+        assert scaler.get_scale() == 2.0**7, scaler.get_scale()
     return [model, torch.tensor([scaler.get_scale()])]
 
 
@@ -565,10 +570,14 @@ PATTERNS = {
     "checkpoint_non_reentrant": P(checkpointed, use_reentrant=False),
     "closure_sgd": P(closure, lbfgs=False),
     "closure_lbfgs": P(closure, lbfgs=True),
-    **{f"add_param_group_unused_head_at_step{at}": P(add_param_group, frozen=False, at=at)
-       for at in CHANGE_STEPS},
-    **{f"add_param_group_frozen_head_at_step{at}": P(add_param_group, frozen=True, at=at)
-       for at in CHANGE_STEPS},
+    **{
+        f"add_param_group_unused_head_at_step{at}": P(add_param_group, frozen=False, at=at)
+        for at in CHANGE_STEPS
+    },
+    **{
+        f"add_param_group_frozen_head_at_step{at}": P(add_param_group, frozen=True, at=at)
+        for at in CHANGE_STEPS
+    },
     **{f"unfreeze_layer_at_step{at}": P(unfreeze, at=at) for at in CHANGE_STEPS},
     **{f"freeze_layer_at_step{at}": P(freeze, at=at) for at in CHANGE_STEPS},
     "freeze_every_other_step": toggled,
@@ -579,8 +588,11 @@ PATTERNS = {
 
 
 def _flat(trained):
-    return flat(t for item in trained
-                for t in (item.parameters() if isinstance(item, nn.Module) else [item]))
+    return flat(
+        t
+        for item in trained
+        for t in (item.parameters() if isinstance(item, nn.Module) else [item])
+    )
 
 
 def _run(loop, name, patterns=None):
@@ -599,8 +611,9 @@ def _error():
     lines = traceback.format_exc().strip().splitlines()
     where = [line.strip() for line in lines if line.strip().startswith("File ")]
     first = (str(exc).strip().splitlines() or [""])[0]
-    return (f"{type(exc).__name__}: {first} [{where[-1] if where else '?'}]\n"
-            + "\n".join(lines[-16:-1]))
+    return f"{type(exc).__name__}: {first} [{where[-1] if where else '?'}]\n" + "\n".join(
+        lines[-16:-1]
+    )
 
 
 def _any_rank_failed(failed, world):
@@ -617,9 +630,12 @@ def _any_rank_failed(failed, world):
 def _watchdog(rank, name):
     """After PATTERN_DEADLINE_S, write where every thread of this rank is (a
     hang the library's own timeouts miss; run_ranks then fails the run)."""
+
     def dump():
-        sys.stderr.write(f"\n[rank {rank}] pattern {name} still running after "
-                         f"{PATTERN_DEADLINE_S}s; its threads:\n")
+        sys.stderr.write(
+            f"\n[rank {rank}] pattern {name} still running after "
+            f"{PATTERN_DEADLINE_S}s; its threads:\n"
+        )
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
@@ -656,9 +672,11 @@ def _hybridcomm(rank, world, overlap, simulate, fusion_bytes, measure_iters=2):
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     else:
         os.environ.pop("HYBRIDCOMM_SIMULATE_GPU", None)
-    return _all_patterns(rank, world,
-                         lambda r, w, g: HybridComm(r, w, g, overlap, fusion_bytes,
-                                                    measure_iters=measure_iters))
+    return _all_patterns(
+        rank,
+        world,
+        lambda r, w, g: HybridComm(r, w, g, overlap, fusion_bytes, measure_iters=measure_iters),
+    )
 
 
 def _manual(rank, world):
@@ -682,20 +700,22 @@ def _compare(results, refs=None, names=None, no_reference=(), tol=RTOL):
         errors = [(rank, g) for rank, g in enumerate(got) if isinstance(g, str)]
         if errors:
             rank, text = errors[0]
-            failures.append(f"{name}: raised on ranks {[e[0] for e in errors]}: "
-                            f"{text.splitlines()[0]}")
+            failures.append(
+                f"{name}: raised on ranks {[e[0] for e in errors]}: {text.splitlines()[0]}"
+            )
             continue
         ref = refs[name]
         if got[0].shape != ref.shape:
             failures.append(f"{name}: {got[0].numel()} values, the reference {ref.numel()}")
             continue
         if name not in no_reference and not torch.allclose(got[0], ref, rtol=tol, atol=tol):
-            failures.append(f"{name}: max diff from one process "
-                            f"{(got[0] - ref).abs().max():.3g}")
+            failures.append(f"{name}: max diff from one process {(got[0] - ref).abs().max():.3g}")
         for rank in range(1, len(got)):
             if not torch.equal(got[rank], got[0]):
-                failures.append(f"{name}: rank {rank} differs from rank 0, max diff "
-                                f"{(got[rank] - got[0]).abs().max():.3g}")
+                failures.append(
+                    f"{name}: rank {rank} differs from rank 0, max diff "
+                    f"{(got[rank] - got[0]).abs().max():.3g}"
+                )
     return failures
 
 
@@ -720,75 +740,101 @@ def test_manual_data_parallel_matches_the_references(world):
 # plan (on a small machine: one bucket per model); P = 3 with a bucket per layer
 # (fusion_bytes=0), so buckets are launched, reduced and (forward mode) applied
 # one layer at a time.
-COMBOS = [(world, overlap, simulate, fusion)
-          for world, fusion in ((2, None), (3, 0))
-          for overlap in ("forward", "backward", "none")
-          for simulate in (False, True)]
+COMBOS = [
+    (world, overlap, simulate, fusion)
+    for world, fusion in ((2, None), (3, 0))
+    for overlap in ("forward", "backward", "none")
+    for simulate in (False, True)
+]
 
 
 @pytest.mark.parametrize(
-    "world,overlap,simulate,fusion_bytes", COMBOS,
-    ids=[f"P{w}-{o}-{'simgpu' if s else 'host'}" + ("-layer_buckets" if f == 0 else "")
-         for w, o, s, f in COMBOS])
+    "world,overlap,simulate,fusion_bytes",
+    COMBOS,
+    ids=[
+        f"P{w}-{o}-{'simgpu' if s else 'host'}" + ("-layer_buckets" if f == 0 else "")
+        for w, o, s, f in COMBOS
+    ],
+)
 def test_training_loops_match_one_process(world, overlap, simulate, fusion_bytes):
-    results = run_ranks(world, _hybridcomm, overlap, simulate, fusion_bytes, timeout=300,
-                        allow_errors=True)
+    results = run_ranks(
+        world, _hybridcomm, overlap, simulate, fusion_bytes, timeout=300, allow_errors=True
+    )
     failures = _compare(results)
-    assert not failures, (f"{len(failures)} failures in {len(PATTERNS)} patterns:\n"
-                          + "\n".join(failures))
+    assert not failures, f"{len(failures)} failures in {len(PATTERNS)} patterns:\n" + "\n".join(
+        failures
+    )
 
 
 # No measured steps (measure_iters=0): after two steps only each bucket's closer
 # keeps its post-accumulate hook (grad_hooks.py, issue 38), so the patterns'
 # changes at step 3 come while the hooks are lean. Every mode on the host path;
 # on the simulated GPU (slower) the mode with a launch per layer in backward.
-LEAN_COMBOS = [(2, overlap, False, None) for overlap in ("forward", "backward", "none")] + \
-              [(3, "backward", True, 0)]
+LEAN_COMBOS = [(2, overlap, False, None) for overlap in ("forward", "backward", "none")] + [
+    (3, "backward", True, 0)
+]
 
 
 @pytest.mark.parametrize(
-    "world,overlap,simulate,fusion_bytes", LEAN_COMBOS,
-    ids=[f"P{w}-{o}-{'simgpu' if s else 'host'}" + ("-layer_buckets" if f == 0 else "")
-         for w, o, s, f in LEAN_COMBOS])
-def test_training_loops_match_one_process_with_lean_hooks(world, overlap, simulate,
-                                                          fusion_bytes):
-    results = run_ranks(world, _hybridcomm, overlap, simulate, fusion_bytes, 0, timeout=300,
-                        allow_errors=True)
+    "world,overlap,simulate,fusion_bytes",
+    LEAN_COMBOS,
+    ids=[
+        f"P{w}-{o}-{'simgpu' if s else 'host'}" + ("-layer_buckets" if f == 0 else "")
+        for w, o, s, f in LEAN_COMBOS
+    ],
+)
+def test_training_loops_match_one_process_with_lean_hooks(world, overlap, simulate, fusion_bytes):
+    results = run_ranks(
+        world, _hybridcomm, overlap, simulate, fusion_bytes, 0, timeout=300, allow_errors=True
+    )
     failures = _compare(results)
-    assert not failures, (f"{len(failures)} failures in {len(PATTERNS)} patterns:\n"
-                          + "\n".join(failures))
+    assert not failures, f"{len(failures)} failures in {len(PATTERNS)} patterns:\n" + "\n".join(
+        failures
+    )
 
 
 # Layers frozen and unfrozen, with compression (issue 39): the patterns assert
 # that a frozen layer's .grad is None (so no optimizer moves it) in every mode.
-FREEZING = ["freeze_layer_at_step1", "freeze_layer_at_step3", "freeze_every_other_step",
-            "unfreeze_layer_at_step1"]
+FREEZING = [
+    "freeze_layer_at_step1",
+    "freeze_layer_at_step3",
+    "freeze_every_other_step",
+    "unfreeze_layer_at_step1",
+]
 
 
 def _freezing(rank, world, overlap, compression, simulate):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    return _all_patterns(rank, world, lambda r, w, g: HybridComm(r, w, g, overlap,
-                                                                 compression=compression),
-                         names=FREEZING)
+    return _all_patterns(
+        rank,
+        world,
+        lambda r, w, g: HybridComm(r, w, g, overlap, compression=compression),
+        names=FREEZING,
+    )
 
 
-FREEZING_COMBOS = [(overlap, compression, simulate) for overlap in ("forward", "backward", "none")
-                   for compression, simulate in (("fp16", False), ("topk:0.5", False),
-                                                 ("bf16", True))]
+FREEZING_COMBOS = [
+    (overlap, compression, simulate)
+    for overlap in ("forward", "backward", "none")
+    for compression, simulate in (("fp16", False), ("topk:0.5", False), ("bf16", True))
+]
 
 
-@pytest.mark.parametrize("overlap,compression,simulate", FREEZING_COMBOS,
-                         ids=[f"{o}-{c}-{'simgpu' if s else 'host'}"
-                              for o, c, s in FREEZING_COMBOS])
+@pytest.mark.parametrize(
+    "overlap,compression,simulate",
+    FREEZING_COMBOS,
+    ids=[f"{o}-{c}-{'simgpu' if s else 'host'}" for o, c, s in FREEZING_COMBOS],
+)
 def test_frozen_layers_with_compression(overlap, compression, simulate):
     """fp16/bf16 on the wire: each gradient is rounded once to the wire dtype, so
     the parameters stay within one rounding of that dtype of one process's (the
     five steps' updates are far below the parameters' size). Top-k sends part of
     each gradient: its numbers are its own, so only the patterns' own checks
     (a frozen layer's .grad None) and agreement across ranks are asserted."""
-    results = run_ranks(2, _freezing, overlap, compression, simulate, timeout=300,
-                        allow_errors=True)
+    results = run_ranks(
+        2, _freezing, overlap, compression, simulate, timeout=300, allow_errors=True
+    )
     if compression.startswith("topk"):
         failures = _compare(results, names=FREEZING, no_reference=FREEZING)
     else:
@@ -801,20 +847,30 @@ def test_frozen_layers_with_compression(overlap, compression, simulate):
 # (synchronize() makes .grad whole for clipping and GradScaler) but LBFGS's,
 # which is refused (its step needs whole tensors).
 SHARDED_PATTERNS = [name for name in PATTERNS if name != "closure_lbfgs"]
-SHARD_COMBOS = [("forward", "optimizer", False), ("backward", "gradients", False),
-                ("none", "optimizer", False), ("forward", "gradients", True)]
+SHARD_COMBOS = [
+    ("forward", "optimizer", False),
+    ("backward", "gradients", False),
+    ("none", "optimizer", False),
+    ("forward", "gradients", True),
+]
 
 
 def _sharded(rank, world, overlap, shard, simulate, measure_iters=2):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
-    return _all_patterns(rank, world, lambda r, w, g: HybridComm(r, w, g, overlap, shard=shard,
-                                                                 measure_iters=measure_iters),
-                         names=SHARDED_PATTERNS)
+    return _all_patterns(
+        rank,
+        world,
+        lambda r, w, g: HybridComm(r, w, g, overlap, shard=shard, measure_iters=measure_iters),
+        names=SHARDED_PATTERNS,
+    )
 
 
-@pytest.mark.parametrize("overlap,shard,simulate", SHARD_COMBOS,
-                         ids=[f"{o}-{s}-{'simgpu' if g else 'host'}" for o, s, g in SHARD_COMBOS])
+@pytest.mark.parametrize(
+    "overlap,shard,simulate",
+    SHARD_COMBOS,
+    ids=[f"{o}-{s}-{'simgpu' if g else 'host'}" for o, s, g in SHARD_COMBOS],
+)
 def test_training_loops_with_sharded_state(overlap, shard, simulate):
     results = run_ranks(2, _sharded, overlap, shard, simulate, timeout=300, allow_errors=True)
     failures = _compare(results, names=SHARDED_PATTERNS)
@@ -829,11 +885,15 @@ def _sharded_native(rank, world, overlap, shard, simulate):
 NATIVE_COMBOS = [("forward", "gradients", False), ("backward", "optimizer", True)]
 
 
-@pytest.mark.parametrize("overlap,shard,simulate", NATIVE_COMBOS,
-                         ids=[f"{o}-{s}-{'simgpu' if g else 'host'}" for o, s, g in NATIVE_COMBOS])
+@pytest.mark.parametrize(
+    "overlap,shard,simulate",
+    NATIVE_COMBOS,
+    ids=[f"{o}-{s}-{'simgpu' if g else 'host'}" for o, s, g in NATIVE_COMBOS],
+)
 def test_training_loops_with_sharded_state_natively_reduce_scattered(overlap, shard, simulate):
-    results = run_ranks(2, _sharded_native, overlap, shard, simulate, timeout=300,
-                        allow_errors=True)
+    results = run_ranks(
+        2, _sharded_native, overlap, shard, simulate, timeout=300, allow_errors=True
+    )
     failures = _compare(results, names=SHARDED_PATTERNS)
     assert not failures, "\n".join(failures)
 
@@ -843,9 +903,11 @@ def test_training_loops_with_sharded_state_natively_reduce_scattered(overlap, sh
 SHARD_LEAN_COMBOS = [("backward", "gradients", False), ("forward", "gradients", True)]
 
 
-@pytest.mark.parametrize("overlap,shard,simulate", SHARD_LEAN_COMBOS,
-                         ids=[f"{o}-{s}-{'simgpu' if g else 'host'}"
-                              for o, s, g in SHARD_LEAN_COMBOS])
+@pytest.mark.parametrize(
+    "overlap,shard,simulate",
+    SHARD_LEAN_COMBOS,
+    ids=[f"{o}-{s}-{'simgpu' if g else 'host'}" for o, s, g in SHARD_LEAN_COMBOS],
+)
 def test_training_loops_with_sharded_state_and_lean_hooks(overlap, shard, simulate):
     results = run_ranks(2, _sharded, overlap, shard, simulate, 0, timeout=300, allow_errors=True)
     failures = _compare(results, names=SHARDED_PATTERNS)

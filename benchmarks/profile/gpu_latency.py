@@ -11,6 +11,7 @@ where the per-step host cost dominates (small messages, many steps).
 ``kernels``: reduce of n elements by each implementation, median of CUDA-event
 timings. Nothing here has been run on a GPU by the authors yet (docs/GPU.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,6 @@ import statistics
 import sys
 
 import torch
-
 
 
 def _time(fn, iters):
@@ -86,14 +86,19 @@ def kernels(args):
     for dtype in (torch.float32, torch.bfloat16):
         for k in range(args.min_log2, args.max_log2 + 1, 2):
             n = 1 << k
-            d, s = torch.ones(n, dtype=dtype, device="cuda"), torch.ones(n, dtype=dtype, device="cuda")
+            d, s = (
+                torch.ones(n, dtype=dtype, device="cuda"),
+                torch.ones(n, dtype=dtype, device="cuda"),
+            )
             row = []
             for fn in impls.values():
                 for _ in range(3):
                     fn(d, s)
                 row.append(_time(lambda: fn(d, s), args.iters))
-            print(f"{n:>10} {str(dtype).replace('torch.', ''):>9} "
-                  + " ".join(f"{x:>11.1f}" for x in row))
+            print(
+                f"{n:>10} {str(dtype).replace('torch.', ''):>9} "
+                + " ".join(f"{x:>11.1f}" for x in row)
+            )
 
 
 def main(argv=None):

@@ -9,6 +9,7 @@ thread, each bucket's operations on the channel, the waits (exposed
 communication); then where the step's time went: the channel's busy share,
 its idle gaps, and the waits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,13 +32,18 @@ def spans_of_step(events: List[dict], index: int):
 def summarize(path: str, index: int = -1) -> str:
     events = json.load(open(path))["traceEvents"]
     t0, t1, inside = spans_of_step(events, index)
-    lines = [f"{path}: step {index} ({(t1 - t0) / 1e3:.1f} ms, step() to step())",
-             f"{'start':>9} {'end':>9} {'ms':>8}  {'where':14} what"]
+    lines = [
+        f"{path}: step {index} ({(t1 - t0) / 1e3:.1f} ms, step() to step())",
+        f"{'start':>9} {'end':>9} {'ms':>8}  {'where':14} what",
+    ]
     for e in inside:
         a, b = (e["ts"] - t0) / 1e3, (e["ts"] + e["dur"] - t0) / 1e3
         lines.append(f"{a:9.1f} {b:9.1f} {e['dur'] / 1e3:8.1f}  {e['cat']:14} {e['name']}")
-    comm = sorted((max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in inside
-                  if e["cat"].startswith("comm"))
+    comm = sorted(
+        (max(e["ts"], t0), min(e["ts"] + e["dur"], t1))
+        for e in inside
+        if e["cat"].startswith("comm")
+    )
     busy, gaps, last = 0.0, [], t0
     for a, b in comm:
         if a > last:
@@ -48,11 +54,16 @@ def summarize(path: str, index: int = -1) -> str:
         gaps.append((last, t1))
     waits = sum(e["dur"] for e in inside if e["cat"] == "wait")
     total = t1 - t0
-    lines.append(f"channel busy {busy / total:.0%} of the step; idle gaps (ms from start): "
-                 + ", ".join(f"{(a - t0) / 1e3:.0f}-{(b - t0) / 1e3:.0f}" for a, b in gaps
-                             if b - a > 0.01 * total))
-    lines.append(f"training thread waited {waits / 1e3:.1f} ms for communication "
-                 f"({waits / total:.0%} of the step)")
+    lines.append(
+        f"channel busy {busy / total:.0%} of the step; idle gaps (ms from start): "
+        + ", ".join(
+            f"{(a - t0) / 1e3:.0f}-{(b - t0) / 1e3:.0f}" for a, b in gaps if b - a > 0.01 * total
+        )
+    )
+    lines.append(
+        f"training thread waited {waits / 1e3:.1f} ms for communication "
+        f"({waits / total:.0%} of the step)"
+    )
     return "\n".join(lines)
 
 

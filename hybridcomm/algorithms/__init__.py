@@ -5,14 +5,14 @@ the two-level ones (``TOPOLOGY_AWARE``) also take a :class:`Topology`.
 
 May import: ``base``. Pure: no torch.distributed, no device.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
 from typing import Optional
 
 from . import butterfly, halving_doubling, hierarchical, ring, torus2d
-from .schedule import (Recv, Schedule, Send, Step, equal_bounds, equal_padding, tail_block,
-                       tail_body)
+from .schedule import Recv, Schedule, Send, Step, equal_bounds, equal_padding, tail_block, tail_body
 from .simulate import ScheduleError, simulate
 from .topology import Topology
 
@@ -27,20 +27,27 @@ ALGORITHMS = tuple(SCHEDULES)
 # The phases of a sharded reduction (sharded optimizer state): the algorithms
 # that have them, each phase's schedule, and the part a rank owns after it.
 REDUCE_SCATTER, ALL_GATHER, ALL_REDUCE = "reduce_scatter", "all_gather", "all_reduce"
-PHASED = {"ring": {REDUCE_SCATTER: ring.reduce_scatter_schedule,
-                   ALL_GATHER: ring.all_gather_schedule},
-          "halving_doubling": {REDUCE_SCATTER: halving_doubling.reduce_scatter_schedule,
-                               ALL_GATHER: halving_doubling.all_gather_schedule}}
+PHASED = {
+    "ring": {REDUCE_SCATTER: ring.reduce_scatter_schedule, ALL_GATHER: ring.all_gather_schedule},
+    "halving_doubling": {
+        REDUCE_SCATTER: halving_doubling.reduce_scatter_schedule,
+        ALL_GATHER: halving_doubling.all_gather_schedule,
+    },
+}
 # ``native`` (the process group's own reduce_scatter / all_gather, no schedule of
 # ours) cuts a segment into equal parts: its layout pads the segment to fit
-SHARD_BOUNDS = {"ring": ring.shard_bounds, "halving_doubling": halving_doubling.shard_bounds,
-                "native": equal_bounds}
+SHARD_BOUNDS = {
+    "ring": ring.shard_bounds,
+    "halving_doubling": halving_doubling.shard_bounds,
+    "native": equal_bounds,
+}
 SHARDABLE = tuple(SHARD_BOUNDS)  # what a sharded bucket may be reduce-scattered with
 TOPOLOGY_AWARE = ("hierarchical", "torus2d")
 
 
-def get_schedule(algorithm: str, rank: int, world_size: int, numel: int,
-                 topology: Optional[Topology] = None) -> Schedule:
+def get_schedule(
+    algorithm: str, rank: int, world_size: int, numel: int, topology: Optional[Topology] = None
+) -> Schedule:
     """Cached schedule; raises ValueError for an unknown algorithm name.
 
     ``topology`` (node size, grid) matters to ``TOPOLOGY_AWARE`` algorithms
@@ -54,8 +61,9 @@ def get_schedule(algorithm: str, rank: int, world_size: int, numel: int,
 
 
 @lru_cache(maxsize=4096)
-def get_phase_schedule(phase: str, algorithm: str, rank: int, world_size: int,
-                       numel: int, tail: int = 0) -> Schedule:
+def get_phase_schedule(
+    phase: str, algorithm: str, rank: int, world_size: int, numel: int, tail: int = 0
+) -> Schedule:
     """The schedule of one ``phase`` of ``algorithm``'s all-reduce (``PHASED``);
     ``tail``: each rank's block of the last ``world_size * tail`` elements rides
     along (``schedule.tail_body``; the whole buffer is all-reduced in ALL_REDUCE).
@@ -77,7 +85,27 @@ def _cached(algorithm: str, rank: int, world_size: int, numel: int, topo) -> Sch
     return SCHEDULES[algorithm](rank, world_size, numel, topo)
 
 
-__all__ = ["ALGORITHMS", "SCHEDULES", "PHASED", "SHARD_BOUNDS", "SHARDABLE", "REDUCE_SCATTER",
-           "ALL_GATHER", "tail_body", "tail_block", "equal_bounds", "equal_padding",
-           "ALL_REDUCE", "get_phase_schedule", "TOPOLOGY_AWARE", "Topology", "get_schedule", "simulate",
-           "ScheduleError", "Schedule", "Step", "Send", "Recv"]
+__all__ = [
+    "ALGORITHMS",
+    "SCHEDULES",
+    "PHASED",
+    "SHARD_BOUNDS",
+    "SHARDABLE",
+    "REDUCE_SCATTER",
+    "ALL_GATHER",
+    "tail_body",
+    "tail_block",
+    "equal_bounds",
+    "equal_padding",
+    "ALL_REDUCE",
+    "get_phase_schedule",
+    "TOPOLOGY_AWARE",
+    "Topology",
+    "get_schedule",
+    "simulate",
+    "ScheduleError",
+    "Schedule",
+    "Step",
+    "Send",
+    "Recv",
+]

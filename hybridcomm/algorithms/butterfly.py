@@ -6,6 +6,7 @@ with r XOR 2^k and adds. Both partners compute a + b in the same order of
 operand values (IEEE addition is commutative), so every rank ends bitwise
 identical. Non-power-of-two P folds the extra ranks in and out (fold.py).
 """
+
 from __future__ import annotations
 
 from .fold import folded

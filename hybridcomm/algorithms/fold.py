@@ -6,6 +6,7 @@ core + i first sends its whole buffer to rank i, which adds it in; ranks
 result back to rank core + i (a copy). Two extra steps, on ``extra`` ranks
 only, as in MPICH's recursive doubling.
 """
+
 from __future__ import annotations
 
 from typing import Callable, List

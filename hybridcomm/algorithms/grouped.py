@@ -15,6 +15,7 @@ Each element's final value is computed once (by its ring's reduce-scatter)
 and copied everywhere, so all ranks are bitwise identical. The final
 reduction is phase 2's, or phase 1's when there is a single group.
 """
+
 from __future__ import annotations
 
 from itertools import zip_longest
@@ -27,10 +28,18 @@ from .schedule import Recv, Schedule, Send, Step, build, check_args
 def embed(steps: Sequence[Step], ranks: Sequence[int], offset: int = 0) -> List[Step]:
     """``steps`` of a schedule among ``len(ranks)`` ranks over a sub-buffer,
     as steps among the global ``ranks`` over ``[offset, offset + sub-length)``."""
-    return [None if st is None else Step(
-        tuple(Send(ranks[s.peer], s.start + offset, s.stop + offset) for s in st.sends),
-        tuple(Recv(ranks[r.peer], r.start + offset, r.stop + offset, r.reduce, r.final)
-              for r in st.recvs)) for st in steps]
+    return [
+        None
+        if st is None
+        else Step(
+            tuple(Send(ranks[s.peer], s.start + offset, s.stop + offset) for s in st.sends),
+            tuple(
+                Recv(ranks[r.peer], r.start + offset, r.stop + offset, r.reduce, r.final)
+                for r in st.recvs
+            ),
+        )
+        for st in steps
+    ]
 
 
 def runs(g: int, s: int) -> List[int]:

@@ -7,13 +7,13 @@ of the buffer like ring, in 2 log2 P messages instead of 2(P-1): the middle
 ground. Partners share the same range history, so both split it at the same
 point. Non-power-of-two P folds the extra ranks in and out (fold.py).
 """
+
 from __future__ import annotations
 
 from typing import Tuple
 
 from .fold import folded
-from .schedule import (Recv, Schedule, Send, aligned_split, build, check_args, step,
-                       tail_body)
+from .schedule import Recv, Schedule, Send, aligned_split, build, check_args, step, tail_body
 
 
 def _halving(rank: int, p: int, numel: int):
@@ -34,8 +34,9 @@ def _with_tail(kept, rank: int, p: int, body: int, tail: int):
     out, lo, hi = [], 0, p
     for peer, keep, give in kept:
         mid = (lo + hi) // 2
-        block_keep, block_give = ((lo, mid), (mid, hi)) if rank & (rank ^ peer) == 0 \
-            else ((mid, hi), (lo, mid))
+        block_keep, block_give = (
+            ((lo, mid), (mid, hi)) if rank & (rank ^ peer) == 0 else ((mid, hi), (lo, mid))
+        )
         keeps, gives = [keep], [give]
         if tail:
             keeps.append((body + block_keep[0] * tail, body + block_keep[1] * tail))
@@ -47,14 +48,20 @@ def _with_tail(kept, rank: int, p: int, body: int, tail: int):
 
 def _reduce_scatter(kept):
     last = len(kept) - 1
-    return [step([Send(peer, *g) for g in gives],
-                 [Recv(peer, *k, reduce=True, final=i == last) for k in keeps])
-            for i, (peer, keeps, gives) in enumerate(kept)]
+    return [
+        step(
+            [Send(peer, *g) for g in gives],
+            [Recv(peer, *k, reduce=True, final=i == last) for k in keeps],
+        )
+        for i, (peer, keeps, gives) in enumerate(kept)
+    ]
 
 
 def _all_gather(kept):  # the partner owns the given ranges
-    return [step([Send(peer, *k) for k in keeps], [Recv(peer, *g, reduce=False) for g in gives])
-            for peer, keeps, gives in reversed(kept)]
+    return [
+        step([Send(peer, *k) for k in keeps], [Recv(peer, *g, reduce=False) for g in gives])
+        for peer, keeps, gives in reversed(kept)
+    ]
 
 
 def _core_steps(rank: int, p: int, numel: int):
@@ -64,8 +71,10 @@ def _core_steps(rank: int, p: int, numel: int):
 
 def _power_of_two(world_size: int) -> None:
     if world_size < 1 or world_size & (world_size - 1):
-        raise ValueError(f"halving-doubling's reduce-scatter alone needs a power-of-two "
-                         f"world size (the extra ranks would own nothing), got {world_size}")
+        raise ValueError(
+            f"halving-doubling's reduce-scatter alone needs a power-of-two "
+            f"world size (the extra ranks would own nothing), got {world_size}"
+        )
 
 
 def shard_bounds(rank: int, world_size: int, numel: int) -> Tuple[int, int]:
@@ -88,15 +97,25 @@ def reduce_scatter_schedule(rank: int, world_size: int, numel: int, tail: int = 
     >>> len(reduce_scatter_schedule(0, 8, 1000).steps)
     3
     """
-    return build("halving_doubling:reduce_scatter", rank, world_size, numel,
-                 _reduce_scatter(_phase_steps(rank, world_size, numel, tail)))
+    return build(
+        "halving_doubling:reduce_scatter",
+        rank,
+        world_size,
+        numel,
+        _reduce_scatter(_phase_steps(rank, world_size, numel, tail)),
+    )
 
 
 def all_gather_schedule(rank: int, world_size: int, numel: int, tail: int = 0) -> Schedule:
     """Recursive doubling alone: each rank's :func:`shard_bounds` part (and tail
     block) to every rank."""
-    return build("halving_doubling:all_gather", rank, world_size, numel,
-                 _all_gather(_phase_steps(rank, world_size, numel, tail)))
+    return build(
+        "halving_doubling:all_gather",
+        rank,
+        world_size,
+        numel,
+        _all_gather(_phase_steps(rank, world_size, numel, tail)),
+    )
 
 
 def _phase_steps(rank: int, world_size: int, numel: int, tail: int):

@@ -11,6 +11,7 @@ The node size is the ``topology``'s (``node_size=``, else ``LOCAL_WORLD_SIZE``,
 else one node: then this is the ring); a world size that is not a multiple
 of it leaves the last node short (grouped.py).
 """
+
 from __future__ import annotations
 
 from .grouped import two_level

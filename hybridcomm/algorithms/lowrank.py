@@ -18,6 +18,7 @@ Example::
     >>> message_numels([(256, 64, 4, 4), (256,)], 4)     # P: 256*4 + 256 + 2 flags; Q: 1024*4
     (1282, 4096)
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,10 @@ def parse_powersgd(compression) -> Optional[Tuple[int, int]]:
         rank = int(parts[1])
         start = int(parts[2]) if len(parts) == 3 else 0
     except ValueError:
-        raise ValueError(f"compression={compression!r}: expected 'powersgd:RANK' or "
-                         "'powersgd:RANK:START', e.g. 'powersgd:4' or 'powersgd:4:100'") from None
+        raise ValueError(
+            f"compression={compression!r}: expected 'powersgd:RANK' or "
+            "'powersgd:RANK:START', e.g. 'powersgd:4' or 'powersgd:4:100'"
+        ) from None
     if rank < 1 or start < 0:
         raise ValueError(f"compression={compression!r}: RANK must be >= 1 and START >= 0")
     return rank, start

@@ -10,12 +10,23 @@ part r, which rank r then passes around the ring in the all-gather. The two
 halves are also used on their own, over any parts, by the two-level
 algorithms (grouped.py).
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Tuple
 
-from .schedule import (Recv, Schedule, Send, Step, build, check_args, chunk_bounds, step,
-                       tail_block, tail_body)
+from .schedule import (
+    Recv,
+    Schedule,
+    Send,
+    Step,
+    build,
+    check_args,
+    chunk_bounds,
+    step,
+    tail_block,
+    tail_body,
+)
 
 Part = Callable[[int], Tuple[int, int]]  # part index (taken mod p) -> [start, stop)
 
@@ -25,19 +36,29 @@ def reduce_scatter(rank: int, p: int, *parts: Part, final: bool = True) -> List[
     of each of ``parts`` (``final``: that reduction finalizes it). Peers are ring
     positions."""
     right, left = (rank + 1) % p, (rank - 1) % p
-    return [step([Send(right, *part(rank - s - 1)) for part in parts],
-                 [Recv(left, *part(rank - s - 2), reduce=True, final=final and s == p - 2)
-                  for part in parts])
-            for s in range(p - 1)]
+    return [
+        step(
+            [Send(right, *part(rank - s - 1)) for part in parts],
+            [
+                Recv(left, *part(rank - s - 2), reduce=True, final=final and s == p - 2)
+                for part in parts
+            ],
+        )
+        for s in range(p - 1)
+    ]
 
 
 def all_gather(rank: int, p: int, *parts: Part) -> List[Step]:
     """p-1 steps that pass each rank's ``part(r)`` of each of ``parts`` around the
     ring to all."""
     right, left = (rank + 1) % p, (rank - 1) % p
-    return [step([Send(right, *part(rank - s)) for part in parts],
-                 [Recv(left, *part(rank - s - 1), reduce=False) for part in parts])
-            for s in range(p - 1)]
+    return [
+        step(
+            [Send(right, *part(rank - s)) for part in parts],
+            [Recv(left, *part(rank - s - 1), reduce=False) for part in parts],
+        )
+        for s in range(p - 1)
+    ]
 
 
 def schedule(rank: int, world_size: int, numel: int) -> Schedule:
@@ -80,8 +101,13 @@ def reduce_scatter_schedule(rank: int, world_size: int, numel: int, tail: int = 
     (3, True)
     """
     # (its own name: not cut into pipelined parts, which would move the owned part)
-    return build("ring:reduce_scatter", rank, world_size, numel,
-                 reduce_scatter(rank, world_size, *_phase_parts(rank, world_size, numel, tail)))
+    return build(
+        "ring:reduce_scatter",
+        rank,
+        world_size,
+        numel,
+        reduce_scatter(rank, world_size, *_phase_parts(rank, world_size, numel, tail)),
+    )
 
 
 def all_gather_schedule(rank: int, world_size: int, numel: int, tail: int = 0) -> Schedule:
@@ -91,8 +117,13 @@ def all_gather_schedule(rank: int, world_size: int, numel: int, tail: int = 0) -
     >>> len(all_gather_schedule(0, 4, 1000).steps)
     3
     """
-    return build("ring:all_gather", rank, world_size, numel,
-                 all_gather(rank, world_size, *_phase_parts(rank, world_size, numel, tail)))
+    return build(
+        "ring:all_gather",
+        rank,
+        world_size,
+        numel,
+        all_gather(rank, world_size, *_phase_parts(rank, world_size, numel, tail)),
+    )
 
 
 def _phase_parts(rank: int, world_size: int, numel: int, tail: int) -> List[Part]:

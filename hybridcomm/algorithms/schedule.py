@@ -8,6 +8,7 @@ exactly as NCCL does.
 
 No torch, no devices: schedules are plain data, cheap to build and cache.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -143,8 +144,10 @@ def tail_body(world_size: int, numel: int, tail: int) -> int:
     """
     body = numel - world_size * tail
     if tail < 0 or body < 0 or tail % ALIGN_ELEMENTS:
-        raise ValueError(f"a tail of {world_size} x {tail} elements does not fit {numel} "
-                         f"(and must be a multiple of {ALIGN_ELEMENTS})")
+        raise ValueError(
+            f"a tail of {world_size} x {tail} elements does not fit {numel} "
+            f"(and must be a multiple of {ALIGN_ELEMENTS})"
+        )
     return body
 
 
@@ -171,5 +174,6 @@ def step(sends=(), recvs=()) -> Step | None:
 
 
 def build(algorithm: str, rank: int, world_size: int, numel: int, steps, topology=None) -> Schedule:
-    return Schedule(algorithm, rank, world_size, numel, tuple(s for s in steps if s is not None),
-                    topology)
+    return Schedule(
+        algorithm, rank, world_size, numel, tuple(s for s in steps if s is not None), topology
+    )

@@ -7,6 +7,7 @@ values it tracks, per element and rank, whether the final value was produced
 by exactly one ``final`` reduction (or copied from one), which is where the
 executor applies the ``avg`` scale.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -19,9 +20,12 @@ class ScheduleError(AssertionError):
     """The schedules are inconsistent: unmatched, mis-sized or deadlocked."""
 
 
-def simulate(schedules: Sequence[Schedule], inputs: Sequence[Sequence[float]],
-             owned: Optional[Sequence[Tuple[int, int]]] = None,
-             phase: str = "all_reduce") -> List[list]:
+def simulate(
+    schedules: Sequence[Schedule],
+    inputs: Sequence[Sequence[float]],
+    owned: Optional[Sequence[Tuple[int, int]]] = None,
+    phase: str = "all_reduce",
+) -> List[list]:
     """Run every rank's schedule; return each rank's final buffer.
 
     ``inputs[r]`` is rank r's buffer (any numbers: Python ints keep it exact).
@@ -53,7 +57,7 @@ def simulate(schedules: Sequence[Schedule], inputs: Sequence[Sequence[float]],
         for s in schedules[r].steps[pos[r]].sends:
             if not 0 <= s.peer < p or s.peer == r:
                 raise ScheduleError(f"rank {r} sends to invalid peer {s.peer}")
-            msg = (bufs[r][s.start:s.stop], final[r][s.start:s.stop])
+            msg = (bufs[r][s.start : s.stop], final[r][s.start : s.stop])
             queues.setdefault((r, s.peer), deque()).append(msg)
         posted[r] = True
 
@@ -69,7 +73,8 @@ def simulate(schedules: Sequence[Schedule], inputs: Sequence[Sequence[float]],
             if len(data) != rv.stop - rv.start:
                 raise ScheduleError(
                     f"rank {r} step {pos[r]} expects {rv.stop - rv.start} elements from "
-                    f"rank {rv.peer}, got {len(data)}")
+                    f"rank {rv.peer}, got {len(data)}"
+                )
             for i, (x, f) in enumerate(zip(data, fin), start=rv.start):
                 if rv.reduce:
                     if final[r][i] or f:

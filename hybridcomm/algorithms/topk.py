@@ -7,6 +7,7 @@ Example::
     >>> k_of(1000, 0.01), segment_numel(1000, 3, 0.01), sparse_bytes_sent(1000, 3, 0.01, 4)
     (10, 23, 276)
 """
+
 from __future__ import annotations
 
 import math

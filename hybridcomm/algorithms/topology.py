@@ -15,6 +15,7 @@ Example::
     >>> Topology(grid=(3, 3)).resolve(7).grid
     (3, 3)
 """
+
 from __future__ import annotations
 
 import math
@@ -46,12 +47,17 @@ class Topology:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"node_size must be a positive integer, got {size!r}")
         grid = most_square(world_size) if self.grid is None else tuple(self.grid)
-        if (len(grid) != 2 or not all(isinstance(x, int) and x >= 1 for x in grid)
-                or not (grid[0] - 1) * grid[1] < world_size <= grid[0] * grid[1]
-                or grid[1] > world_size):
-            raise ValueError(f"grid {self.grid!r} does not fit {world_size} ranks: need "
-                             "(rows, cols) with (rows - 1) * cols < world_size <= rows * cols "
-                             "and cols <= world_size")
+        if (
+            len(grid) != 2
+            or not all(isinstance(x, int) and x >= 1 for x in grid)
+            or not (grid[0] - 1) * grid[1] < world_size <= grid[0] * grid[1]
+            or grid[1] > world_size
+        ):
+            raise ValueError(
+                f"grid {self.grid!r} does not fit {world_size} ranks: need "
+                "(rows, cols) with (rows - 1) * cols < world_size <= rows * cols "
+                "and cols <= world_size"
+            )
         return Topology(min(size, world_size), grid)
 
     def nodes(self, world_size: int) -> int:

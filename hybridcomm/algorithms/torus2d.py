@@ -11,6 +11,7 @@ factorization; a prime P gives (1, P), the ring). A grid whose last row is
 short works too (grouped.py), so ``grid=(3, 3)`` serves P = 7..9. Rows are
 consecutive ranks, so with C = ranks per node this is ``hierarchical``.
 """
+
 from __future__ import annotations
 
 from .grouped import two_level

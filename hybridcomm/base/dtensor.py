@@ -16,6 +16,7 @@ Example::
     >>> local_shape(torch.zeros(3, 4))      # a plain tensor: its own shape
     torch.Size([3, 4])
 """
+
 from __future__ import annotations
 
 import sys
@@ -67,8 +68,9 @@ def grad_view(view: torch.Tensor, p) -> torch.Tensor:
     ``.grad``: a DTensor on ``p``'s mesh and placements for a DTensor ``p``."""
     if not is_dtensor(p):
         return view
-    return _dtensor().from_local(view, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+    return _dtensor().from_local(
+        view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def group_problem(p, name: str, group) -> Optional[str]:
@@ -77,12 +79,15 @@ def group_problem(p, name: str, group) -> Optional[str]:
     if not is_dtensor(p):
         return None
     mesh_ranks = set(p.device_mesh.mesh.flatten().tolist())
-    reducing = set(dist.get_process_group_ranks(group) if group is not None
-                   else range(dist.get_world_size()))
+    reducing = set(
+        dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    )
     others = sorted((mesh_ranks & reducing) - {dist.get_rank()})
     if not others:
         return None
-    return (f"{name!r} is a DTensor on a device mesh of ranks {sorted(mesh_ranks)}, and the "
-            f"reduction group also holds ranks {others} of that mesh: they hold other shards "
-            "(or tensor-parallel copies) of it, not data-parallel replicas. Pass "
-            "process_group=<the data-parallel group> (mesh['dp'].get_group() on a 2-D mesh)")
+    return (
+        f"{name!r} is a DTensor on a device mesh of ranks {sorted(mesh_ranks)}, and the "
+        f"reduction group also holds ranks {others} of that mesh: they hold other shards "
+        "(or tensor-parallel copies) of it, not data-parallel replicas. Pass "
+        "process_group=<the data-parallel group> (mesh['dp'].get_group() on a 2-D mesh)"
+    )

@@ -11,6 +11,7 @@ Example::
     >>> hybridcomm.planner is hybridcomm.plan.planner
     True
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,19 +21,41 @@ import sys
 
 # old path under hybridcomm -> new path under hybridcomm (a prefix: subpackages follow)
 MOVED = {
-    "errors": "base.errors", "units": "base.units", "tensor_access": "base.tensor_access",
-    "dtensor": "base.dtensor", "timeline": "base.timeline", "trace": "base.trace",
-    "env": "config.env", "logs": "config.logs",
-    "runtime": "gpu.runtime", "clock": "gpu.clock", "cuda_ext": "gpu.cuda_ext",
-    "cost_model": "plan.cost_model", "auto_model": "plan.auto_model",
-    "planner": "plan.planner", "verdict": "plan.verdict",
-    "compression": "comm.compression", "backend": "comm.backend", "control": "comm.control",
-    "transport": "comm.transport", "issuer": "comm.channel", "executor": "comm.executor",
-    "channel": "comm.channel", "engine": "comm.engine", "calibration": "comm.calibration",
-    "ps": "comm.servers", "sparse": "comm.sparse",
-    "registry": "sync.registry", "buckets": "sync.buckets", "pending": "sync.pending",
-    "measure": "sync.measure", "stall": "sync.stall", "synchronizer": "sync.synchronizer",
-    "bench": "tools.bench", "launch": "tools.launch", "netns": "tools.netns",
+    "errors": "base.errors",
+    "units": "base.units",
+    "tensor_access": "base.tensor_access",
+    "dtensor": "base.dtensor",
+    "timeline": "base.timeline",
+    "trace": "base.trace",
+    "env": "config.env",
+    "logs": "config.logs",
+    "runtime": "gpu.runtime",
+    "clock": "gpu.clock",
+    "cuda_ext": "gpu.cuda_ext",
+    "cost_model": "plan.cost_model",
+    "auto_model": "plan.auto_model",
+    "planner": "plan.planner",
+    "verdict": "plan.verdict",
+    "compression": "comm.compression",
+    "backend": "comm.backend",
+    "control": "comm.control",
+    "transport": "comm.transport",
+    "issuer": "comm.channel",
+    "executor": "comm.executor",
+    "channel": "comm.channel",
+    "engine": "comm.engine",
+    "calibration": "comm.calibration",
+    "ps": "comm.servers",
+    "sparse": "comm.sparse",
+    "registry": "sync.registry",
+    "buckets": "sync.buckets",
+    "pending": "sync.pending",
+    "measure": "sync.measure",
+    "stall": "sync.stall",
+    "synchronizer": "sync.synchronizer",
+    "bench": "tools.bench",
+    "launch": "tools.launch",
+    "netns": "tools.netns",
     "strategies.downpour_pipeline": "strategies.downpour.pipeline",
     "strategies.ps_link": "strategies.downpour.link",
     "strategies.ps_server": "strategies.downpour.server",
@@ -44,10 +67,10 @@ def new_path(fullname: str):
     """``hybridcomm.<old>[.<sub>]`` -> its module's path now, or None if it did not move."""
     if not fullname.startswith("hybridcomm."):
         return None
-    rest = fullname[len("hybridcomm."):]
+    rest = fullname[len("hybridcomm.") :]
     for old in sorted(MOVED, key=len, reverse=True):
         if rest == old or rest.startswith(old + "."):
-            return "hybridcomm." + MOVED[old] + rest[len(old):]
+            return "hybridcomm." + MOVED[old] + rest[len(old) :]
     return None
 
 
@@ -72,9 +95,11 @@ class _Alias(importlib.abc.Loader):
 
     def get_code(self, fullname):
         old, new = (name.removesuffix(".__main__") for name in (fullname, self.target))
-        source = ("import runpy, sys\n"
-                  f"print('hybridcomm: {old} is now {new}', file=sys.stderr)\n"
-                  f"runpy.run_module({self.target!r}, run_name='__main__', alter_sys=True)\n")
+        source = (
+            "import runpy, sys\n"
+            f"print('hybridcomm: {old} is now {new}', file=sys.stderr)\n"
+            f"runpy.run_module({self.target!r}, run_name='__main__', alter_sys=True)\n"
+        )
         return compile(source, f"<{old}: moved to {new}>", "exec")
 
 

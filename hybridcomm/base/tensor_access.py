@@ -6,6 +6,7 @@ Seen through a ``TorchFunctionMode``, a call such as ``F.linear(x, w)`` reads
 ``w``'s elements; ``w.t()``, ``w.shape`` or ``p.grad = None`` do not (metadata
 and views), and basic indexing (``w[0]``) makes a view.
 """
+
 from __future__ import annotations
 
 from typing import List
@@ -13,20 +14,79 @@ from typing import List
 import torch
 
 # Calls that read no element data: metadata, views, attribute plumbing.
-NO_DATA = frozenset({
-    "__get__", "__set__", "__delete__", "size", "dim", "numel", "stride", "data_ptr",
-    "is_contiguous", "element_size", "storage_offset", "untyped_storage", "__len__", "__hash__",
-    "view", "view_as", "narrow", "select", "split", "chunk", "unbind", "squeeze", "unsqueeze",
-    "t", "transpose", "permute", "expand", "expand_as", "as_strided", "detach", "detach_",
-    "flatten", "unflatten", "reshape", "__repr__", "__format__", "register_hook",
-    "register_post_accumulate_grad_hook", "requires_grad_", "_is_view", "is_floating_point",
-    "is_complex", "type", "__reduce_ex__", "__setstate__", "__deepcopy__", "set_", "empty_like",
-    "record_stream", "retain_grad", "__contains__", "share_memory_", "is_shared", "is_pinned",
-    "get_device", "__dlpack_device__",
-})
+NO_DATA = frozenset(
+    {
+        "__get__",
+        "__set__",
+        "__delete__",
+        "size",
+        "dim",
+        "numel",
+        "stride",
+        "data_ptr",
+        "is_contiguous",
+        "element_size",
+        "storage_offset",
+        "untyped_storage",
+        "__len__",
+        "__hash__",
+        "view",
+        "view_as",
+        "narrow",
+        "select",
+        "split",
+        "chunk",
+        "unbind",
+        "squeeze",
+        "unsqueeze",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "expand_as",
+        "as_strided",
+        "detach",
+        "detach_",
+        "flatten",
+        "unflatten",
+        "reshape",
+        "__repr__",
+        "__format__",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "requires_grad_",
+        "_is_view",
+        "is_floating_point",
+        "is_complex",
+        "type",
+        "__reduce_ex__",
+        "__setstate__",
+        "__deepcopy__",
+        "set_",
+        "empty_like",
+        "record_stream",
+        "retain_grad",
+        "__contains__",
+        "share_memory_",
+        "is_shared",
+        "is_pinned",
+        "get_device",
+        "__dlpack_device__",
+    }
+)
 # Calls that write (besides in-place ``name_`` methods and ``out=``).
-IN_PLACE_OPERATORS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__",
-                                "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__"})
+IN_PLACE_OPERATORS = frozenset(
+    {
+        "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+    }
+)
 
 
 def collect(x, out: List[torch.Tensor]) -> List[torch.Tensor]:

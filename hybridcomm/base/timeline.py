@@ -4,6 +4,7 @@ Spans of compute phases on the training thread and of each bucket's
 all-reduce on its lane's thread, so one can see what communication ran
 behind compute and what the training thread waited for.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,16 @@ class Timeline:
     def add(self, name: str, cat: str, t0: float, t1: float, **args) -> None:
         if not self.enabled:
             return
-        ev = {"name": name, "cat": cat, "ph": "X", "pid": os.getpid(),
-              "tid": threading.current_thread().name, "ts": (t0 - self._t0) * 1e6,
-              "dur": (t1 - t0) * 1e6, "args": args}
+        ev = {
+            "name": name,
+            "cat": cat,
+            "ph": "X",
+            "pid": os.getpid(),
+            "tid": threading.current_thread().name,
+            "ts": (t0 - self._t0) * 1e6,
+            "dur": (t1 - t0) * 1e6,
+            "args": args,
+        }
         with self._lock:
             self.events.append(ev)
 

@@ -5,6 +5,7 @@ range for Nsight Systems (when enabled, below) and a ``record_function`` range
 while torch.profiler records, so its trace shows them beside the kernels. The
 Chrome-trace timeline lives in timeline.py.
 """
+
 from __future__ import annotations
 
 # ---------------------------------------------------------------------------
@@ -27,8 +28,7 @@ import torch
 from .units import format_bytes
 
 NVTX_DOMAIN = "hybridcomm"
-_COLORS = {"bucket": "green", "ring": "blue", "butterfly": "orange",
-           "halving_doubling": "purple"}
+_COLORS = {"bucket": "green", "ring": "blue", "butterfly": "orange", "halving_doubling": "purple"}
 
 
 def _nvtx_wanted(env=os.environ) -> bool:
@@ -169,11 +169,13 @@ def _ranges(name_of, color):
 def bucket_range(bucket: int | str, algorithm: str, nbytes: int, world_size: int):
     """The range around one bucket's all-reduce (name: bucket, algorithm, bytes, P):
     NVTX for Nsight Systems, ``record_function`` while torch.profiler records."""
-    return _ranges(lambda: bucket_range_name(bucket, algorithm, nbytes, world_size),
-                   _COLORS["bucket"])
+    return _ranges(
+        lambda: bucket_range_name(bucket, algorithm, nbytes, world_size), _COLORS["bucket"]
+    )
 
 
 def step_range(algorithm: str, index: int, nsteps: int, step, itemsize: int):
     """The range around one schedule step (name: algorithm, step, bytes and peers)."""
-    return _ranges(lambda: step_range_name(algorithm, index, nsteps, step, itemsize),
-                   _COLORS.get(algorithm))
+    return _ranges(
+        lambda: step_range_name(algorithm, index, nsteps, step, itemsize), _COLORS.get(algorithm)
+    )

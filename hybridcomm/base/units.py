@@ -5,6 +5,7 @@ Example::
     >>> parse_size("4K"), format_bytes(16 << 20), format_seconds(2.5e-4)
     (4096, '16M', '250 us')
 """
+
 from __future__ import annotations
 
 import math
@@ -59,7 +60,6 @@ def format_bytes(nbytes: float) -> str:
     return f"{int(nbytes)}B"
 
 
-
 def format_seconds(s: float) -> str:
     """2.5e-4 -> '250 us' (4 significant digits)."""
     if s == 0:
@@ -67,5 +67,5 @@ def format_seconds(s: float) -> str:
     exp = math.floor(math.log10(abs(s)))
     for unit, k in (("s", 0), ("ms", -3), ("us", -6), ("ns", -9), ("ps", -12)):
         if exp >= k:
-            return f"{s / 10 ** k:.4g} {unit}"
+            return f"{s / 10**k:.4g} {unit}"
     return f"{s:.3g} s"

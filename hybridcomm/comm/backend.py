@@ -13,6 +13,7 @@ Example::
     >>> parse_backend_config("gloo")
     {'cpu': 'gloo', 'cuda': 'gloo'}
 """
+
 from __future__ import annotations
 
 from typing import Dict, Optional

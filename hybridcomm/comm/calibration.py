@@ -31,6 +31,7 @@ Example::
     >>> model.predict("ring", 1 << 20, 4) > 0
     True
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,7 +45,18 @@ import torch.distributed as dist
 
 from . import control
 from ..config import env
-from ..plan.auto_model import ENV_PATH, active_model, choose_algorithm, default_path, get_active, load, save, set_active
+
+# (re-exported: the calibration API's names, defined beside the model they load)
+from ..plan.auto_model import (  # noqa: F401
+    ENV_PATH,
+    active_model,
+    choose_algorithm,
+    default_path,
+    get_active,
+    load,
+    save,
+    set_active,
+)
 from .backend import comm_device
 from .executor import reduce_now
 from .transport.select import select_transport
@@ -53,8 +65,13 @@ from ..plan.cost_model import DEFAULT_MODEL, NATIVE, PS, CostModel, fit, rounded
 log = logging.getLogger("hybridcomm")
 
 
-def agree(model: Optional[CostModel] = None, group=None, *, timeout: Optional[float] = None,
-          probe_if_uncalibrated: bool = True) -> CostModel:
+def agree(
+    model: Optional[CostModel] = None,
+    group=None,
+    *,
+    timeout: Optional[float] = None,
+    probe_if_uncalibrated: bool = True,
+) -> CostModel:
     """The model every rank of ``group`` uses, made active (for ``auto``): rank
     0's ``model`` if given, else its :func:`set_active` model or saved
     calibration, else a :func:`probe` (or, with ``probe_if_uncalibrated=False``,
@@ -76,15 +93,19 @@ def agree(model: Optional[CostModel] = None, group=None, *, timeout: Optional[fl
             log.warning("hybridcomm: %s; probing instead", e)
         why = None if mine is None else _not_for_this_job(mine, group)
         if why:
-            log.warning("hybridcomm: the saved cost model %s was measured %s; probing instead "
-                        "(`hybridcomm-bench --calibrate` on this job's ranks saves one)",
-                        mine.source, why)
+            log.warning(
+                "hybridcomm: the saved cost model %s was measured %s; probing instead "
+                "(`hybridcomm-bench --calibrate` on this job's ranks saves one)",
+                mine.source,
+                why,
+            )
             mine = None
     cache = probe_cache_path(group) if probe_if_uncalibrated else None
     if mine is None and cache is not None and dist.get_rank(group) == 0:
         mine = _load_probe_cache(cache, group)
-    agreed = control.broadcast_object(mine, group=group, timeout=timeout,
-                                      what="rank 0's cost model")
+    agreed = control.broadcast_object(
+        mine, group=group, timeout=timeout, what="rank 0's cost model"
+    )
     if agreed is not None:
         agreed = dataclasses.replace(agreed, source=f"{agreed.source} (from rank 0)")
     elif probe_if_uncalibrated:
@@ -106,8 +127,10 @@ def probe_cache_path(group=None) -> Optional[str]:
         return None
     import os
 
-    key = (f"w{dist.get_world_size(group)}-{dist.get_backend(group)}-{comm_device(group).type}"
-           f"-local{os.environ.get('LOCAL_WORLD_SIZE', 'na')}").replace(":", "_")
+    key = (
+        f"w{dist.get_world_size(group)}-{dist.get_backend(group)}-{comm_device(group).type}"
+        f"-local{os.environ.get('LOCAL_WORLD_SIZE', 'na')}"
+    ).replace(":", "_")
     return os.path.join(os.path.dirname(os.path.abspath(default_path())), f"probe-{key}.json")
 
 
@@ -120,19 +143,30 @@ def _load_probe_cache(path: str, group) -> Optional[CostModel]:
     if model is None or _not_for_this_job(model, group):
         return None
     if "fit" not in model.meta:  # kept before probes recorded their uncertainty
-        log.info("hybridcomm: the start-up probe kept at %s does not say how far it can be "
-                 "trusted (an older hybridcomm kept it); probing again", path)
+        log.info(
+            "hybridcomm: the start-up probe kept at %s does not say how far it can be "
+            "trusted (an older hybridcomm kept it); probing again",
+            path,
+        )
         return None
-    log.info("hybridcomm: using the start-up probe an earlier run of this job saved (%s), so "
-             "the plan is the same from run to run; `hybridcomm-bench --calibrate` measures "
-             "properly", path)
+    log.info(
+        "hybridcomm: using the start-up probe an earlier run of this job saved (%s), so "
+        "the plan is the same from run to run; `hybridcomm-bench --calibrate` measures "
+        "properly",
+        path,
+    )
     return dataclasses.replace(model, source=f"probe saved at {path}")
 
 
 def _save_probe_cache(model: CostModel, path: str, group) -> None:
     try:
-        save(model, path, world_size=dist.get_world_size(group),
-             device=comm_device(group).type, backend=str(dist.get_backend(group)))
+        save(
+            model,
+            path,
+            world_size=dist.get_world_size(group),
+            device=comm_device(group).type,
+            backend=str(dist.get_backend(group)),
+        )
     except OSError as e:  # a read-only home: probe again next time
         log.debug("hybridcomm: the start-up probe was not saved at %s: %s", path, e)
 
@@ -177,8 +211,13 @@ def _sync(device) -> None:
         rt.synchronize()
 
 
-def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 7, *,
-          timeout: Optional[float] = None) -> CostModel:
+def probe(
+    group=None,
+    sizes: Sequence[int] = PROBE_SIZES,
+    iters: int = 7,
+    *,
+    timeout: Optional[float] = None,
+) -> CostModel:
     """A quick calibration for when none is saved: gamma from the reduction kernel
     alone, then the butterfly, the ring and ``native`` at two sizes over
     ``group`` (in ``iters`` rounds of each once, after one to warm up; the
@@ -214,31 +253,49 @@ def probe(group=None, sizes: Sequence[int] = PROBE_SIZES, iters: int = 7, *,
                 _sync(device)
                 if i:
                     times[algo, nbytes].append(time.perf_counter() - t0)
-        samples = [(algo, nbytes, world, statistics.median(times[algo, nbytes]))
-                   for algo, nbytes in points]
+        samples = [
+            (algo, nbytes, world, statistics.median(times[algo, nbytes])) for algo, nbytes in points
+        ]
         model, report = fit(samples, gamma=gamma)
         model = rounded(model)
     # (CostModel.uncertainty, rounded as the model is; one rank: nothing measured)
-    meta = {"degenerate": bool(report and report.degenerate), "fit": {} if report is None else {
-        "rms_rel_err": float(f"{report.rms_rel_err:.2g}"),
-        "spread": float(f"{_spread(times.values()):.2g}"), "confidence": report.confidence}}
+    meta = {
+        "degenerate": bool(report and report.degenerate),
+        "fit": {}
+        if report is None
+        else {
+            "rms_rel_err": float(f"{report.rms_rel_err:.2g}"),
+            "spread": float(f"{_spread(times.values()):.2g}"),
+            "confidence": report.confidence,
+        },
+    }
     model = dataclasses.replace(model, source="probe at start-up", meta=meta)
-    if report is not None and (report.degenerate or report.confidence == "low") \
-            and dist.get_rank(group) == 0:  # rank 0's fit is everyone's: say it once
-        log.info("hybridcomm: the start-up probe's fit is %s (rms error %.0f%%%s); the planner "
-                 "uses safe defaults where it cannot trust it. `hybridcomm-bench --calibrate` "
-                 "measures properly.", report.confidence, report.rms_rel_err * 100,
-                 ", a coefficient is 0" if report.degenerate else "")
-    return control.broadcast_object(model, group=group, timeout=timeout,
-                                    what="rank 0's start-up probe")
+    if (
+        report is not None
+        and (report.degenerate or report.confidence == "low")
+        and dist.get_rank(group) == 0
+    ):  # rank 0's fit is everyone's: say it once
+        log.info(
+            "hybridcomm: the start-up probe's fit is %s (rms error %.0f%%%s); the planner "
+            "uses safe defaults where it cannot trust it. `hybridcomm-bench --calibrate` "
+            "measures properly.",
+            report.confidence,
+            report.rms_rel_err * 100,
+            ", a coefficient is 0" if report.degenerate else "",
+        )
+    return control.broadcast_object(
+        model, group=group, timeout=timeout, what="rank 0's start-up probe"
+    )
 
 
 def _spread(runs) -> float:
     """The median over points of each point's interquartile range over its median:
     how much the machine moves one measurement (the noise, not the fit's misfit)."""
+
     def one(ts):
         q1, _, q3 = statistics.quantiles(ts, n=4)
         return (q3 - q1) / statistics.median(ts)
+
     spreads = [one(ts) for ts in runs if len(ts) >= 2]
     return statistics.median(spreads) if spreads else 0.0
 
@@ -250,8 +307,15 @@ def _spread(runs) -> float:
 PS_PROBE_SIZES = PROBE_SIZES + (4 << 20,)
 
 
-def with_ps(model: CostModel, servers, group=None, sizes: Sequence[int] = PS_PROBE_SIZES,
-            iters: int = 5, *, timeout: Optional[float] = None) -> CostModel:
+def with_ps(
+    model: CostModel,
+    servers,
+    group=None,
+    sizes: Sequence[int] = PS_PROBE_SIZES,
+    iters: int = 5,
+    *,
+    timeout: Optional[float] = None,
+) -> CostModel:
     """``model`` with a ``ps`` line for ``servers`` (a :class:`~hybridcomm.comm.servers.SummationServers`):
     as it is where it has one for that many servers, else ``ps`` timed at
     ``sizes`` (median of ``iters``), rank 0's fit, rounded, on every rank. A
@@ -282,12 +346,10 @@ def with_ps(model: CostModel, servers, group=None, sizes: Sequence[int] = PS_PRO
     # rounded to 2 significant digits, as agree()'s fit is, so that plans repeat
     a, b = (float(f"{v:.1e}") for v in _fit_native(samples))
     mine = dataclasses.replace(model, source=f"{model.source}, ps probed").with_ps(a, b, k)
-    return control.broadcast_object(mine, group=group, timeout=timeout,
-                                    what="rank 0's ps probe")
+    return control.broadcast_object(mine, group=group, timeout=timeout, what="rank 0's ps probe")
 
 
-def resolve(cost_model, group=None, timeout: Optional[float] = None,
-            servers=None) -> CostModel:
+def resolve(cost_model, group=None, timeout: Optional[float] = None, servers=None) -> CostModel:
     """The cost model a caller asked for: a ``CostModel`` as it is; None: rank 0's saved
     calibration, else a probe (:func:`agree`); ``"probe"``: always probe;
     ``"default"``: the built-in constants. With ``servers`` (summation servers),
@@ -310,5 +372,6 @@ def resolve(cost_model, group=None, timeout: Optional[float] = None,
         if servers is not None:
             model = with_ps(model, servers, group, timeout=timeout)
         return model
-    raise ValueError(f"cost_model must be a CostModel, None, 'probe' or 'default', "
-                     f"got {cost_model!r}")
+    raise ValueError(
+        f"cost_model must be a CostModel, None, 'probe' or 'default', got {cost_model!r}"
+    )

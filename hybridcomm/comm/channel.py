@@ -35,6 +35,7 @@ done event)::
     done = issue_in_order(transport, queue, "all_reduce", timeout=60)
     rt.current_stream().wait_event(done)
 """
+
 from __future__ import annotations
 
 import threading
@@ -137,7 +138,8 @@ class Issuer:
                         if left <= 0:
                             raise HybridCommTimeout(
                                 f"rank {self.transport.rank}: {what} not issued within "
-                                f"{limit:g}s (the issuing thread is blocked on a peer?)")
+                                f"{limit:g}s (the issuing thread is blocked on a peer?)"
+                            )
                         self._cv.wait(min(left, 1.0))
         if issue.error is not None:
             raise issue.error
@@ -196,8 +198,9 @@ class HostChannel:  # host path
 
     stream_ordered = False
 
-    def __init__(self, timeout: float, timeline: Optional[Timeline] = None, *,
-                 inline: bool = False):
+    def __init__(
+        self, timeout: float, timeline: Optional[Timeline] = None, *, inline: bool = False
+    ):
         self.timeout = timeout
         self.timeline = timeline or Timeline(enabled=False)
         self._cv = threading.Condition()
@@ -218,12 +221,21 @@ class HostChannel:  # host path
         self._watch_s: Optional[float] = None  # how often the idle worker looks (None: never)
         self._thread = None
         if not inline:
-            self._thread = threading.Thread(target=self._run, name="hybridcomm-channel",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="hybridcomm-channel", daemon=True
+            )
             self._thread.start()
 
-    def submit(self, fn: Callable[[], None], what: str, key=None, *, here: bool = False,
-               on_slow=None, slow_after: float = 0.0) -> int:
+    def submit(
+        self,
+        fn: Callable[[], None],
+        what: str,
+        key=None,
+        *,
+        here: bool = False,
+        on_slow=None,
+        slow_after: float = 0.0,
+    ) -> int:
         """Queue ``fn``; its ticket. With a ``key``, its duration is kept for
         :meth:`take_ops`. ``here``: the caller waits for it next, so it runs in
         the caller, after what was submitted before it (waited for first, as the
@@ -300,8 +312,14 @@ class HostChannel:  # host path
         note = None
         with self._cv:
             while self._completed < ticket:
-                if self._queue and self._queue[0][0] <= ticket and not self._running \
-                        and self._here is None and self._here_ok and not self._inline:
+                if (
+                    self._queue
+                    and self._queue[0][0] <= ticket
+                    and not self._running
+                    and self._here is None
+                    and self._here_ok
+                    and not self._inline
+                ):
                     # Not started yet, and this thread waits for it: run it here (the
                     # worker's wake-up, and then this thread's, would cost more)
                     if self._run_here(on_slow, slow_after)[1] is None:
@@ -316,17 +334,22 @@ class HostChannel:  # host path
                     on_slow = None
                     continue
                 if self._error is not None:
-                    kind = HybridCommTimeout if isinstance(self._error, HybridCommTimeout) \
+                    kind = (
+                        HybridCommTimeout
+                        if isinstance(self._error, HybridCommTimeout)
                         else HybridCommError
+                    )
                     note = note or self._here_note
-                    raise kind(f"{what}: communication failed at {self._failed_what}: "
-                               f"{self._error}" + (f" ({note})" if note else "")) \
-                        from self._error
+                    raise kind(
+                        f"{what}: communication failed at {self._failed_what}: "
+                        f"{self._error}" + (f" ({note})" if note else "")
+                    ) from self._error
                 left = deadline - time.perf_counter()
                 if left <= 0:
-                    raise HybridCommTimeout(f"{what} not reduced within {self.timeout:g}s "
-                                            + (f"({note})" if note else
-                                               "(a peer dead or stalled?)"))
+                    raise HybridCommTimeout(
+                        f"{what} not reduced within {self.timeout:g}s "
+                        + (f"({note})" if note else "(a peer dead or stalled?)")
+                    )
                 self._cv.wait(min(left, 1.0))
         return time.perf_counter() - t0
 
@@ -415,8 +438,14 @@ class StreamChannel:
 
     stream_ordered = True
 
-    def __init__(self, transport, timeline: Optional[Timeline] = None, *,
-                 issue_thread: bool = False, timeout: float = 300.0):
+    def __init__(
+        self,
+        transport,
+        timeline: Optional[Timeline] = None,
+        *,
+        issue_thread: bool = False,
+        timeout: float = 300.0,
+    ):
         self.transport = transport
         self.runtime = transport.runtime
         self.timeline = timeline or Timeline(enabled=False)
@@ -443,8 +472,9 @@ class StreamChannel:
         duration is kept for :meth:`take_ops`."""
         self._raise_failure()
         if self._issuer is None:  # here, unless the transport has an issuing thread
-            return issue_in_order(self.transport, lambda: self._issue(fn, what, key), what,
-                                  self.timeout)
+            return issue_in_order(
+                self.transport, lambda: self._issue(fn, what, key), what, self.timeout
+            )
         return self._issuer.submit(lambda: self._issue(fn, what, key), what)
 
     def _issue(self, fn, what: str, key):
@@ -493,8 +523,11 @@ class StreamChannel:
         """The trainer's current stream waits for the operation; the host goes on (so
         ``on_slow`` never fires here: the transport's watchdog bounds the wait)."""
         self._raise_failure()
-        event = self._issuer.result(handle, what, self.timeout) \
-            if isinstance(handle, OrderedTask) else handle
+        event = (
+            self._issuer.result(handle, what, self.timeout)
+            if isinstance(handle, OrderedTask)
+            else handle
+        )
         stream = self.runtime.current_stream()
         point = self.runtime.new_event(timing=True)  # where the trainer's stream waits
         point.record(stream)
@@ -521,8 +554,9 @@ class StreamChannel:
     @property
     def failure(self) -> Optional[BaseException]:
         """The error that aborted the transport (watchdog), or stopped the issuing."""
-        return getattr(self.transport, "failure", None) or \
-            (self._issuer.error if self._issuer is not None else None)
+        return getattr(self.transport, "failure", None) or (
+            self._issuer.error if self._issuer is not None else None
+        )
 
     def _raise_failure(self) -> None:
         if self.failure is not None:
@@ -533,8 +567,14 @@ class StreamChannel:
         submitted is issued in order, before anything submitted later)."""
 
 
-def open_channel(device, group, timeout: float, timeline: Optional[Timeline] = None, *,
-                 issue_thread: bool = False):
+def open_channel(
+    device,
+    group,
+    timeout: float,
+    timeline: Optional[Timeline] = None,
+    *,
+    issue_thread: bool = False,
+):
     """``(transport, channel)`` for tensors on ``device`` over ``group``: on a GPU (or
     the simulated one) the transport's comm stream (issued from a thread of the
     channel's with ``issue_thread``); on the CPU a gloo group of its own (so the
@@ -544,8 +584,8 @@ def open_channel(device, group, timeout: float, timeline: Optional[Timeline] = N
     alone = dist.get_world_size(group) == 1
     if runtime_for(device) is not None:
         transport = select_transport(device, group, timeout=timeout)
-        return transport, StreamChannel(transport, timeline,
-                                        issue_thread=issue_thread and not alone,
-                                        timeout=timeout)
+        return transport, StreamChannel(
+            transport, timeline, issue_thread=issue_thread and not alone, timeout=timeout
+        )
     transport = TorchDistTransport(new_group_like(group, timeout))
     return transport, HostChannel(timeout, timeline, inline=alone)

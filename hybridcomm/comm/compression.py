@@ -30,6 +30,7 @@ Example::
     0
     >>> opt.close()
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional, Tuple
@@ -38,14 +39,23 @@ import torch
 
 from ..algorithms.topk import gather_schedule, k_of, segment_numel
 
+
 class TopK:
     """One bucket's sparsifier: residual, velocity, the gathered message buffer.
 
     ``alloc(numel, dtype)`` makes device memory (the optimizer's allocator).
     """
 
-    def __init__(self, numel: int, params: int, ratio: float, rank: int, world: int,
-                 momentum: float, alloc: Callable[[int, torch.dtype], torch.Tensor]):
+    def __init__(
+        self,
+        numel: int,
+        params: int,
+        ratio: float,
+        rank: int,
+        world: int,
+        momentum: float,
+        alloc: Callable[[int, torch.dtype], torch.Tensor],
+    ):
         self.numel, self.params, self.rank, self.world = numel, params, rank, world
         self.k = k_of(numel, ratio)
         self.seg = segment_numel(numel, params, ratio)
@@ -73,10 +83,10 @@ class TopK:
         else:
             v.add_(g)
         idx = v.abs().topk(self.k, sorted=False).indices
-        mine = self.gathered[self.rank * self.seg:(self.rank + 1) * self.seg]
-        mine[:self.k] = v[idx]
-        mine[self.k:2 * self.k] = idx.to(torch.int32).view(torch.float32)
-        mine[2 * self.k:] = flags.float()
+        mine = self.gathered[self.rank * self.seg : (self.rank + 1) * self.seg]
+        mine[: self.k] = v[idx]
+        mine[self.k : 2 * self.k] = idx.to(torch.int32).view(torch.float32)
+        mine[2 * self.k :] = flags.float()
         v[idx] = 0
         if self.velocity is not None:
             self.velocity[idx] = 0
@@ -89,9 +99,9 @@ class TopK:
         parts = self.gathered.view(self.world, self.seg)
         for r in range(self.world):
             part = parts[r]
-            idx = part[self.k:2 * self.k].view(torch.int32).long()
-            acc.index_add_(0, idx, part[:self.k])  # one rank's indices are distinct
-            used.add_(part[2 * self.k:])
+            idx = part[self.k : 2 * self.k].view(torch.int32).long()
+            acc.index_add_(0, idx, part[: self.k])  # one rank's indices are distinct
+            used.add_(part[2 * self.k :])
         if scale is not None:
             acc.mul_(scale)
             used.mul_(scale)

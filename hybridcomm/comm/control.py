@@ -13,6 +13,7 @@ Example::
     ...                  what="the bucket plan")
     {'buckets': 3}
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,9 +51,11 @@ def require_initialized(what: str = "this call") -> None:
         >>> require_initialized("broadcast_parameters")   # after init_process_group: silent
     """
     if not dist.is_available() or not dist.is_initialized():
-        raise HybridCommError(f"{what} needs torch.distributed: call "
-                              "torch.distributed.init_process_group(...) first (or run under "
-                              "torchrun)")
+        raise HybridCommError(
+            f"{what} needs torch.distributed: call "
+            "torch.distributed.init_process_group(...) first (or run under "
+            "torchrun)"
+        )
 
 
 def control_group(group=None):
@@ -75,12 +78,15 @@ def new_group_like(group=None, timeout: Optional[float] = None):
     kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     with _host_region():
         try:
-            return dist.new_group(ranks, backend="gloo",
-                                  use_local_synchronization=group is not None, **kwargs)
+            return dist.new_group(
+                ranks, backend="gloo", use_local_synchronization=group is not None, **kwargs
+            )
         except RuntimeError as e:  # gloo's connectFullMesh: a peer died or never came
             kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
-            raise kind(f"rank {dist.get_rank()}: making a gloo group of ranks "
-                       f"{ranks or 'all'} failed (a peer dead or not making it too): {e}") from e
+            raise kind(
+                f"rank {dist.get_rank()}: making a gloo group of ranks "
+                f"{ranks or 'all'} failed (a peer dead or not making it too): {e}"
+            ) from e
 
 
 def wait_work(work, timeout: float, what: str) -> None:
@@ -91,11 +97,15 @@ def wait_work(work, timeout: float, what: str) -> None:
         done = work().wait(timeout=timedelta(seconds=timeout))
     except Exception as e:
         kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
-        raise kind(f"rank {rank}: agreeing on {what} failed (a peer dead, stalled for over "
-                   f"{timeout:g}s, or not making the same call): {e}") from e
+        raise kind(
+            f"rank {rank}: agreeing on {what} failed (a peer dead, stalled for over "
+            f"{timeout:g}s, or not making the same call): {e}"
+        ) from e
     if done is False:
-        raise HybridCommTimeout(f"rank {rank}: agreeing on {what} did not complete within "
-                                f"{timeout:g}s (a peer stalled or not making the same call)")
+        raise HybridCommTimeout(
+            f"rank {rank}: agreeing on {what} did not complete within "
+            f"{timeout:g}s (a peer stalled or not making the same call)"
+        )
 
 
 class HostMax:
@@ -124,8 +134,9 @@ class HostMax:
                 if marked:
                     self.mask[list(marked)] = 1
             try:
-                self._work = dist.all_reduce(self.mask, op=dist.ReduceOp.MAX,
-                                             group=control_group(group), async_op=True)
+                self._work = dist.all_reduce(
+                    self.mask, op=dist.ReduceOp.MAX, group=control_group(group), async_op=True
+                )
             except Exception as e:  # noqa: BLE001 - raised at wait(), on the waiting thread
                 self._error = e
 
@@ -139,6 +150,7 @@ class HostMax:
             if error is not None:
                 raise error
             return work
+
         with _host_region():
             wait_work(posted, self.timeout, self.what)
 
@@ -156,8 +168,18 @@ def _safe_types() -> list:
     from ..plan.cost_model import CostModel, LinkCoefficients
     from ..plan.planner import Bucket, Layer, Plan
 
-    return [Plan, Bucket, Layer, CostModel, LinkCoefficients, Topology, set, frozenset,
-            torch.dtype, torch.device]
+    return [
+        Plan,
+        Bucket,
+        Layer,
+        CostModel,
+        LinkCoefficients,
+        Topology,
+        set,
+        frozenset,
+        torch.dtype,
+        torch.device,
+    ]
 
 
 def _dumps(obj: Any) -> bytes:
@@ -174,17 +196,20 @@ def _loads(data: bytes, what: str) -> Any:
         with torch.serialization.safe_globals(_safe_types()):
             return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch's UnpicklingError, or a corrupt message
-        raise HybridCommError(f"rank {dist.get_rank()}: agreeing on {what}: refused what a "
-                              f"peer sent (only tensors, containers, plain values and "
-                              f"hybridcomm's own types are loaded): {e}") from e
+        raise HybridCommError(
+            f"rank {dist.get_rank()}: agreeing on {what}: refused what a "
+            f"peer sent (only tensors, containers, plain values and "
+            f"hybridcomm's own types are loaded): {e}"
+        ) from e
 
 
 def _src(group, root: int) -> int:
     return dist.get_global_rank(group, root) if group is not None else root
 
 
-def broadcast_object(obj: Any, *, group=None, root: int = 0, timeout: float,
-                     what: str = "an object") -> Any:
+def broadcast_object(
+    obj: Any, *, group=None, root: int = 0, timeout: float, what: str = "an object"
+) -> Any:
     """``root``'s ``obj`` on every rank of ``group`` (a collective), within ``timeout``.
 
     Example::
@@ -197,13 +222,18 @@ def broadcast_object(obj: Any, *, group=None, root: int = 0, timeout: float,
         mine = dist.get_rank(g) == root
         data = _dumps(obj) if mine else b""
         size = torch.tensor([len(data)], dtype=torch.int64)
-        wait_work(lambda: dist.broadcast(size, _src(g, root), group=g, async_op=True),
-                  timeout, what)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if mine else \
-            torch.empty(int(size[0]), dtype=torch.uint8)
+        wait_work(
+            lambda: dist.broadcast(size, _src(g, root), group=g, async_op=True), timeout, what
+        )
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if mine
+            else torch.empty(int(size[0]), dtype=torch.uint8)
+        )
         if buf.numel():
-            wait_work(lambda: dist.broadcast(buf, _src(g, root), group=g, async_op=True),
-                      timeout, what)
+            wait_work(
+                lambda: dist.broadcast(buf, _src(g, root), group=g, async_op=True), timeout, what
+            )
         return obj if mine else _loads(buf.numpy().tobytes(), what)
 
 
@@ -221,7 +251,9 @@ def rank0_decides(decide: Callable[[], Any], *, group=None, timeout: float, what
     return broadcast_object(mine, group=group, timeout=timeout, what=what)
 
 
-def all_gather_object(obj: Any, *, group=None, timeout: float, what: str = "an object") -> List[Any]:
+def all_gather_object(
+    obj: Any, *, group=None, timeout: float, what: str = "an object"
+) -> List[Any]:
     """Every rank's ``obj``, in rank order (a collective), within ``timeout``."""
     g = control_group(group)
     with _host_region():
@@ -232,34 +264,48 @@ def all_gather_object(obj: Any, *, group=None, timeout: float, what: str = "an o
         wait_work(lambda: dist.all_gather(sizes, size, group=g, async_op=True), timeout, what)
         longest = max(int(s[0]) for s in sizes)
         mine = torch.zeros(longest, dtype=torch.uint8)
-        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
         wait_work(lambda: dist.all_gather(parts, mine, group=g, async_op=True), timeout, what)
-        return [_loads(p[:int(s[0])].numpy().tobytes(), what) for p, s in zip(parts, sizes)]
+        return [_loads(p[: int(s[0])].numpy().tobytes(), what) for p, s in zip(parts, sizes)]
 
 
-def all_gather_tensor(t: torch.Tensor, *, group=None, timeout: float,
-                      what: str = "a tensor") -> List[torch.Tensor]:
+def all_gather_tensor(
+    t: torch.Tensor, *, group=None, timeout: float, what: str = "a tensor"
+) -> List[torch.Tensor]:
     """Every rank's CPU tensor ``t`` (the same shape and dtype on every rank), in
     rank order (a collective), within ``timeout``: no pickling."""
     g = control_group(group)
     with _host_region():
         parts = [torch.empty_like(t) for _ in range(dist.get_world_size(g))]
-        wait_work(lambda: dist.all_gather(parts, t.contiguous(), group=g, async_op=True),
-                  timeout, what)
+        wait_work(
+            lambda: dist.all_gather(parts, t.contiguous(), group=g, async_op=True), timeout, what
+        )
         return parts
 
 
-def all_to_all(send: torch.Tensor, send_bytes: List[int], recv_bytes: List[int], *,
-               group=None, timeout: float, what: str = "bytes") -> torch.Tensor:
+def all_to_all(
+    send: torch.Tensor,
+    send_bytes: List[int],
+    recv_bytes: List[int],
+    *,
+    group=None,
+    timeout: float,
+    what: str = "bytes",
+) -> torch.Tensor:
     """Each rank's bytes to each rank (an all-to-all; a collective), within ``timeout``:
     ``send`` (a CPU uint8 tensor) is cut into ``send_bytes[r]`` for rank ``r``, in rank
     order; returns what came, ``recv_bytes[r]`` from rank ``r``, in rank order."""
     g = control_group(group)
     with _host_region():
         recv = torch.empty(sum(recv_bytes), dtype=torch.uint8)
-        wait_work(lambda: dist.all_to_all_single(recv, send, list(recv_bytes), list(send_bytes),
-                                                 group=g, async_op=True), timeout, what)
+        wait_work(
+            lambda: dist.all_to_all_single(
+                recv, send, list(recv_bytes), list(send_bytes), group=g, async_op=True
+            ),
+            timeout,
+            what,
+        )
         return recv
 
 

@@ -21,6 +21,7 @@ The operation itself (which all-reduce, on which side) is executor.py's
 :func:`~hybridcomm.comm.executor.reduce_operation`, shared with ``all_reduce`` and
 the DDP hook.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,9 +45,18 @@ class CommEngine:
         engine.wait(0); engine.wait(1)
     """
 
-    def __init__(self, plan: Plan, buckets: list, channel, transport, *,
-                 scale: Optional[float], timeout: float, servers=None,
-                 timed_ops: bool = False):
+    def __init__(
+        self,
+        plan: Plan,
+        buckets: list,
+        channel,
+        transport,
+        *,
+        scale: Optional[float],
+        timeout: float,
+        servers=None,
+        timed_ops: bool = False,
+    ):
         self.plan, self.buckets, self.channel, self.transport = plan, buckets, channel, transport
         self.scale, self.timeout = scale, timeout
         # ALL_REDUCE, or REDUCE_SCATTER where each rank steps its shard (sync/shard.py)
@@ -59,8 +69,12 @@ class CommEngine:
         if uses_ps and (servers is None or channel.stream_ordered):
             raise HybridCommError(
                 f"buckets {uses_ps} are planned 'ps' (the summation servers), which "
-                + ("needs servers= (hybridcomm.comm.servers.SummationServers)" if servers is None else
-                   "runs on the host path only (gloo, CPU tensors), not on the GPU path"))
+                + (
+                    "needs servers= (hybridcomm.comm.servers.SummationServers)"
+                    if servers is None
+                    else "runs on the host path only (gloo, CPU tensors), not on the GPU path"
+                )
+            )
         # A wait slower than slow_after calls on_slow(bucket) once (the stall inspector).
         self.on_slow: Optional[Callable[[int], Optional[str]]] = None
         self.slow_after = 0.0
@@ -165,17 +179,22 @@ class CommEngine:
         if self.channel.stream_ordered:
             return {}
         slow = self.on_slow
-        return dict(here=True, on_slow=None if slow is None else (lambda: slow(index)),
-                    slow_after=self.slow_after)
+        return dict(
+            here=True,
+            on_slow=None if slow is None else (lambda: slow(index)),
+            slow_after=self.slow_after,
+        )
 
     def _noting_version(self, index: int, op, buffer):
         """``op``, then the buffer's version counter: our own writes are issued by then
         (on whichever thread issues; the trainer reads it only after waiting). The
         buffer as launched: the bucket may have released it since (shard.py)."""
+
         def issue():
             out = op()
             self._versions[index] = buffer._version
             return out
+
         return issue
 
     def _operation(self, index: int, s: int, last: bool):
@@ -206,8 +225,10 @@ class CommEngine:
         world = self.transport.world_size
         sent = bytes_sent(b.spec.algorithm, seg.numel() * seg.element_size(), world)
         sent = int(sent if self.phase == ALL_REDUCE else sent / 2)  # (one half)
-        label = (f"bucket {index} ({b.spec.algorithm}, segment {s + 1}/{len(b.spec.segments)}, "
-                 f"{seg.numel() * seg.element_size()} bytes)")
+        label = (
+            f"bucket {index} ({b.spec.algorithm}, segment {s + 1}/{len(b.spec.segments)}, "
+            f"{seg.numel() * seg.element_size()} bytes)"
+        )
         after = None
         ordered = self.channel.stream_ordered
         extra = self._after[index] if last else None
@@ -224,13 +245,24 @@ class CommEngine:
                     extra()
                 if not ordered:
                     versions[index] = buffer._version
-        op = reduce_operation(seg, self.transport, b.spec.algorithm, scale=self.scale,
-                              phase=self.phase, tail=b.spec.tail if last else 0,
-                              timeout=self.timeout, label=label, range_id=index,
-                              ready=self._ready[index], workspace=self._workspace,
-                              stream_ordered=ordered, after=after,
-                              reserved=True,  # bucket memory: recorded when allocated
-                              servers=self.servers)
+
+        op = reduce_operation(
+            seg,
+            self.transport,
+            b.spec.algorithm,
+            scale=self.scale,
+            phase=self.phase,
+            tail=b.spec.tail if last else 0,
+            timeout=self.timeout,
+            label=label,
+            range_id=index,
+            ready=self._ready[index],
+            workspace=self._workspace,
+            stream_ordered=ordered,
+            after=after,
+            reserved=True,  # bucket memory: recorded when allocated
+            servers=self.servers,
+        )
         return op, sent
 
     def _sparse_operation(self, index: int):
@@ -241,21 +273,30 @@ class CommEngine:
         label = f"bucket {index} (topk, {topk.k} of {b.spec.numel}, {topk.bytes_sent} bytes sent)"
 
         if self.channel.stream_ordered:
+
             def queued():
-                start, _ = execute_async(topk.schedule, topk.gathered, self.transport,
-                                         ready=self._ready[index], timed=True, reserved=True)
+                start, _ = execute_async(
+                    topk.schedule,
+                    topk.gathered,
+                    self.transport,
+                    ready=self._ready[index],
+                    timed=True,
+                    reserved=True,
+                )
                 with self.transport.stream_context():
                     topk.decode(b.grads, b.flags, self.scale)
                 done = self.transport.runtime.new_event(timing=True)
                 done.record(self.transport.stream)
                 self.transport.watch(done, self.timeout, label)
                 return start, done
+
             return queued
 
         def hosted():  # host path
             execute(topk.schedule, topk.gathered, self.transport, timeout=self.timeout)
             topk.decode(b.grads, b.flags, self.scale)
             self._versions[index] = b.buffer._version
+
         return hosted
 
     def _lowrank_operation(self, index: int):
@@ -264,25 +305,39 @@ class CommEngine:
         b = self.buckets[index]
         lr, algo, world = b.lowrank, b.spec.algorithm, self.transport.world_size
         p_numel, q_numel = lr.bytes_sent_numel
-        self.bytes_sent += int(bytes_sent(algo, 4 * p_numel, world) +
-                               bytes_sent(algo, 4 * q_numel, world))
+        self.bytes_sent += int(
+            bytes_sent(algo, 4 * p_numel, world) + bytes_sent(algo, 4 * q_numel, world)
+        )
         label = f"bucket {index} (powersgd rank {lr.rank}, {algo}, {4 * (p_numel + q_numel)} bytes)"
         ordered = self.channel.stream_ordered
 
         def reduce(buf, ready=None, after=None):
-            return reduce_operation(buf, self.transport, algo, scale=None, timeout=self.timeout,
-                                    label=label, range_id=index, ready=ready,
-                                    workspace=self._workspace, stream_ordered=ordered,
-                                    after=after, reserved=True, servers=self.servers)
+            return reduce_operation(
+                buf,
+                self.transport,
+                algo,
+                scale=None,
+                timeout=self.timeout,
+                label=label,
+                range_id=index,
+                ready=ready,
+                workspace=self._workspace,
+                stream_ordered=ordered,
+                after=after,
+                reserved=True,
+                servers=self.servers,
+            )
 
         def decode():
             lr.decode(b.grads, b.flags, self.scale)
 
         if ordered:
+
             def queued():
                 start, projected = reduce(lr.p, self._ready[index], lr.project)()
                 _, done = reduce(lr.q, projected, decode)()
                 return start, done
+
             return queued
 
         def hosted():  # host path
@@ -291,6 +346,7 @@ class CommEngine:
             reduce(lr.q)()
             decode()
             self._versions[index] = b.buffer._version
+
         return hosted
 
     # -- waiting -----------------------------------------------------------------------
@@ -302,13 +358,18 @@ class CommEngine:
             return 0.0
         if not self.issued(index):
             missing = self.plan.order[self.cursor]
-            raise HybridCommError(f"internal error: bucket {index} is needed before its turn in "
-                                  f"the issue order (waiting on bucket {missing[0]})")
+            raise HybridCommError(
+                f"internal error: bucket {index} is needed before its turn in "
+                f"the issue order (waiting on bucket {missing[0]})"
+            )
         t0 = time.perf_counter()
         slow = self.on_slow
-        self.channel.wait(tickets[-1], f"bucket {index}",
-                          on_slow=None if slow is None else (lambda: slow(index)),
-                          slow_after=self.slow_after)
+        self.channel.wait(
+            tickets[-1],
+            f"bucket {index}",
+            on_slow=None if slow is None else (lambda: slow(index)),
+            slow_after=self.slow_after,
+        )
         return time.perf_counter() - t0
 
     def done_with(self, index: int, other: int) -> bool:
@@ -317,9 +378,11 @@ class CommEngine:
         path, done already."""
         if not self.channel.stream_ordered:
             return self.done(index)
-        return (not self._tickets[index] or
-                (self.issued(index) and self.issued(other)
-                 and self._issue_seq[index] <= self._issue_seq[other]))
+        return not self._tickets[index] or (
+            self.issued(index)
+            and self.issued(other)
+            and self._issue_seq[index] <= self._issue_seq[other]
+        )
 
     def issue_seq(self, index: int) -> int:
         """When bucket ``index``'s last launch went into the channel (larger: later)."""

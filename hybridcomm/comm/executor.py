@@ -32,6 +32,7 @@ Example::
     transport = select_transport(buf.device, None, timeout=60)
     reduce_now(buf, transport, "ring", scale=1 / transport.world_size, timeout=60)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,15 @@ import torch
 
 from ..config import env
 from ..base import trace
-from ..algorithms import (ALL_REDUCE, REDUCE_SCATTER, SCHEDULES, Schedule, get_phase_schedule,
-                          get_schedule, tail_body)
+from ..algorithms import (
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    SCHEDULES,
+    Schedule,
+    get_phase_schedule,
+    get_schedule,
+    tail_body,
+)
 from ..kernels import reduce
 from ..plan.cost_model import NATIVE, PS
 from .channel import issue_in_order
@@ -164,8 +172,9 @@ def _plan(schedule: Schedule, parts: int) -> _Plan:
         for k in range(parts):
             lo = k * schedule.numel // parts
             hi = (k + 1) * schedule.numel // parts
-            sub = get_schedule(schedule.algorithm, schedule.rank, schedule.world_size, hi - lo,
-                               schedule.topology)
+            sub = get_schedule(
+                schedule.algorithm, schedule.rank, schedule.world_size, hi - lo, schedule.topology
+            )
             steps, scratch = _plan_part(sub, lo, slot)
             out.append(steps)
             slot += scratch
@@ -180,10 +189,17 @@ def _plan(schedule: Schedule, parts: int) -> _Plan:
 _local = threading.local()  # per-thread scratch when the caller's is too small
 
 
-def _scratch(numel: int, like: torch.Tensor,  # host path
-             given: Optional[torch.Tensor]) -> torch.Tensor:
-    if given is not None and given.numel() >= numel and given.dtype == like.dtype \
-            and given.device == like.device:
+def _scratch(
+    numel: int,
+    like: torch.Tensor,  # host path
+    given: Optional[torch.Tensor],
+) -> torch.Tensor:
+    if (
+        given is not None
+        and given.numel() >= numel
+        and given.dtype == like.dtype
+        and given.device == like.device
+    ):
         return given
     ws = getattr(_local, "workspace", None)
     if ws is None:
@@ -191,9 +207,15 @@ def _scratch(numel: int, like: torch.Tensor,  # host path
     return ws.get(numel, like.dtype, like.device)
 
 
-def execute(schedule: Schedule, buf: torch.Tensor, transport: Transport, *,
-            scale: float | None = None, scratch: torch.Tensor | None = None,
-            timeout: float | None = None) -> torch.Tensor:
+def execute(
+    schedule: Schedule,
+    buf: torch.Tensor,
+    transport: Transport,
+    *,
+    scale: float | None = None,
+    scratch: torch.Tensor | None = None,
+    timeout: float | None = None,
+) -> torch.Tensor:
     """All-reduce the 1-D contiguous ``buf`` in place by running ``schedule``.
 
     ``scale`` multiplies each element once, when its final value is produced
@@ -232,13 +254,15 @@ def _execute_on_host(schedule, buf, transport, scale, scratch, timeout):  # host
 
     def post(step: _PlanStep):
         sends, recvs, _ = step
-        return exchange([(p, buf[a:b]) for p, a, b in sends],
-                        [(p, buf[a:b] if s < 0 else scratch[s:s + b - a]) for p, a, b, s in recvs])
+        return exchange(
+            [(p, buf[a:b]) for p, a, b in sends],
+            [(p, buf[a:b] if s < 0 else scratch[s : s + b - a]) for p, a, b, s in recvs],
+        )
 
     def finish(step: _PlanStep, pending) -> None:
         pending.wait(timeout)
         for a, b, s, final in step[2]:
-            reduce(buf[a:b], scratch[s:s + b - a], scale=scale if final else None)
+            reduce(buf[a:b], scratch[s : s + b - a], scale=scale if final else None)
 
     parts = plan.parts
     if len(parts) == 1:
@@ -295,10 +319,19 @@ def _leave(transport, start, what: str, timeout: float | None, after=None):
     return done if start is None else (start, done)
 
 
-def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
-                  scale: float | None = None, ready=None, timeout: float | None = None,
-                  label: str | None = None, timed: bool = False, reserved: bool = False,
-                  after: Optional[Callable[[], None]] = None):
+def execute_async(
+    schedule: Schedule,
+    buf: torch.Tensor,
+    transport,
+    *,
+    scale: float | None = None,
+    ready=None,
+    timeout: float | None = None,
+    label: str | None = None,
+    timed: bool = False,
+    reserved: bool = False,
+    after: Optional[Callable[[], None]] = None,
+):
     """Queue the whole schedule on a stream-ordered transport's comm stream and
     return the event that completes with it (and with ``after``, queued behind it).
 
@@ -322,22 +355,41 @@ def execute_async(schedule: Schedule, buf: torch.Tensor, transport, *,
             nsteps, itemsize, exchange = len(schedule.steps), buf.element_size(), transport.exchange
             for i, (sends, recvs, reds) in enumerate(plan.parts[0]):
                 with trace.step_range(schedule.algorithm, i, nsteps, schedule.steps[i], itemsize):
-                    exchange([(p, buf[a:b]) for p, a, b in sends],
-                             [(p, buf[a:b] if s < 0 else scratch[s:s + b - a])
-                              for p, a, b, s in recvs],
-                             label=(schedule.algorithm, i))
+                    exchange(
+                        [(p, buf[a:b]) for p, a, b in sends],
+                        [
+                            (p, buf[a:b] if s < 0 else scratch[s : s + b - a])
+                            for p, a, b, s in recvs
+                        ],
+                        label=(schedule.algorithm, i),
+                    )
                     for a, b, s, final in reds:
-                        reduce(buf[a:b], scratch[s:s + b - a], scale=scale if final else None)
+                        reduce(buf[a:b], scratch[s : s + b - a], scale=scale if final else None)
         elif scale is not None and scale != 1:
             buf.mul_(scale)
-    return _leave(transport, start, label or f"{schedule.algorithm} all-reduce of "
-                  f"{buf.numel()} x {buf.dtype}", timeout, after)
+    return _leave(
+        transport,
+        start,
+        label or f"{schedule.algorithm} all-reduce of {buf.numel()} x {buf.dtype}",
+        timeout,
+        after,
+    )
 
 
-def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
-                   timeout: float | None = None, label: str | None = None, timed: bool = False,
-                   reserved: bool = False, phase: str = ALL_REDUCE, tail: int = 0,
-                   after: Optional[Callable[[], None]] = None):
+def execute_native(
+    buf: torch.Tensor,
+    transport,
+    *,
+    average: bool,
+    ready=None,
+    timeout: float | None = None,
+    label: str | None = None,
+    timed: bool = False,
+    reserved: bool = False,
+    phase: str = ALL_REDUCE,
+    tail: int = 0,
+    after: Optional[Callable[[], None]] = None,
+):
     """The transport's own all-reduce (``native``: gloo's or NCCL's) of ``buf``, or
     its own reduce-scatter or all-gather (``phase``, sharded optimizer state): each
     rank's equal part of the body, then of the ``tail`` (a block a rank,
@@ -352,12 +404,14 @@ def execute_native(buf: torch.Tensor, transport, *, average: bool, ready=None,
         return None
     start = _enter(transport, buf, ready, timed, reserved)
     _native_calls(buf, transport, average, phase, tail)
-    return _leave(transport, start, label or f"native {phase} of {buf.numel()} x "
-                  f"{buf.dtype}", timeout, after)
+    return _leave(
+        transport, start, label or f"native {phase} of {buf.numel()} x {buf.dtype}", timeout, after
+    )
 
 
-def _native_calls(buf: torch.Tensor, transport, average: bool, phase: str, tail: int,
-                  **timeout) -> None:
+def _native_calls(
+    buf: torch.Tensor, transport, average: bool, phase: str, tail: int, **timeout
+) -> None:
     """The transport's own collective for ``phase`` (``timeout``: the host path's)."""
     if phase == ALL_REDUCE:
         transport.all_reduce(buf, average=average, **timeout)
@@ -378,36 +432,81 @@ def _range(range_id: Optional[str], algorithm: str, nbytes: int, world: int):
     return _NO_RANGE if range_id is None else trace.bucket_range(range_id, algorithm, nbytes, world)
 
 
-def reduce_now(buf: torch.Tensor, transport, algorithm: str, *, scale: Optional[float],
-               timeout: float, topology=None, what: Optional[str] = None,
-               phase: str = ALL_REDUCE, tail: int = 0) -> None:
+def reduce_now(
+    buf: torch.Tensor,
+    transport,
+    algorithm: str,
+    *,
+    scale: Optional[float],
+    timeout: float,
+    topology=None,
+    what: Optional[str] = None,
+    phase: str = ALL_REDUCE,
+    tail: int = 0,
+) -> None:
     """All-reduce (or one ``phase`` of it) the flat ``buf`` in place now: blocking on
     the host path; on a stream-ordered transport queued in its issue order after the
     caller's work, with the caller's stream waiting for the result (no host
     synchronization)."""
     what = what or f"{phase} ({algorithm}, {buf.numel() * buf.element_size()} bytes)"
     if not transport.stream_ordered:
-        reduce_operation(buf, transport, algorithm, scale=scale, timeout=timeout, label=None,
-                         range_id=None, stream_ordered=False, topology=topology, phase=phase,
-                         tail=tail)()
+        reduce_operation(
+            buf,
+            transport,
+            algorithm,
+            scale=scale,
+            timeout=timeout,
+            label=None,
+            range_id=None,
+            stream_ordered=False,
+            topology=topology,
+            phase=phase,
+            tail=tail,
+        )()
         return
     rt = transport.runtime
     ready = rt.new_event()
     ready.record(rt.current_stream())
-    operation = reduce_operation(buf, transport, algorithm, scale=scale, timeout=timeout,
-                                 label=None, range_id=None, ready=ready, stream_ordered=True,
-                                 timed=False, topology=topology, phase=phase, tail=tail)
+    operation = reduce_operation(
+        buf,
+        transport,
+        algorithm,
+        scale=scale,
+        timeout=timeout,
+        label=None,
+        range_id=None,
+        ready=ready,
+        stream_ordered=True,
+        timed=False,
+        topology=topology,
+        phase=phase,
+        tail=tail,
+    )
     done = issue_in_order(transport, operation, what, timeout)
     if done is not None:
         rt.current_stream().wait_event(done)
 
 
-def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Optional[float],
-                     timeout: float, label: Optional[str], range_id: Optional[str] = "",
-                     ready=None, workspace: Optional[Workspace] = None, stream_ordered: bool,
-                     timed: bool = True, after: Optional[Callable[[], None]] = None,
-                     reserved: bool = False, servers=None, topology=None,
-                     phase: str = ALL_REDUCE, tail: int = 0) -> Callable:
+def reduce_operation(
+    buf: torch.Tensor,
+    transport,
+    algorithm: str,
+    *,
+    scale: Optional[float],
+    timeout: float,
+    label: Optional[str],
+    range_id: Optional[str] = "",
+    ready=None,
+    workspace: Optional[Workspace] = None,
+    stream_ordered: bool,
+    timed: bool = True,
+    after: Optional[Callable[[], None]] = None,
+    reserved: bool = False,
+    servers=None,
+    topology=None,
+    phase: str = ALL_REDUCE,
+    tail: int = 0,
+) -> Callable:
     """A channel operation that all-reduces the flat ``buf`` in place with ``algorithm``.
 
     Host channel: the returned function runs the reduction (blocking) on the
@@ -430,25 +529,49 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
     if algorithm == PS:
         return _ps_operation(buf, servers, scale, after, range_id, world, nbytes)
     if algorithm == NATIVE:
+
         def native():
             with _range(range_id, algorithm, nbytes, world):
-                out = execute_native(buf, transport, average=scale is not None, ready=ready,
-                                     timeout=timeout, label=label, timed=stream_ordered and timed,
-                                     reserved=reserved, phase=phase, tail=tail,
-                                     after=after if stream_ordered else None)
+                out = execute_native(
+                    buf,
+                    transport,
+                    average=scale is not None,
+                    ready=ready,
+                    timeout=timeout,
+                    label=label,
+                    timed=stream_ordered and timed,
+                    reserved=reserved,
+                    phase=phase,
+                    tail=tail,
+                    after=after if stream_ordered else None,
+                )
             if after is not None and not stream_ordered:
                 after()
             return out
+
         return native
-    schedule = get_schedule(algorithm, rank, world, buf.numel(), topology) \
-        if phase == ALL_REDUCE else get_phase_schedule(phase, algorithm, rank, world, buf.numel(),
-                                                       tail)
+    schedule = (
+        get_schedule(algorithm, rank, world, buf.numel(), topology)
+        if phase == ALL_REDUCE
+        else get_phase_schedule(phase, algorithm, rank, world, buf.numel(), tail)
+    )
     if stream_ordered:
+
         def queued():
             with _range(range_id, algorithm, nbytes, world):
-                return execute_async(schedule, buf, transport, scale=scale, ready=ready,
-                                     timeout=timeout, label=label, timed=timed, reserved=reserved,
-                                     after=after)
+                return execute_async(
+                    schedule,
+                    buf,
+                    transport,
+                    scale=scale,
+                    ready=ready,
+                    timeout=timeout,
+                    label=label,
+                    timed=timed,
+                    reserved=reserved,
+                    after=after,
+                )
+
         return queued
 
     # (once per operation: an operation the engine keeps runs every step)
@@ -460,15 +583,18 @@ def reduce_operation(buf: torch.Tensor, transport, algorithm: str, *, scale: Opt
             execute(schedule, buf, transport, scale=scale, scratch=scratch, timeout=timeout)
         if after is not None:
             after()
+
     return hosted
 
 
 def _ps_operation(buf, servers, scale, after, range_id, world: int, nbytes: int):
     """``ps``: the buffer through the summation servers, on the channel's thread
     (host path only: :class:`CommEngine` refuses a ``ps`` plan elsewhere)."""
+
     def hosted():
         with _range(range_id, PS, nbytes, world):
             servers.all_reduce(buf, op="sum" if scale is None else "avg")
         if after is not None:
             after()
+
     return hosted

@@ -33,6 +33,7 @@ Example::
     >>> x, y = loader[0]; loss_fn(model(x), y).backward(); opt.step()
     >>> opt.close()
 """
+
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -50,10 +51,10 @@ def orthogonalize(m: torch.Tensor, eps: float = 1e-8) -> None:
     vanished column finite. The same operations on the same bits give the same
     bits, so ranks holding the same all-reduced ``P`` agree after it."""
     for i in range(m.shape[1]):
-        col = m[:, i:i + 1]
+        col = m[:, i : i + 1]
         col.div_(col.norm() + eps)
         if i + 1 < m.shape[1]:
-            rest = m[:, i + 1:]
+            rest = m[:, i + 1 :]
             rest.sub_((col * rest).sum(0, keepdim=True) * col)
 
 
@@ -68,9 +69,16 @@ class PowerSGD:
     bucket group.
     """
 
-    def __init__(self, shapes: Sequence[torch.Size], offsets: Sequence[int], ids: Sequence[int],
-                 rank: int, start: int, world: int,
-                 alloc: Callable[[int, torch.dtype], torch.Tensor]):
+    def __init__(
+        self,
+        shapes: Sequence[torch.Size],
+        offsets: Sequence[int],
+        ids: Sequence[int],
+        rank: int,
+        start: int,
+        world: int,
+        alloc: Callable[[int, torch.dtype], torch.Tensor],
+    ):
         self.rank, self.start, self.world = rank, start, world
         self.offsets = list(offsets)
         self.active = False
@@ -96,17 +104,17 @@ class PowerSGD:
         self.residual.zero_()
         for pos, n, m, _, q0, _ in self.mats:  # every rank draws the same first Q
             gen = torch.Generator().manual_seed(SEED * (ids[pos] + 1))
-            self.q[q0:q0 + m * rank].copy_(torch.randn(m * rank, generator=gen))
+            self.q[q0 : q0 + m * rank].copy_(torch.randn(m * rank, generator=gen))
 
     # -- views ---------------------------------------------------------------------------
     def _p(self, n: int, at: int) -> torch.Tensor:
-        return self.p[at:at + n * self.rank].view(n, self.rank)
+        return self.p[at : at + n * self.rank].view(n, self.rank)
 
     def _q(self, m: int, at: int) -> torch.Tensor:
-        return self.q[at:at + m * self.rank].view(m, self.rank)
+        return self.q[at : at + m * self.rank].view(m, self.rank)
 
     def _x(self, n: int, m: int, at: int) -> torch.Tensor:
-        return self.residual[at:at + n * m].view(n, m)
+        return self.residual[at : at + n * m].view(n, m)
 
     def state(self, pos: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """(error feedback, warm-start Q) of the gradient at ``pos``, None where it
@@ -130,7 +138,7 @@ class PowerSGD:
 
     # -- the three stages --------------------------------------------------------------
     def _g(self, grads: torch.Tensor, pos: int, numel: int) -> torch.Tensor:
-        return grads[self.offsets[pos]:self.offsets[pos] + numel]
+        return grads[self.offsets[pos] : self.offsets[pos] + numel]
 
     def compress(self, grads: torch.Tensor, flags: torch.Tensor) -> None:
         """At launch, on the caller's stream, from the bucket's flat gradients:
@@ -141,8 +149,8 @@ class PowerSGD:
             x.add_(self._g(grads, pos, n * m).view(n, m))
             torch.matmul(x, self._q(m, q0), out=self._p(n, p0))
         for pos, numel, at in self.dense:
-            self.p[at:at + numel].copy_(self._g(grads, pos, numel))
-        self.p[self.flags_at:].copy_(flags)
+            self.p[at : at + numel].copy_(self._g(grads, pos, numel))
+        self.p[self.flags_at :].copy_(flags)
 
     def project(self) -> None:
         """After P is all-reduced: orthogonalize it, Q = X^T P (this rank's)."""
@@ -164,8 +172,8 @@ class PowerSGD:
                 approx.mul_(self.world)
             self._g(grads, pos, n * m).copy_(approx.view(-1))
         for pos, numel, at in self.dense:
-            part = self.p[at:at + numel]
+            part = self.p[at : at + numel]
             if scale is not None:
                 part.mul_(scale)
             self._g(grads, pos, numel).copy_(part)
-        flags.copy_(self.p[self.flags_at:])
+        flags.copy_(self.p[self.flags_at :])

@@ -41,6 +41,7 @@ flows as plain point-to-point (16 MiB pushed and pulled per worker, tbf
 100mbit links) took 2.5 s on one connection per pair, 1.86 s on two
 (docs/PARALLELISM.md).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -86,8 +87,9 @@ def split_world(num_servers: int) -> Role:
     control.require_initialized("hybridcomm.comm.servers.split_world")
     world, rank = dist.get_world_size(), dist.get_rank()
     if not 0 <= num_servers < world:
-        raise ValueError(f"num_servers must be in [0, {world}) with {world} ranks, "
-                         f"got {num_servers}")
+        raise ValueError(
+            f"num_servers must be in [0, {world}) with {world} ranks, got {num_servers}"
+        )
     workers = list(range(world - num_servers))
     servers = list(range(world - num_servers, world))
     group = dist.new_group(workers)
@@ -128,11 +130,19 @@ class SummationServers:
         window: chunks pushed to one server ahead of the sums back from it.
     """
 
-    def __init__(self, role: Role, *, timeout: Optional[float] = None,
-                 chunk_bytes: int = 64 << 10, window: int = 4):
+    def __init__(
+        self,
+        role: Role,
+        *,
+        timeout: Optional[float] = None,
+        chunk_bytes: int = 64 << 10,
+        window: int = 4,
+    ):
         if role.is_server:
-            raise HybridCommError("SummationServers is the workers' side: a server calls "
-                                  "hybridcomm.comm.servers.serve(role)")
+            raise HybridCommError(
+                "SummationServers is the workers' side: a server calls "
+                "hybridcomm.comm.servers.serve(role)"
+            )
         if not role.servers:
             raise HybridCommError("no servers: split_world(num_servers=K) with K >= 1")
         if chunk_bytes <= 0:
@@ -160,19 +170,35 @@ class SummationServers:
         chunks, recvs = [], []  # per server, in order
         for server, (a, z) in zip(self.role.servers, parts):
             header = torch.tensor([z - a, _DTYPES.index(flat.dtype), _OPS.index(op), step])
-            sends.append(posted(lambda h=header, s=server: dist.isend(h, s, tag=_TAG_HEADER),
-                                self.rank, f"header to server {server}"))
-            chunks.append([flat[c0:min(c0 + step, z)] for c0 in range(a, z, step)])
+            sends.append(
+                posted(
+                    lambda h=header, s=server: dist.isend(h, s, tag=_TAG_HEADER),
+                    self.rank,
+                    f"header to server {server}",
+                )
+            )
+            chunks.append([flat[c0 : min(c0 + step, z)] for c0 in range(a, z, step)])
             # Every pull posted at once (gloo moves a message only once its receive is posted)
-            recvs.append([posted(lambda c=c, s=server: dist.irecv(c, s, group=pulls,
-                                                                  tag=_TAG_PULL),
-                                 self.rank, f"pull of {z - a} x {flat.dtype} from server {server}")
-                          for c in chunks[-1]])
+            recvs.append(
+                [
+                    posted(
+                        lambda c=c, s=server: dist.irecv(c, s, group=pulls, tag=_TAG_PULL),
+                        self.rank,
+                        f"pull of {z - a} x {flat.dtype} from server {server}",
+                    )
+                    for c in chunks[-1]
+                ]
+            )
 
         def push(k: int, j: int):
             server = self.role.servers[k]
-            sends.append(posted(lambda c=chunks[k][j], s=server: dist.isend(c, s, tag=_TAG_PUSH),
-                                self.rank, f"push of a chunk to server {server}"))
+            sends.append(
+                posted(
+                    lambda c=chunks[k][j], s=server: dist.isend(c, s, tag=_TAG_PUSH),
+                    self.rank,
+                    f"push of a chunk to server {server}",
+                )
+            )
 
         for k in range(len(chunks)):  # the first `window` chunks to each server
             for j in range(min(window, len(chunks[k]))):
@@ -196,8 +222,12 @@ class SummationServers:
             return
         self.closed = True
         stop = torch.tensor([_STOP, 0, 0, 0])
-        works = [posted(lambda s=s: dist.isend(stop, s, tag=_TAG_HEADER), self.rank,
-                        f"stop to server {s}") for s in self.role.servers]
+        works = [
+            posted(
+                lambda s=s: dist.isend(stop, s, tag=_TAG_HEADER), self.rank, f"stop to server {s}"
+            )
+            for s in self.role.servers
+        ]
         _wait_all(works, self.rank, "stop to the servers", self.timeout)
 
 
@@ -214,18 +244,31 @@ def serve(role: Role, *, timeout: Optional[float] = None) -> int:
     rank, workers, served = dist.get_rank(), role.workers, 0
     while True:
         headers = [torch.empty(4, dtype=torch.int64) for _ in workers]
-        _wait_all([posted(lambda h=h, w=w: dist.irecv(h, w, tag=_TAG_HEADER), rank,
-                          f"header from worker {w}") for h, w in zip(headers, workers)],
-                  rank, "the workers' next header", timeout)
+        _wait_all(
+            [
+                posted(
+                    lambda h=h, w=w: dist.irecv(h, w, tag=_TAG_HEADER),
+                    rank,
+                    f"header from worker {w}",
+                )
+                for h, w in zip(headers, workers)
+            ],
+            rank,
+            "the workers' next header",
+            timeout,
+        )
         got = {tuple(h.tolist()) for h in headers}
         if any(h[0] == _STOP for h in got):
             if len(got) != 1:
-                raise HybridCommError(f"server {rank}: some workers closed while others pushed "
-                                      f"({sorted(got)})")
+                raise HybridCommError(
+                    f"server {rank}: some workers closed while others pushed ({sorted(got)})"
+                )
             return served
         if len(got) != 1:
-            raise HybridCommError(f"server {rank}: the workers pushed different partitions "
-                                  f"(count, dtype, op): {[tuple(h.tolist()) for h in headers]}")
+            raise HybridCommError(
+                f"server {rank}: the workers pushed different partitions "
+                f"(count, dtype, op): {[tuple(h.tolist()) for h in headers]}"
+            )
         numel, dtype_i, op_i, step = got.pop()
         dtype, avg = _DTYPES[dtype_i], _OPS[op_i] == "avg"
         # Every chunk's receives posted at once (gloo moves a message only once its
@@ -233,16 +276,31 @@ def serve(role: Role, *, timeout: Optional[float] = None) -> int:
         chunks = []
         for c0 in range(0, numel, step):
             bufs = [torch.empty(min(step, numel - c0), dtype=dtype) for _ in workers]
-            chunks.append((bufs, [posted(lambda b=b, w=w: dist.irecv(b, w, tag=_TAG_PUSH), rank,
-                                         f"push from worker {w}")
-                                  for b, w in zip(bufs, workers)]))
+            chunks.append(
+                (
+                    bufs,
+                    [
+                        posted(
+                            lambda b=b, w=w: dist.irecv(b, w, tag=_TAG_PUSH),
+                            rank,
+                            f"push from worker {w}",
+                        )
+                        for b, w in zip(bufs, workers)
+                    ],
+                )
+            )
         sends, outs = [], []  # outs: alive until their sends are done
         for bufs, works in chunks:
             _wait_all(works, rank, "the workers' pushes", timeout)
             outs.append(_sum(bufs, avg))
-            sends += [posted(lambda o=outs[-1], w=w: dist.isend(o, w, group=role.pull_group,
-                                                                tag=_TAG_PULL), rank,
-                             f"sum to worker {w}") for w in workers]
+            sends += [
+                posted(
+                    lambda o=outs[-1], w=w: dist.isend(o, w, group=role.pull_group, tag=_TAG_PULL),
+                    rank,
+                    f"sum to worker {w}",
+                )
+                for w in workers
+            ]
         _wait_all(sends, rank, "the sums to the workers", timeout)
         served += numel > 0
 
@@ -271,9 +329,11 @@ def resolve(given, process_group, strategy: str, timeout: float):
     forced = env.get("HYBRIDCOMM_ALGO") or strategy
     if given is None:
         if forced == PS:
-            raise HybridCommError("algorithm 'ps' needs the summation servers: pass servers= "
-                                  "(a hybridcomm.comm.servers.Role from split_world, or "
-                                  "SummationServers)")
+            raise HybridCommError(
+                "algorithm 'ps' needs the summation servers: pass servers= "
+                "(a hybridcomm.comm.servers.Role from split_world, or "
+                "SummationServers)"
+            )
         return None, process_group, None
     if isinstance(given, Role):
         made = SummationServers(given, timeout=timeout)
@@ -281,13 +341,17 @@ def resolve(given, process_group, strategy: str, timeout: float):
     elif isinstance(given, SummationServers):
         made, servers = None, given
     else:
-        raise TypeError("servers must be a hybridcomm.comm.servers.Role (split_world) or "
-                        f"SummationServers, got {type(given).__name__}")
+        raise TypeError(
+            "servers must be a hybridcomm.comm.servers.Role (split_world) or "
+            f"SummationServers, got {type(given).__name__}"
+        )
     workers = servers.role.workers
     if process_group is None:
         process_group = servers.role.worker_group
     elif dist.get_world_size(process_group) != len(workers):
-        raise HybridCommError(f"process_group has {dist.get_world_size(process_group)} "
-                              f"ranks but the summation servers' workers are {len(workers)}: "
-                              "leave process_group out (the workers' group is used)")
+        raise HybridCommError(
+            f"process_group has {dist.get_world_size(process_group)} "
+            f"ranks but the summation servers' workers are {len(workers)}: "
+            "leave process_group out (the workers' group is used)"
+        )
     return servers, process_group, made

@@ -17,6 +17,7 @@ Example::
     >>> g.indices().tolist(), g.values()[:, 0].tolist()
     ([[1, 2]], [1.0, 2.0])
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -27,8 +28,9 @@ import torch.distributed as dist
 from .transport.torch_dist import posted, wait_work
 
 
-def all_gather_sparse(grad: Optional[torch.Tensor], shape, dtype, group, *, average: bool,
-                      timeout: float, what: str) -> Optional[torch.Tensor]:
+def all_gather_sparse(
+    grad: Optional[torch.Tensor], shape, dtype, group, *, average: bool, timeout: float, what: str
+) -> Optional[torch.Tensor]:
     """The sum (or average) over ranks of sparse ``grad`` (None: nothing from this
     rank), as a coalesced sparse COO tensor of ``shape``; None if no rank had one."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -51,9 +53,9 @@ def all_gather_sparse(grad: Optional[torch.Tensor], shape, dtype, group, *, aver
     if longest == 0:
         return None
     pad_idx = torch.zeros(longest, dtype=torch.int64)
-    pad_idx[:idx.numel()] = idx
+    pad_idx[: idx.numel()] = idx
     pad_val = torch.zeros((longest, *shape[1:]), dtype=dtype)
-    pad_val[:val.shape[0]] = val
+    pad_val[: val.shape[0]] = val
     all_idx = [torch.empty_like(pad_idx) for _ in range(world)]
     all_val = [torch.empty_like(pad_val) for _ in range(world)]
     wait(lambda: dist.all_gather(all_idx, pad_idx, group=group, async_op=True), "indices")
@@ -62,8 +64,9 @@ def all_gather_sparse(grad: Optional[torch.Tensor], shape, dtype, group, *, aver
     values = torch.cat([v[:n] for v, n in zip(all_val, counts)])
     if average:
         values = values / world
-    out = torch.sparse_coo_tensor(indices.unsqueeze(0), values, tuple(shape),
-                                  check_invariants=True)  # indices from the wire: check them
+    out = torch.sparse_coo_tensor(
+        indices.unsqueeze(0), values, tuple(shape), check_invariants=True
+    )  # indices from the wire: check them
     return out.coalesce()
 
 
@@ -73,7 +76,10 @@ def reduce_sparse_grads(sparse, channel, group, *, average: bool, timeout: float
     for p, name in sparse:
         out = []
         what = f"sparse gradient of {name!r}"
-        fn = (lambda p=p, what=what: out.append(all_gather_sparse(
-            p.grad, p.shape, p.dtype, group, average=average, timeout=timeout, what=what)))
+        fn = lambda p=p, what=what: out.append(
+            all_gather_sparse(
+                p.grad, p.shape, p.dtype, group, average=average, timeout=timeout, what=what
+            )
+        )
         channel.wait(channel.submit(fn, what), what)
         p.grad = out[0]

@@ -19,6 +19,7 @@ Example::
     >>> cfg.low_rank, cfg.wire_dtype
     ((4, 100), torch.float16)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,14 @@ from . import env
 OVERLAPS = ("forward", "backward", "none")
 OPS = ("sum", "avg")
 # compression= -> the wire dtype (top-k is parsed apart: "topk:RATIO")
-COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16,
-                torch.float16: torch.float16, torch.bfloat16: torch.bfloat16}
+COMPRESSIONS = {
+    None: None,
+    "none": None,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    torch.float16: torch.float16,
+    torch.bfloat16: torch.bfloat16,
+}
 
 
 def split_wire(compression) -> Tuple[Any, Optional[str]]:
@@ -50,8 +57,10 @@ def split_wire(compression) -> Tuple[Any, Optional[str]]:
         return compression, None
     base, wire = compression.rsplit("+", 1)
     if wire not in ("fp16", "bf16") or parse_powersgd(base) is None:
-        raise ValueError(f"compression={compression!r}: only PowerSGD takes a wire dtype, "
-                         "as 'powersgd:RANK[:START]+fp16' or '+bf16'")
+        raise ValueError(
+            f"compression={compression!r}: only PowerSGD takes a wire dtype, "
+            "as 'powersgd:RANK[:START]+fp16' or '+bf16'"
+        )
     return base, wire
 
 
@@ -106,23 +115,29 @@ class SyncConfig:
             raise ValueError(f"lazy_bytes must be > 0 bytes, got {self.lazy_bytes}")
 
     @classmethod
-    def build(cls, *, compression=None, timeout: Optional[float] = None,
-              **arguments) -> "SyncConfig":
+    def build(
+        cls, *, compression=None, timeout: Optional[float] = None, **arguments
+    ) -> "SyncConfig":
         """From ``DistributedOptimizer``'s keywords and the environment."""
         compression, wire = split_wire(compression)
         topk, low_rank = parse_topk(compression), parse_powersgd(compression)
         if compression not in COMPRESSIONS and topk is None and low_rank is None:
-            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', 'topk:RATIO', "
-                             "'powersgd:RANK[:START]', 'powersgd:RANK[:START]+fp16' (or +bf16), "
-                             f"got {compression!r}")
-        return cls(wire_dtype=COMPRESSIONS[wire if topk or low_rank else compression],
-                   topk=topk, low_rank=low_rank,
-                   timeout=env.timeout(timeout),
-                   defer_always=env.get("HYBRIDCOMM_DEFER") == "always",
-                   issue_thread=env.get("HYBRIDCOMM_ISSUE_THREAD"),
-                   lean_hooks=env.get("HYBRIDCOMM_LEAN_HOOKS"), **arguments)
+            raise ValueError(
+                f"compression must be one of None, 'fp16', 'bf16', 'topk:RATIO', "
+                "'powersgd:RANK[:START]', 'powersgd:RANK[:START]+fp16' (or +bf16), "
+                f"got {compression!r}"
+            )
+        return cls(
+            wire_dtype=COMPRESSIONS[wire if topk or low_rank else compression],
+            topk=topk,
+            low_rank=low_rank,
+            timeout=env.timeout(timeout),
+            defer_always=env.get("HYBRIDCOMM_DEFER") == "always",
+            issue_thread=env.get("HYBRIDCOMM_ISSUE_THREAD"),
+            lean_hooks=env.get("HYBRIDCOMM_LEAN_HOOKS"),
+            **arguments,
+        )
 
     def replace(self, **changes) -> "SyncConfig":
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
-

@@ -1,6 +1,7 @@
 """The ``hybridcomm`` logger: its level from ``HYBRIDCOMM_LOG_LEVEL`` (default INFO),
 and a stderr handler (``[hybridcomm r0] ...``) that stays silent once the
 application configures logging itself (then records reach its handlers)."""
+
 from __future__ import annotations
 
 import logging

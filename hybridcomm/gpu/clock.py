@@ -15,6 +15,7 @@ Example (the host path)::
     >>> clock.settle([a, b]); clock.seconds(a, b) >= 0.0
     True
 """
+
 from __future__ import annotations
 
 import time

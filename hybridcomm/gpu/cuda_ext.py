@@ -24,6 +24,7 @@ Example::
     >>> if ext is not None:
     ...     ext.reduce(dst, src, 0.5, None)
 """
+
 from __future__ import annotations
 
 import logging
@@ -80,9 +81,13 @@ def _build(verbose: bool):
     from torch.utils.cpp_extension import load as build
 
     d = csrc_dir()
-    return build(name=EXTENSION_NAME, sources=[str(d / s) for s in SOURCES],
-                 extra_include_paths=[str(d)], extra_cuda_cflags=list(NVCC_FLAGS),
-                 verbose=verbose)
+    return build(
+        name=EXTENSION_NAME,
+        sources=[str(d / s) for s in SOURCES],
+        extra_include_paths=[str(d)],
+        extra_cuda_cflags=list(NVCC_FLAGS),
+        verbose=verbose,
+    )
 
 
 def load(verbose: bool = False, required: bool = False):

@@ -12,6 +12,7 @@ Usage (on a GPU, two processes)::
     box, handle = ipc.buffer(1 << 20)        # process A; handle goes through the store
     theirs = ipc.open_buffer(handle)         # process B: A's memory, mapped
 """
+
 from __future__ import annotations
 
 import pickle

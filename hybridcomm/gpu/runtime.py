@@ -13,6 +13,7 @@ binding a thread to the rank's device, and the NCCL module. Two exist:
 path (CPU tensors over gloo, no streams). Code above this layer never calls
 ``torch.cuda`` directly, so the simulator runs exactly the production code.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -134,8 +135,12 @@ class _DeviceBytes:
     """Raw device memory, seen by torch through the CUDA array interface."""
 
     def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (ptr, False), "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
 
 
 def import_nccl():  # needs the real CuPy: tests/test_cupy_nccl_api.py, tests/gpu
@@ -146,11 +151,13 @@ def import_nccl():  # needs the real CuPy: tests/test_cupy_nccl_api.py, tests/gp
         raise HybridCommError(
             f"the 'cupy' transport needs CuPy with NCCL: `import cupy.cuda.nccl` failed ({e}); "
             "install the extra matching your torch's CUDA: pip install 'hybridcomm[cuda12]' "
-            "or 'hybridcomm[cuda13]'") from e
+            "or 'hybridcomm[cuda13]'"
+        ) from e
     if not getattr(nccl, "available", False):
         raise HybridCommError(
             "the 'cupy' transport needs NCCL: CuPy imports but did not find libnccl; "
-            "pip install nvidia-nccl-cu12 (or -cu13, matching cupy-cuda12x/13x)")
+            "pip install nvidia-nccl-cu12 (or -cu13, matching cupy-cuda12x/13x)"
+        )
     return nccl
 
 
@@ -202,6 +209,7 @@ def set_simulator(make: Callable[[], object]) -> None:
 @functools.lru_cache(maxsize=1)
 def _sim_runtime():
     if _simulator is None:
-        raise HybridCommError("HYBRIDCOMM_SIMULATE_GPU=1 but no simulated runtime is set "
-                              "(import hybridcomm first)")
+        raise HybridCommError(
+            "HYBRIDCOMM_SIMULATE_GPU=1 but no simulated runtime is set (import hybridcomm first)"
+        )
     return _simulator()

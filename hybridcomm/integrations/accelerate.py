@@ -52,6 +52,7 @@ On CPU, Accelerate runs several processes only under ``torchrun`` (or
 is configured. In one process there is nothing to reduce: :func:`register`
 does nothing and returns None.
 """
+
 from __future__ import annotations
 
 import logging
@@ -117,38 +118,45 @@ def register(accelerator: Accelerator, model, **state_kwargs) -> Optional[Hybrid
         state = hybridcomm.integrations.accelerate.register(accelerator, model)
     """
     if not isinstance(accelerator, Accelerator):
-        raise TypeError(f"register() takes the accelerate.Accelerator first, got "
-                        f"{type(accelerator).__name__}")
+        raise TypeError(
+            f"register() takes the accelerate.Accelerator first, got {type(accelerator).__name__}"
+        )
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"register() takes the model accelerator.prepare returned, got "
-                        f"{type(model).__name__}")
+        raise TypeError(
+            f"register() takes the model accelerator.prepare returned, got {type(model).__name__}"
+        )
     ddp = find_ddp(model)
     if ddp is None:
         if accelerator.num_processes <= 1:
-            log.debug("hybridcomm: one process (%s), no DDP model: nothing to reduce, "
-                      "no hook registered", accelerator.distributed_type)
+            log.debug(
+                "hybridcomm: one process (%s), no DDP model: nothing to reduce, no hook registered",
+                accelerator.distributed_type,
+            )
             return None
-        _check_data_parallel(accelerator, "hybridcomm's hook needs a DistributedDataParallel "
-                                          "model")
+        _check_data_parallel(accelerator, "hybridcomm's hook needs a DistributedDataParallel model")
         raise HybridCommError(
             f"{type(model).__name__} is not DistributedDataParallel: pass the model "
             f"accelerator.prepare returned (not the one given to it, nor "
             f"accelerator.unwrap_model(...)); a model without trainable parameters is not "
-            f"wrapped either")
+            f"wrapped either"
+        )
     handler = accelerator.ddp_handler
     if handler is not None and handler.comm_hook != DDPCommunicationHookType.NO:
         raise HybridCommError(
             f"the Accelerator registers DDP hook {handler.comm_hook} itself "
             f"(DistributedDataParallelKwargs(comm_hook=...)), and DDP takes one hook: "
-            f"drop that comm_hook to use hybridcomm's")
+            f"drop that comm_hook to use hybridcomm's"
+        )
     if "process_group" not in state_kwargs and ddp.process_group is not dist.group.WORLD:
         state_kwargs["process_group"] = ddp.process_group
     state = HybridState(**state_kwargs)
     try:
         ddp.register_comm_hook(state, hybrid_hook)
     except RuntimeError as e:  # the reducer takes one hook, once
-        raise HybridCommError(f"DDP refused hybridcomm's hook (a DDP model takes one "
-                              f"communication hook: is one registered already?): {e}") from e
+        raise HybridCommError(
+            f"DDP refused hybridcomm's hook (a DDP model takes one "
+            f"communication hook: is one registered already?): {e}"
+        ) from e
     state.prepare(accelerator.device)  # the set-up now, not in the first backward
     log.debug("hybridcomm: DDP hook registered on the prepared %s", type(ddp.module).__name__)
     return state
@@ -157,12 +165,15 @@ def register(accelerator: Accelerator, model, **state_kwargs) -> Optional[Hybrid
 def _check_data_parallel(accelerator: Accelerator, what: str) -> None:
     kind = accelerator.distributed_type
     if kind not in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
-        raise HybridCommError(f"{what}; this Accelerator runs {kind} over "
-                              f"{accelerator.num_processes} processes, not DDP data parallelism")
+        raise HybridCommError(
+            f"{what}; this Accelerator runs {kind} over "
+            f"{accelerator.num_processes} processes, not DDP data parallelism"
+        )
 
 
-def prepare(accelerator: Accelerator, model, optimizer, *others, overlap: str = "forward",
-            **options):
+def prepare(
+    accelerator: Accelerator, model, optimizer, *others, overlap: str = "forward", **options
+):
     """``accelerator.prepare(model, optimizer, *others)`` with hybridcomm's optimizer.
 
     For forward overlap (``overlap="forward"``, the default; ``"backward"``
@@ -204,29 +215,40 @@ def prepare(accelerator: Accelerator, model, optimizer, *others, overlap: str = 
             accelerator, model, optimizer, loader)
     """
     if not isinstance(accelerator, Accelerator):
-        raise TypeError(f"prepare() takes the accelerate.Accelerator first, got "
-                        f"{type(accelerator).__name__}")
+        raise TypeError(
+            f"prepare() takes the accelerate.Accelerator first, got {type(accelerator).__name__}"
+        )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"prepare() takes the model second, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer,
-                                                                      AcceleratedOptimizer):
-        raise TypeError(f"prepare() takes the torch optimizer third, not yet prepared, got "
-                        f"{type(optimizer).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(
+        optimizer, AcceleratedOptimizer
+    ):
+        raise TypeError(
+            f"prepare() takes the torch optimizer third, not yet prepared, got "
+            f"{type(optimizer).__name__}"
+        )
     if accelerator.num_processes <= 1:
-        log.debug("hybridcomm: one process (%s): accelerator.prepare as it is, nothing to reduce",
-                  accelerator.distributed_type)
+        log.debug(
+            "hybridcomm: one process (%s): accelerator.prepare as it is, nothing to reduce",
+            accelerator.distributed_type,
+        )
         return accelerator.prepare(model, optimizer, *others)
     if find_ddp(model) is not None:
-        raise HybridCommError("the model is DistributedDataParallel already: pass the plain "
-                              "module (DistributedOptimizer reduces the gradients itself), or "
-                              "use register() for the DDP hook")
-    _check_data_parallel(accelerator, "hybridcomm.DistributedOptimizer under Accelerate needs "
-                                      "plain DDP data parallelism")
+        raise HybridCommError(
+            "the model is DistributedDataParallel already: pass the plain "
+            "module (DistributedOptimizer reduces the gradients itself), or "
+            "use register() for the DDP hook"
+        )
+    _check_data_parallel(
+        accelerator,
+        "hybridcomm.DistributedOptimizer under Accelerate needs plain DDP data parallelism",
+    )
     if accelerator.scaler is not None:
         raise HybridCommError(
             "fp16 mixed precision: Accelerate's optimizer wrapper calls GradScaler.step "
             "through a patched step() that hides the scaler from DistributedOptimizer; use "
-            "hybridcomm.integrations.accelerate.register() (the DDP hook) for fp16, or bf16")
+            "hybridcomm.integrations.accelerate.register() (the DDP hook) for fp16, or bf16"
+        )
     model = accelerator.prepare_model(model, evaluation_mode=True)  # placed, autocast, no DDP
     options.setdefault("backward_passes_per_step", accelerator.gradient_accumulation_steps)
     optimizer = DistributedOptimizer(optimizer, model=model, overlap=overlap, **options)

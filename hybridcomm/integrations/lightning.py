@@ -27,6 +27,7 @@ Two routes (docs/INTEGRATIONS.md):
   runs its early micro-batches under ``no_sync()``. Checkpoints hold
   hybridcomm's state (the agreed plan) with the optimizer's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,11 @@ class HybridDDPStrategy(DDPStrategy):
     strategy_name = "hybridcomm_ddp_hook"
 
     def __init__(self, state: Optional[HybridState] = None, **kwargs: Any) -> None:
-        super().__init__(ddp_comm_state=state if state is not None else HybridState(),
-                         ddp_comm_hook=hybrid_hook, **kwargs)
+        super().__init__(
+            ddp_comm_state=state if state is not None else HybridState(),
+            ddp_comm_hook=hybrid_hook,
+            **kwargs,
+        )
 
     def _register_ddp_hooks(self) -> None:
         if self.root_device.type == "cuda":  # Lightning's own registration
@@ -109,8 +113,9 @@ class HybridStrategy(DDPStrategy):
 
     strategy_name = "hybridcomm"
 
-    def __init__(self, overlap: str = "forward", hybridcomm_options: Optional[dict] = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, overlap: str = "forward", hybridcomm_options: Optional[dict] = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._overlap = overlap
         self._hc_options = dict(hybridcomm_options or {})
@@ -126,16 +131,20 @@ class HybridStrategy(DDPStrategy):
         wrapped = []
         for opt in self.optimizers:
             if not isinstance(opt, _DistributedOptimizer):
-                hc = DistributedOptimizer(opt, model=self.lightning_module, overlap=self._overlap,
-                                          **self._hc_options)
+                hc = DistributedOptimizer(
+                    opt, model=self.lightning_module, overlap=self._overlap, **self._hc_options
+                )
                 for config in self.lr_scheduler_configs:
                     if getattr(config.scheduler, "optimizer", None) is opt:
                         _drive(config.scheduler, hc)
                 opt = hc
             wrapped.append(opt)
         self.optimizers = wrapped
-        log.debug("hybridcomm: HybridStrategy wrapped %d optimizer(s), overlap=%s",
-                  len(wrapped), self._overlap)
+        log.debug(
+            "hybridcomm: HybridStrategy wrapped %d optimizer(s), overlap=%s",
+            len(wrapped),
+            self._overlap,
+        )
 
     @contextlib.contextmanager
     def block_backward_sync(self):
@@ -158,6 +167,7 @@ class HybridStrategy(DDPStrategy):
                 out = inner()
                 hc.synchronize()
                 return out
+
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _reads_grads_after_closure(self) -> bool:
@@ -167,13 +177,15 @@ class HybridStrategy(DDPStrategy):
             return True
         if getattr(self.precision_plugin, "scaler", None) is not None:
             return True
-        overridden = (type(module).on_before_optimizer_step
-                      is not pl.LightningModule.on_before_optimizer_step
-                      or type(module).configure_gradient_clipping
-                      is not pl.LightningModule.configure_gradient_clipping)
+        overridden = (
+            type(module).on_before_optimizer_step is not pl.LightningModule.on_before_optimizer_step
+            or type(module).configure_gradient_clipping
+            is not pl.LightningModule.configure_gradient_clipping
+        )
         return overridden or any(
             type(cb).on_before_optimizer_step is not pl.Callback.on_before_optimizer_step
-            for cb in trainer.callbacks)
+            for cb in trainer.callbacks
+        )
 
     def _hybrid_optimizers(self):
         return [o for o in self.optimizers if isinstance(o, _DistributedOptimizer)]

@@ -23,6 +23,7 @@ In one process the callback does nothing. Forward overlap
 (``hybridcomm.DistributedOptimizer``) is not offered: the Trainer always
 wraps a multi-process model in DDP, which would reduce the gradients too.
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,8 +65,10 @@ class HybridCommCallback(TrainerCallback):
 
     def __init__(self, trainer: Trainer, **state_kwargs):
         if not isinstance(trainer, Trainer):
-            raise TypeError(f"HybridCommCallback takes the transformers.Trainer it is added to, "
-                            f"got {type(trainer).__name__}")
+            raise TypeError(
+                f"HybridCommCallback takes the transformers.Trainer it is added to, "
+                f"got {type(trainer).__name__}"
+            )
         self.trainer = trainer
         self.state_kwargs = state_kwargs
         self.state: Optional[HybridState] = None

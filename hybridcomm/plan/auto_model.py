@@ -8,6 +8,7 @@ across ranks and measuring one (the start-up probe) are calibration.py's,
 which runs collectives and so sits above collectives.py; this module sits
 below it. Every name here is also importable from ``hybridcomm.comm.calibration``.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ def default_path() -> str:
     return os.path.join(base, "hybridcomm", "cost_model.json")
 
 
-def save(model: CostModel, path: Optional[str] = None, report: Optional[FitReport] = None,
-         **meta) -> str:
+def save(
+    model: CostModel, path: Optional[str] = None, report: Optional[FitReport] = None, **meta
+) -> str:
     """Write ``model`` (plus ``meta``: world size, backend, ... and the fit error) as JSON."""
     path = path or default_path()
     data = model.to_json()
@@ -44,9 +46,13 @@ def save(model: CostModel, path: Optional[str] = None, report: Optional[FitRepor
     data.setdefault("created", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     data.setdefault("host", platform.node())
     if report is not None:
-        data["fit"] = {"n_points": report.n_points, "rms_rel_err": report.rms_rel_err,
-                       "max_rel_err": report.max_rel_err, "dropped": report.dropped,
-                       "confidence": report.confidence}
+        data["fit"] = {
+            "n_points": report.n_points,
+            "rms_rel_err": report.rms_rel_err,
+            "max_rel_err": report.max_rel_err,
+            "dropped": report.dropped,
+            "confidence": report.confidence,
+        }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -105,9 +111,14 @@ def active_model() -> CostModel:
     return hit[1] or DEFAULT_MODEL
 
 
-def choose_algorithm(nbytes: int, world_size: int, topology=None, *,
-                     model: Optional[CostModel] = None,
-                     candidates: Optional[Sequence[str]] = None) -> str:
+def choose_algorithm(
+    nbytes: int,
+    world_size: int,
+    topology=None,
+    *,
+    model: Optional[CostModel] = None,
+    candidates: Optional[Sequence[str]] = None,
+) -> str:
     """The algorithm ``"auto"`` uses for ``nbytes`` over ``world_size`` ranks:
     the fastest under ``model`` (default :func:`active_model`), among ring,
     butterfly and halving-doubling, and ``hierarchical`` where ``topology``
@@ -134,5 +145,6 @@ def choose_algorithm(nbytes: int, world_size: int, topology=None, *,
     if candidates is None:
         many_nodes = 1 < topo.node_size < world_size
         candidates = MODELED + (("hierarchical",) if many_nodes else ())
-    return (model or active_model()).choose(nbytes, world_size, candidates=candidates,
-                                            topology=topo)
+    return (model or active_model()).choose(
+        nbytes, world_size, candidates=candidates, topology=topo
+    )

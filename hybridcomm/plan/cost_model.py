@@ -54,6 +54,7 @@ Example::
     >>> round(m.predict("ring", 1 << 20, 8) * 1e6)
     509
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,8 +80,9 @@ def _group_size(algorithm: str, topo) -> int:
     return topo.node_size if algorithm == "hierarchical" else topo.grid[1]
 
 
-def coefficients(algorithm: str, nbytes: float, world_size: int,
-                 topology=None) -> Tuple[float, float, float]:
+def coefficients(
+    algorithm: str, nbytes: float, world_size: int, topology=None
+) -> Tuple[float, float, float]:
     """(messages, bytes sent, bytes reduced) on the critical path: the
     multipliers of alpha, beta and gamma for one all-reduce on a flat network.
     ``topology`` (default: ``Topology.resolve``'s) sets the two-level
@@ -121,8 +123,9 @@ class LinkCoefficients(NamedTuple):
     inter_bytes: float  # on the busiest node link (shared by the node's ranks), in those steps
 
 
-def link_coefficients(algorithm: str, nbytes: float, world_size: int,
-                      topology=None) -> LinkCoefficients:
+def link_coefficients(
+    algorithm: str, nbytes: float, world_size: int, topology=None
+) -> LinkCoefficients:
     """Coefficients on a two-level network: nodes of ``topology.node_size``
     consecutive ranks, each node's ranks sharing one full-duplex link to the
     others. Counted round by round from the algorithm's traffic pattern (who
@@ -197,16 +200,22 @@ def _grouped_rounds(g: int, p: int) -> List[Tuple[tuple, bool, int]]:
     short = sizes[-1]
 
     def inside(groups):  # one step of these groups' rings: each rank passes its largest run on
-        return tuple((k * g + j, k * g + (j + 1) % s, -(-g // s) / g)
-                     for k, s in groups for j in range(s))
+        return tuple(
+            (k * g + j, k * g + (j + 1) % s, -(-g // s) / g) for k, s in groups for j in range(s)
+        )
 
     # The first short-1 steps run in every group, the rest in the full groups only.
     both = [(inside(enumerate(sizes)), short - 1), (inside(enumerate(sizes[:-1])), g - short)]
     both = [(e, n) for e, n in both if n > 0]
-    owner = {s: [j for j in range(s) for _ in range(runs(g, s)[j + 1] - runs(g, s)[j])]
-             for s in set(sizes)}  # chunk -> local rank, per group size
-    across = tuple((k * g + owner[s][c], ((k + 1) % m) * g + owner[sizes[(k + 1) % m]][c],
-                    1 / g / m) for c in range(g) for k, s in enumerate(sizes))
+    owner = {
+        s: [j for j in range(s) for _ in range(runs(g, s)[j + 1] - runs(g, s)[j])]
+        for s in set(sizes)
+    }  # chunk -> local rank, per group size
+    across = tuple(
+        (k * g + owner[s][c], ((k + 1) % m) * g + owner[sizes[(k + 1) % m]][c], 1 / g / m)
+        for c in range(g)
+        for k, s in enumerate(sizes)
+    )
     rounds = [(e, True, n) for e, n in both]
     if m > 1:
         rounds += [(across, True, m - 1), (across, False, m - 1)]
@@ -221,8 +230,9 @@ def bytes_sent(algorithm: str, nbytes: float, world_size: int, topology=None) ->
     ``ps``: each worker pushes its buffer once (to the servers)."""
     if algorithm == PS:
         return float(nbytes) if world_size > 1 else 0.0
-    return coefficients("ring" if algorithm == NATIVE else algorithm, nbytes, world_size,
-                        topology)[1]
+    return coefficients("ring" if algorithm == NATIVE else algorithm, nbytes, world_size, topology)[
+        1
+    ]
 
 
 @dataclass(frozen=True)
@@ -267,8 +277,10 @@ class CostModel:
             return 0.0 if world_size <= 1 else self.native_alpha + nbytes * self.native_beta
         if algorithm == PS:
             if not self.offers(PS):
-                raise ValueError("this cost model has no measurement of 'ps' (the summation "
-                                 "servers): hybridcomm-bench --servers K --calibrate fits one")
+                raise ValueError(
+                    "this cost model has no measurement of 'ps' (the summation "
+                    "servers): hybridcomm-bench --servers K --calibrate fits one"
+                )
             return 0.0 if world_size <= 1 else self.ps_alpha + nbytes * self.ps_beta
         if not self.two_level:
             a, b, g = coefficients(algorithm, nbytes, world_size, topology)
@@ -276,15 +288,27 @@ class CostModel:
         c = link_coefficients(algorithm, nbytes, world_size, topology)
         inter_alpha = self.alpha if self.inter_alpha is None else self.inter_alpha
         inter_beta = self.beta if self.inter_beta is None else self.inter_beta
-        return (c.messages * self.alpha + c.bytes * self.beta + c.reduced * self.gamma
-                + c.inter_messages * inter_alpha + c.inter_bytes * inter_beta)
+        return (
+            c.messages * self.alpha
+            + c.bytes * self.beta
+            + c.reduced * self.gamma
+            + c.inter_messages * inter_alpha
+            + c.inter_bytes * inter_beta
+        )
 
-    def predict_all(self, nbytes: int, world_size: int, topology=None,
-                    algorithms: Sequence[str] = MODELED) -> Dict[str, float]:
+    def predict_all(
+        self, nbytes: int, world_size: int, topology=None, algorithms: Sequence[str] = MODELED
+    ) -> Dict[str, float]:
         return {algo: self.predict(algo, nbytes, world_size, topology) for algo in algorithms}
 
-    def choose(self, nbytes: int, world_size: int, window: Optional[float] = None,
-               candidates: Sequence[str] = MODELED, topology=None) -> str:
+    def choose(
+        self,
+        nbytes: int,
+        world_size: int,
+        window: Optional[float] = None,
+        candidates: Sequence[str] = MODELED,
+        topology=None,
+    ) -> str:
         """The algorithm for ``nbytes`` over ``world_size`` ranks, among ``candidates``.
 
         Without ``window``: the fastest predicted. With ``window`` (seconds
@@ -299,10 +323,12 @@ class CostModel:
         times = {a: self.predict(a, nbytes, world_size, topology) for a in order}
         fits = [] if window is None else [a for a in order if times[a] <= window]
         if not fits:
-            return self._ours_within_uncertainty(min(order, key=lambda a: times[a]), order,
-                                                 times)
-        return self._ours_within_uncertainty(min(fits, key=lambda a: (
-            bytes_sent(a, nbytes, world_size, topology), times[a])), fits, times)
+            return self._ours_within_uncertainty(min(order, key=lambda a: times[a]), order, times)
+        return self._ours_within_uncertainty(
+            min(fits, key=lambda a: (bytes_sent(a, nbytes, world_size, topology), times[a])),
+            fits,
+            times,
+        )
 
     @property
     def uncertainty(self) -> float:
@@ -314,16 +340,22 @@ class CostModel:
         fit = self.meta.get("fit") or {}
         return float(max(fit.get("rms_rel_err") or 0.0, fit.get("spread") or 0.0))
 
-    def native_was_faster(self, pick: str, candidates: Sequence[str], nbytes: int,
-                          world_size: int, topology=None) -> bool:
+    def native_was_faster(
+        self, pick: str, candidates: Sequence[str], nbytes: int, world_size: int, topology=None
+    ) -> bool:
         """Whether ``native``, among ``candidates``, was predicted faster than ``pick``
         (one of ours, which :meth:`choose` kept: within :attr:`uncertainty`)."""
-        return pick != NATIVE and NATIVE in candidates and self.offers(NATIVE) and \
-            self.predict(NATIVE, nbytes, world_size, topology) < \
-            self.predict(pick, nbytes, world_size, topology)
+        return (
+            pick != NATIVE
+            and NATIVE in candidates
+            and self.offers(NATIVE)
+            and self.predict(NATIVE, nbytes, world_size, topology)
+            < self.predict(pick, nbytes, world_size, topology)
+        )
 
-    def _ours_within_uncertainty(self, pick: str, among: Sequence[str],
-                                 times: Dict[str, float]) -> str:
+    def _ours_within_uncertainty(
+        self, pick: str, among: Sequence[str], times: Dict[str, float]
+    ) -> str:
         """``native`` only where it is predicted faster than the fastest of ours by
         more than :attr:`uncertainty`: within it the model cannot tell them apart,
         and which one a plan got would flip from probe to probe. Ours is kept:
@@ -340,21 +372,37 @@ class CostModel:
         """This model with ``seconds`` more per message (an emulated slower network;
         the emulation wraps hybridcomm's transport only, so ``native`` is dropped)."""
         inter = None if self.inter_alpha is None else self.inter_alpha + seconds
-        return CostModel(self.alpha + seconds, self.beta, self.gamma,
-                         source=f"{self.source} + {seconds * 1e6:g} us/message", meta=self.meta,
-                         inter_alpha=inter, inter_beta=self.inter_beta)
+        return CostModel(
+            self.alpha + seconds,
+            self.beta,
+            self.gamma,
+            source=f"{self.source} + {seconds * 1e6:g} us/message",
+            meta=self.meta,
+            inter_alpha=inter,
+            inter_beta=self.inter_beta,
+        )
 
     def with_ps(self, alpha: float, beta: float, servers: int) -> "CostModel":
         """This model with a measured ``ps`` line (``servers`` summation servers)."""
-        return dataclasses.replace(self, ps_alpha=float(alpha), ps_beta=float(beta),
-                                   ps_servers=int(servers))
+        return dataclasses.replace(
+            self, ps_alpha=float(alpha), ps_beta=float(beta), ps_servers=int(servers)
+        )
 
-    def crossover(self, world_size: int, a: str = "butterfly", b: str = "ring",
-                  lo: int = 1, hi: int = 1 << 40, topology=None) -> Optional[int]:
+    def crossover(
+        self,
+        world_size: int,
+        a: str = "butterfly",
+        b: str = "ring",
+        lo: int = 1,
+        hi: int = 1 << 40,
+        topology=None,
+    ) -> Optional[int]:
         """Smallest byte count at which ``b`` is predicted no slower than ``a``
         (None if it never is up to ``hi``); the times are linear in n."""
-        diff = lambda n: (self.predict(a, n, world_size, topology)  # noqa: E731
-                          - self.predict(b, n, world_size, topology))
+        diff = lambda n: (
+            self.predict(a, n, world_size, topology)  # noqa: E731
+            - self.predict(b, n, world_size, topology)
+        )
         if diff(lo) >= 0:
             return lo
         if diff(hi) < 0:
@@ -365,33 +413,75 @@ class CostModel:
         return hi
 
     def to_json(self) -> Dict:
-        native = {} if not self.offers(NATIVE) else {
-            "native_alpha_s": self.native_alpha, "native_beta_s_per_byte": self.native_beta}
-        inter = {k: v for k, v in (("inter_alpha_s", self.inter_alpha),
-                                   ("inter_beta_s_per_byte", self.inter_beta)) if v is not None}
-        ps = {} if self.ps_alpha is None else {
-            "ps_alpha_s": self.ps_alpha, "ps_beta_s_per_byte": self.ps_beta,
-            "ps_servers": self.ps_servers}
-        return {"version": FORMAT_VERSION, "alpha_s": self.alpha, "beta_s_per_byte": self.beta,
-                "gamma_s_per_byte": self.gamma, **native, **inter, **ps, **self.meta}
+        native = (
+            {}
+            if not self.offers(NATIVE)
+            else {"native_alpha_s": self.native_alpha, "native_beta_s_per_byte": self.native_beta}
+        )
+        inter = {
+            k: v
+            for k, v in (
+                ("inter_alpha_s", self.inter_alpha),
+                ("inter_beta_s_per_byte", self.inter_beta),
+            )
+            if v is not None
+        }
+        ps = (
+            {}
+            if self.ps_alpha is None
+            else {
+                "ps_alpha_s": self.ps_alpha,
+                "ps_beta_s_per_byte": self.ps_beta,
+                "ps_servers": self.ps_servers,
+            }
+        )
+        return {
+            "version": FORMAT_VERSION,
+            "alpha_s": self.alpha,
+            "beta_s_per_byte": self.beta,
+            "gamma_s_per_byte": self.gamma,
+            **native,
+            **inter,
+            **ps,
+            **self.meta,
+        }
 
     @classmethod
     def from_json(cls, data: Dict, source: str = "json") -> "CostModel":
         if data.get("version") != FORMAT_VERSION:
-            raise ValueError(f"cost model format {data.get('version')!r}, expected {FORMAT_VERSION}")
-        known = ("version", "alpha_s", "beta_s_per_byte", "gamma_s_per_byte", "native_alpha_s",
-                 "native_beta_s_per_byte", "inter_alpha_s", "inter_beta_s_per_byte",
-                 "ps_alpha_s", "ps_beta_s_per_byte", "ps_servers")
+            raise ValueError(
+                f"cost model format {data.get('version')!r}, expected {FORMAT_VERSION}"
+            )
+        known = (
+            "version",
+            "alpha_s",
+            "beta_s_per_byte",
+            "gamma_s_per_byte",
+            "native_alpha_s",
+            "native_beta_s_per_byte",
+            "inter_alpha_s",
+            "inter_beta_s_per_byte",
+            "ps_alpha_s",
+            "ps_beta_s_per_byte",
+            "ps_servers",
+        )
         meta = {k: v for k, v in data.items() if k not in known}
         native = data.get("native_alpha_s")
         opt = lambda key: None if data.get(key) is None else float(data[key])  # noqa: E731
-        return cls(float(data["alpha_s"]), float(data["beta_s_per_byte"]),
-                   float(data["gamma_s_per_byte"]), source=source, meta=meta,
-                   native_alpha=None if native is None else float(native),
-                   native_beta=None if native is None else float(data["native_beta_s_per_byte"]),
-                   inter_alpha=opt("inter_alpha_s"), inter_beta=opt("inter_beta_s_per_byte"),
-                   ps_alpha=opt("ps_alpha_s"), ps_beta=opt("ps_beta_s_per_byte"),
-                   ps_servers=None if data.get("ps_servers") is None else int(data["ps_servers"]))
+        return cls(
+            float(data["alpha_s"]),
+            float(data["beta_s_per_byte"]),
+            float(data["gamma_s_per_byte"]),
+            source=source,
+            meta=meta,
+            native_alpha=None if native is None else float(native),
+            native_beta=None if native is None else float(data["native_beta_s_per_byte"]),
+            inter_alpha=opt("inter_alpha_s"),
+            inter_beta=opt("inter_beta_s_per_byte"),
+            ps_alpha=opt("ps_alpha_s"),
+            ps_beta=opt("ps_beta_s_per_byte"),
+            ps_servers=None if data.get("ps_servers") is None else int(data["ps_servers"]),
+        )
 
 
 # Uncalibrated defaults: a 25 us message, 2.5 GB/s links, 10 GB/s reduction
@@ -410,7 +500,9 @@ class FitReport:
     n_points: int
     rms_rel_err: float  # root mean square of (predicted - measured) / measured
     max_rel_err: float
-    residuals: Tuple[Tuple[str, int, int, float, float], ...]  # (algo, bytes, P, measured, predicted)
+    residuals: Tuple[
+        Tuple[str, int, int, float, float], ...
+    ]  # (algo, bytes, P, measured, predicted)
     dropped: int = 0  # outliers left out of the fit
     confidence: str = "high"  # high (rms < 15%), medium (< 35%), low
     degenerate: bool = False  # alpha or beta came out 0: the planner uses safe defaults
@@ -449,8 +541,13 @@ def _nnls(A, y, fixed):
     return best[1]
 
 
-def fit(samples: Iterable[Sample], topology=None, *, gamma: Optional[float] = None,
-        ps_servers: Optional[int] = None) -> Tuple[CostModel, FitReport]:
+def fit(
+    samples: Iterable[Sample],
+    topology=None,
+    *,
+    gamma: Optional[float] = None,
+    ps_servers: Optional[int] = None,
+) -> Tuple[CostModel, FitReport]:
     """Least-squares alpha, beta, gamma >= 0 from measured times, robustly.
 
     Each sample ``(algorithm, bytes, P, seconds)`` is one equation
@@ -481,13 +578,19 @@ def fit(samples: Iterable[Sample], topology=None, *, gamma: Optional[float] = No
     import numpy as np
 
     samples = list(samples)
-    rows = [(algo, int(n), int(p), float(t)) for algo, n, p, t in samples
-            if algo in MODELED + TWO_LEVEL and p > 1 and t > 0]
+    rows = [
+        (algo, int(n), int(p), float(t))
+        for algo, n, p, t in samples
+        if algo in MODELED + TWO_LEVEL and p > 1 and t > 0
+    ]
     if len(rows) < MIN_SAMPLES or len({n for _, n, _, _ in rows}) < 2:
-        raise ValueError(f"too few usable samples to fit ({len(rows)}; need {MIN_SAMPLES} at two "
-                         "or more sizes, of our algorithms at P > 1)")
+        raise ValueError(
+            f"too few usable samples to fit ({len(rows)}; need {MIN_SAMPLES} at two "
+            "or more sizes, of our algorithms at P > 1)"
+        )
     two = topology is not None and any(
-        1 < _topology(topology, p).node_size < p for _, _, p, _ in rows)
+        1 < _topology(topology, p).node_size < p for _, _, p, _ in rows
+    )
     coeffs = link_coefficients if two else coefficients
     fixed = {} if gamma is None else {2: float(gamma)}
 
@@ -506,36 +609,59 @@ def fit(samples: Iterable[Sample], topology=None, *, gamma: Optional[float] = No
         dropped = len(rows) - len(keep)
         rows = keep
         x, rel = solve(rows)
-    native = _fit_native([(n, t) for algo, n, p, t in samples
-                          if algo in (NATIVE, "torch") and p > 1 and t > 0])
-    ps = _fit_native([(n, t) for algo, n, p, t in samples if algo == PS and p > 1 and t > 0]) \
-        if ps_servers else None
-    model = CostModel(float(x[0]), float(x[1]), float(x[2]), source="fit",
-                      native_alpha=native[0] if native else None,
-                      native_beta=native[1] if native else None,
-                      inter_alpha=float(x[3]) if two else None,
-                      inter_beta=float(x[4]) if two else None,
-                      ps_alpha=ps[0] if ps else None, ps_beta=ps[1] if ps else None,
-                      ps_servers=int(ps_servers) if ps else None)
-    rms = float(np.sqrt(np.mean(rel ** 2)))
-    report = FitReport(len(rows), rms, float(np.max(np.abs(rel))),
-                       tuple((algo, n, p, t, t * (1 + e)) for (algo, n, p, t), e in zip(rows, rel)),
-                       dropped, "high" if rms < 0.15 else "medium" if rms < 0.35 else "low",
-                       model.alpha <= 0 or model.beta <= 0)
+    native = _fit_native(
+        [(n, t) for algo, n, p, t in samples if algo in (NATIVE, "torch") and p > 1 and t > 0]
+    )
+    ps = (
+        _fit_native([(n, t) for algo, n, p, t in samples if algo == PS and p > 1 and t > 0])
+        if ps_servers
+        else None
+    )
+    model = CostModel(
+        float(x[0]),
+        float(x[1]),
+        float(x[2]),
+        source="fit",
+        native_alpha=native[0] if native else None,
+        native_beta=native[1] if native else None,
+        inter_alpha=float(x[3]) if two else None,
+        inter_beta=float(x[4]) if two else None,
+        ps_alpha=ps[0] if ps else None,
+        ps_beta=ps[1] if ps else None,
+        ps_servers=int(ps_servers) if ps else None,
+    )
+    rms = float(np.sqrt(np.mean(rel**2)))
+    report = FitReport(
+        len(rows),
+        rms,
+        float(np.max(np.abs(rel))),
+        tuple((algo, n, p, t, t * (1 + e)) for (algo, n, p, t), e in zip(rows, rel)),
+        dropped,
+        "high" if rms < 0.15 else "medium" if rms < 0.35 else "low",
+        model.alpha <= 0 or model.beta <= 0,
+    )
     return model, report
 
 
 def rounded(model: CostModel, digits: int = 2) -> CostModel:
     """``model`` with every coefficient rounded to ``digits`` significant digits, so
     that repeated measurements of one machine give the same model (and plan)."""
+
     def r(v):
         return None if v is None else float(f"{v:.{digits - 1}e}")
 
-    return dataclasses.replace(model, alpha=r(model.alpha), beta=r(model.beta),
-                               gamma=r(model.gamma), native_alpha=r(model.native_alpha),
-                               native_beta=r(model.native_beta), inter_alpha=r(model.inter_alpha),
-                               inter_beta=r(model.inter_beta), ps_alpha=r(model.ps_alpha),
-                               ps_beta=r(model.ps_beta))
+    return dataclasses.replace(
+        model,
+        alpha=r(model.alpha),
+        beta=r(model.beta),
+        gamma=r(model.gamma),
+        native_alpha=r(model.native_alpha),
+        native_beta=r(model.native_beta),
+        inter_alpha=r(model.inter_alpha),
+        inter_beta=r(model.inter_beta),
+        ps_alpha=r(model.ps_alpha),
+        ps_beta=r(model.ps_beta),
+    )
 
 
 def _fit_native(points) -> Optional[Tuple[float, float]]:
@@ -550,9 +676,9 @@ def _fit_native(points) -> Optional[Tuple[float, float]]:
     A = np.stack([np.ones_like(n), n], axis=1) / t[:, None]
     (a, b), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
     if a < 0:  # clamp, then refit the other
-        a, b = 0.0, float(np.sum(n * t / t ** 2) / np.sum(n ** 2 / t ** 2))
+        a, b = 0.0, float(np.sum(n * t / t**2) / np.sum(n**2 / t**2))
     if b < 0:
-        a, b = float(np.sum(1 / t) / np.sum(1 / t ** 2)), 0.0
+        a, b = float(np.sum(1 / t) / np.sum(1 / t**2)), 0.0
     return float(a), float(b)
 
 
@@ -561,6 +687,9 @@ def table(model: CostModel, world_size: int, sizes: Sequence[int]) -> List[str]:
     lines = [f"{'size':>12} " + " ".join(f"{a:>17}" for a in MODELED) + "  choice"]
     for n in sizes:
         t = model.predict_all(n, world_size)
-        lines.append(f"{n:>12} " + " ".join(f"{t[a] * 1e6:>15.1f}us" for a in MODELED)
-                     + f"  {model.choose(n, world_size)}")
+        lines.append(
+            f"{n:>12} "
+            + " ".join(f"{t[a] * 1e6:>15.1f}us" for a in MODELED)
+            + f"  {model.choose(n, world_size)}"
+        )
     return lines

@@ -14,6 +14,7 @@ Example::
     >>> segments(45 + 4 * 8, 45, 16), segments(48, 45, 0)
     ([(0, 16), (16, 32), (32, 77)], [(0, 48)])
 """
+
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple

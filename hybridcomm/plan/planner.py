@@ -57,6 +57,7 @@ when its gradient is ready, and the order the next forward needs the layers.
 ``print(plan)`` shows the table and the order; every default it chose is in
 ``plan.notes``.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -71,9 +72,12 @@ from .layout import ALIGN_BYTES, buffer_numel, equal_parts, flag_stride, layout
 from .layout import segments as cut_segments
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
-STRATEGY_CANDIDATES = {"hybrid": ("ring", "butterfly", NATIVE), "auto": BUCKET_ALGORITHMS,
-                       "sharded": ("ring", "halving_doubling", NATIVE),  # algorithms.SHARDABLE
-                       "sharded-host": ("ring", "halving_doubling")}  # (gloo's is slow: shard.py)
+STRATEGY_CANDIDATES = {
+    "hybrid": ("ring", "butterfly", NATIVE),
+    "auto": BUCKET_ALGORITHMS,
+    "sharded": ("ring", "halving_doubling", NATIVE),  # algorithms.SHARDABLE
+    "sharded-host": ("ring", "halving_doubling"),
+}  # (gloo's is slow: shard.py)
 SHARDED_HD_GAIN = 0.25  # "sharded": halving-doubling where this much faster (PERFORMANCE.md)
 MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
 FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
@@ -127,18 +131,23 @@ class Bucket:
     @property
     def buffer_numel(self) -> int:
         """Gradients (with padding), then the usage flags (one per parameter a copy)."""
-        return buffer_numel(self.numel if self.grad_numel is None else self.grad_numel,
-                            len(self.params), self.flag_copies)
+        return buffer_numel(
+            self.numel if self.grad_numel is None else self.grad_numel,
+            len(self.params),
+            self.flag_copies,
+        )
 
 
 # The footer of every printed plan (docs/API.md explains the same columns).
-COLUMNS = ("columns: bytes = the bucket's gradient bytes; algorithm = how it is all-reduced "
-           "(ring, butterfly, ..., native = the process group's own); pred(us) = the cost "
-           "model's time for it; window(us) = measured time from its launch to the first use "
-           "of its parameters in the next forward ('-': not measured yet); need = its place "
-           "in the next forward's order of use; segs = the parts it is issued in (a large "
-           "bucket is split so an urgent one is not stuck behind it); issue order = the one "
-           "sequence every rank sends in")
+COLUMNS = (
+    "columns: bytes = the bucket's gradient bytes; algorithm = how it is all-reduced "
+    "(ring, butterfly, ..., native = the process group's own); pred(us) = the cost "
+    "model's time for it; window(us) = measured time from its launch to the first use "
+    "of its parameters in the next forward ('-': not measured yet); need = its place "
+    "in the next forward's order of use; segs = the parts it is issued in (a large "
+    "bucket is split so an urgent one is not stuck behind it); issue order = the one "
+    "sequence every rank sends in"
+)
 
 
 @dataclass
@@ -163,16 +172,24 @@ class Plan:
 
     def decisions(self):
         """What the ranks must agree on (a re-plan that changes none of it is skipped)."""
-        return ([(b.layers, b.algorithm, b.segments, b.compressor) for b in self.buckets],
-                self.order, self.launch_pass, self.defer_updates)
+        return (
+            [(b.layers, b.algorithm, b.segments, b.compressor) for b in self.buckets],
+            self.order,
+            self.launch_pass,
+            self.defer_updates,
+        )
 
     def __str__(self) -> str:
-        head = (f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
-                f"strategy {self.strategy}, fusion {self.fusion_bytes} B, split "
-                f"{f'{self.split_bytes} B' if self.split_bytes else 'off'}, launched in backward pass {self.launch_pass} "
-                f"of a step" + ("" if self.defer_updates else ", updates in step()") + "\n")
-        cols = (f"{'bucket':>6} {'bytes':>10} {'dtype':>8} {'algorithm':>17} {'pred(us)':>9} "
-                f"{'window(us)':>10} {'need':>4} {'segs':>4}  layers\n")
+        head = (
+            f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
+            f"strategy {self.strategy}, fusion {self.fusion_bytes} B, split "
+            f"{f'{self.split_bytes} B' if self.split_bytes else 'off'}, launched in backward pass {self.launch_pass} "
+            f"of a step" + ("" if self.defer_updates else ", updates in step()") + "\n"
+        )
+        cols = (
+            f"{'bucket':>6} {'bytes':>10} {'dtype':>8} {'algorithm':>17} {'pred(us)':>9} "
+            f"{'window(us)':>10} {'need':>4} {'segs':>4}  layers\n"
+        )
         rows = []
         for b in self.buckets:
             win = "-" if b.window_s is None else f"{b.window_s * 1e6:.0f}"
@@ -180,11 +197,14 @@ class Plan:
             layers = ", ".join(b.layers)
             layers = layers if len(layers) <= 60 else layers[:57] + "..."
             algo = b.algorithm if b.compressor is None else f"{b.compressor}+{b.algorithm}"
-            rows.append(f"{b.index:>6} {b.nbytes:>10} {b.dtype.replace('torch.', ''):>8} "
-                        f"{algo:>17} {b.predicted_s * 1e6:>9.0f} {win:>10} {need:>4} "
-                        f"{len(b.segments):>4}  {layers}")
+            rows.append(
+                f"{b.index:>6} {b.nbytes:>10} {b.dtype.replace('torch.', ''):>8} "
+                f"{algo:>17} {b.predicted_s * 1e6:>9.0f} {win:>10} {need:>4} "
+                f"{len(b.segments):>4}  {layers}"
+            )
         order = " ".join(f"{b}.{s}" for b, s in self.order[:40]) + (
-            f" ... ({len(self.order)} in all)" if len(self.order) > 40 else "")
+            f" ... ({len(self.order)} in all)" if len(self.order) > 40 else ""
+        )
         tail = f"\nissue order (bucket.segment): {order}"
         if self.notes:
             tail += "\nnotes: " + "; ".join(self.notes)
@@ -194,15 +214,17 @@ class Plan:
 def plan_from_dict(d: dict) -> Plan:
     """The plan :meth:`Plan.to_dict` wrote (a checkpoint's).
 
-        >>> p = Plan(2, "hybrid", [Bucket(0, ["fc"], [0], 3, 12, "ring", 1e-4, segments=[(0, 4)])],
-        ...          [(0, 0)])
-        >>> plan_from_dict(p.to_dict()) == p
-        True
+    >>> p = Plan(2, "hybrid", [Bucket(0, ["fc"], [0], 3, 12, "ring", 1e-4, segments=[(0, 4)])],
+    ...          [(0, 0)])
+    >>> plan_from_dict(p.to_dict()) == p
+    True
     """
     d = dict(d)
-    buckets = [Bucket(**{**b, "segments": [tuple(s) for s in b["segments"]]})
-               for b in d.pop("buckets")]
+    buckets = [
+        Bucket(**{**b, "segments": [tuple(s) for s in b["segments"]]}) for b in d.pop("buckets")
+    ]
     return Plan(buckets=buckets, order=[tuple(o) for o in d.pop("order")], **d)
+
 
 def forced_algorithm(strategy: str) -> Optional[str]:
     """The algorithm every bucket must use, or None for a per-bucket choice."""
@@ -212,30 +234,38 @@ def forced_algorithm(strategy: str) -> Optional[str]:
     if strategy in STRATEGY_CANDIDATES:
         return None
     if strategy not in BUCKET_ALGORITHMS:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of "
-                         f"{tuple(STRATEGY_CANDIDATES) + BUCKET_ALGORITHMS}")
+        raise ValueError(
+            f"unknown strategy {strategy!r}; choose one of "
+            f"{tuple(STRATEGY_CANDIDATES) + BUCKET_ALGORITHMS}"
+        )
     return strategy
 
 
-def _with_ps(candidates: List[str], forced: Optional[str], servers: int, model: CostModel,
-             notes: List[str]) -> List[str]:
+def _with_ps(
+    candidates: List[str], forced: Optional[str], servers: int, model: CostModel, notes: List[str]
+) -> List[str]:
     """``candidates`` plus ``ps`` where the job has servers and the model a line for
     that many; a forced ``ps`` without servers is an error."""
     if forced == PS and not servers:
-        raise ValueError("algorithm 'ps' needs summation servers: pass servers= "
-                         "(hybridcomm.comm.servers.split_world / SummationServers)")
+        raise ValueError(
+            "algorithm 'ps' needs summation servers: pass servers= "
+            "(hybridcomm.comm.servers.split_world / SummationServers)"
+        )
     others = [a for a in candidates if a != PS]
     if not servers or forced:
         return others
     if model.offers(PS, servers):
         return others + [PS]
-    notes.append(f"ps not a candidate: the cost model has no ps line for {servers} servers"
-                 + (f" (it was measured with {model.ps_servers})" if model.ps_servers else ""))
+    notes.append(
+        f"ps not a candidate: the cost model has no ps line for {servers} servers"
+        + (f" (it was measured with {model.ps_servers})" if model.ps_servers else "")
+    )
     return others
 
 
-def balance_bytes(model: CostModel, world_size: int,
-                  topology: Optional[Topology] = None, extra_s: float = 0.0) -> float:
+def balance_bytes(
+    model: CostModel, world_size: int, topology: Optional[Topology] = None, extra_s: float = 0.0
+) -> float:
     """Bytes at which one all-reduce's fixed cost (plus ``extra_s`` per call) equals
     its bytes' cost, for the bandwidth algorithm at this world size (the ring;
     hierarchical across nodes). A ring's fixed cost grows with P, so this is about
@@ -248,36 +278,50 @@ def balance_bytes(model: CostModel, world_size: int,
     return (fixed + extra_s) / per_byte
 
 
-def default_fusion(model: CostModel, notes: List[str], world_size: int = 2,
-                   topology: Optional[Topology] = None, call_s: Optional[float] = None) -> int:
+def default_fusion(
+    model: CostModel,
+    notes: List[str],
+    world_size: int = 2,
+    topology: Optional[Topology] = None,
+    call_s: Optional[float] = None,
+) -> int:
     """Fuse until a bucket's bytes cost FUSION_BALANCE times its fixed cost,
     clamped to [MIN_FUSION, MAX_FUSION]; a degenerate fit takes a bound. ``call_s``:
     what each call cost beyond the model in the measured steps, added to the fixed
     cost (an idle-link probe does not see the peers' waits and the link's start-up)."""
     if model.beta <= 0:
-        notes.append(f"the cost model has no per-byte cost (beta = 0), so it cannot size "
-                     f"buckets: small layers are fused up to {MAX_FUSION} B, a safe bound "
-                     "(`hybridcomm-bench --calibrate` fits one)")
+        notes.append(
+            f"the cost model has no per-byte cost (beta = 0), so it cannot size "
+            f"buckets: small layers are fused up to {MAX_FUSION} B, a safe bound "
+            "(`hybridcomm-bench --calibrate` fits one)"
+        )
         return MAX_FUSION
     if model.alpha <= 0:
-        notes.append(f"the cost model has no per-message cost (alpha = 0), so fusing saves "
-                     f"nothing it can see: small layers are fused up to {MIN_FUSION} B only "
-                     "(`hybridcomm-bench --calibrate` fits one)")
+        notes.append(
+            f"the cost model has no per-message cost (alpha = 0), so fusing saves "
+            f"nothing it can see: small layers are fused up to {MIN_FUSION} B only "
+            "(`hybridcomm-bench --calibrate` fits one)"
+        )
         return MIN_FUSION
     balance = balance_bytes(model, world_size, topology, call_s or 0.0)
     if call_s:
-        notes.append(f"fusion counts the {call_s * 1e3:.2g} ms each all-reduce call cost beyond "
-                     "the cost model in the measured steps")
+        notes.append(
+            f"fusion counts the {call_s * 1e3:.2g} ms each all-reduce call cost beyond "
+            "the cost model in the measured steps"
+        )
     return int(min(MAX_FUSION, max(MIN_FUSION, FUSION_BALANCE * balance)))
 
 
-def default_split(model: CostModel, world_size: int, notes: List[str],
-                  topology: Optional[Topology] = None) -> int:
+def default_split(
+    model: CostModel, world_size: int, notes: List[str], topology: Optional[Topology] = None
+) -> int:
     """Segments whose extra messages cost < 10% of their transfer, clamped to
     [MIN_SPLIT, MAX_SPLIT]; 0 = no split (a degenerate fit)."""
     if model.beta <= 0 or model.alpha <= 0:
-        notes.append("large buckets are not split: the cost model lacks a per-message or a "
-                     "per-byte cost to weigh a split against")
+        notes.append(
+            "large buckets are not split: the cost model lacks a per-message or a "
+            "per-byte cost to weigh a split against"
+        )
         return 0
     balance = balance_bytes(model, world_size, topology)
     return int(min(MAX_SPLIT, max(MIN_SPLIT, SPLIT_BALANCE * balance)))
@@ -295,8 +339,12 @@ def wire_bytes(layer: Layer, low_rank: Optional[Tuple[int, int]] = None) -> int:
     return 4 * sum(message_numels(layer.shapes, low_rank[0]))
 
 
-def _fuse(layers: Sequence[Layer], fusion_bytes: int, lazy_bytes: Optional[int] = None,
-          low_rank: Optional[Tuple[int, int]] = None) -> List[List[Layer]]:
+def _fuse(
+    layers: Sequence[Layer],
+    fusion_bytes: int,
+    lazy_bytes: Optional[int] = None,
+    low_rank: Optional[Tuple[int, int]] = None,
+) -> List[List[Layer]]:
     """Consecutive layers of one dtype in one bucket while what they put on the wire
     (:func:`wire_bytes`) stays under ``fusion_bytes``; with ``lazy_bytes``, a pool
     instead takes layers until it has passed ``lazy_bytes`` (the last pool goes when
@@ -322,24 +370,31 @@ def _fuse(layers: Sequence[Layer], fusion_bytes: int, lazy_bytes: Optional[int] 
     return groups
 
 
-def explain_lazy(layers: Sequence[Layer], pools: Sequence[Sequence[Layer]], model: CostModel,
-                 world_size: int) -> str:
+def explain_lazy(
+    layers: Sequence[Layer], pools: Sequence[Sequence[Layer]], model: CostModel, world_size: int
+) -> str:
     """Why pooling pays (or not): the predicted time of all per-layer all-reduces
     against the pools', with the model's fastest algorithm for each. Many tiny
     layers pay a message latency each; pools pay it once per pool."""
+
     def best(nbytes):
         return min(model.predict(a, nbytes, world_size) for a in ALGORITHMS[:3])
 
     per_layer = sum(best(layer.numel * layer.element_size) for layer in layers if layer.numel)
     pooled = sum(best(sum(x.numel * x.element_size for x in pool)) for pool in pools)
     verdict = "pools win" if pooled < per_layer else "per-layer buckets win"
-    return (f"lazy: {len(pools)} pools for {sum(1 for x in layers if x.numel)} layers, predicted "
-            f"{pooled * 1e3:.2f} ms against {per_layer * 1e3:.2f} ms per layer ({verdict}: "
-            f"{world_size}-rank messages cost {model.alpha * 1e6:.0f} us each before any byte)")
+    return (
+        f"lazy: {len(pools)} pools for {sum(1 for x in layers if x.numel)} layers, predicted "
+        f"{pooled * 1e3:.2f} ms against {per_layer * 1e3:.2f} ms per layer ({verdict}: "
+        f"{world_size}-rank messages cost {model.alpha * 1e6:.0f} us each before any byte)"
+    )
 
 
-def issue_order(buckets: Sequence[Bucket], ready: Optional[Dict[int, float]] = None,
-                comm_scale: Optional[float] = None) -> List[Tuple[int, int]]:
+def issue_order(
+    buckets: Sequence[Bucket],
+    ready: Optional[Dict[int, float]] = None,
+    comm_scale: Optional[float] = None,
+) -> List[Tuple[int, int]]:
     """The fixed (bucket, segment) sequence. Without ``ready`` (bucket -> seconds into
     backward when its gradients are ready): backward order. With it: a priority
     queue run under the buckets' predicted times (times ``comm_scale``: how much
@@ -355,8 +410,13 @@ def issue_order(buckets: Sequence[Bucket], ready: Optional[Dict[int, float]] = N
         if not avail:
             now = min(ready.get(i, 0.0) for i in todo)
             continue
-        i = min(avail, key=lambda i: (by_index[i].need if by_index[i].need is not None
-                                      else len(buckets) + i, i))
+        i = min(
+            avail,
+            key=lambda i: (
+                by_index[i].need if by_index[i].need is not None else len(buckets) + i,
+                i,
+            ),
+        )
         b, s = by_index[i], todo[i]
         now += _share(b, s, comm_scale)
         order.append((i, s))
@@ -373,9 +433,12 @@ def _share(b: Bucket, s: int, comm_scale: Optional[float]) -> float:
     return share if share == share else 0.0  # nan: the model cannot predict it
 
 
-def completion(buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]],
-               ready: Dict[int, float], comm_scale: Optional[float] = None
-               ) -> Dict[int, float]:
+def completion(
+    buckets: Sequence[Bucket],
+    order: Sequence[Tuple[int, int]],
+    ready: Dict[int, float],
+    comm_scale: Optional[float] = None,
+) -> Dict[int, float]:
     """When each bucket's last segment is done, in seconds from the first gradient,
     if the channel runs ``order`` as every rank does: each segment once the one
     before it is done and its bucket is ready, at the predicted (scaled) speed.
@@ -394,8 +457,9 @@ def completion(buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]],
     return done
 
 
-def merge_adjacent(buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]]
-                   ) -> List[Tuple[int, int]]:
+def merge_adjacent(
+    buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]]
+) -> List[Tuple[int, int]]:
     """Segments of a bucket that ``order`` issues back to back become one segment (and
     ``buckets``' segments are rewritten to match): a split pays only where another
     bucket goes between its parts; elsewhere it would only add calls.
@@ -428,8 +492,12 @@ def _unsplit(buckets: Sequence[Bucket]) -> List[Bucket]:
     return [Bucket(**{**asdict(b), "segments": [(0, b.segments[-1][1])]}) for b in buckets]
 
 
-def _queued_behind_first_need(buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]],
-                              ready: Dict[int, float], comm_scale: Optional[float]) -> float:
+def _queued_behind_first_need(
+    buckets: Sequence[Bucket],
+    order: Sequence[Tuple[int, int]],
+    ready: Dict[int, float],
+    comm_scale: Optional[float],
+) -> float:
     """Predicted seconds of reduction still to run once the bucket the next forward
     needs first is done: what that forward's compute can overlap."""
     needed = [b for b in buckets if b.need is not None]
@@ -440,16 +508,29 @@ def _queued_behind_first_need(buckets: Sequence[Bucket], order: Sequence[Tuple[i
     return max(done.values()) - done[first]
 
 
-def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
-              strategy: str = "hybrid", fusion_bytes: Optional[int] = None,
-              split_bytes: Optional[int] = None, windows: Optional[dict] = None,
-              ready: Optional[dict] = None, need: Optional[dict] = None,
-              topk: Optional[float] = None, lazy_bytes: Optional[int] = None,
-              topology: Optional[Topology] = None, launch_pass: int = 1,
-              comm_scale: Optional[float] = None, defer_pays: Optional[bool] = None,
-              servers: int = 0, forward_s: Optional[float] = None,
-              low_rank: Optional[Tuple[int, int]] = None, call_s: Optional[float] = None,
-              shard: bool = False) -> Plan:
+def make_plan(
+    layers: Sequence[Layer],
+    *,
+    world_size: int,
+    model: CostModel,
+    strategy: str = "hybrid",
+    fusion_bytes: Optional[int] = None,
+    split_bytes: Optional[int] = None,
+    windows: Optional[dict] = None,
+    ready: Optional[dict] = None,
+    need: Optional[dict] = None,
+    topk: Optional[float] = None,
+    lazy_bytes: Optional[int] = None,
+    topology: Optional[Topology] = None,
+    launch_pass: int = 1,
+    comm_scale: Optional[float] = None,
+    defer_pays: Optional[bool] = None,
+    servers: int = 0,
+    forward_s: Optional[float] = None,
+    low_rank: Optional[Tuple[int, int]] = None,
+    call_s: Optional[float] = None,
+    shard: bool = False,
+) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
     ``windows`` maps a layer name to its measured overlap window in seconds
@@ -489,16 +570,22 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
         # Nothing crosses a wire, so nothing overlaps: a bucket only costs host time
         # per step (its launch, its events, its wait)
         fusion_bytes = sum(layer.numel * layer.element_size for layer in layers)
-        notes.append("world size 1: nothing is communicated, so the layers share one bucket "
-                     "per dtype (each bucket costs host time every step); fusion_bytes= "
-                     "overrides")
+        notes.append(
+            "world size 1: nothing is communicated, so the layers share one bucket "
+            "per dtype (each bucket costs host time every step); fusion_bytes= "
+            "overrides"
+        )
     elif fusion_bytes is None:
         fusion_bytes = default_fusion(model, notes, world_size, topo, call_s)
     split_default = split_bytes is None
     if split_default:
         split_bytes = 0 if world_size == 1 else default_split(model, world_size, notes, topo)
-    candidates = [a for a in STRATEGY_CANDIDATES.get(strategy, ()) if model.offers(a) and not (
-        a == "halving_doubling" and shard and world_size & (world_size - 1))]
+    candidates = [
+        a
+        for a in STRATEGY_CANDIDATES.get(strategy, ())
+        if model.offers(a)
+        and not (a == "halving_doubling" and shard and world_size & (world_size - 1))
+    ]
     groups = _fuse(layers, fusion_bytes, lazy_bytes, low_rank)
     if lazy_bytes is not None:
         notes.append(explain_lazy(layers, groups, model, world_size))
@@ -525,44 +612,77 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
             algorithm = forced
         else:
             # At P <= 2 our algorithms are all one exchange of the same bytes.
-            pool = [a for a in candidates if a in ("butterfly", NATIVE, PS)] \
-                if world_size <= 2 and not shard else candidates
-            algorithm = model.choose(nbytes, world_size, window,
-                                     pool or candidates or ["butterfly"], topo)
+            pool = (
+                [a for a in candidates if a in ("butterfly", NATIVE, PS)]
+                if world_size <= 2 and not shard
+                else candidates
+            )
+            algorithm = model.choose(
+                nbytes, world_size, window, pool or candidates or ["butterfly"], topo
+            )
             if model.native_was_faster(algorithm, pool, nbytes, world_size, topo):
                 kept_ours.append(i)
-            if shard and algorithm == "halving_doubling" and model.predict(
-                    algorithm, nbytes, world_size, topo) > (1 - SHARDED_HD_GAIN) * \
-                    model.predict("ring", nbytes, world_size, topo):
+            if (
+                shard
+                and algorithm == "halving_doubling"
+                and model.predict(algorithm, nbytes, world_size, topo)
+                > (1 - SHARDED_HD_GAIN) * model.predict("ring", nbytes, world_size, topo)
+            ):
                 algorithm = "ring"
         if copies > 1 and algorithm == NATIVE and offsets is None:
             algorithm = "ring"  # (no sizes: no layout of ours to pad into equal parts)
         elif copies > 1 and algorithm == NATIVE:  # the collective's own: one call, equal parts
             grad_numel, segments = equal_parts(grads_end, len(params), world_size)
-        pred = sum(model.predict(algorithm, (b - a) * esize, world_size, topo)
-                   for a, b in segments) \
-            if model.offers(algorithm) else float("nan")
+        pred = (
+            sum(model.predict(algorithm, (b - a) * esize, world_size, topo) for a, b in segments)
+            if model.offers(algorithm)
+            else float("nan")
+        )
         compressor = None
         shapes = [s for layer in group for s in (layer.shapes or [])]
         if low_rank and world_size > 1 and len(shapes) == len(params):
             p_numel, q_numel = message_numels(shapes, low_rank[0])
-            if bytes_sent(algorithm, 4 * p_numel, world_size, topo) + \
-                    bytes_sent(algorithm, 4 * q_numel, world_size, topo) < \
-                    bytes_sent(algorithm, nbytes, world_size, topo):
+            if bytes_sent(algorithm, 4 * p_numel, world_size, topo) + bytes_sent(
+                algorithm, 4 * q_numel, world_size, topo
+            ) < bytes_sent(algorithm, nbytes, world_size, topo):
                 compressor, segments = POWERSGD, [(0, total)]
-                pred = sum(model.predict(algorithm, 4 * n, world_size, topo)
-                           for n in (p_numel, q_numel)) \
-                    if model.offers(algorithm) else float("nan")
-        if topk and world_size > 1 and sparse_bytes_sent(numel, len(params), topk, world_size) \
-                < bytes_sent(algorithm, nbytes, world_size):
+                pred = (
+                    sum(
+                        model.predict(algorithm, 4 * n, world_size, topo)
+                        for n in (p_numel, q_numel)
+                    )
+                    if model.offers(algorithm)
+                    else float("nan")
+                )
+        if (
+            topk
+            and world_size > 1
+            and sparse_bytes_sent(numel, len(params), topk, world_size)
+            < bytes_sent(algorithm, nbytes, world_size)
+        ):
             algorithm, segments = TOPK, [(0, total)]
             seg_bytes = segment_numel(numel, len(params), topk) * 4
             pred = (world_size - 1) * (model.alpha + seg_bytes * model.beta)
         needs = [need[layer.name] for layer in group if need and layer.name in need]
-        buckets.append(Bucket(i, [layer.name for layer in group], params, numel, nbytes,
-                              algorithm, pred, group[0].dtype, window, segments,
-                              min(needs) if needs else None, offsets, grad_numel, compressor,
-                              copies))
+        buckets.append(
+            Bucket(
+                i,
+                [layer.name for layer in group],
+                params,
+                numel,
+                nbytes,
+                algorithm,
+                pred,
+                group[0].dtype,
+                window,
+                segments,
+                min(needs) if needs else None,
+                offsets,
+                grad_numel,
+                compressor,
+                copies,
+            )
+        )
     bucket_ready = None
     if ready:
         bucket_ready = {}
@@ -570,31 +690,54 @@ def make_plan(layers: Sequence[Layer], *, world_size: int, model: CostModel,
             times = [ready[layer.name] for layer in group if layer.name in ready]
             bucket_ready[b.index] = max(times) if times else 0.0
     order = merge_adjacent(buckets, issue_order(buckets, bucket_ready, comm_scale))
-    if split_default and bucket_ready and forward_s is not None and \
-            any(len(b.segments) > 1 for b in buckets):
+    if (
+        split_default
+        and bucket_ready
+        and forward_s is not None
+        and any(len(b.segments) > 1 for b in buckets)
+    ):
         whole = _unsplit(buckets)
         whole_order = issue_order(whole, bucket_ready, comm_scale)
         behind = _queued_behind_first_need(whole, whole_order, bucket_ready, comm_scale)
         if behind >= forward_s:
             buckets, order, split_bytes = whole, whole_order, 0
-            notes.append(f"no split: without one, {behind * 1e3:.0f} ms of reductions are "
-                         "still queued behind the bucket the next forward needs first, more "
-                         f"than that forward's ~{forward_s * 1e3:.0f} ms of compute, so it "
-                         "overlaps them either way and a split would only add collectives")
+            notes.append(
+                f"no split: without one, {behind * 1e3:.0f} ms of reductions are "
+                "still queued behind the bucket the next forward needs first, more "
+                f"than that forward's ~{forward_s * 1e3:.0f} ms of compute, so it "
+                "overlaps them either way and a split would only add collectives"
+            )
     for b in buckets:  # fewer segments after the merge: fewer fixed costs
         if b.algorithm not in (TOPK,) and b.compressor is None and model.offers(b.algorithm):
-            b.predicted_s = sum(model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1),
-                                              world_size, topo) for a, z in b.segments)
+            b.predicted_s = sum(
+                model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1), world_size, topo)
+                for a, z in b.segments
+            )
     if comm_scale is not None and comm_scale != 1.0:
-        notes.append(f"in the measured steps communication took {comm_scale:.2f}x the time the "
-                     "cost model predicts: the issue order is timed with the measured speed")
+        notes.append(
+            f"in the measured steps communication took {comm_scale:.2f}x the time the "
+            "cost model predicts: the issue order is timed with the measured speed"
+        )
     if kept_ours:
-        notes.append(f"bucket(s) {kept_ours}: native predicted faster by less than its "
-                     f"uncertainty ({model.uncertainty:.0%}): ours (strategy='native' forces it)")
+        notes.append(
+            f"bucket(s) {kept_ours}: native predicted faster by less than its "
+            f"uncertainty ({model.uncertainty:.0%}): ours (strategy='native' forces it)"
+        )
     if defer_pays is False:
-        notes.append("forward overlap cannot pay here: in the measured steps every bucket but "
-                     "the one the next forward needs first was reduced before step(), so (in "
-                     "forward mode) step() applies the updates at once, in one optimizer call, "
-                     "as backward mode does")
-    return Plan(world_size, strategy, buckets, order, fusion_bytes, split_bytes, notes,
-                launch_pass, defer_pays is not False)
+        notes.append(
+            "forward overlap cannot pay here: in the measured steps every bucket but "
+            "the one the next forward needs first was reduced before step(), so (in "
+            "forward mode) step() applies the updates at once, in one optimizer call, "
+            "as backward mode does"
+        )
+    return Plan(
+        world_size,
+        strategy,
+        buckets,
+        order,
+        fusion_bytes,
+        split_bytes,
+        notes,
+        launch_pass,
+        defer_pays is not False,
+    )

@@ -20,11 +20,19 @@ Every strategy reports ``bytes_sent`` (by this rank) and raises
 May import: the fronts (``averager``, ``broadcast``), ``sync``, ``comm``
 and everything below them; not ``integrations`` or ``tools``.
 """
+
 from .admm import ADMM
 from .downpour.client import DownpourSGD, init_downpour, serve
 from .downpour.pipeline import DownpourStage
 from .local_sgd import LocalSGD
 from .parallel_sgd import ParallelSGD
 
-__all__ = ["ADMM", "DownpourSGD", "DownpourStage", "LocalSGD", "ParallelSGD", "init_downpour",
-           "serve"]
+__all__ = [
+    "ADMM",
+    "DownpourSGD",
+    "DownpourStage",
+    "LocalSGD",
+    "ParallelSGD",
+    "init_downpour",
+    "serve",
+]

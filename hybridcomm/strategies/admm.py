@@ -1,4 +1,5 @@
 """Consensus ADMM SGD (Boyd, Parikh, Chu, Peleato & Eckstein 2011, section 7.1)."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -31,9 +32,15 @@ class ADMM:
         1
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                 rho: float = 0.1, local_steps: int = 5, group=None,
-                 timeout: Optional[float] = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        rho: float = 0.1,
+        local_steps: int = 5,
+        group=None,
+        timeout: Optional[float] = None,
+    ):
         control.require_initialized("hybridcomm.strategies.ADMM")
         if rho <= 0 or local_steps < 1:
             raise ValueError("rho must be > 0 and local_steps >= 1")
@@ -77,9 +84,13 @@ class ADMM:
         """The optimizer's state, the counters, the consensus ``z`` and every rank's
         own parameters, duals ``u`` and optimizer state (rank 0 may write it alone).
         A collective. Load the model's state first, then this."""
-        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps,
-                "rounds": self.rounds, "z": [z.clone() for z in self.z],
-                "per_rank": gather_per_rank(self._own(), self.group, self.timeout)}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "steps": self.steps,
+            "rounds": self.rounds,
+            "z": [z.clone() for z in self.z],
+            "per_rank": gather_per_rank(self._own(), self.group, self.timeout),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
@@ -88,8 +99,10 @@ class ADMM:
             for z, saved in zip(self.z, state["z"]):
                 z.copy_(saved)
         if not load_own(self._own(), state["per_rank"], self.group):
-            raise ValueError("this ADMM checkpoint was saved by another world size or model: "
-                             "its duals cannot be split over these ranks")
+            raise ValueError(
+                "this ADMM checkpoint was saved by another world size or model: "
+                "its duals cannot be split over these ranks"
+            )
 
     def _own(self):
         return self.params + self.u + state_tensors(self.optimizer)

@@ -1,5 +1,6 @@
 """Which tensors a strategy averages besides the parameters (the optimizer's state),
 and each rank's own tensors in a checkpoint one rank writes."""
+
 from __future__ import annotations
 
 from typing import List
@@ -27,10 +28,14 @@ def gather_per_rank(tensors: List[torch.Tensor], group, timeout: float) -> List[
     """Every rank's ``tensors`` flattened into one CPU tensor each, in rank order (a
     collective): per-rank state (local models between averages, ADMM's duals) in
     a checkpoint that rank 0 alone writes."""
-    flat = torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors]) if tensors \
+    flat = (
+        torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
+        if tensors
         else torch.zeros(0, dtype=torch.float64)
-    return control.all_gather_tensor(flat, group=group, timeout=timeout,
-                                     what="per-rank state for a checkpoint")
+    )
+    return control.all_gather_tensor(
+        flat, group=group, timeout=timeout, what="per-rank state for a checkpoint"
+    )
 
 
 def load_own(tensors: List[torch.Tensor], per_rank: List[torch.Tensor], group) -> bool:
@@ -45,6 +50,6 @@ def load_own(tensors: List[torch.Tensor], per_rank: List[torch.Tensor], group) -
     at, mine = 0, per_rank[rank]
     with torch.no_grad():
         for t in tensors:
-            t.copy_(mine[at:at + t.numel()].view(t.shape))
+            t.copy_(mine[at : at + t.numel()].view(t.shape))
             at += t.numel()
     return True

@@ -1,4 +1,5 @@
 """Local SGD / periodic model averaging (post-local SGD: Lin et al. 2020)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -31,9 +32,16 @@ class LocalSGD:
         2
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                 period: int = 8, average_state: bool = False, warmup_steps: int = 0,
-                 group=None, timeout: Optional[float] = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        period: int = 8,
+        average_state: bool = False,
+        warmup_steps: int = 0,
+        group=None,
+        timeout: Optional[float] = None,
+    ):
         control.require_initialized("hybridcomm.strategies.LocalSGD")
         if period < 1 or warmup_steps < 0:
             raise ValueError("period must be >= 1 and warmup_steps >= 0")
@@ -45,9 +53,18 @@ class LocalSGD:
         broadcast_parameters(model.state_dict(), process_group=group, timeout=self.timeout)
         self._averager = TensorAverager(group, timeout=self.timeout)
         # The synchronous warm-up: the gradient synchronizer, closed when it ends.
-        self._sync = GradientSynchronizer(optimizer.param_groups, None, model=model,
-                                          overlap="backward", process_group=group,
-                                          timeout=self.timeout) if warmup_steps else None
+        self._sync = (
+            GradientSynchronizer(
+                optimizer.param_groups,
+                None,
+                model=model,
+                overlap="backward",
+                process_group=group,
+                timeout=self.timeout,
+            )
+            if warmup_steps
+            else None
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -81,8 +98,11 @@ class LocalSGD:
         """The optimizer's state, the step count, and every rank's own parameters and
         optimizer state (between averages they differ; rank 0 may write it alone).
         A collective. Load the model's state first, then this."""
-        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps,
-                "per_rank": gather_per_rank(self._own(), self.group, self.timeout)}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "steps": self.steps,
+            "per_rank": gather_per_rank(self._own(), self.group, self.timeout),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])

@@ -1,4 +1,5 @@
 """Parallel SGD (Zinkevich, Weimer, Smola & Li 2010)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -26,8 +27,14 @@ class ParallelSGD:
         0
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
-                 average: str = "epoch", group=None, timeout: Optional[float] = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module,
+        average: str = "epoch",
+        group=None,
+        timeout: Optional[float] = None,
+    ):
         control.require_initialized("hybridcomm.strategies.ParallelSGD")
         if average not in ("epoch", "end"):
             raise ValueError(f"average must be 'epoch' or 'end', got {average!r}")

@@ -25,6 +25,7 @@ Example::
     group.open(group.states[0]); group.launch(group.states[0])
     group.consume(group.states[0])       # waits: .grad holds the reduced gradients
 """
+
 from __future__ import annotations
 
 import enum
@@ -91,10 +92,34 @@ def wants_guard(s: "BucketState") -> bool:
 class BucketState:
     """A bucket's bookkeeping on the host (its memory is ``bucket``)."""
 
-    __slots__ = ("index", "bucket", "_phase", "content", "touched", "pass_id", "launched_pass",
-                 "launched_epoch", "launched_at", "complete", "hyper", "taken", "reopened",
-                 "detached", "marked", "agreed", "gathered", "scattered", "guards", "armed",
-                 "closer", "closer_steps", "closed_in", "kept", "zeroed", "rebound")
+    __slots__ = (
+        "index",
+        "bucket",
+        "_phase",
+        "content",
+        "touched",
+        "pass_id",
+        "launched_pass",
+        "launched_epoch",
+        "launched_at",
+        "complete",
+        "hyper",
+        "taken",
+        "reopened",
+        "detached",
+        "marked",
+        "agreed",
+        "gathered",
+        "scattered",
+        "guards",
+        "armed",
+        "closer",
+        "closer_steps",
+        "closed_in",
+        "kept",
+        "zeroed",
+        "rebound",
+    )
 
     def __init__(self, index: int, bucket: GradBucket):
         self.index, self.bucket = index, bucket
@@ -141,8 +166,7 @@ def memory_beyond_gradients(bucket: GradBucket) -> Dict[str, int]:
     compression, top-k's residual, velocity and gathered messages)."""
     item = bucket.buffer.element_size()
     grads = sum(v.numel() for v in bucket.views) * item
-    extra = {"padding": bucket.grads.numel() * item - grads,
-             "flags": bucket.flags.numel() * item}
+    extra = {"padding": bucket.grads.numel() * item - grads, "flags": bucket.flags.numel() * item}
     if bucket.wire is not None:
         extra["wire copy"] = bucket.wire.numel() * bucket.wire.element_size()
     tk = bucket.topk
@@ -161,15 +185,19 @@ def memory_beyond_gradients(bucket: GradBucket) -> Dict[str, int]:
 def _refuse_sparse(names: Sequence[str], pos: int, b: GradBucket) -> None:
     raise HybridCommError(
         f"parameter {names[b.spec.params[pos]]!r} has a sparse gradient; "
-        "hybridcomm reduces dense gradients (sparse=True modules only on the CPU path)")
+        "hybridcomm reduces dense gradients (sparse=True modules only on the CPU path)"
+    )
 
 
 def _log_memory(bucket: GradBucket) -> None:
     extra = memory_beyond_gradients(bucket)
-    log.debug("hybridcomm bucket %d: %d bytes of gradients, %d bytes more (%s)",
-              bucket.spec.index, sum(v.numel() for v in bucket.views) *
-              bucket.buffer.element_size(), sum(extra.values()),
-              ", ".join(f"{k} {v}" for k, v in extra.items() if v))
+    log.debug(
+        "hybridcomm bucket %d: %d bytes of gradients, %d bytes more (%s)",
+        bucket.spec.index,
+        sum(v.numel() for v in bucket.views) * bucket.buffer.element_size(),
+        sum(extra.values()),
+        ", ".join(f"{k} {v}" for k, v in extra.items() if v),
+    )
 
 
 @dataclass
@@ -239,9 +267,17 @@ class BucketGroup:
     joined) is folded in when its bucket next opens.
     """
 
-    def __init__(self, plan: Plan, params: Sequence[torch.nn.Parameter], names: Sequence[str],
-                 links: Links, config: SyncConfig, state: StepState,
-                 measuring_next: Callable[[], bool], carry: Optional["BucketGroup"] = None):
+    def __init__(
+        self,
+        plan: Plan,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        links: Links,
+        config: SyncConfig,
+        state: StepState,
+        measuring_next: Callable[[], bool],
+        carry: Optional["BucketGroup"] = None,
+    ):
         self.plan, self.names, self.links, self.config = plan, names, links, config
         self.state = state
         self._measuring_next = measuring_next  # stamp launches whose next use is measured
@@ -254,12 +290,26 @@ class BucketGroup:
             dtype = getattr(torch, b.dtype.replace("torch.", ""))
             bucket = GradBucket(b, ps, dtype, config.wire_dtype, links.alloc)
             if b.algorithm == TOPK:
-                bucket.topk = TopK(bucket.grads.numel(), len(ps), config.topk, links.rank,
-                                   links.world, config.correction_momentum, links.alloc)
+                bucket.topk = TopK(
+                    bucket.grads.numel(),
+                    len(ps),
+                    config.topk,
+                    links.rank,
+                    links.world,
+                    config.correction_momentum,
+                    links.alloc,
+                )
             if b.compressor == POWERSGD:
                 rank, start = config.low_rank
-                bucket.lowrank = PowerSGD([v.shape for v in bucket.views], bucket.offsets,
-                                          b.params, rank, start, links.world, links.alloc)
+                bucket.lowrank = PowerSGD(
+                    [v.shape for v in bucket.views],
+                    bucket.offsets,
+                    b.params,
+                    rank,
+                    start,
+                    links.world,
+                    links.alloc,
+                )
             s = BucketState(b.index, bucket)
             for pos, p in enumerate(ps):
                 self.where[id(p)] = (s, pos)
@@ -270,8 +320,15 @@ class BucketGroup:
             if log.isEnabledFor(logging.DEBUG):
                 _log_memory(bucket)
         self.engine: Optional[CommEngine] = CommEngine(
-            plan, [s.bucket for s in self.states], links.channel, links.transport,
-            scale=links.scale, timeout=config.timeout, servers=links.servers, timed_ops=True)
+            plan,
+            [s.bucket for s in self.states],
+            links.channel,
+            links.transport,
+            scale=links.scale,
+            timeout=config.timeout,
+            servers=links.servers,
+            timed_ops=True,
+        )
         if config.shard:  # each rank steps its part of every bucket (shard.py)
             self.engine.phase = REDUCE_SCATTER
         if links.on_slow is not None:
@@ -291,8 +348,9 @@ class BucketGroup:
     def to(self, s: BucketState, phase: Phase) -> None:
         """Move bucket ``s`` to ``phase`` along an edge of the diagram (module doc)."""
         if phase not in EDGES[s.phase]:
-            raise HybridCommError(f"internal error: bucket {s.index} cannot go from "
-                                  f"{s.phase.value} to {phase.value}")
+            raise HybridCommError(
+                f"internal error: bucket {s.index} cannot go from {s.phase.value} to {phase.value}"
+            )
         s._phase = phase
         self.rearm(s)
 
@@ -345,7 +403,9 @@ class BucketGroup:
                 copy_into(b.views, grads)
             except RuntimeError:  # (a sparse gradient is found here, not looked for each step)
                 if any(map(_IS_SPARSE, grads)):
-                    _refuse_sparse(self.names, next(i for i, g in enumerate(grads) if g.is_sparse), b)
+                    _refuse_sparse(
+                        self.names, next(i for i, g in enumerate(grads) if g.is_sparse), b
+                    )
                 raise
             s.content.update(range(len(grads)))
             grad_fields.set_grads(b.params, b.views)
@@ -377,8 +437,7 @@ class BucketGroup:
     def launch(self, s: BucketState, pass_id: int) -> None:
         """Hand the bucket to the engine (it issues it when the order reaches it)."""
         if s.phase is not Phase.ACCUMULATING:
-            raise HybridCommError(f"internal error: bucket {s.index} launched from "
-                                  f"{s.phase.value}")
+            raise HybridCommError(f"internal error: bucket {s.index} launched from {s.phase.value}")
         joining = self.links.joining
         if joining is not None and self.engine.at_round_start():
             joining.notify(ROUND)  # before anything of the round is issued
@@ -418,18 +477,21 @@ class BucketGroup:
         nothing of this rank's (zeros, no position used)."""
         for s in self.states:
             if s.phase is not Phase.ACCUMULATING and not open_(s):
-                raise HybridCommError(f"internal error: bucket {s.index} shadowed before its "
-                                      "last launch was issued")
+                raise HybridCommError(
+                    f"internal error: bucket {s.index} shadowed before its last launch was issued"
+                )
             for p in s.bucket.params:
                 p.grad = None  # absorb zeroes the view and marks the position unused
             self.launch(s, pass_id)
 
-    def open_and_launch(self, s: BucketState, open_: Callable[[BucketState], bool],
-                        pass_id: int) -> None:
+    def open_and_launch(
+        self, s: BucketState, open_: Callable[[BucketState], bool], pass_id: int
+    ) -> None:
         """Launch ``s``, opening it first if it is not accumulating."""
         if s.phase is not Phase.ACCUMULATING and not open_(s):
-            raise HybridCommError(f"internal error: bucket {s.index} launched again before "
-                                  "its last launch was issued")
+            raise HybridCommError(
+                f"internal error: bucket {s.index} launched again before its last launch was issued"
+            )
         self.launch(s, pass_id)
 
     def wait(self, s: BucketState) -> None:
@@ -456,7 +518,8 @@ class BucketGroup:
                 "after backward, or a torch.distributed.pipelining schedule's gradient scaling: "
                 "build it with scale_grads=False and divide the loss by the micro-batch count): "
                 "modify gradients only after opt.synchronize(), and zero them with zero_grad() "
-                "(set_to_none=True, the default)")
+                "(set_to_none=True, the default)"
+            )
         used = self.links.used.positions(s, self.links.on_device)
         s.scattered = self.engine.phase is REDUCE_SCATTER
         if views_bound or b.released or (s.complete and grad_fields.bound(b.params, b.views)):
@@ -483,16 +546,19 @@ class BucketGroup:
                 raise HybridCommError(
                     f"p.grad of {self.names[b.spec.params[pos]]!r} was replaced while it was "
                     "being all-reduced: gradients are reduced in place; change them after "
-                    "opt.synchronize() (then step inside opt.skip_synchronize())")
+                    "opt.synchronize() (then step inside opt.skip_synchronize())"
+                )
         self.to(s, Phase.IDLE)
 
     # ---- whole-group verbs -------------------------------------------------------------
     def set_by_hand(self) -> bool:
         """Whether some ``.grad`` is neither None nor its view: set without a backward
         pass (``p.grad = g`` after ``torch.autograd.grad``), to be reduced too."""
-        return any(p.grad is not None and p.grad is not s.bucket.views[pos] and
-                   not is_released(p.grad)
-                   for s in self.states for pos, p in enumerate(s.bucket.params))
+        return any(
+            p.grad is not None and p.grad is not s.bucket.views[pos] and not is_released(p.grad)
+            for s in self.states
+            for pos, p in enumerate(s.bucket.params)
+        )
 
     def needs_round(self) -> bool:
         """A gradient came after some bucket's launch: every bucket goes again."""
@@ -556,14 +622,21 @@ class BucketGroup:
 
     def running(self) -> List[List[str]]:
         """The layers of each bucket not launched in this epoch or still running."""
-        return [s.bucket.spec.layers for s in self.states
-                if s.launched_epoch != self.state.epoch
-                or (s.launched and not self.engine.done(s.index))]
+        return [
+            s.bucket.spec.layers
+            for s in self.states
+            if s.launched_epoch != self.state.epoch
+            or (s.launched and not self.engine.done(s.index))
+        ]
 
     def topk_views(self) -> List[tuple]:
         """(param, residual view, velocity view or None) of every top-k bucket."""
-        return [(p, *s.bucket.topk_state(pos)) for s in self.states
-                if s.bucket.topk is not None for pos, p in enumerate(s.bucket.params)]
+        return [
+            (p, *s.bucket.topk_state(pos))
+            for s in self.states
+            if s.bucket.topk is not None
+            for pos, p in enumerate(s.bucket.params)
+        ]
 
     def topk_param_ids(self) -> set:
         return {id(p) for s in self.states if s.bucket.topk is not None for p in s.bucket.params}
@@ -579,4 +652,3 @@ class BucketGroup:
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.close()
-

@@ -23,6 +23,7 @@ That is the only copy, and only under compression.
 This module holds data only; when a bucket may be written, launched or read
 is the bucket group's (bucket_group.py).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterable, List, Optional, Sequence, Tuple
@@ -50,8 +51,12 @@ def copy_into(views: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
     """
     if copy_into_on_host(views, grads):  # (a byte copy each, in C++)
         return
-    if _foreach_copy is not None and len(views) > 1 and \
-            set(map(type, grads)) == _PLAIN and set(map(type, views)) == _PLAIN:
+    if (
+        _foreach_copy is not None
+        and len(views) > 1
+        and set(map(type, grads)) == _PLAIN
+        and set(map(type, views)) == _PLAIN
+    ):
         _foreach_copy(views, grads)
         return
     for view, grad in zip(views, grads):
@@ -74,18 +79,41 @@ class GradBucket:
         (True, [0, 4])
     """
 
-    __slots__ = ("spec", "params", "buffer", "grads", "flags", "views", "offsets", "wire",
-                 "topk", "lowrank", "released", "operations", "part", "_part_at", "_alloc",
-                 "_dtype", "_grad_numel")
+    __slots__ = (
+        "spec",
+        "params",
+        "buffer",
+        "grads",
+        "flags",
+        "views",
+        "offsets",
+        "wire",
+        "topk",
+        "lowrank",
+        "released",
+        "operations",
+        "part",
+        "_part_at",
+        "_alloc",
+        "_dtype",
+        "_grad_numel",
+    )
 
-    def __init__(self, spec: Bucket, params: List[torch.nn.Parameter], dtype: torch.dtype,
-                 wire_dtype: Optional[torch.dtype], alloc: Alloc):
+    def __init__(
+        self,
+        spec: Bucket,
+        params: List[torch.nn.Parameter],
+        dtype: torch.dtype,
+        wire_dtype: Optional[torch.dtype],
+        alloc: Alloc,
+    ):
         self.spec, self.params = spec, params
         if spec.offsets is not None:
             self.offsets, grad_numel = list(spec.offsets), spec.grad_numel
         else:
-            self.offsets, grad_numel = layout([local_numel(p) for p in params],
-                                              torch.empty((), dtype=dtype).element_size())
+            self.offsets, grad_numel = layout(
+                [local_numel(p) for p in params], torch.empty((), dtype=dtype).element_size()
+            )
         self._alloc, self._dtype, self._grad_numel = alloc, dtype, grad_numel
         self._allocate()
         self.wire = None
@@ -110,9 +138,11 @@ class GradBucket:
         self.buffer.zero_()
         self.grads, self.flags = self.buffer[:n], self.buffer[n:]
         if spec.flag_copies > 1:  # a row a rank (its tail block), each holding them all
-            self.flags = self.flags.view(spec.flag_copies, spec.flag_stride)[:, :len(self.params)]
-        self.views = [grad_view(self.buffer[o:o + local_numel(p)].view(local_shape(p)), p)
-                      for o, p in zip(self.offsets, self.params)]
+            self.flags = self.flags.view(spec.flag_copies, spec.flag_stride)[:, : len(self.params)]
+        self.views = [
+            grad_view(self.buffer[o : o + local_numel(p)].view(local_shape(p)), p)
+            for o, p in zip(self.offsets, self.params)
+        ]
 
     def reserve_part(self, keep: Sequence[Tuple[int, int]]) -> Callable[[], None]:
         """Memory for the ranges ``keep`` of the buffer (``part``, read with
@@ -123,7 +153,7 @@ class GradBucket:
             self._part_at.append((a, z, at))
             at += z - a
         part = self.part = self._alloc(at, self._dtype)
-        dst = [part[o:o + z - a] for a, z, o in self._part_at]
+        dst = [part[o : o + z - a] for a, z, o in self._part_at]
         src = [self.buffer[a:z] for a, z, _ in self._part_at]
         return lambda: copy_into(dst, src)
 
@@ -146,20 +176,24 @@ class GradBucket:
         the part :meth:`release` kept back in its place."""
         self._allocate()
         if self.part is not None:
-            copy_into([self.buffer[a:z] for a, z, _ in self._part_at],
-                      [self.part[o:o + z - a] for a, z, o in self._part_at])
+            copy_into(
+                [self.buffer[a:z] for a, z, _ in self._part_at],
+                [self.part[o : o + z - a] for a, z, o in self._part_at],
+            )
         self.part, self._part_at = None, []
         self.released = False
 
     def region(self, at: int, n: int) -> torch.Tensor:
         """``buffer[at:at + n]``, or where released, the same elements of the part kept."""
         if self.buffer is not None:
-            return self.buffer[at:at + n]
+            return self.buffer[at : at + n]
         for a, z, o in self._part_at:
             if a <= at and at + n <= z:
-                return self.part[o + at - a:o + at - a + n]
-        raise HybridCommError(f"internal error: [{at}, {at + n}) of bucket {self.spec.index} "
-                              "was not kept when its memory was released")
+                return self.part[o + at - a : o + at - a + n]
+        raise HybridCommError(
+            f"internal error: [{at}, {at + n}) of bucket {self.spec.index} "
+            "was not kept when its memory was released"
+        )
 
     @property
     def comm(self) -> torch.Tensor:
@@ -174,8 +208,8 @@ class GradBucket:
             return None
         o, shape = self.offsets[pos], self.views[pos].shape
         n = shape.numel()
-        vel = None if tk.velocity is None else tk.velocity[o:o + n].view(shape)
-        return tk.residual[o:o + n].view(shape), vel
+        vel = None if tk.velocity is None else tk.velocity[o : o + n].view(shape)
+        return tk.residual[o : o + n].view(shape), vel
 
     def holds(self, pos: int) -> bool:
         """Whether parameter ``pos``'s ``.grad`` is its view of this buffer."""

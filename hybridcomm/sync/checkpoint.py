@@ -14,6 +14,7 @@ Example::
     state = checkpoint.save(sync)        # plain types and a CPU tensor
     checkpoint.load(sync, state)         # the plan adopted, the residuals restored
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,11 @@ log = logging.getLogger("hybridcomm")
 
 def save(sync) -> dict:
     """``sync``'s (a GradientSynchronizer's) checkpoint state."""
-    state = {"plan": sync.plan.to_dict(), "steps": sync.state.steps,
-             "params": list(sync.registry.names)}
+    state = {
+        "plan": sync.plan.to_dict(),
+        "steps": sync.state.steps,
+        "params": list(sync.registry.names),
+    }
     for key, views_of in FEEDBACK.items():
         with sync.watched():
             views = views_of(sync)
@@ -47,8 +51,9 @@ def load(sync, state: Optional[dict]) -> None:
         return
     why = mismatch(sync, state)
     if why:
-        log.warning("hybridcomm: the checkpoint's plan is not used (%s): the current plan "
-                    "stays", why)
+        log.warning(
+            "hybridcomm: the checkpoint's plan is not used (%s): the current plan stays", why
+        )
         return
     sync.rebuild(plan_from_dict(state["plan"]), "the checkpoint's plan")
     sync.state.steps = int(state["steps"])
@@ -87,25 +92,37 @@ def load_residuals(sync, state: dict) -> None:
             continue  # none in it (broadcast_optimizer_state): this rank keeps its own
         total = sum(v.numel() for v in views)
         if mine is None or mine.numel() != total:
-            log.warning("hybridcomm: the checkpoint holds no %s error feedback of rank %d for "
-                        "this plan: it stays as it is (save every rank's opt.state_dict() to "
-                        "resume exactly)", key, sync.rank)
+            log.warning(
+                "hybridcomm: the checkpoint holds no %s error feedback of rank %d for "
+                "this plan: it stays as it is (save every rank's opt.state_dict() to "
+                "resume exactly)",
+                key,
+                sync.rank,
+            )
             continue
         at = 0
         with sync.watched():
             for v in views:
-                v.copy_(mine[at:at + v.numel()].view(v.shape))
+                v.copy_(mine[at : at + v.numel()].view(v.shape))
                 at += v.numel()
 
 
 def _topk_views(sync) -> List[torch.Tensor]:
-    return [v for _, residual, velocity in sync.group.topk_views()
-            for v in (residual, velocity) if v is not None]
+    return [
+        v
+        for _, residual, velocity in sync.group.topk_views()
+        for v in (residual, velocity)
+        if v is not None
+    ]
 
 
 def _powersgd_views(sync) -> List[torch.Tensor]:
-    return [v for s in sync.group.states if s.bucket.lowrank is not None
-            for v in s.bucket.lowrank.states()]
+    return [
+        v
+        for s in sync.group.states
+        if s.bucket.lowrank is not None
+        for v in s.bucket.lowrank.states()
+    ]
 
 
 # what a checkpoint keeps of each compression's state, under its key

@@ -18,6 +18,7 @@ Example::
     model(x)                             # each bucket applied before its first read
     deferred.apply_pending()             # or all now
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,9 +45,17 @@ class DeferredUpdates:
     ``group_of()`` the synchronizer's current bucket group.
     """
 
-    def __init__(self, group_of: Callable[[], BucketGroup], update: Optional[Update],
-                 measure: StepMeasurements, state: StepState, clock, timeline, rt,
-                 momentum: float):
+    def __init__(
+        self,
+        group_of: Callable[[], BucketGroup],
+        update: Optional[Update],
+        measure: StepMeasurements,
+        state: StepState,
+        clock,
+        timeline,
+        rt,
+        momentum: float,
+    ):
         self._group_of, self.update = group_of, update
         self.measure, self.state, self.clock, self.timeline = measure, state, clock, timeline
         self._rt, self._momentum = rt, momentum
@@ -63,14 +72,18 @@ class DeferredUpdates:
         for s in group.states:
             b = s.bucket
             whole = grad_fields.bound(b.params, b.views)  # not zeroed since
-            taken = set(range(len(b.params))) if whole else \
-                {pos for pos, kept in enumerate(map(is_, map(_GRAD, b.params), b.views)) if kept}
+            taken = (
+                set(range(len(b.params)))
+                if whole
+                else {
+                    pos for pos, kept in enumerate(map(is_, map(_GRAD, b.params), b.views)) if kept
+                }
+            )
             if s.launched or (s.phase is Phase.IDLE and taken & s.content):
                 s.hyper, s.taken, s.zeroed, s.rebound = hyper, taken, False, False
                 group.to(s, Phase.PENDING)
                 # (the bucket's own list where it is whole: pending.py knows it from the last step)
-                pending.defer(b.params if whole else [b.params[pos] for pos in taken],
-                              self.on_read)
+                pending.defer(b.params if whole else [b.params[pos] for pos in taken], self.on_read)
 
     def read(self, p) -> None:
         """Something reads ``p`` while its update is pending (pending.py): apply it."""
@@ -139,8 +152,12 @@ class DeferredUpdates:
         listed = list(chain.from_iterable(g["params"] for g in param_groups))
         indices = [s.index for s in states]
         known = group.zeroing_others
-        if known is not None and known[0] == indices and len(known[1]) == len(listed) and \
-                all(map(is_, listed, known[1])):
+        if (
+            known is not None
+            and known[0] == indices
+            and len(known[1]) == len(listed)
+            and all(map(is_, listed, known[1]))
+        ):
             return known[2]
         covered = {id(p) for s in states for p in s.bucket.params}
         others = [p for p in listed if id(p) not in covered]
@@ -158,8 +175,9 @@ class DeferredUpdates:
         s.zeroed = False
         params, content = s.bucket.params, s.content
         # (released: plain parameters, so one call into C++ for the bucket)
-        grad_fields.set_grads(params if len(content) == len(params) else
-                              [params[pos] for pos in content])
+        grad_fields.set_grads(
+            params if len(content) == len(params) else [params[pos] for pos in content]
+        )
         s.content = set()
 
     def release_dropped(self, s: BucketState) -> None:
@@ -213,9 +231,13 @@ class DeferredUpdates:
             together = [s]  # one by one: each bucket's window and need are measured
         else:
             group.wait(s)  # first: what was issued before it is done by then too
-            together = [s] + [o for o in group.states if o is not s and
-                              o.phase is Phase.PENDING and
-                              group.engine.done_with(o.index, s.index)]
+            together = [s] + [
+                o
+                for o in group.states
+                if o is not s
+                and o.phase is Phase.PENDING
+                and group.engine.done_with(o.index, s.index)
+            ]
         for o in together:  # before any update reads them
             self.release(o)
         groups: Dict[bool, tuple] = {}
@@ -243,6 +265,9 @@ class DeferredUpdates:
                     self.update(params, grads, hyper, free, bound)
         for o in together:
             self._zero_taken(o)
-        self.timeline.add(f"update bucket {s.index}" + (f" (+{len(together) - 1})"
-                                                       if len(together) > 1 else ""),
-                          "compute", t0, time.perf_counter())
+        self.timeline.add(
+            f"update bucket {s.index}" + (f" (+{len(together) - 1})" if len(together) > 1 else ""),
+            "compute",
+            t0,
+            time.perf_counter(),
+        )

@@ -21,6 +21,7 @@ Example::
     >>> set_grads(ps); [p.grad for p in ps]
     [None, None]
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -61,6 +61,7 @@ Example::
     hooks.review(measured_next=False)   # a step ends: lean in the next one?
     hooks.detach()                # close()
 """
+
 from __future__ import annotations
 
 import functools
@@ -131,7 +132,8 @@ class GradientHooks:
                 self._pre[pid] = self._new_pre(p)
         sync = self.sync
         self.always_armed = getattr(sync.rt, "reports_writes", False) or (
-            not self.native and not hooks_toggle())
+            not self.native and not hooks_toggle()
+        )
         cfg = sync.config
         self.can_lean = cfg.lean_hooks and not cfg.find_unused_parameters
         for s in sync.group.states:
@@ -146,8 +148,10 @@ class GradientHooks:
         if on == self.lean:
             return
         self.lean = on
-        log.debug("hybridcomm: the post-accumulate hook on %s", "each bucket's closer only"
-                  if on else "every parameter")
+        log.debug(
+            "hybridcomm: the post-accumulate hook on %s",
+            "each bucket's closer only" if on else "every parameter",
+        )
         if on:
             for s in self.sync.group.states:
                 for pos, p in enumerate(s.bucket.params):
@@ -166,11 +170,18 @@ class GradientHooks:
         again: per parameter.)"""
         sync = self.sync
         passes, states = sync.passes, sync.group.states
-        self.set_lean(self.can_lean and not measured_next and passes.any == passes.counted == 1
-                      and passes.reported and all(s.closed_in == passes.id and
-                                                  s.closer_steps >= 2 for s in states))
-        self._versions = [-1 if s.bucket.released else s.bucket.buffer._version
-                          for s in states] if self.lean else []
+        self.set_lean(
+            self.can_lean
+            and not measured_next
+            and passes.any == passes.counted == 1
+            and passes.reported
+            and all(s.closed_in == passes.id and s.closer_steps >= 2 for s in states)
+        )
+        self._versions = (
+            [-1 if s.bucket.released else s.bucket.buffer._version for s in states]
+            if self.lean
+            else []
+        )
 
     def gradients_came(self) -> bool:
         """Whether gradients came since the last step: in a pass the hooks saw, set by
@@ -192,10 +203,15 @@ class GradientHooks:
         then). What it put in tensors of their own is ``set_by_hand``'s."""
         group = self.sync.group
         version = group.engine.version
-        return self.lean and (group.needs_round() or any(
-            s.phase is _IDLE and not s.bucket.released and
-            s.bucket.buffer._version > max(v, version(s.index))
-            for s, v in zip(group.states, self._versions)))
+        return self.lean and (
+            group.needs_round()
+            or any(
+                s.phase is _IDLE
+                and not s.bucket.released
+                and s.bucket.buffer._version > max(v, version(s.index))
+                for s, v in zip(group.states, self._versions)
+            )
+        )
 
     def guard(self, s, on: bool) -> None:
         """Bucket ``s`` entered (``on``) or left the phases where autograd must not add
@@ -240,6 +256,7 @@ class GradientHooks:
                 alive = hooks()
                 if alive is not None:
                     alive.before_grad(p)
+
         return hook
 
     def before_grad(self, p) -> None:
@@ -326,4 +343,3 @@ class GradientHooks:
                 sync.group.open_and_launch(s, sync.open, passes.id)
                 if sync.after_launch is not None:  # host path
                     sync.after_launch()
-

@@ -23,6 +23,7 @@ Example::
     >>> ext is None or callable(ext.bound)
     True
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -48,8 +49,7 @@ log = logging.getLogger("hybridcomm")
 NAME = "hybridcomm_host"
 SOURCE = "host_ops.cpp"
 # (-O3 vectorizes the copy loop; no loop idiom: the loop must not become a memcpy call)
-CXX_FLAGS = ("-O3", "-fno-tree-loop-distribute-patterns", "-std=c++17", "-shared", "-fPIC",
-             "-w")
+CXX_FLAGS = ("-O3", "-fno-tree-loop-distribute-patterns", "-std=c++17", "-shared", "-fPIC", "-w")
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -61,17 +61,31 @@ def _torch_lib() -> Path:
 
 def _include_dirs() -> list:
     include = Path(torch.__file__).resolve().parent / "include"
-    return [str(include), str(include / "torch" / "csrc" / "api" / "include"),
-            sysconfig.get_paths()["include"]]
+    return [
+        str(include),
+        str(include / "torch" / "csrc" / "api" / "include"),
+        sysconfig.get_paths()["include"],
+    ]
 
 
 def _command(source: Path, target: Path) -> list:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     lib = _torch_lib()
-    return ([os.environ.get("CXX") or "c++", *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-            + [f"-I{d}" for d in _include_dirs()]
-            + [str(source), "-o", str(target), f"-L{lib}", "-lc10", "-ltorch_cpu", "-ltorch",
-               "-ltorch_python", f"-Wl,-rpath,{lib}"])
+    return (
+        [os.environ.get("CXX") or "c++", *CXX_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+        + [f"-I{d}" for d in _include_dirs()]
+        + [
+            str(source),
+            "-o",
+            str(target),
+            f"-L{lib}",
+            "-lc10",
+            "-ltorch_cpu",
+            "-ltorch",
+            "-ltorch_python",
+            f"-Wl,-rpath,{lib}",
+        ]
+    )
 
 
 def built_path(source: Optional[Path] = None) -> Path:
@@ -79,8 +93,9 @@ def built_path(source: Optional[Path] = None) -> Path:
     source = source or csrc_dir() / SOURCE
     key = hashlib.sha256(source.read_bytes())
     key.update(f"{torch.__version__}|{sys.version}|{' '.join(CXX_FLAGS)}".encode())
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or
-                Path.home() / ".cache" / "torch_extensions")
+    root = Path(
+        os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    )
     return root / NAME / key.hexdigest()[:16] / f"{NAME}.so"
 
 
@@ -138,8 +153,12 @@ def load():
                     module = _import(target)
                 except Exception as e:  # noqa: BLE001 - no compiler, ABI mismatch...: Python
                     reason = f"building or loading {target} failed: {e}"
-                    log.warning("hybridcomm: the host C++ extension is unavailable (%s), per-"
-                                "parameter loops run in Python: %s", target, str(e)[-600:])
+                    log.warning(
+                        "hybridcomm: the host C++ extension is unavailable (%s), per-"
+                        "parameter loops run in Python: %s",
+                        target,
+                        str(e)[-600:],
+                    )
             _state.update(module=module, reason=reason)
         return _state["module"]
 

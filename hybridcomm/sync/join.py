@@ -31,6 +31,7 @@ Example::
         for x, y in my_shard_of_the_data:        # some ranks have fewer batches
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -60,8 +61,12 @@ class JoinState:
         self.joinable: Optional[Joinable] = None
         self.divide_by_initial = True
 
-    def hook(self, joinable: Joinable, copy_state: Callable[[int], None],
-             divide_by_initial_world_size: bool = True) -> "ShadowHook":
+    def hook(
+        self,
+        joinable: Joinable,
+        copy_state: Callable[[int], None],
+        divide_by_initial_world_size: bool = True,
+    ) -> "ShadowHook":
         """The hook for a join context about to be made (every rank makes it alike);
         ``copy_state(root)`` copies rank ``root``'s state to every rank at the end."""
         sync = self.sync
@@ -69,13 +74,15 @@ class JoinState:
             raise HybridCommError(
                 f"join: with shard={sync.config.shard!r} each rank steps and gathers its own part "
                 "of the parameters, which a rank out of data cannot: train with even inputs "
-                "(drop the last uneven batches), or leave shard out")
+                "(drop the last uneven batches), or leave shard out"
+            )
         if sync.registry.sparse:
             raise HybridCommError(
                 "join: parameters with sparse gradients ("
                 + ", ".join(repr(n) for _, n in sync.registry.sparse)
                 + ") are reduced outside the buckets and cannot be shadowed; make them dense "
-                "(sparse=False) to train with uneven inputs")
+                "(sparse=False) to train with uneven inputs"
+            )
         if self.group is None:
             self.group = control.new_group_like(sync.process_group, timeout=sync.timeout)
         self.joinable = joinable
@@ -87,7 +94,8 @@ class JoinState:
         if config.enable and not config.is_first_joinable:
             raise HybridCommError(
                 "join: the DistributedOptimizer must come first in Join([...]): its notices "
-                "are the join context's own (Join([opt, other]))")
+                "are the join context's own (Join([opt, other]))"
+            )
         self.config = config
         self.sync._links.joining = self if config.enable else None
 
@@ -119,9 +127,11 @@ class JoinState:
             sync.finish()
             sync.end_step()
         else:
-            raise HybridCommError("join: the ranks still training disagree on what comes next "
-                                  "(a round of buckets, or a step's end): each must run the "
-                                  "same loop")
+            raise HybridCommError(
+                "join: the ranks still training disagree on what comes next "
+                "(a round of buckets, or a step's end): each must run the "
+                "same loop"
+            )
 
     def finish(self, is_last_joiner: bool, copy_state: Callable[[int], None]) -> None:
         """Every rank joined: pending updates applied, the scale restored, and
@@ -138,8 +148,11 @@ class JoinState:
     def _all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         """A notice's all-reduce on the join's group, within the optimizer's timeout
         (a dead or stalled peer is hybridcomm's error naming it, not gloo's)."""
-        control.wait_work(lambda: dist.all_reduce(t, op=op, group=self.group, async_op=True),
-                          self.sync.timeout, "a join's notice")
+        control.wait_work(
+            lambda: dist.all_reduce(t, op=op, group=self.group, async_op=True),
+            self.sync.timeout,
+            "a join's notice",
+        )
 
     def _training(self, ranks: int) -> None:
         """The next operations average over the ranks still training, if asked to."""

@@ -15,6 +15,7 @@ largest value since the last plan is the pass the buckets are launched in.
 Times are stamps of the device's clock (:mod:`hybridcomm.gpu.clock`): on a GPU,
 timing events on the trainer's stream, read when the plan is re-made.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,8 @@ from ..plan.planner import Layer, Plan
 def quantize(seconds: float) -> float:
     """A measured time rounded to 2 significant digits, so that plans repeat.
 
-        >>> quantize(0.0012345)
-        0.0012
+    >>> quantize(0.0012345)
+    0.0012
     """
     return float(f"{seconds:.1e}")
 
@@ -120,8 +121,10 @@ class StepMeasurements:
 
     def __init__(self, measure_iters: int, replan_every: int, after: int = 0):
         if replan_every and replan_every <= measure_iters:
-            raise ValueError(f"replan_every ({replan_every}) must exceed measure_iters "
-                             f"({measure_iters}), or be 0")
+            raise ValueError(
+                f"replan_every ({replan_every}) must exceed measure_iters "
+                f"({measure_iters}), or be 0"
+            )
         self.measure_iters, self.replan_every, self.after = measure_iters, replan_every, after
         self._ready: Dict[int, object] = {}  # param index -> stamp: its gradient was ready
         self._windows: Dict[str, List[tuple]] = {}  # layer -> (launch, first use) stamps
@@ -186,10 +189,14 @@ class StepMeasurements:
         unreduced at step() other than the one the next forward needs first (that one
         is waited for at once anyway); None: not measured. The stamps are read on
         ``clock``, the one they were taken on (a GPU's: one host sync here)."""
-        clock.settle([stamp for pairs in self._windows.values() for pair in pairs
-                      for stamp in pair] + list(self._ready.values()))
-        windows = {k: quantize(sorted(clock.seconds(*w) for w in v)[len(v) // 2])
-                   for k, v in self._windows.items()}
+        clock.settle(
+            [stamp for pairs in self._windows.values() for pair in pairs for stamp in pair]
+            + list(self._ready.values())
+        )
+        windows = {
+            k: quantize(sorted(clock.seconds(*w) for w in v)[len(v) // 2])
+            for k, v in self._windows.items()
+        }
         ready: Optional[Dict[str, float]] = None
         if self._ready:
             stamps = list(self._ready.values())
@@ -204,10 +211,20 @@ class StepMeasurements:
         launch_pass = max(self._passes) if self._passes and max(self._passes) > 0 else None
         comm_scale = quantize(sorted(self._comm)[len(self._comm) // 2]) if self._comm else None
         first = {layer for layer, order in self._need.items() if order == 0}
-        defer_pays = any(first.isdisjoint(layers) for step in self._running
-                         for layers in step) if self._running else None
+        defer_pays = (
+            any(first.isdisjoint(layers) for step in self._running for layers in step)
+            if self._running
+            else None
+        )
         call_s = call_cost(self._ops)
         self._ready, self._windows, self._need, self._passes = {}, {}, {}, []
         self._comm, self._running, self._ops = [], [], []
-        return Measured(windows or None, ready, need, launch_pass, comm_scale, defer_pays,
-                        None if call_s is None else quantize(call_s))
+        return Measured(
+            windows or None,
+            ready,
+            need,
+            launch_pass,
+            comm_scale,
+            defer_pays,
+            None if call_s is None else quantize(call_s),
+        )

@@ -13,6 +13,7 @@ Example::
     >>> alloc(4, torch.float32).shape
     torch.Size([4])
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -32,6 +33,5 @@ def bucket_allocator(rt, device: torch.device, comm_stream=None) -> Allocator:
         buf = rt.empty(n, dt)  # on the trainer's stream; the comm stream records its use
         rt.record_stream(buf, comm_stream)
         return buf
+
     return alloc
-
-

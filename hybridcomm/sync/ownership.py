@@ -12,6 +12,7 @@ Example::
     True
     release(params, sync)
 """
+
 from __future__ import annotations
 
 import weakref
@@ -38,7 +39,8 @@ def claim(params: Sequence, owner, names: Sequence[str]) -> None:
         if other is not None and other is not owner:
             raise HybridCommError(
                 f"parameter {name!r} is already reduced by another DistributedOptimizer: give "
-                "each optimizer its own parameters (or close() the other first)")
+                "each optimizer its own parameters (or close() the other first)"
+            )
     for p in params:
         _owners[id(p)] = (weakref.ref(p), weakref.ref(owner))
 

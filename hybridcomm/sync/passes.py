@@ -24,6 +24,7 @@ Example::
     passes.kind
     'launch'
 """
+
 from __future__ import annotations
 
 import sys

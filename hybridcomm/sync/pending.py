@@ -36,6 +36,7 @@ Example::
     >>> is_pending(p), type(p) is torch.nn.Parameter
     (False, True)
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,18 +64,62 @@ _bases: Dict[type, type] = {}  # a pending class -> the parameter's class
 
 # Attributes and methods that read no element data and return no alias of it:
 # they leave the update pending (the gradient, metadata, hooks).
-_QUIET_ATTRIBUTES = frozenset({
-    "grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "ndim", "layout",
-    "is_cuda", "is_cpu", "is_sparse", "is_quantized", "is_meta", "is_mkldnn", "is_nested",
-    "names", "output_nr", "_version", "_backward_hooks", "_post_accumulate_grad_hooks",
-    "retains_grad", "itemsize", "nbytes", "_grad", "_grad_fn", "_cdata",
-})
-_QUIET_METHODS = frozenset({
-    "size", "dim", "numel", "nelement", "stride", "is_contiguous", "element_size",
-    "is_floating_point", "is_complex", "get_device", "register_hook",
-    "register_post_accumulate_grad_hook", "requires_grad_", "retain_grad", "__hash__",
-    "data_ptr", "storage_offset", "__len__", "is_shared", "is_pinned", "__dlpack_device__",
-})
+_QUIET_ATTRIBUTES = frozenset(
+    {
+        "grad",
+        "shape",
+        "dtype",
+        "device",
+        "requires_grad",
+        "is_leaf",
+        "grad_fn",
+        "ndim",
+        "layout",
+        "is_cuda",
+        "is_cpu",
+        "is_sparse",
+        "is_quantized",
+        "is_meta",
+        "is_mkldnn",
+        "is_nested",
+        "names",
+        "output_nr",
+        "_version",
+        "_backward_hooks",
+        "_post_accumulate_grad_hooks",
+        "retains_grad",
+        "itemsize",
+        "nbytes",
+        "_grad",
+        "_grad_fn",
+        "_cdata",
+    }
+)
+_QUIET_METHODS = frozenset(
+    {
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "stride",
+        "is_contiguous",
+        "element_size",
+        "is_floating_point",
+        "is_complex",
+        "get_device",
+        "register_hook",
+        "register_post_accumulate_grad_hook",
+        "requires_grad_",
+        "retain_grad",
+        "__hash__",
+        "data_ptr",
+        "storage_offset",
+        "__len__",
+        "is_shared",
+        "is_pinned",
+        "__dlpack_device__",
+    }
+)
 
 
 # what a call on a pending parameter is (_kind)
@@ -99,8 +144,11 @@ def _classify(func) -> int:
         if attribute in ("grad", "_grad"):
             return GRAD_READ if name == "__get__" else GRAD_WRITE
         # p.data = x replaces the memory the update writes into: apply it first
-        return QUIET if attribute in _QUIET_ATTRIBUTES and not (
-            name == "__set__" and attribute == "data") else LOUD
+        return (
+            QUIET
+            if attribute in _QUIET_ATTRIBUTES and not (name == "__set__" and attribute == "data")
+            else LOUD
+        )
     return QUIET if name in _QUIET_METHODS else LOUD
 
 
@@ -139,8 +187,21 @@ class _Pending:
 
 # Argument types that hold no tensor: skipped without an isinstance check (a call's
 # arguments are mostly these and plain tensors)
-_NO_TENSORS = frozenset({int, float, bool, str, type(None), torch.Tensor, torch.Size,
-                         torch.dtype, torch.device, torch.layout, torch.memory_format})
+_NO_TENSORS = frozenset(
+    {
+        int,
+        float,
+        bool,
+        str,
+        type(None),
+        torch.Tensor,
+        torch.Size,
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+    }
+)
 
 
 def _resolve_in(args: Iterable) -> None:
@@ -178,9 +239,11 @@ def _watcher(p, which: int, default: Callable) -> Callable:
     return default if watchers is None else watchers[which]
 
 
-def watch_grads(apply: Callable[[torch.Tensor], None],
-                shown: Callable[[torch.Tensor, torch.Tensor], object],
-                written: Callable[[torch.Tensor], None]) -> None:
+def watch_grads(
+    apply: Callable[[torch.Tensor], None],
+    shown: Callable[[torch.Tensor, torch.Tensor], object],
+    written: Callable[[torch.Tensor], None],
+) -> None:
     """While ``p`` is pending with ``apply``: a read of ``p.grad`` (or ``p._grad``)
     returns ``shown(p, grad)`` instead of ``grad`` (the tensor the field holds, never
     None), and after a write of either (``=``, ``del``) ``written(p)`` is called.
@@ -277,8 +340,10 @@ def resolve(p: torch.Tensor) -> None:
     if is_pending(p):  # its synchronizer is gone, or did not release it
         release(p)
         if registered:
-            raise HybridCommError("internal error: a deferred update was applied but its "
-                                  "parameter is still marked pending")
+            raise HybridCommError(
+                "internal error: a deferred update was applied but its "
+                "parameter is still marked pending"
+            )
 
 
 def resolve_all() -> None:
@@ -321,8 +386,9 @@ def _under_torch_compile() -> bool:
     f = sys._getframe(2)
     while f is not None:
         code = f.f_code
-        if code.co_filename == eval_frame and \
-                getattr(code, "co_qualname", code.co_name).endswith(_COMPILED_ENTRIES):
+        if code.co_filename == eval_frame and getattr(code, "co_qualname", code.co_name).endswith(
+            _COMPILED_ENTRIES
+        ):
             return True
         f = f.f_back
     return False
@@ -335,9 +401,11 @@ def _apply_all_before_compiled() -> None:
         return
     if not _told_compiled:
         _told_compiled = True
-        log.info("hybridcomm: the model's forward is compiled (torch.compile): "
-                 "forward mode applies the pending updates when it begins, so they "
-                 "do not overlap the forward")
+        log.info(
+            "hybridcomm: the model's forward is compiled (torch.compile): "
+            "forward mode applies the pending updates when it begins, so they "
+            "do not overlap the forward"
+        )
     resolve_all()
 
 

@@ -14,6 +14,7 @@ Example::
     plan = planning.agree(registry.layers)                   # at construction
     new = planning.agree(registry.layers, measured, keep=plan)   # None: nothing new
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,49 +43,80 @@ def forward_estimate(measured: Measured) -> Optional[float]:
 class Planning:
     """Makes and agrees the bucket plan (module doc)."""
 
-    def __init__(self, config: SyncConfig, cost_model, *, world: int, rank: int, group,
-                 servers: int):
+    def __init__(
+        self, config: SyncConfig, cost_model, *, world: int, rank: int, group, servers: int
+    ):
         self.config, self.cost_model = config, cost_model
         self.world, self.rank, self.group, self.servers = world, rank, group, servers
 
-    def agree(self, layers: Sequence[Layer], measured: Optional[Measured] = None,
-              keep: Optional[Plan] = None) -> Optional[Plan]:
+    def agree(
+        self,
+        layers: Sequence[Layer],
+        measured: Optional[Measured] = None,
+        keep: Optional[Plan] = None,
+    ) -> Optional[Plan]:
         """The plan every rank follows; with ``keep``, None when rank 0's new plan
         decides nothing differently from it."""
+
         def decide() -> Optional[Plan]:
             m = measured or Measured()
             ordered = list(layers)
             if m.ready:
                 ordered.sort(key=lambda layer: m.ready.get(layer.name, float("inf")))
             cfg = self.config
-            launch_pass = cfg.backward_passes_per_step or m.launch_pass or \
-                (keep.launch_pass if keep is not None else 1)
-            plan = make_plan(ordered, world_size=self.world, model=self.cost_model,
-                             strategy=cfg.strategy, fusion_bytes=cfg.fusion_bytes,
-                             split_bytes=cfg.split_bytes, windows=m.windows, ready=m.ready,
-                             need=m.need, topk=cfg.topk, lazy_bytes=cfg.lazy_bytes,
-                             launch_pass=launch_pass, comm_scale=m.comm_scale,
-                             defer_pays=m.defer_pays if cfg.overlap == "forward" else None,
-                             servers=self.servers,
-                             forward_s=forward_estimate(m) if cfg.overlap == "forward" else None,
-                             low_rank=cfg.low_rank, call_s=m.call_s, shard=bool(cfg.shard))
+            launch_pass = (
+                cfg.backward_passes_per_step
+                or m.launch_pass
+                or (keep.launch_pass if keep is not None else 1)
+            )
+            plan = make_plan(
+                ordered,
+                world_size=self.world,
+                model=self.cost_model,
+                strategy=cfg.strategy,
+                fusion_bytes=cfg.fusion_bytes,
+                split_bytes=cfg.split_bytes,
+                windows=m.windows,
+                ready=m.ready,
+                need=m.need,
+                topk=cfg.topk,
+                lazy_bytes=cfg.lazy_bytes,
+                launch_pass=launch_pass,
+                comm_scale=m.comm_scale,
+                defer_pays=m.defer_pays if cfg.overlap == "forward" else None,
+                servers=self.servers,
+                forward_s=forward_estimate(m) if cfg.overlap == "forward" else None,
+                low_rank=cfg.low_rank,
+                call_s=m.call_s,
+                shard=bool(cfg.shard),
+            )
             return None if keep is not None and plan.decisions() == keep.decisions() else plan
-        return control.rank0_decides(decide, group=self.group, timeout=self.config.timeout,
-                                     what="the bucket plan")
+
+        return control.rank0_decides(
+            decide, group=self.group, timeout=self.config.timeout, what="the bucket plan"
+        )
 
     def log(self, plan: Plan, title: str, changed: bool = True) -> None:
         """The plan at INFO on rank 0 when it decides something new (the same on every
         rank: DEBUG elsewhere, and for a re-plan that changed no decision)."""
-        log.log(logging.INFO if self.rank == 0 and changed else logging.DEBUG, "%s:\n%s",
-                title, plan)
+        log.log(
+            logging.INFO if self.rank == 0 and changed else logging.DEBUG, "%s:\n%s", title, plan
+        )
 
     def say_verdict(self, plan: Plan, measured: Measured, stats: dict) -> None:
         """After the first measured steps, rank 0's one-line verdict."""
         if self.rank != 0:
             return
         ready = measured.ready
-        log.info("hybridcomm: %s", verdict(
-            total_bytes=sum(b.nbytes for b in plan.buckets), world=self.world,
-            model=self.cost_model, busy_s=stats.get("comm_busy_s", 0.0),
-            exposed_s=stats.get("exposed_comm_s", 0.0),
-            backward_s=max(ready.values()) if ready else 0.0, comm_scale=measured.comm_scale))
+        log.info(
+            "hybridcomm: %s",
+            verdict(
+                total_bytes=sum(b.nbytes for b in plan.buckets),
+                world=self.world,
+                model=self.cost_model,
+                busy_s=stats.get("comm_busy_s", 0.0),
+                exposed_s=stats.get("exposed_comm_s", 0.0),
+                backward_s=max(ready.values()) if ready else 0.0,
+                comm_scale=measured.comm_scale,
+            ),
+        )

@@ -7,6 +7,7 @@ taken again when it may have changed (``add_param_group``, ``requires_grad``
 flipped between steps): :meth:`ParamRegistry.trainable_changed` is a cheap
 check of identities, the rebuild is collective (every rank checks the new set).
 """
+
 from __future__ import annotations
 
 from itertools import chain
@@ -39,8 +40,12 @@ def sparse_owned(model) -> set:
     """ids of the parameters of modules that make sparse gradients (sparse=True)."""
     if model is None:
         return set()
-    return {id(p) for m in model.modules() if getattr(m, "sparse", False) is True
-            for p in m.parameters(recurse=False)}
+    return {
+        id(p)
+        for m in model.modules()
+        if getattr(m, "sparse", False) is True
+        for p in m.parameters(recurse=False)
+    }
 
 
 def describe_param_difference(ours, theirs, rank) -> str:
@@ -49,8 +54,11 @@ def describe_param_difference(ours, theirs, rank) -> str:
     only_r = [n for n, *_ in theirs if n not in {t[0] for t in ours}]
     parts = [f"only rank 0 has {only0}"] if only0 else []
     parts += [f"only rank {rank} has {only_r}"] if only_r else []
-    parts += [f"{a[0]}: rank 0 has {a[1:]}, rank {rank} has {b[1:]}"
-              for a, b in zip(ours, theirs) if a[0] == b[0] and a != b]
+    parts += [
+        f"{a[0]}: rank 0 has {a[1:]}, rank {rank} has {b[1:]}"
+        for a, b in zip(ours, theirs)
+        if a[0] == b[0] and a != b
+    ]
     return "; ".join(parts) or f"the order differs between rank 0 and rank {rank}"
 
 
@@ -71,8 +79,17 @@ class ParamRegistry:
     several devices), naming it.
     """
 
-    def __init__(self, param_groups, model, named_parameters, *, wire_dtype, group,
-                 timeout: float, device_path: bool):
+    def __init__(
+        self,
+        param_groups,
+        model,
+        named_parameters,
+        *,
+        wire_dtype,
+        group,
+        timeout: float,
+        device_path: bool,
+    ):
         self._groups, self.model, self._named = param_groups, model, named_parameters
         self.wire_dtype = wire_dtype
         params, names = self._collect()
@@ -82,7 +99,8 @@ class ParamRegistry:
         self._check(params, names, group, timeout, device_path)
         sparse = sparse_owned(model)
         self.sparse: List[Tuple[torch.nn.Parameter, str]] = [
-            (p, n) for p, n in zip(params, names) if id(p) in sparse]
+            (p, n) for p, n in zip(params, names) if id(p) in sparse
+        ]
         self.params = [p for p in params if id(p) not in sparse]
         self.names = [n for p, n in zip(params, names) if id(p) not in sparse]
         self.index: Dict[int, int] = {id(p): i for i, p in enumerate(self.params)}
@@ -98,8 +116,11 @@ class ParamRegistry:
         nothing changed: the same groups' lists and the same requires_grad flags)."""
         listed = list(chain.from_iterable(g["params"] for g in self._groups))
         # (per parameter and step: compared in C, map over operator.is_)
-        if len(listed) == len(self._listed) and all(map(is_, listed, self._listed)) and \
-                grad_fields.requires_grad(listed) == self._requires:
+        if (
+            len(listed) == len(self._listed)
+            and all(map(is_, listed, self._listed))
+            and grad_fields.requires_grad(listed) == self._requires
+        ):
             return False
         return [id(p) for p in trainable(self._groups)] != self._ids
 
@@ -111,8 +132,10 @@ class ParamRegistry:
         params, names = [], []
         for i, p in enumerate(trainable(self._groups)):
             if by_id and id(p) not in by_id:
-                raise HybridCommError(f"optimizer parameter #{i} (shape {tuple(p.shape)}) is not "
-                                      "among the model's named parameters")
+                raise HybridCommError(
+                    f"optimizer parameter #{i} (shape {tuple(p.shape)}) is not "
+                    "among the model's named parameters"
+                )
             params.append(p)
             names.append(by_id.get(id(p), f"param{i}"))
         return params, names
@@ -124,24 +147,31 @@ class ParamRegistry:
         problems = []
         lazy = [n for n, p in zip(names, params) if is_lazy(p)]
         if lazy:  # (no shape to agree on: the other checks would fail on it)
-            problems.append(f"{', '.join(map(repr, lazy[:5]))} "
-                            f"{'is' if len(lazy) == 1 else 'are'} not initialized yet (a lazy "
-                            "module: nn.LazyLinear, ...): run one forward pass (a dummy batch) "
-                            "before making the DistributedOptimizer")
+            problems.append(
+                f"{', '.join(map(repr, lazy[:5]))} "
+                f"{'is' if len(lazy) == 1 else 'are'} not initialized yet (a lazy "
+                "module: nn.LazyLinear, ...): run one forward pass (a dummy batch) "
+                "before making the DistributedOptimizer"
+            )
             params = [p for p in params if not is_lazy(p)]
             names = [n for n in names if n not in lazy]
         for n, p in zip(names, params):
             if p.is_complex():
-                problems.append(f"{n!r} is complex ({p.dtype}): not supported; keep it as a "
-                                "real parameter of twice the size (torch.view_as_real) and "
-                                "build the complex tensor in forward")
+                problems.append(
+                    f"{n!r} is complex ({p.dtype}): not supported; keep it as a "
+                    "real parameter of twice the size (torch.view_as_real) and "
+                    "build the complex tensor in forward"
+                )
             elif p.dtype not in SUPPORTED_DTYPES:
-                problems.append(f"{n!r} has dtype {p.dtype}; supported: "
-                                f"{', '.join(map(str, SUPPORTED_DTYPES))}")
+                problems.append(
+                    f"{n!r} has dtype {p.dtype}; supported: {', '.join(map(str, SUPPORTED_DTYPES))}"
+                )
             if id(p) in owned and device_path:
-                problems.append(f"{n!r} belongs to a module with sparse=True: sparse gradients "
-                                "are reduced on the CPU (gloo) path only; on GPUs use "
-                                "sparse=False")
+                problems.append(
+                    f"{n!r} belongs to a module with sparse=True: sparse gradients "
+                    "are reduced on the CPU (gloo) path only; on GPUs use "
+                    "sparse=False"
+                )
             if p.is_sparse:
                 problems.append(f"{n!r} is a sparse tensor: not supported")
             problem = group_problem(p, n, group)
@@ -149,20 +179,26 @@ class ParamRegistry:
                 problems.append(problem)
         devices = {p.device for p in params}
         if len(devices) > 1:
-            where = {str(d): [n for n, p in zip(names, params) if p.device == d][:3]
-                     for d in devices}
-            problems.append(f"parameters are on several devices {where}: one DistributedOptimizer "
-                            "per device (data parallelism keeps a whole replica on each)")
+            where = {
+                str(d): [n for n, p in zip(names, params) if p.device == d][:3] for d in devices
+            }
+            problems.append(
+                f"parameters are on several devices {where}: one DistributedOptimizer "
+                "per device (data parallelism keeps a whole replica on each)"
+            )
         mine = [(n, tuple(local_shape(p)), str(p.dtype)) for n, p in zip(names, params)]
-        everyone = control.all_gather_object((mine, problems), group=group, timeout=timeout,
-                                             what="the trainable parameters")
+        everyone = control.all_gather_object(
+            (mine, problems), group=group, timeout=timeout, what="the trainable parameters"
+        )
         bad = [f"rank {r}: {msg}" for r, (_, probs) in enumerate(everyone) for msg in probs]
         if bad:
             raise HybridCommError("hybridcomm cannot reduce these parameters: " + "; ".join(bad))
         for r, (theirs, _) in enumerate(everyone):
             if theirs != everyone[0][0]:
-                raise HybridCommError("the trainable parameters differ across ranks: "
-                                      + describe_param_difference(everyone[0][0], theirs, r))
+                raise HybridCommError(
+                    "the trainable parameters differ across ranks: "
+                    + describe_param_difference(everyone[0][0], theirs, r)
+                )
 
     def wire(self, p) -> torch.dtype:
         return self.wire_dtype or p.dtype
@@ -175,8 +211,11 @@ class ParamRegistry:
         groups, placed = [], set()
         if self.model is not None:
             for mname, m in self.model.named_modules():
-                own = [index[id(p)] for p in m.parameters(recurse=False)
-                       if id(p) in index and id(p) not in placed]
+                own = [
+                    index[id(p)]
+                    for p in m.parameters(recurse=False)
+                    if id(p) in index and id(p) not in placed
+                ]
                 placed.update(id(params[i]) for i in own)
                 by_dtype: Dict[Tuple[torch.dtype, torch.dtype], list] = {}
                 for i in own:
@@ -193,8 +232,15 @@ class ParamRegistry:
         p = self.params[idx[0]]
         wire = self.wire(p)
         sizes = [local_numel(self.params[i]) for i in idx]  # a DTensor: this rank's shard
-        return Layer(name, list(idx), sum(sizes), torch.empty((), dtype=wire).element_size(),
-                     str(p.dtype), sizes, [tuple(local_shape(self.params[i])) for i in idx])
+        return Layer(
+            name,
+            list(idx),
+            sum(sizes),
+            torch.empty((), dtype=wire).element_size(),
+            str(p.dtype),
+            sizes,
+            [tuple(local_shape(self.params[i])) for i in idx],
+        )
 
 
 def refuse_wrapped(model) -> None:
@@ -204,11 +250,14 @@ def refuse_wrapped(model) -> None:
     if model is None:
         return
     from torch.nn.parallel import DistributedDataParallel
+
     kinds = [DistributedDataParallel]
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
+
         kinds.append(FullyShardedDataParallel)
         from torch.distributed.fsdp import FSDPModule  # fully_shard (FSDP2)
+
         kinds.append(FSDPModule)
     except ImportError:
         pass
@@ -219,4 +268,5 @@ def refuse_wrapped(model) -> None:
                 f"{where} is wrapped in {type(m).__name__}, which synchronizes gradients "
                 "itself: hybridcomm.DistributedOptimizer replaces it. Pass the plain module "
                 "(ddp_model.module) and drop the wrapper; to keep DDP, register hybridcomm's "
-                "all-reduce as its comm hook instead (hybridcomm.ddp.register)")
+                "all-reduce as its comm hook instead (hybridcomm.ddp.register)"
+            )

@@ -24,6 +24,7 @@ Example::
     >>> cut(place, world=2)                           # rank 0 owns [0, 48) of the bucket
     (((0, 8),), ((8, 30),))
 """
+
 from __future__ import annotations
 
 import bisect
@@ -41,8 +42,9 @@ Ranges = Tuple[Tuple[int, int], ...]
 log = logging.getLogger("hybridcomm")
 
 
-def owned_ranges(segments, rank: int, world: int, algorithm: str,
-                 tail: int = 0) -> List[Tuple[int, int]]:
+def owned_ranges(
+    segments, rank: int, world: int, algorithm: str, tail: int = 0
+) -> List[Tuple[int, int]]:
     """This rank's parts of a bucket's buffer: its shard of each segment, as the
     bucket's ``algorithm`` reduce-scatters it (the last segment's ``tail``, a
     block a rank of the usage flags' copies, left out).
@@ -84,8 +86,11 @@ def _bucket_parts(bucket: tuple, world: int) -> Tuple[list, list]:
     :func:`_spans` (lo, hi, rank), once per bucket: a parameter's cut is then a
     look-up, not a pass over every rank."""
     segments, algorithm, tail = bucket
-    return _spans((lo, hi, r) for r in range(world)
-                  for lo, hi in owned_ranges(segments, r, world, algorithm, tail))
+    return _spans(
+        (lo, hi, r)
+        for r in range(world)
+        for lo, hi in owned_ranges(segments, r, world, algorithm, tail)
+    )
 
 
 def _per_element(v, sl) -> bool:
@@ -112,8 +117,13 @@ def move_state(old, new, state: dict, group, timeout: float, run_bytes: int) -> 
             todo, size = [], 0
     if todo:
         _exchange(old, new, todo, state, group, timeout)
-    log.debug("hybridcomm re-plan: %d parameters keep their slices' state, %d have it "
-              "moved to their new owners (runs of %d bytes)", kept, moved, run_bytes)
+    log.debug(
+        "hybridcomm re-plan: %d parameters keep their slices' state, %d have it "
+        "moved to their new owners (runs of %d bytes)",
+        kept,
+        moved,
+        run_bytes,
+    )
 
 
 def _keep(old, new, p, state: dict) -> None:
@@ -121,8 +131,10 @@ def _keep(old, new, p, state: dict) -> None:
     if id(p) not in new.placement:  # left, at one rank: its one slice is the whole
         for sl in old.by_param.get(id(p), []):
             if sl.tensor in state:
-                state[p] = {k: v.view(p.shape) if _per_element(v, sl) else v
-                            for k, v in state.pop(sl.tensor).items()}
+                state[p] = {
+                    k: v.view(p.shape) if _per_element(v, sl) else v
+                    for k, v in state.pop(sl.tensor).items()
+                }
         return
     starts = {sl.start: sl for sl in new.by_param.get(id(p), [])}
     for sl in old.by_param.get(id(p), []):
@@ -140,18 +152,26 @@ def _exchange(old, new, params: Sequence, state: dict, group, timeout: float) ->
         for sl in old.by_param.get(id(p), []):
             st = state.get(sl.tensor)
             if st:
-                mine.setdefault(j, []).append((sl.start, sl.stop, [
-                    (k, True, v.dtype) if _per_element(v, sl) else
-                    (k, False, v.detach().cpu() if torch.is_tensor(v) else v)
-                    for k, v in st.items()]))
-    held = control.all_gather_object(mine, group=group, timeout=timeout,
-                                     what="which optimizer state each rank holds (re-plan)")
+                mine.setdefault(j, []).append(
+                    (
+                        sl.start,
+                        sl.stop,
+                        [
+                            (k, True, v.dtype)
+                            if _per_element(v, sl)
+                            else (k, False, v.detach().cpu() if torch.is_tensor(v) else v)
+                            for k, v in st.items()
+                        ],
+                    )
+                )
+    held = control.all_gather_object(
+        mine, group=group, timeout=timeout, what="which optimizer state each rank holds (re-plan)"
+    )
     cuts = [cut(new.placement.get(id(p)), world, p.numel()) for p in params]
     # 2. the pieces this rank sends and receives, per peer, in one order both ends share
     # (parameter, sender's slice, receiver's range, key): (j, key, dtype, sender's slice
     # start, offset in it, receiver's range, offset in it, elements)
-    new_spans = [_spans((a, z, r) for r, ranges in enumerate(c) for a, z in ranges)
-                 for c in cuts]
+    new_spans = [_spans((a, z, r) for r, ranges in enumerate(c) for a, z in ranges) for c in cuts]
     old_spans: List[list] = [[] for _ in params]
     for src, theirs in enumerate(held):
         for j, slices in theirs.items():
@@ -163,8 +183,7 @@ def _exchange(old, new, params: Sequence, state: dict, group, timeout: float) ->
         mine_now = _spans((a, z, rank) for a, z in cuts[j][rank])
         for start, stop, src, entries in old_spans[j][0]:
             # (what this rank sends goes anywhere; what others send, only what it gets)
-            for a, z, dst in _overlapping(new_spans[j] if src == rank else mine_now,
-                                          start, stop):
+            for a, z, dst in _overlapping(new_spans[j] if src == rank else mine_now, start, stop):
                 lo, hi = max(start, a), min(stop, z)
                 for key, elements, dtype in entries:
                     if elements:
@@ -178,18 +197,25 @@ def _exchange(old, new, params: Sequence, state: dict, group, timeout: float) ->
     send_bytes = [sum(n * dt.itemsize for _j, _k, dt, *_, n in ps) for ps in sends]
     recv_bytes = [sum(n * dt.itemsize for _j, _k, dt, *_, n in ps) for ps in recvs]
     # 3. this rank's pieces out, its old entries dropped, the exchange
-    by_start = {(j, sl.start): sl for j, p in enumerate(params)
-                for sl in old.by_param.get(id(p), [])}
+    by_start = {
+        (j, sl.start): sl for j, p in enumerate(params) for sl in old.by_param.get(id(p), [])
+    }
     send, at = torch.empty(sum(send_bytes), dtype=torch.uint8), 0
     for ps in sends:
         for j, key, dtype, start, o, _rng, _w, n in ps:
-            v = state[by_start[(j, start)].tensor][key].detach().reshape(-1)[o:o + n]
-            send[at:at + n * dtype.itemsize].copy_(v.cpu().view(torch.uint8))
+            v = state[by_start[(j, start)].tensor][key].detach().reshape(-1)[o : o + n]
+            send[at : at + n * dtype.itemsize].copy_(v.cpu().view(torch.uint8))
             at += n * dtype.itemsize
     for sl in by_start.values():
         state.pop(sl.tensor, None)
-    got = control.all_to_all(send, send_bytes, recv_bytes, group=group, timeout=timeout,
-                             what="the optimizer state that changes owner (re-plan)")
+    got = control.all_to_all(
+        send,
+        send_bytes,
+        recv_bytes,
+        group=group,
+        timeout=timeout,
+        what="the optimizer state that changes owner (re-plan)",
+    )
     del send
     # 4. this rank's new slices put together from what it got, in the senders' order
     made: Dict[Tuple[int, Tuple[int, int]], dict] = {}
@@ -201,8 +227,9 @@ def _exchange(old, new, params: Sequence, state: dict, group, timeout: float) ->
             if key not in entry:
                 entry[key] = torch.empty(z - a, dtype=dtype)
             nb = n * dtype.itemsize
-            entry[key].view(torch.uint8)[w * dtype.itemsize:w * dtype.itemsize + nb].copy_(
-                got[at:at + nb])
+            entry[key].view(torch.uint8)[w * dtype.itemsize : w * dtype.itemsize + nb].copy_(
+                got[at : at + nb]
+            )
             at += nb
             filled[(j, a, z, key)] = filled.get((j, a, z, key), 0) + n
     for j, entries in first.items():  # (every element of each new slice came)
@@ -213,20 +240,28 @@ def _exchange(old, new, params: Sequence, state: dict, group, timeout: float) ->
                     raise HybridCommError(
                         f"re-plan: the optimizer state {key!r} of a parameter of shape "
                         f"{tuple(params[j].shape)} covers {n} of the {z - a} elements of "
-                        "this rank's new slice")
+                        "this rank's new slice"
+                    )
     # 5. the new entries, in the first holder's key order; what is not per element (a
     # step count) is the first holder's
     for j, entries in first.items():
         p = params[j]
         left = id(p) not in new.placement  # (keyed by itself, whole)
-        targets = [(p, (0, p.numel()))] if left else \
-            [(sl.tensor, (sl.start, sl.stop)) for sl in new.by_param.get(id(p), [])]
+        targets = (
+            [(p, (0, p.numel()))]
+            if left
+            else [(sl.tensor, (sl.start, sl.stop)) for sl in new.by_param.get(id(p), [])]
+        )
         for key_tensor, rng in targets:
             got_here = made.get((j, rng), {})
             state[key_tensor] = {  # (a frozen parameter's step count on its device, too)
                 k: (got_here[k].view(p.shape) if left else got_here[k]).to(p.device)
-                if elements else v.to(p.device) if left and torch.is_tensor(v) else v
-                for k, elements, v in entries}
+                if elements
+                else v.to(p.device)
+                if left and torch.is_tensor(v)
+                else v
+                for k, elements, v in entries
+            }
 
 
 def _spans(items) -> Tuple[list, list]:

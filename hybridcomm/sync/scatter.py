@@ -25,6 +25,7 @@ Example::
     keep_part(s, [(48, 100)], placeholders)   # bucket s keeps [48, 100) of its buffer
     unscatter(group, s)                       # whole again: .grad the reduced views
 """
+
 from __future__ import annotations
 
 from typing import Dict, List, Sequence, Tuple
@@ -47,8 +48,9 @@ class ReleasedGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, param: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype,
-                                                   device=param.device)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, dtype=param.dtype, device=param.device
+        )
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -59,19 +61,26 @@ class ReleasedGrad(torch.Tensor):
             "reduce-scatter (this rank keeps its part of it): call opt.synchronize() "
             "first to read or change .grad (it all-gathers the parts), clip with "
             "opt.clip_grad_norm_(max_norm), and unscale with scaler.step(opt) or after "
-            "opt.synchronize()")
+            "opt.synchronize()"
+        )
 
     def __repr__(self) -> str:
-        return (f"ReleasedGrad(shape={tuple(self.shape)}, dtype={self.dtype}: released after "
-                "its reduce-scatter; opt.synchronize() gathers it)")
+        return (
+            f"ReleasedGrad(shape={tuple(self.shape)}, dtype={self.dtype}: released after "
+            "its reduce-scatter; opt.synchronize() gathers it)"
+        )
 
 
 def is_released(grad) -> bool:
     return type(grad) is ReleasedGrad
 
 
-def keep_part(s, ranges: Sequence[Tuple[int, int]],
-              placeholders: Dict[int, ReleasedGrad], reserved: bool = False) -> None:
+def keep_part(
+    s,
+    ranges: Sequence[Tuple[int, int]],
+    placeholders: Dict[int, ReleasedGrad],
+    reserved: bool = False,
+) -> None:
     """Bucket ``s`` (a BucketState) is reduce-scattered and consumed: its buffer's
     ``ranges`` (this rank's part) kept, the rest freed; each ``.grad`` bound to it
     becomes its placeholder (``placeholders``: id(param) -> its :class:`ReleasedGrad`).
@@ -116,9 +125,22 @@ def all_gather(group, s, what: str) -> List:
         ready = channel.runtime.new_event()
         ready.record(channel.runtime.current_stream())
     last = len(b.spec.segments) - 1
-    return [channel.submit(reduce_operation(
-        b.buffer[a:z], links.transport, b.spec.algorithm, scale=None,
-        timeout=group.config.timeout, label=what, range_id=None, ready=ready,
-        stream_ordered=channel.stream_ordered, phase=ALL_GATHER,
-        tail=b.spec.tail if i == last else 0), what)
-        for i, (a, z) in enumerate(b.spec.segments)]
+    return [
+        channel.submit(
+            reduce_operation(
+                b.buffer[a:z],
+                links.transport,
+                b.spec.algorithm,
+                scale=None,
+                timeout=group.config.timeout,
+                label=what,
+                range_id=None,
+                ready=ready,
+                stream_ordered=channel.stream_ordered,
+                phase=ALL_GATHER,
+                tail=b.spec.tail if i == last else 0,
+            ),
+            what,
+        )
+        for i, (a, z) in enumerate(b.spec.segments)
+    ]

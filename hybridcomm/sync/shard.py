@@ -41,6 +41,7 @@ Example::
                                           model=model, shard="optimizer")
     loss_fn(model(x), y).backward(); opt.clip_grad_norm_(1.0); opt.step()
 """
+
 from __future__ import annotations
 
 import functools
@@ -95,8 +96,15 @@ class Slice:
 class Shards:
     """This rank's slices of every bucket of ``group``, its step and its gather."""
 
-    def __init__(self, group, params: List[torch.nn.Parameter], rank: int, world: int,
-                 release: bool, on_read: Callable[[torch.Tensor], None]):
+    def __init__(
+        self,
+        group,
+        params: List[torch.nn.Parameter],
+        rank: int,
+        world: int,
+        release: bool,
+        on_read: Callable[[torch.Tensor], None],
+    ):
         self.group, self.release, self.rank, self.world = group, release, rank, world
         self.on_read = on_read  # forward mode: a pending parameter is read (deferred.py)
         self.params = params
@@ -106,8 +114,9 @@ class Shards:
         self.placement: Dict[int, tuple] = {}  # id(param) -> how every rank slices it
         for s in group.states:
             b = s.bucket
-            self.owned[s.index] = owned_ranges(b.spec.segments, rank, world, b.spec.algorithm,
-                                               b.spec.tail)
+            self.owned[s.index] = owned_ranges(
+                b.spec.segments, rank, world, b.spec.algorithm, b.spec.tail
+            )
             for pos, p in enumerate(b.params):
                 self.placement[id(p)] = placement(b.spec, b.offsets[pos], b.views[pos].numel())
             for lo, hi in self.owned[s.index]:
@@ -115,8 +124,7 @@ class Shards:
                     o, n = b.offsets[pos], b.views[pos].numel()
                     start, stop = max(lo, o), min(hi, o + n)
                     if start < stop:
-                        self.slices.append(Slice(p, index[id(p)], start - o, stop - o, s,
-                                                 start))
+                        self.slices.append(Slice(p, index[id(p)], start - o, stop - o, s, start))
         self.by_param: Dict[int, List[Slice]] = {}
         self.by_bucket: Dict[int, List[Slice]] = {s.index: [] for s in group.states}
         for sl in self.slices:
@@ -125,8 +133,9 @@ class Shards:
         self._members = (None, None)  # (the param_groups' ids, the slices of each group)
         # The next forward's order of need where measured, else the reverse of the
         # buckets' (made in backward's order): what the forward reads first goes first
-        self.gather_order = sorted(group.states, key=lambda s: (
-            s.bucket.spec.need is None, s.bucket.spec.need, -s.index))
+        self.gather_order = sorted(
+            group.states, key=lambda s: (s.bucket.spec.need is None, s.bucket.spec.need, -s.index)
+        )
         # "gradients": each parameter's .grad while its bucket keeps only this rank's part
         self.placeholders = {id(p): ReleasedGrad(p) for p in params} if release else {}
 
@@ -247,15 +256,25 @@ class Shards:
         grads = [g for g in grads if g.numel()]
         # (one host read of this rank's part, however many slices)
         if math.isinf(norm_type):
-            local = float(torch.stack([g.abs().max().to(dtype) for g in grads]).max()) \
-                if grads else 0.0
-            total = max(control.all_gather_object(local, group=group, timeout=timeout,
-                                                  what="the gradient's norm"))
+            local = (
+                float(torch.stack([g.abs().max().to(dtype) for g in grads]).max()) if grads else 0.0
+            )
+            total = max(
+                control.all_gather_object(
+                    local, group=group, timeout=timeout, what="the gradient's norm"
+                )
+            )
         else:
-            local = float(torch.stack([g.to(dtype).abs().pow(norm_type).sum()
-                                       for g in grads]).sum()) if grads else 0.0
-            total = sum(control.all_gather_object(local, group=group, timeout=timeout,
-                                                  what="the gradient's norm")) ** (1 / norm_type)
+            local = (
+                float(torch.stack([g.to(dtype).abs().pow(norm_type).sum() for g in grads]).sum())
+                if grads
+                else 0.0
+            )
+            total = sum(
+                control.all_gather_object(
+                    local, group=group, timeout=timeout, what="the gradient's norm"
+                )
+            ) ** (1 / norm_type)
         coef = max_norm / (total + 1e-6)
         if coef < 1 and grads:
             torch._foreach_mul_(grads, coef)
@@ -277,16 +296,20 @@ class Shards:
                 mine.setdefault(sl.index, {})[key] = (sl.start, v) if piece else (None, v)
         return mine
 
-    def full_state(self, state: dict, group, timeout: float,
-                   indices=None) -> Dict[int, dict]:
+    def full_state(self, state: dict, group, timeout: float, indices=None) -> Dict[int, dict]:
         """Every parameter's state as the plain optimizer keeps it (its index among
         ``params`` -> dict), put together from every rank's slices (a collective;
         the same on every rank; tensors on the CPU); of the parameters at
         ``indices`` only, where given."""
-        return assemble(control.all_gather_object(self.pieces(state, indices), group=group,
-                                                  timeout=timeout,
-                                                  what="the sharded optimizer state"),
-                        [p.shape for p in self.params])
+        return assemble(
+            control.all_gather_object(
+                self.pieces(state, indices),
+                group=group,
+                timeout=timeout,
+                what="the sharded optimizer state",
+            ),
+            [p.shape for p in self.params],
+        )
 
     def slice_state(self, state: dict, full: Dict[object, dict]) -> None:
         """``state`` holds this rank's slices' entries, cut from ``full`` (param ->
@@ -294,9 +317,13 @@ class Shards:
         for p, st in full.items():
             for sl in self.by_param.get(id(p), []):
                 state[sl.tensor] = {
-                    k: (v.reshape(-1)[sl.start:sl.stop].to(sl.tensor.device).clone()
-                        if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape else v)
-                    for k, v in st.items()}
+                    k: (
+                        v.reshape(-1)[sl.start : sl.stop].to(sl.tensor.device).clone()
+                        if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape
+                        else v
+                    )
+                    for k, v in st.items()
+                }
 
 
 def assemble(parts, shapes) -> Dict[int, dict]:
@@ -317,15 +344,18 @@ def assemble(parts, shapes) -> Dict[int, dict]:
             if isinstance(v, list):  # pieces of a per-element tensor, in order
                 whole = torch.cat([t.reshape(-1) for _, t in sorted(v, key=lambda x: x[0])])
                 if whole.numel() != shape.numel():
-                    raise HybridCommError(f"the shards of state {key!r} of parameter {index} "
-                                          f"cover {whole.numel()} of {shape.numel()} elements: "
-                                          "pass every rank's sharded_state_dict()")
+                    raise HybridCommError(
+                        f"the shards of state {key!r} of parameter {index} "
+                        f"cover {whole.numel()} of {shape.numel()} elements: "
+                        "pass every rank's sharded_state_dict()"
+                    )
                 st[key] = whole.view(shape)
     return out
 
 
-def settle_options(options: dict, optimizer_name: str, process_group, servers,
-                   param_groups) -> dict:
+def settle_options(
+    options: dict, optimizer_name: str, process_group, servers, param_groups
+) -> dict:
     """``DistributedOptimizer``'s options with ``shard`` on: what cannot be combined
     with it yet is refused on every rank alike (before any collective), naming the
     option; every bucket is reduce-scattered with an algorithm that has a phase of
@@ -348,11 +378,15 @@ def settle_options(options: dict, optimizer_name: str, process_group, servers,
     if servers is not None:
         why.append("servers= (the summation servers sum whole buckets)")
     if forced not in (None, "", "hybrid", "auto") and forced not in SHARDABLE:
-        why.append(f"the algorithm {forced!r} (strategy or HYBRIDCOMM_ALGO): buckets are "
-                   f"reduce-scattered with one of {SHARDABLE}")
+        why.append(
+            f"the algorithm {forced!r} (strategy or HYBRIDCOMM_ALGO): buckets are "
+            f"reduce-scattered with one of {SHARDABLE}"
+        )
     elif forced == "halving_doubling" and world & (world - 1):
-        why.append(f"the algorithm 'halving_doubling' at {world} ranks (its reduce-scatter "
-                   "alone needs a power of two)")
+        why.append(
+            f"the algorithm 'halving_doubling' at {world} ranks (its reduce-scatter "
+            "alone needs a power of two)"
+        )
     if why:
         raise HybridCommError(f"shard={shard!r} cannot be combined with " + "; ".join(why))
     return dict(options, strategy=chosen)
@@ -388,10 +422,12 @@ class ShardedOptimizer:
         self._hc_synchronized = True
         if self._hc_shards is None:
             return torch.nn.utils.clip_grad_norm_(
-                [p for g in self.param_groups for p in g["params"]], max_norm, norm_type)
+                [p for g in self.param_groups for p in g["params"]], max_norm, norm_type
+            )
         self._hc_reshard()
-        return self._hc_shards.clip_grad_norm_(max_norm, norm_type, sync.process_group,
-                                               sync.timeout)
+        return self._hc_shards.clip_grad_norm_(
+            max_norm, norm_type, sync.process_group, sync.timeout
+        )
 
     def _hc_reshard(self) -> None:
         """Slices for the current buckets (a new plan, or parameters that joined):
@@ -400,16 +436,27 @@ class ShardedOptimizer:
         sync, old = self._hc_sync, self._hc_shards
         if old is not None and old.group is sync.group:
             return
-        odd = [sync.registry.names[i] for i, p in enumerate(sync.params)
-               if is_dtensor(p) or not p.is_contiguous()]
+        odd = [
+            sync.registry.names[i]
+            for i, p in enumerate(sync.params)
+            if is_dtensor(p) or not p.is_contiguous()
+        ]
         if odd:  # (every rank alike: the parameters agree)
-            raise HybridCommError(f"shard={sync.config.shard!r} needs plain contiguous "
-                                  f"parameters; {odd[:3]} are not (channels_last: keep the "
-                                  "parameters contiguous; DTensor (tensor-parallel) parameters "
-                                  "are not sharded yet)")
+            raise HybridCommError(
+                f"shard={sync.config.shard!r} needs plain contiguous "
+                f"parameters; {odd[:3]} are not (channels_last: keep the "
+                "parameters contiguous; DTensor (tensor-parallel) parameters "
+                "are not sharded yet)"
+            )
         release = sync.config.shard == "gradients"
-        new = Shards(sync.group, sync.params, sync.rank, sync.world,
-                     release=release, on_read=sync.deferred.on_read)
+        new = Shards(
+            sync.group,
+            sync.params,
+            sync.rank,
+            sync.world,
+            release=release,
+            on_read=sync.deferred.on_read,
+        )
         if release and env.get("HYBRIDCOMM_RELEASE_IN_BACKWARD"):
             if sync.channel.stream_ordered:  # in flight: on the comm stream
                 sync.group.in_flight_release = new
@@ -417,12 +464,17 @@ class ShardedOptimizer:
                 sync.after_launch = self._hc_release_reduced
         # the optimizer's own per-parameter state (Adagrad makes it in its constructor;
         # a parameter frozen since kept it whole) joins the shards with its parameter
-        new.slice_state(self.state, {p: self.state.pop(p) for p in sync.params
-                                     if p in self.state})
+        new.slice_state(self.state, {p: self.state.pop(p) for p in sync.params if p in self.state})
         if old is not None:  # the old slices' state to the new ones (a collective where
             # some parameter's slicing changed; a frozen one's whole: reshard.py)
-            move_state(old, new, self.state, sync.process_group, sync.timeout,
-                       env.get("HYBRIDCOMM_RESHARD_BYTES"))
+            move_state(
+                old,
+                new,
+                self.state,
+                sync.process_group,
+                sync.timeout,
+                env.get("HYBRIDCOMM_RESHARD_BYTES"),
+            )
         self._hc_shards = new
 
     def _hc_release_reduced(self) -> None:  # host path
@@ -434,8 +486,9 @@ class ShardedOptimizer:
 
     def _hc_shard_step(self, closure, base_step):
         if closure is not None:
-            raise HybridCommError("shard= takes no closure that the optimizer evaluates "
-                                  "itself in step()")
+            raise HybridCommError(
+                "shard= takes no closure that the optimizer evaluates itself in step()"
+            )
         self._hc_reshard()
         return self._hc_shards.step(self, base_step)
 
@@ -456,13 +509,17 @@ class ShardedOptimizer:
         full = shards.full_state(self.state, sync.process_group, sync.timeout)
         saved = self.state
         slices = {id(sl.tensor) for sl in shards.slices}
-        self.state = type(saved)(saved.default_factory) if hasattr(saved, "default_factory") \
-            else {}
+        self.state = type(saved)(saved.default_factory) if hasattr(saved, "default_factory") else {}
         self.state.update({p: st for p, st in saved.items() if id(p) not in slices})  # frozen
-        self.state.update({shards.params[i]: {k: v.to(shards.params[i].device)
-                                              if torch.is_tensor(v) and v.dim() else v
-                                              for k, v in st.items()}
-                           for i, st in full.items()})
+        self.state.update(
+            {
+                shards.params[i]: {
+                    k: v.to(shards.params[i].device) if torch.is_tensor(v) and v.dim() else v
+                    for k, v in st.items()
+                }
+                for i, st in full.items()
+            }
+        )
         try:
             return base_state_dict()
         finally:
@@ -492,9 +549,12 @@ class ShardedOptimizer:
             state = super().state_dict()  # the groups, and what is kept whole
         finally:
             self.state = saved
-        state["hybridcomm_shard"] = {"rank": sync.rank, "world": sync.world,
-                                     "names": list(sync.registry.names),
-                                     "pieces": shards.pieces(saved)}
+        state["hybridcomm_shard"] = {
+            "rank": sync.rank,
+            "world": sync.world,
+            "names": list(sync.registry.names),
+            "pieces": shards.pieces(saved),
+        }
         state["hybridcomm"] = sync.state_dict()
         return state
 
@@ -504,20 +564,28 @@ class ShardedOptimizer:
         sync, shards = self._hc_sync, self._hc_shards
         states = list(states)
         if shards is None or not states or any("hybridcomm_shard" not in st for st in states):
-            raise HybridCommError("load_sharded_state_dict() takes every rank's "
-                                  "sharded_state_dict(), into an optimizer with shard=")
+            raise HybridCommError(
+                "load_sharded_state_dict() takes every rank's "
+                "sharded_state_dict(), into an optimizer with shard="
+            )
         first = states[0]["hybridcomm_shard"]
         ranks = sorted(st["hybridcomm_shard"]["rank"] for st in states)
         if ranks != list(range(first["world"])):
-            raise HybridCommError(f"load_sharded_state_dict(): the checkpoint has "
-                                  f"{first['world']} ranks' parts, {ranks} were given")
+            raise HybridCommError(
+                f"load_sharded_state_dict(): the checkpoint has "
+                f"{first['world']} ranks' parts, {ranks} were given"
+            )
         if first["names"] != list(sync.registry.names):
-            raise HybridCommError("load_sharded_state_dict(): the checkpoint's parameters "
-                                  "differ from this optimizer's")
-        full = assemble([st["hybridcomm_shard"]["pieces"] for st in states],
-                        [p.shape for p in sync.params])
-        position = {id(p): i for i, p in enumerate(p for g in self.param_groups
-                                                 for p in g["params"])}
+            raise HybridCommError(
+                "load_sharded_state_dict(): the checkpoint's parameters "
+                "differ from this optimizer's"
+            )
+        full = assemble(
+            [st["hybridcomm_shard"]["pieces"] for st in states], [p.shape for p in sync.params]
+        )
+        position = {
+            id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])
+        }
         plain = {k: v for k, v in states[0].items() if k != "hybridcomm_shard"}
         plain["state"] = dict(plain["state"])
         plain["state"].update({position[id(sync.params[i])]: st for i, st in full.items()})

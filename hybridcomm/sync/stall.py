@@ -24,6 +24,7 @@ Example::
     >>> warn_after(300.0), warn_after(20.0)
     (60.0, 4.0)
 """
+
 from __future__ import annotations
 
 import atexit
@@ -71,8 +72,9 @@ class StallInspector:
     def __init__(self, group, timeout: float):
         self.warn_s = warn_after(timeout)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        ranks = dist.get_process_group_ranks(group) if group is not None else \
-            list(range(self.world))
+        ranks = (
+            dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
+        )
         self.prefix = f"hybridcomm/stall/{next(_instances)}/{'-'.join(map(str, ranks))}"
         self._key = f"{self.prefix}/{self.rank}"
         try:
@@ -102,8 +104,9 @@ class StallInspector:
             self._write()
             return
         if self._thread is None and not self._closed:
-            self._thread = threading.Thread(target=self._publishing, daemon=True,
-                                            name=f"hybridcomm stall {self._key}")
+            self._thread = threading.Thread(
+                target=self._publishing, daemon=True, name=f"hybridcomm stall {self._key}"
+            )
             _publishers.add(self)
             self._thread.start()
         self._wake.set()
@@ -157,14 +160,20 @@ class StallInspector:
         silent = [r for r in range(self.world) if r not in seen]
         if not behind and not silent:
             return None
-        parts = [f"rank {r} has launched {p[0]} buckets in all after {p[1]} steps "
-                 f"(last heard {now - p[2]:.0f}s ago)" for r, p in sorted(behind.items())]
+        parts = [
+            f"rank {r} has launched {p[0]} buckets in all after {p[1]} steps "
+            f"(last heard {now - p[2]:.0f}s ago)"
+            for r, p in sorted(behind.items())
+        ]
         parts += [f"rank {r} has not reported any step" for r in silent]
-        return (f"hybridcomm stall: {what} has waited over {self.warn_s:g}s; this rank "
-                f"(rank {self.rank}) has launched {launches} buckets after {steps} steps; "
-                + "; ".join(parts) + ". A rank behind skipped a backward, left the training "
-                "loop early, or runs a model whose graph differs; it must launch the same "
-                "buckets (or this wait ends in a timeout)")
+        return (
+            f"hybridcomm stall: {what} has waited over {self.warn_s:g}s; this rank "
+            f"(rank {self.rank}) has launched {launches} buckets after {steps} steps; "
+            + "; ".join(parts)
+            + ". A rank behind skipped a backward, left the training "
+            "loop early, or runs a model whose graph differs; it must launch the same "
+            "buckets (or this wait ends in a timeout)"
+        )
 
     def bucket_is_slow(self, plan, index: int, launches: int, steps: int) -> Optional[str]:
         """A wait on bucket ``index`` of ``plan`` turned slow: name the ranks behind,

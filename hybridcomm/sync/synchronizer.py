@@ -23,6 +23,7 @@ that launches them all: every rank issues the same sequence.
 ``backward_passes_per_step`` fixes the launching pass instead; ``no_sync()``
 passes accumulate locally.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -92,9 +93,18 @@ class GradientSynchronizer:
         >>> sync.close()
     """
 
-    def __init__(self, param_groups, update: Optional[Update], config: Optional[SyncConfig] = None,
-                 *, model=None, named_parameters=None, process_group=None, servers=None,
-                 **options):
+    def __init__(
+        self,
+        param_groups,
+        update: Optional[Update],
+        config: Optional[SyncConfig] = None,
+        *,
+        model=None,
+        named_parameters=None,
+        process_group=None,
+        servers=None,
+        **options,
+    ):
         self.config = cfg = config if config is not None else SyncConfig.build(**options)
         self._param_groups, self.model, self._named = param_groups, model, named_parameters
         self.overlap, self.strategy, self.timeout = cfg.overlap, cfg.strategy, cfg.timeout
@@ -103,8 +113,9 @@ class GradientSynchronizer:
         self.world = dist.get_world_size(process_group)
         self.state = StepState()
         # PowerSGD's exact steps are not what the plan will carry: measured after them
-        self.measure = StepMeasurements(cfg.measure_iters, cfg.replan_every,
-                                        after=cfg.low_rank[1] if cfg.low_rank else 0)
+        self.measure = StepMeasurements(
+            cfg.measure_iters, cfg.replan_every, after=cfg.low_rank[1] if cfg.low_rank else 0
+        )
         self.timeline = Timeline(enabled=bool(cfg.trace))
         self.last_step_stats: Dict[str, float] = {}
         self._step_t0 = time.perf_counter()
@@ -114,32 +125,53 @@ class GradientSynchronizer:
         self.rt = runtime_for(self.registry.device)
         self.servers = servers
         if servers is not None and self.rt is not None:  # servers.py moves host tensors
-            raise HybridCommError("servers= (the summation servers, algorithm 'ps') run on the "
-                                  "host path only (gloo, CPU tensors); these parameters are on "
-                                  f"{self.registry.device}: leave servers out on the GPU path")
+            raise HybridCommError(
+                "servers= (the summation servers, algorithm 'ps') run on the "
+                "host path only (gloo, CPU tensors); these parameters are on "
+                f"{self.registry.device}: leave servers out on the GPU path"
+            )
         self.clock = clock_for(self.rt)  # the planner's inputs: the GPU's clock there
-        self.transport, self.channel = open_channel(self.registry.device, process_group,
-                                                    cfg.timeout, self.timeline,
-                                                    issue_thread=cfg.issue_thread)
+        self.transport, self.channel = open_channel(
+            self.registry.device,
+            process_group,
+            cfg.timeout,
+            self.timeline,
+            issue_thread=cfg.issue_thread,
+        )
         cost_model = calibration.resolve(cfg.cost_model, process_group, cfg.timeout, servers)
         self.stall = StallInspector(process_group, cfg.timeout)
         self._links = _links(self, cfg, servers)
-        self.planning = Planning(cfg, cost_model, world=self.world, rank=self.rank,
-                                 group=process_group,
-                                 servers=len(servers.role.servers) if servers else 0)
+        self.planning = Planning(
+            cfg,
+            cost_model,
+            world=self.world,
+            rank=self.rank,
+            group=process_group,
+            servers=len(servers.role.servers) if servers else 0,
+        )
         self.passes = PassTracker(cfg.overlap, self._pass_ended, self.timeline)
         self.after_launch: Optional[Callable[[], None]] = None  # shard="gradients" (shard.py)
         self.hooks = GradientHooks(self)
         self._links.guard = self.hooks.guard
         self.joining = JoinState(self)
         self.group: Optional[BucketGroup] = None
-        self.deferred = DeferredUpdates(lambda: self.group, update, self.measure, self.state,
-                                        self.clock, self.timeline, self.rt,
-                                        cfg.correction_momentum)
+        self.deferred = DeferredUpdates(
+            lambda: self.group,
+            update,
+            self.measure,
+            self.state,
+            self.clock,
+            self.timeline,
+            self.rt,
+            cfg.correction_momentum,
+        )
         self._build(self.planning.agree(self.registry.layers))
         # The only hook on the model (a plain object: it deep-copies and pickles)
-        self._compiled_hook = model.register_forward_pre_hook(ApplyBeforeCompiledForward()) \
-            if model is not None and cfg.overlap == "forward" else None
+        self._compiled_hook = (
+            model.register_forward_pre_hook(ApplyBeforeCompiledForward())
+            if model is not None and cfg.overlap == "forward"
+            else None
+        )
         self.planning.log(self.plan, "initial plan")
 
     # ---- parameters, plan, buckets ------------------------------------------------------
@@ -168,14 +200,25 @@ class GradientSynchronizer:
         return self.registry.params + [p for p, _ in self.registry.sparse]
 
     def _take_params(self) -> ParamRegistry:
-        return _take_params(self._param_groups, self.model, self._named, self.config,
-                            self.process_group, self)
+        return _take_params(
+            self._param_groups, self.model, self._named, self.config, self.process_group, self
+        )
 
     def _build(self, plan: Plan) -> None:
         """Buckets for ``plan``, taking over the current ones' gradients."""
-        old, self.group = self.group, BucketGroup(
-            plan, self.params, self.registry.names, self._links, self.config, self.state,
-            lambda: self.measure.measuring(self.state.steps + 1), carry=self.group)
+        old, self.group = (
+            self.group,
+            BucketGroup(
+                plan,
+                self.params,
+                self.registry.names,
+                self._links,
+                self.config,
+                self.state,
+                lambda: self.measure.measuring(self.state.steps + 1),
+                carry=self.group,
+            ),
+        )
         if old is not None:
             old.retire()
         self.group.engine.round_end_waits = not self.defers  # (step() waits for the round)
@@ -213,8 +256,11 @@ class GradientSynchronizer:
         """Whether step() defers the updates to the first reads in the next forward
         (forward mode, unless the plan found that nothing is left to overlap; under
         ``shard`` the step is not deferred, the parameters' all-gather is: shard.py)."""
-        return self.overlap == "forward" and not self.config.shard and (
-            self.plan.defer_updates or self.config.defer_always)
+        return (
+            self.overlap == "forward"
+            and not self.config.shard
+            and (self.plan.defer_updates or self.config.defer_always)
+        )
 
     def begin_step(self) -> None:
         """A step begins: a pass whose end autograd never reported (it ran only in
@@ -271,20 +317,31 @@ class GradientSynchronizer:
         ops = self.channel.take_ops()  # after take_busy: on a GPU it reads their events
         state.exposed_s += self.channel.take_exposed()  # GPU: stream waits, on its clock
         sent, engine.bytes_sent = engine.bytes_sent, 0
-        self.last_step_stats = {"exposed_comm_s": state.exposed_s, "comm_busy_s": busy,
-                                "hidden_comm_s": max(0.0, busy - state.exposed_s),
-                                "step_call_s": time.perf_counter() - t0, "bytes_sent": sent}
-        log.debug("hybridcomm step %d: comm %.2f ms, exposed %.2f ms, %d bytes sent, "
-                  "%d backward passes", state.steps, busy * 1e3, state.exposed_s * 1e3, sent,
-                  self.passes.counted)
+        self.last_step_stats = {
+            "exposed_comm_s": state.exposed_s,
+            "comm_busy_s": busy,
+            "hidden_comm_s": max(0.0, busy - state.exposed_s),
+            "step_call_s": time.perf_counter() - t0,
+            "bytes_sent": sent,
+        }
+        log.debug(
+            "hybridcomm step %d: comm %.2f ms, exposed %.2f ms, %d bytes sent, %d backward passes",
+            state.steps,
+            busy * 1e3,
+            state.exposed_s * 1e3,
+            sent,
+            self.passes.counted,
+        )
         self.timeline.add("step", "compute", t0, time.perf_counter())
         if self.passes.any:
             self.measure.passes(self.passes.counted)
         if self.measuring():
             self.measure.ops(op_samples(self.plan, ops))
         if self.measuring() and engine.round - self._round0 == 1:
-            self.measure.comm(busy, sum(b.predicted_s for b in self.plan.buckets
-                                        if b.predicted_s == b.predicted_s))
+            self.measure.comm(
+                busy,
+                sum(b.predicted_s for b in self.plan.buckets if b.predicted_s == b.predicted_s),
+            )
         state.exposed_s = 0.0
         self.hooks.review(self.measure.measuring(state.steps + 1))  # (a re-plan undoes it)
         self.passes.reset()
@@ -298,6 +355,7 @@ class GradientSynchronizer:
     def reduce_after(self, closure: Callable):
         """``closure`` wrapped so that the backward passes it runs are reduced before it
         returns (``step(closure)``: the optimizer reads ``.grad`` right after)."""
+
         def reduced(*args, **kwargs):
             self.finish()  # what came before this call is reduced (and in .grad) already
             self.state.epoch += 1
@@ -309,6 +367,7 @@ class GradientSynchronizer:
             self.passes.end()
             self.finish()
             return loss
+
         return reduced
 
     def prepare_zero(self) -> None:
@@ -324,8 +383,13 @@ class GradientSynchronizer:
 
     def _reduce_sparse(self) -> None:
         """Sparse gradients, after this step's dense buckets (comm/sparse.py)."""
-        reduce_sparse_grads(self.registry.sparse, self.channel, self.transport.group,
-                            average=self.config.op == "avg", timeout=self.timeout)
+        reduce_sparse_grads(
+            self.registry.sparse,
+            self.channel,
+            self.transport.group,
+            average=self.config.op == "avg",
+            timeout=self.timeout,
+        )
 
     # ---- re-planning ---------------------------------------------------------------------
     def _settle_all(self) -> None:
@@ -348,14 +412,18 @@ class GradientSynchronizer:
         first = self.measure.first_replan(self.state.steps)
         if first:
             self.planning.say_verdict(self.plan, measured, self.last_step_stats)
-        plan = self.planning.agree(self.registry.layers, measured,
-                                   keep=None if first else self.plan)
+        plan = self.planning.agree(
+            self.registry.layers, measured, keep=None if first else self.plan
+        )
         if plan is None:
             return
         changed = plan.decisions() != self.plan.decisions()
         title = f"re-planned after {self.state.steps} steps"
-        self.rebuild(plan, title if changed else f"{title} (the same decisions, with the "
-                     "measured windows)", changed)
+        self.rebuild(
+            plan,
+            title if changed else f"{title} (the same decisions, with the measured windows)",
+            changed,
+        )
 
     def refresh(self) -> None:
         """The optimizer's trainable parameters changed (a group added, requires_grad
@@ -414,15 +482,25 @@ class GradientSynchronizer:
             ownership.release(self._all_params(), self)
 
 
-def _take_params(param_groups, model, named, config: SyncConfig, process_group,
-                 owner) -> ParamRegistry:
+def _take_params(
+    param_groups, model, named, config: SyncConfig, process_group, owner
+) -> ParamRegistry:
     """The registry of ``param_groups``' trainable parameters, claimed for ``owner``."""
     device = next((p.device for g in param_groups for p in g["params"]), torch.device("cpu"))
-    reg = ParamRegistry(param_groups, model, named, wire_dtype=config.wire_dtype,
-                        group=process_group, timeout=config.timeout,
-                        device_path=runtime_for(device) is not None)
-    ownership.claim(reg.params + [p for p, _ in reg.sparse], owner,
-                    list(reg.names) + [name for _, name in reg.sparse])
+    reg = ParamRegistry(
+        param_groups,
+        model,
+        named,
+        wire_dtype=config.wire_dtype,
+        group=process_group,
+        timeout=config.timeout,
+        device_path=runtime_for(device) is not None,
+    )
+    ownership.claim(
+        reg.params + [p for p, _ in reg.sparse],
+        owner,
+        list(reg.names) + [name for _, name in reg.sparse],
+    )
     return reg
 
 
@@ -433,14 +511,23 @@ def _links(sync: GradientSynchronizer, cfg: SyncConfig, servers) -> Links:
     # host (gloo, posted at issue), not read back from the reduced flags (a host
     # sync). Costs a small host collective per bucket and step, hence opt-in.
     # (under shard each rank reads its own copy of the flags: plan/layout.py)
-    used = UsedAgreement(cfg.find_unused_parameters and rt is not None,
-                         sync.rank, sync.process_group, cfg.timeout)
+    used = UsedAgreement(
+        cfg.find_unused_parameters and rt is not None, sync.rank, sync.process_group, cfg.timeout
+    )
     return Links(
-        channel=sync.channel, transport=sync.transport, used=used, clock=sync.clock,
-        alloc=bucket_allocator(rt, sync.registry.device,
-                               sync.transport.stream if rt is not None else None),
-        timeline=sync.timeline, rank=sync.rank, world=sync.world,
-        scale=1.0 / sync.world if cfg.op == "avg" else None, servers=servers,
+        channel=sync.channel,
+        transport=sync.transport,
+        used=used,
+        clock=sync.clock,
+        alloc=bucket_allocator(
+            rt, sync.registry.device, sync.transport.stream if rt is not None else None
+        ),
+        timeline=sync.timeline,
+        rank=sync.rank,
+        world=sync.world,
+        scale=1.0 / sync.world if cfg.op == "avg" else None,
+        servers=servers,
         on_device=rt is not None,
-        on_slow=sync._stalled if sync.stall.enabled else None, slow_after=sync.stall.warn_s)
-
+        on_slow=sync._stalled if sync.stall.enabled else None,
+        slow_after=sync.stall.warn_s,
+    )

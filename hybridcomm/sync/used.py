@@ -22,6 +22,7 @@ Example::
     used.post(state)        # as the engine issues it
     used.positions(state)   # after the reduction: every rank's, merged
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,8 +52,12 @@ class UsedAgreement:
     def post(self, state) -> None:
         """The engine issues the bucket (plan order): post the agreement."""
         state.agreed = control.HostMax(
-            len(state.bucket.params), state.marked, group=self.group, timeout=self.timeout,
-            what=f"which parameters of bucket {state.index} have gradients")
+            len(state.bucket.params),
+            state.marked,
+            group=self.group,
+            timeout=self.timeout,
+            what=f"which parameters of bucket {state.index} have gradients",
+        )
 
     def positions(self, state, on_device: bool) -> List[int]:
         """The positions some rank had a gradient for (after the reduction)."""
@@ -64,8 +69,13 @@ class UsedAgreement:
             return agreed.positions()
         if on_device and not self._warned:
             self._warned = True
-            log.warning("hybridcomm: rank %d has no gradient for some parameters of bucket %d "
-                        "(%s); reading which ones any rank has costs a host sync per such bucket "
-                        "and step. find_unused_parameters=True agrees on them on the host "
-                        "instead.", self.rank, state.index, ", ".join(b.spec.layers))
+            log.warning(
+                "hybridcomm: rank %d has no gradient for some parameters of bucket %d "
+                "(%s); reading which ones any rank has costs a host sync per such bucket "
+                "and step. find_unused_parameters=True agrees on them on the host "
+                "instead.",
+                self.rank,
+                state.index,
+                ", ".join(b.spec.layers),
+            )
         return b.used(self.rank)

@@ -61,6 +61,7 @@ Usage (in each rank process: the simulator watches that process for good)::
                                           model=model)          # the GPU path, on CPU
     simgpu.reset_stats(); train(3); assert simgpu.stats()["host_syncs"] == 0
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,8 +87,20 @@ from ..config import env
 from ..sync.pending import is_pending, resolve
 from ..base.tensor_access import collect, reads_data, written
 
-__all__ = ["SimError", "SimRuntime", "SimStream", "SimEvent", "SimNccl", "runtime", "stats",
-           "reset_stats", "errors", "check", "configure", "sleep"]
+__all__ = [
+    "SimError",
+    "SimRuntime",
+    "SimStream",
+    "SimEvent",
+    "SimNccl",
+    "runtime",
+    "stats",
+    "reset_stats",
+    "errors",
+    "check",
+    "configure",
+    "sleep",
+]
 
 
 class SimError(AssertionError):
@@ -95,6 +108,7 @@ class SimError(AssertionError):
 
 
 # --------------------------------------------------------------------------- memory ranges
+
 
 def _span(t: torch.Tensor) -> Optional[Tuple[int, int]]:
     """[lo, hi) bytes a tensor's elements occupy (strides included), None if empty."""
@@ -109,7 +123,14 @@ class _Access:
     __slots__ = ("lo", "hi", "write", "stream", "seq", "op")
 
     def __init__(self, lo, hi, write, stream, seq, op):
-        self.lo, self.hi, self.write, self.stream, self.seq, self.op = lo, hi, write, stream, seq, op
+        self.lo, self.hi, self.write, self.stream, self.seq, self.op = (
+            lo,
+            hi,
+            write,
+            stream,
+            seq,
+            op,
+        )
 
 
 def _ordered(stream_id: int, seq: int, vc: Dict[int, int]) -> bool:
@@ -119,11 +140,23 @@ def _ordered(stream_id: int, seq: int, vc: Dict[int, int]) -> bool:
 
 # --------------------------------------------------------------------------- operations
 
+
 class _Op:
     """One queued stream operation."""
 
-    __slots__ = ("kind", "name", "stream", "seq", "vc", "fn", "ranges", "wait_for", "calls",
-                 "started", "ticket")
+    __slots__ = (
+        "kind",
+        "name",
+        "stream",
+        "seq",
+        "vc",
+        "fn",
+        "ranges",
+        "wait_for",
+        "calls",
+        "started",
+        "ticket",
+    )
 
     def __init__(self, kind, name, stream, fn=None, ranges=(), wait_for=None, calls=None):
         self.kind, self.name, self.stream, self.fn = kind, name, stream, fn
@@ -169,8 +202,9 @@ class SimStream:
             self._queue.append(op)
             dev.stats["stream_ops"] += 1
             if self._worker is None:
-                self._worker = threading.Thread(target=self._run, daemon=True,
-                                                name=f"simgpu-{self.name}")
+                self._worker = threading.Thread(
+                    target=self._run, daemon=True, name=f"simgpu-{self.name}"
+                )
                 self._worker.start()
             dev.cv.notify_all()
         return op
@@ -189,8 +223,9 @@ class SimStream:
                 if self._vc.get(k, 0) < v:
                     self._vc[k] = v
             target = (event._stream, event._seq)
-        self._issue(_Op("wait", f"wait_event({event._stream.name} #{target[1]})", self,
-                        wait_for=target))
+        self._issue(
+            _Op("wait", f"wait_event({event._stream.name} #{target[1]})", self, wait_for=target)
+        )
 
     def wait_stream(self, other: "SimStream") -> None:
         ev = SimEvent(self.device)
@@ -254,11 +289,14 @@ class SimEvent:
         """Milliseconds from this event to ``end``, both timed and completed (as CUDA
         requires)."""
         if not (self.timing and end.timing):
-            raise SimError("elapsed_time() on an event made without timing (CUDA raises "
-                           "cudaErrorInvalidResourceHandle): new_event(timing=True)")
+            raise SimError(
+                "elapsed_time() on an event made without timing (CUDA raises "
+                "cudaErrorInvalidResourceHandle): new_event(timing=True)"
+            )
         if self._when is None or end._when is None:
-            raise SimError("elapsed_time() on an event that has not completed (CUDA raises "
-                           "cudaErrorNotReady)")
+            raise SimError(
+                "elapsed_time() on an event that has not completed (CUDA raises cudaErrorNotReady)"
+            )
         return (end._when - self._when) * 1e3
 
     def record(self, stream: Optional[SimStream] = None) -> None:
@@ -293,9 +331,19 @@ class SimEvent:
 
 # --------------------------------------------------------------------------- allocator
 
+
 class _Block:
-    __slots__ = ("id", "storage", "lo", "nbytes", "stream", "uses", "live", "free_events",
-                 "accesses")
+    __slots__ = (
+        "id",
+        "storage",
+        "lo",
+        "nbytes",
+        "stream",
+        "uses",
+        "live",
+        "free_events",
+        "accesses",
+    )
 
     def __init__(self, bid, nbytes, stream):
         self.id, self.nbytes, self.stream = bid, nbytes, stream
@@ -344,8 +392,14 @@ class _Allocator:
         nbytes = max(self.ROUND, -(-numel * itemsize // self.ROUND) * self.ROUND)
         with dev.cv:
             self._return_freed()
-            free = [b for b in self.blocks if not b.live and b.stream is stream
-                    and b.nbytes >= nbytes and all(e.query() for e in b.free_events)]
+            free = [
+                b
+                for b in self.blocks
+                if not b.live
+                and b.stream is stream
+                and b.nbytes >= nbytes
+                and all(e.query() for e in b.free_events)
+            ]
             block = min(free, key=lambda b: b.nbytes) if free else None
             if block is not None:
                 self._check_reuse(block, stream)
@@ -356,8 +410,7 @@ class _Allocator:
             dev.stats["allocations"] += 1
         _tls.host_depth += 1  # the simulator's own bookkeeping, not host work
         try:
-            t = torch.empty(0, dtype=dtype).set_(block.storage.untyped_storage(), 0, (numel,),
-                                                 (1,))
+            t = torch.empty(0, dtype=dtype).set_(block.storage.untyped_storage(), 0, (numel,), (1,))
         finally:
             _tls.host_depth -= 1
         weakref.finalize(t, self._free, block)
@@ -372,11 +425,14 @@ class _Allocator:
         for a in block.accesses:
             if a.stream is stream or a.stream in block.uses or _ordered(a.stream.id, a.seq, now):
                 continue
-            dev.report(SimError(
-                f"allocator: block #{block.id} ({block.nbytes} bytes, allocated on stream "
-                f"{stream.name}) was handed out again while {a.op} on stream {a.stream.name} "
-                f"may still {'write' if a.write else 'read'} it: that stream used the block "
-                f"without record_stream, and its work is not ordered before the reuse"))
+            dev.report(
+                SimError(
+                    f"allocator: block #{block.id} ({block.nbytes} bytes, allocated on stream "
+                    f"{stream.name}) was handed out again while {a.op} on stream {a.stream.name} "
+                    f"may still {'write' if a.write else 'read'} it: that stream used the block "
+                    f"without record_stream, and its work is not ordered before the reuse"
+                )
+            )
             return
         for s in dev.streams.values():
             if s is stream:
@@ -384,10 +440,13 @@ class _Allocator:
             for op in list(s._queue):
                 for lo, hi, w in op.ranges:
                     if lo < block.lo + block.nbytes and block.lo < hi and s not in block.uses:
-                        dev.report(SimError(
-                            f"allocator: block #{block.id} handed out again on stream "
-                            f"{stream.name} while queued {op.describe()} still uses it "
-                            f"(no record_stream)"))
+                        dev.report(
+                            SimError(
+                                f"allocator: block #{block.id} handed out again on stream "
+                                f"{stream.name} while queued {op.describe()} still uses it "
+                                f"(no record_stream)"
+                            )
+                        )
                         return
 
     def _free(self, block: _Block) -> None:
@@ -437,8 +496,20 @@ class _Allocator:
 
 # --------------------------------------------------------------------------- the device
 
-_SYNC_FUNCS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy",
-               "__array__", "cpu", "equal", "nonzero", "allclose"}
+_SYNC_FUNCS = {
+    "tolist",
+    "item",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "numpy",
+    "__array__",
+    "cpu",
+    "equal",
+    "nonzero",
+    "allclose",
+}
 
 
 class _HostMode(TorchFunctionMode):
@@ -477,8 +548,23 @@ class _HostMode(TorchFunctionMode):
 # simulated device's tensors are CPU tensors too, so "host" is what a watched
 # thread made this way (device= given: device memory on a GPU), or made from
 # host tensors only.
-_HOST_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange",
-                             "linspace", "rand", "randn", "randint", "eye", "from_numpy"})
+_HOST_FACTORIES = frozenset(
+    {
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "tensor",
+        "as_tensor",
+        "arange",
+        "linspace",
+        "rand",
+        "randn",
+        "randint",
+        "eye",
+        "from_numpy",
+    }
+)
 _HOST = "_hc_sim_host"
 
 
@@ -491,8 +577,9 @@ def _note_host_made(name: str, tensors: list, kwargs: dict, out) -> None:
     """Mark ``out`` as pageable host memory when the call made it there."""
     if not isinstance(out, torch.Tensor):
         return
-    if (not tensors and name in _HOST_FACTORIES and kwargs.get("device") is None) or \
-            (tensors and all(_is_host(t) for t in tensors)):
+    if (not tensors and name in _HOST_FACTORIES and kwargs.get("device") is None) or (
+        tensors and all(_is_host(t) for t in tensors)
+    ):
         try:
             setattr(out, _HOST, True)
         except (AttributeError, RuntimeError):  # a tensor type without attributes: not known
@@ -530,8 +617,16 @@ _tls = _TLS()
 class _Device:
     """One simulated GPU: this process's device (rank ``index``)."""
 
-    def __init__(self, index: int, *, delay_s: float, seed: int, nccl_kernels: int,
-                 uid_style: str, deadlock_s: float):
+    def __init__(
+        self,
+        index: int,
+        *,
+        delay_s: float,
+        seed: int,
+        nccl_kernels: int,
+        uid_style: str,
+        deadlock_s: float,
+    ):
         self.index = index
         self.delay_s, self.seed = delay_s, seed
         self.nccl_kernels, self.uid_style, self.deadlock_s = nccl_kernels, uid_style, deadlock_s
@@ -558,10 +653,13 @@ class _Device:
         idx = _tls.device_index
         if idx not in self.contexts:
             self.contexts.add(idx)
-            self.report(SimError(
-                f"thread {threading.current_thread().name!r} used the CUDA runtime with "
-                f"current device {idx}, creating a context on GPU {idx} (this rank's GPU is "
-                f"{self.index}; ~300-500 MB wasted): bind the thread to its device first"))
+            self.report(
+                SimError(
+                    f"thread {threading.current_thread().name!r} used the CUDA runtime with "
+                    f"current device {idx}, creating a context on GPU {idx} (this rank's GPU is "
+                    f"{self.index}; ~300-500 MB wasted): bind the thread to its device first"
+                )
+            )
 
     def count_sync(self) -> None:
         with self.cv:
@@ -610,10 +708,12 @@ class _Device:
                     if a.stream is stream or not (a.lo < hi and lo < a.hi):
                         continue
                     if (a.write or write) and not _ordered(a.stream.id, a.seq, vc):
-                        found.append(f"{what} {'writes' if write else 'reads'} bytes "
-                                     f"[{lo - block.lo}, {hi - block.lo}) of block #{block.id} "
-                                     f"that {a.op} on stream {a.stream.name} "
-                                     f"{'wrote' if a.write else 'read'}")
+                        found.append(
+                            f"{what} {'writes' if write else 'reads'} bytes "
+                            f"[{lo - block.lo}, {hi - block.lo}) of block #{block.id} "
+                            f"that {a.op} on stream {a.stream.name} "
+                            f"{'wrote' if a.write else 'read'}"
+                        )
             for s in self.streams.values():
                 if s is stream:
                     continue
@@ -621,11 +721,17 @@ class _Device:
                     if op.started and op.kind != "nccl":
                         continue
                     for olo, ohi, ow in op.ranges:
-                        if olo < hi and lo < ohi and (ow or write) and \
-                                op.vc.get(stream.id, 0) < vc.get(stream.id, 0):
-                            found.append(f"{what} {'writes' if write else 'reads'} memory "
-                                         f"that queued {op.describe()} "
-                                         f"{'writes' if ow else 'reads'}")
+                        if (
+                            olo < hi
+                            and lo < ohi
+                            and (ow or write)
+                            and op.vc.get(stream.id, 0) < vc.get(stream.id, 0)
+                        ):
+                            found.append(
+                                f"{what} {'writes' if write else 'reads'} memory "
+                                f"that queued {op.describe()} "
+                                f"{'writes' if ow else 'reads'}"
+                            )
         return found
 
     def _record(self, ranges, stream: SimStream, seq: int, vc, name: str) -> None:
@@ -634,9 +740,15 @@ class _Device:
             if block is None:
                 continue
             if write:  # a later ordered write covers earlier accesses: forget them
-                block.accesses = [a for a in block.accesses
-                                  if not (lo <= a.lo and a.hi <= hi and
-                                          (a.stream is stream or _ordered(a.stream.id, a.seq, vc)))]
+                block.accesses = [
+                    a
+                    for a in block.accesses
+                    if not (
+                        lo <= a.lo
+                        and a.hi <= hi
+                        and (a.stream is stream or _ordered(a.stream.id, a.seq, vc))
+                    )
+                ]
             block.accesses.append(_Access(lo, hi, write, stream, seq, name))
 
     def host_op(self, name: str, tensors: list, written: list) -> None:
@@ -659,8 +771,9 @@ class _Device:
             clashes = self._conflicts(ranges, stream, vc, f"host {name}()")
             if clashes:
                 self.stats["defects"] += 1
-                raise SimError("race: " + clashes[0] + ", with no event or stream order "
-                               "between them")
+                raise SimError(
+                    "race: " + clashes[0] + ", with no event or stream order between them"
+                )
             if any(self.allocator.block_of(lo) for lo, _, _ in ranges):
                 stream._seq += 1
                 stream._done = stream._seq
@@ -695,16 +808,18 @@ class _Device:
 
     def _report_race(self, clashes: list) -> None:
         if clashes:
-            self.report(SimError("race: " + clashes[0] + ", with no event or stream order "
-                                 "between them"))
+            self.report(
+                SimError("race: " + clashes[0] + ", with no event or stream order between them")
+            )
 
     def launch(self, name: str, fn, args: tuple, kwargs: dict, reads, writes) -> None:
         """The Triton launch path: enqueue ``fn(*args, **kwargs)`` (the kernel's
         reference) on the current stream; it runs when the stream reaches it."""
         self.touch()
         stream = self.current_stream()
-        ranges = [(s[0], s[1], False) for s in map(_span, reads) if s] + \
-                 [(s[0], s[1], True) for s in map(_span, writes) if s]
+        ranges = [(s[0], s[1], False) for s in map(_span, reads) if s] + [
+            (s[0], s[1], True) for s in map(_span, writes) if s
+        ]
         held = [_detach_arg(a, self.allocator) for a in args]
         kheld = {k: _detach_arg(v, self.allocator) for k, v in kwargs.items()}
 
@@ -725,8 +840,9 @@ class _Device:
         reported = False
         with self.cv:
             self.nccl_waiting.append((label, op.stream.name, t0))
-            while self.nccl_kernels and (len(self.nccl_running) >= self.nccl_kernels or
-                                         min(self.nccl_unstarted) != op.ticket):
+            while self.nccl_kernels and (
+                len(self.nccl_running) >= self.nccl_kernels or min(self.nccl_unstarted) != op.ticket
+            ):
                 if not reported and time.monotonic() - t0 > self.deadlock_s:
                     reported = True
                     self._report_deadlock(label)
@@ -768,10 +884,13 @@ class _Device:
                         if self.nccl_waiting:
                             self._report_deadlock(label)
                         else:
-                            self.report(SimError(
-                                f"NCCL {label} waited {self.deadlock_s:.0f}s for its peers: a "
-                                "peer never posted the matching operation (dead, or issuing "
-                                "in another order)"))
+                            self.report(
+                                SimError(
+                                    f"NCCL {label} waited {self.deadlock_s:.0f}s for its peers: a "
+                                    "peer never posted the matching operation (dead, or issuing "
+                                    "in another order)"
+                                )
+                            )
             if failure and not any(c.aborted for c in comms):
                 for c in comms:
                     c.async_error = ERROR_REMOTE
@@ -782,20 +901,38 @@ class _Device:
                 self.cv.notify_all()
 
     def _report_deadlock(self, label: str) -> None:
-        running = ", ".join(f"{c} (running for {time.monotonic() - t:.1f}s, waiting for peers)"
-                            for c, _, t in self.nccl_running) or "none"
+        running = (
+            ", ".join(
+                f"{c} (running for {time.monotonic() - t:.1f}s, waiting for peers)"
+                for c, _, t in self.nccl_running
+            )
+            or "none"
+        )
         waiting = ", ".join(c for c, _, _ in self.nccl_waiting)
-        self.report(SimError(
-            f"NCCL deadlock on GPU {self.index}: kernels waiting for one of "
-            f"{self.nccl_kernels} kernel slot(s): {waiting}; holding them: {running}. "
-            "Communicators used in different orders on different ranks deadlock when their "
-            "kernels cannot all be resident at once"))
+        self.report(
+            SimError(
+                f"NCCL deadlock on GPU {self.index}: kernels waiting for one of "
+                f"{self.nccl_kernels} kernel slot(s): {waiting}; holding them: {running}. "
+                "Communicators used in different orders on different ranks deadlock when their "
+                "kernels cannot all be resident at once"
+            )
+        )
 
 
 def _zero_stats() -> Dict[str, int]:
-    return {"nccl_ops": 0, "kernel_launches": 0, "host_syncs": 0, "stream_ops": 0,
-            "allocations": 0, "defects": 0, "events": 0, "event_records": 0,
-            "event_queries": 0, "watchdog_queries": 0, "stream_waits": 0}
+    return {
+        "nccl_ops": 0,
+        "kernel_launches": 0,
+        "host_syncs": 0,
+        "stream_ops": 0,
+        "allocations": 0,
+        "defects": 0,
+        "events": 0,
+        "event_records": 0,
+        "event_queries": 0,
+        "watchdog_queries": 0,
+        "stream_waits": 0,
+    }
 
 
 def _count(dev: "_Device", key: str) -> None:
@@ -810,7 +947,13 @@ class _Held:
     __slots__ = ("block", "offset", "size", "stride", "dtype")
 
     def __init__(self, block, offset, size, stride, dtype):
-        self.block, self.offset, self.size, self.stride, self.dtype = block, offset, size, stride, dtype
+        self.block, self.offset, self.size, self.stride, self.dtype = (
+            block,
+            offset,
+            size,
+            stride,
+            dtype,
+        )
 
 
 def _detach_arg(a, allocator: _Allocator):
@@ -826,8 +969,9 @@ def _detach_arg(a, allocator: _Allocator):
 def _attach_arg(a):
     if isinstance(a, _Held):
         item = torch.empty((), dtype=a.dtype).element_size()
-        return torch.empty(0, dtype=a.dtype).set_(a.block.storage.untyped_storage(),
-                                                  a.offset // item, a.size, a.stride)
+        return torch.empty(0, dtype=a.dtype).set_(
+            a.block.storage.untyped_storage(), a.offset // item, a.size, a.stride
+        )
     if isinstance(a, (list, tuple)):
         return type(a)(_attach_arg(x) for x in a)
     return a
@@ -835,11 +979,28 @@ def _attach_arg(a):
 
 # --------------------------------------------------------------------------- NCCL over gloo
 
-NCCL_TYPES = {"NCCL_INT8": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_UINT32": 3,
-              "NCCL_INT64": 4, "NCCL_UINT64": 5, "NCCL_FLOAT16": 6, "NCCL_FLOAT32": 7,
-              "NCCL_FLOAT64": 8, "NCCL_BFLOAT16": 9}
-_TORCH_OF = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 4: torch.int64, 6: torch.float16,
-             7: torch.float32, 8: torch.float64, 9: torch.bfloat16}
+NCCL_TYPES = {
+    "NCCL_INT8": 0,
+    "NCCL_UINT8": 1,
+    "NCCL_INT32": 2,
+    "NCCL_UINT32": 3,
+    "NCCL_INT64": 4,
+    "NCCL_UINT64": 5,
+    "NCCL_FLOAT16": 6,
+    "NCCL_FLOAT32": 7,
+    "NCCL_FLOAT64": 8,
+    "NCCL_BFLOAT16": 9,
+}
+_TORCH_OF = {
+    0: torch.int8,
+    1: torch.uint8,
+    2: torch.int32,
+    4: torch.int64,
+    6: torch.float16,
+    7: torch.float32,
+    8: torch.float64,
+    9: torch.bfloat16,
+}
 NCCL_OPS = {"NCCL_SUM": 0, "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4}
 ERROR_INTERNAL = 3  # ncclInternalError: what a call blocked in set-up returns once aborted
 ERROR_INVALID_USAGE = 5
@@ -905,10 +1066,13 @@ def _receive(device, recvs) -> None:
         mismatch = (scount, sdtype) != (count, dtype)
         if mismatch:
             comm.async_error = ERROR_INVALID_USAGE
-            device.report(SimError(
-                f"NCCL {comm.name}: rank {comm.rank} posted a receive of {count} x type {dtype} "
-                f"from rank {peer}, which sent {scount} x type {sdtype} (the two ranks issue "
-                "their operations in different orders)"))
+            device.report(
+                SimError(
+                    f"NCCL {comm.name}: rank {comm.rank} posted a receive of {count} x type {dtype} "
+                    f"from rank {peer}, which sent {scount} x type {sdtype} (the two ranks issue "
+                    "their operations in different orders)"
+                )
+            )
         if nbytes:
             dst = torch.empty(nbytes, dtype=torch.uint8) if mismatch else _alias(ptr, nbytes)
             _wait_works([dist.irecv(dst, gp, tag=comm.tag)])
@@ -953,10 +1117,13 @@ def _collective(comm, kind, sendptr, recvptr, count, dtype, redop) -> None:
         if (rcount, rdtype, rcode) != (count, dtype, code):
             ok = False
             comm.async_error = ERROR_INVALID_USAGE
-            comm.module.device.report(SimError(
-                f"NCCL {comm.name}: rank {comm.rank} runs {kind} of {count} x type {dtype} "
-                f"while rank {r} runs {COLLECTIVES[rcode]} of {rcount} x type {rdtype} (the "
-                "ranks issue their operations in different orders)"))
+            comm.module.device.report(
+                SimError(
+                    f"NCCL {comm.name}: rank {comm.rank} runs {kind} of {count} x type {dtype} "
+                    f"while rank {r} runs {COLLECTIVES[rcode]} of {rcount} x type {rdtype} (the "
+                    "ranks issue their operations in different orders)"
+                )
+            )
     _wait_works(works)
     if not ok or not nbytes:
         return
@@ -969,7 +1136,7 @@ def _collective(comm, kind, sendptr, recvptr, count, dtype, redop) -> None:
     if redop == NCCL_OPS["NCCL_AVG"]:
         acc /= comm.size_
     if kind == "reducescatter":
-        acc = acc[comm.rank * count:(comm.rank + 1) * count]
+        acc = acc[comm.rank * count : (comm.rank + 1) * count]
     _alias(recvptr, count * tdtype.itemsize).view(tdtype).copy_(acc)
 
 
@@ -993,10 +1160,13 @@ class _CommUsers:
                 self.inside[me] = (name, what)
         if others:
             c = self.comm
-            c.module.device.report(SimError(
-                f"NCCL {c.name}: rank {c.rank}: {what}() on thread {name!r} while thread "
-                f"{others[0][0]!r} is inside {others[0][1]}(): one communicator used by two "
-                "threads at once (NCCL calls on a communicator are not thread-safe)"))
+            c.module.device.report(
+                SimError(
+                    f"NCCL {c.name}: rank {c.rank}: {what}() on thread {name!r} while thread "
+                    f"{others[0][0]!r} is inside {others[0][1]}(): one communicator used by two "
+                    "threads at once (NCCL calls on a communicator are not thread-safe)"
+                )
+            )
         try:
             yield
         finally:
@@ -1012,11 +1182,15 @@ class SimNcclCommunicator:
         dev = module.device
         dev.touch()
         if dev.uid_style == "bytes" and not isinstance(commId, bytes):
-            raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got "
-                            f"{type(commId).__name__})")
+            raise TypeError(
+                f"Argument 'commId' has incorrect type (expected bytes, got "
+                f"{type(commId).__name__})"
+            )
         if dev.uid_style == "tuple" and not isinstance(commId, tuple):
-            raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got "
-                            f"{type(commId).__name__})")
+            raise TypeError(
+                f"Argument 'commId' has incorrect type (expected tuple, got "
+                f"{type(commId).__name__})"
+            )
         if dev.uid_style == "tuple" and not all(-128 <= x <= 127 for x in commId):
             # CuPy 13 copies the tuple into NCCL's ``char internal[128]``: Cython's
             # conversion to a (signed) char refuses anything outside -128..127
@@ -1064,36 +1238,63 @@ class SimNcclCommunicator:
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         n = count * _TORCH_OF[datatype].itemsize
-        self._call("send", sendbuf, count, datatype, peer, stream,
-                   ranges=[(sendbuf, sendbuf + n, False)] if n else [])
+        self._call(
+            "send",
+            sendbuf,
+            count,
+            datatype,
+            peer,
+            stream,
+            ranges=[(sendbuf, sendbuf + n, False)] if n else [],
+        )
 
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         n = count * _TORCH_OF[datatype].itemsize
-        self._call("recv", recvbuf, count, datatype, peer, stream,
-                   ranges=[(recvbuf, recvbuf + n, True)] if n else [])
+        self._call(
+            "recv",
+            recvbuf,
+            count,
+            datatype,
+            peer,
+            stream,
+            ranges=[(recvbuf, recvbuf + n, True)] if n else [],
+        )
 
-    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
-                  stream: int) -> None:
+    def allReduce(
+        self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int
+    ) -> None:
         n = count * _TORCH_OF[datatype].itemsize
         ranges = [(sendbuf, sendbuf + n, False), (recvbuf, recvbuf + n, True)] if n else []
-        self._call("allreduce", sendbuf, count, datatype, -1, stream, extra=(recvbuf, op),
-                   ranges=ranges)
+        self._call(
+            "allreduce", sendbuf, count, datatype, -1, stream, extra=(recvbuf, op), ranges=ranges
+        )
 
-    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,
-                      op: int, stream: int) -> None:
+    def reduceScatter(
+        self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int, stream: int
+    ) -> None:
         n = recvcount * _TORCH_OF[datatype].itemsize
-        ranges = [(sendbuf, sendbuf + n * self.size_, False), (recvbuf, recvbuf + n, True)] \
-            if n else []
-        self._call("reducescatter", sendbuf, recvcount, datatype, -1, stream,
-                   extra=(recvbuf, op), ranges=ranges)
+        ranges = (
+            [(sendbuf, sendbuf + n * self.size_, False), (recvbuf, recvbuf + n, True)] if n else []
+        )
+        self._call(
+            "reducescatter",
+            sendbuf,
+            recvcount,
+            datatype,
+            -1,
+            stream,
+            extra=(recvbuf, op),
+            ranges=ranges,
+        )
 
-    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
-                  stream: int) -> None:
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
         n = count * _TORCH_OF[datatype].itemsize
-        ranges = [(sendbuf, sendbuf + n, False), (recvbuf, recvbuf + n * self.size_, True)] \
-            if n else []
-        self._call("allgather", sendbuf, count, datatype, -1, stream, extra=(recvbuf, None),
-                   ranges=ranges)
+        ranges = (
+            [(sendbuf, sendbuf + n, False), (recvbuf, recvbuf + n * self.size_, True)] if n else []
+        )
+        self._call(
+            "allgather", sendbuf, count, datatype, -1, stream, extra=(recvbuf, None), ranges=ranges
+        )
 
     # -- state ----------------------------------------------------------------------------
     def check_async_error(self) -> None:
@@ -1136,10 +1337,13 @@ class SimNcclCommunicator:
         abort) is a use after free, reported."""
         if not (self.aborted or self.destroyed):
             return False
-        self.module.device.report(SimError(
-            f"NCCL {self.name}: rank {self.rank} called {what}() on a communicator already "
-            f"{'aborted' if self.aborted else 'destroyed'} (a use after free: abort, destroy "
-            "and the async-error query must not race, and nothing may follow them)"))
+        self.module.device.report(
+            SimError(
+                f"NCCL {self.name}: rank {self.rank} called {what}() on a communicator already "
+                f"{'aborted' if self.aborted else 'destroyed'} (a use after free: abort, destroy "
+                "and the async-error query must not race, and nothing may follow them)"
+            )
+        )
         return True
 
     def rank_id(self) -> int:
@@ -1241,8 +1445,10 @@ class SimNccl:
         # a message on the tag of my side's direction, an answer on the other's.
         tags = {"send": (0, 1), "recv": (1, 0), "coll": (2, 2)}
         peers = sorted({q for _, q in todo})
-        what = (f"NCCL {comm.name}: rank {comm.rank} connecting to rank"
-                f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}")
+        what = (
+            f"NCCL {comm.name}: rank {comm.rank} connecting to rank"
+            f"{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
+        )
         if comm.aborted or comm.destroyed:
             raise SimNcclError(ERROR_INTERNAL, f"{what}: the communicator was aborted")
         finished = threading.Event()
@@ -1256,10 +1462,14 @@ class SimNccl:
                 for (kind, q), _ in todo:
                     out, back = tags[kind]
                     gp = comm.global_ranks[q]
-                    works.append(dist.isend(torch.tensor([comm.rank, out], dtype=torch.int64),
-                                            gp, tag=comm.connect_tag + out))
-                    answers.append((torch.empty(2, dtype=torch.int64), gp,
-                                    comm.connect_tag + back))
+                    works.append(
+                        dist.isend(
+                            torch.tensor([comm.rank, out], dtype=torch.int64),
+                            gp,
+                            tag=comm.connect_tag + out,
+                        )
+                    )
+                    answers.append((torch.empty(2, dtype=torch.int64), gp, comm.connect_tag + back))
                 for buf, gp, tag in answers:
                     _wait_works([dist.irecv(buf, gp, tag=tag)])
                 _wait_works(works)
@@ -1272,14 +1482,20 @@ class SimNccl:
         dev, t0, reported = self.device, time.monotonic(), False
         while not finished.wait(0.01):
             if comm.aborted or dev.closed:
-                raise SimNcclError(ERROR_INTERNAL, f"{what}: the communicator was aborted while "
-                                   "groupEnd waited for the peers to connect")
+                raise SimNcclError(
+                    ERROR_INTERNAL,
+                    f"{what}: the communicator was aborted while "
+                    "groupEnd waited for the peers to connect",
+                )
             if not reported and time.monotonic() - t0 > dev.deadlock_s:
                 reported = True
-                dev.report(SimError(
-                    f"{what}: groupEnd has blocked the host {dev.deadlock_s:.0f}s setting up "
-                    "connections (NCCL connects on first use): a peer never posted its matching "
-                    "operation (dead, or issuing in another order)"))
+                dev.report(
+                    SimError(
+                        f"{what}: groupEnd has blocked the host {dev.deadlock_s:.0f}s setting up "
+                        "connections (NCCL connects on first use): a peer never posted its matching "
+                        "operation (dead, or issuing in another order)"
+                    )
+                )
         if failure:
             raise SimNcclError(ERROR_REMOTE, f"{what}: connection set-up failed: {failure[0]!r}")
         if comm.aborted:
@@ -1312,8 +1528,11 @@ class SimNccl:
 # ordering there is checked by the results (exact sums under random stream
 # delays) and by mutations that drop a wait.
 
-_DIR = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else \
-    tempfile.gettempdir()
+_DIR = (
+    "/dev/shm"
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+    else tempfile.gettempdir()
+)
 
 
 def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
@@ -1329,8 +1548,11 @@ def _map(path: str, nbytes: int, create: bool) -> mmap.mmap:
 def _tensor(mm: mmap.mmap, nbytes: int) -> torch.Tensor:
     _tls.host_depth += 1  # the simulator's own bookkeeping, not work on a stream
     try:
-        return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else \
-            torch.empty(0, dtype=torch.uint8)
+        return (
+            torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
     finally:
         _tls.host_depth -= 1
 
@@ -1430,6 +1652,7 @@ class SimIpc:
 
 
 # --------------------------------------------------------------------------- the runtime
+
 
 class SimRuntime:
     """The runtime interface of ``hybridcomm.gpu.runtime.CudaRuntime``, simulated."""
@@ -1611,11 +1834,13 @@ def runtime() -> SimRuntime:
     global _device, _runtime
     with _lock:
         if _runtime is None:
-            cfg = dict(delay_s=env.get("HYBRIDCOMM_SIM_DELAY_US") * 1e-6,
-                       seed=env.get("HYBRIDCOMM_SIM_SEED"),
-                       nccl_kernels=env.get("HYBRIDCOMM_SIM_NCCL_KERNELS"),
-                       uid_style=env.get("HYBRIDCOMM_SIM_CUPY_UID"),
-                       deadlock_s=env.get("HYBRIDCOMM_SIM_DEADLOCK_S"))
+            cfg = dict(
+                delay_s=env.get("HYBRIDCOMM_SIM_DELAY_US") * 1e-6,
+                seed=env.get("HYBRIDCOMM_SIM_SEED"),
+                nccl_kernels=env.get("HYBRIDCOMM_SIM_NCCL_KERNELS"),
+                uid_style=env.get("HYBRIDCOMM_SIM_CUPY_UID"),
+                deadlock_s=env.get("HYBRIDCOMM_SIM_DEADLOCK_S"),
+            )
             cfg.update(_config)
             index = _device_index()
             cfg["seed"] = int(cfg["seed"]) * 1009 + index

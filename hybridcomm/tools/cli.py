@@ -19,6 +19,7 @@ layers in forward order (the order the model defines them) instead. After the
 first measured steps the running optimizer re-plans with the measured overlap
 windows and issue order, so its table may differ in those columns.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,11 +38,13 @@ def _version_line() -> str:
 
     import torch
 
-    return (f"hybridcomm {__version__} (torch {torch.__version__}, "
-            f"python {platform.python_version()})")
+    return (
+        f"hybridcomm {__version__} (torch {torch.__version__}, python {platform.python_version()})"
+    )
 
 
 # --- env --------------------------------------------------------------------------------------
+
 
 def env_lines(environ=None) -> List[str]:
     """Every variable of env.VARIABLES: its value here (or unset), its default and its
@@ -63,8 +66,10 @@ def env_lines(environ=None) -> List[str]:
     unknown = sorted(k for k in environ if k.startswith("HYBRIDCOMM_") and k not in env.VARIABLES)
     for k in unknown:
         close = difflib.get_close_matches(k, env.VARIABLES, n=1)
-        lines.append(f"{k}  value {environ[k]!r}  UNKNOWN: hybridcomm does not read it"
-                     + (f" (did you mean {close[0]}?)" if close else ""))
+        lines.append(
+            f"{k}  value {environ[k]!r}  UNKNOWN: hybridcomm does not read it"
+            + (f" (did you mean {close[0]}?)" if close else "")
+        )
     return lines
 
 
@@ -80,11 +85,12 @@ def _env(args) -> int:
 
 # --- plan -------------------------------------------------------------------------------------
 
+
 def parse_layers(text: str, element_size: int = 4, dtype: str = "torch.float32"):
     """``name:numel,...`` (forward order) -> planner Layers in backward order.
 
-        >>> [(l.name, l.numel) for l in parse_layers("conv1:1728, fc:4096000")]
-        [('fc', 4096000), ('conv1', 1728)]
+    >>> [(l.name, l.numel) for l in parse_layers("conv1:1728, fc:4096000")]
+    [('fc', 4096000), ('conv1', 1728)]
     """
     from ..plan.planner import Layer
     from ..base.units import parse_size
@@ -108,8 +114,9 @@ def model_layers(spec: str):
 
     module_name, sep, factory = spec.partition(":")
     if not sep or not module_name or not factory:
-        raise ValueError(f"--model {spec!r}: expected MODULE:FACTORY, e.g. "
-                         "torchvision.models:resnet18")
+        raise ValueError(
+            f"--model {spec!r}: expected MODULE:FACTORY, e.g. torchvision.models:resnet18"
+        )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # benchmarks.models from a checkout
     fn = importlib.import_module(module_name)
@@ -121,8 +128,15 @@ def model_layers(spec: str):
         def _check(self, *args, **kwargs) -> None:
             pass
 
-    reg = _Local([{"params": list(model.parameters())}], model, None, wire_dtype=None,
-                 group=None, timeout=1.0, device_path=False)
+    reg = _Local(
+        [{"params": list(model.parameters())}],
+        model,
+        None,
+        wire_dtype=None,
+        group=None,
+        timeout=1.0,
+        device_path=False,
+    )
     return reg.layers
 
 
@@ -183,22 +197,40 @@ def _plan(args) -> int:
         return 2
     saved_world = model.meta.get("world_size")
     world = args.world or saved_world or 4
-    print(f"# cost model: {model.source}"
-          + ("" if model.source != "built-in defaults" else
-             " (no saved calibration: `python -m hybridcomm calibrate` measures one)"))
-    print(f"# world size {world}" + ("" if args.world else
-                                     (" (the calibration's)" if saved_world else
-                                      " (default; --world N)")))
+    print(
+        f"# cost model: {model.source}"
+        + (
+            ""
+            if model.source != "built-in defaults"
+            else " (no saved calibration: `python -m hybridcomm calibrate` measures one)"
+        )
+    )
+    print(
+        f"# world size {world}"
+        + (
+            ""
+            if args.world
+            else (" (the calibration's)" if saved_world else " (default; --world N)")
+        )
+    )
     if saved_world and saved_world != world:
-        print(f"# note: the calibration was measured on {saved_world} ranks; a job of {world} "
-              "ranks probes instead of using it")
-    plan = make_plan(layers, world_size=world, model=model, strategy=args.strategy,
-                     topology=Topology(node_size=args.node_size) if args.node_size else None)
+        print(
+            f"# note: the calibration was measured on {saved_world} ranks; a job of {world} "
+            "ranks probes instead of using it"
+        )
+    plan = make_plan(
+        layers,
+        world_size=world,
+        model=model,
+        strategy=args.strategy,
+        topology=Topology(node_size=args.node_size) if args.node_size else None,
+    )
     print(plan)
     return 0
 
 
 # --- calibrate --------------------------------------------------------------------------------
+
 
 def _calibrate(bench_args: List[str]) -> int:
     from ..tools.bench.cli import main as bench_main
@@ -210,42 +242,80 @@ def _calibrate(bench_args: List[str]) -> int:
 
 # --- the parser ---------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m hybridcomm", description=__doc__.split("\n\n")[0].replace("``", ""),
+        prog="python -m hybridcomm",
+        description=__doc__.split("\n\n")[0].replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="python -m hybridcomm COMMAND --help says more; docs/API.md documents all of it.")
+        epilog="python -m hybridcomm COMMAND --help says more; docs/API.md documents all of it.",
+    )
     ap.add_argument("--version", action="version", version=_version_line())
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("env", help="every HYBRIDCOMM_* variable: its value here, its default, "
-                               "what it does (exit status 1 if a value is invalid)")
-    p = sub.add_parser("plan", help="the bucket plan a model would get, without training",
-                       description=__doc__.split("\n\n")[2].replace("``", ""))
+    sub.add_parser(
+        "env",
+        help="every HYBRIDCOMM_* variable: its value here, its default, "
+        "what it does (exit status 1 if a value is invalid)",
+    )
+    p = sub.add_parser(
+        "plan",
+        help="the bucket plan a model would get, without training",
+        description=__doc__.split("\n\n")[2].replace("``", ""),
+    )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", metavar="MODULE:FACTORY",
-                      help="a model built by calling FACTORY() from MODULE, e.g. "
-                           "torchvision.models:resnet18 or benchmarks.models:vgg_small")
-    what.add_argument("--layers", metavar="NAME:NUMEL,...",
-                      help="layers with their parameter counts, in forward order, e.g. "
-                           "conv1:1728,fc:4096000 (4M style counts accepted)")
-    p.add_argument("--world", type=int, default=None, metavar="N",
-                   help="ranks (default: the calibration's world size, else 4)")
-    p.add_argument("--cost-model", default=None, metavar="PATH",
-                   help="a saved calibration (JSON), or 'default' for the built-in constants "
-                        "(default: HYBRIDCOMM_COST_MODEL, else the user cache dir's, else the "
-                        "probe an earlier job of --world ranks saved there, else the built-in "
-                        "constants)")
-    p.add_argument("--strategy", default="hybrid",
-                   help="hybrid (default), auto, or one algorithm for every bucket")
-    p.add_argument("--node-size", type=int, default=None, metavar="L",
-                   help="ranks per node (default LOCAL_WORLD_SIZE, else one node)")
-    p.add_argument("--dtype", default="float32",
-                   choices=("float32", "float16", "bfloat16", "float64"),
-                   help="the dtype of --layers' gradients (default float32)")
-    sub.add_parser("calibrate", help="measure this machine's network and save the cost model: "
-                                     "hybridcomm-bench --calibrate with the flags that follow "
-                                     "(e.g. --nprocs 4; hybridcomm-bench --help lists them)",
-                   add_help=False)
+    what.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="a model built by calling FACTORY() from MODULE, e.g. "
+        "torchvision.models:resnet18 or benchmarks.models:vgg_small",
+    )
+    what.add_argument(
+        "--layers",
+        metavar="NAME:NUMEL,...",
+        help="layers with their parameter counts, in forward order, e.g. "
+        "conv1:1728,fc:4096000 (4M style counts accepted)",
+    )
+    p.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks (default: the calibration's world size, else 4)",
+    )
+    p.add_argument(
+        "--cost-model",
+        default=None,
+        metavar="PATH",
+        help="a saved calibration (JSON), or 'default' for the built-in constants "
+        "(default: HYBRIDCOMM_COST_MODEL, else the user cache dir's, else the "
+        "probe an earlier job of --world ranks saved there, else the built-in "
+        "constants)",
+    )
+    p.add_argument(
+        "--strategy",
+        default="hybrid",
+        help="hybrid (default), auto, or one algorithm for every bucket",
+    )
+    p.add_argument(
+        "--node-size",
+        type=int,
+        default=None,
+        metavar="L",
+        help="ranks per node (default LOCAL_WORLD_SIZE, else one node)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "float16", "bfloat16", "float64"),
+        help="the dtype of --layers' gradients (default float32)",
+    )
+    sub.add_parser(
+        "calibrate",
+        help="measure this machine's network and save the cost model: "
+        "hybridcomm-bench --calibrate with the flags that follow "
+        "(e.g. --nprocs 4; hybridcomm-bench --help lists them)",
+        add_help=False,
+    )
     return ap
 
 

@@ -13,6 +13,7 @@ Example::
     >>> launch(operator.add, 2, backend="gloo")    # each rank: fn(rank, world_size)
     [2, 3]
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -28,8 +29,9 @@ from typing import Callable, Optional
 from ..base.errors import HybridCommError
 
 
-def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_timeout,
-            one_device=False):
+def _worker(
+    fn, rank, world_size, store_path, backend, setup, args, results, pg_timeout, one_device=False
+):
     status, payload, store = "error", None, None
     try:
         import torch
@@ -45,8 +47,13 @@ def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_
         elif backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout),
+        )
         store.add(_UP, 1)
         status, payload = "ok", fn(rank, world_size, *args)
     except BaseException:
@@ -58,8 +65,10 @@ def _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_
         # descriptors that die with this process.
         blob = pickle.dumps(payload)
     except Exception:
-        status, blob = "error", pickle.dumps(f"rank {rank}: result not picklable:\n"
-                                             + traceback.format_exc())
+        status, blob = (
+            "error",
+            pickle.dumps(f"rank {rank}: result not picklable:\n" + traceback.format_exc()),
+        )
     results.put((rank, status, blob))
     # Leave without tearing gloo down: a peer may have died on purpose, and a
     # teardown would wait for it. os._exit skips atexit, so a coverage run
@@ -77,10 +86,8 @@ def _worker_from_server(environ, rank, payload, results):
     modules may read it on import)."""
     os.environ.clear()
     os.environ.update(environ)
-    fn, world_size, store_path, backend, setup, args, pg_timeout, one_device = \
-        pickle.loads(payload)
-    _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_timeout,
-            one_device)
+    fn, world_size, store_path, backend, setup, args, pg_timeout, one_device = pickle.loads(payload)
+    _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_timeout, one_device)
 
 
 _UP = "hybridcomm/launch/up"  # ranks whose process group is made
@@ -109,17 +116,22 @@ def _save_coverage() -> None:
         cov.save()
 
 
-def _rank_starts(start_method, results, fn, nprocs, store, backend, setup, args, pg_timeout,
-                 one_device):
+def _rank_starts(
+    start_method, results, fn, nprocs, store, backend, setup, args, pg_timeout, one_device
+):
     """(target, args) of each rank's Process."""
     if start_method != "forkserver":
-        return [(_worker, (fn, r, nprocs, store, backend, setup, args, results, pg_timeout,
-                           one_device)) for r in range(nprocs)]
+        return [
+            (_worker, (fn, r, nprocs, store, backend, setup, args, results, pg_timeout, one_device))
+            for r in range(nprocs)
+        ]
     try:  # once for all the ranks, and before any starts
         payload = pickle.dumps((fn, nprocs, store, backend, setup, args, pg_timeout, one_device))
     except Exception as e:  # a lambda, a local function, a lock or queue in args
-        raise ValueError("launch(start_method='forkserver'): fn, setup and args must be "
-                         f"picklable (module-level functions, no locks or queues): {e}") from e
+        raise ValueError(
+            "launch(start_method='forkserver'): fn, setup and args must be "
+            f"picklable (module-level functions, no locks or queues): {e}"
+        ) from e
     environ = dict(os.environ)
     return [(_worker_from_server, (environ, r, payload, results)) for r in range(nprocs)]
 
@@ -130,10 +142,18 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
-           setup: Optional[Callable[[int, int], None]] = None, timeout: float = 600,
-           pg_timeout: float = 120, start_method: str = "spawn", allow_errors: bool = False,
-           one_device: bool = False):
+def launch(
+    fn: Callable,
+    nprocs: int,
+    *args,
+    backend: Optional[str] = None,
+    setup: Optional[Callable[[int, int], None]] = None,
+    timeout: float = 600,
+    pg_timeout: float = 120,
+    start_method: str = "spawn",
+    allow_errors: bool = False,
+    one_device: bool = False,
+):
     """Run ``fn(rank, nprocs, *args)`` on ``nprocs`` processes; return their results.
 
     ``one_device``: every rank on GPU 0 over a gloo group, the GPU path between
@@ -167,10 +187,21 @@ def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="hybridcomm-") as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=target, daemon=True, args=worker_args)
-                 for target, worker_args in _rank_starts(start_method, results, fn, nprocs, store,
-                                                         backend, setup, args, pg_timeout,
-                                                         one_device)]
+        procs = [
+            ctx.Process(target=target, daemon=True, args=worker_args)
+            for target, worker_args in _rank_starts(
+                start_method,
+                results,
+                fn,
+                nprocs,
+                store,
+                backend,
+                setup,
+                args,
+                pg_timeout,
+                one_device,
+            )
+        ]
         for p in procs:
             p.start()
         out, dead_once, deadline = {}, set(), time.monotonic() + timeout
@@ -186,8 +217,10 @@ def launch(fn: Callable, nprocs: int, *args, backend: Optional[str] = None,
                     # A rank dead for two polls in a row has nothing left in the pipe.
                     for r in [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]:
                         if r in dead_once:
-                            out[r] = ("error", f"rank {r} exited with code {procs[r].exitcode} "
-                                               "without reporting")
+                            out[r] = (
+                                "error",
+                                f"rank {r} exited with code {procs[r].exitcode} without reporting",
+                            )
                         dead_once.add(r)
                     continue
                 out[rank] = (status, pickle.loads(payload))

@@ -28,6 +28,7 @@ Usage (needs root)::
     with ShapedNetwork(4, None, node_size=2, inter_spec="rate 100mbit") as net:
         launch(work, 4, setup=net.setup)      # 2 nodes of 2, 100 Mbit/s between them
 """
+
 from __future__ import annotations
 
 import atexit
@@ -63,8 +64,10 @@ def parse_shape(spec: str) -> List[str]:
     opts = dict(zip(words[::2], words[1::2]))
     unknown = set(opts) - {"rate", "burst", "latency", "limit", "peakrate", "mtu", "minburst"}
     if "rate" not in opts or unknown:
-        raise NetnsError(f"--shape {spec!r}: needs 'rate RATE'"
-                         + (f"; unknown tbf options {sorted(unknown)}" if unknown else ""))
+        raise NetnsError(
+            f"--shape {spec!r}: needs 'rate RATE'"
+            + (f"; unknown tbf options {sorted(unknown)}" if unknown else "")
+        )
     for key, value in DEFAULT_TBF.items():
         if key not in opts and not (key == "latency" and "limit" in opts):
             opts[key] = value
@@ -105,8 +108,13 @@ class ShapedNetwork:
     (None: unshaped); with ``node_size``, one bridge per node and each node's
     uplink shaped by ``tbf <inter_spec>`` (None: unshaped)."""
 
-    def __init__(self, world_size: int, spec: Optional[str],
-                 node_size: Optional[int] = None, inter_spec: Optional[str] = None):
+    def __init__(
+        self,
+        world_size: int,
+        spec: Optional[str],
+        node_size: Optional[int] = None,
+        inter_spec: Optional[str] = None,
+    ):
         self.world_size = world_size
         self.tbf = parse_shape(spec) if spec is not None else None
         self.spec = " ".join(self.tbf) if self.tbf else None
@@ -121,11 +129,13 @@ class ShapedNetwork:
         tag = f"hc{os.getpid() % 100000}"
         # One node: the single bridge of before; several: a bridge per node,
         # uplink veth pairs (node side u, core side d) to a core bridge.
-        self.node_bridges = [f"{tag}b"] if self.nodes == 1 else \
-            [f"{tag}b{k}" for k in range(self.nodes)]
+        self.node_bridges = (
+            [f"{tag}b"] if self.nodes == 1 else [f"{tag}b{k}" for k in range(self.nodes)]
+        )
         self.core_bridge = f"{tag}c" if self.nodes > 1 else None
-        self.uplinks = [(f"{tag}u{k}", f"{tag}d{k}") for k in range(self.nodes)] \
-            if self.nodes > 1 else []
+        self.uplinks = (
+            [(f"{tag}u{k}", f"{tag}d{k}") for k in range(self.nodes)] if self.nodes > 1 else []
+        )
         self.bridge = self.node_bridges[0]
         self.namespaces = [f"{tag}-r{r}" for r in range(world_size)]
         self.host_ifs = [f"{tag}h{r}" for r in range(world_size)]
@@ -137,8 +147,10 @@ class ShapedNetwork:
 
     def _check(self) -> None:
         if os.geteuid() != 0:
-            raise NetnsError("--shape needs root (it makes network namespaces, veth pairs, a "
-                             "bridge and tc qdiscs): run as root, or leave --shape out")
+            raise NetnsError(
+                "--shape needs root (it makes network namespaces, veth pairs, a "
+                "bridge and tc qdiscs): run as root, or leave --shape out"
+            )
         for tool in ("ip", "tc"):
             if shutil.which(tool) is None:
                 raise NetnsError(f"--shape needs iproute2's `{tool}` on the PATH")
@@ -220,10 +232,15 @@ class ShapedNetwork:
         """Namespaces or links of ours still present (for tests)."""
         out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
         ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        names = (self.node_bridges + ([self.core_bridge] if self.core_bridge else [])
-                 + self.host_ifs + [x for pair in self.uplinks for x in pair])
-        return ([n for n in names if f" {n}:" in out or f" {n}@" in out]
-                + [n for n in self.namespaces if n in ns.split()])
+        names = (
+            self.node_bridges
+            + ([self.core_bridge] if self.core_bridge else [])
+            + self.host_ifs
+            + [x for pair in self.uplinks for x in pair]
+        )
+        return [n for n in names if f" {n}:" in out or f" {n}@" in out] + [
+            n for n in self.namespaces if n in ns.split()
+        ]
 
     def describe(self) -> str:
         """One line for a report header."""
@@ -232,8 +249,10 @@ class ShapedNetwork:
             return f"{links} on each rank link (namespaces)"
         inter = f"tbf {self.inter_spec}" if self.inter_spec else "unshaped"
         last = self.world_size - (self.nodes - 1) * self.node_size
-        return (f"{self.nodes} nodes of {self.node_size} ranks (last {last}); rank links {links}; "
-                f"each node's uplink (shared by its ranks) {inter} (namespaces)")
+        return (
+            f"{self.nodes} nodes of {self.node_size} ranks (last {last}); rank links {links}; "
+            f"each node's uplink (shared by its ranks) {inter} (namespaces)"
+        )
 
     def __enter__(self) -> "ShapedNetwork":
         return self.open()

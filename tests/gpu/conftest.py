@@ -2,6 +2,7 @@
 ``@pytest.mark.gpus(n)`` needs n CUDA GPUs (NCCL takes one GPU per rank) and skips
 with fewer; unmarked tests need one. ``make gpu-check`` reports
 each test's number."""
+
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # every item of the session: only those under tests/gpu are ours
         if HERE in Path(item.path).resolve().parents and gpus_needed(item) > have:
             need = gpus_needed(item)
-            item.add_marker(pytest.mark.skip(
-                reason=f"needs {need} CUDA GPU{'s' if need > 1 else ''}"))
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs {need} CUDA GPU{'s' if need > 1 else ''}")
+            )
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ by the count: a dry run has tests, each with its skip reason.
 
 It is also the pytest plugin (``-p gpu_check``) that records the outcomes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ RECORDS_ENV = "HYBRIDCOMM_GPU_CHECK_RECORDS"  # tests/gpu/gpu_common.record writ
 
 # -- the plugin (inside the pytest process) ----------------------------------------
 
+
 def pytest_itemcollected(item):
     from gpu_common import gpus_needed  # the gpus(n) marker, read as conftest.py reads it
 
@@ -55,24 +57,42 @@ def pytest_runtest_logreport(report):
     elif report.failed:
         reason = str(report.longrepr)[-4000:]
     with open(path, "a") as f:
-        f.write(json.dumps({"nodeid": report.nodeid, "when": report.when,
-                            "outcome": report.outcome, "seconds": report.duration,
-                            "reason": reason,
-                            "gpus_needed": dict(report.user_properties).get("gpus_needed", 1)})
-                + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "nodeid": report.nodeid,
+                    "when": report.when,
+                    "outcome": report.outcome,
+                    "seconds": report.duration,
+                    "reason": reason,
+                    "gpus_needed": dict(report.user_properties).get("gpus_needed", 1),
+                }
+            )
+            + "\n"
+        )
 
 
 def pytest_collectreport(report):
     if report.failed and os.environ.get(RESULTS_ENV):  # a module that does not even import
         with open(os.environ[RESULTS_ENV], "a") as f:
             # (the node id is empty for a path outside the rootdir; the reason names it)
-            f.write(json.dumps({"nodeid": report.nodeid or "(collection)", "when": "collect",
-                                "outcome": "failed", "seconds": 0.0,
-                                "reason": str(report.longrepr)[-4000:],
-                                "gpus_needed": None}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "nodeid": report.nodeid or "(collection)",
+                        "when": "collect",
+                        "outcome": "failed",
+                        "seconds": 0.0,
+                        "reason": str(report.longrepr)[-4000:],
+                        "gpus_needed": None,
+                    }
+                )
+                + "\n"
+            )
 
 
 # -- the runner ------------------------------------------------------------------------
+
 
 def _version(*dists):
     from importlib import metadata
@@ -120,9 +140,16 @@ def collect(lines):
     ``gpus_needed``: its tests are unknown)."""
     tests = {}
     for r in lines:
-        t = tests.setdefault(r["nodeid"], {"nodeid": r["nodeid"], "outcome": "passed",
-                                           "seconds": 0.0, "reason": None,
-                                           "gpus_needed": r.get("gpus_needed", 1)})
+        t = tests.setdefault(
+            r["nodeid"],
+            {
+                "nodeid": r["nodeid"],
+                "outcome": "passed",
+                "seconds": 0.0,
+                "reason": None,
+                "gpus_needed": r.get("gpus_needed", 1),
+            },
+        )
         t["seconds"] += r["seconds"]
         if r["outcome"] == "failed":
             t["outcome"] = {"call": "failed", "collect": "collection_error"}.get(r["when"], "error")
@@ -143,9 +170,12 @@ def summarize(tests):
             key = str(t["gpus_needed"])
             by_gpus[key] = by_gpus.get(key, 0) + 1
     counted = sum(by_gpus.values())
-    return {"tests": counted, "outcomes": outcomes,
-            "gpus_needed": dict(sorted(by_gpus.items(), key=lambda kv: int(kv[0]))),
-            "one_gpu_share": round(by_gpus.get("1", 0) / counted, 4) if counted else None}
+    return {
+        "tests": counted,
+        "outcomes": outcomes,
+        "gpus_needed": dict(sorted(by_gpus.items(), key=lambda kv: int(kv[0]))),
+        "one_gpu_share": round(by_gpus.get("1", 0) / counted, 4) if counted else None,
+    }
 
 
 def csrc_status():
@@ -155,8 +185,11 @@ def csrc_status():
         from hybridcomm.gpu import cuda_ext
 
         built = cuda_ext.load() is not None
-        return {"built": built, "build_failed": cuda_ext.build_failed(),
-                "why_not": cuda_ext.why_not()}
+        return {
+            "built": built,
+            "build_failed": cuda_ext.build_failed(),
+            "why_not": cuda_ext.why_not(),
+        }
     except Exception as e:  # noqa: BLE001 - the package itself does not import
         return {"built": False, "build_failed": True, "why_not": f"{type(e).__name__}: {e}"}
 
@@ -173,8 +206,9 @@ def problems(rc, tests, csrc, dry_run):
     for outcome in ("collection_error", "failed", "error"):
         bad = [t["nodeid"] for t in tests if t["outcome"] == outcome]
         if bad:
-            found.append(f"{len(bad)} {outcome}: " + ", ".join(bad[:10])
-                         + (" ..." if len(bad) > 10 else ""))
+            found.append(
+                f"{len(bad)} {outcome}: " + ", ".join(bad[:10]) + (" ..." if len(bad) > 10 else "")
+            )
     if csrc["build_failed"]:
         found.append(f"the csrc build failed: {csrc['why_not']}")
     if not dry_run and tests and not any(t["outcome"] == "passed" for t in tests):
@@ -191,8 +225,12 @@ def _read_jsonl(path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--output", "-o", default="gpu-check.json",
-                    help="where the JSON report goes (default gpu-check.json)")
+    ap.add_argument(
+        "--output",
+        "-o",
+        default="gpu-check.json",
+        help="where the JSON report goes (default gpu-check.json)",
+    )
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = ap.parse_args(argv)
 
@@ -206,17 +244,33 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         env[RESULTS_ENV] = os.path.join(tmp, "results.jsonl")
         env[RECORDS_ENV] = os.path.join(tmp, "records.jsonl")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "gpu_check",
-               os.path.join(ROOT, "tests", "gpu"), *args.pytest_args]
-        print("[gpu-check]", "dry run (no CUDA device):" if info["dry_run"] else
-              f"on {info['device']}:", " ".join(cmd), flush=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rfEs",
+            "-p",
+            "gpu_check",
+            os.path.join(ROOT, "tests", "gpu"),
+            *args.pytest_args,
+        ]
+        print(
+            "[gpu-check]",
+            "dry run (no CUDA device):" if info["dry_run"] else f"on {info['device']}:",
+            " ".join(cmd),
+            flush=True,
+        )
         rc = subprocess.call(cmd, cwd=ROOT, env=env)
         tests = collect(_read_jsonl(env[RESULTS_ENV]))
         records = _read_jsonl(env[RECORDS_ENV])
 
     # on a GPU: built by the kernel tests already (torch's cache), else here
-    csrc = {"built": False, "build_failed": False, "why_not": "dry run: no CUDA device"} \
-        if info["dry_run"] else csrc_status()
+    csrc = (
+        {"built": False, "build_failed": False, "why_not": "dry run: no CUDA device"}
+        if info["dry_run"]
+        else csrc_status()
+    )
     summary = summarize(tests)
     found = problems(rc, tests, csrc, info["dry_run"])
     ok = not found
@@ -236,8 +290,10 @@ def main(argv=None):
     }
     with open(args.output, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"[gpu-check] {summary['outcomes']} ({summary['gpus_needed']} by GPUs needed) in "
-          f"{report['wall_seconds']} s; report: {args.output}" + ("" if ok else " (FAILED)"))
+    print(
+        f"[gpu-check] {summary['outcomes']} ({summary['gpus_needed']} by GPUs needed) in "
+        f"{report['wall_seconds']} s; report: {args.output}" + ("" if ok else " (FAILED)")
+    )
     for p in found:
         print(f"[gpu-check] FAILED: {p}")
     return 0 if ok else 1

@@ -2,6 +2,7 @@
 ``gpus(n)`` marker, see conftest.py), IEEE fp32 for comparisons with one
 process, the host-sync check, the csrc build that must fail loudly, and the
 records ``make gpu-check`` puts in its report."""
+
 import contextlib
 import functools
 import os
@@ -53,9 +54,12 @@ def require_cupy_nccl():
 
     ok, why = cupy_nccl_status()
     if not ok:
-        pytest.fail("CuPy with NCCL is not usable on this CUDA machine; install the extra "
-                    "matching torch's CUDA: pip install -e '.[cuda12]' or '.[cuda13]' "
-                    f"({why})", pytrace=False)
+        pytest.fail(
+            "CuPy with NCCL is not usable on this CUDA machine; install the extra "
+            "matching torch's CUDA: pip install -e '.[cuda12]' or '.[cuda13]' "
+            f"({why})",
+            pytrace=False,
+        )
 
 
 def require_csrc():
@@ -74,6 +78,7 @@ def require_csrc():
 
 # -- IEEE fp32 ------------------------------------------------------------------------
 
+
 def ieee_fp32():
     """fp32 as IEEE in this process (call it in every rank and around a GPU
     reference): no TF32 in matmuls or convolutions (torch's default for
@@ -90,24 +95,33 @@ def ieee_fp32():
 @contextlib.contextmanager
 def ieee_fp32_here():
     """ieee_fp32() in the test process for a GPU reference, then the flags as they were."""
-    saved = (torch.backends.cuda.matmul.fp32_precision,
-             torch.backends.cudnn.conv.fp32_precision, torch.backends.cudnn.enabled)
+    saved = (
+        torch.backends.cuda.matmul.fp32_precision,
+        torch.backends.cudnn.conv.fp32_precision,
+        torch.backends.cudnn.enabled,
+    )
     ieee_fp32()
     try:
         yield
     finally:
-        (torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision,
-         torch.backends.cudnn.enabled) = saved
+        (
+            torch.backends.cuda.matmul.fp32_precision,
+            torch.backends.cudnn.conv.fp32_precision,
+            torch.backends.cudnn.enabled,
+        ) = saved
 
 
 # -- host syncs -----------------------------------------------------------------------
 
+
 def _sync_points():
     """(owner, attribute, name) of the explicit host waits for the device.
     ``set_sync_debug_mode`` does not see Event.synchronize, so these are wrapped."""
-    points = [(torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize"),
-              (torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize"),
-              (torch.cuda, "synchronize", "torch.cuda.synchronize")]
+    points = [
+        (torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize"),
+        (torch.cuda.Stream, "synchronize", "torch.cuda.Stream.synchronize"),
+        (torch.cuda, "synchronize", "torch.cuda.synchronize"),
+    ]
     if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "synchronize"):
         points.append((torch.accelerator, "synchronize", "torch.accelerator.synchronize"))
     return points

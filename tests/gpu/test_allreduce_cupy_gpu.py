@@ -8,6 +8,7 @@ not captured.
 
 Run: TRITON_INTERPRET=0 pytest tests/gpu   (one process per rank is spawned)
 """
+
 import pytest
 import torch
 
@@ -20,8 +21,10 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def _inputs(world, n, dtype):
     # Small integers: the sum is exact in any order and any of the three dtypes.
-    return [torch.randint(-8, 9, (n,), generator=torch.Generator().manual_seed(r)).to(dtype)
-            for r in range(world)]
+    return [
+        torch.randint(-8, 9, (n,), generator=torch.Generator().manual_seed(r)).to(dtype)
+        for r in range(world)
+    ]
 
 
 def _rank(rank, world, algorithm, n, dtype_name, mode, transport):
@@ -63,8 +66,18 @@ def _rank(rank, world, algorithm, n, dtype_name, mode, transport):
 def _run(world, algorithm, n, dtype_name, mode):
     skip_if_interpreting()
     how, transport = placement(world)
-    return launch(_rank, world, algorithm, n, dtype_name, mode, transport,
-                  start_method="spawn", timeout=300, **how)
+    return launch(
+        _rank,
+        world,
+        algorithm,
+        n,
+        dtype_name,
+        mode,
+        transport,
+        start_method="spawn",
+        timeout=300,
+        **how,
+    )
 
 
 @pytest.mark.parametrize("mode", ["host", "stream"])
@@ -88,8 +101,20 @@ def test_all_reduce_exact_in_a_cuda_graph(algorithm, n):
     skip_if_interpreting()
     require_cupy_nccl()  # with the GPUs but without CuPy: a failure naming the extra
     world = torch.cuda.device_count()
-    assert all(launch(_rank, world, algorithm, n, "float32", "graph", "cupy", backend="nccl",
-                      start_method="spawn", timeout=300))
+    assert all(
+        launch(
+            _rank,
+            world,
+            algorithm,
+            n,
+            "float32",
+            "graph",
+            "cupy",
+            backend="nccl",
+            start_method="spawn",
+            timeout=300,
+        )
+    )
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])

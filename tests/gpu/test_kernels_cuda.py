@@ -9,6 +9,7 @@ matters: the first launch of a specialization goes through Triton's
 JITFunction.run, the later ones straight to the compiled kernel's launcher.
 Run: TRITON_INTERPRET=0 pytest tests/gpu
 """
+
 import pytest
 import torch
 
@@ -30,9 +31,11 @@ def rand(n, dtype, seed):
 def impl(request):
     if request.param == "triton":
         skip_if_interpreting()
-        return {"reduce": lambda d, s, scale, out: reduce(d, s, scale=scale, out=out),
-                "pack": lambda ts, out, scale: pack(ts, out, scale=scale),
-                "unpack": lambda flat, ts, scale: unpack(flat, ts, scale=scale)}
+        return {
+            "reduce": lambda d, s, scale, out: reduce(d, s, scale=scale, out=out),
+            "pack": lambda ts, out, scale: pack(ts, out, scale=scale),
+            "unpack": lambda flat, ts, scale: unpack(flat, ts, scale=scale),
+        }
     ext = require_csrc()  # a failed build fails here; only a missing toolkit skips
     return {"reduce": ext.reduce, "pack": ext.pack, "unpack": ext.unpack}
 
@@ -43,8 +46,10 @@ def impl(request):
 @pytest.mark.parametrize("scale", [None, 0.125])
 def test_reduce(impl, n, dst_dtype, src_dtype, scale):
     dst, src = rand(n, dst_dtype, 1), rand(n, src_dtype, 2)
-    out, out_ref = torch.empty(n, dtype=torch.float16, device="cuda"), \
-        torch.empty(n, dtype=torch.float16, device="cuda")
+    out, out_ref = (
+        torch.empty(n, dtype=torch.float16, device="cuda"),
+        torch.empty(n, dtype=torch.float16, device="cuda"),
+    )
     want = reduce_ref(dst.clone(), src, scale=scale, out=out_ref)
     impl["reduce"](dst, src, scale, out)
     torch.cuda.synchronize()
@@ -89,8 +94,9 @@ def test_triton_fp64_average_is_exact_fp64_arithmetic(world):
     these P. The kernels declare the scale fp64: bitwise torch's fp64 arithmetic."""
     skip_if_interpreting()
     g = torch.Generator(device="cuda").manual_seed(world)
-    dst, src = (torch.randn(65537, device="cuda", generator=g, dtype=torch.float64)
-                for _ in range(2))
+    dst, src = (
+        torch.randn(65537, device="cuda", generator=g, dtype=torch.float64) for _ in range(2)
+    )
     exact = (dst + src) * (1.0 / world)  # torch on CUDA: fp64 add, fp64 scale
     got = dst.clone()
     reduce(got, src, scale=1.0 / world)
@@ -129,12 +135,14 @@ def test_triton_other_dtypes_average_with_the_references_fp32_scale(dtype, world
 def _direct_runs(kernel):
     """The direct launches ``kernel`` has kept (None: every launch takes Triton's path)."""
     from hybridcomm.kernels import _triton
+
     state = _triton._compiled_for(kernel)
     return None if state is None else {k for k, run in state.runs.items() if run}
 
 
 def _kernel(op):
     import importlib
+
     return getattr(importlib.import_module(f"hybridcomm.kernels.{op}"), f"_{op}_kernel")
 
 
@@ -148,6 +156,7 @@ def test_triton_reduce_is_exact_on_the_direct_launch_too(n, start, dtype, scale)
     aligned and not (buf[1:]), at numel 1 (folded into the kernel), a multiple of
     16, a masked tail, and the large blocks; with scale and copy-out."""
     from hybridcomm.kernels import _triton
+
     skip_if_interpreting()
     buf = torch.empty(n + start, dtype=dtype, device="cuda")
     dst = buf[start:]
@@ -163,9 +172,19 @@ def test_triton_reduce_is_exact_on_the_direct_launch_too(n, start, dtype, scale)
         assert out is None or torch.equal(out, out_ref), call
     if _direct_runs(_kernel("reduce")) is not None:  # HYBRIDCOMM_TRITON_FAST_LAUNCH on
         import triton.language as tl
+
         block, warps = _triton.geometry(n, True)
-        args = (dst, src, dst if out is None else out, n, scale or 1.0, tl.float32,
-                scale is not None, out is not None, block)  # as reduce() launches it
+        args = (
+            dst,
+            src,
+            dst if out is None else out,
+            n,
+            scale or 1.0,
+            tl.float32,
+            scale is not None,
+            out is not None,
+            block,
+        )  # as reduce() launches it
         key = (dst.get_device(), warps, _triton.launch_key(_kernel("reduce"), args)[0])
         assert key in _direct_runs(_kernel("reduce")), "the later calls took Triton's path"
 
@@ -205,19 +224,21 @@ def _bucket(sizes, start, dtype=torch.float32):
         offsets.append(at)
         at += -(-n // 16) * 16
     base = torch.empty(at + start, dtype=dtype, device="cuda")
-    return [base[start + o:start + o + n] for o, n in zip(offsets, sizes)], offsets, at
+    return [base[start + o : start + o + n] for o, n in zip(offsets, sizes)], offsets, at
 
 
 @pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("start", [0, 1], ids=["aligned", "misaligned"])
-@pytest.mark.parametrize("sizes", [[(1 << 20) + 3] * 8, [2048] * 511 + [1]],
-                         ids=["8-large", "512-small"])
+@pytest.mark.parametrize(
+    "sizes", [[(1 << 20) + 3] * 8, [2048] * 511 + [1]], ids=["8-large", "512-small"]
+)
 def test_triton_plans_are_exact_on_every_stream(sizes, start, wire):
     """pack_plan / unpack_plan (a bucket's layout, aligned and misaligned views)
     against the references, exact, over several runs (Triton's path, then the direct
     launch) and on a second stream (its own table), next to the one-shot calls."""
     skip_if_interpreting()
     from hybridcomm.kernels import pack_plan, unpack_plan
+
     tensors, offsets, total = _bucket(sizes, start)
     flat = torch.zeros(total, dtype=wire, device="cuda")
     back, _, _ = _bucket(sizes, start)
@@ -234,8 +255,9 @@ def test_triton_plans_are_exact_on_every_stream(sizes, start, wire):
             want = pack_ref(tensors, torch.zeros_like(flat), offsets=offsets, scale=0.5)
             one_shot = pack(tensors, torch.zeros_like(flat), offsets=offsets, scale=0.5)
             unpack_again()
-            back_ref = unpack_ref(flat, [torch.empty_like(t) for t in tensors], offsets=offsets,
-                                  scale=2.0)
+            back_ref = unpack_ref(
+                flat, [torch.empty_like(t) for t in tensors], offsets=offsets, scale=2.0
+            )
         torch.cuda.synchronize()
         assert torch.equal(flat, want) and torch.equal(one_shot, want), run
         assert all(torch.equal(a, b) for a, b in zip(back, back_ref)), run

@@ -14,6 +14,7 @@ case.
 Written on a machine without a GPU: NOT run on a GPU yet (docs/GPU.md).
 Run: TRITON_INTERPRET=0 pytest tests/gpu/test_multi_gpu.py   (or make gpu-check)
 """
+
 import contextlib
 import math
 import os
@@ -31,14 +32,31 @@ if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
 import hybridcomm  # noqa: E402
-from gpu_common import (ieee_fp32, ieee_fp32_here, no_host_sync, placement,  # noqa: E402
-                        record, skip_if_interpreting)
+from gpu_common import (
+    ieee_fp32,
+    ieee_fp32_here,
+    no_host_sync,
+    placement,  # noqa: E402
+    record,
+    skip_if_interpreting,
+)
 from hybridcomm.tools.launch import launch  # noqa: E402
-from optim_models import (batch, flat, make_model, make_optimizer, make_scheduler,  # noqa: E402
-                          shard, train_single)
+from optim_models import (
+    batch,
+    flat,
+    make_model,
+    make_optimizer,
+    make_scheduler,  # noqa: E402
+    shard,
+    train_single,
+)
 from test_allreduce_cupy_gpu import ALGOS, DTYPES, _inputs  # noqa: E402
-from test_optimizer_features import (Branchy, branchy_data, branchy_loss,  # noqa: E402
-                                     branchy_reference)
+from test_optimizer_features import (
+    Branchy,
+    branchy_data,
+    branchy_loss,  # noqa: E402
+    branchy_reference,
+)
 from test_training_loops import IN, INF_STEP, MAX_NORM, OUT, _mlp, _whole  # noqa: E402
 
 
@@ -87,17 +105,25 @@ def _run(name, fn, world, *args, allow_errors=False, timeout=LAUNCH_S, torch_ncc
     torch's NCCL group (the TorchNcclTransport cases)."""
     how, transport = ({"backend": "nccl"}, "torch") if torch_nccl else placement(world)
     t0 = time.monotonic()
-    out = launch(fn, world, *args, start_method="spawn", timeout=timeout,
-                 allow_errors=allow_errors, **how)
-    record("multi_gpu", test=name, world=world, transport=transport,
-           launch_s=round(time.monotonic() - t0, 2), device=torch.cuda.get_device_name(0))
+    out = launch(
+        fn, world, *args, start_method="spawn", timeout=timeout, allow_errors=allow_errors, **how
+    )
+    record(
+        "multi_gpu",
+        test=name,
+        world=world,
+        transport=transport,
+        launch_s=round(time.monotonic() - t0, 2),
+        device=torch.cuda.get_device_name(0),
+    )
     return out
 
 
 def _close(got, want, what, rtol=RTOL, atol=ATOL):
     assert got.shape == want.shape, (what, got.shape, want.shape)
-    assert torch.allclose(got, want, rtol=rtol, atol=atol), \
+    assert torch.allclose(got, want, rtol=rtol, atol=atol), (
         f"{what}: max diff from one process {(got - want).abs().max():.3g}"
+    )
 
 
 def _same_on_every_rank(values, what):
@@ -107,6 +133,7 @@ def _same_on_every_rank(values, what):
 
 # --- the common training loop ------------------------------------------------------------
 
+
 def batch24(step):
     """24 samples (8 ranks x 3): two of optim_models' batches."""
     (x1, y1), (x2, y2) = batch(2 * step), batch(2 * step + 1)
@@ -114,8 +141,13 @@ def batch24(step):
 
 
 def _case(name, opt="sgd", env=None, keep_splits=False, **options):
-    return {"name": name, "opt": opt, "env": env or {}, "keep_splits": keep_splits,
-            "options": options}
+    return {
+        "name": name,
+        "opt": opt,
+        "env": env or {},
+        "keep_splits": keep_splits,
+        "options": options,
+    }
 
 
 def _train(rank, world, cases, data=batch, transport="cupy"):
@@ -138,24 +170,34 @@ def _train(rank, world, cases, data=batch, transport="cupy"):
         try:
             model = make_model().to(dev)
             base = make_optimizer(case["opt"], model.parameters())
-            options = dict({"cost_model": fixed_cost_model(), "fusion_bytes": 0,
-                            "measure_iters": 2, "timeout": TIMEOUT}, **case["options"])
+            options = dict(
+                {
+                    "cost_model": fixed_cost_model(),
+                    "fusion_bytes": 0,
+                    "measure_iters": 2,
+                    "timeout": TIMEOUT,
+                },
+                **case["options"],
+            )
             opt = hybridcomm.DistributedOptimizer(base, model=model, **options)
             sched = make_scheduler(case["opt"], opt)
             for s in range(STEPS):
                 x, y = data(s)
                 opt.zero_grad()
-                nn.functional.mse_loss(model(shard(x, rank, world).to(dev)),
-                                       shard(y, rank, world).to(dev)).backward()
+                nn.functional.mse_loss(
+                    model(shard(x, rank, world).to(dev)), shard(y, rank, world).to(dev)
+                ).backward()
                 opt.step()
                 if sched:
                     sched.step()
             opt.synchronize()
             plan = opt.plan
-            out[case["name"]] = (flat(model.parameters()).cpu(),
-                                 sorted({b.algorithm for b in plan.buckets}),
-                                 [len(b.segments) for b in plan.buckets],
-                                 type(opt._hc_sync.transport).__name__)
+            out[case["name"]] = (
+                flat(model.parameters()).cpu(),
+                sorted({b.algorithm for b in plan.buckets}),
+                [len(b.segments) for b in plan.buckets],
+                type(opt._hc_sync.transport).__name__,
+            )
             opt.close()
         finally:
             planner.merge_adjacent = merge
@@ -184,6 +226,7 @@ def _train_single_24(opt_name):
 
 # --- TorchNcclTransport ------------------------------------------------------------------
 
+
 def _torch_transport_sums(rank, world):
     from hybridcomm.comm.transport.select import close_transports, select_transport
 
@@ -209,8 +252,9 @@ def test_torch_nccl_transport_all_reduce_is_exact():
     falls back): every algorithm and native over torch.distributed's NCCL. Small
     integers (tests/gpu/test_allreduce_cupy_gpu.py's inputs): every partial sum is
     an integer below 2**8, exact in fp32, fp16 and bf16, so the sum is exact."""
-    for kind, wrong in _run("torch_transport_sums", _torch_transport_sums, _world(),
-                            torch_nccl=True):
+    for kind, wrong in _run(
+        "torch_transport_sums", _torch_transport_sums, _world(), torch_nccl=True
+    ):
         assert kind == "TorchNcclTransport"
         assert wrong == [], wrong
 
@@ -219,8 +263,15 @@ def test_torch_nccl_transport_all_reduce_is_exact():
 @pytest.mark.parametrize("overlap", ["forward", "backward", "none"])
 def test_training_over_torch_nccl_transport_matches_one_process(overlap):
     cases = [_case(f"torch-{overlap}", overlap=overlap)]
-    results = _run(f"torch_transport_train[{overlap}]", _train, _world(), cases, batch, "torch",
-                   torch_nccl=True)
+    results = _run(
+        f"torch_transport_train[{overlap}]",
+        _train,
+        _world(),
+        cases,
+        batch,
+        "torch",
+        torch_nccl=True,
+    )
     assert all(r[cases[0]["name"]][3] == "TorchNcclTransport" for r in results)
     _check_cases(results, cases, lambda case: flat(train_single("sgd", STEPS)))
 
@@ -243,8 +294,14 @@ def _unused(rank, world, overlap):
     data = [tuple(t.to(dev) for t in branchy_data(s)) for s in range(SYNC_STEPS)]
     opt = hybridcomm.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
-        model=model, overlap=overlap, find_unused_parameters=True,
-        cost_model=fixed_cost_model(), fusion_bytes=0, measure_iters=2, timeout=TIMEOUT)
+        model=model,
+        overlap=overlap,
+        find_unused_parameters=True,
+        cost_model=fixed_cost_model(),
+        fusion_bytes=0,
+        measure_iters=2,
+        timeout=TIMEOUT,
+    )
     no_grad = None
     t_steady = None
     with contextlib.ExitStack() as checked:
@@ -284,8 +341,13 @@ def test_unused_parameters_without_a_host_sync(overlap):
         for k in ref:
             _close(state[k], ref[k], f"rank {rank}: {k}")
             assert torch.equal(state[k], results[0][0][k]), f"rank {rank} differs: {k}"
-        record("multi_gpu_steady_step", test=f"unused[{overlap}]", rank=rank, world=world,
-               ms=round(steady_s * 1e3, 3))
+        record(
+            "multi_gpu_steady_step",
+            test=f"unused[{overlap}]",
+            rank=rank,
+            world=world,
+            ms=round(steady_s * 1e3, 3),
+        )
 
 
 # --- fp16 / bf16 wire compression --------------------------------------------------------
@@ -299,15 +361,22 @@ def _compressed(rank, world, compression, overlap):
     dev = _setup()
     model = make_model().to(dev)
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=COMPRESSED_LR), model=model, overlap=overlap,
-        compression=compression, cost_model=fixed_cost_model(), fusion_bytes=0,
-        measure_iters=2, timeout=TIMEOUT)
+        torch.optim.SGD(model.parameters(), lr=COMPRESSED_LR),
+        model=model,
+        overlap=overlap,
+        compression=compression,
+        cost_model=fixed_cost_model(),
+        fusion_bytes=0,
+        measure_iters=2,
+        timeout=TIMEOUT,
+    )
     grads0 = None
     for s in range(STEPS):
         x, y = batch(s)
         opt.zero_grad()
-        nn.functional.mse_loss(model(shard(x, rank, world).to(dev)),
-                               shard(y, rank, world).to(dev)).backward()
+        nn.functional.mse_loss(
+            model(shard(x, rank, world).to(dev)), shard(y, rank, world).to(dev)
+        ).backward()
         if s == 0:
             opt.synchronize()
             grads0 = flat(p.grad for p in model.parameters()).cpu()
@@ -340,8 +409,9 @@ def _shard_grads(world):
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
 def test_wire_compression_within_its_dtype_of_one_process(compression, overlap):
     world = _world()
-    results = _run(f"compression[{compression}-{overlap}]", _compressed, world, compression,
-                   overlap)
+    results = _run(
+        f"compression[{compression}-{overlap}]", _compressed, world, compression, overlap
+    )
     wire_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[compression]
     fi = torch.finfo(wire_dtype)
     per_rank, whole = _shard_grads(world)
@@ -357,16 +427,19 @@ def test_wire_compression_within_its_dtype_of_one_process(compression, overlap):
     got_params, got_grads, wire = results[0]
     assert wire == {2.0}, wire  # 16 bits on the wire
     over = (got_grads - whole).abs() - grad_tol
-    assert (over <= 0).all(), f"step 0's reduced gradient: {int((over > 0).sum())} elements " \
+    assert (over <= 0).all(), (
+        f"step 0's reduced gradient: {int((over > 0).sum())} elements "
         f"beyond the bound, worst by {over.max():.3g}"
+    )
     # The parameters: STEPS SGD updates of lr * gradient, each off by at most the bound
     # (the largest element's), times 4 for the trajectory's feedback (the later
     # gradients are taken at parameters already that far apart; lr x the loss's
     # curvature stays below 1/2 here, and 1.5 ** 3 < 4).
     param_tol = STEPS * COMPRESSED_LR * float(grad_tol.max()) * 4
     ref = flat(_train_single_plain_sgd())
-    assert (got_params - ref).abs().max() <= param_tol + ATOL, \
+    assert (got_params - ref).abs().max() <= param_tol + ATOL, (
         f"max diff {(got_params - ref).abs().max():.3g}, bound {param_tol:.3g}"
+    )
     _same_on_every_rank([r[0] for r in results], compression)
     _same_on_every_rank([r[1] for r in results], f"{compression} gradients")
 
@@ -410,9 +483,16 @@ def _topk(rank, world, overlap):
     dev = _setup()
     model = Dot().to(dev)
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=1.0), model=model, overlap=overlap, op="sum",
-        compression="topk:0.01", cost_model=fixed_cost_model(), fusion_bytes=0,
-        measure_iters=2, timeout=TIMEOUT)
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        model=model,
+        overlap=overlap,
+        op="sum",
+        compression="topk:0.01",
+        cost_model=fixed_cost_model(),
+        fusion_bytes=0,
+        measure_iters=2,
+        timeout=TIMEOUT,
+    )
     sent_bytes = []
     for s in range(TOPK_STEPS):
         c = _topk_grad(rank, s).to(dev)
@@ -474,9 +554,15 @@ def _psgd(rank, world, overlap):
     dev = _setup()
     model = Frobenius().to(dev)
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=1.0), model=model, overlap=overlap, op="sum",
-        compression="powersgd:2:1", cost_model=fixed_cost_model(), measure_iters=2,
-        timeout=TIMEOUT)
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        model=model,
+        overlap=overlap,
+        op="sum",
+        compression="powersgd:2:1",
+        cost_model=fixed_cost_model(),
+        measure_iters=2,
+        timeout=TIMEOUT,
+    )
     for s in range(PSGD_STEPS):
         opt.zero_grad()
         model(_psgd_grad(rank, s).to(dev)).backward()
@@ -484,7 +570,7 @@ def _psgd(rank, world, overlap):
     opt.synchronize()
     compressors = sorted({str(b.compressor) for b in opt.plan.buckets})
     applied = -model.w.detach().cpu().reshape(-1)
-    residual = opt.state_dict()["hybridcomm"]["powersgd"]["residuals"][:PSGD_N * PSGD_M]
+    residual = opt.state_dict()["hybridcomm"]["powersgd"]["residuals"][: PSGD_N * PSGD_M]
     opt.close()
     return applied, residual, compressors
 
@@ -511,14 +597,21 @@ def test_powersgd_error_feedback_keeps_what_was_not_sent(overlap):
 
 # --- forced native, split_bytes segments, Adam -------------------------------------------
 
+
 def test_forced_native_matches_one_process():
     """strategy="native" and HYBRIDCOMM_ALGO=native: NCCL's own all-reduce for
     every bucket (CuPy's ncclAllReduce on the comm stream), every overlap mode."""
-    cases = [_case(f"{how}-{overlap}", overlap=overlap,
-                   env={"HYBRIDCOMM_ALGO": "native"} if how == "env" else None,
-                   cost_model=fixed_cost_model(native=True),
-                   **({"strategy": "native"} if how == "strategy" else {}))
-             for how in ("strategy", "env") for overlap in ("forward", "backward", "none")]
+    cases = [
+        _case(
+            f"{how}-{overlap}",
+            overlap=overlap,
+            env={"HYBRIDCOMM_ALGO": "native"} if how == "env" else None,
+            cost_model=fixed_cost_model(native=True),
+            **({"strategy": "native"} if how == "strategy" else {}),
+        )
+        for how in ("strategy", "env")
+        for overlap in ("forward", "backward", "none")
+    ]
     results = _run("forced_native", _train, _world(), cases)
     for case in cases:
         assert results[0][case["name"]][1] == ["native"], (case["name"], results[0][case["name"]])
@@ -531,12 +624,24 @@ SPLIT_BYTES = 4000  # rounded down to 16-byte multiples: fc1's 4640 + 2 elements
 def test_split_bytes_segments_match_one_process():
     """Buckets over split_bytes reduced segment by segment (each its own all-reduce;
     the last holds the usage flags), per algorithm and overlap mode."""
-    cases = [_case(f"{strategy}-{overlap}", strategy=strategy, overlap=overlap,
-                   split_bytes=SPLIT_BYTES, keep_splits=True,
-                   cost_model=fixed_cost_model(native=strategy == "native"))
-             for strategy, overlap in [("ring", "backward"), ("butterfly", "backward"),
-                                       ("halving_doubling", "backward"), ("native", "backward"),
-                                       ("hybrid", "forward"), ("hybrid", "none")]]
+    cases = [
+        _case(
+            f"{strategy}-{overlap}",
+            strategy=strategy,
+            overlap=overlap,
+            split_bytes=SPLIT_BYTES,
+            keep_splits=True,
+            cost_model=fixed_cost_model(native=strategy == "native"),
+        )
+        for strategy, overlap in [
+            ("ring", "backward"),
+            ("butterfly", "backward"),
+            ("halving_doubling", "backward"),
+            ("native", "backward"),
+            ("hybrid", "forward"),
+            ("hybrid", "none"),
+        ]
+    ]
     results = _run("split_bytes", _train, _world(), cases)
     for case in cases:
         segments = results[0][case["name"]][2]
@@ -548,8 +653,11 @@ def test_adam_and_adamw_match_one_process():
     """Adam, and AdamW with an lr schedule that changes every step (optim_models'),
     in every overlap mode (forward: deferred updates with the hyper-parameters of
     the step() that deferred them)."""
-    cases = [_case(f"{name}-{overlap}", opt=name, overlap=overlap)
-             for name in ("adam", "adamw") for overlap in ("forward", "backward", "none")]
+    cases = [
+        _case(f"{name}-{overlap}", opt=name, overlap=overlap)
+        for name in ("adam", "adamw")
+        for overlap in ("forward", "backward", "none")
+    ]
     results = _run("adam", _train, _world(), cases)
     _check_cases(results, cases, lambda case: flat(train_single(case["opt"], STEPS)))
 
@@ -559,12 +667,18 @@ def test_sharded_optimizer_state_matches_one_process():
     comm stream, each rank steps its slices, the parameters all-gathered (forward
     mode: before their first read), in SGD with its schedule and Adam; and with the
     process group's own reduce-scatter and all-gather (``native``)."""
-    cases = [_case(f"{name}-{shard}-{overlap}", opt=name, shard=shard, overlap=overlap)
-             for name in ("sgd", "adam") for shard in ("optimizer", "gradients")
-             for overlap in ("forward", "backward")]
-    cases += [_case(f"native-{shard}-{overlap}", opt="adam", shard=shard, overlap=overlap,
-                    strategy="native")
-              for shard, overlap in (("optimizer", "forward"), ("gradients", "backward"))]
+    cases = [
+        _case(f"{name}-{shard}-{overlap}", opt=name, shard=shard, overlap=overlap)
+        for name in ("sgd", "adam")
+        for shard in ("optimizer", "gradients")
+        for overlap in ("forward", "backward")
+    ]
+    cases += [
+        _case(
+            f"native-{shard}-{overlap}", opt="adam", shard=shard, overlap=overlap, strategy="native"
+        )
+        for shard, overlap in (("optimizer", "forward"), ("gradients", "backward"))
+    ]
     results = _run("shard", _train, _world(), cases)
     _check_cases(results, cases, lambda case: flat(train_single(case["opt"], STEPS)))
 
@@ -586,7 +700,7 @@ def _amp_loop(dev, part, wrap):
     opt = torch.optim.SGD(model.parameters(), lr=AMP_LR)
     if wrap is not None:
         opt = wrap(opt, model)
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 8)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
     norms, scales = [], []
     for s in range(AMP_STEPS):
         x, y = _whole(4000 + s, (IN,), (OUT,))
@@ -618,9 +732,15 @@ def _amp(rank, world, overlap):
     dev = _setup()
 
     def wrap(opt, model):
-        return hybridcomm.DistributedOptimizer(opt, model=model, overlap=overlap,
-                                               cost_model=fixed_cost_model(), fusion_bytes=0,
-                                               measure_iters=2, timeout=TIMEOUT)
+        return hybridcomm.DistributedOptimizer(
+            opt,
+            model=model,
+            overlap=overlap,
+            cost_model=fixed_cost_model(),
+            fusion_bytes=0,
+            measure_iters=2,
+            timeout=TIMEOUT,
+        )
 
     model, norms, scales = _amp_loop(dev, lambda t: shard(t, rank, world), wrap)
     return flat(model.parameters()).cpu(), norms, scales
@@ -633,7 +753,7 @@ def _amp_shard_norms(world):
     torch.manual_seed(4)
     model = _mlp(IN, 16, 16, OUT).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=AMP_LR)
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 8)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
     out = []
     for s in range(AMP_STEPS):
         x, y = _whole(4000 + s, (IN,), (OUT,))
@@ -645,8 +765,7 @@ def _amp_shard_norms(world):
             with torch.autocast("cuda", dtype=torch.float16):
                 loss = F.mse_loss(model(shard(x, r, world)), shard(y, r, world))
             grads = torch.autograd.grad(loss, list(model.parameters()))
-            norms.append(float(torch.linalg.vector_norm(torch.cat([g.reshape(-1)
-                                                                   for g in grads]))))
+            norms.append(float(torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in grads]))))
         out.append(max(norms))
         opt.zero_grad()
         with torch.autocast("cuda", dtype=torch.float16):
@@ -664,8 +783,7 @@ def test_amp_with_clipping_matches_one_process(overlap):
     world = _world()
     results = _run(f"amp_clip[{overlap}]", _amp, world, overlap)
     with ieee_fp32_here():
-        ref_model, ref_norms, ref_scales = _amp_loop(torch.device("cuda", 0), lambda t: t,
-                                                     None)
+        ref_model, ref_norms, ref_scales = _amp_loop(torch.device("cuda", 0), lambda t: t, None)
         ref = flat(ref_model.parameters()).cpu()
         shard_norms = _amp_shard_norms(world)
     got, norms, scales = results[0]
@@ -692,21 +810,31 @@ def test_amp_with_clipping_matches_one_process(overlap):
         assert abs(n - want) <= dg + RTOL * want, (s, n, want, dg)
         param_tol += AMP_LR * 2 * MAX_NORM * dg / want
     param_tol *= 4
-    assert (got - ref).abs().max() <= param_tol + ATOL, \
+    assert (got - ref).abs().max() <= param_tol + ATOL, (
         f"max diff {(got - ref).abs().max():.3g}, bound {param_tol:.3g}"
+    )
     _same_on_every_rank([r[0] for r in results], "AMP parameters")
 
 
 # --- 8 ranks -----------------------------------------------------------------------------
 
+
 def test_eight_ranks_match_one_process():
     """8 ranks (3 samples each of batch24): every algorithm forced, and the hybrid
     plan (the library's default cost model: a probe) in every overlap mode."""
-    cases = [_case(f"{strategy}-backward", strategy=strategy, overlap="backward",
-                   cost_model=fixed_cost_model(native=strategy == "native"))
-             for strategy in ("ring", "butterfly", "halving_doubling", "native")]
-    cases += [_case(f"hybrid-{overlap}", overlap=overlap, cost_model=None)
-              for overlap in ("forward", "backward", "none")]
+    cases = [
+        _case(
+            f"{strategy}-backward",
+            strategy=strategy,
+            overlap="backward",
+            cost_model=fixed_cost_model(native=strategy == "native"),
+        )
+        for strategy in ("ring", "butterfly", "halving_doubling", "native")
+    ]
+    cases += [
+        _case(f"hybrid-{overlap}", overlap=overlap, cost_model=None)
+        for overlap in ("forward", "backward", "none")
+    ]
     results = _run("eight_ranks", _train, 8, cases, batch24)
     ref = _train_single_24("sgd")
     _check_cases(results, cases, lambda case: ref)
@@ -730,9 +858,14 @@ def _dead_peer(rank, world, overlap):
     faulthandler.dump_traceback_later(4 * (DEAD_TIMEOUT + DEAD_SLACK), exit=False)
     model = make_model().to(dev)
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
-        overlap=overlap, cost_model=fixed_cost_model(), fusion_bytes=0, measure_iters=2,
-        timeout=DEAD_TIMEOUT)
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model=model,
+        overlap=overlap,
+        cost_model=fixed_cost_model(),
+        fusion_bytes=0,
+        measure_iters=2,
+        timeout=DEAD_TIMEOUT,
+    )
     data = [tuple(shard(t, rank, world).to(dev) for t in batch(s)) for s in range(STEPS)]
     t0 = None
     try:
@@ -768,8 +901,9 @@ def test_a_dead_peer_is_our_error_within_the_timeout(overlap):
     the error) and the next call raises, naming the rank. Never a hang: the launch's
     own deadline bounds the test."""
     world = _world()
-    results = _run(f"dead_peer[{overlap}]", _dead_peer, world, overlap, allow_errors=True,
-                   timeout=240)
+    results = _run(
+        f"dead_peer[{overlap}]", _dead_peer, world, overlap, allow_errors=True, timeout=240
+    )
     assert "without reporting" in str(results[-1]), results[-1]  # the rank that left
     for rank, r in enumerate(results[:-1]):
         assert isinstance(r, tuple), f"rank {rank}: {r}"  # else its traceback
@@ -778,5 +912,12 @@ def test_a_dead_peer_is_our_error_within_the_timeout(overlap):
         assert elapsed < DEAD_TIMEOUT + DEAD_SLACK, (rank, r)
         assert f"rank {rank}" in msg, (rank, msg)
         assert close_s < DEAD_TIMEOUT + DEAD_SLACK, (rank, r)
-        record("multi_gpu_dead_peer", overlap=overlap, rank=rank, world=world, error=kind,
-               detected_s=round(elapsed, 2), close_s=round(close_s, 2))
+        record(
+            "multi_gpu_dead_peer",
+            overlap=overlap,
+            rank=rank,
+            world=world,
+            error=kind,
+            detected_s=round(elapsed, 2),
+            close_s=round(close_s, 2),
+        )

@@ -4,6 +4,7 @@ in the ranks and the reference, as shards of 2-6 samples under TF32 or cuDNN
 would round unlike the 12-sample batch), bitwise identical on every rank.
 One rank per GPU over NCCL with 2+ GPUs, else 4 ranks on one GPU over the
 one-device transport (``gpu_common.placement``)."""
+
 import os
 
 import pytest
@@ -27,15 +28,20 @@ def _rank(rank, world, overlap):
     ieee_fp32()  # TF32 keeps 10 mantissa bits (~5e-4 relative); the tolerance is 7.6e-6
     dev = torch.device("cuda", torch.cuda.current_device())
     model = make_model().to(dev)
-    opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05,
-                                                          momentum=0.9),
-                                          model=model, overlap=overlap, fusion_bytes=0,
-                                          measure_iters=2, timeout=120)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model=model,
+        overlap=overlap,
+        fusion_bytes=0,
+        measure_iters=2,
+        timeout=120,
+    )
     for s in range(STEPS):
         x, y = batch(s)
         opt.zero_grad()
-        nn.functional.mse_loss(model(shard(x, rank, world).to(dev)),
-                               shard(y, rank, world).to(dev)).backward()
+        nn.functional.mse_loss(
+            model(shard(x, rank, world).to(dev)), shard(y, rank, world).to(dev)
+        ).backward()
         opt.step()
     opt.synchronize()
     out = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()

@@ -14,6 +14,7 @@
 On a CUDA machine without CuPy the CuPy tests FAIL (naming the extra to
 install). Run: TRITON_INTERPRET=0 pytest tests/gpu   (or make gpu-check)
 """
+
 import contextlib
 
 import pytest
@@ -38,8 +39,9 @@ def group1(tmp_path, monkeypatch):
 
     torch.cuda.set_device(0)
     monkeypatch.setenv("HYBRIDCOMM_TRANSPORT", "cupy")  # never a silent torch fallback
-    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1,
-                            store=dist.FileStore(str(tmp_path / "store"), 1))
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1)
+    )
     try:
         yield torch.device("cuda", 0)
     finally:
@@ -108,9 +110,14 @@ def test_optimizer_steady_steps_make_no_host_sync(group1, ieee, overlap):
     model = make_model().to(dev)
     # a fixed cost model: no probe, the same plan every run
     opt = hybridcomm.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model=model,
-        overlap=overlap, fusion_bytes=0, cost_model=CostModel(2e-5, 1e-9, 1e-10),
-        measure_iters=2, timeout=120)
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        model=model,
+        overlap=overlap,
+        fusion_bytes=0,
+        cost_model=CostModel(2e-5, 1e-9, 1e-10),
+        measure_iters=2,
+        timeout=120,
+    )
     with contextlib.ExitStack() as checked:
         for s, (x, y) in enumerate(batches):
             if s == WARMUP:
@@ -199,14 +206,25 @@ def test_table_kernels_against_cat_and_foreach_copy(case):
         ("pack", "torch._foreach_copy_"): _time_ms(lambda: torch._foreach_copy_(views, tensors)),
         ("unpack", "triton"): _time_ms(lambda: unpack(flat, outs, impl="triton")),
         ("unpack", "torch._foreach_copy_"): _time_ms(
-            lambda: torch._foreach_copy_(outs_torch, views)),
+            lambda: torch._foreach_copy_(outs_torch, views)
+        ),
     }
     torch.cuda.synchronize()
     assert torch.equal(flat_torch, flat)
     assert all(torch.equal(a, b) for a, b in zip(outs_torch, outs))
     nbytes = 4 * sum(sizes)
     for (op, impl), ms in timings.items():
-        print(f"{case}: {op} {impl}: {ms * 1e3:.1f} us ({len(sizes)} tensors, {nbytes} bytes, "
-              f"{nbytes / (ms * 1e-3) / 1e9:.1f} GB/s one way)")
-        record("kernel_timing", case=case, op=op, impl=impl, tensors=len(sizes), bytes=nbytes,
-               ms=ms, device=torch.cuda.get_device_name(dev))
+        print(
+            f"{case}: {op} {impl}: {ms * 1e3:.1f} us ({len(sizes)} tensors, {nbytes} bytes, "
+            f"{nbytes / (ms * 1e-3) / 1e9:.1f} GB/s one way)"
+        )
+        record(
+            "kernel_timing",
+            case=case,
+            op=op,
+            impl=impl,
+            tensors=len(sizes),
+            bytes=nbytes,
+            ms=ms,
+            device=torch.cuda.get_device_name(dev),
+        )

@@ -9,6 +9,7 @@
 
 Not run on a GPU yet (none was available). Run: TRITON_INTERPRET=0 pytest tests/gpu
 """
+
 import contextlib
 from itertools import combinations
 
@@ -57,8 +58,13 @@ def test_flags_are_written_without_a_host_sync():
 
     n = 5
     params = [torch.nn.Parameter(torch.zeros(3, device="cuda")) for _ in range(n)]
-    b = GradBucket(Bucket(0, ["l"], list(range(n)), 3 * n, 12 * n, "ring", 0.0), params,
-                   torch.float32, None, lambda k, dt: torch.empty(k, dtype=dt, device="cuda"))
+    b = GradBucket(
+        Bucket(0, ["l"], list(range(n)), 3 * n, 12 * n, "ring", 0.0),
+        params,
+        torch.float32,
+        None,
+        lambda k, dt: torch.empty(k, dtype=dt, device="cuda"),
+    )
     for r in range(n + 1):
         for positions in combinations(range(n), r):
             b.flags.fill_(7)

@@ -10,6 +10,7 @@ shows this. Written without a GPU: **not run on one yet**.
 
 Run: TRITON_INTERPRET=0 pytest tests/gpu/test_watchdog_cuda.py
 """
+
 import subprocess
 import sys
 import threading
@@ -77,11 +78,12 @@ def test_an_exempt_thread_querying_events_leaves_a_global_capture_valid():
 def test_control_a_thread_in_global_mode_invalidates_the_capture():
     """The same without the exemption breaks the capture: the test above can fail.
     In a child process: an invalidated capture can leave this one's CUDA state odd."""
-    code = ("import sys; sys.path[:0] = ['tests/gpu', '.']; "
-            "from test_watchdog_cuda import capture_while_another_thread_queries as c; "
-            "f, e, _ = c(False); print('BROKEN' if (f or e) else 'INTACT')")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    code = (
+        "import sys; sys.path[:0] = ['tests/gpu', '.']; "
+        "from test_watchdog_cuda import capture_while_another_thread_queries as c; "
+        "f, e, _ = c(False); print('BROKEN' if (f or e) else 'INTACT')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "BROKEN" in out.stdout, (out.stdout, out.stderr[-2000:])
 
 
@@ -94,8 +96,9 @@ def transport(tmp_path, monkeypatch):
 
     torch.cuda.set_device(0)
     monkeypatch.setenv("HYBRIDCOMM_TRANSPORT", "cupy")
-    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1,
-                            store=dist.FileStore(str(tmp_path / "store"), 1))
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1)
+    )
     try:
         require_cupy_nccl()
         yield select_transport(torch.device("cuda", 0), transport="cupy", timeout=60)

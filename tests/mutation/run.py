@@ -26,6 +26,7 @@ Prints a table (mutation, defect, the test that caught it, seconds) and last
     python tests/mutation/run.py --only no-wait-before-use,tolist-per-bucket
     python tests/mutation/run.py --rev HEAD         # the last commit, not the working tree
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,6 +58,7 @@ class HarnessError(Exception):
 
 # -- the checkout -----------------------------------------------------------------------------
 
+
 def sim_tests(makefile: Path = ROOT / "Makefile") -> List[str]:
     """The Makefile's SIM_TESTS (with its line continuations)."""
     m = re.search(r"^SIM_TESTS\s*:?=((?:[^\n]*\\\n)*[^\n]*)$", makefile.read_text(), re.M)
@@ -73,11 +75,16 @@ def occurrences(m: Mutation, root: Path) -> int:
 
 
 def check_fresh(mutations: Sequence[Mutation], root: Path = ROOT) -> None:
-    stale = [f"{m.id}: its old text occurs {occurrences(m, root)} times in {m.file} "
-             "(must be exactly once)" for m in mutations if occurrences(m, root) != 1]
+    stale = [
+        f"{m.id}: its old text occurs {occurrences(m, root)} times in {m.file} "
+        "(must be exactly once)"
+        for m in mutations
+        if occurrences(m, root) != 1
+    ]
     if stale:
-        raise HarnessError("stale mutations (update tests/mutation/mutations.py):\n  "
-                           + "\n  ".join(stale))
+        raise HarnessError(
+            "stale mutations (update tests/mutation/mutations.py):\n  " + "\n  ".join(stale)
+        )
 
 
 def package_dirs(root: Path) -> Dict[str, str]:
@@ -98,8 +105,7 @@ def snapshot(dest: Path, rev: Optional[str] = None) -> None:
         import io
         import tarfile
 
-        tar = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT,
-                             capture_output=True)
+        tar = subprocess.run(["git", "archive", "--format=tar", rev], cwd=ROOT, capture_output=True)
         if tar.returncode != 0:
             raise HarnessError(f"git archive {rev}: {tar.stderr.decode().strip()}")
         dest.mkdir(parents=True)
@@ -139,12 +145,14 @@ def apply(m: Mutation, copy: Path) -> None:
     path = copy / m.file
     text = path.read_text()
     if text.count(m.old) != 1:
-        raise HarnessError(f"{m.id}: old text occurs {text.count(m.old)} times in the copy's "
-                           f"{m.file}")
+        raise HarnessError(
+            f"{m.id}: old text occurs {text.count(m.old)} times in the copy's {m.file}"
+        )
     path.write_text(text.replace(m.old, m.new))
 
 
 # -- running pytest in a copy -----------------------------------------------------------------
+
 
 class Runner:
     def __init__(self, python: str, sim: Sequence[str], logs: Path, verbose: bool):
@@ -160,27 +168,41 @@ class Runner:
         return env
 
     def verify_imports(self, copy: Path) -> None:
-        code = ("import importlib, sys\n"
-                "for name in ('hybridcomm', 'hybridcomm.kernels', 'hybridcomm.kernels.pack',\n"
-                "             'hybridcomm.comm.transport.cupy_nccl', 'hybridcomm.testing.simgpu',\n"
-                "             'hybridcomm.tools.bench.harness'):\n"
-                "    importlib.import_module(name)\n"
-                "for name, mod in sorted(sys.modules.items()):\n"
-                "    if name.split('.')[0] == 'hybridcomm' and getattr(mod, '__file__', None):\n"
-                "        print(name, mod.__file__)\n")
-        r = subprocess.run([self.python, "-c", code], cwd=copy, env=self.env(copy, False),
-                           capture_output=True, text=True, timeout=300)
+        code = (
+            "import importlib, sys\n"
+            "for name in ('hybridcomm', 'hybridcomm.kernels', 'hybridcomm.kernels.pack',\n"
+            "             'hybridcomm.comm.transport.cupy_nccl', 'hybridcomm.testing.simgpu',\n"
+            "             'hybridcomm.tools.bench.harness'):\n"
+            "    importlib.import_module(name)\n"
+            "for name, mod in sorted(sys.modules.items()):\n"
+            "    if name.split('.')[0] == 'hybridcomm' and getattr(mod, '__file__', None):\n"
+            "        print(name, mod.__file__)\n"
+        )
+        r = subprocess.run(
+            [self.python, "-c", code],
+            cwd=copy,
+            env=self.env(copy, False),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         if r.returncode != 0:
             raise HarnessError(f"importing hybridcomm from the copy failed:\n{r.stderr}")
         real = os.path.realpath(copy)
-        foreign = [line for line in r.stdout.splitlines()
-                   if not os.path.realpath(line.split(" ", 1)[1]).startswith(real + os.sep)]
+        foreign = [
+            line
+            for line in r.stdout.splitlines()
+            if not os.path.realpath(line.split(" ", 1)[1]).startswith(real + os.sep)
+        ]
         if foreign or not r.stdout.strip():
-            raise HarnessError("the copy does not import its own hybridcomm:\n  "
-                               + "\n  ".join(foreign or ["(nothing imported)"]))
+            raise HarnessError(
+                "the copy does not import its own hybridcomm:\n  "
+                + "\n  ".join(foreign or ["(nothing imported)"])
+            )
 
-    def pytest(self, copy: Path, args: Sequence[str], simulate: bool, timeout: float,
-               tag: str) -> Tuple[int, Optional[str], float, Path]:
+    def pytest(
+        self, copy: Path, args: Sequence[str], simulate: bool, timeout: float, tag: str
+    ) -> Tuple[int, Optional[str], float, Path]:
         """(exit status or None on a timeout, the first failing node id, seconds, log)."""
         self._n += 1
         log = self.logs / f"{self._n:03d}-{tag}.log"
@@ -189,8 +211,14 @@ class Runner:
         with open(log, "w") as out:
             out.write(f"# {SIM_ENV}={'1' if simulate else '(unset)'} " + " ".join(cmd) + "\n")
             out.flush()
-            proc = subprocess.Popen(cmd, cwd=copy, env=self.env(copy, simulate), stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=copy,
+                env=self.env(copy, simulate),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -204,11 +232,17 @@ class Runner:
         seconds = time.monotonic() - t0
         text = log.read_text()
         if rc is None:
-            return None, f"timeout after {timeout:.0f} s in {last_started(text) or '?'}", \
-                seconds, log
+            return (
+                None,
+                f"timeout after {timeout:.0f} s in {last_started(text) or '?'}",
+                seconds,
+                log,
+            )
         if rc in (4, 5):  # usage error (a node id not found), nothing collected
-            raise HarnessError(f"pytest exit {rc} for {' '.join(args)} (see {log}):\n"
-                               + "\n".join(text.splitlines()[-15:]))
+            raise HarnessError(
+                f"pytest exit {rc} for {' '.join(args)} (see {log}):\n"
+                + "\n".join(text.splitlines()[-15:])
+            )
         return rc, first_failure(text) if rc else None, seconds, log
 
 
@@ -217,7 +251,7 @@ def first_failure(text: str) -> str:
         for kind in ("FAILED ", "ERROR "):
             # (a -v status written after a crash's output also starts "FAILED [100%]")
             if line.startswith(kind + "tests/"):
-                return line[len(kind):].split(" - ", 1)[0].strip()
+                return line[len(kind) :].split(" - ", 1)[0].strip()
     return "pytest failed (no summary: see the log)"
 
 
@@ -225,8 +259,7 @@ def last_started(text: str) -> Optional[str]:
     """The node id of the last test pytest -v announced (what was running at a timeout)."""
     last = None
     for line in text.splitlines():
-        m = re.match(r"^(tests/\S+::\S.*?)(?: (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS).*)?$",
-                     line)
+        m = re.match(r"^(tests/\S+::\S.*?)(?: (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS).*)?$", line)
         if m:
             last = m.group(1).strip()
     return last
@@ -246,22 +279,26 @@ def split_by_env(nodes: Sequence[str], sim: Sequence[str]) -> List[Tuple[bool, L
 
 # -- the run ----------------------------------------------------------------------------------
 
-def run_guards(runner: Runner, copy: Path, nodes: Sequence[str], timeout: float, tag: str,
-               sim: Sequence[str]) -> Tuple[Optional[str], float]:
+
+def run_guards(
+    runner: Runner, copy: Path, nodes: Sequence[str], timeout: float, tag: str, sim: Sequence[str]
+) -> Tuple[Optional[str], float]:
     """The first failing guard (None: all passed) and the seconds taken."""
     return _first_failure(runner, copy, split_by_env(nodes, sim), timeout, tag)
 
 
-def run_whole(runner: Runner, copy: Path, sim: Sequence[str], timeout: float,
-              tag: str) -> Tuple[Optional[str], float]:
+def run_whole(
+    runner: Runner, copy: Path, sim: Sequence[str], timeout: float, tag: str
+) -> Tuple[Optional[str], float]:
     """The simulated suites as `make test` runs them (SIM_TESTS, the training loops'
     simgpu cases), with -x: the first failure, or None."""
     runs = [(True, list(sim))] + [(False, list(a)) for a in SIM_EXTRA]
     return _first_failure(runner, copy, runs, timeout, tag)
 
 
-def _first_failure(runner: Runner, copy: Path, runs, timeout: float,
-                   tag: str) -> Tuple[Optional[str], float]:
+def _first_failure(
+    runner: Runner, copy: Path, runs, timeout: float, tag: str
+) -> Tuple[Optional[str], float]:
     """Run each (simulate, pytest args) in turn within ``timeout`` in all: the first
     failing test (None: all passed) and the seconds taken."""
     total, deadline = 0.0, time.monotonic() + timeout
@@ -279,29 +316,54 @@ def table(rows: Sequence[Tuple[str, str, str, float]], markdown: bool) -> List[s
     cells = [head] + [(a, b, c, f"{s:.0f}") for a, b, c, s in rows]
     if markdown:
         out = ["| " + " | ".join(head) + " |", "|---|---|---|---:|"]
-        out += ["| " + " | ".join(f"`{c}`" if i in (0, 2) and c != "SURVIVED" else c
-                                  for i, c in enumerate(r)) + " |" for r in cells[1:]]
+        out += [
+            "| "
+            + " | ".join(
+                f"`{c}`" if i in (0, 2) and c != "SURVIVED" else c for i, c in enumerate(r)
+            )
+            + " |"
+            for r in cells[1:]
+        ]
         return out
     widths = [max(len(r[i]) for r in cells) for i in range(4)]
-    return ["  ".join(c.rjust(w) if i == 3 else c.ljust(w)
-                      for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in cells]
+    return [
+        "  ".join(
+            c.rjust(w) if i == 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+        ).rstrip()
+        for r in cells
+    ]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--only", default="", help="comma-separated mutation ids")
-    ap.add_argument("--rev", default=None,
-                    help="copy the files of this commit (e.g. HEAD) instead of the working tree "
-                         "(whose uncommitted edits, anyone's, are otherwise included)")
-    ap.add_argument("--python", default=sys.executable,
-                    help="the interpreter whose environment runs the tests (default: this one)")
-    ap.add_argument("--timeout", type=float, default=600,
-                    help="seconds for one mutation's guarding tests (a hang counts as caught)")
-    ap.add_argument("--whole-timeout", type=float, default=3600,
-                    help="seconds for the whole simulated suite on a surviving mutation")
-    ap.add_argument("--no-whole", action="store_true",
-                    help="do not run the whole simulated suite on survivors")
+    ap.add_argument(
+        "--rev",
+        default=None,
+        help="copy the files of this commit (e.g. HEAD) instead of the working tree "
+        "(whose uncommitted edits, anyone's, are otherwise included)",
+    )
+    ap.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the interpreter whose environment runs the tests (default: this one)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=600,
+        help="seconds for one mutation's guarding tests (a hang counts as caught)",
+    )
+    ap.add_argument(
+        "--whole-timeout",
+        type=float,
+        default=3600,
+        help="seconds for the whole simulated suite on a surviving mutation",
+    )
+    ap.add_argument(
+        "--no-whole", action="store_true", help="do not run the whole simulated suite on survivors"
+    )
     ap.add_argument("--markdown", action="store_true", help="print the table in Markdown")
     ap.add_argument("--keep", action="store_true", help="keep the copies (and their logs)")
     ap.add_argument("--verbose", action="store_true")
@@ -340,12 +402,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         runner.verify_imports(base)
         guards = list(dict.fromkeys(g for m in selected for g in m.guards))
         guards.sort(key=lambda g: g.split("::", 1)[0] not in sim)  # two pytest runs
-        print(f"[mutation] baseline: {len(guards)} guarding tests on the unmutated copy ...",
-              file=sys.stderr, flush=True)
+        print(
+            f"[mutation] baseline: {len(guards)} guarding tests on the unmutated copy ...",
+            file=sys.stderr,
+            flush=True,
+        )
         failed, seconds = run_guards(runner, base, guards, args.timeout * 2, "baseline", sim)
         if failed is not None:
-            raise HarnessError(f"the unmutated copy fails a guarding test: {failed} "
-                               f"(logs in {logs})")
+            raise HarnessError(
+                f"the unmutated copy fails a guarding test: {failed} (logs in {logs})"
+            )
         print(f"[mutation] baseline passed ({seconds:.0f} s)", file=sys.stderr, flush=True)
         if not args.keep:
             shutil.rmtree(base)
@@ -354,16 +420,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for k, m in enumerate(selected, 1):
             copy = clone(pristine, work / m.id)
             apply(m, copy)
-            print(f"[mutation] {k}/{len(selected)} {m.id} ({m.defect}): {m.what}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[mutation] {k}/{len(selected)} {m.id} ({m.defect}): {m.what}",
+                file=sys.stderr,
+                flush=True,
+            )
             failed, seconds = run_guards(runner, copy, m.guards, args.timeout, m.id, sim)
             if failed is None and not args.no_whole:
-                print("[mutation]   survived its guards; running the whole simulated suite",
-                      file=sys.stderr, flush=True)
+                print(
+                    "[mutation]   survived its guards; running the whole simulated suite",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 failed, more = run_whole(runner, copy, sim, args.whole_timeout, m.id + "-whole")
                 seconds += more
-            print(f"[mutation]   {'caught by ' + failed if failed else 'SURVIVED'} "
-                  f"({seconds:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"[mutation]   {'caught by ' + failed if failed else 'SURVIVED'} ({seconds:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             rows.append((m.id, m.defect, failed or "SURVIVED", seconds))
             if not args.keep:
                 shutil.rmtree(copy)

@@ -7,10 +7,12 @@ class (--ackprio), a qdisc under tbf (--child), the raw pulls on connections
 of their own (--split), ps's window and chunk size (--window, --chunk).
 Root only. Example: python benchmarks/results/ps/investigate.py --split --htb --ackprio
 """
+
 import argparse, os, subprocess, sys, time
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", ".."))          # benchmarks/
-sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))    # the repository
+sys.path.insert(0, os.path.join(HERE, "..", ".."))  # benchmarks/
+sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))  # the repository
 import ps as psbench
 from hybridcomm.launch import launch
 from hybridcomm.netns import ShapedNetwork
@@ -27,8 +29,12 @@ ap.add_argument("--chunk", type=int, default=256 << 10)
 ap.add_argument("--servers", type=int, default=4)
 ap.add_argument("--size", type=int, default=16 << 20)
 ap.add_argument("--iters", type=int, default=2)
+
+
 def qdisc_handle(cmd_prefix, dev):
-    out = subprocess.run(cmd_prefix + ["qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        cmd_prefix + ["qdisc", "show", "dev", dev], capture_output=True, text=True
+    ).stdout
     for line in out.splitlines():
         w = line.split()
         if w[:2] == ["qdisc", "tbf"]:
@@ -42,6 +48,7 @@ PULL = {}
 def _raw_split(role, nbytes, pull):
     """psbench._raw_exchange with the pulls on their own connections (a second group)."""
     import torch, torch.distributed as dist
+
     n = nbytes // 4 // len(role.servers)
     g = PULL["g"]
     works = []
@@ -61,6 +68,7 @@ def _raw_split(role, nbytes, pull):
 
 def _rank_split(rank, world, *args):
     import torch.distributed as dist
+
     PULL["g"] = dist.new_group(list(range(world)))
     psbench._raw_exchange = _raw_split
     return psbench._rank(rank, world, *args)
@@ -70,54 +78,163 @@ def htb(pre, dev, ackprio, rate="100mbit", limit="689000"):
     run = lambda *c: subprocess.run(pre + list(c), check=True)
     run("qdisc", "del", "dev", dev, "root")
     run("qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20")
-    run("class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate,
-        "ceil", rate, "burst", "64kb", "cburst", "64kb")
-    run("class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb", "rate", "10mbit",
-        "ceil", rate, "prio", "0", "burst", "64kb", "cburst", "64kb")
-    run("class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb", "rate", "90mbit",
-        "ceil", rate, "prio", "1", "burst", "64kb", "cburst", "64kb")
+    run(
+        "class",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:",
+        "classid",
+        "1:1",
+        "htb",
+        "rate",
+        rate,
+        "ceil",
+        rate,
+        "burst",
+        "64kb",
+        "cburst",
+        "64kb",
+    )
+    run(
+        "class",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:1",
+        "classid",
+        "1:10",
+        "htb",
+        "rate",
+        "10mbit",
+        "ceil",
+        rate,
+        "prio",
+        "0",
+        "burst",
+        "64kb",
+        "cburst",
+        "64kb",
+    )
+    run(
+        "class",
+        "add",
+        "dev",
+        dev,
+        "parent",
+        "1:1",
+        "classid",
+        "1:20",
+        "htb",
+        "rate",
+        "90mbit",
+        "ceil",
+        rate,
+        "prio",
+        "1",
+        "burst",
+        "64kb",
+        "cburst",
+        "64kb",
+    )
     for c in ("10", "20"):
         run("qdisc", "add", "dev", dev, "parent", f"1:{c}", "bfifo", "limit", limit)
     if ackprio:  # IP total length < 128: pure ACKs (and other tiny packets) in the first band
-        run("filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-            "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:10")
+        run(
+            "filter",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "u16",
+            "0x0000",
+            "0xff80",
+            "at",
+            "2",
+            "flowid",
+            "1:10",
+        )
 
 
 def main():
-  a = ap.parse_args()
-  n = 4 + a.servers
-  if a.window:
-      import hybridcomm.ps
-      hybridcomm.ps.SummationServers.__init__.__kwdefaults__["window"] = a.window
-  net = ShapedNetwork(n, None if a.shape == "none" else a.shape).open()
-  try:
-      for r in range(n):
-          ns = net.namespaces[r]
-          if a.cc:
-              subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
-                              f"net.ipv4.tcp_congestion_control={a.cc}"], check=True)
-          if a.htb:
-              for pre, dev in ((["tc", "-n", ns], net.rank_ifs[r]), (["tc"], net.host_ifs[r])):
-                  htb(pre, dev, a.ackprio)
-          if a.child:
-              for pre, dev in ((["tc", "-n", ns], net.rank_ifs[r]), (["tc"], net.host_ifs[r])):
-                  handle = qdisc_handle(pre, dev)
-                  subprocess.run(pre + ["qdisc", "replace", "dev", dev, "parent", f"{handle}1",
-                                        *a.child.split()], check=True)
-      t0 = time.time()
-      per = launch(_rank_split if a.split else psbench._rank, n, a.servers, [a.size], a.iters, a.chunk, backend="gloo", start_method="fork",
-                   setup=net.setup, timeout=1200)
-      rows = [r[0] for r in per[:4]]
-      ring = max(r["ring"] for r in rows) * 1e3
-      nat = max(r["native"] for r in rows) * 1e3
-      p = max(r["ps"] for r in rows) * 1e3
-      push = max(x[0]["push"] for x in per) * 1e3
-      pp = max(x[0]["pushpull"] for x in per) * 1e3
-      print(f"shape={a.shape!r} cc={a.cc} child={a.child} window={a.window} chunk={a.chunk} K={a.servers}: ring {ring:.0f} native {nat:.0f} "
-            f"ps {p:.0f} ring/ps {ring/p:.2f} raw push {push:.0f} raw p+p {pp:.0f} ({time.time()-t0:.0f}s)",
-            flush=True)
-  finally:
-      net.close()
+    a = ap.parse_args()
+    n = 4 + a.servers
+    if a.window:
+        import hybridcomm.ps
 
-if __name__ == '__main__':
+        hybridcomm.ps.SummationServers.__init__.__kwdefaults__["window"] = a.window
+    net = ShapedNetwork(n, None if a.shape == "none" else a.shape).open()
+    try:
+        for r in range(n):
+            ns = net.namespaces[r]
+            if a.cc:
+                subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "sysctl",
+                        "-qw",
+                        f"net.ipv4.tcp_congestion_control={a.cc}",
+                    ],
+                    check=True,
+                )
+            if a.htb:
+                for pre, dev in ((["tc", "-n", ns], net.rank_ifs[r]), (["tc"], net.host_ifs[r])):
+                    htb(pre, dev, a.ackprio)
+            if a.child:
+                for pre, dev in ((["tc", "-n", ns], net.rank_ifs[r]), (["tc"], net.host_ifs[r])):
+                    handle = qdisc_handle(pre, dev)
+                    subprocess.run(
+                        pre
+                        + [
+                            "qdisc",
+                            "replace",
+                            "dev",
+                            dev,
+                            "parent",
+                            f"{handle}1",
+                            *a.child.split(),
+                        ],
+                        check=True,
+                    )
+        t0 = time.time()
+        per = launch(
+            _rank_split if a.split else psbench._rank,
+            n,
+            a.servers,
+            [a.size],
+            a.iters,
+            a.chunk,
+            backend="gloo",
+            start_method="fork",
+            setup=net.setup,
+            timeout=1200,
+        )
+        rows = [r[0] for r in per[:4]]
+        ring = max(r["ring"] for r in rows) * 1e3
+        nat = max(r["native"] for r in rows) * 1e3
+        p = max(r["ps"] for r in rows) * 1e3
+        push = max(x[0]["push"] for x in per) * 1e3
+        pp = max(x[0]["pushpull"] for x in per) * 1e3
+        print(
+            f"shape={a.shape!r} cc={a.cc} child={a.child} window={a.window} chunk={a.chunk} K={a.servers}: ring {ring:.0f} native {nat:.0f} "
+            f"ps {p:.0f} ring/ps {ring / p:.2f} raw push {push:.0f} raw p+p {pp:.0f} ({time.time() - t0:.0f}s)",
+            flush=True,
+        )
+    finally:
+        net.close()
+
+
+if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ buffers: a transport never copies or allocates on the data path. Two kinds:
 * stream-ordered (``stream_ordered = True``, NCCL): work is queued on the
   transport's one comm stream (:class:`CommStream`); completion is an event.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -85,7 +86,9 @@ def own_part(t, rank: int, world_size: int):
     """``rank``'s equal part of the flat ``t`` (a view): what a reduce-scatter leaves
     it, what an all-gather sends from it (in place, as NCCL defines it)."""
     if t.numel() % world_size:
-        raise HybridCommError(f"a native reduce-scatter or all-gather needs {world_size} "
-                              f"equal parts; {t.numel()} elements do not split so")
+        raise HybridCommError(
+            f"a native reduce-scatter or all-gather needs {world_size} "
+            f"equal parts; {t.numel()} elements do not split so"
+        )
     part = t.numel() // world_size
-    return t[rank * part:(rank + 1) * part]
+    return t[rank * part : (rank + 1) * part]

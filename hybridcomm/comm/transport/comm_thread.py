@@ -18,6 +18,7 @@ Example (``transport`` a ``CupyNcclTransport``, which makes its thread)::
     task = thread.submit_ordered(queue_bucket, "bucket 0")   # returns at once
     thread.wait_ordered(task, "bucket 0", limit=60)          # issued (not done)
 """
+
 from __future__ import annotations
 
 import collections
@@ -44,8 +45,9 @@ class CommThread:
         self.t, self.nccl = transport, transport.nccl
         self.tasks: collections.deque = collections.deque()
         self.released = False
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"hybridcomm-nccl-r{transport.rank}")
+        self.thread = threading.Thread(
+            target=self._run, daemon=True, name=f"hybridcomm-nccl-r{transport.rank}"
+        )
         self.thread.start()
 
     def submit(self, fn, what: str = "") -> OrderedTask:  # caller holds the transport's lock
@@ -64,9 +66,14 @@ class CommThread:
             try:
                 return fn()
             except BaseException as e:
-                t._fail(e if isinstance(e, HybridCommError) else HybridCommError(
-                    f"rank {t.rank}: issuing {what} failed ({type(e).__name__}: {e}); "
-                    "nothing more is issued on this communicator"))
+                t._fail(
+                    e
+                    if isinstance(e, HybridCommError)
+                    else HybridCommError(
+                        f"rank {t.rank}: issuing {what} failed ({type(e).__name__}: {e}); "
+                        "nothing more is issued on this communicator"
+                    )
+                )
                 raise
 
         with t._cv:
@@ -91,7 +98,8 @@ class CommThread:
                 if left <= 0:
                     raise HybridCommTimeout(
                         f"rank {t.rank}: {what} not issued within {limit:g}s (the "
-                        "communicator's thread is blocked on a peer?)")
+                        "communicator's thread is blocked on a peer?)"
+                    )
                 t._cv.wait(min(left, 1.0))
 
     def _run(self) -> None:
@@ -103,8 +111,12 @@ class CommThread:
                 t._stream_thread = self.thread
                 self._loop()
         except BaseException as e:  # noqa: BLE001 - fail the transport, then still release
-            t._fail(HybridCommError(f"rank {t.rank}: the NCCL communicator's thread failed "
-                                    f"({type(e).__name__}: {e}); the communicator was aborted"))
+            t._fail(
+                HybridCommError(
+                    f"rank {t.rank}: the NCCL communicator's thread failed "
+                    f"({type(e).__name__}: {e}); the communicator was aborted"
+                )
+            )
         finally:
             t._stream_thread = None
             self._release()
@@ -139,8 +151,12 @@ class CommThread:
         try:
             self.t.comm.check_async_error()
         except self.nccl.NcclError as e:
-            self.t._fail(HybridCommError(f"rank {self.t.rank}: NCCL reported an error "
-                                         f"(watchdog): {e}; the communicator was aborted"))
+            self.t._fail(
+                HybridCommError(
+                    f"rank {self.t.rank}: NCCL reported an error "
+                    f"(watchdog): {e}; the communicator was aborted"
+                )
+            )
 
     def _release(self) -> None:
         """The communicator's last call: destroy on a clean close, else abort."""

@@ -35,6 +35,7 @@ The CUDA layer comes from a runtime (``hybridcomm.gpu.runtime``): ``CudaRuntime`
 in production, the simulator's ``SimRuntime`` in tests, which runs this exact
 code over a simulated ``cupy.cuda.nccl``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -65,10 +66,26 @@ NCCL_DTYPE_NAMES: Dict[torch.dtype, str] = {
 }
 
 # What the transport uses of ``cupy.cuda.nccl`` (tests check the real module has it all).
-NCCL_MODULE_ATTRS = ("NcclCommunicator", "NcclError", "get_unique_id", "groupStart", "groupEnd",
-                     "NCCL_SUM", "NCCL_AVG", *NCCL_DTYPE_NAMES.values())
-NCCL_COMM_METHODS = ("send", "recv", "allReduce", "reduceScatter", "allGather", "check_async_error",
-                     "abort", "destroy")
+NCCL_MODULE_ATTRS = (
+    "NcclCommunicator",
+    "NcclError",
+    "get_unique_id",
+    "groupStart",
+    "groupEnd",
+    "NCCL_SUM",
+    "NCCL_AVG",
+    *NCCL_DTYPE_NAMES.values(),
+)
+NCCL_COMM_METHODS = (
+    "send",
+    "recv",
+    "allReduce",
+    "reduceScatter",
+    "allGather",
+    "check_async_error",
+    "abort",
+    "destroy",
+)
 
 CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1  # CUstreamCaptureMode (cuda.h)
 log = logging.getLogger("hybridcomm")
@@ -115,7 +132,8 @@ def open_communicator(nccl, runtime, store, ranks: Tuple[int, ...], rank: int, w
             raise HybridCommError(
                 f"rank {rank}: rank 0 never published the NCCL unique id under "
                 f"{key!r} (is every rank creating its transports in the same order?): "
-                f"{e}") from e
+                f"{e}"
+            ) from e
     try:
         # CuPy's device context binds an NCCL communicator; the one-device module
         # needs none (and no CuPy)
@@ -123,8 +141,9 @@ def open_communicator(nccl, runtime, store, ranks: Tuple[int, ...], rank: int, w
         with ctx():
             return make_communicator(nccl, world_size, uid, rank)
     except nccl.NcclError as e:
-        raise HybridCommError(f"rank {rank}: creating the NCCL communicator over "
-                              f"{world_size} ranks failed: {e}") from e
+        raise HybridCommError(
+            f"rank {rank}: creating the NCCL communicator over {world_size} ranks failed: {e}"
+        ) from e
 
 
 class CupyNcclTransport(CommStream):
@@ -158,9 +177,18 @@ class CupyNcclTransport(CommStream):
 
     kind = "cupy"
 
-    def __init__(self, group=None, *, runtime, priority: int = -1, store=None,
-                 rank: int | None = None, world_size: int | None = None,
-                 timeout: float | None = None, nccl=None):
+    def __init__(
+        self,
+        group=None,
+        *,
+        runtime,
+        priority: int = -1,
+        store=None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        timeout: float | None = None,
+        nccl=None,
+    ):
         import torch.distributed as dist
 
         self.nccl = nccl if nccl is not None else runtime.nccl()
@@ -169,10 +197,14 @@ class CupyNcclTransport(CommStream):
             if not dist.is_available() or not dist.is_initialized():
                 raise HybridCommError(
                     "torch.distributed is not initialized: call "
-                    "torch.distributed.init_process_group(...) first (or run under torchrun)")
+                    "torch.distributed.init_process_group(...) first (or run under torchrun)"
+                )
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else \
-            tuple(range(world_size))
+        ranks = (
+            tuple(dist.get_process_group_ranks(group))
+            if group is not None
+            else tuple(range(world_size))
+        )
         if store is None:
             store = dist.distributed_c10d._get_default_store()
         self.rank, self.world_size, self.group = rank, world_size, group
@@ -220,6 +252,7 @@ class CupyNcclTransport(CommStream):
                     getattr(comm, op)(ptr, count, dtype, peer, stream)
             finally:
                 nccl.groupEnd()  # may wait for the peers (first use): see _issue
+
         self._issue(group, _step_name(label))
 
     def all_reduce(self, t: torch.Tensor, *, average: bool) -> None:
@@ -229,8 +262,7 @@ class CupyNcclTransport(CommStream):
         _, ptr, count, dtype, _ = self._call(-1, t, "allReduce", "native all-reduce")
         op = self.nccl.NCCL_AVG if average else self.nccl.NCCL_SUM
         comm, stream = self.comm, self._handle
-        self._issue(lambda: comm.allReduce(ptr, ptr, count, dtype, op, stream),
-                    "native all-reduce")
+        self._issue(lambda: comm.allReduce(ptr, ptr, count, dtype, op, stream), "native all-reduce")
 
     def reduce_scatter(self, t: torch.Tensor, *, average: bool) -> None:
         """NCCL's own reduce-scatter (``native``, sharded optimizer state) in place on
@@ -241,8 +273,9 @@ class CupyNcclTransport(CommStream):
         mine = ptr + self.rank * part * t.element_size()  # (in place, as NCCL defines it)
         op = self.nccl.NCCL_AVG if average else self.nccl.NCCL_SUM
         comm, stream = self.comm, self._handle
-        self._issue(lambda: comm.reduceScatter(ptr, mine, part, dtype, op, stream),
-                    "native reduce-scatter")
+        self._issue(
+            lambda: comm.reduceScatter(ptr, mine, part, dtype, op, stream), "native reduce-scatter"
+        )
 
     def all_gather(self, t: torch.Tensor) -> None:
         """NCCL's own all-gather in place on the comm stream: every rank's part of
@@ -275,9 +308,12 @@ class CupyNcclTransport(CommStream):
             finally:
                 del self._issuing[key]
         if isinstance(task.error, self.nccl.NcclError):
-            self._fail(HybridCommError(
-                f"rank {self.rank}: {what}: NCCL failed while issuing it: {task.error}; the "
-                "communicator was aborted"))
+            self._fail(
+                HybridCommError(
+                    f"rank {self.rank}: {what}: NCCL failed while issuing it: {task.error}; the "
+                    "communicator was aborted"
+                )
+            )
             raise (self._failure or self._aborted_error()) from task.error
         if task.error is not None:
             raise task.error
@@ -288,8 +324,7 @@ class CupyNcclTransport(CommStream):
         late); returns its key in ``_issuing``."""
         self._usable()
         key = next(self._issue_ids)
-        self._issuing[key] = (time.monotonic() + self.issue_timeout, what,
-                              self.issue_timeout)
+        self._issuing[key] = (time.monotonic() + self.issue_timeout, what, self.issue_timeout)
         self._start_watchdog()
         return key
 
@@ -301,9 +336,12 @@ class CupyNcclTransport(CommStream):
         try:
             calls()
         except self.nccl.NcclError as e:
-            self._fail(HybridCommError(
-                f"rank {self.rank}: {what}: NCCL failed while issuing it: {e}; the "
-                "communicator was aborted"))
+            self._fail(
+                HybridCommError(
+                    f"rank {self.rank}: {what}: NCCL failed while issuing it: {e}; the "
+                    "communicator was aborted"
+                )
+            )
             raise (self._failure or self._aborted_error()) from e
         finally:
             with self._cv:
@@ -318,18 +356,24 @@ class CupyNcclTransport(CommStream):
 
     def _call(self, peer: int, t: torch.Tensor, op: str, label):
         if op in ("send", "recv") and (not 0 <= peer < self.world_size or peer == self.rank):
-            raise HybridCommError(f"rank {self.rank}: {_step_name(label)}: invalid peer {peer} "
-                                  f"(world size {self.world_size})")
+            raise HybridCommError(
+                f"rank {self.rank}: {_step_name(label)}: invalid peer {peer} "
+                f"(world size {self.world_size})"
+            )
         dtype = self._dtypes.get(t.dtype)
         if dtype is None:
-            raise HybridCommError(f"rank {self.rank}: {_step_name(label)}: dtype {t.dtype} has "
-                                  "no NCCL type")
+            raise HybridCommError(
+                f"rank {self.rank}: {_step_name(label)}: dtype {t.dtype} has no NCCL type"
+            )
         if t.device != self.device:
-            raise HybridCommError(f"rank {self.rank}: {_step_name(label)}: tensor on {t.device}, "
-                                  f"transport on {self.device}")
+            raise HybridCommError(
+                f"rank {self.rank}: {_step_name(label)}: tensor on {t.device}, "
+                f"transport on {self.device}"
+            )
         if not t.is_contiguous():
-            raise HybridCommError(f"rank {self.rank}: {_step_name(label)}: tensor is not "
-                                  "contiguous")
+            raise HybridCommError(
+                f"rank {self.rank}: {_step_name(label)}: tensor is not contiguous"
+            )
         return op, t.data_ptr(), t.numel(), dtype, peer
 
     # -- failure ------------------------------------------------------------------
@@ -344,8 +388,10 @@ class CupyNcclTransport(CommStream):
             raise self._failure or self._aborted_error()
 
     def _aborted_error(self) -> HybridCommError:
-        return HybridCommError(f"rank {self.rank}: the NCCL communicator was aborted after an "
-                               "earlier error; create a new transport")
+        return HybridCommError(
+            f"rank {self.rank}: the NCCL communicator was aborted after an "
+            "earlier error; create a new transport"
+        )
 
     def check_async_error(self) -> None:
         """Raise HybridCommError (after aborting) if NCCL reported an asynchronous error.
@@ -354,8 +400,12 @@ class CupyNcclTransport(CommStream):
             self._usable()
             task = self._wait(self.comm_thread.submit(self.comm.check_async_error))
         if isinstance(task.error, self.nccl.NcclError):
-            self._fail(HybridCommError(f"rank {self.rank}: NCCL reported an error: "
-                                       f"{task.error}; the communicator was aborted"))
+            self._fail(
+                HybridCommError(
+                    f"rank {self.rank}: NCCL reported an error: "
+                    f"{task.error}; the communicator was aborted"
+                )
+            )
         self._usable()
 
     def watch(self, event, timeout: float, label: str = "") -> None:
@@ -373,8 +423,9 @@ class CupyNcclTransport(CommStream):
 
     def _start_watchdog(self) -> None:  # caller holds the lock
         if self._watchdog is None:
-            self._watchdog = threading.Thread(target=self._watch_loop, daemon=True,
-                                              name=f"hybridcomm-nccl-watchdog-r{self.rank}")
+            self._watchdog = threading.Thread(
+                target=self._watch_loop, daemon=True, name=f"hybridcomm-nccl-watchdog-r{self.rank}"
+            )
             self._watchdog.start()
 
     WATCHDOG_PERIOD_S = 0.05
@@ -385,10 +436,13 @@ class CupyNcclTransport(CommStream):
             self.runtime.bind_thread()  # else its event queries make a context on GPU 0
             self._watch()
         except BaseException as e:  # noqa: BLE001 - a sticky CUDA error: fail, never die silently
-            self._fail(HybridCommError(
-                f"rank {self.rank}: the NCCL watchdog failed ({type(e).__name__}: {e}): NCCL "
-                "work could no longer be watched for hangs, so the communicator was aborted; "
-                "create a new transport"))
+            self._fail(
+                HybridCommError(
+                    f"rank {self.rank}: the NCCL watchdog failed ({type(e).__name__}: {e}): NCCL "
+                    "work could no longer be watched for hangs, so the communicator was aborted; "
+                    "create a new transport"
+                )
+            )
 
     def _watch(self) -> None:
         """Flag late issues and late watched events; never calls the communicator."""
@@ -396,16 +450,22 @@ class CupyNcclTransport(CommStream):
         while not self._aborted:
             with self._lock:
                 issuing = list(self._issuing.values())
-            late = [(what, timeout) for deadline, what, timeout in issuing
-                    if time.monotonic() >= deadline]
+            late = [
+                (what, timeout)
+                for deadline, what, timeout in issuing
+                if time.monotonic() >= deadline
+            ]
             if late:
                 what, timeout = late[0]
-                self._fail(HybridCommTimeout(
-                    f"rank {self.rank}: {what} did not complete within {timeout}s: issuing it "
-                    "blocked in NCCL (the first use of a connection waits for the peer to post "
-                    "its side; a full work queue waits for the GPU); the NCCL communicator was "
-                    "aborted (a peer dead, hung, or issuing its operations in another order?). "
-                    "NCCL_DEBUG=INFO shows more."))
+                self._fail(
+                    HybridCommTimeout(
+                        f"rank {self.rank}: {what} did not complete within {timeout}s: issuing it "
+                        "blocked in NCCL (the first use of a connection waits for the peer to post "
+                        "its side; a full work queue waits for the GPU); the NCCL communicator was "
+                        "aborted (a peer dead, hung, or issuing its operations in another order?). "
+                        "NCCL_DEBUG=INFO shows more."
+                    )
+                )
                 return
             while self._watched:
                 deadline, event, label, timeout = self._watched[0]
@@ -413,10 +473,13 @@ class CupyNcclTransport(CommStream):
                     self._watched.popleft()
                     continue
                 if time.monotonic() >= deadline:
-                    self._fail(HybridCommTimeout(
-                        f"rank {self.rank}: {label or 'NCCL work'} did not complete within "
-                        f"{timeout}s; the NCCL communicator was aborted (a peer dead, hung, or "
-                        "issuing its operations in another order?). NCCL_DEBUG=INFO shows more."))
+                    self._fail(
+                        HybridCommTimeout(
+                            f"rank {self.rank}: {label or 'NCCL work'} did not complete within "
+                            f"{timeout}s; the NCCL communicator was aborted (a peer dead, hung, or "
+                            "issuing its operations in another order?). NCCL_DEBUG=INFO shows more."
+                        )
+                    )
                     return
                 break
             time.sleep(self.WATCHDOG_PERIOD_S)
@@ -425,9 +488,13 @@ class CupyNcclTransport(CommStream):
         """This thread's CUDA calls (event queries; NCCL's async-error query) must not
         invalidate a graph another thread captures in global mode."""
         if not getattr(self.runtime, "simulated", False) and not exempt_from_global_capture():
-            log.warning("rank %d: the %s could not set its CUDA stream-capture mode to "
-                        "thread-local: its queries invalidate a graph captured in global mode "
-                        "on another thread", self.rank, who)
+            log.warning(
+                "rank %d: the %s could not set its CUDA stream-capture mode to "
+                "thread-local: its queries invalidate a graph captured in global mode "
+                "on another thread",
+                self.rank,
+                who,
+            )
 
     def _fail(self, error: HybridCommError | None) -> None:
         """Flag the transport failed: no call starts after this, waits raise ``error``,
@@ -455,8 +522,7 @@ class CupyNcclTransport(CommStream):
             self._closing = True
             if not self._aborted:
                 self._aborted, self._destroy_on_close = True, not self._issuing
-                self._failure = HybridCommError(f"rank {self.rank}: the NCCL transport was "
-                                                "closed")
+                self._failure = HybridCommError(f"rank {self.rank}: the NCCL transport was closed")
                 self._cv.notify_all()
         self._wait_released("close")
 
@@ -466,9 +532,13 @@ class CupyNcclTransport(CommStream):
             while not self.comm_thread.released:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    log.warning("rank %d: %s: an NCCL call is still blocked on a peer after "
-                                "%gs; its thread aborts the communicator when it returns",
-                                self.rank, what, self.CLOSE_WAIT_S)
+                    log.warning(
+                        "rank %d: %s: an NCCL call is still blocked on a peer after "
+                        "%gs; its thread aborts the communicator when it returns",
+                        self.rank,
+                        what,
+                        self.CLOSE_WAIT_S,
+                    )
                     return
                 self._cv.wait(min(left, 1.0))
 

@@ -20,6 +20,7 @@ Example::
     >>> execute(get_schedule("ring", 0, 1, 4), torch.ones(4), t)
     tensor([1., 1., 1., 1.])
 """
+
 from __future__ import annotations
 
 import time

@@ -36,6 +36,7 @@ and their async-error queries then fail (NCCL's remote error).
 Not modelled: CUDA graph capture of a step (the host hand-shakes are not
 captured), and speed (copies through a mailbox, a host round trip per piece).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,10 +54,26 @@ import torch
 
 from ...config import env
 
-NCCL_TYPES = {"NCCL_INT8": 0, "NCCL_UINT8": 1, "NCCL_INT32": 2, "NCCL_INT64": 4,
-              "NCCL_FLOAT16": 6, "NCCL_FLOAT32": 7, "NCCL_FLOAT64": 8, "NCCL_BFLOAT16": 9}
-TORCH_OF = {0: torch.int8, 1: torch.uint8, 2: torch.int32, 4: torch.int64, 6: torch.float16,
-            7: torch.float32, 8: torch.float64, 9: torch.bfloat16}
+NCCL_TYPES = {
+    "NCCL_INT8": 0,
+    "NCCL_UINT8": 1,
+    "NCCL_INT32": 2,
+    "NCCL_INT64": 4,
+    "NCCL_FLOAT16": 6,
+    "NCCL_FLOAT32": 7,
+    "NCCL_FLOAT64": 8,
+    "NCCL_BFLOAT16": 9,
+}
+TORCH_OF = {
+    0: torch.int8,
+    1: torch.uint8,
+    2: torch.int32,
+    4: torch.int64,
+    6: torch.float16,
+    7: torch.float32,
+    8: torch.float64,
+    9: torch.bfloat16,
+}
 NCCL_OPS = {"NCCL_SUM": 0, "NCCL_AVG": 4}
 ERROR_INTERNAL, ERROR_INVALID_USAGE, ERROR_REMOTE = 3, 5, 6
 # Host counters of one ordered pair: pieces filled, pieces consumed, and the
@@ -102,19 +119,19 @@ class OneDeviceCommunicator:
         self.boxes, self.filled, self.consumed, mine = {}, {}, {}, {}
         for q in range(ndev):  # what this rank owns of each pair it is in
             if q != rank:
-                box, box_h = ipc.buffer(self.mailbox)        # q -> me lands here
+                box, box_h = ipc.buffer(self.mailbox)  # q -> me lands here
                 self.boxes[q] = box
-                self.consumed[q], cons_h = ipc.event()       # q -> me: I read it out
-                self.filled[q], fill_h = ipc.event()         # me -> q: I filled it
+                self.consumed[q], cons_h = ipc.event()  # q -> me: I read it out
+                self.filled[q], fill_h = ipc.event()  # me -> q: I filled it
                 mine[q] = (box_h, cons_h, fill_h)
         store.set(f"{key}/{rank}", pickle.dumps(mine))
         self.peer_boxes, self.peer_filled, self.peer_consumed = {}, {}, {}
         for q in range(ndev):
             if q != rank:
                 box_h, cons_h, fill_h = pickle.loads(store.get(f"{key}/{q}"))[rank]
-                self.peer_boxes[q] = ipc.open_buffer(box_h)          # me -> q lands there
-                self.peer_consumed[q] = ipc.open_event(cons_h)       # me -> q: q read it
-                self.peer_filled[q] = ipc.open_event(fill_h)         # q -> me: q filled it
+                self.peer_boxes[q] = ipc.open_buffer(box_h)  # me -> q lands there
+                self.peer_consumed[q] = ipc.open_event(cons_h)  # me -> q: q read it
+                self.peer_filled[q] = ipc.open_event(fill_h)  # q -> me: q filled it
         store.set(f"{key}/opened/{rank}", b"1")
         store.wait([f"{key}/opened/{q}" for q in range(ndev)])
         for handles in mine.values():  # every peer has them open
@@ -129,8 +146,9 @@ class OneDeviceCommunicator:
         if not (0 <= peer < self.size_ and peer != self.rank):
             raise OneDeviceNcclError(ERROR_INVALID_USAGE, f"invalid peer {peer}")
         nbytes = count * TORCH_OF[datatype].itemsize
-        op = _Op(kind, peer, self.rt.at(ptr, nbytes), datatype, self.rt.stream_of(stream),
-                 self.mailbox)
+        op = _Op(
+            kind, peer, self.rt.at(ptr, nbytes), datatype, self.rt.stream_of(stream), self.mailbox
+        )
         self.module.post(self, op)
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
@@ -139,19 +157,28 @@ class OneDeviceCommunicator:
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
         self._post("recv", recvbuf, count, datatype, peer, stream)
 
-    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int,
-                  stream: int) -> None:
+    def allReduce(
+        self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int
+    ) -> None:
         """Everyone's buffer to everyone, then a sum in rank order on ``stream``."""
         self._reduce(sendbuf, recvbuf, count, 0, count, datatype, op, stream)
 
-    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int,
-                      op: int, stream: int) -> None:
+    def reduceScatter(
+        self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int, stream: int
+    ) -> None:
         """As :meth:`allReduce`, keeping this rank's ``recvcount`` elements of the sum."""
-        self._reduce(sendbuf, recvbuf, recvcount * self.size_, self.rank * recvcount,
-                     recvcount, datatype, op, stream)
+        self._reduce(
+            sendbuf,
+            recvbuf,
+            recvcount * self.size_,
+            self.rank * recvcount,
+            recvcount,
+            datatype,
+            op,
+            stream,
+        )
 
-    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int,
-                  stream: int) -> None:
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
         """Everyone's ``count`` elements to everyone, in rank order."""
         nbytes = count * TORCH_OF[datatype].itemsize
         s, mine, theirs = self._everyones(sendbuf, nbytes, datatype, stream)
@@ -161,28 +188,41 @@ class OneDeviceCommunicator:
         with self.rt.use(s):
             for q in range(self.size_):
                 if q != self.rank:
-                    out[q * nbytes:(q + 1) * nbytes].copy_(theirs[q])
+                    out[q * nbytes : (q + 1) * nbytes].copy_(theirs[q])
                 elif out.data_ptr() + q * nbytes != mine.data_ptr():  # (in place: there)
-                    out[q * nbytes:(q + 1) * nbytes].copy_(mine)
+                    out[q * nbytes : (q + 1) * nbytes].copy_(mine)
 
-    def _reduce(self, sendbuf: int, recvbuf: int, count: int, start: int, kept: int,
-                datatype: int, op: int, stream: int) -> None:
+    def _reduce(
+        self,
+        sendbuf: int,
+        recvbuf: int,
+        count: int,
+        start: int,
+        kept: int,
+        datatype: int,
+        op: int,
+        stream: int,
+    ) -> None:
         """The sum of everyone's ``count`` elements; ``[start, start + kept)`` of it
         into ``recvbuf``."""
         dtype = TORCH_OF[datatype]
         s, mine, theirs = self._everyones(sendbuf, count * dtype.itemsize, datatype, stream)
         if not count:
             return
-        acc_dtype = torch.float64 if dtype == torch.float64 else \
-            torch.int64 if not dtype.is_floating_point else torch.float32
+        acc_dtype = (
+            torch.float64
+            if dtype == torch.float64
+            else torch.int64
+            if not dtype.is_floating_point
+            else torch.float32
+        )
         with self.rt.use(s):
             acc = torch.zeros(count, dtype=acc_dtype, device=mine.device)
             for q in range(self.size_):
                 acc += (mine if q == self.rank else theirs[q]).view(dtype).to(acc_dtype)
             if op == NCCL_OPS["NCCL_AVG"]:
                 acc /= self.size_
-            self.rt.at(recvbuf, kept * dtype.itemsize).view(dtype).copy_(
-                acc[start:start + kept])
+            self.rt.at(recvbuf, kept * dtype.itemsize).view(dtype).copy_(acc[start : start + kept])
 
     def _everyones(self, sendbuf: int, nbytes: int, datatype: int, stream: int):
         """(the stream, this rank's ``nbytes`` at ``sendbuf``, every peer's), sent and
@@ -196,7 +236,7 @@ class OneDeviceCommunicator:
         theirs = {}
         with self.module.group():
             for i, q in enumerate(q for q in range(self.size_) if q != self.rank):
-                theirs[q] = parts[i * nbytes:(i + 1) * nbytes]
+                theirs[q] = parts[i * nbytes : (i + 1) * nbytes]
                 self.module.post(self, _Op("send", q, mine, datatype, s, self.mailbox))
                 self.module.post(self, _Op("recv", q, theirs[q], datatype, s, self.mailbox))
         return s, mine, theirs
@@ -214,12 +254,12 @@ class OneDeviceCommunicator:
         if host.get(self.rank, q, CONSUMED) < k - 1:
             return False  # q has not posted the receive of the previous piece
         lo = op.done * self.mailbox
-        piece = op.data[lo:lo + self.mailbox]
+        piece = op.data[lo : lo + self.mailbox]
         with self.rt.use(op.stream):
             if k > 1:
                 op.stream.wait_event(self.peer_consumed[q])  # q read the mailbox out
             if piece.numel():
-                self.rt.copy(self.peer_boxes[q][:piece.numel()], piece)
+                self.rt.copy(self.peer_boxes[q][: piece.numel()], piece)
             self.filled[q].record(op.stream)
         host.set(self.rank, q, MSG_BYTES, op.data.numel())
         host.set(self.rank, q, MSG_DTYPE, op.dtype)
@@ -238,13 +278,14 @@ class OneDeviceCommunicator:
                 ERROR_INVALID_USAGE,
                 f"rank {self.rank} posted a receive of {op.data.numel()} bytes (type "
                 f"{op.dtype}) from rank {q}, which sent {got[0]} bytes (type {got[1]}): the "
-                "ranks issue their operations in different orders")
+                "ranks issue their operations in different orders",
+            )
         lo = op.done * self.mailbox
-        piece = op.data[lo:lo + self.mailbox]
+        piece = op.data[lo : lo + self.mailbox]
         with self.rt.use(op.stream):
             op.stream.wait_event(self.peer_filled[q])  # q's piece is in the mailbox
             if piece.numel():
-                self.rt.copy(piece, self.boxes[q][:piece.numel()])
+                self.rt.copy(piece, self.boxes[q][: piece.numel()])
             self.consumed[q].record(op.stream)
         host.set(q, self.rank, CONSUMED, k)
         self.received[q], op.done = k, op.done + 1
@@ -408,7 +449,9 @@ class OneDeviceNccl:
                     raise OneDeviceNcclError(ERROR_INTERNAL, "the communicator was aborted")
                 q = comm.peer_failed(op.peer for c, op in ops if c is comm)
                 if q is not None:
-                    raise OneDeviceNcclError(ERROR_REMOTE, f"rank {q} aborted its communicator "
-                                             "while this rank waited for it")
+                    raise OneDeviceNcclError(
+                        ERROR_REMOTE,
+                        f"rank {q} aborted its communicator while this rank waited for it",
+                    )
             idle += 1  # back off: a busy host loop takes the cores the peers need
             time.sleep(min(self.POLL_MAX_S, self.POLL_S * idle))

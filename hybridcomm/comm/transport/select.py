@@ -20,6 +20,7 @@ Making one is collective. The choice is logged at DEBUG; every rank must make
 the same one (install the same packages everywhere, or set
 ``HYBRIDCOMM_TRANSPORT``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -62,8 +63,9 @@ def resolve_transport(transport: str | None = None) -> str:
     return transport
 
 
-def select_transport(device, group=None, transport: str | None = None, *,
-                     timeout: float | None = None):
+def select_transport(
+    device, group=None, transport: str | None = None, *, timeout: float | None = None
+):
     """The transport for tensors on ``device`` (a torch.device, str, or tensor).
 
     Making a device transport is collective: the ranks first meet on the control
@@ -92,8 +94,10 @@ def select_transport(device, group=None, transport: str | None = None, *,
     elif rt.simulated:
         choice = "cupy"
         if name == "torch":
-            raise HybridCommError("transport 'torch' cannot run on the simulated GPU (it models "
-                                  "CuPy's NCCL); unset HYBRIDCOMM_TRANSPORT")
+            raise HybridCommError(
+                "transport 'torch' cannot run on the simulated GPU (it models "
+                "CuPy's NCCL); unset HYBRIDCOMM_TRANSPORT"
+            )
     elif name == "auto":
         ok, why = cupy_nccl_status()
         choice = "cupy" if ok else "torch"
@@ -104,8 +108,10 @@ def select_transport(device, group=None, transport: str | None = None, *,
         if name == "cupy":
             ok, why = cupy_nccl_status()
             if not ok:
-                raise HybridCommError(f"transport 'cupy' was asked for ({_source(transport)}) but "
-                                      f"is unavailable: {why}")
+                raise HybridCommError(
+                    f"transport 'cupy' was asked for ({_source(transport)}) but "
+                    f"is unavailable: {why}"
+                )
     log.debug("transport for %s: %s (asked: %s)", device, choice, name)
     return _device_transport(group, rt, choice, env.timeout(timeout))
 
@@ -119,8 +125,9 @@ def _device_transport(group, rt, choice: str, timeout: float):
     with _lock:
         t = _device_transports.get(key)
         if t is None:
-            control.barrier(group=group, timeout=timeout,
-                            what=f"creating the {choice} NCCL communicator")
+            control.barrier(
+                group=group, timeout=timeout, what=f"creating the {choice} NCCL communicator"
+            )
             if choice == "torch":
                 t = TorchNcclTransport(group, runtime=rt)
             else:

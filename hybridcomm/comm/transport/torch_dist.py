@@ -13,6 +13,7 @@ NCCL group on CUDA). Messages between a pair are matched in issue order.
   process group's timeout); this path is not covered by the GPU simulator,
   which models CuPy's NCCL (docs/GPU.md).
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -48,8 +49,11 @@ class TorchDistPending:
 def _transfer_label(transfer) -> str:
     """``(is_send, peer, tensor)`` as an error message names it."""
     is_send, peer, t = transfer
-    return (f"send of {t.numel()} x {t.dtype} to rank {peer}" if is_send else
-            f"receive of {t.numel()} x {t.dtype} from rank {peer}")
+    return (
+        f"send of {t.numel()} x {t.dtype} to rank {peer}"
+        if is_send
+        else f"receive of {t.numel()} x {t.dtype} from rank {peer}"
+    )
 
 
 def wait_work(work, rank: int, label, timeout: float | None) -> None:
@@ -62,8 +66,7 @@ def wait_work(work, rank: int, label, timeout: float | None) -> None:
         kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
         raise kind(f"rank {rank}: {_label(label)} failed (timeout {timeout}s): {e}") from e
     if done is False:
-        raise HybridCommTimeout(f"rank {rank}: {_label(label)} did not complete within "
-                                f"{timeout}s")
+        raise HybridCommTimeout(f"rank {rank}: {_label(label)} did not complete within {timeout}s")
 
 
 def _label(label) -> str:
@@ -78,13 +81,17 @@ def posted(post, rank: int, label):
         return post()
     except RuntimeError as e:
         kind = HybridCommTimeout if looks_like_timeout(e) else HybridCommError
-        raise kind(f"rank {rank}: posting {label if isinstance(label, str) else label()} "
-                   f"failed (a peer dead?): {e}") from e
+        raise kind(
+            f"rank {rank}: posting {label if isinstance(label, str) else label()} "
+            f"failed (a peer dead?): {e}"
+        ) from e
 
 
 def _labels(sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> str:
-    return "; ".join([_transfer_label((True, p, t)) for p, t in sends] +
-                     [_transfer_label((False, p, t)) for p, t in recvs])
+    return "; ".join(
+        [_transfer_label((True, p, t)) for p, t in sends]
+        + [_transfer_label((False, p, t)) for p, t in recvs]
+    )
 
 
 def looks_like_timeout(e: Exception) -> bool:
@@ -110,16 +117,20 @@ class TorchDistTransport:
         if not dist.is_available() or not dist.is_initialized():
             raise HybridCommError(
                 "torch.distributed is not initialized: call "
-                "torch.distributed.init_process_group(...) first (or run under torchrun)")
+                "torch.distributed.init_process_group(...) first (or run under torchrun)"
+            )
         self.group = group
         self.tag = tag
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.backend = backend_for("cuda" if self.stream_ordered else "cpu", group) \
-            or str(dist.get_backend(group))
+        self.backend = backend_for("cuda" if self.stream_ordered else "cpu", group) or str(
+            dist.get_backend(group)
+        )
         # P2P calls take global ranks; map the group's ranks once.
-        self._global = [dist.get_global_rank(group, r) if group is not None else r
-                        for r in range(self.world_size)]
+        self._global = [
+            dist.get_global_rank(group, r) if group is not None else r
+            for r in range(self.world_size)
+        ]
         # the group itself (its send and recv take group ranks)
         self._pg = group if group is not None else dist.group.WORLD
 
@@ -130,28 +141,37 @@ class TorchDistTransport:
             ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group, self.tag))
         for peer, t in recvs:
             ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group, self.tag))
-        return posted(lambda: dist.batch_isend_irecv(ops), self.rank,
-                      lambda: _labels(sends, recvs)) if ops else []
+        return (
+            posted(lambda: dist.batch_isend_irecv(ops), self.rank, lambda: _labels(sends, recvs))
+            if ops
+            else []
+        )
 
-    def exchange(self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *,
-                 label=None) -> TorchDistPending:
+    def exchange(
+        self, sends: Sequence[Transfer], recvs: Sequence[Transfer], *, label=None
+    ) -> TorchDistPending:
         """Host-ordered (gloo): the sends, then the receives, posted on the process
         group itself (group ranks), as ``batch_isend_irecv`` posts them without
         coalescing, less its Python checks per call (about a quarter of a small
         step's posting); what they are is formatted only for an error."""
         pg, tag = self._pg, self.tag
-        works = posted(lambda: [pg.send([t], peer, tag) for peer, t in sends] +
-                       [pg.recv([t], peer, tag) for peer, t in recvs], self.rank,
-                       lambda: _labels(sends, recvs))
-        return TorchDistPending(works, [(True, p, t) for p, t in sends] +
-                                [(False, p, t) for p, t in recvs], self.rank)
+        works = posted(
+            lambda: (
+                [pg.send([t], peer, tag) for peer, t in sends]
+                + [pg.recv([t], peer, tag) for peer, t in recvs]
+            ),
+            self.rank,
+            lambda: _labels(sends, recvs),
+        )
+        return TorchDistPending(
+            works, [(True, p, t) for p, t in sends] + [(False, p, t) for p, t in recvs], self.rank
+        )
 
     def all_reduce(self, t, *, average: bool, timeout: float | None = None) -> None:
         """The group's own all-reduce (``native``) in place. Every rank gets the same
         bits back (gloo copies each reduced chunk around) and scales them alike."""
         label = f"native all_reduce of {t.numel()} x {t.dtype}"
-        work = posted(lambda: dist.all_reduce(t, group=self.group, async_op=True), self.rank,
-                      label)
+        work = posted(lambda: dist.all_reduce(t, group=self.group, async_op=True), self.rank, label)
         wait_work(work, self.rank, label, timeout)
         if average:
             t.mul_(1.0 / self.world_size)
@@ -162,8 +182,9 @@ class TorchDistTransport:
         averaged; the rest of ``t`` is left as it was."""
         mine = own_part(t, self.rank, self.world_size)
         label = f"native reduce_scatter of {t.numel()} x {t.dtype}"
-        work = posted(lambda: _reduce_scatter(mine, t, group=self.group, async_op=True),
-                      self.rank, label)
+        work = posted(
+            lambda: _reduce_scatter(mine, t, group=self.group, async_op=True), self.rank, label
+        )
         wait_work(work, self.rank, label, timeout)
         if average:
             mine.mul_(1.0 / self.world_size)
@@ -173,8 +194,9 @@ class TorchDistTransport:
         rank."""
         label = f"native all_gather of {t.numel()} x {t.dtype}"
         mine = own_part(t, self.rank, self.world_size)
-        work = posted(lambda: _all_gather(t, mine, group=self.group, async_op=True), self.rank,
-                      label)
+        work = posted(
+            lambda: _all_gather(t, mine, group=self.group, async_op=True), self.rank, label
+        )
         wait_work(work, self.rank, label, timeout)
 
 
@@ -193,8 +215,9 @@ class TorchNcclTransport(TorchDistTransport, CommStream):
     def __init__(self, group=None, *, runtime, priority: int = -1):
         super().__init__(group)
         if self.backend != "nccl":
-            raise HybridCommError(f"TorchNcclTransport needs an NCCL process group, got "
-                                  f"{self.backend}")
+            raise HybridCommError(
+                f"TorchNcclTransport needs an NCCL process group, got {self.backend}"
+            )
         self._init_stream(runtime, priority)
         self.failure = None
 

@@ -5,6 +5,7 @@ pipelines of stages, and the small TCP protocol between them (no pickle).
 May import: what every strategy may (strategies/__init__.py); it needs only
 ``base`` and ``config``.
 """
+
 from .client import DownpourSGD, init_downpour, serve
 from .pipeline import DownpourStage
 

@@ -38,6 +38,7 @@ Without ``init_downpour`` (servers on other machines): ``serve(index=0,
 workers=4, host="10.0.0.5", port=7000, checkpoint_dir=...)`` there, and
 ``DownpourSGD(model, ["10.0.0.5:7000", ...], lr, worker=rank)`` on the workers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,8 +72,9 @@ class _Job:
 _job: Optional[_Job] = None
 
 
-def init_downpour(rank: int, workers: int, servers: int, init_method: str,
-                  timeout: Optional[float] = None) -> Tuple[str, str]:
+def init_downpour(
+    rank: int, workers: int, servers: int, init_method: str, timeout: Optional[float] = None
+) -> Tuple[str, str]:
     """This process's part: ``("worker", "worker{rank}")`` for ranks below ``workers``,
     else ``("server", "server{rank - workers}")``. ``init_method`` is
     ``file://DIR``: a directory every process can read (created if missing), where
@@ -85,13 +87,17 @@ def init_downpour(rank: int, workers: int, servers: int, init_method: str,
     """
     global _job
     if not 0 <= rank < workers + servers or workers < 1 or servers < 1:
-        raise HybridCommError(f"init_downpour: rank {rank} of {workers} workers + {servers} "
-                              "servers (need at least one of each)")
+        raise HybridCommError(
+            f"init_downpour: rank {rank} of {workers} workers + {servers} "
+            "servers (need at least one of each)"
+        )
     scheme, sep, path = init_method.partition("://")
     if not sep or scheme != "file":
-        raise HybridCommError(f"init_downpour: init_method must be file://<shared directory>, got "
-                              f"{init_method!r}; for servers on other machines without a shared "
-                              "directory, pass their host:port to DownpourSGD")
+        raise HybridCommError(
+            f"init_downpour: init_method must be file://<shared directory>, got "
+            f"{init_method!r}; for servers on other machines without a shared "
+            "directory, pass their host:port to DownpourSGD"
+        )
     if os.path.exists(path) and not os.path.isdir(path):
         raise HybridCommError(f"init_downpour: {path} exists and is not a directory")
     os.makedirs(path, exist_ok=True)
@@ -100,10 +106,17 @@ def init_downpour(rank: int, workers: int, servers: int, init_method: str,
     return role, f"worker{rank}" if role == "worker" else f"server{rank - workers}"
 
 
-def serve(timeout: Optional[float] = None, *, index: Optional[int] = None,
-          workers: Optional[int] = None, rendezvous: Optional[str] = None,
-          host: str = "127.0.0.1", port: int = 0, checkpoint_dir: Optional[str] = None,
-          checkpoint_every: int = 50) -> int:
+def serve(
+    timeout: Optional[float] = None,
+    *,
+    index: Optional[int] = None,
+    workers: Optional[int] = None,
+    rendezvous: Optional[str] = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    checkpoint_dir: Optional[str] = None,
+    checkpoint_every: int = 50,
+) -> int:
     """Be parameter-server shard ``index`` until ``workers`` workers have closed;
     returns the pushes the shard has applied. After ``init_downpour`` every argument
     has a default; call it again in a new process to restart a killed shard.
@@ -120,9 +133,16 @@ def serve(timeout: Optional[float] = None, *, index: Optional[int] = None,
     rendezvous = rendezvous or (job.rendezvous if job else None)
     if timeout is None and job is not None:
         timeout = job.timeout
-    return ShardServer(index, workers, rendezvous=rendezvous, host=host, port=port,
-                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
-                       timeout=timeout).run()
+    return ShardServer(
+        index,
+        workers,
+        rendezvous=rendezvous,
+        host=host,
+        port=port,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        timeout=timeout,
+    ).run()
 
 
 def shards_of(named: List[Tuple[str, torch.Tensor]], servers: int) -> List[List[str]]:
@@ -177,23 +197,37 @@ class DownpourSGD:
         print(opt.reconnects, opt.replayed, opt.lost)
     """
 
-    def __init__(self, model: torch.nn.Module, servers: List[str], lr: float,
-                 rule: str = "sgd", n_fetch: int = 1, n_push: int = 1,
-                 timeout: Optional[float] = None, *, worker: Optional[int] = None,
-                 rendezvous: Optional[str] = None, replay_log: Optional[int] = None,
-                 part: Optional[str] = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        servers: List[str],
+        lr: float,
+        rule: str = "sgd",
+        n_fetch: int = 1,
+        n_push: int = 1,
+        timeout: Optional[float] = None,
+        *,
+        worker: Optional[int] = None,
+        rendezvous: Optional[str] = None,
+        replay_log: Optional[int] = None,
+        part: Optional[str] = None,
+    ):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         if n_fetch < 1 or n_push < 1 or not servers or len(set(servers)) != len(servers):
-            raise ValueError("n_fetch and n_push must be >= 1, and there must be servers "
-                             f"(each named once): got {servers!r}")
+            raise ValueError(
+                "n_fetch and n_push must be >= 1, and there must be servers "
+                f"(each named once): got {servers!r}"
+            )
         if replay_log is not None and replay_log < 0:
             raise ValueError(f"replay_log must be >= 0, got {replay_log}")
         job = _job
         if worker is None:
             if job is None or job.rank >= job.workers:
-                raise ValueError("DownpourSGD: pass worker= (a unique id per worker), or call "
-                                 "init_downpour as a worker first")
+                raise ValueError(
+                    "DownpourSGD: pass worker= (a unique id per worker), or call "
+                    "init_downpour as a worker first"
+                )
             worker = job.rank
         if timeout is None and job is not None:
             timeout = job.timeout
@@ -209,16 +243,24 @@ class DownpourSGD:
         self.steps = 0
         self.bytes_sent = 0
         session = os.urandom(8).hex()  # tells the servers a new process from a reconnect
-        self.links = [ServerLink(s, rendezvous, worker=worker, session=session,
-                                 timeout=self.timeout, log_limit=replay_log, part=self.part)
-                      for s in self.servers]
+        self.links = [
+            ServerLink(
+                s,
+                rendezvous,
+                worker=worker,
+                session=session,
+                timeout=self.timeout,
+                log_limit=replay_log,
+                part=self.part,
+            )
+            for s in self.servers
+        ]
         for link, names in zip(self.links, self.shards):
             link.hello()
             # the first worker of a part sets it up on the shard; the others' (and
             # a restored shard's) must match: names, shapes, dtypes, rule and lr.
             # Every shard hears all the part's names, to refuse a name two parts claim
-            link.init({n: self.named[n].detach() for n in names}, rule, lr,
-                      names=list(self.named))
+            link.init({n: self.named[n].detach() for n in names}, rule, lr, names=list(self.named))
         # a shard holding none of this part's parameters hears only hello and close
         self._used = [(link, names) for link, names in zip(self.links, self.shards) if names]
         self.fetch()
@@ -288,5 +330,10 @@ class DownpourSGD:
         for link in self.links:
             link.close()
         if self.reconnects:
-            log.info("Downpour worker %d: %d reconnects, %d pushes replayed, %d lost",
-                     self.worker, self.reconnects, self.replayed, self.lost)
+            log.info(
+                "Downpour worker %d: %d reconnects, %d pushes replayed, %d lost",
+                self.worker,
+                self.reconnects,
+                self.replayed,
+                self.lost,
+            )

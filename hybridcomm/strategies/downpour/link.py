@@ -22,6 +22,7 @@ Example (a server that never started: a clear error once the retries end)::
     ...     print(str(e).split(" (")[0])
     Downpour: server0 unreachable for 0.3s
 """
+
 from __future__ import annotations
 
 import collections
@@ -43,11 +44,22 @@ class ServerLink:
     ``rendezvous`` (``serverN``). ``part``: the part of a model-parallel replica
     this worker holds (``""``: the whole model); it sets up and fetches that part."""
 
-    def __init__(self, name: str, rendezvous: Optional[str], *, worker: int, session: str,
-                 timeout: float, log_limit: Optional[int] = None, part: str = ""):
+    def __init__(
+        self,
+        name: str,
+        rendezvous: Optional[str],
+        *,
+        worker: int,
+        session: str,
+        timeout: float,
+        log_limit: Optional[int] = None,
+        part: str = "",
+    ):
         if ":" not in name and rendezvous is None:
-            raise ValueError(f"server {name!r} is neither host:port nor a name to look up: "
-                             "pass rendezvous= (or call init_downpour first)")
+            raise ValueError(
+                f"server {name!r} is neither host:port nor a name to look up: "
+                "pass rendezvous= (or call init_downpour first)"
+            )
         self.name, self.rendezvous = name, rendezvous
         self.worker, self.session, self.timeout = worker, session, timeout
         self.part = part
@@ -69,13 +81,26 @@ class ServerLink:
         """Connect (waiting up to ``timeout`` for the server); True if its shard is set up."""
         return self._reconnect("connecting", first=True)
 
-    def init(self, tensors: Dict[str, torch.Tensor], rule: str, lr: float,
-             names: Optional[List[str]] = None) -> None:
+    def init(
+        self,
+        tensors: Dict[str, torch.Tensor],
+        rule: str,
+        lr: float,
+        names: Optional[List[str]] = None,
+    ) -> None:
         """Set up (or check) this part's ``tensors`` on the shard; ``names``: all of
         the part's parameters, on every shard (default: ``tensors``' names)."""
-        self._call({"op": "init", "rule": rule, "lr": lr, "part": self.part,
-                    "names": list(tensors) if names is None else list(names)},
-                   tensors, "setting up its shard")
+        self._call(
+            {
+                "op": "init",
+                "rule": rule,
+                "lr": lr,
+                "part": self.part,
+                "names": list(tensors) if names is None else list(names),
+            },
+            tensors,
+            "setting up its shard",
+        )
 
     def push(self, grads: Dict[str, torch.Tensor]) -> None:
         """Log and send a push; its ack is read later (:meth:`finish_push`)."""
@@ -112,8 +137,9 @@ class ServerLink:
         """Wait for the last push and say goodbye (the server checkpoints)."""
         try:
             self.finish_push()
-            self._call({"op": "close", "worker": self.worker, "session": self.session}, None,
-                       "closing")
+            self._call(
+                {"op": "close", "worker": self.worker, "session": self.session}, None, "closing"
+            )
         finally:
             self._drop()
 
@@ -182,8 +208,10 @@ class ServerLink:
                 if ready and not first:
                     self._replay()
                 elif not ready and not first:
-                    raise HybridCommError(f"Downpour: {self.name} came back without its shard "
-                                          f"(no checkpoint at {self._address}'s checkpoint_dir?)")
+                    raise HybridCommError(
+                        f"Downpour: {self.name} came back without its shard "
+                        f"(no checkpoint at {self._address}'s checkpoint_dir?)"
+                    )
                 break
             except ConnectionLost as e:
                 cause = e
@@ -192,26 +220,39 @@ class ServerLink:
             if time.monotonic() + delay >= deadline:
                 raise HybridCommError(
                     f"Downpour: {self.name} unreachable for {self.timeout:g}s ({attempts} "
-                    f"attempts) while {what}; last address {self._address}: {cause}") from cause
+                    f"attempts) while {what}; last address {self._address}: {cause}"
+                ) from cause
             time.sleep(delay)
             delay = min(2 * delay, 1.0)
         if not first:
             self.reconnects += 1
             self.reconnect_seconds += time.monotonic() - start
-            log.warning("Downpour worker %d: reconnected to %s at %s after %.2fs (%d attempts): "
-                        "%d pushes replayed, %d lost so far", self.worker, self.name,
-                        self._address, time.monotonic() - start, attempts, self.replayed,
-                        self.lost)
+            log.warning(
+                "Downpour worker %d: reconnected to %s at %s after %.2fs (%d attempts): "
+                "%d pushes replayed, %d lost so far",
+                self.worker,
+                self.name,
+                self._address,
+                time.monotonic() - start,
+                attempts,
+                self.replayed,
+                self.lost,
+            )
         return ready
 
     def _open(self, deadline: float) -> bool:
         """Look the server up, connect and say hello; True if its shard is set up."""
         left = max(deadline - time.monotonic(), 1e-3)
-        self._address = self.name if ":" in self.name else \
-            ps_wire.lookup(self.rendezvous, self.name)
+        self._address = (
+            self.name if ":" in self.name else ps_wire.lookup(self.rendezvous, self.name)
+        )
         self._sock = ps_wire.connect(self._address, timeout=min(left, self.timeout))
-        ps_wire.send(self._sock, {"op": "hello", "worker": self.worker, "session": self.session,
-                                  "part": self.part}, None, timeout=self.timeout)
+        ps_wire.send(
+            self._sock,
+            {"op": "hello", "worker": self.worker, "session": self.session, "part": self.part},
+            None,
+            timeout=self.timeout,
+        )
         reply = self._recv("saying hello")[0]
         if self.log_limit is None:
             self.log_limit = int(reply["checkpoint_every"]) + 1
@@ -223,14 +264,21 @@ class ServerLink:
         that the log no longer holds."""
         applied = int(self._hello["applied"])
         if applied > self.seq:
-            raise HybridCommError(f"Downpour: {self.name} has push {applied} of this worker, "
-                                  f"which sent only {self.seq}")
+            raise HybridCommError(
+                f"Downpour: {self.name} has push {applied} of this worker, "
+                f"which sent only {self.seq}"
+            )
         first_logged = self.log[0][0] if self.log else self.seq + 1
         gone = min(first_logged - 1, self.seq) - max(applied, self._lost_through)
         if gone > 0:
             self.lost += gone
-            log.warning("Downpour worker %d: %s lost %d of its pushes (beyond its log of %d)",
-                        self.worker, self.name, gone, self.log_limit)
+            log.warning(
+                "Downpour worker %d: %s lost %d of its pushes (beyond its log of %d)",
+                self.worker,
+                self.name,
+                gone,
+                self.log_limit,
+            )
         self._lost_through = max(self._lost_through, first_logged - 1)
         self._forget_through(int(self._hello["durable"]))
         for seq, grads in list(self.log):
@@ -246,6 +294,7 @@ class ServerLink:
             self._sock = None
 
     def _error(self, kind, what: str, e: Exception) -> HybridCommError:
-        return kind(f"Downpour: {self.name} ({self._address}) failed while {what} (dead, or "
-                    f"silent for {self.timeout:g}s?): {e}")
-
+        return kind(
+            f"Downpour: {self.name} ({self._address}) failed while {what} (dead, or "
+            f"silent for {self.timeout:g}s?): {e}"
+        )

@@ -39,6 +39,7 @@ torch.distributed group, for the activations)::
             loss = pipe.step(x) if stage == 0 else pipe.step(y=y)   # the last: the loss
         pipe.close()
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -53,8 +54,7 @@ from .client import DownpourSGD
 
 __all__ = ["DownpourStage"]
 
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-           torch.int32)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 _MAX_DIMS = 6
 # message tags: each kind of tensor has its own, header and data apart
 _ACT, _GRAD, _EVAL, _RESULT = 10, 20, 40, 50
@@ -95,23 +95,41 @@ class DownpourStage:
         ['stage0.bias', 'stage0.weight']
     """
 
-    def __init__(self, module: torch.nn.Module, servers: List[str], lr: float, *, stage: int,
-                 peers: List[int], loss_fn: Optional[Callable] = None, rule: str = "sgd",
-                 n_fetch: int = 1, n_push: int = 1, timeout: Optional[float] = None,
-                 worker: Optional[int] = None, rendezvous: Optional[str] = None,
-                 replay_log: Optional[int] = None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        servers: List[str],
+        lr: float,
+        *,
+        stage: int,
+        peers: List[int],
+        loss_fn: Optional[Callable] = None,
+        rule: str = "sgd",
+        n_fetch: int = 1,
+        n_push: int = 1,
+        timeout: Optional[float] = None,
+        worker: Optional[int] = None,
+        rendezvous: Optional[str] = None,
+        replay_log: Optional[int] = None,
+    ):
         peers = list(peers)
         if not peers or len(set(peers)) != len(peers) or not 0 <= stage < len(peers):
-            raise HybridCommError(f"DownpourStage: stage {stage} of peers {peers} (need distinct "
-                                  "ranks, one per stage, and 0 <= stage < len(peers))")
+            raise HybridCommError(
+                f"DownpourStage: stage {stage} of peers {peers} (need distinct "
+                "ranks, one per stage, and 0 <= stage < len(peers))"
+            )
         if len(peers) > 1:
             if not dist.is_initialized():
-                raise HybridCommError("DownpourStage: the stages exchange activations over "
-                                      "torch.distributed: init_process_group first")
+                raise HybridCommError(
+                    "DownpourStage: the stages exchange activations over "
+                    "torch.distributed: init_process_group first"
+                )
             if dist.get_rank() != peers[stage]:
-                raise HybridCommError(f"DownpourStage: stage {stage} of peers {peers} is rank "
-                                      f"{peers[stage]}, but this process is rank "
-                                      f"{dist.get_rank()} (a stage claimed twice?)")
+                raise HybridCommError(
+                    f"DownpourStage: stage {stage} of peers {peers} is rank "
+                    f"{peers[stage]}, but this process is rank "
+                    f"{dist.get_rank()} (a stage claimed twice?)"
+                )
         if stage == len(peers) - 1 and loss_fn is None:
             raise HybridCommError("DownpourStage: the last stage needs loss_fn")
         self.module, self.stage, self.peers, self.loss_fn = module, stage, peers, loss_fn
@@ -119,21 +137,36 @@ class DownpourStage:
         self.timeout = env.timeout(timeout)
         # the prefix makes the names unique across the stages
         self._named = torch.nn.ModuleDict({f"stage{stage}": module})
-        self.opt = DownpourSGD(self._named, servers, lr, rule=rule, n_fetch=n_fetch,
-                               n_push=n_push, timeout=timeout, worker=worker,
-                               rendezvous=rendezvous, replay_log=replay_log,
-                               part=f"stage{stage}")
+        self.opt = DownpourSGD(
+            self._named,
+            servers,
+            lr,
+            rule=rule,
+            n_fetch=n_fetch,
+            n_push=n_push,
+            timeout=timeout,
+            worker=worker,
+            rendezvous=rendezvous,
+            replay_log=replay_log,
+            part=f"stage{stage}",
+        )
         self.bytes_p2p = 0  # activations and their gradients sent to peers by step()
 
-    def step(self, x: Optional[torch.Tensor] = None,
-             y: Optional[torch.Tensor] = None) -> Optional[float]:
+    def step(
+        self, x: Optional[torch.Tensor] = None, y: Optional[torch.Tensor] = None
+    ) -> Optional[float]:
         """One mini-batch through the replica: the first stage passes the inputs
         ``x``, the last the targets ``y`` (and gets the loss back)."""
         if self.first != (x is not None) or self.last != (y is not None):
-            wanted = [w for w, mine in (("the inputs x", self.first), ("the targets y", self.last))
-                      if mine]
-            raise HybridCommError(f"DownpourStage.step: stage {self.stage} of {len(self.peers)} "
-                                  f"passes {' and '.join(wanted) or 'nothing'}")
+            wanted = [
+                w
+                for w, mine in (("the inputs x", self.first), ("the targets y", self.last))
+                if mine
+            ]
+            raise HybridCommError(
+                f"DownpourStage.step: stage {self.stage} of {len(self.peers)} "
+                f"passes {' and '.join(wanted) or 'nothing'}"
+            )
         self.opt.zero_grad()
         if self.first:
             inp = x
@@ -145,12 +178,15 @@ class DownpourStage:
             loss = self.loss_fn(out, y)
             loss.backward()
         else:
-            self._wait(self._isend(out.detach(), self.peers[self.stage + 1], _ACT),
-                       "sending activations to")
+            self._wait(
+                self._isend(out.detach(), self.peers[self.stage + 1], _ACT),
+                "sending activations to",
+            )
             out.backward(self._recv(self.peers[self.stage + 1], _GRAD))
         if not self.first:
-            self._wait(self._isend(inp.grad, self.peers[self.stage - 1], _GRAD),
-                       "sending gradients to")
+            self._wait(
+                self._isend(inp.grad, self.peers[self.stage - 1], _GRAD), "sending gradients to"
+            )
         self.opt.step()
         return None if loss is None else loss.item()
 
@@ -159,18 +195,22 @@ class DownpourStage:
         ``forward(x)`` on the first stage returns the last stage's output there;
         the other stages call ``forward()`` at the same point (None)."""
         if self.first == (x is None):
-            raise HybridCommError("DownpourStage.forward: the first stage passes the inputs, "
-                                  "the others nothing")
+            raise HybridCommError(
+                "DownpourStage.forward: the first stage passes the inputs, the others nothing"
+            )
         with torch.no_grad():
             inp = x if self.first else self._recv(self.peers[self.stage - 1], _EVAL)
             out = self.module(inp)
             if not self.last:
-                self._wait(self._isend(out, self.peers[self.stage + 1], _EVAL, count=False),
-                           "sending activations to")
+                self._wait(
+                    self._isend(out, self.peers[self.stage + 1], _EVAL, count=False),
+                    "sending activations to",
+                )
                 return self._recv(self.peers[-1], _RESULT) if self.first else None
             if not self.first:
-                self._wait(self._isend(out, self.peers[0], _RESULT, count=False),
-                           "sending the output to")
+                self._wait(
+                    self._isend(out, self.peers[0], _RESULT, count=False), "sending the output to"
+                )
                 return None
             return out
 
@@ -205,24 +245,30 @@ class DownpourStage:
     def _isend(self, t: torch.Tensor, peer: int, tag: int, count: bool = True):
         t = t.detach().contiguous()
         if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
-            raise HybridCommError(f"DownpourStage: cannot send a {t.dtype} tensor of "
-                                  f"{t.dim()} dims to rank {peer}")
-        head = torch.tensor([_DTYPES.index(t.dtype), t.dim()] + list(t.shape)
-                            + [0] * (_MAX_DIMS - t.dim()), dtype=torch.int64)
+            raise HybridCommError(
+                f"DownpourStage: cannot send a {t.dtype} tensor of {t.dim()} dims to rank {peer}"
+            )
+        head = torch.tensor(
+            [_DTYPES.index(t.dtype), t.dim()] + list(t.shape) + [0] * (_MAX_DIMS - t.dim()),
+            dtype=torch.int64,
+        )
         if count:
             self.bytes_p2p += t.numel() * t.element_size()
         # the tensors are kept with their works: gloo reads them until sent
-        return [(dist.isend(head, peer, tag=tag), peer, head),
-                (dist.isend(t, peer, tag=tag + 1), peer, t)]
+        return [
+            (dist.isend(head, peer, tag=tag), peer, head),
+            (dist.isend(t, peer, tag=tag + 1), peer, t),
+        ]
 
     def _recv(self, peer: int, tag: int) -> torch.Tensor:
         head = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
         self._wait([(dist.irecv(head, peer, tag=tag), peer, head)], "receiving from")
         code, dims = int(head[0]), int(head[1])
         if not 0 <= code < len(_DTYPES) or not 0 <= dims <= _MAX_DIMS:
-            raise HybridCommError(f"DownpourStage: a garbled header from rank {peer}: "
-                                  f"{head.tolist()}")
-        t = torch.empty(head[2:2 + dims].tolist(), dtype=_DTYPES[code])
+            raise HybridCommError(
+                f"DownpourStage: a garbled header from rank {peer}: {head.tolist()}"
+            )
+        t = torch.empty(head[2 : 2 + dims].tolist(), dtype=_DTYPES[code])
         self._wait([(dist.irecv(t, peer, tag=tag + 1), peer, t)], "receiving from")
         return t
 
@@ -233,4 +279,5 @@ class DownpourStage:
             except RuntimeError as e:
                 raise HybridCommTimeout(
                     f"DownpourStage {self.stage}: {what} rank {peer} failed or took over "
-                    f"{self.timeout:g}s (a stage of this replica died or stopped?): {e}") from e
+                    f"{self.timeout:g}s (a stage of this replica died or stopped?): {e}"
+                ) from e

@@ -35,6 +35,7 @@ Example (one worker, in one process)::
     >>> torch.load(f"{rdv}/server0.pt", weights_only=True)["pushes"]
     1
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,8 +66,15 @@ class ParameterShard:
     has (here or on another shard) to its part. ``tensors`` are part ``""``'s.
     """
 
-    def __init__(self, tensors: Dict[str, torch.Tensor], rule: str, lr: float,
-                 eps: float = 1e-10, path: Optional[str] = None, checkpoint_every: int = 50):
+    def __init__(
+        self,
+        tensors: Dict[str, torch.Tensor],
+        rule: str,
+        lr: float,
+        eps: float = 1e-10,
+        path: Optional[str] = None,
+        checkpoint_every: int = 50,
+    ):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.params: Dict[str, torch.Tensor] = {}
@@ -97,7 +105,8 @@ class ParameterShard:
                 raise HybridCommError(
                     f"part {part!r} claims {taken}, which part {self.claims[taken[0]]!r} holds: "
                     "each parameter belongs to one part (give the parts' parameters distinct "
-                    "names, e.g. DownpourStage's 'stage{k}.' prefix)")
+                    "names, e.g. DownpourStage's 'stage{k}.' prefix)"
+                )
             for n in names:
                 self.claims[n] = part
             self.parts[part] = list(tensors)
@@ -128,15 +137,18 @@ class ParameterShard:
                 self.closed.discard(worker)
             return self.workers[worker][1], self.durable.get(worker, 0)
 
-    def push(self, grads: Dict[str, torch.Tensor], worker: int = -1, session: str = "",
-             seq: int = 0) -> Tuple[int, int]:
+    def push(
+        self, grads: Dict[str, torch.Tensor], worker: int = -1, session: str = "", seq: int = 0
+    ) -> Tuple[int, int]:
         """Apply ``grads`` unless this worker's push ``seq`` was applied already;
         returns ``(pushes applied, this worker's last checkpointed seq)``."""
         with self.lock:  # the server serves connections on threads: one push at a time
             entry = self.workers.setdefault(worker, [session, 0])
             if entry[0] != session:
-                raise HybridCommError(f"a push from worker {worker} of a session this server "
-                                      "has not been told about (no hello)")
+                raise HybridCommError(
+                    f"a push from worker {worker} of a session this server "
+                    "has not been told about (no hello)"
+                )
             if seq and seq <= entry[1]:  # sent again after a reconnect: already here
                 return self.pushes, self.durable.get(worker, 0)
             for k, g in grads.items():
@@ -162,11 +174,19 @@ class ParameterShard:
             self._save()
 
     def _save(self) -> None:
-        state = {"format": FORMAT, "rule": self.rule, "lr": self.lr, "eps": self.eps,
-                 "pushes": self.pushes, "params": self.params, "sums": self.sums or {},
-                 "parts": self.parts, "claims": self.claims,
-                 "workers": {w: list(v) for w, v in self.workers.items()},
-                 "closed": sorted(self.closed)}
+        state = {
+            "format": FORMAT,
+            "rule": self.rule,
+            "lr": self.lr,
+            "eps": self.eps,
+            "pushes": self.pushes,
+            "params": self.params,
+            "sums": self.sums or {},
+            "parts": self.parts,
+            "claims": self.claims,
+            "workers": {w: list(v) for w, v in self.workers.items()},
+            "closed": sorted(self.closed),
+        }
         tmp = f"{self.path}.tmp"
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -185,10 +205,14 @@ class ParameterShard:
             shard = cls({}, state["rule"], state["lr"], state["eps"], path, checkpoint_every)
             shard.params = {k: v.clone() for k, v in state["params"].items()}
             # format 1 knew one part, ""
-            shard.parts = {str(p): [str(n) for n in ns]
-                           for p, ns in state.get("parts", {"": list(shard.params)}).items()}
-            shard.claims = {str(n): str(p) for n, p in
-                            state.get("claims", {n: "" for n in shard.params}).items()}
+            shard.parts = {
+                str(p): [str(n) for n in ns]
+                for p, ns in state.get("parts", {"": list(shard.params)}).items()
+            }
+            shard.claims = {
+                str(n): str(p)
+                for n, p in state.get("claims", {n: "" for n in shard.params}).items()
+            }
             if shard.sums is not None:
                 shard.sums = {k: v.clone() for k, v in state["sums"].items()}
             shard.pushes = int(state["pushes"])
@@ -217,9 +241,18 @@ class ShardServer:
             long (a worker may spend a whole timeout reconnecting to another shard).
     """
 
-    def __init__(self, index: int, workers: int, *, rendezvous: Optional[str] = None,
-                 host: str = "127.0.0.1", port: int = 0, checkpoint_dir: Optional[str] = None,
-                 checkpoint_every: int = 50, timeout: Optional[float] = None):
+    def __init__(
+        self,
+        index: int,
+        workers: int,
+        *,
+        rendezvous: Optional[str] = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        checkpoint_dir: Optional[str] = None,
+        checkpoint_every: int = 50,
+        timeout: Optional[float] = None,
+    ):
         if workers < 1 or checkpoint_every < 1:
             raise ValueError("workers and checkpoint_every must be >= 1")
         checkpoint_dir = checkpoint_dir or rendezvous
@@ -233,11 +266,17 @@ class ShardServer:
         if os.path.exists(self.path):
             self.shard = ParameterShard.restore(self.path, checkpoint_every)
             if len(self.shard.closed) >= workers:
-                raise HybridCommError(f"{self.name}: {self.path} is the checkpoint of a finished "
-                                      "job (every worker closed): use a fresh directory")
-            log.warning("Downpour %s: resumed from %s (%d pushes; workers' last pushes %s)",
-                        self.name, self.path, self.shard.pushes,
-                        {w: v[1] for w, v in self.shard.workers.items()})
+                raise HybridCommError(
+                    f"{self.name}: {self.path} is the checkpoint of a finished "
+                    "job (every worker closed): use a fresh directory"
+                )
+            log.warning(
+                "Downpour %s: resumed from %s (%d pushes; workers' last pushes %s)",
+                self.name,
+                self.path,
+                self.shard.pushes,
+                {w: v[1] for w, v in self.shard.workers.items()},
+            )
         self._init_lock = threading.Lock()
         self._listener = ps_wire.listen(host, port)
         bound = self._listener.getsockname()[1]
@@ -259,14 +298,16 @@ class ShardServer:
                     closed = sorted(self.shard.closed) if self.shard else []
                     raise HybridCommTimeout(
                         f"Downpour {self.name}: no worker sent anything for "
-                        f"{2 * self.timeout:g}s; {len(closed)} of {self.workers} closed")
+                        f"{2 * self.timeout:g}s; {len(closed)} of {self.workers} closed"
+                    )
                 try:
                     sock, _ = self._listener.accept()
                 except socket.timeout:
                     continue
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                threading.Thread(target=self._serve, args=(sock,), daemon=True,
-                                 name=f"{self.name}-conn").start()
+                threading.Thread(
+                    target=self._serve, args=(sock,), daemon=True, name=f"{self.name}-conn"
+                ).start()
         finally:
             self._listener.close()
             if self.shard is not None:
@@ -285,8 +326,10 @@ class ShardServer:
                 try:
                     reply, out = self._handle(header, tensors)
                 except Exception as e:  # a bad request: the worker raises it, the server goes on
-                    reply, out = {"op": "error",
-                                  "message": f"{self.name}: {type(e).__name__}: {e}"}, None
+                    reply, out = (
+                        {"op": "error", "message": f"{self.name}: {type(e).__name__}: {e}"},
+                        None,
+                    )
                 try:
                     ps_wire.send(sock, reply, out, timeout=self.timeout)
                 except HybridCommError:
@@ -301,10 +344,18 @@ class ShardServer:
         op = header["op"]
         if op == "hello":
             ready = self.shard is not None and str(header.get("part", "")) in self.shard.parts
-            applied, durable = self.shard.hello(_int(header, "worker"), str(header["session"])) \
-                if ready else (0, 0)
-            return {"op": "ok", "ready": ready, "applied": applied, "durable": durable,
-                    "checkpoint_every": self.checkpoint_every}, None
+            applied, durable = (
+                self.shard.hello(_int(header, "worker"), str(header["session"]))
+                if ready
+                else (0, 0)
+            )
+            return {
+                "op": "ok",
+                "ready": ready,
+                "applied": applied,
+                "durable": durable,
+                "checkpoint_every": self.checkpoint_every,
+            }, None
         if op == "init":
             self._init(header, tensors)
             return {"op": "ok"}, None
@@ -314,8 +365,9 @@ class ShardServer:
             return {"op": "ok"}, self.shard.fetch(str(header.get("part", "")))
         if op == "push":
             self._check(tensors, exact=False)
-            pushes, durable = self.shard.push(tensors, _int(header, "worker"),
-                                              str(header["session"]), _int(header, "seq"))
+            pushes, durable = self.shard.push(
+                tensors, _int(header, "worker"), str(header["session"]), _int(header, "seq")
+            )
             return {"op": "ok", "pushes": pushes, "durable": durable}, None
         if op == "close":
             self.shard.close(_int(header, "worker"))
@@ -332,34 +384,42 @@ class ShardServer:
         with self._init_lock:
             fresh = self.shard is None
             if fresh:
-                self.shard = ParameterShard({}, rule, lr, path=self.path,
-                                            checkpoint_every=self.checkpoint_every)
+                self.shard = ParameterShard(
+                    {}, rule, lr, path=self.path, checkpoint_every=self.checkpoint_every
+                )
             if (rule, lr) != (self.shard.rule, self.shard.lr):
-                raise HybridCommError(f"the shard runs {self.shard.rule} at lr "
-                                      f"{self.shard.lr:g}; a worker asked for {rule} at lr {lr:g}")
+                raise HybridCommError(
+                    f"the shard runs {self.shard.rule} at lr "
+                    f"{self.shard.lr:g}; a worker asked for {rule} at lr {lr:g}"
+                )
             if part not in self.shard.parts:
                 self.shard.add_part(part, tensors, names)
                 self.shard.checkpoint()
                 return
         if sorted(names) != self.shard.names_of(part):
-            raise HybridCommError(f"part {part!r} has {self.shard.names_of(part)}, a worker of it "
-                                  f"sent the names {sorted(names)}")
+            raise HybridCommError(
+                f"part {part!r} has {self.shard.names_of(part)}, a worker of it "
+                f"sent the names {sorted(names)}"
+            )
         self._check(tensors, exact=True, part=part)
 
     def _check(self, tensors: Dict[str, torch.Tensor], exact: bool, part: str = "") -> None:
         params = self.shard.params
         if exact and set(tensors) != set(self.shard.parts[part]):
-            raise HybridCommError(f"this shard holds {sorted(self.shard.parts[part])}"
-                                  + (f" of part {part!r}" if part else "")
-                                  + f", a worker sent {sorted(tensors)}")
+            raise HybridCommError(
+                f"this shard holds {sorted(self.shard.parts[part])}"
+                + (f" of part {part!r}" if part else "")
+                + f", a worker sent {sorted(tensors)}"
+            )
         for k, t in tensors.items():
             p = params.get(k)
             if p is None:
-                raise HybridCommError(f"{k}: not held by this shard (it holds "
-                                      f"{sorted(params)})")
+                raise HybridCommError(f"{k}: not held by this shard (it holds {sorted(params)})")
             if p.shape != t.shape or p.dtype != t.dtype:
-                raise HybridCommError(f"{k}: {t.dtype} {tuple(t.shape)} does not match the "
-                                      f"shard's {p.dtype} {tuple(p.shape)}")
+                raise HybridCommError(
+                    f"{k}: {t.dtype} {tuple(t.shape)} does not match the "
+                    f"shard's {p.dtype} {tuple(p.shape)}"
+                )
 
 
 def _int(header: dict, key: str) -> int:

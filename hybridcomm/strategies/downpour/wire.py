@@ -29,6 +29,7 @@ Example::
     hybridcomm.strategies.downpour.wire.ConnectionLost: the connection was closed
     >>> b.close()
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,10 @@ MAX_HEADER = 1 << 20
 MAX_PAYLOAD = 1 << 36  # 64 GiB: a corrupt length fails here, not in an allocation
 _PART = 1 << 26
 _ALIGN = 8  # every tensor starts 8-byte aligned: view(float64) needs it
-_DTYPES = {str(d).removeprefix("torch."): d
-           for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+}
 
 
 class ConnectionLost(HybridCommError):
@@ -65,8 +68,13 @@ def _raw(t: torch.Tensor):
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def send(sock: socket.socket, header: Mapping, tensors: Optional[Mapping[str, torch.Tensor]]
-         = None, *, timeout: float) -> None:
+def send(
+    sock: socket.socket,
+    header: Mapping,
+    tensors: Optional[Mapping[str, torch.Tensor]] = None,
+    *,
+    timeout: float,
+) -> None:
     """One message: ``header`` (JSON-serializable) and the ``tensors`` in order."""
     tensors = tensors or {}
     specs = []
@@ -116,9 +124,14 @@ def _tensors(specs, payload: bytearray) -> Dict[str, torch.Tensor]:
     if not isinstance(specs, list):
         raise HybridCommError("a message's 'tensors' is not a list")
     for spec in specs:
-        ok = (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str)
-              and spec[1] in _DTYPES and isinstance(spec[2], list)
-              and all(type(d) is int and d >= 0 for d in spec[2]))
+        ok = (
+            isinstance(spec, list)
+            and len(spec) == 3
+            and isinstance(spec[0], str)
+            and spec[1] in _DTYPES
+            and isinstance(spec[2], list)
+            and all(type(d) is int and d >= 0 for d in spec[2])
+        )
         if not ok:
             raise HybridCommError(f"bad tensor description in a message: {str(spec)[:200]}")
         name, dtype, shape = spec[0], _DTYPES[spec[1]], spec[2]
@@ -131,8 +144,11 @@ def _tensors(specs, payload: bytearray) -> Dict[str, torch.Tensor]:
         if n == 0:
             out[name] = torch.empty(shape, dtype=dtype)
         else:
-            out[name] = torch.frombuffer(payload, dtype=torch.uint8, count=n,
-                                         offset=offset).view(dtype).reshape(shape)
+            out[name] = (
+                torch.frombuffer(payload, dtype=torch.uint8, count=n, offset=offset)
+                .view(dtype)
+                .reshape(shape)
+            )
         offset += _padded(n)
     if offset != len(payload):
         raise HybridCommError(f"message payload is {len(payload)} B, its tensors {offset} B")
@@ -178,6 +194,7 @@ def _wrap(e: OSError, what: str) -> HybridCommError:
 
 # --- addresses ---------------------------------------------------------------------
 
+
 def format_address(host: str, port: int) -> str:
     """``host:port``, IPv6 hosts in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -198,8 +215,9 @@ def parse_address(text: str) -> Tuple[str, int]:
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: a free one)."""
     try:
-        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
-                                    else socket.AF_INET, backlog=64)
+        return socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=64
+        )
     except OSError as e:
         raise HybridCommError(f"cannot listen on {format_address(host, port)}: {e}") from e
 

@@ -18,6 +18,7 @@ adds K summation servers (hybridcomm/comm/servers.py; the last K processes, on l
 their own under ``--shape``) and times ``ps`` through them; under torchrun
 the last K of WORLD_SIZE serve.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,57 +78,136 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0].replace("\n", " ").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Columns: size count type redop algo time(us) algbw(GB/s) busbw(GB/s) #wrong; "
-               "docs/PERFORMANCE.md explains them. The summary warns where a point's spread "
-               f"(p20..p80 of its iterations, or across ranks) exceeds "
-               f"{report.NOISE_THRESHOLD * 100:.0f}% of its time, and checks auto's choice "
-               "against the algorithms timed in the same run.")
+        "docs/PERFORMANCE.md explains them. The summary warns where a point's spread "
+        f"(p20..p80 of its iterations, or across ranks) exceeds "
+        f"{report.NOISE_THRESHOLD * 100:.0f}% of its time, and checks auto's choice "
+        "against the algorithms timed in the same run.",
+    )
     ap.add_argument("--version", action="version", version=_version())
-    ap.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"), metavar="SIZE",
-                    help="smallest message size in bytes (4K, 1M style; default 4K)")
-    ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"), metavar="SIZE",
-                    help="largest message size in bytes (default 64M)")
-    ap.add_argument("-f", "--stepfactor", type=float, default=4.0, metavar="F",
-                    help="multiply the size by F from one point to the next (default 4)")
+    ap.add_argument(
+        "-b",
+        "--minbytes",
+        type=parse_size,
+        default=parse_size("4K"),
+        metavar="SIZE",
+        help="smallest message size in bytes (4K, 1M style; default 4K)",
+    )
+    ap.add_argument(
+        "-e",
+        "--maxbytes",
+        type=parse_size,
+        default=parse_size("64M"),
+        metavar="SIZE",
+        help="largest message size in bytes (default 64M)",
+    )
+    ap.add_argument(
+        "-f",
+        "--stepfactor",
+        type=float,
+        default=4.0,
+        metavar="F",
+        help="multiply the size by F from one point to the next (default 4)",
+    )
     ap.add_argument("-n", "--iters", type=int, default=20, help="timed iterations per point")
     ap.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations per point")
-    ap.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float32",
-                    help="element type of the buffers (default float32)")
-    ap.add_argument("-o", "--op", choices=("sum", "avg"), default="sum",
-                    help="reduction: sum, or avg (the sum over the world size); default sum")
-    ap.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
-                    help="check the results after timing (#wrong)")
-    ap.add_argument("--algo", default="ring,butterfly,halving_doubling,auto,native",
-                    help=f"comma list of {','.join(ALGO_CHOICES)} (native: torch.distributed."
-                         "all_reduce, the baseline)")
-    ap.add_argument("--nprocs", type=int, default=None,
-                    help="start this many local ranks (default: one per GPU, else 4); "
-                         "ignored under torchrun")
-    ap.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                    help="default: nccl where there are GPUs, else gloo")
+    ap.add_argument(
+        "-d",
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="element type of the buffers (default float32)",
+    )
+    ap.add_argument(
+        "-o",
+        "--op",
+        choices=("sum", "avg"),
+        default="sum",
+        help="reduction: sum, or avg (the sum over the world size); default sum",
+    )
+    ap.add_argument(
+        "-c",
+        "--check",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="check the results after timing (#wrong)",
+    )
+    ap.add_argument(
+        "--algo",
+        default="ring,butterfly,halving_doubling,auto,native",
+        help=f"comma list of {','.join(ALGO_CHOICES)} (native: torch.distributed."
+        "all_reduce, the baseline)",
+    )
+    ap.add_argument(
+        "--nprocs",
+        type=int,
+        default=None,
+        help="start this many local ranks (default: one per GPU, else 4); ignored under torchrun",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: nccl where there are GPUs, else gloo",
+    )
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH.png", help="plot busbw and time against size")
-    ap.add_argument("--shape", metavar="SPEC", default=None,
-                    help="tbf spec, e.g. 'rate 1gbit': one network namespace per rank on a "
-                         "bridge, each link shaped (root only)")
-    ap.add_argument("--node-size", type=int, default=None, metavar="L",
-                    help="ranks per node for hierarchical (and the two-level network); default "
-                         "LOCAL_WORLD_SIZE, else one node")
-    ap.add_argument("--grid", type=parse_grid, default=None, metavar="RxC",
-                    help="torus2d's grid (default: the most square factorization)")
-    ap.add_argument("--inter-shape", metavar="SPEC", default=None,
-                    help="with --node-size: one bridge per node, the nodes' uplinks shaped by "
-                         "this tbf spec (e.g. 'rate 100mbit'; root only); --shape then shapes "
-                         "the rank links inside the nodes (default: unshaped)")
-    ap.add_argument("--latency", type=parse_time, default=0.0, metavar="T",
-                    help="emulate T of latency per message in hybridcomm's transport "
-                         "(e.g. 200us; not applied to torch)")
-    ap.add_argument("--calibrate", nargs="?", const="", default=None, metavar="PATH",
-                    help="fit the cost model's alpha, beta, gamma to this sweep and save them "
-                         "(default: the user's cache dir, where auto and the planner load them)")
-    ap.add_argument("--servers", type=int, default=0, metavar="K",
-                    help="K summation servers (hybridcomm.comm.servers) beside the ranks, each its own "
-                         "process (and link under --shape): adds algorithm ps, and --calibrate "
-                         "fits its line; the ranks (--nprocs, or WORLD_SIZE - K) are the workers")
+    ap.add_argument(
+        "--shape",
+        metavar="SPEC",
+        default=None,
+        help="tbf spec, e.g. 'rate 1gbit': one network namespace per rank on a "
+        "bridge, each link shaped (root only)",
+    )
+    ap.add_argument(
+        "--node-size",
+        type=int,
+        default=None,
+        metavar="L",
+        help="ranks per node for hierarchical (and the two-level network); default "
+        "LOCAL_WORLD_SIZE, else one node",
+    )
+    ap.add_argument(
+        "--grid",
+        type=parse_grid,
+        default=None,
+        metavar="RxC",
+        help="torus2d's grid (default: the most square factorization)",
+    )
+    ap.add_argument(
+        "--inter-shape",
+        metavar="SPEC",
+        default=None,
+        help="with --node-size: one bridge per node, the nodes' uplinks shaped by "
+        "this tbf spec (e.g. 'rate 100mbit'; root only); --shape then shapes "
+        "the rank links inside the nodes (default: unshaped)",
+    )
+    ap.add_argument(
+        "--latency",
+        type=parse_time,
+        default=0.0,
+        metavar="T",
+        help="emulate T of latency per message in hybridcomm's transport "
+        "(e.g. 200us; not applied to torch)",
+    )
+    ap.add_argument(
+        "--calibrate",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="fit the cost model's alpha, beta, gamma to this sweep and save them "
+        "(default: the user's cache dir, where auto and the planner load them)",
+    )
+    ap.add_argument(
+        "--servers",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K summation servers (hybridcomm.comm.servers) beside the ranks, each its own "
+        "process (and link under --shape): adds algorithm ps, and --calibrate "
+        "fits its line; the ranks (--nprocs, or WORLD_SIZE - K) are the workers",
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a peer")
     return ap
 
@@ -150,11 +230,21 @@ def config_from(args) -> Config:
     check_servers(args.servers, algos, args)
     if args.servers and PS not in algos:
         algos.append(PS)  # the servers are there to be timed
-    return Config(sizes=sizes, algos=list(dict.fromkeys(algos)), iters=args.iters,
-                  warmup=args.warmup, dtype=args.dtype, op=args.op, check=bool(args.check),
-                  latency_s=args.latency, timeout_s=args.timeout, node_size=args.node_size,
-                  grid=args.grid, shape=" ".join(_parse_shape(args.shape)) if args.shape else None,
-                  servers=args.servers)
+    return Config(
+        sizes=sizes,
+        algos=list(dict.fromkeys(algos)),
+        iters=args.iters,
+        warmup=args.warmup,
+        dtype=args.dtype,
+        op=args.op,
+        check=bool(args.check),
+        latency_s=args.latency,
+        timeout_s=args.timeout,
+        node_size=args.node_size,
+        grid=args.grid,
+        shape=" ".join(_parse_shape(args.shape)) if args.shape else None,
+        servers=args.servers,
+    )
 
 
 def check_servers(k: int, algos: List[str], args) -> None:
@@ -170,11 +260,12 @@ def check_servers(k: int, algos: List[str], args) -> None:
     if PS in algos and k == 0:
         raise SystemExit("--algo ps needs summation servers: --servers K with K >= 1")
     if k and (args.node_size is not None or args.inter_shape):
-        raise SystemExit("--servers goes with a flat network: not with --node-size / "
-                         "--inter-shape")
+        raise SystemExit("--servers goes with a flat network: not with --node-size / --inter-shape")
     if k and args.latency:
-        raise SystemExit("--servers with --latency: the emulated latency wraps hybridcomm's "
-                         "transport only, not the servers' traffic; time them apart")
+        raise SystemExit(
+            "--servers with --latency: the emulated latency wraps hybridcomm's "
+            "transport only, not the servers' traffic; time them apart"
+        )
 
 
 def _parse_shape(spec):
@@ -205,21 +296,27 @@ def _torchrun_rank(cfg: Config, backend: str) -> Optional[dict]:
         dist.destroy_process_group()
 
 
-def _local(cfg: Config, nprocs: int, backend: str, shape: Optional[str],
-           inter_shape: Optional[str] = None) -> dict:
+def _local(
+    cfg: Config, nprocs: int, backend: str, shape: Optional[str], inter_shape: Optional[str] = None
+) -> dict:
     from ..launch import launch
 
     start = "fork" if backend == "gloo" else "spawn"
-    kwargs = dict(backend=backend, timeout=7 * 24 * 3600, pg_timeout=max(cfg.timeout_s, 60),
-                  start_method=start)
+    kwargs = dict(
+        backend=backend,
+        timeout=7 * 24 * 3600,
+        pg_timeout=max(cfg.timeout_s, 60),
+        start_method=start,
+    )
     nprocs += cfg.servers  # the workers, then the servers
     if shape is None and inter_shape is None:
         return launch(run_rank, nprocs, cfg, **kwargs)[0]
     from ..netns import NetnsError, ShapedNetwork
 
     try:
-        net = ShapedNetwork(nprocs, shape, node_size=cfg.node_size if inter_shape else None,
-                            inter_spec=inter_shape).open()
+        net = ShapedNetwork(
+            nprocs, shape, node_size=cfg.node_size if inter_shape else None, inter_spec=inter_shape
+        ).open()
     except NetnsError as e:
         raise SystemExit(f"hybridcomm-bench: --shape: {e}")
     try:
@@ -239,51 +336,92 @@ def calibrate(doc: dict, path: Optional[str]) -> dict:
     from ...plan import cost_model
     from ...algorithms import Topology
 
-    samples = [(r["algo"], r["bytes"], doc["world_size"], r["time_us"] * 1e-6)
-               for r in doc["results"]
-               if r["algo"] in cost_model.MODELED + cost_model.TWO_LEVEL + (BASELINE, PS)]
+    samples = [
+        (r["algo"], r["bytes"], doc["world_size"], r["time_us"] * 1e-6)
+        for r in doc["results"]
+        if r["algo"] in cost_model.MODELED + cost_model.TWO_LEVEL + (BASELINE, PS)
+    ]
     topology = Topology(doc["node_size"], tuple(doc["grid"]))
     model, rep = cost_model.fit(samples, topology, ps_servers=doc.get("servers") or None)
-    saved = calibration.save(model, path or None, report=rep, world_size=doc["world_size"],
-                            backend=doc["backend"], device=doc["device"], dtype=doc["dtype"],
-                            shape=doc["shape"], inter_shape=doc["inter_shape"],
-                            node_size=doc["node_size"], latency_emulated_s=doc["latency"],
-                            sizes=[min(s[1] for s in samples), max(s[1] for s in samples)])
-    return {"alpha_s": model.alpha, "beta_s_per_byte": model.beta,
-            "gamma_s_per_byte": model.gamma, "inter_alpha_s": model.inter_alpha,
-            "inter_beta_s_per_byte": model.inter_beta, "ps_alpha_s": model.ps_alpha,
-            "ps_beta_s_per_byte": model.ps_beta, "ps_servers": model.ps_servers,
-            "n_points": rep.n_points,
-            "rms_rel_err": rep.rms_rel_err, "max_rel_err": rep.max_rel_err, "path": saved,
-            "points": [{"algo": a, "bytes": n, "measured_us": t * 1e6, "predicted_us": p * 1e6}
-                       for a, n, _, t, p in rep.residuals]}
+    saved = calibration.save(
+        model,
+        path or None,
+        report=rep,
+        world_size=doc["world_size"],
+        backend=doc["backend"],
+        device=doc["device"],
+        dtype=doc["dtype"],
+        shape=doc["shape"],
+        inter_shape=doc["inter_shape"],
+        node_size=doc["node_size"],
+        latency_emulated_s=doc["latency"],
+        sizes=[min(s[1] for s in samples), max(s[1] for s in samples)],
+    )
+    return {
+        "alpha_s": model.alpha,
+        "beta_s_per_byte": model.beta,
+        "gamma_s_per_byte": model.gamma,
+        "inter_alpha_s": model.inter_alpha,
+        "inter_beta_s_per_byte": model.inter_beta,
+        "ps_alpha_s": model.ps_alpha,
+        "ps_beta_s_per_byte": model.ps_beta,
+        "ps_servers": model.ps_servers,
+        "n_points": rep.n_points,
+        "rms_rel_err": rep.rms_rel_err,
+        "max_rel_err": rep.max_rel_err,
+        "path": saved,
+        "points": [
+            {"algo": a, "bytes": n, "measured_us": t * 1e6, "predicted_us": p * 1e6}
+            for a, n, _, t, p in rep.residuals
+        ],
+    }
 
 
 def calibration_lines(cal: dict, world: int) -> List[str]:
     from ...plan import cost_model
 
-    m = cost_model.CostModel(cal["alpha_s"], cal["beta_s_per_byte"], cal["gamma_s_per_byte"],
-                             inter_alpha=cal.get("inter_alpha_s"),
-                             inter_beta=cal.get("inter_beta_s_per_byte"),
-                             ps_alpha=cal.get("ps_alpha_s"), ps_beta=cal.get("ps_beta_s_per_byte"),
-                             ps_servers=cal.get("ps_servers"))
-    bw = (lambda x: f"{1 / x / 1e9:.3g} GB/s" if x > 0 else "inf")
-    lines = ["#", "# Calibration (least squares, relative error, over "
-             f"{cal['n_points']} points):",
-             f"#   alpha {format_seconds(m.alpha)} per message, "
-             f"beta {format_seconds(m.beta)} per byte ({bw(m.beta)}), "
-             f"gamma {format_seconds(m.gamma)} per byte reduced ({bw(m.gamma)})",
-             *([f"#   between nodes: alpha {format_seconds(m.inter_alpha)} per step, beta "
+    m = cost_model.CostModel(
+        cal["alpha_s"],
+        cal["beta_s_per_byte"],
+        cal["gamma_s_per_byte"],
+        inter_alpha=cal.get("inter_alpha_s"),
+        inter_beta=cal.get("inter_beta_s_per_byte"),
+        ps_alpha=cal.get("ps_alpha_s"),
+        ps_beta=cal.get("ps_beta_s_per_byte"),
+        ps_servers=cal.get("ps_servers"),
+    )
+    bw = lambda x: f"{1 / x / 1e9:.3g} GB/s" if x > 0 else "inf"
+    lines = [
+        "#",
+        f"# Calibration (least squares, relative error, over {cal['n_points']} points):",
+        f"#   alpha {format_seconds(m.alpha)} per message, "
+        f"beta {format_seconds(m.beta)} per byte ({bw(m.beta)}), "
+        f"gamma {format_seconds(m.gamma)} per byte reduced ({bw(m.gamma)})",
+        *(
+            [
+                f"#   between nodes: alpha {format_seconds(m.inter_alpha)} per step, beta "
                 f"{format_seconds(m.inter_beta)} per byte on a node's link "
-                f"({bw(m.inter_beta)})"] if m.two_level else []),
-             *([f"#   ps ({m.ps_servers} summation servers): {format_seconds(m.ps_alpha)} per "
-                f"all-reduce + {format_seconds(m.ps_beta)} per byte ({bw(m.ps_beta)})"]
-               if m.ps_alpha is not None else []),
-             f"#   fit error: rms {cal['rms_rel_err'] * 100:.1f}%, max {cal['max_rel_err'] * 100:.1f}%",
-             f"#   saved to {cal['path']}"]
+                f"({bw(m.inter_beta)})"
+            ]
+            if m.two_level
+            else []
+        ),
+        *(
+            [
+                f"#   ps ({m.ps_servers} summation servers): {format_seconds(m.ps_alpha)} per "
+                f"all-reduce + {format_seconds(m.ps_beta)} per byte ({bw(m.ps_beta)})"
+            ]
+            if m.ps_alpha is not None
+            else []
+        ),
+        f"#   fit error: rms {cal['rms_rel_err'] * 100:.1f}%, max {cal['max_rel_err'] * 100:.1f}%",
+        f"#   saved to {cal['path']}",
+    ]
     c = m.crossover(world)
-    lines.append(f"#   predicted butterfly/ring crossover at P={world}: "
-                 + (format_bytes(c) if c else "none"))
+    lines.append(
+        f"#   predicted butterfly/ring crossover at P={world}: "
+        + (format_bytes(c) if c else "none")
+    )
     return lines
 
 
@@ -303,10 +441,16 @@ def latency_check(doc: dict) -> Optional[dict]:
             continue
         measured = t[("ring", n)] - tb
         predicted = model.predict("ring", n, doc["world_size"]) - model.predict(
-            "butterfly", n, doc["world_size"])
-        rows.append({"bytes": n, "measured_lead_us": measured * 1e6,
-                     "predicted_lead_us": predicted * 1e6,
-                     "rel_err": (measured - predicted) / predicted if predicted else None})
+            "butterfly", n, doc["world_size"]
+        )
+        rows.append(
+            {
+                "bytes": n,
+                "measured_lead_us": measured * 1e6,
+                "predicted_lead_us": predicted * 1e6,
+                "rel_err": (measured - predicted) / predicted if predicted else None,
+            }
+        )
     return {"model": am["source"], "rows": rows} if rows else None
 
 
@@ -319,19 +463,30 @@ def two_level_check(doc: dict) -> Optional[dict]:
 
     t = {(r["algo"], r["bytes"]): r["time_us"] * 1e-6 for r in doc["results"]}
     am = doc["auto_model"]
-    model = cost_model.CostModel(am["alpha_s"], am["beta_s_per_byte"], am["gamma_s_per_byte"],
-                                 inter_alpha=am.get("inter_alpha_s"),
-                                 inter_beta=am.get("inter_beta_s_per_byte"))
+    model = cost_model.CostModel(
+        am["alpha_s"],
+        am["beta_s_per_byte"],
+        am["gamma_s_per_byte"],
+        inter_alpha=am.get("inter_alpha_s"),
+        inter_beta=am.get("inter_beta_s_per_byte"),
+    )
     topo = Topology(doc["node_size"], tuple(doc["grid"]))
     world, rows = doc["world_size"], []
     for (algo, n), time_s in sorted(t.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         if algo not in cost_model.TWO_LEVEL or ("ring", n) not in t:
             continue
-        rows.append({"algo": algo, "bytes": n, "measured_speedup": t[("ring", n)] / time_s,
-                     "predicted_speedup": model.predict("ring", n, world, topo)
-                     / model.predict(algo, n, world, topo)})
-    return {"model": am["source"], "two_level_model": model.two_level, "rows": rows} \
-        if rows else None
+        rows.append(
+            {
+                "algo": algo,
+                "bytes": n,
+                "measured_speedup": t[("ring", n)] / time_s,
+                "predicted_speedup": model.predict("ring", n, world, topo)
+                / model.predict(algo, n, world, topo),
+            }
+        )
+    return (
+        {"model": am["source"], "two_level_model": model.two_level, "rows": rows} if rows else None
+    )
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -341,15 +496,20 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if cfg.servers and backend != "gloo":
-        raise SystemExit("--servers: the summation servers move host tensors over gloo; "
-                         "use --backend gloo")
+        raise SystemExit(
+            "--servers: the summation servers move host tensors over gloo; use --backend gloo"
+        )
     if _under_torchrun():
         if args.shape or args.inter_shape:
-            raise SystemExit("hybridcomm-bench: --shape needs --nprocs (it starts the ranks "
-                             "inside their namespaces); it cannot run under torchrun")
+            raise SystemExit(
+                "hybridcomm-bench: --shape needs --nprocs (it starts the ranks "
+                "inside their namespaces); it cannot run under torchrun"
+            )
         if cfg.servers >= int(os.environ["WORLD_SIZE"]):
-            raise SystemExit(f"--servers {cfg.servers} leaves no workers among WORLD_SIZE "
-                             f"{os.environ['WORLD_SIZE']} processes")
+            raise SystemExit(
+                f"--servers {cfg.servers} leaves no workers among WORLD_SIZE "
+                f"{os.environ['WORLD_SIZE']} processes"
+            )
         doc = _torchrun_rank(cfg, backend)
         if doc is None:
             return 0
@@ -358,6 +518,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if nprocs < 1:
             raise SystemExit("--nprocs must be >= 1")
         from ..netns import NetnsError, parse_shape
+
         for spec in (args.shape, args.inter_shape):
             try:
                 if spec:
@@ -367,17 +528,30 @@ def main(argv: Optional[List[str]] = None) -> int:
         doc = _local(cfg, nprocs, backend, args.shape, args.inter_shape)
     world = doc["world_size"]
     from ..netns import parse_shape as parse
-    doc = {"world_size": world, "servers": cfg.servers, "backend": doc["backend"],
-           "device": doc["device"],
-           "dtype": cfg.dtype, "op": cfg.op,
-           "shape": " ".join(parse(args.shape)) if args.shape else None,
-           "inter_shape": " ".join(parse(args.inter_shape)) if args.inter_shape else None,
-           "network": doc.get("network"), "node_size": doc["node_size"], "grid": doc["grid"],
-           "latency": cfg.latency_s, "iters": cfg.iters, "warmup": cfg.warmup, "check": cfg.check,
-           "auto_model": doc["auto_model"],
-           "results": report.result_rows(doc["results"], world, cfg.latency_s),
-           "calibration": None, "latency_check": None, "two_level_check": None,
-           "env": report.machine_info()}
+
+    doc = {
+        "world_size": world,
+        "servers": cfg.servers,
+        "backend": doc["backend"],
+        "device": doc["device"],
+        "dtype": cfg.dtype,
+        "op": cfg.op,
+        "shape": " ".join(parse(args.shape)) if args.shape else None,
+        "inter_shape": " ".join(parse(args.inter_shape)) if args.inter_shape else None,
+        "network": doc.get("network"),
+        "node_size": doc["node_size"],
+        "grid": doc["grid"],
+        "latency": cfg.latency_s,
+        "iters": cfg.iters,
+        "warmup": cfg.warmup,
+        "check": cfg.check,
+        "auto_model": doc["auto_model"],
+        "results": report.result_rows(doc["results"], world, cfg.latency_s),
+        "calibration": None,
+        "latency_check": None,
+        "two_level_check": None,
+        "env": report.machine_info(),
+    }
     doc["noise_threshold"] = report.NOISE_THRESHOLD
     doc["noisy_sizes"] = sorted({r["bytes"] for r in report.noisy(doc["results"])})
     doc["auto_check"] = report.auto_check(doc["results"])
@@ -395,22 +569,33 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(line, file=out)
     doc["latency_check"] = latency_check(doc)
     if doc["latency_check"]:
-        print(f"#\n# Butterfly lead over ring under the emulated latency "
-              f"(model: {doc['latency_check']['model']}):", file=out)
+        print(
+            f"#\n# Butterfly lead over ring under the emulated latency "
+            f"(model: {doc['latency_check']['model']}):",
+            file=out,
+        )
         for r in doc["latency_check"]["rows"]:
             err = "" if r["rel_err"] is None else f"{r['rel_err'] * 100:+.0f}%"
-            print(f"#   {format_bytes(r['bytes']):>6}: measured {r['measured_lead_us']:.0f} us, "
-                  f"predicted {r['predicted_lead_us']:.0f} us ({err})", file=out)
+            print(
+                f"#   {format_bytes(r['bytes']):>6}: measured {r['measured_lead_us']:.0f} us, "
+                f"predicted {r['predicted_lead_us']:.0f} us ({err})",
+                file=out,
+            )
     doc["two_level_check"] = two_level_check(doc)
     if doc["two_level_check"]:
         chk = doc["two_level_check"]
-        print(f"#\n# Speed-up over ring (ring time / its time), measured vs predicted by the auto "
-              f"model ({chk['model']}; {'two-level' if chk['two_level_model'] else 'flat'}), "
-              f"node size {doc['node_size']}, grid {doc['grid'][0]}x{doc['grid'][1]}:", file=out)
+        print(
+            f"#\n# Speed-up over ring (ring time / its time), measured vs predicted by the auto "
+            f"model ({chk['model']}; {'two-level' if chk['two_level_model'] else 'flat'}), "
+            f"node size {doc['node_size']}, grid {doc['grid'][0]}x{doc['grid'][1]}:",
+            file=out,
+        )
         for r in chk["rows"]:
-            print(f"#   {r['algo']:>12} {format_bytes(r['bytes']):>6}: measured "
-                  f"{r['measured_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x",
-                  file=out)
+            print(
+                f"#   {r['algo']:>12} {format_bytes(r['bytes']):>6}: measured "
+                f"{r['measured_speedup']:.2f}x, predicted {r['predicted_speedup']:.2f}x",
+                file=out,
+            )
     if args.json:
         report.write_json(args.json, doc)
         print(f"# wrote {args.json}", file=out)

@@ -15,6 +15,7 @@ With ``servers`` K > 0 the last K processes are summation servers
 (hybridcomm/comm/servers.py): they serve, and the others (the workers) run the sweep
 over their own group, ``ps`` (through the servers) beside the rest.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -35,22 +36,22 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @dataclass
 class Config:
-    sizes: List[int]                  # bytes
-    algos: List[str]                  # ours, "auto" and/or "native"
+    sizes: List[int]  # bytes
+    algos: List[str]  # ours, "auto" and/or "native"
     iters: int = 20
     warmup: int = 5
     dtype: str = "float32"
     op: str = "sum"
     check: bool = True
-    latency_s: float = 0.0            # emulated, per step, ours only
+    latency_s: float = 0.0  # emulated, per step, ours only
     timeout_s: float = 300.0
     progress: bool = True
-    node_size: Optional[int] = None   # hierarchical (default LOCAL_WORLD_SIZE, else one node)
+    node_size: Optional[int] = None  # hierarchical (default LOCAL_WORLD_SIZE, else one node)
     grid: Optional[Tuple[int, int]] = None  # torus2d (default the most square)
-    shape: Optional[str] = None       # for the header: the tbf spec of each rank link
-    network: Optional[str] = None     # for the header: the shaped network, described
-    live: bool = True                 # rank 0 prints the header, then rows as sizes complete
-    servers: int = 0                  # summation servers: the last K processes (algorithm ps)
+    shape: Optional[str] = None  # for the header: the tbf spec of each rank link
+    network: Optional[str] = None  # for the header: the shaped network, described
+    live: bool = True  # rank 0 prints the header, then rows as sizes complete
+    servers: int = 0  # summation servers: the last K processes (algorithm ps)
 
 
 def integer_input(rank: int, count: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -98,8 +99,10 @@ class _Runners:
         # on GPUs), so the sweep and --calibrate measure the real data path.
         base = select_transport(device, group)
         if cfg.latency_s > 0 and base.stream_ordered:
-            raise SystemExit("error: --latency emulates per-message delay on the host path "
-                             "only; it cannot wrap a stream-ordered (GPU) transport")
+            raise SystemExit(
+                "error: --latency emulates per-message delay on the host path "
+                "only; it cannot wrap a stream-ordered (GPU) transport"
+            )
         self.topology = Topology(cfg.node_size, cfg.grid).resolve(world)
         self.transport = LatencyTransport(base, cfg.latency_s) if cfg.latency_s > 0 else base
         self.workspace = Workspace()
@@ -109,8 +112,11 @@ class _Runners:
     def resolve(self, algo: str, nbytes: int) -> str:
         from ...collectives import resolve_algorithm
 
-        return algo if algo in (BASELINE, "ps") else resolve_algorithm(algo, nbytes, self.world,
-                                                                       self.topology)
+        return (
+            algo
+            if algo in (BASELINE, "ps")
+            else resolve_algorithm(algo, nbytes, self.world, self.topology)
+        )
 
     def make(self, algo: str, buf: torch.Tensor):
         if algo == BASELINE:
@@ -125,15 +131,16 @@ class _Runners:
         schedule = get_schedule(algo, self.rank, self.world, buf.numel(), self.topology)
         scratch = self.workspace.get(schedule.scratch_numel, buf.dtype, buf.device)
         transport, scale, timeout = self.transport, self.scale, self.cfg.timeout_s
-        return lambda: execute(schedule, buf, transport, scale=scale, scratch=scratch,
-                               timeout=timeout)
+        return lambda: execute(
+            schedule, buf, transport, scale=scale, scratch=scratch, timeout=timeout
+        )
 
 
 def percentiles(times: List[float]) -> Tuple[float, float, float]:
     """(p20, median, p80) of the iterations' times (one time: that time thrice).
 
-        >>> percentiles([5.0, 1.0, 2.0, 3.0, 4.0])
-        (1.8, 3.0, 4.2)
+    >>> percentiles([5.0, 1.0, 2.0, 3.0, 4.0])
+    (1.8, 3.0, 4.2)
     """
     if len(times) < 2:
         return times[0], times[0], times[0]
@@ -166,19 +173,37 @@ def _merge(per_rank_rows: List[List[dict]]) -> List[dict]:
     for i, row in enumerate(per_rank_rows[0]):
         per_rank = [rows[i] for rows in per_rank_rows]
         wrong = -1 if row["wrong"] < 0 else sum(r["wrong"] for r in per_rank)
-        out.append({**row, "time_s": statistics.mean(r["time_s"] for r in per_rank),
-                    "wrong": wrong, "time_s_per_rank": [r["time_s"] for r in per_rank],
-                    "p20_s_per_rank": [r.get("p20_s", r["time_s"]) for r in per_rank],
-                    "p80_s_per_rank": [r.get("p80_s", r["time_s"]) for r in per_rank]})
+        out.append(
+            {
+                **row,
+                "time_s": statistics.mean(r["time_s"] for r in per_rank),
+                "wrong": wrong,
+                "time_s_per_rank": [r["time_s"] for r in per_rank],
+                "p20_s_per_rank": [r.get("p20_s", r["time_s"]) for r in per_rank],
+                "p80_s_per_rank": [r.get("p80_s", r["time_s"]) for r in per_rank],
+            }
+        )
     return out
 
 
 def _header_doc(world, device, cfg: Config, model, topology) -> dict:
-    return {"world_size": world, "backend": backend_name(), "device": device.type,
-            "servers": cfg.servers, "dtype": cfg.dtype, "op": cfg.op, "iters": cfg.iters, "warmup": cfg.warmup,
-            "check": cfg.check, "latency": cfg.latency_s, "shape": cfg.shape,
-            "network": cfg.network, "node_size": topology.node_size, "grid": list(topology.grid),
-            "auto_model": {"source": model.source}}
+    return {
+        "world_size": world,
+        "backend": backend_name(),
+        "device": device.type,
+        "servers": cfg.servers,
+        "dtype": cfg.dtype,
+        "op": cfg.op,
+        "iters": cfg.iters,
+        "warmup": cfg.warmup,
+        "check": cfg.check,
+        "latency": cfg.latency_s,
+        "shape": cfg.shape,
+        "network": cfg.network,
+        "node_size": topology.node_size,
+        "grid": list(topology.grid),
+        "auto_model": {"source": model.source},
+    }
 
 
 def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
@@ -195,8 +220,9 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
         return None
     servers = ps.SummationServers(role, timeout=cfg.timeout_s)
     try:
-        return _sweep(dist.get_rank(role.worker_group), len(role.workers), cfg,
-                      role.worker_group, servers)
+        return _sweep(
+            dist.get_rank(role.worker_group), len(role.workers), cfg, role.worker_group, servers
+        )
     finally:
         servers.close()  # the servers stop once every worker has closed
 
@@ -241,28 +267,58 @@ def _sweep(rank: int, world: int, cfg: Config, group, servers) -> Optional[dict]
                 run()
                 _sync(device)
                 wrong = count_wrong(buf, total, cfg.op, world)
-            rows.append({"algo": algo, "chosen": chosen, "bytes": count * esize, "count": count,
-                         "time_s": t, "p20_s": p20, "p80_s": p80, "wrong": wrong})
+            rows.append(
+                {
+                    "algo": algo,
+                    "chosen": chosen,
+                    "bytes": count * esize,
+                    "count": count,
+                    "time_s": t,
+                    "p20_s": p20,
+                    "p80_s": p80,
+                    "wrong": wrong,
+                }
+            )
         if cfg.live:  # as nccl-tests: this size's rows now, times averaged over the ranks
-            every = control.all_gather_object(rows[first:], group=group, timeout=cfg.timeout_s,
-                                              what="the benchmark rows")
+            every = control.all_gather_object(
+                rows[first:], group=group, timeout=cfg.timeout_s, what="the benchmark rows"
+            )
             if rank == 0:
                 merged = report.result_rows(_merge(every), world, cfg.latency_s)
                 for r in merged:
-                    print(report.row_line(r, {"dtype": cfg.dtype, "op": cfg.op,
-                                              "latency": cfg.latency_s}), flush=True)
+                    print(
+                        report.row_line(
+                            r, {"dtype": cfg.dtype, "op": cfg.op, "latency": cfg.latency_s}
+                        ),
+                        flush=True,
+                    )
         elif cfg.progress and rank == 0 and len(cfg.sizes) > 3:
-            print(f"# progress: {k + 1}/{len(cfg.sizes)} sizes, up to {count * esize} bytes, "
-                  f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    gathered = control.all_gather_object(rows, group=group, timeout=cfg.timeout_s,
-                                         what="the benchmark rows")
+            print(
+                f"# progress: {k + 1}/{len(cfg.sizes)} sizes, up to {count * esize} bytes, "
+                f"{time.perf_counter() - start:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    gathered = control.all_gather_object(
+        rows, group=group, timeout=cfg.timeout_s, what="the benchmark rows"
+    )
     if rank != 0:
         return None
     results = _merge(gathered)
-    return {"world_size": world, "backend": backend_name(group), "device": device.type,
-            "servers": cfg.servers, "node_size": runners.topology.node_size, "grid": list(runners.topology.grid),
-            "results": results, "auto_model": {"alpha_s": model.alpha, "beta_s_per_byte": model.beta,
-                                               "gamma_s_per_byte": model.gamma,
-                                               "inter_alpha_s": model.inter_alpha,
-                                               "inter_beta_s_per_byte": model.inter_beta,
-                                               "source": model.source}}
+    return {
+        "world_size": world,
+        "backend": backend_name(group),
+        "device": device.type,
+        "servers": cfg.servers,
+        "node_size": runners.topology.node_size,
+        "grid": list(runners.topology.grid),
+        "results": results,
+        "auto_model": {
+            "alpha_s": model.alpha,
+            "beta_s_per_byte": model.beta,
+            "gamma_s_per_byte": model.gamma,
+            "inter_alpha_s": model.inter_alpha,
+            "inter_beta_s_per_byte": model.inter_beta,
+            "source": model.source,
+        },
+    }

@@ -22,13 +22,15 @@ runtime (a GPU releases a bucket as its launch is issued, the part copied on the
 comm stream): the bytes held are the library's, as on a GPU; the step times are
 the simulator's, not a GPU's.
 """
+
 import os
 import statistics
 import sys
 import time
 
-ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
-                       os.path.join(os.path.dirname(__file__), *[".."] * 4))
+ROOT = os.path.abspath(
+    sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), *[".."] * 4)
+)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 os.environ["HYBRIDCOMM_LOG_LEVEL"] = "WARNING"
 import torch  # noqa: E402
@@ -54,10 +56,16 @@ def rank(r, w, name, release, fusion):
     os.environ["HYBRIDCOMM_RELEASE_IN_BACKWARD"] = release
     torch.set_num_threads(1)
     model = build(name, seed=0)
-    opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
-                                          model=model, overlap="forward", shard="gradients",
-                                          measure_iters=2, cost_model="default", timeout=300,
-                                          **({"fusion_bytes": fusion} if fusion else {}))
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-3),
+        model=model,
+        overlap="forward",
+        shard="gradients",
+        measure_iters=2,
+        cost_model="default",
+        timeout=300,
+        **({"fusion_bytes": fusion} if fusion else {}),
+    )
     g = torch.Generator().manual_seed(r)
     x = torch.randn(BATCH, *input_shape(name), generator=g)
     y = torch.randint(0, NUM_CLASSES, (BATCH,), generator=g)
@@ -83,8 +91,11 @@ if __name__ == "__main__":
             out = launch(rank, 4, name, release, fusion, backend="gloo", timeout=900)
             held = max(o[0] for o in out)
             grads, buckets = out[0][1], out[0][3]
-            print(f"{name:12s} fusion_bytes={fusion or 'planner'} "
-                  f"release_in_backward={release}: held at backward's end "
-                  f"{held / 1e6:7.2f} MB of {grads / 1e6:6.2f} MB of gradients "
-                  f"({held / grads:.2f}), {buckets} buckets; step {max(o[2] for o in out):7.1f} "
-                  "ms (slowest rank's median)", flush=True)
+            print(
+                f"{name:12s} fusion_bytes={fusion or 'planner'} "
+                f"release_in_backward={release}: held at backward's end "
+                f"{held / 1e6:7.2f} MB of {grads / 1e6:6.2f} MB of gradients "
+                f"({held / grads:.2f}), {buckets} buckets; step {max(o[2] for o in out):7.1f} "
+                "ms (slowest rank's median)",
+                flush=True,
+            )

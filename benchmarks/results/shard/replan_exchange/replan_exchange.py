@@ -16,13 +16,15 @@ gloo on loopback.
 
     python benchmarks/results/shard/replan_exchange/replan_exchange.py [checkout] [world] [case]
 """
+
 import os
 import resource
 import sys
 import time
 
-ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
-                       os.path.join(os.path.dirname(__file__), *[".."] * 4))
+ROOT = os.path.abspath(
+    sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), *[".."] * 4)
+)
 WORLD = int(sys.argv[2]) if len(sys.argv) > 2 else 2
 CASE = sys.argv[3] if len(sys.argv) > 3 else "measured"
 sys.path.insert(0, ROOT)
@@ -43,9 +45,15 @@ def rank(r, w, case):
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(10)])
-    opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4),
-                                          model=model, overlap="backward", shard="optimizer",
-                                          measure_iters=3, cost_model="default", timeout=120)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-4),
+        model=model,
+        overlap="backward",
+        shard="optimizer",
+        measure_iters=3,
+        cost_model="default",
+        timeout=120,
+    )
     x = torch.randn(8, 1024)
     rises, times, prev = [], [], _peak_mb()
     for step in range(STEPS):
@@ -66,9 +74,15 @@ def rank(r, w, case):
 
 if __name__ == "__main__":
     res = launch(rank, WORLD, CASE, backend="gloo", timeout=600)
-    print(f"checkout {ROOT}  world {WORLD}  case {CASE}  "
-          f"HYBRIDCOMM_RESHARD_BYTES={os.environ.get('HYBRIDCOMM_RESHARD_BYTES')}  "
-          f"checksum {res[0][2]:.6f}")
+    print(
+        f"checkout {ROOT}  world {WORLD}  case {CASE}  "
+        f"HYBRIDCOMM_RESHARD_BYTES={os.environ.get('HYBRIDCOMM_RESHARD_BYTES')}  "
+        f"checksum {res[0][2]:.6f}"
+    )
     for i, (rises, times, _) in enumerate(res):
-        print(f"rank {i}: peak RSS rise per step (MB): " + " ".join(f"{x:.0f}" for x in rises)
-              + "   ms per step: " + " ".join(f"{t:.0f}" for t in times))
+        print(
+            f"rank {i}: peak RSS rise per step (MB): "
+            + " ".join(f"{x:.0f}" for x in rises)
+            + "   ms per step: "
+            + " ".join(f"{t:.0f}" for t in times)
+        )

@@ -11,12 +11,14 @@ loopback, 2 ranks.
 
     python benchmarks/results/shard/replan_memory/replan_memory.py [checkout]
 """
+
 import os
 import resource
 import sys
 
-ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
-                       os.path.join(os.path.dirname(__file__), *[".."] * 4))
+ROOT = os.path.abspath(
+    sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), *[".."] * 4)
+)
 sys.path.insert(0, ROOT)
 os.environ["HYBRIDCOMM_LOG_LEVEL"] = "WARNING"
 import torch  # noqa: E402
@@ -33,9 +35,15 @@ def rank(r, w):
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(10)])
-    opt = hybridcomm.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4),
-                                          model=model, overlap="backward", shard="optimizer",
-                                          measure_iters=3, cost_model="default", timeout=120)
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-4),
+        model=model,
+        overlap="backward",
+        shard="optimizer",
+        measure_iters=3,
+        cost_model="default",
+        timeout=120,
+    )
     x = torch.randn(8, 1024)
     rises, prev = [], _peak_mb()
     for _ in range(6):

@@ -14,6 +14,7 @@ Prints nothing itself: the figure is callgrind's, per forward (the first three m
 pending and back (``switches``). ``old-hook``: the hook as it was before, the frame walk
 inside ``torch._dynamo.disable`` on every call.
 """
+
 import os
 import sys
 import tempfile
@@ -36,25 +37,32 @@ if mode == "switches":
         grad_fields.switch_classes(ps, pending._classes, True)
         grad_fields.switch_classes(ps, pending._bases, False)
 else:
+
     class Args:
         layers, width, batch, channels, image, conv_batch = 100, 64, 32, 8, 16, 8
 
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1),
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1), rank=0, world_size=1
+    )
     run = _Run("plain", "conv", Args)
     model, x = run.model, run.x
     import torch._dynamo  # noqa: E402  (loaded by any optimizer step)
+
     pending._waiting[0] = (None, None)  # an update is registered, as after a step
     pending._arm_compiled_forward_hook()
     if mode == "hook":
         model.register_forward_pre_hook(pending.ApplyBeforeCompiledForward())
     elif mode == "old-hook":
+
         class Old:
             __call__ = torch._dynamo.disable(pending._legacy_call)
+
         model.register_forward_pre_hook(Old())
 
     def work():
         model(x)
+
+
 for _ in range(3):
     work()
 torch._C._valgrind_toggle()

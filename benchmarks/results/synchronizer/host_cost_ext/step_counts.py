@@ -39,6 +39,7 @@ count the same, to the fourth decimal of millions), one process per seed:
       echo $c $seed $(grep '^summary' /tmp/one.1 | awk '{print $2 / 10 / 1e6}')
     done; done
 """
+
 import os
 import sys
 import tempfile
@@ -85,7 +86,8 @@ def whole_steps(order: str) -> None:
 
 torch.set_num_threads(1)
 with tempfile.TemporaryDirectory() as tmp:
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1),
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1
+    )
     operation() if sys.argv[1] == "operation" else whole_steps(sys.argv[1])
     dist.destroy_process_group()

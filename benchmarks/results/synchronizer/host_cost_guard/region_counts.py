@@ -20,6 +20,7 @@ optimizer's step alone), ``walk`` (the first read's search for pending arguments
 (``model(x)`` once the torch.compile pre-hook is off: counted last). Each counted call
 also counts ~1.2K of the toggling around it.
 """
+
 import functools
 import os
 import sys
@@ -56,6 +57,7 @@ def _count(owner, name: str, region: str) -> None:
             if on:
                 _toggle()
                 _counted[0] = region
+
     kind = type(attr) if isinstance(attr, (staticmethod, classmethod)) else None
     setattr(owner, name, kind(counted) if kind else counted)
 
@@ -100,7 +102,8 @@ def main(config: str, regions: list) -> None:
 
 torch.set_num_threads(1)
 with tempfile.TemporaryDirectory() as tmp:
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1),
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1
+    )
     main(sys.argv[1], sys.argv[2].split(","))
     dist.destroy_process_group()

@@ -8,7 +8,9 @@ launches (the minimum of the three DDP configs, per launch).
     python benchmarks/results/synchronizer/host_cost_hooks/summarize.py \
         benchmarks/results/synchronizer/host_cost_lean
 """
+
 import glob, json, os, statistics, sys
+
 DIR = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 out = {}
 for tag in ("before", "after"):
@@ -17,7 +19,11 @@ for tag in ("before", "after"):
         d = json.load(open(f))
         for r in d["results"]:
             key = (r["model"], r["world"])
-            best = min(r["configs"][c]["added_ms"] for c in ("ddp", "ddp-view", "ddp-batch") if c in r["configs"])
+            best = min(
+                r["configs"][c]["added_ms"]
+                for c in ("ddp", "ddp-view", "ddp-batch")
+                if c in r["configs"]
+            )
             rows.setdefault(key, {}).setdefault("best DDP", []).append(best)
             for c in ("forward", "backward", "none"):
                 rows[key].setdefault(c, []).append(r["configs"][c]["added_ms"])
@@ -25,12 +31,14 @@ for tag in ("before", "after"):
     out[tag] = rows
 for key in out["after"]:
     n = out["after"][key]["params"]
-    print(f"## {key[0]} ({n} params), world {key[1]}: ms added over plain, median of {len(out['after'][key]['best DDP'])} launches (us/param; x best DDP of the same runs)")
+    print(
+        f"## {key[0]} ({n} params), world {key[1]}: ms added over plain, median of {len(out['after'][key]['best DDP'])} launches (us/param; x best DDP of the same runs)"
+    )
     for tag in ("before", "after"):
         rows = out[tag][key]
         ddp = statistics.median(rows["best DDP"])
-        cells = [f"best DDP +{ddp:.2f} ({ddp/n*1e3:.1f})"]
+        cells = [f"best DDP +{ddp:.2f} ({ddp / n * 1e3:.1f})"]
         for c in ("forward", "backward", "none"):
             m = statistics.median(rows[c])
-            cells.append(f"{c} +{m:.2f} ({m/n*1e3:.1f}; {m/ddp:.2f}x)")
+            cells.append(f"{c} +{m:.2f} ({m / n * 1e3:.1f}; {m / ddp:.2f}x)")
         print(f"{tag:6s}  " + " | ".join(cells))

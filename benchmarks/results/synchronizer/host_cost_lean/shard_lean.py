@@ -5,6 +5,7 @@ and lean (one per bucket), both in the same launch, interleaved in rounds
 
     python benchmarks/results/synchronizer/host_cost_lean/shard_lean.py
 """
+
 import os
 import sys
 
@@ -17,10 +18,12 @@ from multiproc import run_ranks  # noqa: E402
 def rank(rank, world, model):
     import torch
     import sync_overhead as so
+
     torch.set_num_threads(1)
 
     class A:
         layers, width, batch, channels, image, conv_batch = 100, 64, 32, 8, 16, 8
+
     kind, options, zero = so.CONFIGS["backward"]
     so.CONFIGS["shard"] = (kind, dict(options, shard="optimizer"), zero)
     runs = {"plain": so._Run("plain", model, A)}
@@ -45,5 +48,6 @@ if __name__ == "__main__":
         for launch in range(2):
             added, lean = run_ranks(2, rank, model, timeout=300)[1]
             figures = ", ".join(f"{k} {v:+.2f}" for k, v in added.items())
-            print(f"{model} launch {launch + 1}: added ms (rank 1) {figures}; "
-                  f"lean at the end: {lean}")
+            print(
+                f"{model} launch {launch + 1}: added ms (rank 1) {figures}; lean at the end: {lean}"
+            )

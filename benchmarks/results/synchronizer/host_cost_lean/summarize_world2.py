@@ -6,7 +6,9 @@ one post-accumulate hook per bucket). Launches 1-2 ran --launches 2, 3-6
 
     python benchmarks/results/synchronizer/host_cost_lean/summarize_world2.py
 """
+
 import glob, json, os, statistics
+
 DIR = os.path.dirname(os.path.abspath(__file__))
 for tag in ("before", "after"):
     rows = {}
@@ -19,6 +21,10 @@ for tag in ("before", "after"):
                 row.setdefault(c, []).append(r["configs"][c]["added_ms"] / best)
     for model, row in rows.items():
         ddp = row.pop("best DDP")
-        print(f"{tag:6s} {model:6s} best DDP +{statistics.median(ddp):.2f} ms | " + " | ".join(
-            f"{c} {statistics.median(x):.2f}x (launches {', '.join(f'{v:.2f}' for v in x)})"
-            for c, x in row.items()))
+        print(
+            f"{tag:6s} {model:6s} best DDP +{statistics.median(ddp):.2f} ms | "
+            + " | ".join(
+                f"{c} {statistics.median(x):.2f}x (launches {', '.join(f'{v:.2f}' for v in x)})"
+                for c, x in row.items()
+            )
+        )

@@ -13,6 +13,7 @@ Since the usage flags ride in the reduce-scatter (benchmarks/results/shard/
 flags_in_reduce_scatter/), the host path posts no HostMax under shard: ``post``
 is the shipped code, and ``chan`` and ``skip`` change nothing there.
 """
+
 import os
 import sys
 
@@ -47,14 +48,24 @@ class _OnChannel:
 def rank(r, w, how):
     from hybridcomm.comm import control
     from hybridcomm.sync import used
+
     channel = []
     if how == "skip":
         used.UsedAgreement.post = lambda self, state: None
     elif how == "chan":
+
         def post(self, state):
-            state.agreed = _OnChannel(channel[0], lambda: control.HostMax(
-                len(state.bucket.params), state.marked, group=self.group,
-                timeout=self.timeout, what="agreement"))
+            state.agreed = _OnChannel(
+                channel[0],
+                lambda: control.HostMax(
+                    len(state.bucket.params),
+                    state.marked,
+                    group=self.group,
+                    timeout=self.timeout,
+                    what="agreement",
+                ),
+            )
+
         used.UsedAgreement.post = post
     torch.set_num_threads(1)
     kind, options, zero = so.CONFIGS["backward"]

@@ -5,12 +5,14 @@ sync/deferred.py does it (``pending.defer`` then ``release`` per parameter, or
 
     python benchmarks/results/synchronizer/host_cost_marks/pending_cost.py <checkout>
 """
+
 import os
 import sys
 import timeit
 
-ROOT = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
-                       os.path.join(os.path.dirname(__file__), *[".."] * 4))
+ROOT = os.path.abspath(
+    sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), *[".."] * 4)
+)
 sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from hybridcomm.sync import pending  # noqa: E402

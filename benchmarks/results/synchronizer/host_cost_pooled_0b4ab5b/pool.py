@@ -6,6 +6,7 @@ in how many launches each mode added no more than that launch's best DDP.
 
 (default: ``full_run*.json`` beside this script).
 """
+
 import glob
 import json
 import os
@@ -20,14 +21,21 @@ def main(files) -> None:
     runs = [json.load(open(f)) for f in files]
     launches = [{int(w): v for w, v in l.items()} for r in runs for l in r["launches"]]
     nparams = {res["model"]: res["parameters"] for res in runs[0]["results"]}
-    print(f"# {len(launches)} launches from {len(files)} runs: {', '.join(map(os.path.basename, files))}")
+    print(
+        f"# {len(launches)} launches from {len(files)} runs: {', '.join(map(os.path.basename, files))}"
+    )
     for res in so.figures(launches, nparams):
         w, m = res["world"], res["model"]
         so.print_table(res, f"{nparams[m]} parameters")
         per = [l[w][m] for l in launches]
-        wins = {c: sum(x[c]["added"] <= min(x[d]["added"] for d in so.DDPS) for x in per) for c in so.MODES}
-        print("at or below that launch's best DDP: " +
-              ", ".join(f"{c} in {n}/{len(per)} launches" for c, n in wins.items()))
+        wins = {
+            c: sum(x[c]["added"] <= min(x[d]["added"] for d in so.DDPS) for x in per)
+            for c in so.MODES
+        }
+        print(
+            "at or below that launch's best DDP: "
+            + ", ".join(f"{c} in {n}/{len(per)} launches" for c, n in wins.items())
+        )
 
 
 if __name__ == "__main__":

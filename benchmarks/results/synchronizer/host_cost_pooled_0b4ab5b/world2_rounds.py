@@ -6,6 +6,7 @@ each config's paired added time (sync_overhead.py's ``added``, the larger rank's
     python benchmarks/results/synchronizer/host_cost_pooled_0b4ab5b/world2_rounds.py \\
         --model conv --configs plain,ddp-batch,backward,none,backward-native,none-native
 """
+
 import argparse
 import os
 import sys
@@ -14,13 +15,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import sync_overhead as so  # noqa: E402
 
 for _mode in ("backward", "none"):
-    so.CONFIGS[f"{_mode}-native"] = ("hybrid", dict(so.HYBRID, overlap=_mode, strategy="native"), {})
+    so.CONFIGS[f"{_mode}-native"] = (
+        "hybrid",
+        dict(so.HYBRID, overlap=_mode, strategy="native"),
+        {},
+    )
 
 
 def _rank(rank, world, args):  # launch()'s function: module level
     """sync_overhead.measure's interleaved rounds, keeping each round's median total."""
     import statistics
     import torch
+
     torch.set_num_threads(1)
     runs = [so._Run(c, args.model, args) for c in args.configs]
     for run in runs:
@@ -38,7 +44,9 @@ def _rank(rank, world, args):  # launch()'s function: module level
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="conv")
-    parser.add_argument("--configs", default="plain,ddp-batch,backward,none,backward-native,none-native")
+    parser.add_argument(
+        "--configs", default="plain,ddp-batch,backward,none,backward-native,none-native"
+    )
     so.add_model_arguments(parser)
     args = parser.parse_args()
     args.configs = args.configs.split(",")
@@ -48,6 +56,7 @@ def main() -> None:
     os.environ["HYBRIDCOMM_DEFER"] = "always"
     os.environ.setdefault("HYBRIDCOMM_LOG_LEVEL", "WARNING")
     from hybridcomm.tools.launch import launch
+
     ranks = launch(_rank, 2, args, backend="gloo", timeout=600)
     for rk, (_, rounds) in enumerate(ranks):
         print(f"rank {rk}: median total per round, ms")

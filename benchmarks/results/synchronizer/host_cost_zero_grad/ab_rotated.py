@@ -11,6 +11,7 @@ the configs' order rotates by one each round. In one process the hybridcomm
 optimizer built first ran 0.1-0.2 ms a step slower than an identical one built
 after it, whatever its mode (``ab_world1.py`` builds forward mode first).
 """
+
 import statistics
 import sys
 import time
@@ -20,8 +21,13 @@ from world1 import linear_stack, start, steps
 if __name__ == "__main__":
     checkout, label = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else sys.argv[1])
     hybridcomm = start(checkout)
-    modes = {"plain": None, "sacrificial": "backward", "forward": "forward",
-             "backward": "backward", "none": "none"}
+    modes = {
+        "plain": None,
+        "sacrificial": "backward",
+        "forward": "forward",
+        "backward": "backward",
+        "none": "none",
+    }
     runs = {name: linear_stack(hybridcomm, mode) for name, mode in modes.items()}
 
     def timed(run, n):
@@ -41,5 +47,7 @@ if __name__ == "__main__":
         if name == "sacrificial":
             continue
         added = statistics.median(a - b for a, b in zip(ts, times["plain"]))
-        print(f"{label} {name:8s} {statistics.median(ts) * 1e3:.3f} ms/step, "
-              f"added {added * 1e3:+.3f} ms")
+        print(
+            f"{label} {name:8s} {statistics.median(ts) * 1e3:.3f} ms/step, "
+            f"added {added * 1e3:+.3f} ms"
+        )

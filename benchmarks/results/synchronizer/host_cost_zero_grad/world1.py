@@ -1,5 +1,6 @@
 """What both scripts here share: hybridcomm imported from a checkout, one gloo rank,
 one compute thread, and the linear stack of ``benchmarks/sync_overhead.py``."""
+
 import os
 import sys
 import tempfile
@@ -31,8 +32,9 @@ def linear_stack(hybridcomm, mode=None):
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(100)])
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     if mode is not None:
-        opt = hybridcomm.DistributedOptimizer(opt, model=model, overlap=mode,
-                                              cost_model="probe", measure_iters=0)
+        opt = hybridcomm.DistributedOptimizer(
+            opt, model=model, overlap=mode, cost_model="probe", measure_iters=0
+        )
     return model, torch.randn(32, 64), opt
 
 

@@ -14,6 +14,7 @@ after ``step()``) and in backward mode, then times, in a steady state:
 
 Median of 7 repeats of 2000 calls, microseconds per call.
 """
+
 import statistics
 import sys
 import timeit
@@ -46,5 +47,7 @@ if __name__ == "__main__":
         rebind()
         bwd.zero_grad()
 
-    print(f"{label} backward zero_grad() of 200 views:  "
-          f"{per_call(rebind_and_zero) - per_call(rebind):6.1f} us")
+    print(
+        f"{label} backward zero_grad() of 200 views:  "
+        f"{per_call(rebind_and_zero) - per_call(rebind):6.1f} us"
+    )

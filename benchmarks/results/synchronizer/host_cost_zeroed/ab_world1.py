@@ -10,6 +10,7 @@ step and its added time over plain, paired by round (median over rounds).
 Imports hybridcomm from CHECKOUT, so two checkouts can be alternated launch by
 launch on a noisy machine.
 """
+
 import os
 import statistics
 import sys
@@ -36,8 +37,9 @@ if __name__ == "__main__":
         model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(100)])
         opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
         if mode != "plain":
-            opt = hybridcomm.DistributedOptimizer(opt, model=model, overlap=mode,
-                                                  cost_model="probe", measure_iters=0)
+            opt = hybridcomm.DistributedOptimizer(
+                opt, model=model, overlap=mode, cost_model="probe", measure_iters=0
+            )
         runs[mode] = (model, torch.randn(32, 64), opt)
 
     def steps(model, x, opt, n):
@@ -56,5 +58,7 @@ if __name__ == "__main__":
             times[mode].append(steps(*run, 25))
     for mode, ts in times.items():
         added = statistics.median(a - b for a, b in zip(ts, times["plain"]))
-        print(f"{label} {mode:8s} {statistics.median(ts) * 1e3:.3f} ms/step, "
-              f"added {added * 1e3:+.3f} ms")
+        print(
+            f"{label} {mode:8s} {statistics.median(ts) * 1e3:.3f} ms/step, "
+            f"added {added * 1e3:+.3f} ms"
+        )

@@ -6,6 +6,7 @@ plans from one probe, as in sync_overhead.py.
 
     python benchmarks/results/synchronizer/host_here/cpu_per_step.py --model conv
 """
+
 import argparse
 import os
 import resource
@@ -46,6 +47,7 @@ def _rank(rank, world, args):  # launch()'s function: module level
 
 def main() -> None:
     from hybridcomm.tools.launch import launch
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     so.add_model_arguments(parser)
     parser.add_argument("--model", default="conv")
@@ -53,7 +55,9 @@ def main() -> None:
     args.timeout = 600
     os.environ.setdefault("HYBRIDCOMM_LOG_LEVEL", "WARNING")
     for r, res in enumerate(launch(_rank, 2, args, backend="gloo", timeout=args.timeout)):
-        print(f"rank {r} " + "  ".join(f"{c}: cpu {a:.2f} wall {b:.2f}" for c, (a, b) in res.items()))
+        print(
+            f"rank {r} " + "  ".join(f"{c}: cpu {a:.2f} wall {b:.2f}" for c, (a, b) in res.items())
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ before), beside plain and the best DDP; sync_overhead.py's figures and table.
 
     python benchmarks/results/synchronizer/host_here/here_ab.py --models conv,linear
 """
+
 import argparse
 import os
 import sys

@@ -7,6 +7,7 @@ net's one bucket).
 
     python benchmarks/results/synchronizer/host_here/posting.py
 """
+
 import statistics
 import time
 
@@ -16,13 +17,15 @@ import torch.distributed as dist
 
 def _rank(rank, world, numel):  # launch()'s function: module level
     from hybridcomm.comm.channel import open_channel
+
     torch.set_num_threads(1)
     a, b = torch.randn(numel), torch.empty(numel)
     transport, _ = open_channel(torch.device("cpu"), None, 60)  # its own gloo group
     pg, peer = transport.group, 1 - rank
     ways = {
         "batch_isend_irecv": lambda: dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, a, peer, pg), dist.P2POp(dist.irecv, b, peer, pg)]),
+            [dist.P2POp(dist.isend, a, peer, pg), dist.P2POp(dist.irecv, b, peer, pg)]
+        ),
         "isend/irecv": lambda: [dist.isend(a, peer, pg), dist.irecv(b, peer, pg)],
         "group send/recv": lambda: [pg.send([a], peer, 0), pg.recv([b], peer, 0)],
         "exchange": lambda: transport.exchange([(peer, a)], [(peer, b)]).works,
@@ -41,10 +44,14 @@ def _rank(rank, world, numel):  # launch()'s function: module level
 
 def main() -> None:
     from hybridcomm.tools.launch import launch
+
     for numel in (1, 705608 // 4):
         ranks = launch(_rank, 2, numel, backend="gloo", timeout=300)
-        print(f"{numel * 4} bytes: " + ", ".join(
-            f"{k} {max(r[k] for r in ranks):.1f}" for k in ranks[0]) + " us (the larger rank's)")
+        print(
+            f"{numel * 4} bytes: "
+            + ", ".join(f"{k} {max(r[k] for r in ranks):.1f}" for k in ranks[0])
+            + " us (the larger rank's)"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ commits to compare probes:
 
     python benchmarks/results/synchronizer/probe_rounds/probe_choice.py --launches 15
 """
+
 import argparse
 import os
 import sys
@@ -40,8 +41,10 @@ def main() -> None:
     for picks, error in rows:
         print(picks, error)
     some_native = sum("n" in picks for picks, _ in rows)
-    print(f"# {some_native} of {len(rows)} launches picked native for at least one of "
-          f"{', '.join(map(str, SIZES))} B")
+    print(
+        f"# {some_native} of {len(rows)} launches picked native for at least one of "
+        f"{', '.join(map(str, SIZES))} B"
+    )
 
 
 if __name__ == "__main__":

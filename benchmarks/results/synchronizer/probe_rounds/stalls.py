@@ -7,6 +7,7 @@ points in rounds).
 
     python benchmarks/results/synchronizer/probe_rounds/stalls.py
 """
+
 import os
 import sys
 import time

@@ -9,6 +9,7 @@ way, twice. Printed: p10, p50, p75 and p90 in us. If the guess held,
 
     python benchmarks/results/synchronizer/timeline/duplex.py
 """
+
 import os
 import sys
 import time
@@ -37,8 +38,10 @@ def _rank(rank, world, _):  # launch()'s function: module level
             work.wait()
 
     world_pg = dist.group.WORLD
-    ways = {"one group": (world_pg, world_pg),
-            "by direction": (world_pg, other) if rank == 0 else (other, world_pg)}
+    ways = {
+        "one group": (world_pg, world_pg),
+        "by direction": (world_pg, other) if rank == 0 else (other, world_pg),
+    }
     out = {}
     for name, (send_pg, recv_pg) in ways.items():
         for _ in range(20):

@@ -16,6 +16,7 @@ both processes share. Printed:
 
     python benchmarks/results/synchronizer/timeline/forward_wait.py
 """
+
 import os
 import statistics
 import sys
@@ -43,6 +44,7 @@ def _record(events: list) -> None:
                 return fn(*a, **k)
             finally:
                 events.append((name, t0, time.perf_counter()))
+
         return inner
 
     executor._execute_on_host = timed(run, "op")
@@ -75,14 +77,19 @@ def report(ranks) -> None:
     for r, (steps, events) in enumerate(ranks):
         for c in CONFIGS:
             phases = [statistics.median(s[i + 1] - s[i] for s in steps[c]) * 1e3 for i in range(3)]
-            print(f"rank {r} {c:<8} forward {phases[0]:.2f} backward {phases[1]:.2f} "
-                  f"step {phases[2]:.2f}")
-        waits = sorted(e[2] - e[1] for s in steps["forward"]
-                       for e in _in(events, "wait", s[0], s[1]))
+            print(
+                f"rank {r} {c:<8} forward {phases[0]:.2f} backward {phases[1]:.2f} "
+                f"step {phases[2]:.2f}"
+            )
+        waits = sorted(
+            e[2] - e[1] for s in steps["forward"] for e in _in(events, "wait", s[0], s[1])
+        )
         if waits:
-            print(f"rank {r} forward mode's first-read wait: {len(waits)} in "
-                  f"{len(steps['forward'])} steps, median {statistics.median(waits) * 1e3:.3f} ms, "
-                  f"p90 {waits[int(0.9 * (len(waits) - 1))] * 1e3:.3f} ms")
+            print(
+                f"rank {r} forward mode's first-read wait: {len(waits)} in "
+                f"{len(steps['forward'])} steps, median {statistics.median(waits) * 1e3:.3f} ms, "
+                f"p90 {waits[int(0.9 * (len(waits) - 1))] * 1e3:.3f} ms"
+            )
     for k in SHOWN:
         base = ranks[0][0]["forward"][k][2]
         for r, (steps, events) in enumerate(ranks):
@@ -93,7 +100,9 @@ def report(ranks) -> None:
                 marks += [(name + ">", e[1]) for e in _in(events, name, t1, n1)]
                 marks += [(name + "<", e[2]) for e in _in(events, name, t1, n1, end=True)]
             marks.sort(key=lambda m: m[1])
-            print(f"step {k} rank {r}: " + " ".join(f"{n}{(t - base) * 1e3:+.2f}" for n, t in marks))
+            print(
+                f"step {k} rank {r}: " + " ".join(f"{n}{(t - base) * 1e3:+.2f}" for n, t in marks)
+            )
 
 
 def main() -> None:

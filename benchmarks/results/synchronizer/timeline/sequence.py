@@ -13,6 +13,7 @@ with the pattern.
 
     HYBRIDCOMM_ALGO=ring python benchmarks/results/synchronizer/timeline/sequence.py
 """
+
 import os
 import sys
 import time
@@ -39,6 +40,7 @@ def _install_marks(self):
             finally:
                 if rec.ops:
                     rec.ops[-1]["events"].append((name + "<", time.perf_counter()))
+
         return inner
 
     torch_dist.TorchDistTransport.exchange = mark(torch_dist.TorchDistTransport.exchange, "post")
@@ -54,8 +56,10 @@ def _print_sequences(ranks):
             op = rank["steps"]["none"][i]["ops"][0]
             t0 = op["enter"]
             events = " ".join(f"{n}{(t - t0) * 1e6:.0f}" for n, t in op.get("events", []))
-            print(f"step {i} rank {r}: {events} leave {(op['leave'] - t0) * 1e6:.0f} "
-                  f"(entered {(t0 - first) * 1e6:+.0f} after rank 0)")
+            print(
+                f"step {i} rank {r}: {events} leave {(op['leave'] - t0) * 1e6:.0f} "
+                f"(entered {(t0 - first) * 1e6:+.0f} after rank 0)"
+            )
     return {}
 
 

@@ -24,6 +24,7 @@ the median over steps of:
 
     python benchmarks/results/synchronizer/timeline/timeline.py --model conv
 """
+
 import argparse
 import os
 import statistics
@@ -60,6 +61,7 @@ class _Recorder:
                     return fn(*a, **k)
                 finally:
                     op["leave"] = time.perf_counter()
+
             return inner
 
         def timed(fn, key):
@@ -70,6 +72,7 @@ class _Recorder:
                 finally:
                     if rec.ops:
                         rec.ops[-1][key] += time.perf_counter() - t0
+
             return inner
 
         executor._execute_on_host = entered(run)
@@ -107,8 +110,25 @@ def summarize(ranks) -> dict:
     out = {}
     for config in CONFIGS:
         per = [r["steps"][config] for r in ranks]
-        rows = {k: [] for k in ("fwd", "bwd", "step", "skew", "after", "post", "wait", "add", "rest",
-                                "early wait", "early post", "early add", "lead in", "lead out")}
+        rows = {
+            k: []
+            for k in (
+                "fwd",
+                "bwd",
+                "step",
+                "skew",
+                "after",
+                "post",
+                "wait",
+                "add",
+                "rest",
+                "early wait",
+                "early post",
+                "early add",
+                "lead in",
+                "lead out",
+            )
+        }
         for s0, s1 in zip(*per):
             for i, k in enumerate(("fwd", "bwd", "step")):
                 rows[k].append(max(s["t"][i + 1] - s["t"][i] for s in (s0, s1)))
@@ -119,8 +139,9 @@ def summarize(ranks) -> dict:
                 rows["post"].append(late["post"])
                 rows["wait"].append(late["wait"])
                 rows["add"].append(late["add"])
-                rows["rest"].append(late["leave"] - late["enter"] - late["post"] - late["wait"]
-                                    - late["add"])
+                rows["rest"].append(
+                    late["leave"] - late["enter"] - late["post"] - late["wait"] - late["add"]
+                )
                 rows["early wait"].append(early["wait"])
                 rows["early post"].append(early["post"])
                 rows["early add"].append(early["add"])
@@ -136,6 +157,7 @@ def summarize(ranks) -> dict:
 
 def main() -> None:
     from hybridcomm.tools.launch import launch
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     so.add_model_arguments(parser)
     parser.add_argument("--model", default="conv")
@@ -147,8 +169,10 @@ def main() -> None:
     ranks = launch(_rank, 2, args, backend="gloo", timeout=args.timeout)
     table = summarize(ranks)
     keys = list(next(iter(table.values())))
-    print(f"# {so.describe(args.model, args)}; world 2, medians of {args.steps * args.rounds} "
-          f"steps, ms")
+    print(
+        f"# {so.describe(args.model, args)}; world 2, medians of {args.steps * args.rounds} "
+        f"steps, ms"
+    )
     print(f"{'config':<10}" + "".join(f"{k:>{max(12, len(k) + 2)}}" for k in keys))
     for config, row in table.items():
         print(f"{config:<10}" + "".join(f"{row[k]:>{max(12, len(k) + 2)}.3f}" for k in keys))
