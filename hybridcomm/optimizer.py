@@ -162,7 +162,7 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         refuse_wrapped(model)  # (every rank alike: no collective has started)
         if options["shard"]:
             options = sharding.settle_options(
-                options, type(self).__name__, process_group, servers, self.param_groups
+                options, type(self).__bases__[1], process_group, servers, self.param_groups
             )
         overlap = options["overlap"]
         if overlap == "forward" and model is None:
@@ -431,11 +431,12 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             hybridcomm.broadcast_optimizer_state(opt, root_rank=0)
         """
         self._hc_sync.apply_pending()  # the state must include every update step() accepted
-        state = (
-            super().state_dict()
-            if self._hc_shards is None
-            else self._hc_sharded_state_dict(super().state_dict)
-        )
+        if self._hc_shards is None:
+            state = super().state_dict()
+        elif sharding.dcp.asked_by_dcp():  # (torch.distributed.checkpoint: each rank its part)
+            return self._hc_dcp_state_dict(super().state_dict)
+        else:
+            state = self._hc_sharded_state_dict(super().state_dict)
         state["hybridcomm"] = self._hc_sync.state_dict()
         return state
 
@@ -446,10 +447,20 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         parameters is not adopted (the current one stays)."""
         state_dict = dict(state_dict)
         ours = state_dict.pop("hybridcomm", None)
+        groups = [dict(g) for g in state_dict.get("param_groups", [])]
+        for g in groups:  # (a DCP state: hybridcomm's part rides in the first group)
+            ours = g.pop(sharding.DCP_GROUP_KEY, ours)
+        state_dict["param_groups"] = groups
+        dcp_form = isinstance(ours, dict) and ours.get("form") == "dcp"
+        if dcp_form:
+            ours = {k: v for k, v in ours.items() if k != "form"}
         self._hc_sync.drop()  # superseded by the loaded state
-        super().load_state_dict(state_dict)
-        if self._hc_shards is not None:
-            self._hc_unshard_loaded()
+        if dcp_form and self._hc_shards is not None:
+            self._hc_load_dcp_state_dict(state_dict)
+        else:
+            super().load_state_dict(state_dict)
+            if self._hc_shards is not None:
+                self._hc_unshard_loaded()
         if ours is not None:  # each rank's own residuals come from hybridcomm's part
             for st in self.state.values():
                 st.pop("hc_topk_residual", None)
@@ -532,6 +543,7 @@ def DistributedOptimizer(
     servers=None,
     broadcast_parameters: bool = True,
     shard: Optional[str] = None,
+    shard_by: Optional[str] = None,
 ):
     """Wrap ``optimizer`` so each step's gradients are all-reduced across ranks.
 
@@ -615,7 +627,16 @@ def DistributedOptimizer(
             buckets' gradient memory is freed from ``step()`` to the next
             backward. ``.grad`` is released by ``step()``; clip with
             ``opt.clip_grad_norm_``; ``state_dict()`` is the plain optimizer's
-            (a collective). docs/API.md lists what is not combined with it yet.
+            (a collective; ``torch.distributed.checkpoint`` gets each rank's part
+            alone). docs/API.md lists what is not combined with it yet.
+        shard_by: how ``shard`` cuts the state. ``None`` (default): ``"elements"``
+            (each rank a 1/P slice of every bucket, stepped as a tensor) for
+            torch's element-wise optimizers (SGD, Adam, AdamW, Adamax, NAdam,
+            RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD), ``"parameters"``
+            (each parameter's state and step on one rank, balanced by size) for
+            every other (Adafactor, Muon, a LARS, any optimizer of your own).
+            Pass ``"elements"`` to declare your own optimizer element-wise;
+            ``print(opt.plan)`` says which was chosen and why.
 
     Raises:
         HybridCommError: on every rank, naming the parameters, if the ranks'
@@ -677,5 +698,6 @@ def DistributedOptimizer(
         trace=trace,
         find_unused_parameters=find_unused_parameters,
         shard=shard,
+        shard_by=shard_by,
     )
     return opt

@@ -70,6 +70,7 @@ from ..algorithms.topk import TOPK, segment_numel, sparse_bytes_sent
 from .cost_model import NATIVE, PS, CostModel, bytes_sent
 from .layout import ALIGN_BYTES, buffer_numel, equal_parts, flag_stride, layout
 from .layout import segments as cut_segments
+from .ownership import WHOLE_BALANCE, assign, balanced, owner_layout
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
 STRATEGY_CANDIDATES = {
@@ -117,6 +118,9 @@ class Bucket:
     # Usage flags: one copy, or (sharded: reduce-scattered) one a rank, each its own
     # block of the last segment's tail, so that every rank ends with them summed
     flag_copies: int = 1
+    # Whole-parameter shards (ownership.py): the rank that owns each parameter, in
+    # buffer order (its gradients lie in that rank's part); None: element slices
+    owners: Optional[List[int]] = None
 
     @property
     def flag_stride(self) -> int:
@@ -173,7 +177,7 @@ class Plan:
     def decisions(self):
         """What the ranks must agree on (a re-plan that changes none of it is skipped)."""
         return (
-            [(b.layers, b.algorithm, b.segments, b.compressor) for b in self.buckets],
+            [(b.layers, b.algorithm, b.segments, b.compressor, b.owners) for b in self.buckets],
             self.order,
             self.launch_pass,
             self.defer_updates,
@@ -508,6 +512,136 @@ def _queued_behind_first_need(
     return max(done.values()) - done[first]
 
 
+@dataclass
+class _Shape:
+    """Where a bucket's gradients and flags lie in its buffer (:func:`_lay_out`)."""
+
+    params: List[int]  # in buffer order
+    offsets: Optional[List[int]]
+    grad_numel: Optional[int]  # the gradient region, padding included (None: packed)
+    segments: List[Tuple[int, int]]
+    owners: Optional[List[int]] = None  # whole parameters: each one's rank, buffer order
+
+
+def _lay_out(
+    group: Sequence[Layer],
+    *,
+    world_size: int,
+    copies: int,
+    split_bytes: int,
+    totals: Optional[List[int]],
+) -> _Shape:
+    """A bucket's layout (layout.py): its gradients aligned, then the flags' copies;
+    with ``totals`` (whole-parameter shards) cut by owner (ownership.py: ``totals``
+    is every rank's share so far, updated), in one segment; else cut every
+    ``split_bytes`` into segments (0: not cut)."""
+    params = [p for layer in group for p in layer.params]
+    numel = sum(layer.numel for layer in group)
+    esize = group[0].element_size
+    sizes = [n for layer in group for n in (layer.sizes or [])]
+    if totals is not None:
+        if len(sizes) != len(params):
+            raise ValueError("whole-parameter shards need each parameter's size (Layer.sizes)")
+        owners = assign(sizes, world_size, totals)
+        order, offsets, part = owner_layout(sizes, owners, world=world_size, element_size=esize)
+        grad_numel = world_size * part
+        total = buffer_numel(grad_numel, len(params), copies)
+        return _Shape(
+            params=[params[i] for i in order],
+            offsets=offsets,
+            grad_numel=grad_numel,
+            segments=[(0, total)],
+            owners=[owners[i] for i in order],
+        )
+    offsets, grad_numel = layout(sizes, esize) if len(sizes) == len(params) else (None, None)
+    grads_end = numel if grad_numel is None else grad_numel
+    total = buffer_numel(grads_end, len(params), copies)  # the gradients, then the flags
+    # segments start aligned (so do their chunks); the flags' copies in the last's tail
+    align = max(1, ALIGN_BYTES // esize)
+    step = 0 if not split_bytes else max(align, split_bytes // esize // align * align)
+    segments = cut_segments(total, total if copies == 1 else grads_end, step)
+    return _Shape(params=params, offsets=offsets, grad_numel=grad_numel, segments=segments)
+
+
+def _choose_algorithm(
+    nbytes: int,
+    *,
+    window: Optional[float],
+    world_size: int,
+    candidates: Sequence[str],
+    model: CostModel,
+    topo: Topology,
+    shard: bool,
+) -> Tuple[str, bool]:
+    """The cost model's algorithm for a bucket of ``nbytes`` with overlap ``window``,
+    and whether native was predicted faster by less than its uncertainty (ours kept)."""
+    # At P <= 2 our algorithms are all one exchange of the same bytes.
+    pool = (
+        [a for a in candidates if a in ("butterfly", NATIVE, PS)]
+        if world_size <= 2 and not shard
+        else list(candidates)
+    )
+    algorithm = model.choose(nbytes, world_size, window, pool or candidates or ["butterfly"], topo)
+    kept_ours = model.native_was_faster(algorithm, pool, nbytes, world_size, topo)
+    if (
+        shard
+        and algorithm == "halving_doubling"
+        and model.predict(algorithm, nbytes, world_size, topo)
+        > (1 - SHARDED_HD_GAIN) * model.predict("ring", nbytes, world_size, topo)
+    ):
+        algorithm = "ring"
+    return algorithm, kept_ours
+
+
+def _fuse_whole(layers: Sequence[Layer], fusion_bytes: int, world_size: int) -> List[List[Layer]]:
+    """Whole-parameter shards: consecutive layers of one dtype in one bucket until it
+    holds ``fusion_bytes`` and its parts by owner are within WHOLE_BALANCE of equal
+    (ownership.py), so that no rank's part, to which every part is padded on the
+    wire, makes the bucket cost much more than its bytes."""
+    groups: List[List[Layer]] = []
+    for layer in layers:
+        if layer.numel == 0:
+            continue
+        last = groups[-1] if groups else None
+        closed = last is not None and (
+            sum(wire_bytes(x) for x in last) >= fusion_bytes
+            and balanced([n for x in last for n in (x.sizes or [x.numel])], world_size)
+        )
+        if last is not None and last[0].dtype == layer.dtype and not closed:
+            last.append(layer)
+        else:
+            groups.append([layer])
+    return groups
+
+
+def _whole_notes(buckets: Sequence[Bucket], layers: Sequence[Layer], world: int) -> List[str]:
+    """What a plan of whole-parameter shards reports: each rank's share of the state,
+    the wire's padding, and any parameter larger than 1/P."""
+    sizes = {p: n for x in layers for p, n in zip(x.params, x.sizes or [])}
+    share = [0] * world
+    padded = grads = 0
+    for b in buckets:
+        for p, rank in zip(b.params, b.owners):
+            share[rank] += sizes[p]
+        padded += b.grad_numel
+        grads += b.numel
+    whole = sum(share) or 1
+    notes = [
+        "state sharded by whole parameters: ranks hold "
+        + ", ".join(f"{100 * s / whole:.1f}%" for s in share)
+        + f" of it (the largest {max(share) * world / whole:.2f}x an equal share); each "
+        f"bucket's parts by owner are padded to its largest, {padded / max(grads, 1):.3f}x "
+        "its gradients on the wire"
+    ]
+    big = [x.name for x in layers if any(n * world > whole for n in x.sizes or [])]
+    if big:
+        notes.append(
+            f"layer(s) {big[:3]} hold a parameter larger than 1/{world} of the state: "
+            "its owner holds more than an equal share"
+        )
+    return notes
+
+
 def make_plan(
     layers: Sequence[Layer],
     *,
@@ -530,6 +664,7 @@ def make_plan(
     low_rank: Optional[Tuple[int, int]] = None,
     call_s: Optional[float] = None,
     shard: bool = False,
+    whole_params: bool = False,
 ) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
@@ -553,7 +688,10 @@ def make_plan(
     steps, go with the bucket's algorithm); ``call_s``: seconds each all-reduce
     call cost beyond the model in the measured steps (the default fusion counts it);
     ``shard``: the buckets are reduce-scattered (sharded state): a copy of the usage
-    flags a rank in the last segment's tail (``Bucket.flag_copies``).
+    flags a rank in the last segment's tail (``Bucket.flag_copies``);
+    ``whole_params`` (with ``shard``): each parameter is owned whole by one rank
+    (``Bucket.owners``, ownership.py), each bucket's buffer cut by owner, one
+    segment a bucket; by default its layers are fused until its parts are even.
 
     Example::
 
@@ -566,6 +704,8 @@ def make_plan(
     notes: List[str] = []
     forced = forced_algorithm(strategy)
     topo = (topology or Topology()).resolve(world_size)
+    whole_params = whole_params and shard
+    fusion_default = fusion_bytes is None
     if fusion_bytes is None and world_size == 1:
         # Nothing crosses a wire, so nothing overlaps: a bucket only costs host time
         # per step (its launch, its events, its wait)
@@ -586,53 +726,53 @@ def make_plan(
         if model.offers(a)
         and not (a == "halving_doubling" and shard and world_size & (world_size - 1))
     ]
-    groups = _fuse(layers, fusion_bytes, lazy_bytes, low_rank)
+    if whole_params and fusion_default:
+        groups = _fuse_whole(layers, fusion_bytes, world_size)
+        notes.append(
+            f"whole parameters: layers are fused until each bucket holds {fusion_bytes} B "
+            f"and its parts by owner are within {WHOLE_BALANCE - 1:.0%} of equal "
+            "(fusion_bytes= fuses by size alone)"
+        )
+    else:
+        groups = _fuse(layers, fusion_bytes, lazy_bytes, low_rank)
     if lazy_bytes is not None:
         notes.append(explain_lazy(layers, groups, model, world_size))
     if strategy == "hybrid" and 1 < topo.node_size < world_size:
         candidates.append("hierarchical")  # several nodes: reduce inside them first
     candidates = _with_ps(candidates, forced, servers, model, notes)
+    copies = world_size if shard and world_size > 1 else 1
+    totals = [0] * world_size if whole_params else None  # each rank's share so far
     buckets, kept_ours = [], []  # (kept_ours: native predicted faster, within uncertainty)
     for i, group in enumerate(groups):
-        params = [p for layer in group for p in layer.params]
         numel = sum(layer.numel for layer in group)
         esize = group[0].element_size
         nbytes = numel * esize
-        sizes = [n for layer in group for n in (layer.sizes or [])]
-        offsets, grad_numel = layout(sizes, esize) if len(sizes) == len(params) else (None, None)
-        copies = world_size if shard and world_size > 1 else 1
-        grads_end = numel if grad_numel is None else grad_numel
-        total = buffer_numel(grads_end, len(params), copies)  # the gradients, then the flags
-        # segments start aligned (so do their chunks); the flags' copies in the last's tail
-        align = max(1, ALIGN_BYTES // esize)
-        step = 0 if not split_bytes else max(align, split_bytes // esize // align * align)
-        segments = cut_segments(total, total if copies == 1 else grads_end, step)
+        shape = _lay_out(
+            group, world_size=world_size, copies=copies, split_bytes=split_bytes, totals=totals
+        )
+        offsets, grad_numel, segments = shape.offsets, shape.grad_numel, shape.segments
+        total = segments[-1][1]
         window = min((windows[x.name] for x in group if x.name in (windows or {})), default=None)
         if forced:
             algorithm = forced
         else:
-            # At P <= 2 our algorithms are all one exchange of the same bytes.
-            pool = (
-                [a for a in candidates if a in ("butterfly", NATIVE, PS)]
-                if world_size <= 2 and not shard
-                else candidates
+            algorithm, kept = _choose_algorithm(
+                # (whole parameters: the parts are padded to the largest on the wire)
+                grad_numel * esize if whole_params else nbytes,
+                window=window,
+                world_size=world_size,
+                candidates=candidates,
+                model=model,
+                topo=topo,
+                shard=shard,
             )
-            algorithm = model.choose(
-                nbytes, world_size, window, pool or candidates or ["butterfly"], topo
-            )
-            if model.native_was_faster(algorithm, pool, nbytes, world_size, topo):
+            if kept:
                 kept_ours.append(i)
-            if (
-                shard
-                and algorithm == "halving_doubling"
-                and model.predict(algorithm, nbytes, world_size, topo)
-                > (1 - SHARDED_HD_GAIN) * model.predict("ring", nbytes, world_size, topo)
-            ):
-                algorithm = "ring"
         if copies > 1 and algorithm == NATIVE and offsets is None:
             algorithm = "ring"  # (no sizes: no layout of ours to pad into equal parts)
         elif copies > 1 and algorithm == NATIVE:  # the collective's own: one call, equal parts
-            grad_numel, segments = equal_parts(grads_end, len(params), world_size)
+            grads_end = numel if grad_numel is None else grad_numel
+            grad_numel, segments = equal_parts(grads_end, len(shape.params), world_size)
         pred = (
             sum(model.predict(algorithm, (b - a) * esize, world_size, topo) for a, b in segments)
             if model.offers(algorithm)
@@ -640,7 +780,7 @@ def make_plan(
         )
         compressor = None
         shapes = [s for layer in group for s in (layer.shapes or [])]
-        if low_rank and world_size > 1 and len(shapes) == len(params):
+        if low_rank and world_size > 1 and len(shapes) == len(shape.params):
             p_numel, q_numel = message_numels(shapes, low_rank[0])
             if bytes_sent(algorithm, 4 * p_numel, world_size, topo) + bytes_sent(
                 algorithm, 4 * q_numel, world_size, topo
@@ -657,32 +797,35 @@ def make_plan(
         if (
             topk
             and world_size > 1
-            and sparse_bytes_sent(numel, len(params), topk, world_size)
+            and sparse_bytes_sent(numel, len(shape.params), topk, world_size)
             < bytes_sent(algorithm, nbytes, world_size)
         ):
             algorithm, segments = TOPK, [(0, total)]
-            seg_bytes = segment_numel(numel, len(params), topk) * 4
+            seg_bytes = segment_numel(numel, len(shape.params), topk) * 4
             pred = (world_size - 1) * (model.alpha + seg_bytes * model.beta)
         needs = [need[layer.name] for layer in group if need and layer.name in need]
         buckets.append(
             Bucket(
-                i,
-                [layer.name for layer in group],
-                params,
-                numel,
-                nbytes,
-                algorithm,
-                pred,
-                group[0].dtype,
-                window,
-                segments,
-                min(needs) if needs else None,
-                offsets,
-                grad_numel,
-                compressor,
-                copies,
+                index=i,
+                layers=[layer.name for layer in group],
+                params=shape.params,
+                numel=numel,
+                nbytes=nbytes,
+                algorithm=algorithm,
+                predicted_s=pred,
+                dtype=group[0].dtype,
+                window_s=window,
+                segments=segments,
+                need=min(needs) if needs else None,
+                offsets=offsets,
+                grad_numel=grad_numel,
+                compressor=compressor,
+                flag_copies=copies,
+                owners=shape.owners,
             )
         )
+    if whole_params:
+        notes.extend(_whole_notes(buckets, layers, world_size))
     bucket_ready = None
     if ready:
         bucket_ready = {}

@@ -71,6 +71,9 @@ def mismatch(sync, state: dict) -> Optional[str]:
     copies = sync.world if sync.config.shard and sync.world > 1 else 1
     if any(b.flag_copies != copies for b in saved.buckets):
         return "it was made with another shard= (the buckets' layout differs)"
+    whole = sync.config.shard_by == "parameters"
+    if any((b.owners is not None) != whole for b in saved.buckets):
+        return "it was made with another shard_by= (the buckets' layout differs)"
     return None
 
 

@@ -89,7 +89,10 @@ class Planning:
                 low_rank=cfg.low_rank,
                 call_s=m.call_s,
                 shard=bool(cfg.shard),
+                whole_params=cfg.shard_by == "parameters",
             )
+            if cfg.shard_by_reason:
+                plan.notes.insert(0, f"state sharded by {cfg.shard_by}: {cfg.shard_by_reason}")
             return None if keep is not None and plan.decisions() == keep.decisions() else plan
 
         return control.rank0_decides(

@@ -159,7 +159,7 @@ def _exchange(old, new, params: Sequence, state: dict, group, timeout: float) ->
                         [
                             (k, True, v.dtype)
                             if _per_element(v, sl)
-                            else (k, False, v.detach().cpu() if torch.is_tensor(v) else v)
+                            else (k, False, _kept(v) if torch.is_tensor(v) else v)
                             for k, v in st.items()
                         ],
                     )
@@ -254,14 +254,30 @@ def _exchange(old, new, params: Sequence, state: dict, group, timeout: float) ->
         )
         for key_tensor, rng in targets:
             got_here = made.get((j, rng), {})
-            state[key_tensor] = {  # (a frozen parameter's step count on its device, too)
-                k: (got_here[k].view(p.shape) if left else got_here[k]).to(p.device)
+            state[key_tensor] = {
+                k: got_here[k].view(key_tensor.shape).to(p.device)
                 if elements
-                else v.to(p.device)
-                if left and torch.is_tensor(v)
+                # (a frozen parameter's step count on its device, too)
+                else _restored(v, p.device if left else None)
+                if _is_kept(v)
                 else v
                 for k, elements, v in entries
             }
+
+
+def _kept(v: torch.Tensor) -> tuple:
+    """A state tensor that is not per element (a step count, Adafactor's factored
+    moments) as sent: on the CPU, with the device it goes back to (plain types, so
+    the peers' safe unpickling takes it)."""
+    return ("hybridcomm-kept", v.detach().cpu(), str(v.device))
+
+
+def _is_kept(v) -> bool:
+    return isinstance(v, tuple) and len(v) == 3 and v[0] == "hybridcomm-kept"
+
+
+def _restored(v: tuple, device: Optional[torch.device]) -> torch.Tensor:
+    return v[1].to(device or torch.device(v[2]))
 
 
 def _spans(items) -> Tuple[list, list]:
