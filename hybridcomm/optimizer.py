@@ -448,13 +448,14 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         state_dict = dict(state_dict)
         ours = state_dict.pop("hybridcomm", None)
         groups = [dict(g) for g in state_dict.get("param_groups", [])]
-        for g in groups:  # (a DCP state: hybridcomm's part rides in the first group)
-            ours = g.pop(sharding.DCP_GROUP_KEY, ours)
-        state_dict["param_groups"] = groups
-        dcp_form = isinstance(ours, dict) and ours.get("form") == "dcp"
+        in_group = [sharding.from_group(g.pop(sharding.DCP_GROUP_KEY, None)) for g in groups]
+        dcp_form = any(in_group)  # (a DCP state: hybridcomm's part rides in the first group)
         if dcp_form:
-            ours = {k: v for k, v in ours.items() if k != "form"}
+            ours = {k: v for k, v in next(filter(None, in_group)).items() if k != "form"}
+        state_dict["param_groups"] = groups
         self._hc_sync.drop()  # superseded by the loaded state
+        if self._hc_shards is not None:  # (their views would keep the buffers a new plan frees)
+            self._hc_shards.drop_grads()
         if dcp_form and self._hc_shards is not None:
             self._hc_load_dcp_state_dict(state_dict)
         else:

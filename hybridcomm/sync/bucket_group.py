@@ -641,6 +641,20 @@ class BucketGroup:
     def topk_param_ids(self) -> set:
         return {id(p) for s in self.states if s.bucket.topk is not None for p in s.bucket.params}
 
+    def release_unheld(self) -> None:
+        """Before a re-plan's buckets are made: the buffer of every bucket that holds
+        nothing to carry (no ``.grad`` bound to it, no reduced content, no error
+        feedback: a loaded checkpoint superseded it, or no gradient came since
+        ``zero_grad()``) goes first, so that the old buffers and the new never
+        take memory together."""
+        for s in self.states:
+            b = s.bucket
+            if b.released or b.topk is not None or b.spec.compressor is not None:
+                continue
+            if s.content or s.scattered or any(map(b.holds, range(len(b.params)))):
+                continue
+            b.release()
+
     def retire(self) -> None:
         """A re-plan replaced this group: the engine's callbacks hold it, and with it
         its buckets' memory, in a reference cycle; dropping them frees it at once."""

@@ -155,13 +155,22 @@ class StatePieces(torch.Tensor):
         return f"StatePieces(shape={tuple(self.shape)}, {len(self.pieces)} pieces)"
 
 
+def _alias(state: torch.Tensor, lo: int, hi: int, sizes) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of a contiguous ``state`` as a tensor of ``sizes`` over the
+    same memory, but with a storage of exactly its own bytes: DCP's writer copies a
+    tensor that is a view of a larger storage (and keeps the copy until the file is
+    written), so a view of each piece would copy this rank's whole state."""
+    itemsize, base = state.element_size(), state.storage_offset()
+    storage = state.untyped_storage()[(base + lo) * itemsize : (base + hi) * itemsize]
+    return torch.empty(0, dtype=state.dtype, device=state.device).set_(storage, 0, sizes)
+
+
 def _pieces(param, slices_and_state) -> StatePieces:
     """One per-element state tensor of ``param``: this rank's slices' parts of it."""
     pieces = []
     for sl, v in slices_and_state:
-        flat = v.view(-1)
         for offsets, sizes, lo, hi in rectangles(param.shape, sl.start, sl.stop):
-            pieces.append((offsets, flat[lo - sl.start : hi - sl.start].view(sizes)))
+            pieces.append((offsets, _alias(v, lo - sl.start, hi - sl.start, sizes)))
     value = slices_and_state[0][1]
     return StatePieces(param.shape, pieces, dtype=value.dtype, device=value.device)
 

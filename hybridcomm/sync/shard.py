@@ -45,8 +45,9 @@ Example::
 from __future__ import annotations
 
 import functools
+import json
 import math
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -153,6 +154,11 @@ class Shards:
         )
         # "gradients": each parameter's .grad while its bucket keeps only this rank's part
         self.placeholders = {id(p): ReleasedGrad(p) for p in params} if release else {}
+
+    def drop_grads(self) -> None:
+        """Every slice's cached view of its bucket's memory (the buckets are replaced)."""
+        for sl in self.slices:
+            sl.drop_grad()
 
     def release_reduced(self) -> None:  # host path
         """``shard="gradients"``, in backward (after a bucket's launch, and at the
@@ -413,8 +419,18 @@ def settle_options(
     return dict(options, strategy=chosen, shard_by=shard_by, shard_by_reason=reason)
 
 
-# The key of hybridcomm's own state in the first parameter group of a DCP state
+# The key of hybridcomm's own state (JSON) in the first parameter group of a DCP state
 DCP_GROUP_KEY = "hybridcomm"
+
+
+def from_group(value) -> Optional[dict]:
+    """hybridcomm's own state as :meth:`ShardedOptimizer._hc_dcp_state_dict` put it in
+    a parameter group, or None for anything else."""
+    try:
+        ours = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+    return ours if isinstance(ours, dict) and ours.get("form") == "dcp" else None
 
 
 class ShardedOptimizer:
@@ -553,7 +569,8 @@ class ShardedOptimizer:
     def _hc_dcp_state_dict(self, base_state_dict: Callable[[], dict]) -> dict:
         """This rank's part of the state, for ``torch.distributed.checkpoint`` (dcp.py):
         no collective, nothing gathered; hybridcomm's own state rides in the first
-        parameter group (DCP's ``get_state_dict`` keeps the groups, not other keys)."""
+        parameter group (DCP's ``get_state_dict`` keeps the groups, not other keys), as
+        JSON."""
         sync, shards = self._hc_sync, self._hc_shards
         entries = dcp.save_entries(shards, self.state)
         slices = {id(sl.tensor) for sl in shards.slices}
@@ -565,7 +582,10 @@ class ShardedOptimizer:
         finally:
             self.state = saved
         if state["param_groups"]:
-            state["param_groups"][0][DCP_GROUP_KEY] = dict(sync.state_dict(), form="dcp")
+            # one string: DCP stores it whole (a nested plan would be a key per field,
+            # which a job whose plan differs could not load); plain types only under shard
+            ours = json.dumps(dict(sync.state_dict(), form="dcp"))
+            state["param_groups"][0][DCP_GROUP_KEY] = ours
         return state
 
     def _hc_load_dcp_state_dict(self, state_dict: dict) -> None:

@@ -206,6 +206,8 @@ class GradientSynchronizer:
 
     def _build(self, plan: Plan) -> None:
         """Buckets for ``plan``, taking over the current ones' gradients."""
+        if self.group is not None:
+            self.group.release_unheld()
         old, self.group = (
             self.group,
             BucketGroup(

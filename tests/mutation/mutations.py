@@ -44,6 +44,7 @@ PSGD_FILE = "hybridcomm/comm/powersgd.py"
 OD = "tests/test_one_device.py::"
 OD_EXACT = OD + "test_every_algorithm_is_exact_over_one_device[3-float32]"
 OD_FILE = "hybridcomm/comm/transport/one_device.py"
+GRAN = "tests/test_shard_granularity.py::"
 
 MUTATIONS = [
     # ---- issue 8: the ten old defects -------------------------------------------------------
@@ -401,8 +402,8 @@ MUTATIONS = [
         "segments-unaligned",
         "new 7",
         "hybridcomm/plan/planner.py",
-        old="        step = 0 if not split_bytes else max(align, split_bytes // esize // align * align)\n",
-        new="        step = 0 if not split_bytes else max(1, split_bytes // esize)\n",
+        old="    step = 0 if not split_bytes else max(align, split_bytes // esize // align * align)\n",
+        new="    step = 0 if not split_bytes else max(1, split_bytes // esize)\n",
         guards=("tests/test_planner.py::test_segments_start_at_aligned_offsets",),
         what="a bucket's segments start at any element (split_bytes not rounded to 16 bytes)",
     ),
@@ -1634,5 +1635,58 @@ MUTATIONS = [
         ),
         what="on a torch without dynamo's flags, the hook's frame walk is gone: a compiled "
         "function calling the model reads last step's weights",
+    ),
+    # ---- sharding by whole parameters and DCP checkpoints ---------------------------------
+    Mutation(
+        "unknown-optimizer-sliced",
+        "i68 granularity",
+        "hybridcomm/sync/granularity.py",
+        old="    return PARAMETERS, (\n",
+        new="    return ELEMENTS, (\n",
+        guards=(
+            GRAN
+            + "test_every_optimizer_sharded_either_way_gives_one_process_numbers[rest-P2-host]",
+        ),
+        what="an optimizer the library does not know (Adafactor, Muon, a LARS) gets element "
+        "slices, stepped as if each were a tensor",
+    ),
+    Mutation(
+        "whole-parameter-stepped-as-a-slice",
+        "i68 granularity",
+        "hybridcomm/sync/shard.py",
+        old="        self.tensor = param.detach() if whole else param.detach().view(-1)[start:stop]\n",
+        new="        self.tensor = param.detach().view(-1)[start:stop]\n",
+        guards=(
+            GRAN
+            + "test_every_optimizer_sharded_either_way_gives_one_process_numbers[rest-P2-host]",
+        ),
+        what="a whole parameter's slice is flat: the optimizer steps a 1-D tensor (Adafactor "
+        "unfactored, Muon refused, a LARS's norm right but its shape lost)",
+    ),
+    Mutation(
+        "rank-steps-what-it-does-not-own",
+        "i68 granularity",
+        "hybridcomm/sync/shard.py",
+        old="            for lo, hi in self.owned[s.index]:\n",
+        new="            for lo, hi in [(0, b.spec.segments[-1][1])] if whole else self.owned[s.index]:\n",
+        guards=(
+            GRAN
+            + "test_every_optimizer_sharded_either_way_gives_one_process_numbers[rest-P2-host]",
+        ),
+        what="every rank steps every parameter of a bucket of whole parameters (on its partial "
+        "sums; the all-gather then overwrites them) and keeps their state",
+    ),
+    Mutation(
+        "dcp-save-gathers",
+        "i68 checkpoint",
+        "hybridcomm/optimizer.py",
+        old="        elif sharding.dcp.asked_by_dcp():",
+        new="        elif False:",
+        guards=(
+            "tests/test_shard_dcp.py::test_a_dcp_checkpoint_holds_each_ranks_part_and_resumes_"
+            "anywhere[backward-host-adamw]",
+        ),
+        what="DCP's get_state_dict gets the consolidated state: every rank gathers and hands "
+        "DCP the whole optimizer state",
     ),
 ]
