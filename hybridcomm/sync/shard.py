@@ -27,13 +27,14 @@ Then ``step()``:
    this rank's part (scatter.py).
 
 The per-element state (momentum, Adam's moments) is sliced as the
-parameters are; anything else (a step count) is kept per slice as it is. An
-optimizer whose step needs whole tensors (a norm per tensor, a factored
-second moment) steps slices as if they were tensors: refused by name where
-known (LBFGS, ZeroRedundancyOptimizer). ``full_state()`` /
-``slice_state()`` turn the state into the plain optimizer's and back (a
-consolidated checkpoint, collectively; a loaded one); a re-plan moves only
-what changes owner, straight to its new owner (reshard.py).
+parameters are; anything else (a step count) is kept per slice as it is. Only
+an optimizer known to be element-wise is sliced: every other gets whole
+parameters (``shard_by``, granularity.py; the plan lays each bucket out by
+owner, plan/ownership.py), and then a slice is a whole parameter, stepped in
+its own shape. ``full_state()`` / ``slice_state()`` turn the state into the
+plain optimizer's and back (a consolidated checkpoint, collectively; a loaded
+one); DCP gets each rank's part alone (dcp.py); a re-plan moves only what
+changes owner, straight to its new owner (reshard.py).
 
 Example::
 
