@@ -70,7 +70,8 @@ test: lint
 	@rm -rf .coverage-data
 	HYBRIDCOMM_SIMULATE_GPU=1 $(COV) run $(COVRC) -m pytest -q $(SIM_TESTS)
 	$(COV) run $(COVRC) -m pytest -q tests/test_training_loops.py tests/test_model_reads.py \
-	    tests/test_join.py tests/test_shard.py tests/test_shard_release.py -k simgpu
+	    tests/test_join.py tests/test_shard.py tests/test_shard_release.py \
+	    tests/test_shard_granularity.py tests/test_shard_dcp.py -k simgpu
 	@$(COV) combine $(COVRC) -q
 	$(COV) report $(COVRC) --fail-under=90
 
