@@ -42,6 +42,12 @@ parameters):
                      step() and the next backward
     shard-optimizer-backward  shard="optimizer", overlap="backward" (the all-gather in step())
 
+Compiled (torch.compile, ``--compile-backend``, inductor by default): any config but comm and
+limit takes ``@whole`` (``torch.compile`` of what the step calls: the model, or DDP around it)
+or ``@blocks`` (each block alone, ``fullgraph=True``: each layer of a ModuleList, each other
+child holding parameters; torchtitan's way), e.g. ``ddp:2@whole,hybrid-forward@blocks``;
+the same config uncompiled runs beside it in the same launch.
+
 Every config starts from a fresh model with the same seed and runs the same
 number of steps on the same data. Each step is timed on every rank in a loop
 with no barrier inside (a barrier would hide overlap); the step time is the
@@ -93,6 +99,9 @@ peakMB (everyone's persistent state underneath) cannot.
         --configs ddp,zero,fsdp2,shard-optimizer,shard-gradients   # sharded state (issue 40)
     python benchmarks/train.py --configs hybrid-forward --batch-sizes 32 --trace traces/
                                                      # timelines (ui.perfetto.dev), per rank
+    python benchmarks/train.py --model transformer --compile-backend aot_eager \
+        --configs ddp,ddp@whole,ddp@blocks,hybrid-forward,hybrid-forward@whole,hybrid-forward@blocks
+                                                     # torch.compile, against DDP compiled alike
 """
 
 from __future__ import annotations
@@ -137,6 +146,7 @@ CONFIGS = {
     "butterfly": ("butterfly", "backward", None),
     "hybrid-backward": ("hybrid", "backward", None),
     "hybrid-forward": ("hybrid", "forward", None),
+    "hybrid-none": ("hybrid", "none", None),
     "zero": None,
     "fsdp2": None,
     # strategy None: the default (shard= reduce-scatters every bucket on the ring)
@@ -265,6 +275,7 @@ def config_kind(name: str):
         >>> config_kind("ddp:2"), config_kind("ddp"), config_kind("stock")
         (('ddp', 2.0), ('ddp', None), ('stock', None))
     """
+    name = compiled_as(name)[0]
     if "/" in name:
         hybrid_options(name)  # checks them
         return name, None
@@ -283,6 +294,35 @@ def config_kind(name: str):
 
 def is_ddp(name: str) -> bool:
     return config_kind(name)[0] == "ddp"
+
+
+COMPILED = ("whole", "blocks")  # a config's "@..." suffix: how its model is compiled
+
+
+def compiled_as(name: str):
+    """(the config without its ``@`` suffix, how it is compiled or None); ValueError for
+    an unknown way or one on a config with no model to compile.
+
+        >>> compiled_as("ddp:2@whole"), compiled_as("hybrid-forward")
+        (('ddp:2', 'whole'), ('hybrid-forward', None))
+    """
+    base, _, how = name.partition("@")
+    if not how:
+        return name, None
+    if how not in COMPILED or base in ("comm", "limit", "compute"):
+        raise ValueError(f"{name!r}: @{how} is not one of {COMPILED} on a config that trains")
+    return base, how
+
+
+def compile_blocks(model, backend: str) -> None:
+    """Each block compiled alone with ``fullgraph=True``, in place: every layer of a
+    ModuleList child, and every other child that holds parameters."""
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            for i, block in enumerate(child):
+                child[i] = torch.compile(block, backend=backend, fullgraph=True)
+        elif any(True for _ in child.parameters()):
+            setattr(model, name, torch.compile(child, backend=backend, fullgraph=True))
 
 
 def shaped_network(nprocs: int, shape: str):
@@ -423,9 +463,13 @@ class _Trainer:
         trace: bool = False,
         model: str = DEFAULT_MODEL,
         optimizer: str = DEFAULT_OPTIMIZER,
+        compile_backend: str = "inductor",
     ):
         self.config, self.world = config, world
+        self.base, how = config, how = compiled_as(config)
         self.model = build(model, SEED)
+        if how == "blocks":  # before any wrapper: DDP and hybridcomm find them compiled
+            compile_blocks(self.model, compile_backend)
         if config == "fsdp2":  # its parameters become DTensor shards: the optimizer takes those
             _fully_shard(self.model)
         self.params = list(self.model.parameters())
@@ -466,6 +510,8 @@ class _Trainer:
                 )
                 for base in bases
             ]
+        if how == "whole":  # what the step calls: DDP's compiled module splits at its buckets
+            self.net = torch.compile(self.net, backend=compile_backend)
 
     def step(self, x, y):
         if self.config == "comm":
@@ -476,7 +522,7 @@ class _Trainer:
         for opt in self.opts:
             opt.zero_grad()
         F.cross_entropy(self.net(x), y).backward()
-        if self.config == "stock":  # the plain PyTorch pattern, one all_reduce per gradient
+        if self.base == "stock":  # the plain PyTorch pattern, one all_reduce per gradient
             for p in self.params:
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
@@ -490,14 +536,13 @@ class _Trainer:
         """The optimizer state this rank keeps, in bytes: ZeroRedundancyOptimizer's local
         optimizer's; FSDP2's DTensors' local shards; shard=: this rank's slices'."""
         return sum(
-            state_bytes(opt.optim.state if self.config == "zero" else opt.state)
-            for opt in self.opts
+            state_bytes(opt.optim.state if self.base == "zero" else opt.state) for opt in self.opts
         )
 
     def flat_params(self) -> torch.Tensor:
         """Every parameter, flattened and concatenated, as this rank holds it whole (FSDP2:
         the shards all-gathered, a collective every rank calls alike)."""
-        if self.config == "fsdp2":
+        if self.base == "fsdp2":
             return torch.cat(
                 [p.detach().full_tensor().reshape(-1) for p in self.model.parameters()]
             )
@@ -505,7 +550,7 @@ class _Trainer:
 
     def plan(self):
         """hybridcomm's plan table as it stands now, or None."""
-        if not CONFIGS.get(hybrid_options(self.config)[0]):
+        if not CONFIGS.get(hybrid_options(compiled_as(self.config)[0])[0]):
             return None
         plans = [str(opt.plan) for opt in self.opts if getattr(opt, "plan", None) is not None]
         return "\n".join(plans) or None
@@ -658,6 +703,7 @@ def _run_batch_size(
     trace_dir=None,
     model=DEFAULT_MODEL,
     optimizer=DEFAULT_OPTIMIZER,
+    compile_backend="inductor",
 ):
     """Every config on this batch size, interleaved in ``rounds`` so slow drift in the
     machine's load (shared cores) hits all configs alike. Each config runs the same
@@ -676,7 +722,12 @@ def _run_batch_size(
         for c in names:
             before = resident_kb(trim=True)
             trainers[c] = _Trainer(
-                c, world, trace=trace_dir is not None, model=model, optimizer=optimizer
+                c,
+                world,
+                trace=trace_dir is not None,
+                model=model,
+                optimizer=optimizer,
+                compile_backend=compile_backend,
             )
             after = resident_kb(trim=True)
             footprint[c] = None if before is None or after is None else after - before
@@ -796,11 +847,23 @@ def _rank(
     trace_dir=None,
     model=DEFAULT_MODEL,
     optimizer=DEFAULT_OPTIMIZER,
+    compile_backend="inductor",
 ):
     rows = []
     for bs in batch_sizes:
         rows += _run_batch_size(
-            rank, world, bs, configs, warmup, iters, rounds, label, trace_dir, model, optimizer
+            rank,
+            world,
+            bs,
+            configs,
+            warmup,
+            iters,
+            rounds,
+            label,
+            trace_dir,
+            model,
+            optimizer,
+            compile_backend,
         )
     return rows
 
@@ -1161,6 +1224,11 @@ def parse_args(argv=None):
         help="the wire-bound case (100mbit, batch 256) quick, one summary line; "
         "loopback where namespaces cannot be made (make demo)",
     )
+    ap.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile's backend for the configs with @whole or @blocks (default inductor)",
+    )
     ap.add_argument("--json", default=None, metavar="PATH")
     ap.add_argument("--plot", default=None, metavar="PATH.png")
     ap.add_argument(
@@ -1257,6 +1325,7 @@ def measure(args, shape, batch_sizes):
             args.trace,
             args.model,
             args.optimizer,
+            args.compile_backend,
             backend="gloo",
             start_method="forkserver",
             setup=net and net.setup,
@@ -1279,9 +1348,11 @@ def model_line(model) -> str:
 
 
 def header_line(args, model, where):
+    compiled = any(compiled_as(c)[1] for c in args.configs)
     return (
         f"training step, {model_line(model)}, {OPTIMIZER_LINES[args.optimizer]}, "
-        f"{args.nprocs} ranks on CPU (gloo), network: {where}; median of {args.iters} steps (configs interleaved "
+        + (f"@: torch.compile(backend={args.compile_backend!r}), " if compiled else "")
+        + f"{args.nprocs} ranks on CPU (gloo), network: {where}; median of {args.iters} steps (configs interleaved "
         f"in {args.rounds} rounds, {args.warmup} warm-up) per rank, averaged across ranks; "
         f"exposed = step - compute; lib_exp = the library's own exposed_comm_s; "
         f"bound = max(compute, comm); limit = compute with comm in a thread at the same "

@@ -22,9 +22,11 @@
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/PyInterpreter.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
 
 namespace {
 
@@ -472,7 +474,17 @@ PyObject* switch_classes(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // switch: off, autograd's call is a load; on, it calls ``fn()`` before the add.
 // Turning it on or off is a store. Node pre-hooks run when the node runs: in
 // backward(), not in autograd.grad(), which adds into no ``.grad``.
+//
+// Compiled autograd traces no hook of C++: it asks each hook for what to call
+// (compiled_args) and puts that in its graph. A guard that is on hands it a Python
+// callable made once from ``fn`` by the function set_compiled_autograd_hook() was
+// given (grad_fields.py: ``fn`` behind torch._dynamo.disable, so the graph calls it
+// eagerly, in order, before the node's add); a guard that is off hands it nothing, as
+// eager autograd calls nothing. Compiled autograd keys its graphs by the hooks, so the
+// two states are two cached graphs.
 using torch::autograd::variable_list;
+
+PyObject* compiled_autograd_hook = nullptr;  // fn -> what compiled autograd calls
 
 struct GuardHook : torch::autograd::FunctionPreHook {
   GuardHook(PyObject* fn, std::shared_ptr<std::atomic<bool>> on) : fn(fn), on(std::move(on)) {
@@ -482,6 +494,7 @@ struct GuardHook : torch::autograd::FunctionPreHook {
     if (Py_IsInitialized()) {
       pybind11::gil_scoped_acquire gil;
       Py_DECREF(fn);
+      Py_XDECREF(traced);
     }
   }
   variable_list operator()(const variable_list& grads) override {
@@ -497,13 +510,21 @@ struct GuardHook : torch::autograd::FunctionPreHook {
     }
     return grads;
   }
-  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) const override {
-    TORCH_CHECK_NOT_IMPLEMENTED(false,
-                                "hybridcomm's gradient guards are hooks of C++, which compiled "
-                                "autograd cannot trace: run with HYBRIDCOMM_HOST_EXT=0 (the same "
-                                "guards as torch's Python pre-hooks)");
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& args) const override {
+    if (!on->load(std::memory_order_acquire)) return;
+    pybind11::gil_scoped_acquire gil;
+    if (traced == nullptr) {
+      TORCH_CHECK(compiled_autograd_hook != nullptr,
+                  "hybridcomm's gradient guards: no set_compiled_autograd_hook() was made "
+                  "(hybridcomm.sync.grad_fields makes it when it loads this extension)");
+      traced = PyObject_CallOneArg(compiled_autograd_hook, fn);
+      if (traced == nullptr) throw python_error();
+    }
+    Py_INCREF(traced);
+    args.add_pre_hook(c10::SafePyObject(traced, getPyInterpreter()));
   }
   PyObject* fn;
+  mutable PyObject* traced = nullptr;  // compiled autograd's callable, made on first need
   std::shared_ptr<std::atomic<bool>> on;
 };
 
@@ -592,6 +613,19 @@ PyObject* set_guards(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return each_guard(args[0], [on](Guard* g) { g->on->store(on != 0, std::memory_order_release); });
 }
 
+// set_compiled_autograd_hook(make): ``make(fn)`` is what compiled autograd calls for a
+// guard that is on (GuardHook::compiled_args).
+PyObject* set_compiled_autograd_hook(PyObject*, PyObject* make) {
+  if (!PyCallable_Check(make)) {
+    PyErr_SetString(PyExc_TypeError, "set_compiled_autograd_hook(make): a callable");
+    return nullptr;
+  }
+  Py_INCREF(make);
+  Py_XDECREF(compiled_autograd_hook);
+  compiled_autograd_hook = make;
+  Py_RETURN_NONE;
+}
+
 // drop_guards(guards): each hook off its node now (its capsule may live on, inert).
 PyObject* drop_guards(PyObject*, PyObject* guards) { return each_guard(guards, take_off); }
 
@@ -614,6 +648,8 @@ PyMethodDef methods[] = {
     {"set_guards", reinterpret_cast<PyCFunction>(set_guards), METH_FASTCALL,
      "each guard on or off"},
     {"drop_guards", drop_guards, METH_O, "each guard's hook off its node"},
+    {"set_compiled_autograd_hook", set_compiled_autograd_hook, METH_O,
+     "make(fn): what compiled autograd calls for a guard that is on"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "hybridcomm_host", nullptr, -1, methods};

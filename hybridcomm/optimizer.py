@@ -40,6 +40,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from . import broadcast
 from .comm import control
 from .comm import servers as ps
+from .base.compile_boundary import eager_only
 from .base.errors import HybridCommError
 from .config.config import SyncConfig
 from .plan.planner import forced_algorithm
@@ -52,6 +53,23 @@ from .sync.synchronizer import GradientSynchronizer
 # closure) or updates every parameter it holds (ZeroRedundancyOptimizer: its
 # shard, then it broadcasts): stepped whole, never per bucket.
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS", "ZeroRedundancyOptimizer")
+
+# The verbs a compiled training step calls (``torch.compile(train_step)``): each runs
+# eagerly where dynamo meets it (a graph break), never traced (compile_boundary.py).
+_EAGER_VERBS = (
+    "step",
+    "zero_grad",
+    "synchronize",
+    "add_param_group",
+    "state_dict",
+    "load_state_dict",
+    "close",
+)
+_EAGER_WHY = (
+    "DistributedOptimizer.{}() runs eagerly, never inside a graph (it drives threads and "
+    "the communication channel): compile the model, or the training step without "
+    "fullgraph=True"
+)
 
 
 def evaluates_closure_once(base: type) -> bool:
@@ -673,7 +691,14 @@ def DistributedOptimizer(
     if isinstance(optimizer, _DistributedOptimizer):
         raise HybridCommError("this optimizer is already a DistributedOptimizer")
     base = type(optimizer)
-    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+    # (made here, not in the class body: the wrapped optimizer has imported dynamo by now)
+    verbs = {
+        name: eager_only(getattr(_DistributedOptimizer, name), why=_EAGER_WHY.format(name))
+        for name in _EAGER_VERBS
+    }
+    cls = type(
+        base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__, **verbs}
+    )
     opt = cls.__new__(cls)
     # Share the wrapped optimizer's state, but not a `step` an LR scheduler may
     # have patched onto the instance: it would call the unwrapped step.

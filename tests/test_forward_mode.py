@@ -353,22 +353,26 @@ def _compiled(model, how):
 
 
 @pytest.mark.parametrize("how", ["optimized_module", "compiled_function", "module_compile"])
-@pytest.mark.parametrize("flags", [True, False], ids=["dynamo_flags", "frame_walk"])
-def test_a_compiled_forward_applies_the_pending_updates_first(monkeypatch, flags, how):
-    """Compiled code calls no ``__torch_function__``: the model's pre-hook applies
-    every pending update before a compiled forward, whichever way it was compiled;
-    through dynamo's flags (eager forwards pay two flag reads), and through the walk
-    of the frames that a torch without those flags takes."""
+@pytest.mark.parametrize("path", ["in_graph", "frame_walk"])
+def test_a_compiled_forward_reads_each_pending_update_first(monkeypatch, path, how):
+    """Compiled code calls no ``__torch_function__``. Where dynamo traces a pending
+    parameter, each read in the graph first calls the operator that applies its
+    update (``in_graph``: at run time, with functionalization's copy of the
+    parameter filled too), whichever way the model was compiled. On a torch without
+    dynamo's flags the model's pre-hook applies every update eagerly before the
+    compiled forward, found by the walk of the frames (``frame_walk``), and no
+    graph applies one. Each compiled forward gives the eager reference's output."""
     import torch._dynamo
 
-    from hybridcomm.sync import pending
+    from hybridcomm.sync import compiled, pending
 
     hook = pending.ApplyBeforeCompiledForward
     monkeypatch.setattr(pending, "_tracing", pending._never)  # (not armed yet)
     monkeypatch.setattr(pending, "_in_compiled_module", pending._never)
     monkeypatch.setattr(pending, "_apply_before_compiled", pending._apply_all_before_compiled)
+    monkeypatch.setattr(pending, "_resolve_eagerly", pending.resolve)
     monkeypatch.setattr(hook, "__call__", hook.__call__)
-    if not flags:
+    if path == "frame_walk":
         monkeypatch.setattr(pending, "_IN_COMPILED_MODULE_FLAG", "not in this torch")
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -388,13 +392,16 @@ def test_a_compiled_forward_applies_the_pending_updates_first(monkeypatch, flags
     try:
         for i in range(3):
             pending.defer(params, apply)
-            assert pending._tracing is not pending._never or not flags  # armed
+            assert pending._tracing is not pending._never or path == "frame_walk"  # armed
+            in_graph = compiled.stats()["in_graph"]
             with torch.no_grad():
                 for q in ref.parameters():
                     q.add_(0.5)
                 out = run(x)
             assert len(applied) == i + 1 and not any(map(is_pending, params))
             assert torch.equal(out, ref(x))
+            in_graph = compiled.stats()["in_graph"] - in_graph
+            assert in_graph > 0 if path == "in_graph" else in_graph == 0, (path, in_graph)
     finally:
         pending.forget(apply)
 

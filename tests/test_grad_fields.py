@@ -286,8 +286,8 @@ def test_guards_of_cpp_call_before_the_add_only_while_on():
     gradient accumulator): called only while on, before autograd adds into
     ``.grad``, beside a user's own hooks, in backward() (not autograd.grad(),
     which adds into no field); an error in one reaches backward()'s caller;
-    compiled autograd, which cannot trace one, says what to do; a dropped guard is
-    never called again."""
+    compiled autograd's graph calls one that is on, before the add, and none that
+    is off, with no setting to change; a dropped guard is never called again."""
     assert host_ext.load() is not None, host_ext.why_not()
     params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]
     seen = []  # (name, .grad as the guard found it)
@@ -321,9 +321,13 @@ def test_guards_of_cpp_call_before_the_add_only_while_on():
     grad_fields.drop_guards([failing])
     compiled_autograd = getattr(pytest.importorskip("torch._dynamo"), "compiled_autograd", None)
     if hasattr(compiled_autograd, "_enable"):  # (its entry point is private: where it is)
-        with pytest.raises(NotImplementedError, match="HYBRIDCOMM_HOST_EXT=0"):
-            with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager")):
-                _backward(params)
+        seen.clear()
+        held = [p.grad.clone() for p in params]
+        with compiled_autograd._enable(lambda gm: torch.compile(gm, backend="eager")):
+            _backward(params)
+        assert [s[0] for s in seen if s[0] != "user"] == [1]  # on: called; off: not
+        assert torch.equal(seen[-1][1] if seen[-1][0] == 1 else seen[0][1], held[1])  # before
+        assert all(torch.equal(p.grad, h + 1) for p, h in zip(params, held))
     grad_fields.drop_guards(guards)
     grad_fields.set_guards(guards, True)  # (dropped: inert)
     seen.clear()

@@ -188,7 +188,27 @@ def test_sharded_state_gives_one_process_numbers(world, simulate, reshard_bytes)
 
 
 def _big_state(rank, world):
-    """A model of 200k parameters: each rank's Adam state within 5% of 1/P."""
+    """A model of 200k parameters: each rank's Adam state within 5% of 1/P. Every
+    tensor the buckets' allocator hands out (each bucket's whole buffer, the part
+    kept of a bucket released in backward, the buffer step()'s all-gather fills) is
+    followed by a weak reference: after step(), nothing may hold one (the engine's
+    kept operations and the slices' cached gradients are views of them)."""
+    from hybridcomm.sync import synchronizer
+
+    made = []
+    allocator = synchronizer.bucket_allocator
+
+    def followed(*args):
+        alloc = allocator(*args)
+
+        def alloc_followed(numel, dtype):
+            t = alloc(numel, dtype)
+            made.append(weakref.ref(t))
+            return t
+
+        return alloc_followed
+
+    synchronizer.bucket_allocator = followed
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 400), nn.ReLU(), nn.Linear(400, 200))
     opt = hybridcomm.DistributedOptimizer(
@@ -199,28 +219,31 @@ def _big_state(rank, world):
         cost_model="default",
         timeout=30,
     )
+    states = opt._hc_sync.group.states
     x = torch.randn(8, 300)
     model(x).square().mean().backward()
-    # (a bucket whose reduce-scatter ended in backward holds only its part by now)
-    memory = [
-        weakref.ref(s.bucket.buffer if s.bucket.buffer is not None else s.bucket.part)
-        for s in opt._hc_sync.group.states
-    ]
-    opt.step()
-    buffers = [s.bucket.buffer for s in opt._hc_sync.group.states]
     gc.collect()
-    freed = all(m() is None for m in memory)  # nothing else holds the memory
+    # each bucket holds one tensor now: its buffer, or the part it kept where released
+    in_backward = (sum(s.bucket.released for s in states), sum(m() is not None for m in made))
+    opt.step()
+    buffers = [s.bucket.buffer for s in states]
+    gc.collect()
+    alive = sum(m() is not None for m in made)  # nothing may hold the memory
     full = 2 * sum(p.numel() * 4 for p in model.parameters())
-    out = _state_bytes(opt), full, buffers, freed
+    out = _state_bytes(opt), full, buffers, len(made), in_backward, alive
     opt.close()
     return out
 
 
 def test_each_rank_keeps_a_pth_of_the_state_and_gradients_free_their_buckets():
-    for nbytes, full, buffers, freed in run_ranks(3, _big_state, timeout=120):
+    for nbytes, full, buffers, made, in_backward, alive in run_ranks(3, _big_state, timeout=120):
         assert nbytes <= 1.05 * full / 3, (nbytes, full)
         assert buffers and all(b is None for b in buffers)  # freed until the next backward
-        assert freed
+        released, held = in_backward
+        assert released > 0 and held == len(buffers), (released, held, len(buffers))
+        # (the buffers made with the buckets, the parts kept in backward, step()'s buffers)
+        assert made >= 3 * len(buffers), made
+        assert alive == 0, f"{alive} of the {made} tensors the buckets allocated are alive"
 
 
 def _resume(rank, world, mode, path, form, simulate=False):

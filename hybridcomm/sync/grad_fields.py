@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from itertools import repeat
 from operator import attrgetter, is_
@@ -31,6 +32,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from ..base.compile_boundary import eager_only
 from . import host_ext
 
 _GRAD, _REQUIRES = attrgetter("grad"), attrgetter("requires_grad")
@@ -41,7 +43,23 @@ def _loaded():
     global _ext
     if _ext is None:
         _ext = host_ext.load() or False
+        if _ext:  # (what a guard that is on hands compiled autograd: add_guard)
+            _ext.set_compiled_autograd_hook(_for_compiled_autograd)
     return _ext
+
+
+def _for_compiled_autograd(fn):
+    """What compiled autograd's graph calls for a guard of ``fn`` that is on: ``fn()``,
+    eagerly (never traced), handed the node's gradients, which it leaves as they are."""
+    return eager_only(
+        functools.partial(_call_before_add, fn),
+        why="the gradient guards run eagerly, each a graph break in compiled autograd's "
+        "graph: leave compiled_autograd_kwargs_override's fullgraph off",
+    )
+
+
+def _call_before_add(fn, grads) -> None:
+    fn()
 
 
 class python:
@@ -146,7 +164,9 @@ def has_extension() -> bool:
 def add_guard(p: torch.Tensor, fn) -> Optional[object]:
     """A pre-hook of C++ on ``p``'s gradient accumulator (csrc/host_ops.cpp) that calls
     ``fn()`` before autograd adds a gradient into ``p.grad``, while it is on
-    (:func:`set_guards`); off, autograd's call costs a load. It stays on the node
+    (:func:`set_guards`); off, autograd's call costs a load. Under compiled
+    autograd a guard that is on puts a call of ``fn()`` in the graph, before the
+    node's add, run eagerly (compile_boundary.py); one that is off puts nothing. It stays on the node
     until :func:`drop_guards` (or until the returned handle is freed). None without
     the extension: the pre-hooks then go on and off through :func:`arm` and
     :func:`disarm` (the twin: the same calls, made by torch's Python pre-hooks).

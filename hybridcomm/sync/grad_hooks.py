@@ -12,8 +12,9 @@ once per bucket (bucket_group.py).
    parameter. Without it, torch's Python pre-hook, on and off through the
    tensor's ``_backward_hooks`` (a hook object made and freed, ~0.3 us per
    parameter each way; kept off, since an armed one costs autograd a call
-   into Python, ~1 us per parameter and pass). Under compiled autograd, which
-   takes no hook of C++, run with ``HYBRIDCOMM_HOST_EXT=0``. A
+   into Python, ~1 us per parameter and pass). Compiled autograd, which traces
+   no hook of C++, gets a guard that is on as a Python call in its graph
+   (grad_fields.add_guard), one that is off not at all. A
    ``.grad`` that is None (``zero_grad()``, the default ``set_to_none=True``)
    needs nothing: autograd puts the gradient in a tensor of its own, as in
    plain PyTorch (no zeroing, no in-place add), and the bucket takes it in once
@@ -34,6 +35,10 @@ once per bucket (bucket_group.py).
    apart into its views in one multi-tensor copy (``BucketGroup.absorb``), and
    in the step's launching pass (passes.py) it is launched; the end of the pass
    launches the rest.
+
+Both run as they are under compiled autograd: dynamo, which traces the hooks
+compiled autograd puts in its graph, calls them eagerly (``eager_only``, a call
+more per hook: ~1 us, paid by the closers only in a steady step).
 
 **One post-accumulate hook per bucket in a steady step** (``lean``): the
 parameter whose gradient completed a bucket (its *closer*) is the same in
@@ -73,6 +78,7 @@ from typing import Dict, Iterable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..base.compile_boundary import eager_only
 from . import grad_fields
 from .bucket_group import Phase, kept_apart, wants_guard
 from .passes import LAUNCH
@@ -80,6 +86,10 @@ from .pending import grad_field
 from .scatter import is_released
 
 _ACCUMULATING, _IDLE = Phase.ACCUMULATING, Phase.IDLE
+_HOOK_WHY = (
+    "the gradient hooks run eagerly, each a graph break in compiled autograd's graph: "
+    "leave compiled_autograd_kwargs_override's fullgraph off"
+)
 log = logging.getLogger("hybridcomm")
 
 
@@ -124,9 +134,11 @@ class GradientHooks:
         for pid in [pid for pid in self._post if pid not in want]:
             self._post.pop(pid)[0].remove()
             self._drop([self._pre.pop(pid)])
+        # One object for every parameter: compiled autograd's graph calls it (not traced)
+        # and dynamo, which compiles the frame that calls it, recompiles it per hook object
+        hook = eager_only(self.after_grad, why=_HOOK_WHY)
         for pid, p in want.items():
             if pid not in self._post:
-                hook = self.after_grad
                 handle = p.register_post_accumulate_grad_hook(hook)
                 self._post[pid] = (handle, p._post_accumulate_grad_hooks, handle.id, hook)
                 self._pre[pid] = self._new_pre(p)
@@ -225,7 +237,8 @@ class GradientHooks:
         hook, {key: hook})."""
         if self.native:
             return grad_fields.add_guard(p, self._before(p))
-        key, hook = RemovableHandle(OrderedDict()).id, self._before(p)
+        # (eager_only: compiled autograd's graph calls it as it is, not traced)
+        key, hook = RemovableHandle(OrderedDict()).id, eager_only(self._before(p), why=_HOOK_WHY)
         # (an OrderedDict, as torch's own: a user's register_hook weak-references it)
         return p, key, hook, OrderedDict({key: hook})
 

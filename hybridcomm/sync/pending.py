@@ -20,10 +20,15 @@ What this cannot see: a tensor that already aliased the parameter's memory
 before ``step()`` (``w = p.data`` kept from an earlier step) is no parameter;
 read the parameter itself.
 
-``torch.compile``: compiled code runs no ``__torch_function__``, so a forward
-pre-hook on the model applies every pending update when a compiled forward
-begins (the model compiled before or after wrapping); the forward then runs
-after its updates, without overlapping them. Logged once at INFO.
+``torch.compile``: compiled code runs no ``__torch_function__``; dynamo traces
+it instead. Traced, the class makes each read of a pending parameter a call of
+the registered operator ``hybridcomm::apply_pending_`` (compiled.py) before the
+read, in the graph, fullgraph or not: at run time it applies the update first,
+as the eager read would. That costs an operator call per read, so the
+synchronizer keeps pending parameters out of compiled code where it can
+(compiled.py: each compiled block's update applied as the block begins, or in
+``step()``); the model's forward pre-hook here tells it when the whole
+forward is compiled.
 
 Example::
 
@@ -44,10 +49,11 @@ import logging
 import sys
 import weakref
 from itertools import chain
-from typing import Callable, Dict, Iterable, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
+from ..base.compile_boundary import eager_only
 from ..base.errors import HybridCommError
 from . import grad_fields
 
@@ -162,6 +168,8 @@ class _Pending:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if _compiling():  # dynamo traces this call: the update goes into the graph
+            return _read_in_graph(func, args, kwargs)
         kind = _kind(func)
         if kind:
             with _DISABLED():
@@ -217,6 +225,55 @@ def _resolve_in(args: Iterable) -> None:
                 _resolve_in(a)
             elif isinstance(a, dict):
                 _resolve_in(a.values())
+
+
+def _pending_in(args: Iterable, found: list) -> list:
+    """The pending parameters in ``args`` (nested lists, tuples, dicts), appended to
+    ``found``: ``_resolve_in``'s walk, written for dynamo to trace."""
+    for a in args:
+        if type(a) in _bases:
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            _pending_in(a, found)
+        elif isinstance(a, dict):
+            _pending_in(a.values(), found)
+    return found
+
+
+def _read_in_graph(func, args, kwargs):
+    """A call on a pending parameter as dynamo traces it: for each pending argument
+    the graph first calls the operator that applies its update (compiled.py
+    registers it: ``apply_in_graph_with``), then ``func`` on the updated values.
+    Without the operator (torch < 2.4) the update is applied eagerly, at a graph
+    break. Calls that read no element data (``p.shape``, ``p.grad``) apply nothing.
+    (Every torch-function override is off for the call, modes too: a graph's
+    operators see none at run time, and dynamo re-enters a mode's override here.)"""
+    with torch._C.DisableTorchFunction():
+        if _kind(func) == LOUD:
+            for p in _pending_in(kwargs.values(), _pending_in(args, [])):
+                if _in_graph is not None:
+                    _in_graph(p, id(p))
+                else:
+                    _resolve_eagerly(p)
+        return func(*args, **kwargs)
+
+
+_in_graph: Optional[Callable] = None  # the operator (param, key): apply_in_graph_with
+
+
+def apply_in_graph_with(op: Callable) -> None:
+    """``op(p, id(p))``, a registered operator that applies pending ``p``'s update and
+    declares that it writes ``p``, is what a compiled graph calls before reading a
+    pending parameter (compiled.py)."""
+    global _in_graph
+    _in_graph = op
+
+
+def registered(key: int) -> Optional[torch.Tensor]:
+    """The parameter registered under ``key`` (its ``id``), if it is still alive."""
+    entry = _waiting.get(key)
+    p = entry[0]() if entry is not None else None
+    return p if p is not None and id(p) == key else None
 
 
 def _pending_class(base: type) -> type:
@@ -294,7 +351,7 @@ def defer(params: Sequence[torch.Tensor], apply: Callable[[torch.Tensor], None])
         for p in params:
             cls = p.__class__
             p.__class__ = classes.get(cls) or _pending_class(cls)
-    _arm_compiled_forward_hook()
+    arm_compiled_forward_hook()
 
 
 def _forget_dead(pid: int, ref: weakref.ref) -> None:
@@ -368,11 +425,18 @@ def _never() -> bool:
     return False
 
 
-# Set on first use of torch.compile's flags (_arm_compiled_forward_hook): traced by
+# Whether dynamo traces the caller (folded to True in a trace, False outside one)
+_compiling: Callable[[], bool] = (
+    getattr(getattr(torch, "compiler", None), "is_compiling", None) or _never
+)
+# Set on first use of torch.compile's flags (arm_compiled_forward_hook): traced by
 # dynamo (a compiled function calling the model, ``model.compile()``), and an
 # OptimizedModule's call, whose hooks run outside the trace under a flag of dynamo's.
 _tracing: Callable[[], bool] = _never
 _in_compiled_module: Callable[[], bool] = _never
+# A read traced with no operator to call (torch < 2.4): the update applied eagerly
+# (eager_only once armed: a graph break)
+_resolve_eagerly: Callable[[torch.Tensor], None] = resolve
 
 
 def _under_torch_compile() -> bool:
@@ -413,14 +477,26 @@ _apply_before_compiled = _apply_all_before_compiled  # (dynamo.disable's once ar
 
 
 class ApplyBeforeCompiledForward:
-    """The model's forward pre-hook: a compiled forward (``torch.compile``) starts
-    after every pending update (compiled code calls no ``__torch_function__``).
-    A plain object, so the model still deep-copies and pickles; in a copy it
-    only applies what is pending, which is never wrong. In an eager forward it
-    costs two flag reads (a walk of the frames on a torch without the flags)."""
+    """The model's forward pre-hook: whether the model's forward is compiled.
+
+    Traced by dynamo (``torch.compile(model)``, ``model.compile()``, a compiled
+    function calling the model; ``fullgraph=True`` or not), it marks
+    ``compiled_whole`` (a side effect dynamo replays each time the graph runs:
+    no graph break), and the synchronizer then applies the model's updates in
+    ``step()`` (compiled.py): a pending parameter's reads in that graph would
+    each cost an operator call. Run outside the trace, under the flag an
+    ``OptimizedModule`` sets around its hooks (a model handed over compiled),
+    it applies every pending update before the compiled forward begins. A plain
+    object, so the model still deep-copies and pickles; in a copy it only
+    applies what is pending, which is never wrong. In an eager forward it costs
+    two flag reads (a walk of the frames on a torch without the flags)."""
+
+    compiled_whole = False
 
     def __call__(self, module, args) -> None:
-        if _tracing() or _in_compiled_module():
+        if _tracing():
+            self.compiled_whole = True
+        elif _in_compiled_module():
             _apply_before_compiled()
 
 
@@ -430,20 +506,22 @@ def _legacy_call(self, module, args) -> None:
         _apply_before_compiled()
 
 
-def _arm_compiled_forward_hook() -> None:
+def arm_compiled_forward_hook() -> None:
     """Once torch.compile is loaded, the hook reads its flags, and what it applies
     runs outside dynamo's tracing: traced, it would be frozen into the graph
-    (``torch._dynamo.disable`` makes its call a graph break that runs eagerly each
-    time). Checked where updates are deferred: importing dynamo here would cost
-    every process a second."""
-    global _tracing, _in_compiled_module, _apply_before_compiled
+    (``eager_only``, torch._dynamo.disable, makes its call a graph break that
+    runs eagerly each time). Checked where updates are deferred and where a
+    synchronizer is made (a torch optimizer has imported dynamo by then): importing
+    dynamo here would cost every process a second."""
+    global _tracing, _in_compiled_module, _apply_before_compiled, _resolve_eagerly
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is None or getattr(_apply_before_compiled, "_torchdynamo_disable", False):
         return
-    _apply_before_compiled = dynamo.disable(_apply_before_compiled)
+    _apply_before_compiled = eager_only(_apply_before_compiled)
+    _resolve_eagerly = eager_only(resolve)
     in_module = getattr(dynamo.eval_frame, _IN_COMPILED_MODULE_FLAG, None)
     tracing = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if in_module is not None and tracing is not None:
         _tracing, _in_compiled_module = tracing, in_module
     else:  # an older torch: the frame walk, the whole hook outside the trace
-        ApplyBeforeCompiledForward.__call__ = dynamo.disable(_legacy_call)
+        ApplyBeforeCompiledForward.__call__ = eager_only(_legacy_call)

@@ -532,7 +532,9 @@ class ShardedOptimizer:
                 "shard= takes no closure that the optimizer evaluates itself in step()"
             )
         self._hc_reshard()
-        return self._hc_shards.step(self, base_step)
+        loss = self._hc_shards.step(self, base_step)
+        self._hc_sync.apply_read_in_compiled_code()  # (forward mode: deferred all-gathers)
+        return loss
 
     def _hc_make_whole(self) -> None:
         """After ``synchronize()`` (to clip, or for GradScaler's inf check): under

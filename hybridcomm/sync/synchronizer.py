@@ -45,6 +45,7 @@ from ..gpu.runtime import runtime_for
 from ..plan.planner import Plan
 from . import checkpoint, ownership
 from .bucket_group import BucketGroup, BucketState, Links, Phase, StepState
+from .compiled import CompiledReads
 from .deferred import DeferredUpdates, Update
 from .grad_hooks import GradientHooks
 from .join import STEP_END, JoinState
@@ -165,13 +166,14 @@ class GradientSynchronizer:
             self.rt,
             cfg.correction_momentum,
         )
+        # The only hook on the model (a plain object: it deep-copies and pickles), and
+        # entries on its compiled blocks (compiled.py)
+        forward = model is not None and cfg.overlap == "forward"
+        whole = ApplyBeforeCompiledForward() if forward else None
+        self._compiled_hook = model.register_forward_pre_hook(whole) if forward else None
+        self.compiled = CompiledReads(model if forward else None, whole)
+        self.compiled.scan()
         self._build(self.planning.agree(self.registry.layers))
-        # The only hook on the model (a plain object: it deep-copies and pickles)
-        self._compiled_hook = (
-            model.register_forward_pre_hook(ApplyBeforeCompiledForward())
-            if model is not None and cfg.overlap == "forward"
-            else None
-        )
         self.planning.log(self.plan, "initial plan")
 
     # ---- parameters, plan, buckets ------------------------------------------------------
@@ -225,6 +227,14 @@ class GradientSynchronizer:
             old.retire()
         self.group.engine.round_end_waits = not self.defers  # (step() waits for the round)
         self.hooks.attach(self.params)
+        self.compiled.review(self.group, again=True)
+        self._note_compiled()
+
+    def _note_compiled(self) -> None:
+        """The plan's notes on forward mode under torch.compile (compiled.py)."""
+        for note in (self.compiled.entry_note(), self.compiled.note):
+            if note is not None and note not in self.plan.notes:
+                self.plan.notes.append(note)
 
     def watched(self):
         """The device runtime's view of host torch calls in autograd hooks (the GPU
@@ -262,6 +272,7 @@ class GradientSynchronizer:
             self.overlap == "forward"
             and not self.config.shard
             and (self.plan.defer_updates or self.config.defer_always)
+            and not self.compiled.whole  # (compiled.py: the updates are applied in step())
         )
 
     def begin_step(self) -> None:
@@ -269,6 +280,9 @@ class GradientSynchronizer:
         nested backwards) ends now; parameters that joined are taken in."""
         self._step_t0 = time.perf_counter()
         self.passes.end()
+        if self.compiled.review(self.group):  # forward mode: what compiled code read since
+            self.group.engine.round_end_waits = not self.defers
+            self._note_compiled()
         if self.measuring() and self.passes.any:
             self.measure.running_at_step(self.group.running())
         if self.registry.trainable_changed():
@@ -305,6 +319,15 @@ class GradientSynchronizer:
         if sparse and self.deferred.update is not None:  # not deferred: no first read to wait for
             self.deferred.update(sparse, [p.grad for p in sparse], hyper, False)
         self.deferred.defer(hyper)
+        self.apply_read_in_compiled_code()
+
+    def apply_read_in_compiled_code(self) -> None:
+        """Forward mode: the buckets whose parameters compiled code reads with no eager
+        point before the reads are updated now (compiled.py); the others wait for
+        their first reads."""
+        for s in self.compiled.in_step_states:
+            if s.phase is Phase.PENDING:
+                self.deferred.apply(s)
 
     def apply_pending(self) -> None:
         """Apply every deferred update now (forward mode)."""
@@ -481,6 +504,7 @@ class GradientSynchronizer:
             self.deferred.close()  # (what could not be applied is dropped)
             if self._compiled_hook is not None:
                 self._compiled_hook.remove()
+            self.compiled.close()
             ownership.release(self._all_params(), self)
 
 

@@ -512,6 +512,19 @@ _SYNC_FUNCS = {
 }
 
 
+def _never() -> bool:
+    return False
+
+
+# Whether dynamo traces the caller. Compiled code runs its graph's operators without
+# torch-function modes, so the simulator sees none of them: their reads and writes are
+# not checked for races, and they run at once, not after the current stream's queued
+# work (what they read, the library's host calls wrote after draining it). The
+# library's calls a compiled graph makes eagerly (its hooks, forward mode's operator)
+# are watched as ever.
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or _never
+
+
 class _HostMode(TorchFunctionMode):
     """Sees the trainer thread's torch calls: counts host syncs, checks races."""
 
@@ -521,6 +534,8 @@ class _HostMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _compiling():  # dynamo traces this mode: a compiled graph's ops are not seen
+            return func(*args, **kwargs)
         dev = self.device
         if getattr(_tls, "host_depth", 0):
             return func(*args, **kwargs)

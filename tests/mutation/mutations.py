@@ -45,6 +45,7 @@ OD = "tests/test_one_device.py::"
 OD_EXACT = OD + "test_every_algorithm_is_exact_over_one_device[3-float32]"
 OD_FILE = "hybridcomm/comm/transport/one_device.py"
 GRAN = "tests/test_shard_granularity.py::"
+COMPILE = "tests/test_compile.py::"
 
 MUTATIONS = [
     # ---- issue 8: the ten old defects -------------------------------------------------------
@@ -1614,14 +1615,12 @@ MUTATIONS = [
         "compiled-forward-not-applied",
         "i38 host cost",
         "hybridcomm/sync/pending.py",
-        old="        if _tracing() or _in_compiled_module():\n",
-        new="        if False:\n",
-        guards=(
-            "tests/test_forward_mode.py::test_a_compiled_forward_applies_the_pending_updates_"
-            "first[dynamo_flags-module_compile]",
-        ),
-        what="the model's pre-hook no longer applies the pending updates before a compiled "
-        "forward (model.compile()): the compiled code reads last step's weights",
+        old="        if _tracing():\n            self.compiled_whole = True\n",
+        new="        if False:\n            self.compiled_whole = True\n",
+        guards=(COMPILE + "test_every_compile_pattern_gives_one_process_numbers[forward-host]",),
+        what="the model's pre-hook no longer tells that the whole forward is compiled: its "
+        "updates stay deferred, so every read in the graph pays an operator call and the "
+        "forward compiles again for the pending class",
     ),
     Mutation(
         "compiled-forward-frames-unseen",
@@ -1630,11 +1629,101 @@ MUTATIONS = [
         old="    if _waiting and _under_torch_compile():\n",
         new="    if False:\n",
         guards=(
-            "tests/test_forward_mode.py::test_a_compiled_forward_applies_the_pending_updates_"
+            "tests/test_forward_mode.py::test_a_compiled_forward_reads_each_pending_update_"
             "first[frame_walk-compiled_function]",
         ),
-        what="on a torch without dynamo's flags, the hook's frame walk is gone: a compiled "
-        "function calling the model reads last step's weights",
+        what="on a torch without dynamo's flags, the hook's frame walk is gone: the pending "
+        "parameters reach the compiled function, whose graph must apply them read by read",
+    ),
+    # ---- torch.compile as its users run it -----------------------------------------------
+    Mutation(
+        "in-graph-read-stale",
+        "i71 compile",
+        "hybridcomm/sync/pending.py",
+        old="        if _kind(func) == LOUD:\n",
+        new="        if False:\n",
+        guards=(
+            "tests/test_forward_mode.py::test_a_compiled_forward_reads_each_pending_update_"
+            "first[in_graph-optimized_module]",
+        ),
+        what="a pending parameter traced by dynamo is read with no call of the operator "
+        "that applies its update: the graph reads last step's weights",
+    ),
+    Mutation(
+        "in-graph-copy-missing",
+        "i71 compile",
+        "hybridcomm/sync/compiled.py",
+        old="    if param.data_ptr() != p.data_ptr():",
+        new="    if False:",
+        guards=(
+            "tests/test_forward_mode.py::test_a_compiled_forward_reads_each_pending_update_"
+            "first[in_graph-module_compile]",
+        ),
+        what="the operator updates the parameter but not the copy functionalization made "
+        "of it before the call (aot_eager): the rest of the graph reads the old values",
+    ),
+    Mutation(
+        "block-entry-applies-nothing",
+        "i71 compile",
+        "hybridcomm/sync/compiled.py",
+        old="            if is_pending(p):  # (its bucket's update applies the bucket's others too)\n",
+        new="            if False:\n",
+        guards=(COMPILE + "test_every_compile_pattern_gives_one_process_numbers[forward-host]",),
+        what="a compiled block's entry applies nothing: every step its graph applies the "
+        "updates read by read, recompiled for the pending class",
+    ),
+    Mutation(
+        "late-blocks-never-found",
+        "i71 compile",
+        "hybridcomm/sync/compiled.py",
+        old="            self.scan()\n            self.in_step.update(reads - self.at_entry)\n",
+        new="            self.in_step.update(reads)\n",
+        guards=(COMPILE + "test_every_compile_pattern_gives_one_process_numbers[forward-host]",),
+        what="blocks compiled after the optimizer was made are never given an entry: their "
+        "updates are applied in step() and do not overlap the forward",
+    ),
+    Mutation(
+        "step-verbs-traced",
+        "i71 compile",
+        "hybridcomm/optimizer.py",
+        old="    verbs = {\n        name: eager_only(",
+        new="    verbs = {} and {\n        name: eager_only(",
+        guards=(COMPILE + "test_every_compile_pattern_gives_one_process_numbers[backward-host]",),
+        what="a compiled training step traces step() and zero_grad() (threads, the channel, "
+        "the buckets' phases) instead of calling them",
+    ),
+    Mutation(
+        "post-hook-traced",
+        "i71 compile",
+        "hybridcomm/sync/grad_hooks.py",
+        old="        hook = eager_only(self.after_grad, why=_HOOK_WHY)\n",
+        new="        hook = self.after_grad\n",
+        guards=(
+            COMPILE + "test_compiled_autograd_accumulates_with_and_without_no_sync[backward-host]",
+        ),
+        what="compiled autograd's graph inlines the post-accumulate hook: dynamo traces the "
+        "bucket bookkeeping and the launch",
+    ),
+    Mutation(
+        "guard-absent-under-compiled-autograd",
+        "i71 compile",
+        "csrc/host_ops.cpp",
+        old="    if (!on->load(std::memory_order_acquire)) return;\n    pybind11::gil_scoped_acquire "
+        "gil;\n    if (traced == nullptr) {",
+        new="    return;\n    pybind11::gil_scoped_acquire gil;\n    if (traced == nullptr) {",
+        guards=("tests/test_grad_fields.py::test_guards_of_cpp_call_before_the_add_only_while_on",),
+        what="a gradient guard that is on hands compiled autograd nothing: its graph adds into "
+        "a bucket's view with no check that the bucket may be written",
+    ),
+    Mutation(
+        "simulator-traced-by-dynamo",
+        "i71 compile",
+        "hybridcomm/testing/simgpu.py",
+        old="        if _compiling():  # dynamo traces this mode: a compiled graph's ops are not seen\n",
+        new="        if False:\n",
+        guards=(COMPILE + "test_every_compile_pattern_gives_one_process_numbers[backward-simgpu]",),
+        what="the simulated GPU's torch-function mode is traced into compiled code: dynamo "
+        "meets its locks and condition variables",
     ),
     # ---- sharding by whole parameters and DCP checkpoints ---------------------------------
     Mutation(

@@ -1,0 +1,231 @@
+"""Forward mode under torch.compile: compiled code reads every update, per bucket.
+
+Forward mode applies a bucket's update at the first read of one of its
+parameters (pending.py), through the parameter's class; compiled code runs no
+``__torch_function__``, so each way a compiled region can read a parameter is
+covered here, per bucket (docs/ARCHITECTURE.md, "torch.compile"):
+
+- **A block compiled alone** (``torch.compile(block)`` in the model's tree,
+  torchtitan's pattern, ``fullgraph=True`` or not): the block's
+  ``OptimizedModule`` runs its own forward pre-hooks eagerly, before its graph.
+  :class:`ApplyAtCompiledEntry` there applies the pending updates of the
+  block's parameters: the graph sees plain, current parameters (one graph, no
+  recompile), and the overlap with the forward before the block is kept.
+- **The whole forward compiled** (``torch.compile(model)``, ``model.compile()``,
+  a compiled training step; the model's pre-hook is traced:
+  ``pending.ApplyBeforeCompiledForward``), or a module compiled with
+  ``module.compile()``, whose hooks are inside its graph: there is no eager
+  point before the reads, so those buckets' updates are applied in ``step()``,
+  as in backward mode.
+- **Anything else** (a compiled function handed a parameter, a block compiled
+  after the optimizer was made): dynamo traces the pending class, which makes
+  each read a call of the operator ``hybridcomm::apply_pending_`` registered
+  below (``torch.library``), in the graph, ``fullgraph=True`` included. At run
+  time it waits for the bucket and applies its update before the read. That
+  costs an operator call per read (~0.1 ms on CPU) and a recompile (the class
+  is part of dynamo's guards); the read is noted, and from the next ``step()``
+  on the model is searched again for compiled blocks, and a bucket still read
+  that way is applied in ``step()``.
+
+Each fallback is said once in the plan's notes and logged at INFO.
+
+Example::
+
+    reads = CompiledReads(model, whole_hook)
+    reads.scan()                   # entries on the model's compiled blocks
+    reads.review(group)            # a step begins: what compiled graphs read since
+    for s in reads.in_step_states: # step(): these are applied, not deferred
+        deferred.apply(s)
+    reads.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Dict, List, Optional, Set
+
+import torch
+
+from . import pending
+
+log = logging.getLogger("hybridcomm")
+
+# Parameters (ids) whose pending update a compiled graph applied, since the last
+# CompiledReads.review(); every synchronizer of the process reads it.
+_read_in_graph: Set[int] = set()
+_counts: Dict[str, int] = {"in_graph": 0, "at_entry": 0}
+
+
+def stats() -> Dict[str, int]:
+    """How often a compiled graph applied an update itself (``in_graph``: one
+    operator call a read) and how often a compiled block's entry did
+    (``at_entry``: per block call), in this process."""
+    return dict(_counts)
+
+
+def _apply_pending(param: torch.Tensor, key: int) -> None:
+    """The operator's body, at run time: apply the pending update of the parameter
+    registered under ``key``, then make ``param`` (the graph's value of it: the
+    parameter itself, or a copy functionalization made before this call) hold it."""
+    p = pending.registered(key)
+    if p is None:
+        return
+    if pending.is_pending(p):
+        _counts["in_graph"] += 1
+        _read_in_graph.add(key)
+        pending.resolve(p)
+    if param.data_ptr() != p.data_ptr():  # (aot_eager: the graph reads its copy from here on)
+        with torch.no_grad(), pending.DISABLED():
+            param.copy_(p)
+
+
+def _register_operator() -> Optional[object]:
+    """``hybridcomm::apply_pending_(Tensor(a!) param, int key) -> ()``: declared to write
+    ``param``, so every read of it in the graph comes after it (None on a torch
+    without ``torch.library.custom_op``: pending.py then breaks the graph)."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return None
+    op = custom_op("hybridcomm::apply_pending_", mutates_args=("param",))(_apply_pending)
+
+    @op.register_fake
+    def _(param, key):
+        return None
+
+    return torch.ops.hybridcomm.apply_pending_.default
+
+
+_OPERATOR = _register_operator()
+if _OPERATOR is not None:
+    pending.apply_in_graph_with(_OPERATOR)
+
+
+class ApplyAtCompiledEntry:
+    """A compiled block's forward pre-hook: its parameters' pending updates applied
+    as it begins (the ``OptimizedModule`` runs it eagerly, outside its graph). A
+    plain object holding the block's parameters: a deep copy of the model maps
+    them to the copy's, and in a copy it only applies what is pending."""
+
+    def __init__(self, params: List[torch.Tensor]):
+        self.params = params
+
+    def __call__(self, module, args) -> None:
+        is_pending, resolve = pending.is_pending, pending.resolve
+        for p in self.params:
+            if is_pending(p):  # (its bucket's update applies the bucket's others too)
+                _counts["at_entry"] += 1
+                resolve(p)
+
+
+def compiled_blocks(model: torch.nn.Module):
+    """``(with_entry, without)``: the model's modules compiled on their own that run
+    their hooks before their graph (``OptimizedModule``s below the root), and
+    those whose hooks are inside it (``module.compile()``)."""
+    optimized = _optimized_module_class()
+    with_entry, without = [], []
+    for m in model.modules():
+        if optimized is not None and isinstance(m, optimized) and m is not model:
+            with_entry.append(m)
+        elif getattr(m, "_compiled_call_impl", None) is not None:
+            without.append(m)
+    return with_entry, without
+
+
+def _optimized_module_class():
+    dynamo = sys.modules.get("torch._dynamo")  # (none loaded: nothing is compiled)
+    return getattr(getattr(dynamo, "eval_frame", None), "OptimizedModule", None)
+
+
+class CompiledReads:
+    """One synchronizer's view of its model's compiled code (module doc): the
+    entries it put on compiled blocks, and the buckets whose updates are
+    applied in ``step()`` instead of deferred."""
+
+    def __init__(self, model: Optional[torch.nn.Module], whole_hook=None):
+        pending.arm_compiled_forward_hook()  # (the hook's flags read from the first trace on)
+        self.model = model
+        self.whole_hook = whole_hook  # pending.ApplyBeforeCompiledForward (compiled_whole)
+        self._entries: Dict[int, tuple] = {}  # id(block) -> (block, hook handle)
+        self.at_entry: Set[int] = set()  # ids of parameters a block's entry applies
+        self.in_step: Set[int] = set()  # ids of parameters read with no eager point before
+        self.in_step_states: List = []  # the current group's buckets step() applies
+        self._was_whole = False
+        self.told: Set[str] = set()
+        self.note: Optional[str] = None  # for the plan's notes
+
+    @property
+    def whole(self) -> bool:
+        """Whether the model's whole forward was compiled (its pre-hook was traced)."""
+        return bool(self.whole_hook is not None and self.whole_hook.compiled_whole)
+
+    def scan(self) -> None:
+        """Entries on the model's compiled blocks not seen yet; the parameters of
+        modules compiled with ``module.compile()`` are applied in ``step()``."""
+        if self.model is None:
+            return
+        with_entry, without = compiled_blocks(self.model)
+        for block in with_entry:
+            if id(block) not in self._entries:
+                params = [p for p in block.parameters() if p.requires_grad]
+                handle = block.register_forward_pre_hook(ApplyAtCompiledEntry(params))
+                self._entries[id(block)] = (block, handle)
+                self.at_entry.update(map(id, params))
+        for m in without:
+            self.in_step.update(id(p) for p in m.parameters())
+
+    def review(self, group, again: bool = False) -> bool:
+        """A step begins (``again``: ``group`` is new): take in the parameters a compiled
+        graph applied since (the model is searched again: a block compiled since may
+        cover them; those none covers are applied in ``step()`` from now on), and
+        list ``group``'s buckets ``step()`` applies (:attr:`in_step_states`).
+        Whether that changed."""
+        whole = self.whole
+        if not (_read_in_graph or again or whole != self._was_whole):
+            return False
+        if _read_in_graph:
+            reads = set(_read_in_graph)
+            _read_in_graph.clear()
+            self.scan()
+            self.in_step.update(reads - self.at_entry)
+        self._was_whole = whole
+        if whole:
+            self.in_step_states = list(group.states)
+            self._say("the model's forward is compiled whole", self.in_step_states)
+        else:
+            where, found = group.where, {}
+            for pid in self.in_step:
+                w = where.get(pid)
+                if w is not None:
+                    found[w[0].index] = w[0]
+            self.in_step_states = [found[i] for i in sorted(found)]
+            self._say("their parameters are read inside compiled code", self.in_step_states)
+        return True
+
+    def _say(self, why: str, states) -> None:
+        """The plan's note, and once per reason an INFO line."""
+        if not states:
+            return
+        self.note = (
+            f"forward mode under torch.compile: bucket(s) {[s.index for s in states]} "
+            f"updated in step(), not overlapped with the next forward ({why}, with no "
+            "eager point before the reads; compile blocks alone to keep the overlap)"
+        )
+        if why not in self.told:
+            self.told.add(why)
+            log.info("hybridcomm: %s", self.note)
+
+    def entry_note(self) -> Optional[str]:
+        """The plan's note on compiled blocks whose entries apply their updates."""
+        if not self._entries:
+            return None
+        return (
+            f"forward mode under torch.compile: {len(self._entries)} compiled block(s) "
+            "apply their parameters' updates as they begin"
+        )
+
+    def close(self) -> None:
+        for _, handle in self._entries.values():
+            handle.remove()
+        self._entries.clear()
+        self.at_entry.clear()
