@@ -65,13 +65,13 @@ test: lint
 	$(PY) -m pytest -q $(XDIST) tests --ignore=tests/test_gpu_path.py --ignore=tests/test_simgpu.py \
 	    --ignore=tests/test_forward_mode.py --ignore=tests/test_compression.py \
 	    --ignore=tests/test_one_device.py --ignore=tests/test_powersgd.py \
-	    -k "not ((test_training_loops or test_model_reads or test_join or test_shard) and simgpu)"
+	    -k "not ((test_training_loops or test_model_reads or test_join or test_shard or test_compile) and simgpu)"
 	@echo "[test] the same suites on the simulated GPU (HYBRIDCOMM_SIMULATE_GPU=1), with coverage"
 	@rm -rf .coverage-data
 	HYBRIDCOMM_SIMULATE_GPU=1 $(COV) run $(COVRC) -m pytest -q $(SIM_TESTS)
 	$(COV) run $(COVRC) -m pytest -q tests/test_training_loops.py tests/test_model_reads.py \
 	    tests/test_join.py tests/test_shard.py tests/test_shard_release.py \
-	    tests/test_shard_granularity.py tests/test_shard_dcp.py -k simgpu
+	    tests/test_shard_granularity.py tests/test_shard_dcp.py tests/test_compile.py -k simgpu
 	@$(COV) combine $(COVRC) -q
 	$(COV) report $(COVRC) --fail-under=90
 

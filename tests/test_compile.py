@@ -1,8 +1,10 @@
 """torch.compile as people train with it, in every overlap mode, on 2 ranks against one
 process on the whole batch: the whole model compiled (``fullgraph=True`` or not,
-``torch.compile(model)`` or ``model.compile()``), each transformer block compiled
+``torch.compile(model)`` or ``model.compile()``, or the compiled model handed to the
+optimizer), each transformer block compiled
 alone with ``fullgraph=True`` (torchtitan's pattern), a compiled training step, and
-compiled autograd; then forward mode's three ways of keeping compiled code off a
+compiled autograd (a smaller model: each of the library's hooks is a graph break
+there, compiled piece by piece); then forward mode's three ways of keeping compiled code off a
 stale weight (hybridcomm/sync/compiled.py), each checked by what it costs:
 
 - a block compiled alone applies its parameters' updates as it begins: no update
@@ -13,7 +15,8 @@ stale weight (hybridcomm/sync/compiled.py), each checked by what it costs:
   first, and from the next step on the block's entry does.
 
 Compiled autograd runs through the gradient guards of C++ (no environment
-variable), with gradient accumulation and ``no_sync()``.
+variable): one backward pass a step, micro-batches accumulated under ``no_sync()``,
+and micro-batches each reduced in its own pass.
 
 One ``run_ranks`` per (overlap mode, simulated GPU) runs every pattern in turn
 inside the ranks (``torch._dynamo.reset()`` between them); the references run
@@ -106,38 +109,40 @@ def _compiled(model, pattern):
 
 
 def _prepared(pattern):
+    """The model the optimizer is given: compiled already for ``per_block`` and
+    ``handed_compiled`` (the OptimizedModule itself)."""
     model = _model()
     if pattern == "per_block":
         _compile_blocks(model)
+    if pattern == "handed_compiled":
+        return torch.compile(model, backend=BACKEND, fullgraph=True)
     return model
 
 
 def _train(opt, run, pattern, rank, world):
     """STEPS steps of ``run`` (the model as compiled); ``compiled_step`` compiles
-    the whole step, ``compiled_autograd`` that too with compiled autograd on."""
+    the whole step."""
 
     def step(x, y):
         opt.zero_grad()
         F.mse_loss(run(x), y).backward()
         opt.step()
 
-    # (compiled autograd: read when the step is compiled, and on at each call)
-    with torch._dynamo.config.patch(compiled_autograd=pattern == "compiled_autograd"):
-        if pattern in ("compiled_step", "compiled_autograd"):
-            step = torch.compile(step, backend=BACKEND)
-        for s in range(STEPS):
-            step(*_batch(s, rank, world))
+    if pattern == "compiled_step":
+        step = torch.compile(step, backend=BACKEND)
+    for s in range(STEPS):
+        step(*_batch(s, rank, world))
 
 
 PATTERNS = (
     "whole",
     "whole_fullgraph",
+    "handed_compiled",
     "module_compile",
     "per_block",
     "per_block_late",
     "compiled_step",
-    "compiled_autograd",
-)
+)  # (compiled autograd: test_compiled_autograd_in_every_loop)
 
 
 def _every_pattern(rank, world, mode, simulate):
@@ -209,6 +214,10 @@ def _check_forward_mode_costs(results):
         assert counts["in_graph"] == counts["at_entry"] == 0, (pattern, counts)
         assert counts["graphs"] == 1, (pattern, counts)
         assert any("compiled whole" in n for n in notes), (pattern, notes)
+    # the compiled model handed to the optimizer: its own pre-hook applies them first
+    counts, notes = results["handed_compiled"]
+    assert counts["in_graph"] == counts["at_entry"] == 0 and not notes, (counts, notes)
+    assert counts["graphs"] == 1, counts
     # blocks compiled alone, before the optimizer: each block's entry applies them
     counts, notes = results["per_block"]
     assert counts["in_graph"] == 0 and counts["at_entry"] > 0, counts
@@ -249,40 +258,45 @@ def _accumulated_reference():
     return flat(model.parameters())
 
 
+LOOPS = ("one_pass", "no_sync", "accumulate")
+
+
 def _accumulating(rank, world, mode, simulate):
-    """Compiled autograd on (through a compiled function, its public switch), MICRO
-    micro-batches a step, the first ones under ``no_sync()`` or not."""
+    """Compiled autograd on (through a compiled function, its public switch) in three
+    loops: one backward pass a step (``one_pass``), MICRO micro-batches a step with
+    all but the last under ``no_sync()``, or each reduced in its own pass."""
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     os.environ["HYBRIDCOMM_DEFER"] = "always"
     import torch._dynamo
 
     out = {}
-    for local in (True, False):
+    for loop in LOOPS:
         torch._dynamo.reset()
         model = _small()
         opt = hybridcomm.DistributedOptimizer(
             _sgd(model), model=model, overlap=mode, fusion_bytes=0, measure_iters=2, timeout=60
         )
+        parts = 1 if loop == "one_pass" else MICRO
 
-        def micro(x, y):  # (each micro-batch's mean, over MICRO: the whole batch's mean)
-            (F.mse_loss(model(x), y) / MICRO).backward()
+        def micro(x, y, parts=parts):  # (each part's mean over parts: the whole batch's mean)
+            (F.mse_loss(model(x), y) / parts).backward()
 
         try:
             with torch._dynamo.config.patch(compiled_autograd=True):
                 micro = torch.compile(micro, backend=BACKEND)
                 for s in range(STEPS):
-                    xs, ys = (t.chunk(MICRO) for t in _batch(s, rank, world))
+                    xs, ys = (t.chunk(parts) for t in _batch(s, rank, world))
                     opt.zero_grad()
-                    for i in range(MICRO):
-                        last = i == MICRO - 1
-                        with opt.no_sync() if local and not last else contextlib.nullcontext():
+                    for i in range(parts):
+                        local = loop == "no_sync" and i < parts - 1
+                        with opt.no_sync() if local else contextlib.nullcontext():
                             micro(xs[i], ys[i])
                     opt.step()
             opt.synchronize()
-            out[local] = flat(model.parameters())
-        except Exception:  # noqa: BLE001 - reported, the other variant still runs
-            out[local] = traceback.format_exc()
+            out[loop] = flat(model.parameters())
+        except Exception:  # noqa: BLE001 - reported, the other loops still run
+            out[loop] = traceback.format_exc()
         finally:
             opt.close()
     return out
@@ -290,14 +304,15 @@ def _accumulating(rank, world, mode, simulate):
 
 @pytest.mark.parametrize("simulate", [False, True], ids=["host", "simgpu"])
 @pytest.mark.parametrize("mode", MODES)
-def test_compiled_autograd_accumulates_with_and_without_no_sync(mode, simulate):
+def test_compiled_autograd_in_every_loop(mode, simulate):
     """The gradient guards of C++ under compiled autograd, with no setting to change:
-    micro-batches accumulated under ``no_sync()`` (reduced once, at the last), or
-    each reduced in its own backward pass (a late pass re-reduces the sum)."""
+    one pass a step, micro-batches accumulated under ``no_sync()`` (reduced once, at
+    the last), or each reduced in its own backward pass (a late pass re-reduces the
+    sum)."""
     ref = _accumulated_reference()
     results = run_ranks(2, _accumulating, mode, simulate, timeout=900)
-    for local in (True, False):
-        got = results[0][local]
+    for loop in LOOPS:
+        got = results[0][loop]
         assert not isinstance(got, str), got
-        assert torch.equal(got, results[1][local]), local
-        assert torch.allclose(got, ref, **TOL), (local, (got - ref).abs().max().item())
+        assert torch.equal(got, results[1][loop]), loop
+        assert torch.allclose(got, ref, **TOL), (loop, (got - ref).abs().max().item())

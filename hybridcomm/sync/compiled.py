@@ -22,10 +22,11 @@ covered here, per bucket (docs/ARCHITECTURE.md, "torch.compile"):
   each read a call of the operator ``hybridcomm::apply_pending_`` registered
   below (``torch.library``), in the graph, ``fullgraph=True`` included. At run
   time it waits for the bucket and applies its update before the read. That
-  costs an operator call per read (~0.1 ms on CPU) and a recompile (the class
-  is part of dynamo's guards); the read is noted, and from the next ``step()``
-  on the model is searched again for compiled blocks, and a bucket still read
-  that way is applied in ``step()``.
+  costs an operator call per read (0.2-0.6 ms on CPU:
+  benchmarks/results/compile/in_graph_read_cost.txt) and a recompile (the
+  class is part of dynamo's guards); the read is noted, and from the next
+  ``step()`` on the model is searched again for compiled blocks, and a bucket
+  still read that way is applied in ``step()``.
 
 Each fallback is said once in the plan's notes and logged at INFO.
 
@@ -51,17 +52,17 @@ from . import pending
 
 log = logging.getLogger("hybridcomm")
 
-# Parameters (ids) whose pending update a compiled graph applied, since the last
-# CompiledReads.review(); every synchronizer of the process reads it.
+# Parameters (ids) whose pending update a compiled graph applied, in this process; every
+# synchronizer reads it (CompiledReads.review), when its version moved
 _read_in_graph: Set[int] = set()
-_counts: Dict[str, int] = {"in_graph": 0, "at_entry": 0}
+_counts: Dict[str, int] = {"in_graph": 0, "at_entry": 0, "version": 0}
 
 
 def stats() -> Dict[str, int]:
-    """How often a compiled graph applied an update itself (``in_graph``: one
-    operator call a read) and how often a compiled block's entry did
-    (``at_entry``: per block call), in this process."""
-    return dict(_counts)
+    """How many pending parameters a compiled graph's operator applied (``in_graph``)
+    and how many a compiled block's entry did (``at_entry``), in this process
+    (applying one applies its bucket)."""
+    return {k: v for k, v in _counts.items() if k != "version"}
 
 
 def _apply_pending(param: torch.Tensor, key: int) -> None:
@@ -73,7 +74,9 @@ def _apply_pending(param: torch.Tensor, key: int) -> None:
         return
     if pending.is_pending(p):
         _counts["in_graph"] += 1
-        _read_in_graph.add(key)
+        if key not in _read_in_graph:
+            _read_in_graph.add(key)
+            _counts["version"] += 1
         pending.resolve(p)
     if param.data_ptr() != p.data_ptr():  # (aot_eager: the graph reads its copy from here on)
         with torch.no_grad(), pending.DISABLED():
@@ -151,6 +154,7 @@ class CompiledReads:
         self.in_step: Set[int] = set()  # ids of parameters read with no eager point before
         self.in_step_states: List = []  # the current group's buckets step() applies
         self._was_whole = False
+        self._seen = _counts["version"]  # (reads before this synchronizer are not its own)
         self.told: Set[str] = set()
         self.note: Optional[str] = None  # for the plan's notes
 
@@ -180,14 +184,13 @@ class CompiledReads:
         cover them; those none covers are applied in ``step()`` from now on), and
         list ``group``'s buckets ``step()`` applies (:attr:`in_step_states`).
         Whether that changed."""
-        whole = self.whole
-        if not (_read_in_graph or again or whole != self._was_whole):
+        whole, version = self.whole, _counts["version"]
+        if not (version != self._seen or again or whole != self._was_whole):
             return False
-        if _read_in_graph:
-            reads = set(_read_in_graph)
-            _read_in_graph.clear()
+        if version != self._seen:
+            self._seen = version
             self.scan()
-            self.in_step.update(reads - self.at_entry)
+            self.in_step.update(_read_in_graph - self.at_entry)
         self._was_whole = whole
         if whole:
             self.in_step_states = list(group.states)
