@@ -249,7 +249,7 @@ def _read_in_graph(func, args, kwargs):
     (Every torch-function override is off for the call, modes too: a graph's
     operators see none at run time, and dynamo re-enters a mode's override here.)"""
     with torch._C.DisableTorchFunction():
-        if _kind(func) == LOUD:
+        if _classify(func) == LOUD:  # (not _kind's cache: dynamo keys no dict by a function)
             for p in _pending_in(kwargs.values(), _pending_in(args, [])):
                 if _in_graph is not None:
                     _in_graph(p, id(p))
