@@ -1,26 +1,28 @@
 """The granularity runs (run.sh) as one table: per optimizer and config, the median step
 time over the launches with its spread (min-max), the state per rank (largest) and its
-ratio to an equal share, and each config's time over DDP's and over element slices'.
+ratio to an equal share, and each config's time over DDP's and ZeroRedundancyOptimizer's.
 
-    python benchmarks/results/shard_granularity/summary.py
+    python benchmarks/results/shard_granularity/summary.py launches_a
 """
 
 import glob
 import json
 import os
 import statistics
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main():
+    where = os.path.join(HERE, sys.argv[1]) if len(sys.argv) > 1 else HERE
     print(
         "optimizer  config                               step ms (min-max)   x DDP  x ZeRO  stateMB/rank  x 1/P"
     )
     for opt in ("adam", "adafactor", "muon"):
         runs = [
             json.load(open(f))
-            for f in sorted(glob.glob(f"{HERE}/transformer_100mbit_b32_{opt}_run*.json"))
+            for f in sorted(glob.glob(f"{where}/transformer_100mbit_b32_{opt}_run*.json"))
         ]
         if not runs:
             continue
