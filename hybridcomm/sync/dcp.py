@@ -23,12 +23,6 @@ import sys
 from typing import Dict, List, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..base.errors import HybridCommError
 
@@ -119,7 +113,16 @@ class StatePieces(torch.Tensor):
             "use opt.state_dict() outside DCP for the whole state)"
         )
 
-    def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
+    def __create_write_items__(self, fqn: str, obj) -> list:
+        # (imported here: torch.distributed.checkpoint imports torch.distributed.tensor,
+        # about a second of every process's start, and only a checkpoint needs it)
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         return [
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size(offsets)),
@@ -133,10 +136,12 @@ class StatePieces(torch.Tensor):
             for offsets, piece in self.pieces
         ]
 
-    def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [ChunkStorageMetadata(torch.Size(o), piece.size()) for o, piece in self.pieces]
 
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+    def __get_tensor_shard__(self, index) -> torch.Tensor:
         return self.piece_at(tuple(index.offset))
 
     def piece_at(self, offsets: Tuple[int, ...]) -> torch.Tensor:
