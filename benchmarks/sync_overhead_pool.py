@@ -2,18 +2,17 @@
 figure the median over every launch in them (sync_overhead's own ``figures``), and
 in how many launches each mode added no more than that launch's best DDP.
 
-    python benchmarks/results/synchronizer/host_cost_pooled_0b4ab5b/pool.py [FILE ...]
+    python benchmarks/sync_overhead_pool.py FILE [FILE ...]
 
-(default: ``full_run*.json`` beside this script).
+e.g. three runs of ``python benchmarks/sync_overhead.py --json full_runN.json``
+(benchmarks/reports/2026-12-03-host-cost.md).
 """
 
-import glob
 import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", ".."))  # benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
 import sync_overhead as so  # noqa: E402
 
 
@@ -39,4 +38,6 @@ def main(files) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or sorted(glob.glob(os.path.join(HERE, "full_run*.json"))))
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    main(sys.argv[1:])
