@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hybridcomm-setup
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup lint format test test-fast test-doctests test-host test-sim-a test-sim-b-and-loops demo bench profile gpu-check gpu-bench mutation clean
+.PHONY: setup lint format test test-fast test-doctests test-host test-sim-a test-sim-b test-sim-loops demo bench profile gpu-check gpu-bench mutation clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile
@@ -31,13 +31,13 @@ $(STAMP): pyproject.toml setup.py Makefile
 	@$(PY) -c "import pytorch_lightning, accelerate, transformers" || { echo "[setup] the [integrations] extra failed to install"; exit 1; }
 	@touch $(STAMP)
 
-# `make test` runs four lanes at once, each its own pytest process (make -j, each
+# `make test` runs five lanes at once, each its own pytest process (make -j, each
 # lane's output printed whole when it ends): most tests wait on sockets, child
 # processes and deadlines, so one lane at a time left the 2 cores idle much of the
 # time. The doctests; the host suite (every test file on the host path, the fast
 # tier included) on TEST_WORKERS pytest-xdist workers, a file per worker at a time
 # (module fixtures made once; TEST_WORKERS=0: one process); and the suites on the
-# simulated GPU in two lanes with coverage. The GPU path (CuPy NCCL transport, comm
+# simulated GPU in three lanes with coverage. The GPU path (CuPy NCCL transport, comm
 # stream, the synchronizer, engine and channel) runs on the simulated CUDA runtime
 # there (and in the training loops' simgpu cases, which set it per rank); its
 # stream-ordered code must stay >= 90% covered (tests/coverage_gpu_path.rc).
@@ -47,7 +47,7 @@ SIM_TESTS := tests/test_gpu_path.py tests/test_simgpu.py tests/test_optimizer_eq
              tests/test_optimizer_features.py tests/test_allreduce_multiprocess.py \
              tests/test_forward_mode.py tests/test_compression.py tests/test_checkpoint.py \
              tests/test_one_device.py tests/test_powersgd.py
-# (two lanes of about the same length)
+# (three lanes of about the same length with SIM_LOOPS)
 SIM_TESTS_A := tests/test_gpu_path.py tests/test_simgpu.py tests/test_forward_mode.py \
                tests/test_checkpoint.py tests/test_one_device.py
 SIM_TESTS_B := $(filter-out $(SIM_TESTS_A),$(SIM_TESTS))
@@ -70,12 +70,12 @@ format: setup
 
 test: lint
 	@rm -rf .coverage-data
-	@$(MAKE) --no-print-directory -j4 --output-sync=target \
-	    test-doctests test-host test-sim-a test-sim-b-and-loops
+	@$(MAKE) --no-print-directory -j5 --output-sync=target \
+	    test-doctests test-host test-sim-a test-sim-b test-sim-loops
 	@$(COV) combine $(COVRC) -q
 	$(COV) report $(COVRC) --fail-under=90
 
-# The lanes of `make test` (each runs alone too; the coverage report needs both sim lanes).
+# The lanes of `make test` (each runs alone too; the coverage report needs the three sim lanes).
 test-doctests: setup
 	$(PY) -m pytest -q --doctest-modules hybridcomm kernels
 
@@ -86,8 +86,10 @@ test-host: setup
 test-sim-a: setup
 	HYBRIDCOMM_SIMULATE_GPU=1 $(COV) run $(COVRC) -m pytest -q $(SIM_TESTS_A)
 
-test-sim-b-and-loops: setup
+test-sim-b: setup
 	HYBRIDCOMM_SIMULATE_GPU=1 $(COV) run $(COVRC) -m pytest -q $(SIM_TESTS_B)
+
+test-sim-loops: setup
 	$(COV) run $(COVRC) -m pytest -q $(SIM_LOOPS) -k simgpu
 
 # The fast tier, for the edit-test loop: the tests marked `fast` (the planner, the cost
