@@ -18,6 +18,7 @@ could be fast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import multiprocessing.process
 import os
@@ -49,10 +50,12 @@ def _patched(on_start):
     ``on_start(how)`` first (which may raise)."""
     popen_init, start = _POPEN_INIT, _PROCESS_START
 
+    @functools.wraps(popen_init)
     def popen(self, *args, **kwargs):
         on_start(f"subprocess.Popen({args[0] if args else kwargs.get('args')!r})")
         popen_init(self, *args, **kwargs)
 
+    @functools.wraps(start)
     def process_start(self):
         on_start(f"multiprocessing {type(self).__name__}.start() ({self.name})")
         return start(self)
@@ -63,10 +66,12 @@ def _patched(on_start):
     ]
     for name, real in _OS.items():
 
+        @functools.wraps(real)
         def call(*args, _real=real, _name=name, **kwargs):
             on_start(f"os.{_name}()")
             return _real(*args, **kwargs)
 
+        call.__module__ = "os"  # (pickled by reference as os.<name>, as the original is)
         out.append((os, name, call))
     return out
 
