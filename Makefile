@@ -76,11 +76,15 @@ test: lint
 	$(COV) report $(COVRC) --fail-under=90
 
 # The lanes of `make test` (each runs alone too; the coverage report needs the three sim lanes).
+# The doctests, and the test modules that use the library in the test's own process
+# (a group of one rank: RUN_LAST in tests/tiers.py), where no test forks ranks after them.
+IN_PROCESS := $(shell grep -l "^RUN_LAST = True" tests/test_*.py)
+
 test-doctests: setup
-	$(PY) -m pytest -q --doctest-modules hybridcomm kernels
+	$(PY) -m pytest -q --doctest-modules hybridcomm kernels $(IN_PROCESS)
 
 test-host: setup
-	$(PY) -m pytest -q $(XDIST) tests $(addprefix --ignore=,$(SIM_ONLY)) \
+	$(PY) -m pytest -q $(XDIST) tests $(addprefix --ignore=,$(SIM_ONLY) $(IN_PROCESS)) \
 	    -k "not ((test_training_loops or test_model_reads or test_join or test_shard) and simgpu)"
 
 test-sim-a: setup

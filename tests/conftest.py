@@ -47,6 +47,10 @@ def pytest_unconfigure(config):
         _session_guard = None
 
 
+def pytest_collection_modifyitems(config, items):
+    tiers.last_in_their_process(items)
+
+
 def _phase(item):
     if _spawn_log is not None:
         return tiers.watching(_spawn_log.started.append)

@@ -9,12 +9,19 @@ import time
 import pytest
 import torch
 
-from fakes.buckets import bucket_group, plan_of
+from fakes.buckets import bucket_group, close_all, plan_of
 from fakes.network import FakeNetwork, run_ranks
 from hybridcomm.base.errors import HybridCommError
 from hybridcomm.sync.bucket_group import Phase
 
 pytestmark = pytest.mark.fast
+
+
+@pytest.fixture(autouse=True)
+def _closed():
+    yield
+    close_all()  # (every channel thread ended, also where a rank failed)
+
 
 SIZES = [[3, 5], [4]]  # bucket 0: two parameters, bucket 1: one
 ORDER = [(1, 0), (0, 0)]  # the plan issues bucket 1 first

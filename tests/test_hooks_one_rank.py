@@ -17,6 +17,9 @@ from fakes.world import one_rank_group
 from optim_models import ConvNet, batch, make_model
 
 pytestmark = pytest.mark.fast
+# The library's process-wide state outlives these tests: nothing forks ranks after
+# them in this process (tests/tiers.py, ``last_in_their_process``)
+RUN_LAST = True
 
 MODES = ["forward", "backward", "none"]
 

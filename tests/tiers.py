@@ -138,3 +138,20 @@ class SpawnLog:
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def last_in_their_process(items) -> None:
+    """Items of a module that sets ``RUN_LAST = True`` run after every other item of
+    the session (stable order otherwise): such a module uses the library in the
+    test's own process (a process group of one rank, tests/fakes/world.py), and
+    the library's process-wide state that outlives it (parameter classes, caches
+    keyed by ``id``) must not be inherited by the rank processes a later test
+    forks. ``make test`` runs such modules in the doctests' lane, which forks
+    nothing; this order keeps a one-process ``pytest tests`` safe too."""
+
+    def last(item) -> bool:
+        return getattr(getattr(item, "module", None), "RUN_LAST", False)
+
+    late = [i for i in items if last(i)]
+    if late:
+        items[:] = [i for i in items if not last(i)] + late

@@ -81,7 +81,7 @@ def bucket_group(
         scale=1.0 / world if op == "avg" else None,
     )
     names = [f"p{i}" for i in range(len(params))]
-    return BucketGroup(
+    group = BucketGroup(
         plan,
         params,
         names,
@@ -90,3 +90,15 @@ def bucket_group(
         StepState(),
         measuring_next=lambda: False,
     )
+    _made.append(group)
+    return group
+
+
+_made: List[BucketGroup] = []
+
+
+def close_all() -> None:
+    """Close every group made since the last call (a failed rank leaves its group
+    open: its channel's thread must not outlive the test)."""
+    while _made:
+        _made.pop().close()
