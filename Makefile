@@ -34,9 +34,11 @@ $(STAMP): pyproject.toml setup.py Makefile
 # `make test` runs five lanes at once, each its own pytest process (make -j, each
 # lane's output printed whole when it ends): most tests wait on sockets, child
 # processes and deadlines, so one lane at a time left the 2 cores idle much of the
-# time. The doctests; the host suite (every test file on the host path, the fast
-# tier included) on TEST_WORKERS pytest-xdist workers, a file per worker at a time
-# (module fixtures made once; TEST_WORKERS=0: one process); and the suites on the
+# time. The doctests (with the tests that use the library in the test's own
+# process: RUN_LAST in tests/tiers.py); the host suite (every other test file on
+# the host path, the rest of the fast tier included) on TEST_WORKERS pytest-xdist
+# workers, a file per worker at a time (module fixtures made once; TEST_WORKERS=0:
+# one process); and the suites on the
 # simulated GPU in three lanes with coverage. The GPU path (CuPy NCCL transport, comm
 # stream, the synchronizer, engine and channel) runs on the simulated CUDA runtime
 # there (and in the training loops' simgpu cases, which set it per rank); its
