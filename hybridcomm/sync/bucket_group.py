@@ -334,9 +334,14 @@ class BucketGroup:
         if links.on_slow is not None:
             self.engine.on_slow, self.engine.slow_after = links.on_slow, links.slow_after
         if links.used.on_host:
-            self.engine.on_issue = lambda i: links.used.post(self.states[i])
+            self.engine.on_issue = self._issuing
         self.engine.on_issued = self._issued
         self.in_flight_release = None  # shard="gradients" on a GPU (shard.py: reserve, drop)
+
+    def _issuing(self, index: int) -> None:
+        """Bucket ``index``'s launch is being issued: its used-parameter agreement is
+        posted (``find_unused_parameters`` on a GPU: a host collective, in plan order)."""
+        self.links.used.post(self.states[index])
 
     def _issued(self, index: int) -> None:
         s = self.states[index]
