@@ -177,7 +177,7 @@ def _plan(schedule: Schedule, parts: int) -> _Plan:
                 schedule.rank,
                 schedule.world_size,
                 hi - lo,
-                schedule.topology,
+                topology=schedule.topology,
             )
             steps, scratch = _plan_part(sub, lo, slot)
             out.append(steps)
@@ -565,9 +565,9 @@ def reduce_operation(
         )
     world, rank = transport.world_size, transport.rank
     schedule = (
-        get_schedule(algorithm, rank, world, buf.numel(), topology)
+        get_schedule(algorithm, rank, world, buf.numel(), topology=topology)
         if phase == ALL_REDUCE
-        else get_phase_schedule(phase, algorithm, rank, world, buf.numel(), tail)
+        else get_phase_schedule(phase, algorithm, rank, world, numel=buf.numel(), tail=tail)
     )
     if stream_ordered:
         return QueuedReduction(

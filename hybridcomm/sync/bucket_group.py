@@ -288,27 +288,27 @@ class BucketGroup:
         for b in plan.buckets:
             ps = [params[i] for i in b.params]
             dtype = getattr(torch, b.dtype.replace("torch.", ""))
-            bucket = GradBucket(b, ps, dtype, config.wire_dtype, links.alloc)
+            bucket = GradBucket(b, ps, dtype, wire_dtype=config.wire_dtype, alloc=links.alloc)
             if b.algorithm == TOPK:
                 bucket.topk = TopK(
                     bucket.grads.numel(),
-                    len(ps),
-                    config.topk,
-                    links.rank,
-                    links.world,
-                    config.correction_momentum,
-                    links.alloc,
+                    params=len(ps),
+                    ratio=config.topk,
+                    rank=links.rank,
+                    world=links.world,
+                    momentum=config.correction_momentum,
+                    alloc=links.alloc,
                 )
             if b.compressor == POWERSGD:
                 rank, start = config.low_rank
                 bucket.lowrank = PowerSGD(
                     [v.shape for v in bucket.views],
-                    bucket.offsets,
-                    b.params,
-                    rank,
-                    start,
-                    links.world,
-                    links.alloc,
+                    offsets=bucket.offsets,
+                    ids=b.params,
+                    rank=rank,
+                    start=start,
+                    world=links.world,
+                    alloc=links.alloc,
                 )
             s = BucketState(b.index, bucket)
             for pos, p in enumerate(ps):
@@ -402,7 +402,8 @@ class BucketGroup:
         nothing of this round: it is zeroed (it is summed with the other ranks')
         and bound, so that what other ranks send lands in ``.grad``."""
         b = s.bucket
-        grads, s.kept = s.kept or kept_apart(b), None
+        grads = s.kept or kept_apart(b)  # (the closer's hook may have found them)
+        s.kept = None
         if grads is not None:  # (the usual step)
             try:
                 copy_into(b.views, grads)
@@ -462,7 +463,9 @@ class BucketGroup:
         # A stamp only where the next forward's use is measured (an event each on a GPU)
         s.launched_at = self.links.clock.stamp() if self._measuring_next() else None
         self.state.launches += 1
-        keep = self.in_flight_release and self.in_flight_release.reserve(s)
+        keep = None  # shard="gradients" on a GPU: the part kept, copied behind the reduction
+        if self.in_flight_release is not None:
+            keep = self.in_flight_release.reserve(s)
         self.engine.launch(s.index, keep)  # issued now if its turn came: then IN_FLIGHT
 
     def launch_rest(self, open_: Callable[[BucketState], bool], pass_id: int) -> None:

@@ -67,12 +67,16 @@ def rectangles(shape: Sequence[int], start: int, stop: int) -> List[Rectangle]:
         if first > last:  # inside one row
             row = lo // inner
             split(
-                dim + 1, prefix + (row,), origin + row * inner, lo - row * inner, hi - row * inner
+                dim + 1,
+                prefix + (row,),
+                origin + row * inner,
+                lo - row * inner,
+                hi=hi - row * inner,
             )
             return
         if lo % inner:
             row = lo // inner
-            split(dim + 1, prefix + (row,), origin + row * inner, lo - row * inner, inner)
+            split(dim + 1, prefix + (row,), origin + row * inner, lo - row * inner, hi=inner)
         if last > first:
             zeros = (0,) * len(rest)
             sizes = ones + (last - first,) + rest
@@ -80,9 +84,9 @@ def rectangles(shape: Sequence[int], start: int, stop: int) -> List[Rectangle]:
                 (prefix + (first,) + zeros, sizes, origin + first * inner, origin + last * inner)
             )
         if hi % inner:
-            split(dim + 1, prefix + (last,), origin + last * inner, 0, hi - last * inner)
+            split(dim + 1, prefix + (last,), origin + last * inner, 0, hi=hi - last * inner)
 
-    split(0, (), 0, start, stop)
+    split(0, (), 0, start, hi=stop)
     return out
 
 
@@ -211,7 +215,7 @@ def load_entries(shards, state: dict, loaded: Dict[object, dict]) -> None:
             target = state.setdefault(sl.tensor, {})
             for key, v in entry.items():
                 if isinstance(v, StatePieces):
-                    _unshard_into(sl, target, key, v, p)
+                    _unshard_into(sl, target, key, v, param=p)
                 elif torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape:
                     # a whole tensor (the owner's, or a consolidated one): this slice's part
                     piece = v.reshape(-1)[sl.start : sl.stop].view(sl.tensor.shape)

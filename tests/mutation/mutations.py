@@ -325,10 +325,8 @@ MUTATIONS = [
         "unused-read-from-flags",
         "new 4",
         "hybridcomm/sync/synchronizer.py",
-        old="    used = UsedAgreement(\n"
-        "        cfg.find_unused_parameters and rt is not None, sync.rank, sync.process_group, cfg.timeout\n"
-        "    )\n",
-        new="    used = UsedAgreement(False, sync.rank, sync.process_group, cfg.timeout)\n",
+        old="            cfg.find_unused_parameters and rt is not None,\n",
+        new="            False,\n",
         guards=(
             GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host[forward]",
             GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host[backward]",
