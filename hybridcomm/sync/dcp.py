@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..base.errors import HybridCommError
+
+if TYPE_CHECKING:  # (imported where DCP calls: it imports torch.distributed.tensor, ~2 s)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 Rectangle = Tuple[Tuple[int, ...], Tuple[int, ...], int, int]  # offsets, sizes, flat [lo, hi)
 
@@ -124,6 +122,17 @@ class StatePieces(torch.Tensor):
         )
 
     def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import (
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
+
         return [
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size(offsets)),
@@ -138,6 +147,8 @@ class StatePieces(torch.Tensor):
         ]
 
     def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [ChunkStorageMetadata(torch.Size(o), piece.size()) for o, piece in self.pieces]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
