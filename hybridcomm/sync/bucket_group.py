@@ -246,16 +246,18 @@ def _carry(s: BucketState, pos: int, old: BucketState, old_pos: int) -> None:
         b.bind(pos)
         if old_pos in old.content:
             s.content.add(pos)
-    carried = b.topk and old.bucket.topk_state(old_pos)
-    if carried:  # top-k's error feedback survives a re-plan
+    # top-k's error feedback survives a re-plan (topk_state: None without top-k)
+    carried = old.bucket.topk_state(old_pos) if b.topk is not None else None
+    if carried is not None:
         for new_view, old_view in zip(b.topk_state(pos), carried):
             if new_view is not None and old_view is not None:
                 new_view.copy_(old_view)
-    mine = b.lowrank and b.lowrank.state(pos)
-    theirs = old.bucket.lowrank and old.bucket.lowrank.state(old_pos)
-    if mine and theirs:  # so do PowerSGD's error feedback and warm start
-        for new_view, old_view in zip(mine, theirs):
-            new_view.copy_(old_view)
+    # so do PowerSGD's error feedback and warm start (state: None where sent whole)
+    if b.lowrank is not None and old.bucket.lowrank is not None:
+        mine, theirs = b.lowrank.state(pos), old.bucket.lowrank.state(old_pos)
+        if mine is not None and theirs is not None:
+            for new_view, old_view in zip(mine, theirs):
+                new_view.copy_(old_view)
 
 
 class BucketGroup:
