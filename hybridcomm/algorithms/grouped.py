@@ -34,7 +34,7 @@ def embed(steps: Sequence[Step], ranks: Sequence[int], offset: int = 0) -> List[
         else Step(
             tuple(Send(ranks[s.peer], s.start + offset, s.stop + offset) for s in st.sends),
             tuple(
-                Recv(ranks[r.peer], r.start + offset, r.stop + offset, r.reduce, r.final)
+                Recv(ranks[r.peer], r.start + offset, r.stop + offset, r.reduce, final=r.final)
                 for r in st.recvs
             ),
         )
@@ -79,4 +79,4 @@ def two_level(name: str, rank: int, world_size: int, numel: int, g: int, topolog
         mine = [st for st in side_by_side if st is not None]
         steps.append(Step(sum((st.sends for st in mine), ()), sum((st.recvs for st in mine), ())))
     steps += embed(ring.all_gather(local, s, part), members)
-    return build(name, rank, world_size, numel, steps, topology)
+    return build(name, rank, world_size, numel, steps=steps, topology=topology)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -471,11 +472,10 @@ class StreamChannel:
         returns the done event (inline) or a ticket (threaded). With a ``key``, its
         duration is kept for :meth:`take_ops`."""
         self._raise_failure()
+        issue = partial(self._issue, fn, what, key)  # (no frame of its own in a stack)
         if self._issuer is None:  # here, unless the transport has an issuing thread
-            return issue_in_order(
-                self.transport, lambda: self._issue(fn, what, key), what, self.timeout
-            )
-        return self._issuer.submit(lambda: self._issue(fn, what, key), what)
+            return issue_in_order(self.transport, issue, what, self.timeout)
+        return self._issuer.submit(issue, what)
 
     def _issue(self, fn, what: str, key):
         start, done = fn()

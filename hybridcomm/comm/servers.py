@@ -96,7 +96,7 @@ def split_world(num_servers: int) -> Role:
     # New connections for the sums coming back (gloo makes one per pair and group).
     pulls = dist.new_group(list(range(world))) if num_servers else None
     is_server = rank in servers
-    return Role(is_server, workers, servers, None if is_server else group, pulls)
+    return Role(is_server, workers, servers, None if is_server else group, pull_group=pulls)
 
 
 def partitions(numel: int, k: int) -> List[tuple]:

@@ -142,13 +142,13 @@ def link_coefficients(
         1.5
     """
     if world_size <= 1:
-        return LinkCoefficients(0.0, 0.0, 0.0, 0.0, 0.0)
+        return LinkCoefficients(0.0, 0.0, 0.0, 0.0, inter_bytes=0.0)
     if algorithm not in MODELED + TWO_LEVEL:
         raise ValueError(f"no cost formula for {algorithm!r}; modeled: {MODELED + TWO_LEVEL}")
     topo = _topology(topology, world_size)
     a, b, g, ae, be = _per_byte(algorithm, world_size, topo)
     n = float(nbytes)
-    return LinkCoefficients(a, b * n, g * n, ae, be * n)
+    return LinkCoefficients(a, b * n, g * n, ae, inter_bytes=be * n)
 
 
 @lru_cache(maxsize=1024)
@@ -636,9 +636,9 @@ def fit(
         rms,
         float(np.max(np.abs(rel))),
         tuple((algo, n, p, t, t * (1 + e)) for (algo, n, p, t), e in zip(rows, rel)),
-        dropped,
-        "high" if rms < 0.15 else "medium" if rms < 0.35 else "low",
-        model.alpha <= 0 or model.beta <= 0,
+        dropped=dropped,
+        confidence="high" if rms < 0.15 else "medium" if rms < 0.35 else "low",
+        degenerate=model.alpha <= 0 or model.beta <= 0,
     )
     return model, report
 

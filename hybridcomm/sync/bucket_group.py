@@ -246,16 +246,18 @@ def _carry(s: BucketState, pos: int, old: BucketState, old_pos: int) -> None:
         b.bind(pos)
         if old_pos in old.content:
             s.content.add(pos)
-    carried = b.topk and old.bucket.topk_state(old_pos)
-    if carried:  # top-k's error feedback survives a re-plan
+    # top-k's error feedback survives a re-plan (topk_state: None without top-k)
+    carried = old.bucket.topk_state(old_pos) if b.topk is not None else None
+    if carried is not None:
         for new_view, old_view in zip(b.topk_state(pos), carried):
             if new_view is not None and old_view is not None:
                 new_view.copy_(old_view)
-    mine = b.lowrank and b.lowrank.state(pos)
-    theirs = old.bucket.lowrank and old.bucket.lowrank.state(old_pos)
-    if mine and theirs:  # so do PowerSGD's error feedback and warm start
-        for new_view, old_view in zip(mine, theirs):
-            new_view.copy_(old_view)
+    # so do PowerSGD's error feedback and warm start (state: None where sent whole)
+    if b.lowrank is not None and old.bucket.lowrank is not None:
+        mine, theirs = b.lowrank.state(pos), old.bucket.lowrank.state(old_pos)
+        if mine is not None and theirs is not None:
+            for new_view, old_view in zip(mine, theirs):
+                new_view.copy_(old_view)
 
 
 class BucketGroup:
@@ -288,27 +290,27 @@ class BucketGroup:
         for b in plan.buckets:
             ps = [params[i] for i in b.params]
             dtype = getattr(torch, b.dtype.replace("torch.", ""))
-            bucket = GradBucket(b, ps, dtype, config.wire_dtype, links.alloc)
+            bucket = GradBucket(b, ps, dtype, wire_dtype=config.wire_dtype, alloc=links.alloc)
             if b.algorithm == TOPK:
                 bucket.topk = TopK(
                     bucket.grads.numel(),
-                    len(ps),
-                    config.topk,
-                    links.rank,
-                    links.world,
-                    config.correction_momentum,
-                    links.alloc,
+                    params=len(ps),
+                    ratio=config.topk,
+                    rank=links.rank,
+                    world=links.world,
+                    momentum=config.correction_momentum,
+                    alloc=links.alloc,
                 )
             if b.compressor == POWERSGD:
                 rank, start = config.low_rank
                 bucket.lowrank = PowerSGD(
                     [v.shape for v in bucket.views],
-                    bucket.offsets,
-                    b.params,
-                    rank,
-                    start,
-                    links.world,
-                    links.alloc,
+                    offsets=bucket.offsets,
+                    ids=b.params,
+                    rank=rank,
+                    start=start,
+                    world=links.world,
+                    alloc=links.alloc,
                 )
             s = BucketState(b.index, bucket)
             for pos, p in enumerate(ps):
@@ -334,9 +336,14 @@ class BucketGroup:
         if links.on_slow is not None:
             self.engine.on_slow, self.engine.slow_after = links.on_slow, links.slow_after
         if links.used.on_host:
-            self.engine.on_issue = lambda i: links.used.post(self.states[i])
+            self.engine.on_issue = self._issuing
         self.engine.on_issued = self._issued
         self.in_flight_release = None  # shard="gradients" on a GPU (shard.py: reserve, drop)
+
+    def _issuing(self, index: int) -> None:
+        """Bucket ``index``'s launch is being issued: its used-parameter agreement is
+        posted (``find_unused_parameters`` on a GPU: a host collective, in plan order)."""
+        self.links.used.post(self.states[index])
 
     def _issued(self, index: int) -> None:
         s = self.states[index]
@@ -397,7 +404,8 @@ class BucketGroup:
         nothing of this round: it is zeroed (it is summed with the other ranks')
         and bound, so that what other ranks send lands in ``.grad``."""
         b = s.bucket
-        grads, s.kept = s.kept or kept_apart(b), None
+        grads = s.kept or kept_apart(b)  # (the closer's hook may have found them)
+        s.kept = None
         if grads is not None:  # (the usual step)
             try:
                 copy_into(b.views, grads)
@@ -457,7 +465,9 @@ class BucketGroup:
         # A stamp only where the next forward's use is measured (an event each on a GPU)
         s.launched_at = self.links.clock.stamp() if self._measuring_next() else None
         self.state.launches += 1
-        keep = self.in_flight_release and self.in_flight_release.reserve(s)
+        keep = None  # shard="gradients" on a GPU: the part kept, copied behind the reduction
+        if self.in_flight_release is not None:
+            keep = self.in_flight_release.reserve(s)
         self.engine.launch(s.index, keep)  # issued now if its turn came: then IN_FLIGHT
 
     def launch_rest(self, open_: Callable[[BucketState], bool], pass_id: int) -> None:

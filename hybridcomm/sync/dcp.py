@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
 
 import torch
 
 from ..base.errors import HybridCommError
+
+if TYPE_CHECKING:  # (imported where DCP calls: it imports torch.distributed.tensor, ~2 s)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 Rectangle = Tuple[Tuple[int, ...], Tuple[int, ...], int, int]  # offsets, sizes, flat [lo, hi)
 
@@ -61,12 +65,16 @@ def rectangles(shape: Sequence[int], start: int, stop: int) -> List[Rectangle]:
         if first > last:  # inside one row
             row = lo // inner
             split(
-                dim + 1, prefix + (row,), origin + row * inner, lo - row * inner, hi - row * inner
+                dim + 1,
+                prefix + (row,),
+                origin + row * inner,
+                lo - row * inner,
+                hi=hi - row * inner,
             )
             return
         if lo % inner:
             row = lo // inner
-            split(dim + 1, prefix + (row,), origin + row * inner, lo - row * inner, inner)
+            split(dim + 1, prefix + (row,), origin + row * inner, lo - row * inner, hi=inner)
         if last > first:
             zeros = (0,) * len(rest)
             sizes = ones + (last - first,) + rest
@@ -74,9 +82,9 @@ def rectangles(shape: Sequence[int], start: int, stop: int) -> List[Rectangle]:
                 (prefix + (first,) + zeros, sizes, origin + first * inner, origin + last * inner)
             )
         if hi % inner:
-            split(dim + 1, prefix + (last,), origin + last * inner, 0, hi - last * inner)
+            split(dim + 1, prefix + (last,), origin + last * inner, 0, hi=hi - last * inner)
 
-    split(0, (), 0, start, stop)
+    split(0, (), 0, start, hi=stop)
     return out
 
 
@@ -113,15 +121,17 @@ class StatePieces(torch.Tensor):
             "use opt.state_dict() outside DCP for the whole state)"
         )
 
-    def __create_write_items__(self, fqn: str, obj) -> list:
-        # (imported here: torch.distributed.checkpoint imports torch.distributed.tensor,
-        # about a second of every process's start, and only a checkpoint needs it)
+    def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
         from torch.distributed.checkpoint.metadata import (
             ChunkStorageMetadata,
             MetadataIndex,
             TensorProperties,
         )
-        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        from torch.distributed.checkpoint.planner import (
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
 
         return [
             WriteItem(
@@ -136,12 +146,12 @@ class StatePieces(torch.Tensor):
             for offsets, piece in self.pieces
         ]
 
-    def __create_chunk_list__(self) -> list:
+    def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         return [ChunkStorageMetadata(torch.Size(o), piece.size()) for o, piece in self.pieces]
 
-    def __get_tensor_shard__(self, index) -> torch.Tensor:
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         return self.piece_at(tuple(index.offset))
 
     def piece_at(self, offsets: Tuple[int, ...]) -> torch.Tensor:
@@ -216,7 +226,7 @@ def load_entries(shards, state: dict, loaded: Dict[object, dict]) -> None:
             target = state.setdefault(sl.tensor, {})
             for key, v in entry.items():
                 if isinstance(v, StatePieces):
-                    _unshard_into(sl, target, key, v, p)
+                    _unshard_into(sl, target, key, v, param=p)
                 elif torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape:
                     # a whole tensor (the owner's, or a consolidated one): this slice's part
                     piece = v.reshape(-1)[sl.start : sl.stop].view(sl.tensor.shape)

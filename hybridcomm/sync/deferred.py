@@ -13,7 +13,8 @@ waits for them anyway).
 
 Example::
 
-    deferred = DeferredUpdates(group_of, update, measure, state, clock, timeline, rt, momentum=0.0)
+    deferred = DeferredUpdates(group_of, update, measure=measure, state=state,
+                               clock=clock, timeline=timeline, rt=rt, momentum=0.0)
     deferred.defer(hyper)                # step(): every reduced bucket PENDING
     model(x)                             # each bucket applied before its first read
     deferred.apply_pending()             # or all now
@@ -262,7 +263,7 @@ class DeferredUpdates:
             bound = not any(o.rebound for o in together)
             for free, (params, grads, hyper) in groups.items():
                 if params:
-                    self.update(params, grads, hyper, free, bound)
+                    self.update(params, grads, hyper, free, bound)  # (an Update: positional)
         for o in together:
             self._zero_taken(o)
         self.timeline.add(

@@ -224,7 +224,7 @@ class StepMeasurements:
             ready,
             need,
             launch_pass,
-            comm_scale,
-            defer_pays,
-            None if call_s is None else quantize(call_s),
+            comm_scale=comm_scale,
+            defer_pays=defer_pays,
+            call_s=None if call_s is None else quantize(call_s),
         )

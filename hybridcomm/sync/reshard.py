@@ -89,7 +89,7 @@ def _bucket_parts(bucket: tuple, world: int) -> Tuple[list, list]:
     return _spans(
         (lo, hi, r)
         for r in range(world)
-        for lo, hi in owned_ranges(segments, r, world, algorithm, tail)
+        for lo, hi in owned_ranges(segments, r, world, algorithm, tail=tail)
     )
 
 
@@ -113,10 +113,10 @@ def move_state(old, new, state: dict, group, timeout: float, run_bytes: int) -> 
         moved += 1
         size += p.numel() * p.element_size()
         if size >= run_bytes:
-            _exchange(old, new, todo, state, group, timeout)
+            _exchange(old, new, todo, state, group=group, timeout=timeout)
             todo, size = [], 0
     if todo:
-        _exchange(old, new, todo, state, group, timeout)
+        _exchange(old, new, todo, state, group=group, timeout=timeout)
     log.debug(
         "hybridcomm re-plan: %d parameters keep their slices' state, %d have it "
         "moved to their new owners (runs of %d bytes)",

@@ -58,30 +58,17 @@ class CommThread:
 
     def submit_ordered(self, fn, what: str) -> OrderedTask:
         """Queue a whole operation ``fn``, run after everything submitted before. A failure
-        running it fails the transport: nothing is issued after it, or the ranks'
-        orders would part."""
+        running it fails the transport (:meth:`_execute`): nothing is issued after it,
+        or the ranks' orders would part."""
         t = self.t
-
-        def run():
-            try:
-                return fn()
-            except BaseException as e:
-                t._fail(
-                    e
-                    if isinstance(e, HybridCommError)
-                    else HybridCommError(
-                        f"rank {t.rank}: issuing {what} failed ({type(e).__name__}: {e}); "
-                        "nothing more is issued on this communicator"
-                    )
-                )
-                raise
-
         with t._cv:
             if t._aborted:
                 task = OrderedTask(fn, what)
                 task.error, task.issued = t._failure or t._aborted_error(), True
                 return task
-            return self.submit(run, what)
+            task = self.submit(fn, what)
+            task.ordered = True
+            return task
 
     def wait_ordered(self, task: OrderedTask, what: str, limit: float) -> None:
         """Until ``task`` has run; raises once the transport failed (the watchdog flags
@@ -145,6 +132,16 @@ class CommThread:
         try:
             task.result = fn()
         except BaseException as e:  # noqa: BLE001 - the waiting caller raises it (NcclError too)
+            if task.ordered:  # a whole operation: nothing is issued after it
+                t = self.t
+                t._fail(
+                    e
+                    if isinstance(e, HybridCommError)
+                    else HybridCommError(
+                        f"rank {t.rank}: issuing {task.what} failed ({type(e).__name__}: {e}); "
+                        "nothing more is issued on this communicator"
+                    )
+                )
             task.error = e
 
     def _poll(self) -> None:

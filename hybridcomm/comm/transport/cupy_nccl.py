@@ -223,7 +223,9 @@ class CupyNcclTransport(CommStream):
         self._watched: collections.deque = collections.deque()
         self._watchdog: threading.Thread | None = None
         self.runtime = runtime
-        self.comm = open_communicator(self.nccl, runtime, store, ranks, rank, world_size)
+        self.comm = open_communicator(
+            self.nccl, runtime, store, ranks, rank=rank, world_size=world_size
+        )
         self._init_stream(runtime, priority)
         self._handle = runtime.handle(self.stream)
         # from here on the only thread calling self.comm; it runs whole operations too

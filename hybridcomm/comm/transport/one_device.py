@@ -147,21 +147,28 @@ class OneDeviceCommunicator:
             raise OneDeviceNcclError(ERROR_INVALID_USAGE, f"invalid peer {peer}")
         nbytes = count * TORCH_OF[datatype].itemsize
         op = _Op(
-            kind, peer, self.rt.at(ptr, nbytes), datatype, self.rt.stream_of(stream), self.mailbox
+            kind,
+            peer,
+            self.rt.at(ptr, nbytes),
+            datatype,
+            stream=self.rt.stream_of(stream),
+            mailbox=self.mailbox,
         )
         self.module.post(self, op)
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        self._post("send", sendbuf, count, datatype, peer, stream)
+        self._post("send", sendbuf, count, datatype, peer=peer, stream=stream)
 
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        self._post("recv", recvbuf, count, datatype, peer, stream)
+        self._post("recv", recvbuf, count, datatype, peer=peer, stream=stream)
 
     def allReduce(
         self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int
     ) -> None:
         """Everyone's buffer to everyone, then a sum in rank order on ``stream``."""
-        self._reduce(sendbuf, recvbuf, count, 0, count, datatype, op, stream)
+        self._reduce(
+            sendbuf, recvbuf, count, 0, kept=count, datatype=datatype, op=op, stream=stream
+        )
 
     def reduceScatter(
         self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int, stream: int
@@ -172,10 +179,10 @@ class OneDeviceCommunicator:
             recvbuf,
             recvcount * self.size_,
             self.rank * recvcount,
-            recvcount,
-            datatype,
-            op,
-            stream,
+            kept=recvcount,
+            datatype=datatype,
+            op=op,
+            stream=stream,
         )
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
@@ -237,8 +244,12 @@ class OneDeviceCommunicator:
         with self.module.group():
             for i, q in enumerate(q for q in range(self.size_) if q != self.rank):
                 theirs[q] = parts[i * nbytes : (i + 1) * nbytes]
-                self.module.post(self, _Op("send", q, mine, datatype, s, self.mailbox))
-                self.module.post(self, _Op("recv", q, theirs[q], datatype, s, self.mailbox))
+                self.module.post(
+                    self, _Op("send", q, mine, datatype, stream=s, mailbox=self.mailbox)
+                )
+                self.module.post(
+                    self, _Op("recv", q, theirs[q], datatype, stream=s, mailbox=self.mailbox)
+                )
         return s, mine, theirs
 
     # -- one piece (the group's progress loop calls these) --------------------------------

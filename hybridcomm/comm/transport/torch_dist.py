@@ -138,9 +138,9 @@ class TorchDistTransport:
         """One ``batch_isend_irecv`` (a single NCCL group on CUDA)."""
         ops: List[dist.P2POp] = []
         for peer, t in sends:
-            ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group, self.tag))
+            ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group, tag=self.tag))
         for peer, t in recvs:
-            ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group, self.tag))
+            ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group, tag=self.tag))
         return (
             posted(lambda: dist.batch_isend_irecv(ops), self.rank, lambda: _labels(sends, recvs))
             if ops

@@ -101,7 +101,7 @@ def init_downpour(
     if os.path.exists(path) and not os.path.isdir(path):
         raise HybridCommError(f"init_downpour: {path} exists and is not a directory")
     os.makedirs(path, exist_ok=True)
-    _job = _Job(rank, workers, servers, path, timeout)
+    _job = _Job(rank, workers, servers, path, timeout=timeout)
     role = "worker" if rank < workers else "server"
     return role, f"worker{rank}" if role == "worker" else f"server{rank - workers}"
 

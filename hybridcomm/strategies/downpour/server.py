@@ -202,7 +202,14 @@ class ParameterShard:
             state = torch.load(path, weights_only=True)
             if state.get("format") not in (1, FORMAT):
                 raise ValueError(f"format {state.get('format')!r}, expected 1 or {FORMAT}")
-            shard = cls({}, state["rule"], state["lr"], state["eps"], path, checkpoint_every)
+            shard = cls(
+                {},
+                state["rule"],
+                state["lr"],
+                state["eps"],
+                path=path,
+                checkpoint_every=checkpoint_every,
+            )
             shard.params = {k: v.clone() for k, v in state["params"].items()}
             # format 1 knew one part, ""
             shard.parts = {
