@@ -1,61 +1,13 @@
 """Layers -> buckets -> (algorithm, issue order): the plan every rank follows.
 
-Inputs, all agreed across ranks (rank 0 plans, every rank follows): the
-trainable parameters grouped into layers (a module's own parameters), in
-the order backward produces them; the cost model; optionally measurements:
-each layer's overlap window (gradient ready -> needed by the next forward),
-when its gradient is ready, and the order the next forward needs the layers.
-
-- **Fusion**: consecutive layers of one dtype share a bucket while it stays
-  under ``fusion_bytes``: by default alpha/beta (the size below which a
-  message costs mostly its latency; with measurements, plus what each call
-  cost beyond the model in the training steps), clamped to [64 KiB, 32 MiB]; small
-  layers just before a layer over ``fusion_bytes`` in backward order (a
-  BatchNorm before its convolution) join its bucket rather than pay a message
-  of their own (``fusion_bytes=0``: one bucket per layer). A fit
-  with beta = 0 ("bytes are free") fuses up to the cap; alpha = 0 fuses to
-  the floor: a degenerate probe never makes hundreds of tiny buckets.
-- **Lazy all-reduce** (``lazy_bytes``): instead, gradients collect in a pool
-  that is all-reduced once it has passed ``lazy_bytes`` (the last pool when
-  backward ends); it pays where many tiny layers would each pay a message's
-  latency, and the plan's notes say by how much.
-- **Split**: a bucket over ``split_bytes`` is all-reduced in segments, so
-  an urgent small bucket can go between them. Default: where a segment's
-  extra messages cost under 10% of its transfer (10 P alpha/beta), at least
-  1 MiB; no split when beta = 0. Segments the issue order sends back to back
-  are merged again: a split stays only where another bucket goes between.
-  With measurements, a default split is also dropped where it cannot pay:
-  if, without it, the reductions still queued behind the bucket the next
-  forward needs first would outlast that forward's compute, the forward
-  overlaps them either way, and a split only adds collectives (and, on a
-  busy machine, rounds in which the ranks wait for each other mid-backward).
-- **Algorithm** (``strategy="hybrid"``, the thesis's pair): per bucket,
-  ``CostModel.choose`` with the bucket's window: among the candidates
-  predicted to finish within it, the one that sends the fewest bytes, else
-  the fastest. Small buckets with short windows get the butterfly, large
-  ones with long windows a ring (hybridcomm's, or ``native``, the process
-  group's own in C++, where the measured model predicts it faster by more
-  than its uncertainty); on several nodes, hierarchical too. ``"auto"``: all
-  compete; with ``servers`` (summation servers, ps.py) ``ps`` too, where the
-  model has its line. ``strategy`` naming an algorithm, or ``HYBRIDCOMM_ALGO``,
-  forces it for every bucket (``ps`` needs servers).
-- **Low rank** (``compression="powersgd:RANK[:START]"``): a bucket is
-  compressed (compressor ``powersgd``, comm/powersgd.py) where its two
-  messages, the low-rank factors (with its 1-D gradients and flags whole) and
-  the other factors, send fewer bytes with its algorithm than the bucket does
-  whole; it is never split, and fusion weighs the bytes these messages put on
-  the wire (a compressed layer's are a few per cent of its gradient's).
-- **Issue order**: every rank issues all of a step's communication through
-  one ordered channel (one communicator, one stream), in ``Plan.order``: a
-  fixed sequence of (bucket, segment). Without measurements it is backward
-  order. With them, it is what a priority queue would do under the model's
-  timings (ByteScheduler's idea, fixed ahead so that every rank issues the
-  same sequence whatever its local timing): whenever the channel is free,
-  the ready segment of the bucket the next forward needs first goes next.
-  The timings are the cost model's, scaled by ``comm_scale`` (measured steps).
-
-``print(plan)`` shows the table and the order; every default it chose is in
-``plan.notes``.
+Rank 0 plans, every rank follows. The inputs: the trainable parameters grouped
+into layers (a module's own parameters) in backward order, the cost model and,
+once measured, each layer's overlap window, ready time and place in the next
+forward. :func:`make_plan` fuses layers into buckets (or lazy pools), splits
+large buckets into segments, chooses each bucket's algorithm and compression,
+and fixes the issue order. ``print(plan)`` shows the table and the order, and
+``plan.notes`` says why each default was chosen. The rules: docs/ARCHITECTURE.md,
+"The plan".
 """
 
 from __future__ import annotations
@@ -403,7 +355,8 @@ def issue_order(
     backward when its gradients are ready): backward order. With it: a priority
     queue run under the buckets' predicted times (times ``comm_scale``: how much
     slower the measured communication ran than predicted), the bucket needed first
-    going first."""
+    going first. (ByteScheduler's idea, fixed ahead so that every rank issues the
+    same sequence whatever its local timing.)"""
     if not ready:
         return [(b.index, s) for b in buckets for s in range(len(b.segments))]
     todo = {b.index: 0 for b in buckets}
@@ -681,7 +634,7 @@ def make_plan(
     cannot pay, step() applies them); ``servers``: how many summation servers
     the job has (``ps`` a candidate, and allowed forced, only with some);
     ``forward_s``: the next forward's compute in seconds, measured or estimated
-    (with ``ready``, a default split is kept only where it can pay: module doc);
+    (with ``ready``, a default split is kept only where it can pay);
     ``low_rank``: PowerSGD's ``(rank, start)``: a bucket whose two low-rank
     messages send fewer bytes than it does whole is compressed (compressor
     ``powersgd``; its messages, and the whole bucket in the first ``start``
@@ -780,6 +733,9 @@ def make_plan(
         )
         compressor = None
         shapes = [s for layer in group for s in (layer.shapes or [])]
+        # PowerSGD where its two messages (the low-rank factors, with the 1-D
+        # gradients and flags whole, then the other factors) send fewer bytes with
+        # the bucket's algorithm than the bucket whole; never split
         if low_rank and world_size > 1 and len(shapes) == len(shape.params):
             p_numel, q_numel = message_numels(shapes, low_rank[0])
             if bytes_sent(algorithm, 4 * p_numel, world_size, topo) + bytes_sent(
@@ -833,6 +789,10 @@ def make_plan(
             times = [ready[layer.name] for layer in group if layer.name in ready]
             bucket_ready[b.index] = max(times) if times else 0.0
     order = merge_adjacent(buckets, issue_order(buckets, bucket_ready, comm_scale))
+    # A default split is dropped where it cannot pay: if, without it, the reductions
+    # queued behind the first-needed bucket outlast the next forward's compute, that
+    # forward overlaps them either way, and a split only adds collectives (and, on a
+    # busy machine, rounds in which the ranks wait for each other mid-backward).
     if (
         split_default
         and bucket_ready
