@@ -1,31 +1,12 @@
 """Run one rank's schedule over a transport, reducing with the kernels.
 
-Receives that are copies land directly in the caller's buffer; receives that
-are reductions land in a scratch buffer, reused across calls (no allocation
-per step), and are then added in with ``kernels.reduce``, which also applies
-the ``avg`` scale on the step that finalizes those elements.
-
-Large buffers are pipelined: the buffer is cut into ``K`` contiguous parts,
-each all-reduced by its own schedule of the same algorithm, and the parts run
-interleaved: all parts' first step is posted, then for each step and each
-part in turn, wait for that part, reduce it, and post its next step at once.
-While one part is being reduced the others' transfers are in flight, and a
-part's next send leaves as soon as its own reduction is done (no step-wide
-barrier). Every rank issues its messages in the same (step, part) order, and
-each part's messages to a peer keep the schedule's order, so pairs match in
-FIFO order without tags (NCCL) as well as with them (gloo). Each part is an
-exact all-reduce of its elements, bitwise identical on every rank.
-
-The index arithmetic of a (schedule, parts) pair is computed once and cached
-(plans hold integer ranges only, never tensors, so no user buffer is kept
-alive by the cache).
-
-**The one all-reduce dispatch** (the end of this file). Every all-reduce in hybridcomm goes through :func:`reduce_operation`: the
-engine's buckets, the DDP hook's, ``hybridcomm.all_reduce`` and the
-calibration probe (both through :func:`reduce_now`). It picks the transport's
-own all-reduce (``native``), the summation servers (``ps``) or an algorithm's
-schedule, and the side it runs on: blocking on the host (gloo) or queued on
-the comm stream (NCCL, the simulated GPU).
+:func:`execute` runs a schedule: copies land in the caller's buffer, reductions
+in a reused scratch buffer and are added in with ``kernels.reduce`` (which
+applies the ``avg`` scale on each element's final step); a large buffer is
+pipelined in parts. :func:`reduce_operation` (the end of this file) is the one
+all-reduce dispatch: every all-reduce in hybridcomm goes through it, and it
+picks ``native``, ``ps`` or a schedule, on the host or on the comm stream. Its
+place on a gradient's path: docs/ARCHITECTURE.md.
 
 Example::
 
@@ -142,7 +123,14 @@ def _plan_part(schedule: Schedule, base: int, slot0: int) -> Tuple[List[_PlanSte
 
 
 def num_parts(schedule: Schedule, element_size: int) -> int:  # host path
-    """How many pipelined parts ``execute`` cuts this schedule's buffer into."""
+    """How many pipelined parts ``execute`` cuts this schedule's buffer into.
+
+    Each part is all-reduced by its own schedule of the same algorithm, the parts
+    interleaved: every part's first step is posted, then per step and part, wait,
+    reduce, post its next step at once, so the others' transfers are in flight
+    while one part is reduced (no step-wide barrier). Every rank issues in the
+    same (step, part) order and each part's messages to a peer keep the
+    schedule's order, so pairs match without tags (NCCL) as with them (gloo)."""
     part_bytes = env.get("HYBRIDCOMM_PIPELINE_BYTES")
     if part_bytes <= 0 or schedule.algorithm not in SCHEDULES or schedule.world_size < 2:
         return 1
@@ -158,6 +146,8 @@ _PLAN_CACHE = 256
 
 
 def _plan(schedule: Schedule, parts: int) -> _Plan:
+    """The index arithmetic of (``schedule``, ``parts``), computed once and cached
+    (integer ranges only, never tensors: the cache keeps no user buffer alive)."""
     key = (id(schedule), parts)
     with _plans_lock:
         hit = _plans.get(key)
