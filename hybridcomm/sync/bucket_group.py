@@ -1,23 +1,10 @@
 """The buckets of one plan: their memory, their phases, their engine.
 
 Each parameter's ``.grad`` is a view of its bucket's contiguous buffer
-(buckets.py); backward accumulates into it in place, the all-reduce runs in
-place, and the optimizer reads it: no copy on the data path. A bucket's
-host-side state (:class:`BucketState`) moves through these phases, and only
-:meth:`BucketGroup.to` writes one (it refuses an edge not drawn here)::
-
-    IDLE --first gradient of a round--> ACCUMULATING --launch--> LAUNCHED
-    LAUNCHED --the issue order reaches it (engine)--> IN_FLIGHT
-    IN_FLIGHT --finish (step, synchronize)--> IDLE      .grad: the reduced gradients
-    IN_FLIGHT --defer (forward-mode step)--> PENDING --first read--> IDLE
-    IN_FLIGHT --another gradient (late pass, or dropped)--> ACCUMULATING
-    IDLE --defer (reduced by synchronize(), then step())--> PENDING
-    ACCUMULATING --finish with nothing added (a no-op round)--> IDLE
-
-A LAUNCHED bucket is never written: its launch waits for its turn in the plan's
-fixed issue order (every rank issues the same sequence), so a gradient that
-comes meanwhile goes into a tensor of autograd's own (``detached``) and is
-folded in when the bucket next opens.
+(buckets.py): backward accumulates into it in place, the all-reduce runs in
+place, and the optimizer reads it. A bucket's host-side state
+(:class:`BucketState`) moves through the phases of ``EDGES``, written only by
+:meth:`BucketGroup.to`. A bucket's path and phases: docs/ARCHITECTURE.md.
 
 Example::
 
@@ -68,7 +55,19 @@ class Phase(enum.Enum):
     __hash__ = object.__hash__
 
 
-# the diagram above, as data: the edges BucketGroup.to accepts
+# The edges BucketGroup.to accepts:
+#
+#   IDLE --first gradient of a round--> ACCUMULATING --launch--> LAUNCHED
+#   LAUNCHED --the issue order reaches it (engine)--> IN_FLIGHT
+#   IN_FLIGHT --finish (step, synchronize)--> IDLE      .grad: the reduced gradients
+#   IN_FLIGHT --defer (forward-mode step)--> PENDING --first read--> IDLE
+#   IN_FLIGHT --another gradient (late pass, or dropped)--> ACCUMULATING
+#   IDLE --defer (reduced by synchronize(), then step())--> PENDING
+#   ACCUMULATING --finish with nothing added (a no-op round)--> IDLE
+#
+# A LAUNCHED bucket is never written: its launch waits for its turn in the plan's
+# fixed issue order, so a gradient that comes meanwhile goes into a tensor of
+# autograd's own (``detached``), folded in when the bucket next opens.
 EDGES = {
     Phase.IDLE: {Phase.IDLE, Phase.ACCUMULATING, Phase.PENDING},
     Phase.ACCUMULATING: {Phase.ACCUMULATING, Phase.LAUNCHED, Phase.IDLE},
@@ -353,7 +352,7 @@ class BucketGroup:
 
     # ---- the one writer of a phase -------------------------------------------------------
     def to(self, s: BucketState, phase: Phase) -> None:
-        """Move bucket ``s`` to ``phase`` along an edge of the diagram (module doc)."""
+        """Move bucket ``s`` to ``phase`` along an edge of ``EDGES``."""
         if phase not in EDGES[s.phase]:
             raise HybridCommError(
                 f"internal error: bucket {s.index} cannot go from {s.phase.value} to {phase.value}"
