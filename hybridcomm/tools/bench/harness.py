@@ -2,18 +2,10 @@
 
 One harness for every algorithm, ``torch.distributed.all_reduce`` included (the
 baseline, in the same process group and the same run). Per (size, algorithm):
-``warmup`` untimed calls, then ``iters`` timed ones, each from a barrier, on
-a buffer refilled from the input outside the timed region; the rank keeps the
-median, and the 20th and 80th percentiles of its iterations (the spread the
-report's noise warning reads). After timing, one more call checks the data:
-inputs are small integers, so the sum is exact in any order and in any dtype,
-and ``#wrong`` is the number of elements that differ from it (for ``avg``, more
-than the one rounding the scale allows). Rank 0 gathers every rank's medians; the reported
-time is their mean.
-
-With ``servers`` K > 0 the last K processes are summation servers
-(hybridcomm/comm/servers.py): they serve, and the others (the workers) run the sweep
-over their own group, ``ps`` (through the servers) beside the rest.
+``warmup`` untimed calls, then ``iters`` timed ones, each from a barrier; rank
+0 gathers every rank's median (and 20th and 80th percentiles), and one more call
+checks the data (``#wrong``). With ``servers`` K > 0 the last K processes are
+summation servers (comm/servers.py) and the workers sweep ``ps`` beside the rest.
 """
 
 from __future__ import annotations
@@ -67,6 +59,9 @@ def expected_sum(world: int, count: int, device) -> torch.Tensor:
 
 
 def count_wrong(got: torch.Tensor, total: torch.Tensor, op: str, world: int) -> int:
+    """Elements of ``got`` that differ from the exact sum ``total`` (the inputs are
+    small integers: exact in any order and dtype), or, for ``avg``, by more than
+    the scale's one rounding."""
     g = got.to(torch.float64)
     if op == "sum":
         return int((g != total).sum())
