@@ -1,14 +1,11 @@
 """Checkpoints of sharded optimizer state through ``torch.distributed.checkpoint``:
 each rank hands DCP its own part of the state, never the whole.
 
-Under ``shard=``, when DCP's ``get_state_dict`` asks a ``DistributedOptimizer``
-for its state, every per-element state tensor of an element-sliced parameter is
-a :class:`StatePieces`: the pieces of it this rank holds, views of its slices'
-state (a slice is a flat range, cut into the few row-major rectangles it
-covers), which DCP writes and reads through its checkpointable protocol, as it
-does DTensor's. A whole parameter's state is its owner's own tensors, on the
-owner alone. DCP reads back whatever pieces another world size (or plain torch)
-asks for. docs/API.md ("Checkpoints at scale") has the recipe.
+Under ``shard=``, an element-sliced parameter's per-element state is a
+:class:`StatePieces` (the row-major rectangles of it this rank holds, in DCP's
+checkpointable protocol, as DTensor's); a whole parameter's state is its
+owner's tensors. DCP reads back what another world size (or plain torch) asks
+for. docs/API.md ("Checkpoints at scale") has the recipe.
 
 Example::
 
