@@ -595,6 +595,167 @@ def _whole_notes(buckets: Sequence[Bucket], layers: Sequence[Layer], world: int)
     return notes
 
 
+def _sizes(
+    layers: Sequence[Layer],
+    *,
+    fusion_bytes: Optional[int],
+    split_bytes: Optional[int],
+    world_size: int,
+    model: CostModel,
+    topo: Topology,
+    call_s: Optional[float],
+    notes: List[str],
+) -> Tuple[int, int]:
+    """The fusion and split sizes: the user's, or the defaults for this world and link."""
+    if fusion_bytes is None and world_size == 1:
+        # Nothing crosses a wire, so nothing overlaps: a bucket only costs host time
+        # per step (its launch, its events, its wait)
+        fusion_bytes = sum(layer.numel * layer.element_size for layer in layers)
+        notes.append(
+            "world size 1: nothing is communicated, so the layers share one bucket "
+            "per dtype (each bucket costs host time every step); fusion_bytes= "
+            "overrides"
+        )
+    elif fusion_bytes is None:
+        fusion_bytes = default_fusion(model, notes, world_size, topo, call_s)
+    if split_bytes is None:
+        split_bytes = 0 if world_size == 1 else default_split(model, world_size, notes, topo)
+    return fusion_bytes, split_bytes
+
+
+@dataclass
+class _Compression:
+    """A bucket's algorithm, segments and predicted time once compression is decided."""
+
+    algorithm: str
+    segments: List[Tuple[int, int]]
+    predicted_s: float
+    compressor: Optional[str] = None
+
+
+def _compression(
+    group: Sequence[Layer],
+    *,
+    algorithm: str,
+    segments: List[Tuple[int, int]],
+    total: int,
+    n_params: int,
+    esize: int,
+    world_size: int,
+    model: CostModel,
+    topo: Topology,
+    topk: Optional[float],
+    low_rank: Optional[Tuple[int, int]],
+) -> _Compression:
+    """Whether the bucket is sent compressed (PowerSGD, top-k) where that sends fewer
+    bytes than the bucket whole; a compressed bucket is never split (one segment of
+    ``total`` elements, the layout's)."""
+    numel = sum(layer.numel for layer in group)
+    nbytes = numel * esize
+
+    def predict(sizes) -> float:
+        if not model.offers(algorithm):
+            return float("nan")
+        return sum(model.predict(algorithm, n, world_size, topo) for n in sizes)
+
+    chosen = _Compression(algorithm, segments, predict([(b - a) * esize for a, b in segments]))
+    shapes = [s for layer in group for s in (layer.shapes or [])]
+    # PowerSGD where its two messages (the low-rank factors, with the 1-D
+    # gradients and flags whole, then the other factors) send fewer bytes with
+    # the bucket's algorithm than the bucket whole
+    if low_rank and world_size > 1 and len(shapes) == n_params:
+        p_numel, q_numel = message_numels(shapes, low_rank[0])
+        low_rank_bytes = bytes_sent(algorithm, 4 * p_numel, world_size, topo) + bytes_sent(
+            algorithm, 4 * q_numel, world_size, topo
+        )
+        if low_rank_bytes < bytes_sent(algorithm, nbytes, world_size, topo):
+            chosen = _Compression(
+                algorithm, [(0, total)], predict([4 * p_numel, 4 * q_numel]), POWERSGD
+            )
+    if (
+        topk
+        and world_size > 1
+        and sparse_bytes_sent(numel, n_params, topk, world_size)
+        < bytes_sent(chosen.algorithm, nbytes, world_size)
+    ):
+        seg_bytes = segment_numel(numel, n_params, topk) * 4
+        chosen = _Compression(
+            TOPK,
+            [(0, total)],
+            (world_size - 1) * (model.alpha + seg_bytes * model.beta),
+            chosen.compressor,
+        )
+    return chosen
+
+
+def _bucket_ready(
+    buckets: Sequence[Bucket], groups: Sequence[Sequence[Layer]], ready: Optional[dict]
+) -> Optional[Dict[int, float]]:
+    """When each bucket's gradients are ready (its last layer's), where measured."""
+    if not ready:
+        return None
+    out = {}
+    for b, group in zip(buckets, groups):
+        times = [ready[layer.name] for layer in group if layer.name in ready]
+        out[b.index] = max(times) if times else 0.0
+    return out
+
+
+def _drop_split_that_cannot_pay(
+    buckets: List[Bucket],
+    *,
+    order: List[Tuple[int, int]],
+    split_bytes: int,
+    bucket_ready: Dict[int, float],
+    comm_scale: Optional[float],
+    forward_s: float,
+    notes: List[str],
+) -> Tuple[List[Bucket], List[Tuple[int, int]], int]:
+    """A default split is dropped where it cannot pay: if, without it, the reductions
+    queued behind the first-needed bucket outlast the next forward's compute, that
+    forward overlaps them either way, and a split only adds collectives (and, on a
+    busy machine, rounds in which the ranks wait for each other mid-backward)."""
+    if not any(len(b.segments) > 1 for b in buckets):
+        return buckets, order, split_bytes
+    whole = _unsplit(buckets)
+    whole_order = issue_order(whole, bucket_ready, comm_scale)
+    behind = _queued_behind_first_need(whole, whole_order, bucket_ready, comm_scale)
+    if behind < forward_s:
+        return buckets, order, split_bytes
+    notes.append(
+        f"no split: without one, {behind * 1e3:.0f} ms of reductions are "
+        "still queued behind the bucket the next forward needs first, more "
+        f"than that forward's ~{forward_s * 1e3:.0f} ms of compute, so it "
+        "overlaps them either way and a split would only add collectives"
+    )
+    return whole, whole_order, 0
+
+
+def _measured_notes(
+    *, comm_scale: Optional[float], kept_ours: List[int], model: CostModel, defer_pays
+) -> List[str]:
+    """What the measured steps changed in the plan, for ``print(plan)``."""
+    notes = []
+    if comm_scale is not None and comm_scale != 1.0:
+        notes.append(
+            f"in the measured steps communication took {comm_scale:.2f}x the time the "
+            "cost model predicts: the issue order is timed with the measured speed"
+        )
+    if kept_ours:
+        notes.append(
+            f"bucket(s) {kept_ours}: native predicted faster by less than its "
+            f"uncertainty ({model.uncertainty:.0%}): ours (strategy='native' forces it)"
+        )
+    if defer_pays is False:
+        notes.append(
+            "forward overlap cannot pay here: in the measured steps every bucket but "
+            "the one the next forward needs first was reduced before step(), so (in "
+            "forward mode) step() applies the updates at once, in one optimizer call, "
+            "as backward mode does"
+        )
+    return notes
+
+
 def make_plan(
     layers: Sequence[Layer],
     *,
@@ -658,21 +819,17 @@ def make_plan(
     forced = forced_algorithm(strategy)
     topo = (topology or Topology()).resolve(world_size)
     whole_params = whole_params and shard
-    fusion_default = fusion_bytes is None
-    if fusion_bytes is None and world_size == 1:
-        # Nothing crosses a wire, so nothing overlaps: a bucket only costs host time
-        # per step (its launch, its events, its wait)
-        fusion_bytes = sum(layer.numel * layer.element_size for layer in layers)
-        notes.append(
-            "world size 1: nothing is communicated, so the layers share one bucket "
-            "per dtype (each bucket costs host time every step); fusion_bytes= "
-            "overrides"
-        )
-    elif fusion_bytes is None:
-        fusion_bytes = default_fusion(model, notes, world_size, topo, call_s)
-    split_default = split_bytes is None
-    if split_default:
-        split_bytes = 0 if world_size == 1 else default_split(model, world_size, notes, topo)
+    fusion_default, split_default = fusion_bytes is None, split_bytes is None
+    fusion_bytes, split_bytes = _sizes(
+        layers,
+        fusion_bytes=fusion_bytes,
+        split_bytes=split_bytes,
+        world_size=world_size,
+        model=model,
+        topo=topo,
+        call_s=call_s,
+        notes=notes,
+    )
     candidates = [
         a
         for a in STRATEGY_CANDIDATES.get(strategy, ())
@@ -704,7 +861,6 @@ def make_plan(
             group, world_size=world_size, copies=copies, split_bytes=split_bytes, totals=totals
         )
         offsets, grad_numel, segments = shape.offsets, shape.grad_numel, shape.segments
-        total = segments[-1][1]
         window = min((windows[x.name] for x in group if x.name in (windows or {})), default=None)
         if forced:
             algorithm = forced
@@ -726,39 +882,19 @@ def make_plan(
         elif copies > 1 and algorithm == NATIVE:  # the collective's own: one call, equal parts
             grads_end = numel if grad_numel is None else grad_numel
             grad_numel, segments = equal_parts(grads_end, len(shape.params), world_size)
-        pred = (
-            sum(model.predict(algorithm, (b - a) * esize, world_size, topo) for a, b in segments)
-            if model.offers(algorithm)
-            else float("nan")
+        compression = _compression(
+            group,
+            algorithm=algorithm,
+            segments=segments,
+            total=shape.segments[-1][1],
+            n_params=len(shape.params),
+            esize=esize,
+            world_size=world_size,
+            model=model,
+            topo=topo,
+            topk=topk,
+            low_rank=low_rank,
         )
-        compressor = None
-        shapes = [s for layer in group for s in (layer.shapes or [])]
-        # PowerSGD where its two messages (the low-rank factors, with the 1-D
-        # gradients and flags whole, then the other factors) send fewer bytes with
-        # the bucket's algorithm than the bucket whole; never split
-        if low_rank and world_size > 1 and len(shapes) == len(shape.params):
-            p_numel, q_numel = message_numels(shapes, low_rank[0])
-            if bytes_sent(algorithm, 4 * p_numel, world_size, topo) + bytes_sent(
-                algorithm, 4 * q_numel, world_size, topo
-            ) < bytes_sent(algorithm, nbytes, world_size, topo):
-                compressor, segments = POWERSGD, [(0, total)]
-                pred = (
-                    sum(
-                        model.predict(algorithm, 4 * n, world_size, topo)
-                        for n in (p_numel, q_numel)
-                    )
-                    if model.offers(algorithm)
-                    else float("nan")
-                )
-        if (
-            topk
-            and world_size > 1
-            and sparse_bytes_sent(numel, len(shape.params), topk, world_size)
-            < bytes_sent(algorithm, nbytes, world_size)
-        ):
-            algorithm, segments = TOPK, [(0, total)]
-            seg_bytes = segment_numel(numel, len(shape.params), topk) * 4
-            pred = (world_size - 1) * (model.alpha + seg_bytes * model.beta)
         needs = [need[layer.name] for layer in group if need and layer.name in need]
         buckets.append(
             Bucket(
@@ -767,80 +903,52 @@ def make_plan(
                 params=shape.params,
                 numel=numel,
                 nbytes=nbytes,
-                algorithm=algorithm,
-                predicted_s=pred,
+                algorithm=compression.algorithm,
+                predicted_s=compression.predicted_s,
                 dtype=group[0].dtype,
                 window_s=window,
-                segments=segments,
+                segments=compression.segments,
                 need=min(needs) if needs else None,
                 offsets=offsets,
                 grad_numel=grad_numel,
-                compressor=compressor,
+                compressor=compression.compressor,
                 flag_copies=copies,
                 owners=shape.owners,
             )
         )
     if whole_params:
         notes.extend(_whole_notes(buckets, layers, world_size))
-    bucket_ready = None
-    if ready:
-        bucket_ready = {}
-        for b, group in zip(buckets, groups):
-            times = [ready[layer.name] for layer in group if layer.name in ready]
-            bucket_ready[b.index] = max(times) if times else 0.0
+    bucket_ready = _bucket_ready(buckets, groups, ready)
     order = merge_adjacent(buckets, issue_order(buckets, bucket_ready, comm_scale))
-    # A default split is dropped where it cannot pay: if, without it, the reductions
-    # queued behind the first-needed bucket outlast the next forward's compute, that
-    # forward overlaps them either way, and a split only adds collectives (and, on a
-    # busy machine, rounds in which the ranks wait for each other mid-backward).
-    if (
-        split_default
-        and bucket_ready
-        and forward_s is not None
-        and any(len(b.segments) > 1 for b in buckets)
-    ):
-        whole = _unsplit(buckets)
-        whole_order = issue_order(whole, bucket_ready, comm_scale)
-        behind = _queued_behind_first_need(whole, whole_order, bucket_ready, comm_scale)
-        if behind >= forward_s:
-            buckets, order, split_bytes = whole, whole_order, 0
-            notes.append(
-                f"no split: without one, {behind * 1e3:.0f} ms of reductions are "
-                "still queued behind the bucket the next forward needs first, more "
-                f"than that forward's ~{forward_s * 1e3:.0f} ms of compute, so it "
-                "overlaps them either way and a split would only add collectives"
-            )
+    if split_default and bucket_ready and forward_s is not None:
+        buckets, order, split_bytes = _drop_split_that_cannot_pay(
+            buckets,
+            order=order,
+            split_bytes=split_bytes,
+            bucket_ready=bucket_ready,
+            comm_scale=comm_scale,
+            forward_s=forward_s,
+            notes=notes,
+        )
     for b in buckets:  # fewer segments after the merge: fewer fixed costs
         if b.algorithm not in (TOPK,) and b.compressor is None and model.offers(b.algorithm):
             b.predicted_s = sum(
                 model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1), world_size, topo)
                 for a, z in b.segments
             )
-    if comm_scale is not None and comm_scale != 1.0:
-        notes.append(
-            f"in the measured steps communication took {comm_scale:.2f}x the time the "
-            "cost model predicts: the issue order is timed with the measured speed"
+    notes.extend(
+        _measured_notes(
+            comm_scale=comm_scale, kept_ours=kept_ours, model=model, defer_pays=defer_pays
         )
-    if kept_ours:
-        notes.append(
-            f"bucket(s) {kept_ours}: native predicted faster by less than its "
-            f"uncertainty ({model.uncertainty:.0%}): ours (strategy='native' forces it)"
-        )
-    if defer_pays is False:
-        notes.append(
-            "forward overlap cannot pay here: in the measured steps every bucket but "
-            "the one the next forward needs first was reduced before step(), so (in "
-            "forward mode) step() applies the updates at once, in one optimizer call, "
-            "as backward mode does"
-        )
+    )
     return Plan(
-        world_size,
-        strategy,
-        buckets,
-        order,
-        fusion_bytes,
-        split_bytes,
-        notes,
-        launch_pass,
-        defer_pays is not False,
+        world_size=world_size,
+        strategy=strategy,
+        buckets=buckets,
+        order=order,
+        fusion_bytes=fusion_bytes,
+        split_bytes=split_bytes,
+        notes=notes,
+        launch_pass=launch_pass,
+        defer_updates=defer_pays is not False,
     )
