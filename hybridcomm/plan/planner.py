@@ -12,7 +12,7 @@ and fixes the issue order. ``print(plan)`` shows the table and the order, and
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import env
@@ -20,9 +20,13 @@ from ..algorithms import ALGORITHMS, Topology
 from ..algorithms.lowrank import POWERSGD, message_numels
 from ..algorithms.topk import TOPK, segment_numel, sparse_bytes_sent
 from .cost_model import NATIVE, PS, CostModel, bytes_sent
-from .layout import ALIGN_BYTES, buffer_numel, equal_parts, flag_stride, layout
+from .layout import ALIGN_BYTES, buffer_numel, equal_parts, layout
 from .layout import segments as cut_segments
+from .order import drop_split_that_cannot_pay, issue_order, merge_adjacent
 from .ownership import WHOLE_BALANCE, assign, balanced, owner_layout
+from .records import Bucket, Layer, Plan, plan_from_dict
+
+__all__ = ["Bucket", "Layer", "Plan", "plan_from_dict", "make_plan", "forced_algorithm"]
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
 STRATEGY_CANDIDATES = {
@@ -36,150 +40,6 @@ MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
 FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
 MIN_SPLIT, MAX_SPLIT = 1 << 20, 256 << 20
 SPLIT_BALANCE = 10  # a segment's bytes cost >= 10x its fixed cost (<= 10% overhead)
-
-
-@dataclass
-class Layer:
-    """A module's own trainable parameters (indices into the optimizer's list)."""
-
-    name: str
-    params: List[int]
-    numel: int
-    element_size: int = 4  # of the dtype its bucket carries on the wire
-    dtype: str = "torch.float32"
-    sizes: Optional[List[int]] = None  # each parameter's numel (for the bucket's layout)
-    shapes: Optional[List[Tuple[int, ...]]] = None  # each parameter's shape (low rank's)
-
-
-@dataclass
-class Bucket:
-    index: int
-    layers: List[str]
-    params: List[int]  # parameter indices, in buffer order
-    numel: int  # gradient elements (the buffer also holds one flag per parameter)
-    nbytes: int
-    algorithm: str
-    predicted_s: float
-    dtype: str = "torch.float32"
-    window_s: Optional[float] = None
-    segments: List[Tuple[int, int]] = field(default_factory=list)  # over the whole buffer
-    need: Optional[int] = None  # position in the next forward's order of need
-    offsets: Optional[List[int]] = None  # each gradient's start in the buffer (None: packed)
-    grad_numel: Optional[int] = None  # the gradient region, padding included (None: numel)
-    compressor: Optional[str] = None  # "powersgd": its messages go with ``algorithm``
-    # Usage flags: one copy, or (sharded: reduce-scattered) one a rank, each its own
-    # block of the last segment's tail, so that every rank ends with them summed
-    flag_copies: int = 1
-    # Whole-parameter shards (ownership.py): the rank that owns each parameter, in
-    # buffer order (its gradients lie in that rank's part); None: element slices
-    owners: Optional[List[int]] = None
-
-    @property
-    def flag_stride(self) -> int:
-        """Elements a copy of the usage flags takes (layout.py)."""
-        return flag_stride(len(self.params), self.flag_copies)
-
-    @property
-    def tail(self) -> int:
-        """The last segment's tail block a rank (``algorithms.tail_body``), or 0."""
-        return 0 if self.flag_copies == 1 else self.flag_stride
-
-    @property
-    def buffer_numel(self) -> int:
-        """Gradients (with padding), then the usage flags (one per parameter a copy)."""
-        return buffer_numel(
-            self.numel if self.grad_numel is None else self.grad_numel,
-            len(self.params),
-            self.flag_copies,
-        )
-
-
-# The footer of every printed plan (docs/API.md explains the same columns).
-COLUMNS = (
-    "columns: bytes = the bucket's gradient bytes; algorithm = how it is all-reduced "
-    "(ring, butterfly, ..., native = the process group's own); pred(us) = the cost "
-    "model's time for it; window(us) = measured time from its launch to the first use "
-    "of its parameters in the next forward ('-': not measured yet); need = its place "
-    "in the next forward's order of use; segs = the parts it is issued in (a large "
-    "bucket is split so an urgent one is not stuck behind it); issue order = the one "
-    "sequence every rank sends in"
-)
-
-
-@dataclass
-class Plan:
-    world_size: int
-    strategy: str
-    buckets: List[Bucket]
-    order: List[Tuple[int, int]]  # (bucket, segment): the one issue order of a step
-    fusion_bytes: int = 0
-    split_bytes: int = 0
-    notes: List[str] = field(default_factory=list)
-    # The step's learned structure: buckets are launched in the backward pass with
-    # this number (counted since the last step(), no_sync passes excluded).
-    launch_pass: int = 1
-    # Forward mode: updates wait for the first use of their parameters in the next
-    # forward (False: nothing was left to overlap with it; step() applies them).
-    defer_updates: bool = True
-
-    def to_dict(self) -> dict:
-        """Plain types (a checkpoint's): :func:`plan_from_dict` makes the plan again."""
-        return asdict(self)
-
-    def decisions(self):
-        """What the ranks must agree on (a re-plan that changes none of it is skipped)."""
-        return (
-            [(b.layers, b.algorithm, b.segments, b.compressor, b.owners) for b in self.buckets],
-            self.order,
-            self.launch_pass,
-            self.defer_updates,
-        )
-
-    def __str__(self) -> str:
-        head = (
-            f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
-            f"strategy {self.strategy}, fusion {self.fusion_bytes} B, split "
-            f"{f'{self.split_bytes} B' if self.split_bytes else 'off'}, launched in backward pass {self.launch_pass} "
-            f"of a step" + ("" if self.defer_updates else ", updates in step()") + "\n"
-        )
-        cols = (
-            f"{'bucket':>6} {'bytes':>10} {'dtype':>8} {'algorithm':>17} {'pred(us)':>9} "
-            f"{'window(us)':>10} {'need':>4} {'segs':>4}  layers\n"
-        )
-        rows = []
-        for b in self.buckets:
-            win = "-" if b.window_s is None else f"{b.window_s * 1e6:.0f}"
-            need = "-" if b.need is None else str(b.need)
-            layers = ", ".join(b.layers)
-            layers = layers if len(layers) <= 60 else layers[:57] + "..."
-            algo = b.algorithm if b.compressor is None else f"{b.compressor}+{b.algorithm}"
-            rows.append(
-                f"{b.index:>6} {b.nbytes:>10} {b.dtype.replace('torch.', ''):>8} "
-                f"{algo:>17} {b.predicted_s * 1e6:>9.0f} {win:>10} {need:>4} "
-                f"{len(b.segments):>4}  {layers}"
-            )
-        order = " ".join(f"{b}.{s}" for b, s in self.order[:40]) + (
-            f" ... ({len(self.order)} in all)" if len(self.order) > 40 else ""
-        )
-        tail = f"\nissue order (bucket.segment): {order}"
-        if self.notes:
-            tail += "\nnotes: " + "; ".join(self.notes)
-        return head + cols + "\n".join(rows) + tail + "\n" + COLUMNS
-
-
-def plan_from_dict(d: dict) -> Plan:
-    """The plan :meth:`Plan.to_dict` wrote (a checkpoint's).
-
-    >>> p = Plan(2, "hybrid", [Bucket(0, ["fc"], [0], 3, 12, "ring", 1e-4, segments=[(0, 4)])],
-    ...          [(0, 0)])
-    >>> plan_from_dict(p.to_dict()) == p
-    True
-    """
-    d = dict(d)
-    buckets = [
-        Bucket(**{**b, "segments": [tuple(s) for s in b["segments"]]}) for b in d.pop("buckets")
-    ]
-    return Plan(buckets=buckets, order=[tuple(o) for o in d.pop("order")], **d)
 
 
 def forced_algorithm(strategy: str) -> Optional[str]:
@@ -344,125 +204,6 @@ def explain_lazy(
         f"{pooled * 1e3:.2f} ms against {per_layer * 1e3:.2f} ms per layer ({verdict}: "
         f"{world_size}-rank messages cost {model.alpha * 1e6:.0f} us each before any byte)"
     )
-
-
-def issue_order(
-    buckets: Sequence[Bucket],
-    ready: Optional[Dict[int, float]] = None,
-    comm_scale: Optional[float] = None,
-) -> List[Tuple[int, int]]:
-    """The fixed (bucket, segment) sequence. Without ``ready`` (bucket -> seconds into
-    backward when its gradients are ready): backward order. With it: a priority
-    queue run under the buckets' predicted times (times ``comm_scale``: how much
-    slower the measured communication ran than predicted), the bucket needed first
-    going first. (ByteScheduler's idea, fixed ahead so that every rank issues the
-    same sequence whatever its local timing.)"""
-    if not ready:
-        return [(b.index, s) for b in buckets for s in range(len(b.segments))]
-    todo = {b.index: 0 for b in buckets}
-    now, order = 0.0, []
-    by_index = {b.index: b for b in buckets}
-    while todo:
-        avail = [i for i in todo if ready.get(i, 0.0) <= now]
-        if not avail:
-            now = min(ready.get(i, 0.0) for i in todo)
-            continue
-        i = min(
-            avail,
-            key=lambda i: (
-                by_index[i].need if by_index[i].need is not None else len(buckets) + i,
-                i,
-            ),
-        )
-        b, s = by_index[i], todo[i]
-        now += _share(b, s, comm_scale)
-        order.append((i, s))
-        todo[i] += 1
-        if todo[i] == len(b.segments):
-            del todo[i]
-    return order
-
-
-def _share(b: Bucket, s: int, comm_scale: Optional[float]) -> float:
-    """Predicted seconds of segment ``s`` of ``b`` (times ``comm_scale``; 0 if unknown)."""
-    a, z = b.segments[s]
-    share = b.predicted_s * (z - a) / max(b.segments[-1][1], 1) * (comm_scale or 1.0)
-    return share if share == share else 0.0  # nan: the model cannot predict it
-
-
-def completion(
-    buckets: Sequence[Bucket],
-    order: Sequence[Tuple[int, int]],
-    ready: Dict[int, float],
-    comm_scale: Optional[float] = None,
-) -> Dict[int, float]:
-    """When each bucket's last segment is done, in seconds from the first gradient,
-    if the channel runs ``order`` as every rank does: each segment once the one
-    before it is done and its bucket is ready, at the predicted (scaled) speed.
-
-        >>> b = [Bucket(0, ["fc"], [0], 9, 36, "ring", 2.0, segments=[(0, 4), (4, 10)]),
-        ...      Bucket(1, ["conv"], [1], 1, 4, "ring", 1.0, segments=[(0, 2)])]
-        >>> completion(b, [(0, 0), (1, 0), (0, 1)], {0: 0.0, 1: 1.5})
-        {1: 2.5, 0: 3.7}
-    """
-    by_index = {b.index: b for b in buckets}
-    now, done = 0.0, {}
-    for i, s in order:
-        now = max(now, ready.get(i, 0.0)) + _share(by_index[i], s, comm_scale)
-        if s == len(by_index[i].segments) - 1:
-            done[i] = round(now, 9)
-    return done
-
-
-def merge_adjacent(
-    buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]]
-) -> List[Tuple[int, int]]:
-    """Segments of a bucket that ``order`` issues back to back become one segment (and
-    ``buckets``' segments are rewritten to match): a split pays only where another
-    bucket goes between its parts; elsewhere it would only add calls.
-
-        >>> b = [Bucket(0, ["fc"], [0], 9, 36, "ring", 0.0, segments=[(0, 4), (4, 8), (8, 10)]),
-        ...      Bucket(1, ["conv"], [1], 1, 4, "ring", 0.0, segments=[(0, 2)])]
-        >>> merge_adjacent(b, [(0, 0), (0, 1), (1, 0), (0, 2)]), b[0].segments
-        ([(0, 0), (1, 0), (0, 1)], [(0, 8), (8, 10)])
-    """
-    runs: List[Tuple[int, int, int]] = []  # (bucket, first segment, last segment)
-    for b, seg in order:
-        if runs and runs[-1][0] == b and runs[-1][2] == seg - 1:
-            runs[-1] = (b, runs[-1][1], seg)
-        else:
-            runs.append((b, seg, seg))
-    by_index = {b.index: b for b in buckets}
-    merged: Dict[int, List[Tuple[int, int]]] = {}
-    out = []
-    for b, first, last in runs:
-        segs = by_index[b].segments
-        merged.setdefault(b, []).append((segs[first][0], segs[last][1]))
-        out.append((b, len(merged[b]) - 1))
-    for b, segs in merged.items():
-        by_index[b].segments = segs
-    return out
-
-
-def _unsplit(buckets: Sequence[Bucket]) -> List[Bucket]:
-    """Copies of ``buckets``, each in one segment."""
-    return [Bucket(**{**asdict(b), "segments": [(0, b.segments[-1][1])]}) for b in buckets]
-
-
-def _queued_behind_first_need(
-    buckets: Sequence[Bucket],
-    order: Sequence[Tuple[int, int]],
-    ready: Dict[int, float],
-    comm_scale: Optional[float],
-) -> float:
-    """Predicted seconds of reduction still to run once the bucket the next forward
-    needs first is done: what that forward's compute can overlap."""
-    needed = [b for b in buckets if b.need is not None]
-    if not needed:
-        return 0.0
-    done = completion(buckets, order, ready, comm_scale)
-    first = min(needed, key=lambda b: b.need).index
-    return max(done.values()) - done[first]
 
 
 @dataclass
@@ -701,36 +442,6 @@ def _bucket_ready(
     return out
 
 
-def _drop_split_that_cannot_pay(
-    buckets: List[Bucket],
-    *,
-    order: List[Tuple[int, int]],
-    split_bytes: int,
-    bucket_ready: Dict[int, float],
-    comm_scale: Optional[float],
-    forward_s: float,
-    notes: List[str],
-) -> Tuple[List[Bucket], List[Tuple[int, int]], int]:
-    """A default split is dropped where it cannot pay: if, without it, the reductions
-    queued behind the first-needed bucket outlast the next forward's compute, that
-    forward overlaps them either way, and a split only adds collectives (and, on a
-    busy machine, rounds in which the ranks wait for each other mid-backward)."""
-    if not any(len(b.segments) > 1 for b in buckets):
-        return buckets, order, split_bytes
-    whole = _unsplit(buckets)
-    whole_order = issue_order(whole, bucket_ready, comm_scale)
-    behind = _queued_behind_first_need(whole, whole_order, bucket_ready, comm_scale)
-    if behind < forward_s:
-        return buckets, order, split_bytes
-    notes.append(
-        f"no split: without one, {behind * 1e3:.0f} ms of reductions are "
-        "still queued behind the bucket the next forward needs first, more "
-        f"than that forward's ~{forward_s * 1e3:.0f} ms of compute, so it "
-        "overlaps them either way and a split would only add collectives"
-    )
-    return whole, whole_order, 0
-
-
 def _measured_notes(
     *, comm_scale: Optional[float], kept_ours: List[int], model: CostModel, defer_pays
 ) -> List[str]:
@@ -921,7 +632,7 @@ def make_plan(
     bucket_ready = _bucket_ready(buckets, groups, ready)
     order = merge_adjacent(buckets, issue_order(buckets, bucket_ready, comm_scale))
     if split_default and bucket_ready and forward_s is not None:
-        buckets, order, split_bytes = _drop_split_that_cannot_pay(
+        buckets, order, split_bytes = drop_split_that_cannot_pay(
             buckets,
             order=order,
             split_bytes=split_bytes,
