@@ -140,7 +140,14 @@ class TensorAverager:
             )
             self._cost_model = calibration.resolve(self._cost_model, self.group, self.timeout)
         layers = [
-            Layer(f"tensor{i}", [i], t.numel(), t.element_size(), str(t.dtype), [t.numel()])
+            Layer(
+                f"tensor{i}",
+                [i],
+                t.numel(),
+                t.element_size(),
+                dtype=str(t.dtype),
+                sizes=[t.numel()],
+            )
             for i, t in enumerate(tensors)
         ][::-1]
         world = dist.get_world_size(self.group)
@@ -156,7 +163,9 @@ class TensorAverager:
         rt = runtime_for(device)
         alloc = bucket_allocator(rt, device, self._transport.stream if rt is not None else None)
         buckets = [
-            GradBucket(b, [tensors[i] for i in b.params], tensors[b.params[0]].dtype, None, alloc)
+            GradBucket(
+                b, [tensors[i] for i in b.params], tensors[b.params[0]].dtype, None, alloc=alloc
+            )
             for b in plan.buckets
         ]
         engine = CommEngine(

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from operator import attrgetter, is_
 from typing import Optional
 
 import torch
@@ -44,6 +43,7 @@ from .base.compile_boundary import eager_only
 from .base.errors import HybridCommError
 from .config.config import SyncConfig
 from .plan.planner import forced_algorithm
+from .sync import grad_fields
 from .sync import shard as sharding
 from .sync.pending import drop_grads
 from .sync.registry import refuse_wrapped
@@ -70,6 +70,16 @@ _EAGER_WHY = (
     "the communication channel): compile the model, or the training step without "
     "fullgraph=True"
 )
+
+
+def _hyper_is_now(groups: list, hyper: list) -> bool:
+    """Whether ``hyper`` (each group's hyper-parameters, as ``_hc_hyper`` took them at a
+    ``step()``) is what ``groups`` hold now: the same keys, each value the same
+    object or equal."""
+    return all(
+        len(h) == len(g) - 1 and all(k in g and (g[k] is v or g[k] == v) for k, v in h.items())
+        for g, h in zip(groups, hyper)
+    )
 
 
 def evaluates_closure_once(base: type) -> bool:
@@ -180,7 +190,11 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         refuse_wrapped(model)  # (every rank alike: no collective has started)
         if options["shard"]:
             options = sharding.settle_options(
-                options, type(self).__bases__[1], process_group, servers, self.param_groups
+                options,
+                optimizer_class=type(self).__bases__[1],
+                process_group=process_group,
+                servers=servers,
+                param_groups=self.param_groups,
             )
         overlap = options["overlap"]
         if overlap == "forward" and model is None:
@@ -349,20 +363,15 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             hyper = [dict(h, momentum=0.0) for h in hyper]
         # What would change nothing is skipped (the usual deferred update: every
         # parameter, its .grad the reduced view, the hyper-parameters of now)
-        saved_grads = (
-            None
-            if bound or all(map(is_, map(attrgetter("grad"), params), grads))
-            else [p.grad for p in params]
-        )
-        if saved_grads is not None:
+        swap_grads = not bound and not grad_fields.bound(params, grads)
+        if swap_grads:
+            saved_grads = [p.grad for p in params]
             for p, g in zip(params, grads):
                 p.grad = g
         saved_groups = self.param_groups
-        if len(params) != sum(len(g["params"]) for g in saved_groups) or any(
-            len(h) != len(g) - 1
-            or any(k not in g or (g[k] is not v and g[k] != v) for k, v in h.items())
-            for g, h in zip(saved_groups, hyper)
-        ):
+        every_param = len(params) == sum(len(g["params"]) for g in saved_groups)
+        if not (every_param and _hyper_is_now(saved_groups, hyper)):
+            # a step of these parameters alone, with the hyper-parameters of then
             chosen = {id(p) for p in params}
             groups = [
                 dict(h, params=[p for p in g["params"] if id(p) in chosen])
@@ -373,7 +382,7 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             super().step()
         finally:
             self.param_groups = saved_groups
-            if saved_grads is not None:
+            if swap_grads:
                 for p, g in zip(params, saved_grads):
                     p.grad = g
 
@@ -415,8 +424,8 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         elif not set_to_none:  # (a pending parameter's class need not see these calls)
             with torch._C.DisableTorchFunctionSubclass():
                 super().zero_grad(set_to_none=False)
-        elif not self._hc_sync.deferred.zero_grads(self.param_groups):  # (forward mode: a
-            # pending update's gradients go None once it took them); torch.optim's, in C
+        elif not self._hc_sync.zero_grads(self.param_groups):  # (forward mode: a pending
+            # update's gradients go None once it took them); torch.optim's, in C
             with torch.autograd.profiler.record_function(self._hc_zero_grad_name):
                 drop_grads(self.param_groups)
 
@@ -705,10 +714,10 @@ def DistributedOptimizer(
     opt.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     opt._hc_init(
         model,
-        broadcast_parameters,
-        named_parameters,
-        servers,
-        process_group,
+        agree=broadcast_parameters,
+        named_parameters=named_parameters,
+        servers=servers,
+        process_group=process_group,
         overlap=overlap,
         backward_passes_per_step=backward_passes_per_step,
         compression=compression,

@@ -139,6 +139,7 @@ def _one_process(name):
     "overlap,simulate", [("forward", False), ("backward", False), ("forward", True)],
     ids=["forward-host", "backward-host", "forward-simgpu"],
 )  # fmt: skip
+@pytest.mark.timeout(240)  # a job saves, three jobs resume
 def test_a_dcp_checkpoint_holds_each_ranks_part_and_resumes_anywhere(
     tmp_path, name, overlap, simulate
 ):

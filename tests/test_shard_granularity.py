@@ -201,6 +201,7 @@ GROUP_B = ["rmsprop", "rprop", "asgd", "adafactor", "muon+adamw", "lars", "lion"
     ids=["P2-host", "P3-host", "P2-simgpu"],
 )
 @pytest.mark.parametrize("names", [GROUP_A, GROUP_B], ids=["elementwise", "rest"])
+@pytest.mark.timeout(300)  # every optimizer x granularity x overlap mode
 def test_every_optimizer_sharded_either_way_gives_one_process_numbers(world, simulate, names):
     results = run_ranks(world, _ranks, simulate, names, timeout=600)
     _check(results, names)

@@ -23,6 +23,8 @@ sys.path.insert(
 )
 import models  # noqa: E402
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 # 100 Mbit/s-like: a message costs 1 ms, a byte 80 ns
 SLOW_LINK = CostModel(alpha=1e-3, beta=8e-8, gamma=1e-10)
 

@@ -1,10 +1,8 @@
 """The synchronizer's settings, read once from the arguments and the environment.
 
-``DistributedOptimizer`` (and LocalSGD) build one :class:`SyncConfig` from
-their keywords and the ``HYBRIDCOMM_*`` variables, and hand it down: the
-synchronizer and its parts read their settings here, never from the
-environment or a keyword threaded through three signatures. Values are
-checked once, at construction, with the message the user needs.
+``DistributedOptimizer`` (and LocalSGD) build one :class:`SyncConfig` from their
+keywords and the ``HYBRIDCOMM_*`` variables, checked once at construction, and
+hand it down: the synchronizer's parts read their settings here.
 
 Example::
 

@@ -1,14 +1,11 @@
 """Checkpoints of sharded optimizer state through ``torch.distributed.checkpoint``:
 each rank hands DCP its own part of the state, never the whole.
 
-Under ``shard=``, when DCP's ``get_state_dict`` asks a ``DistributedOptimizer``
-for its state, every per-element state tensor of an element-sliced parameter is
-a :class:`StatePieces`: the pieces of it this rank holds, views of its slices'
-state (a slice is a flat range, cut into the few row-major rectangles it
-covers), which DCP writes and reads through its checkpointable protocol, as it
-does DTensor's. A whole parameter's state is its owner's own tensors, on the
-owner alone. DCP reads back whatever pieces another world size (or plain torch)
-asks for. docs/API.md ("Checkpoints at scale") has the recipe.
+Under ``shard=``, an element-sliced parameter's per-element state is a
+:class:`StatePieces` (the row-major rectangles of it this rank holds, in DCP's
+checkpointable protocol, as DTensor's); a whole parameter's state is its
+owner's tensors. DCP reads back what another world size (or plain torch) asks
+for. docs/API.md ("Checkpoints at scale") has the recipe.
 
 Example::
 
@@ -20,17 +17,15 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..base.errors import HybridCommError
+
+if TYPE_CHECKING:  # (imported where DCP calls: it imports torch.distributed.tensor, ~2 s)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 Rectangle = Tuple[Tuple[int, ...], Tuple[int, ...], int, int]  # offsets, sizes, flat [lo, hi)
 
@@ -67,12 +62,16 @@ def rectangles(shape: Sequence[int], start: int, stop: int) -> List[Rectangle]:
         if first > last:  # inside one row
             row = lo // inner
             split(
-                dim + 1, prefix + (row,), origin + row * inner, lo - row * inner, hi - row * inner
+                dim + 1,
+                prefix + (row,),
+                origin + row * inner,
+                lo - row * inner,
+                hi=hi - row * inner,
             )
             return
         if lo % inner:
             row = lo // inner
-            split(dim + 1, prefix + (row,), origin + row * inner, lo - row * inner, inner)
+            split(dim + 1, prefix + (row,), origin + row * inner, lo - row * inner, hi=inner)
         if last > first:
             zeros = (0,) * len(rest)
             sizes = ones + (last - first,) + rest
@@ -80,9 +79,9 @@ def rectangles(shape: Sequence[int], start: int, stop: int) -> List[Rectangle]:
                 (prefix + (first,) + zeros, sizes, origin + first * inner, origin + last * inner)
             )
         if hi % inner:
-            split(dim + 1, prefix + (last,), origin + last * inner, 0, hi - last * inner)
+            split(dim + 1, prefix + (last,), origin + last * inner, 0, hi=hi - last * inner)
 
-    split(0, (), 0, start, stop)
+    split(0, (), 0, start, hi=stop)
     return out
 
 
@@ -120,6 +119,17 @@ class StatePieces(torch.Tensor):
         )
 
     def __create_write_items__(self, fqn: str, obj) -> List[WriteItem]:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
+        from torch.distributed.checkpoint.planner import (
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
+
         return [
             WriteItem(
                 index=MetadataIndex(fqn, torch.Size(offsets)),
@@ -134,6 +144,8 @@ class StatePieces(torch.Tensor):
         ]
 
     def __create_chunk_list__(self) -> List[ChunkStorageMetadata]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return [ChunkStorageMetadata(torch.Size(o), piece.size()) for o, piece in self.pieces]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
@@ -211,7 +223,7 @@ def load_entries(shards, state: dict, loaded: Dict[object, dict]) -> None:
             target = state.setdefault(sl.tensor, {})
             for key, v in entry.items():
                 if isinstance(v, StatePieces):
-                    _unshard_into(sl, target, key, v, p)
+                    _unshard_into(sl, target, key, v, param=p)
                 elif torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape:
                     # a whole tensor (the owner's, or a consolidated one): this slice's part
                     piece = v.reshape(-1)[sl.start : sl.stop].view(sl.tensor.shape)

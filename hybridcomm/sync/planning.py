@@ -1,12 +1,10 @@
 """The synchronizer's plan: made by rank 0, followed by all, re-made from measurements.
 
-Rank 0 makes the plan from its cost model, the registry's layers and, after
-the measured steps, what they measured (:class:`~hybridcomm.sync.measure.Measured`);
-every rank follows it (``control.rank0_decides``). The first re-plan always
-happens (the windows are measured now); a later one only if it decides
-something differently. The plan is logged at INFO on rank 0 when it decides
-something new, at DEBUG otherwise, and after the first measured steps rank 0
-logs the one-line verdict (plan/verdict.py).
+Rank 0 plans from its cost model, the registry's layers and, after the measured
+steps, what they measured; every rank follows (``control.rank0_decides``). The
+first re-plan always happens, a later one only if it decides something
+differently; after the first measured steps rank 0 logs the verdict
+(plan/verdict.py).
 
 Example::
 
@@ -41,7 +39,8 @@ def forward_estimate(measured: Measured) -> Optional[float]:
 
 
 class Planning:
-    """Makes and agrees the bucket plan (module doc)."""
+    """Makes and agrees the bucket plan; logs it at INFO on rank 0 when it decides
+    something new, at DEBUG otherwise."""
 
     def __init__(
         self, config: SyncConfig, cost_model, *, world: int, rank: int, group, servers: int

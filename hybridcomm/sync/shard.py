@@ -121,7 +121,7 @@ class Shards:
         for s in group.states:
             b = s.bucket
             self.owned[s.index] = owned_ranges(
-                b.spec.segments, rank, world, b.spec.algorithm, b.spec.tail
+                b.spec.segments, rank, world, b.spec.algorithm, tail=b.spec.tail
             )
             for pos, p in enumerate(b.params):
                 self.placement[id(p)] = placement(b.spec, b.offsets[pos], b.views[pos].numel())
@@ -140,7 +140,7 @@ class Shards:
                             "and the reduce-scatter's parts disagree"
                         )
                     self.slices.append(
-                        Slice(p, index[id(p)], start - o, stop - o, s, start, whole=whole)
+                        Slice(p, index[id(p)], start - o, stop - o, state=s, at=start, whole=whole)
                     )
         self.by_param: Dict[int, List[Slice]] = {}
         self.by_bucket: Dict[int, List[Slice]] = {s.index: [] for s in group.states}
@@ -514,8 +514,8 @@ class ShardedOptimizer:
                 new,
                 self.state,
                 sync.process_group,
-                sync.timeout,
-                env.get("HYBRIDCOMM_RESHARD_BYTES"),
+                timeout=sync.timeout,
+                run_bytes=env.get("HYBRIDCOMM_RESHARD_BYTES"),
             )
         self._hc_shards = new
 

@@ -137,9 +137,12 @@ MUTATIONS = [
         "native-skips-ready",
         "old 6",
         "hybridcomm/comm/executor.py",
-        old="        return None\n    start = _enter(transport, buf, ready, timed, reserved)\n",
+        old="        return None\n"
+        "    start = _enter(transport, buf, ready=ready, timed=timed, reserved=reserved)\n",
         new="        return None\n"
-        "    start = _enter(transport, buf, transport.record_event(), timed, reserved)\n",
+        "    start = _enter(\n"
+        "        transport, buf, ready=transport.record_event(), timed=timed, reserved=reserved\n"
+        "    )\n",
         guards=(GPU + "test_twenty_steps_with_one_nccl_kernel_slot_do_not_deadlock",),
         what="native all-reduce ordered after the comm stream itself, not the gradients' event",
     ),
@@ -323,10 +326,8 @@ MUTATIONS = [
         "unused-read-from-flags",
         "new 4",
         "hybridcomm/sync/synchronizer.py",
-        old="    used = UsedAgreement(\n"
-        "        cfg.find_unused_parameters and rt is not None, sync.rank, sync.process_group, cfg.timeout\n"
-        "    )\n",
-        new="    used = UsedAgreement(False, sync.rank, sync.process_group, cfg.timeout)\n",
+        old="            cfg.find_unused_parameters and rt is not None,\n",
+        new="            False,\n",
         guards=(
             GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host[forward]",
             GPU + "test_a_missing_gradient_costs_no_host_sync_when_agreed_on_the_host[backward]",
@@ -939,9 +940,8 @@ MUTATIONS = [
         "powersgd-project-before-its-all-reduce",
         "i30 powersgd",
         "hybridcomm/comm/engine.py",
-        old="                start, projected = reduce(lr.p, self._ready[index], lr.project)()\n",
-        new="                lr.project()\n"
-        "                start, projected = reduce(lr.p, self._ready[index])()\n",
+        old="        start, projected = self._reduction(lr.p, self.ready, lr.project)()\n",
+        new="        lr.project()\n        start, projected = self._reduction(lr.p, self.ready)()\n",
         guards=(PSGD + "test_powersgd_on_the_simulated_gpu_keeps_ranks_identical",),
         what="the comm stream's P is orthogonalized on the issuing thread before it is all-reduced "
         "(each rank's own P: the ranks' estimates differ)",
@@ -1078,8 +1078,8 @@ MUTATIONS = [
         "engine-op-cycle",
         "i38 host cost",
         "hybridcomm/comm/engine.py",
-        old="                    buffer.copy_(wire)  # (GradBucket.from_wire)\n",
-        new="                    b.from_wire()\n",
+        old="                extra=extra,\n",
+        new="                extra=extra or b.from_wire,\n",
         guards=(
             "tests/test_optimizer_features.py::test_a_replan_frees_the_old_buckets_"
             "memory_at_once[host]",
@@ -1285,8 +1285,8 @@ MUTATIONS = [
         "shard-in-flight-part-not-copied",
         "i40 sharded state",
         "hybridcomm/comm/engine.py",
-        old="                    extra()\n",
-        new="                    pass\n",
+        old="            self.extra()\n",
+        new="            pass\n",
         guards=(
             "tests/test_shard_release.py::test_buckets_keep_only_their_part_from_backward_"
             "and_train_as_one_process[backward-simgpu]",

@@ -5,7 +5,8 @@
 # element slices), against DDP and ZeroRedundancyOptimizer with the same optimizers.
 # Three launches of each (the noise budget); run from the repository root, as root.
 set -euo pipefail
-out=benchmarks/results/shard_granularity
+out=benchmarks/results/shard_granularity/${1:-launches_a}
+mkdir -p "$out"
 for run in 1 2 3; do
   for opt in adam adafactor muon; do
     configs=ddp,zero,shard-optimizer
