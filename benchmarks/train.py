@@ -468,9 +468,10 @@ class _Trainer:
         self.config, self.world = config, world
         self.base, how = config, how = compiled_as(config)
         if how is not None:
-            # Every config compiles its own model's blocks, and dynamo guards a block
-            # compiled alone on its instance: past the limit (8 per code object) it would
-            # run the later configs' blocks eagerly, with a warning, and time those.
+            # Every config compiles its own model's blocks (torch 2.13 shares one graph
+            # among them); a safeguard: were they recompiled past dynamo's limit (8 per code
+            # object), it would run the later configs' blocks eagerly, with a warning, and
+            # time those.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         self.model = build(model, SEED)
         if how == "blocks":  # before any wrapper: DDP and hybridcomm find them compiled

@@ -187,10 +187,11 @@ def reference():
     return _reference()
 
 
+@pytest.mark.timeout(300)  # every pattern compiled in turn on 2 ranks (~30 s alone, load 9)
 @pytest.mark.parametrize("simulate", [False, True], ids=["host", "simgpu"])
 @pytest.mark.parametrize("mode", MODES)
 def test_every_compile_pattern_gives_one_process_numbers(reference, mode, simulate):
-    results = run_ranks(2, _every_pattern, mode, simulate, timeout=900)
+    results = run_ranks(2, _every_pattern, mode, simulate, timeout=280)
     failed = {p: r for p, r in results[0].items() if isinstance(r, str)}
     assert not failed, "\n".join(f"{p}:\n{r}" for p, r in failed.items())
     for pattern in PATTERNS:
@@ -302,6 +303,7 @@ def _accumulating(rank, world, mode, simulate):
     return out
 
 
+@pytest.mark.timeout(300)  # three loops compiled in turn on 2 ranks (~30 s alone, load 9)
 @pytest.mark.parametrize("simulate", [False, True], ids=["host", "simgpu"])
 @pytest.mark.parametrize("mode", MODES)
 def test_compiled_autograd_in_every_loop(mode, simulate):
@@ -310,7 +312,7 @@ def test_compiled_autograd_in_every_loop(mode, simulate):
     the last), or each reduced in its own backward pass (a late pass re-reduces the
     sum)."""
     ref = _accumulated_reference()
-    results = run_ranks(2, _accumulating, mode, simulate, timeout=900)
+    results = run_ranks(2, _accumulating, mode, simulate, timeout=280)
     for loop in LOOPS:
         got = results[0][loop]
         assert not isinstance(got, str), got
