@@ -1,11 +1,12 @@
 """torch.compile as people train with it, in every overlap mode, on 2 ranks against one
 process on the whole batch: the whole model compiled (``fullgraph=True`` or not,
 ``torch.compile(model)`` or ``model.compile()``, or the compiled model handed to the
-optimizer), each transformer block compiled
-alone with ``fullgraph=True`` (torchtitan's pattern), a compiled training step, and
+optimizer), each transformer block compiled alone with ``fullgraph=True``
+(torchtitan's pattern), a compiled training step (and the same with
+``fullgraph=True``: refused, with a message that names the optimizer's verb), and
 compiled autograd (a smaller model: each of the library's hooks is a graph break
-there, compiled piece by piece); then forward mode's three ways of keeping compiled code off a
-stale weight (hybridcomm/sync/compiled.py), each checked by what it costs:
+there, compiled piece by piece); then forward mode's three ways of keeping compiled
+code off a stale weight (hybridcomm/sync/compiled.py), each checked by what it costs:
 
 - a block compiled alone applies its parameters' updates as it begins: no update
   is applied inside a graph, and each block compiles once;
@@ -134,6 +135,22 @@ def _train(opt, run, pattern, rank, world):
         step(*_batch(s, rank, world))
 
 
+def _fullgraph_refusal(opt, run, rank, world):
+    """What dynamo says to a training step compiled with ``fullgraph=True``: it must
+    refuse the optimizer's verbs by name (they run eagerly), before running anything."""
+
+    def step(x, y):
+        opt.zero_grad()
+        F.mse_loss(run(x), y).backward()
+        opt.step()
+
+    try:
+        torch.compile(step, backend=BACKEND, fullgraph=True)(*_batch(0, rank, world))
+    except Exception as e:  # noqa: BLE001 - dynamo's Unsupported, whatever its class
+        return str(e)
+    return "ran: nothing refused"
+
+
 PATTERNS = (
     "whole",
     "whole_fullgraph",
@@ -175,6 +192,8 @@ def _every_pattern(rank, world, mode, simulate):
             counts = {k: after[k] - before[k] for k in after}
             counts["graphs"] = counters["stats"]["unique_graphs"]
             out[pattern] = (flat(model.parameters()), counts, notes)
+            if pattern == "compiled_step":
+                counts["fullgraph"] = _fullgraph_refusal(opt, model, rank, world)
         except Exception:  # noqa: BLE001 - reported by pattern, the others still run
             out[pattern] = traceback.format_exc()
         finally:
@@ -203,6 +222,9 @@ def test_every_compile_pattern_gives_one_process_numbers(reference, mode, simula
         )
         if mode != "forward":
             assert counts["in_graph"] == counts["at_entry"] == 0 and not notes, pattern
+    # the step compiled with fullgraph=True: the first verb refused, named in the message
+    refusal = results[0]["compiled_step"][1]["fullgraph"]
+    assert "DistributedOptimizer.zero_grad() runs eagerly" in refusal, refusal
     if mode == "forward":
         _check_forward_mode_costs({p: r[1:] for p, r in results[0].items()})
 

@@ -21,7 +21,9 @@ covered here, per bucket (docs/ARCHITECTURE.md, "torch.compile"):
   after the optimizer was made): dynamo traces the pending class, which makes
   each read a call of the operator ``hybridcomm::apply_pending_`` registered
   below (``torch.library``), in the graph, ``fullgraph=True`` included. At run
-  time it waits for the bucket and applies its update before the read. That
+  time it waits for the bucket and applies its update before the read (on
+  torch 2.13 at trace time already: dynamo's own look at the real parameter,
+  its storage, calls the operator eagerly; docs/ARCHITECTURE.md). That
   costs an operator call per read (0.2-0.6 ms on CPU:
   benchmarks/results/compile/in_graph_read_cost.txt) and a recompile (the
   class is part of dynamo's guards); the read is noted, and from the next
@@ -78,7 +80,8 @@ def _apply_pending(param: torch.Tensor, key: int) -> None:
             _read_in_graph.add(key)
             _counts["version"] += 1
         pending.resolve(p)
-    if param.data_ptr() != p.data_ptr():  # (aot_eager: the graph reads its copy from here on)
+    if param.data_ptr() != p.data_ptr():  # (aot_eager: the graph reads its copy from here on;
+        # on torch 2.13 the update lands at trace time, before any copy is made)
         with torch.no_grad(), pending.DISABLED():
             param.copy_(p)
 
