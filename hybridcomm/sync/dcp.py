@@ -37,9 +37,17 @@ _DCP_CALLERS = ("_get_optim_state_dict",)
 
 def asked_by_dcp(depth: int = 2) -> bool:
     """Whether the function ``depth`` frames up (the caller of the optimizer's
-    ``state_dict``) is DCP's ``get_state_dict``: it then gets this rank's part."""
+    ``state_dict``) is DCP's ``get_state_dict``: it then gets this rank's part. Frames
+    of dynamo's between are skipped: the optimizer's verbs are called through its
+    ``disable`` (base/compile_boundary.py)."""
     frame = sys._getframe(depth)
-    return frame.f_globals.get("__name__") == _DCP_MODULE and frame.f_code.co_name in _DCP_CALLERS
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torch._dynamo"):
+        frame = frame.f_back
+    return (
+        frame is not None
+        and frame.f_globals.get("__name__") == _DCP_MODULE
+        and frame.f_code.co_name in _DCP_CALLERS
+    )
 
 
 def rectangles(shape: Sequence[int], start: int, stop: int) -> List[Rectangle]:
