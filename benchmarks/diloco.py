@@ -21,7 +21,11 @@ Configs (hyper-parameters after slashes, e.g. ``streaming/H=10/K=4/tau=2/q=int4`
   ``hybrid-powersgd-r4-fp16``: its best compression there;
 - ``local-sgd/H=``: ``hybridcomm.strategies.LocalSGD(period=H)``;
 - ``diloco/H=``: ``hybridcomm.strategies.DiLoCo`` (``fragments=1, delay=0``);
-- ``streaming/H=/K=/tau=[/q=int4]``: Streaming DiLoCo, fp32 or quantized.
+- ``streaming/H=/K=/tau=[/q=int4]``: Streaming DiLoCo, fp32 or quantized;
+- ``torchft/H=[/K=/tau=]``: ``torchft.local_sgd.DiLoCo`` (PyPI's torchft, where it is
+  installed: each rank a replica group of one, a lighthouse in rank 0's process, its
+  own gloo process group; fp32 only: its quantization needs CUDA), with the same
+  inner and outer optimizers, fragments cut the same way.
 
 DiLoCo's options: ``H`` (sync_every), ``K`` (fragments), ``tau`` (delay), ``mix``
 (mixing), ``q`` (compression: fp16, bf16, int8, int4), ``olr`` / ``om`` (the outer
@@ -69,7 +73,7 @@ import compression  # noqa: E402
 
 WORLD = 4
 SYNCHRONOUS = ("compute", "ddp", "ddp-powersgd-r4-fp16", "hybrid", "hybrid-powersgd-r4-fp16")
-STRATEGIES = ("local-sgd", "diloco", "streaming")
+STRATEGIES = ("local-sgd", "diloco", "streaming", "torchft")
 OPTION_KEYS = {
     "H": int,
     "K": int,
@@ -211,6 +215,8 @@ def build(config: str, model, inner, total_steps: int):
         return model, LocalSGD(inner, model, period=o["H"], timeout=120)
     om = o.get("om", 0.9)
     outer = torch.optim.SGD(model.parameters(), lr=o.get("olr", 0.7), momentum=om, nesterov=om > 0)
+    if base == "torchft":
+        return model, TorchftDiLoCo(model, inner, o)
     return model, DiLoCo(
         inner,
         model,
@@ -222,6 +228,112 @@ def build(config: str, model, inner, total_steps: int):
         compression=None if o.get("q", "none") == "none" else o.get("q"),
         timeout=120,
     )
+
+
+class TorchftDiLoCo:
+    """torchft's DiLoCo behind the harness's optimizer verbs: each rank a replica group
+    of one (its own TCPStore and manager), rank 0's process hosting the lighthouse.
+    Addresses are this rank's interface's (its namespace's) so the replicas reach
+    each other over the shaped links; the harness's own process group only hands
+    out the lighthouse's address."""
+
+    def __init__(self, model, inner, o):
+        import subprocess
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.local_sgd import DiLoCo as Torchft
+
+        from hybridcomm.strategies import fragments as fragmenting
+
+        ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+        ip = "127.0.0.1"
+        if ifname and ifname != "lo":
+            out = subprocess.run(
+                ["ip", "-4", "-o", "addr", "show", "dev", ifname], text=True, capture_output=True
+            )
+            ip = out.stdout.split()[3].split("/")[0]
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.lighthouse = None
+        where = [None]
+        if rank == 0:
+            from torchft._torchft import LighthouseServer
+
+            self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world)
+            where = [f"http://{ip}:{self.lighthouse.address().rsplit(':', 1)[1]}"]
+        dist.broadcast_object_list(where, src=0)
+        self.store = dist.TCPStore(ip, 0, is_master=True, wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
+            use_async_quorum=False,
+            min_replica_size=world,
+            load_state_dict=lambda state: model.load_state_dict(state["model"]),
+            state_dict=lambda: {"model": model.state_dict()},
+            replica_id=f"bench{rank}",
+            rank=0,
+            world_size=1,
+            store_addr=ip,
+            store_port=self.store.port,
+            lighthouse_addr=where[0],
+            hostname=ip,
+            timeout=timedelta(seconds=120),
+        )
+        params = list(model.parameters())
+        k = o.get("K", 1)
+        cut = fragmenting.split(fragmenting.layers_of(model, params), k, o["H"])
+        modules = dict(model.named_modules())
+        parts = [torch.nn.ModuleList([modules[n] for n in f.layers]) for f in cut]
+        # one outer optimizer a fragment, as torchft's streaming examples: with one on the
+        # whole model its outer step would also step the other fragments' parameters
+        # with the gradients the inner step left on them
+        om = o.get("om", 0.9)
+        outer = [
+            torch.optim.SGD(part.parameters(), lr=o.get("olr", 0.7), momentum=om, nesterov=om > 0)
+            for part in parts
+        ]
+        self.inner, self.model, self.params = inner, model, params
+        self.diloco = Torchft(
+            self.manager,
+            parts,
+            inner,
+            outer if len(outer) > 1 else outer[0],
+            sync_every=o["H"],
+            backup_device=torch.device("cpu"),
+            pin_memory=False,
+            fragment_sync_delay=o.get("tau", 0),
+            fragment_update_alpha=o.get("mix", 0.0),
+        ).__enter__()
+        self.bytes_sent = 0
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+    def step(self):
+        self.inner.step()  # torchft's hooks on it count the steps and sync
+
+    def global_parameters(self):
+        """The fragments' backups: the global parameters, as the model's order."""
+        by_id = {}
+        for fragment in self.diloco._fragments:
+            for name, p in fragment._model_fragment.named_parameters():
+                by_id[id(p)] = fragment.original_parameters[name]
+        return [by_id[id(p)] for p in self.params]
+
+    def synchronize(self):
+        """torchft has none: the model becomes the global copy (its last outer step)."""
+        with torch.no_grad():
+            for p, g in zip(self.params, self.global_parameters()):
+                p.copy_(g)
+
+    def close(self):
+        import torch.distributed as dist
+
+        self.diloco.__exit__(None, None, None)
+        dist.barrier()
+        self.manager.shutdown()
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
 
 
 def wire_bytes() -> int:
@@ -291,7 +403,7 @@ def _agreed(base, opt, model, probe, agreed):
     """The model the ranks agree on now (module docstring)."""
     if base in ("compute",) + SYNCHRONOUS:
         return model
-    params = opt.global_parameters() if base in ("diloco", "streaming") else agreed
+    params = opt.global_parameters() if base in ("diloco", "streaming", "torchft") else agreed
     with torch.no_grad():
         for p, q in zip(probe.parameters(), params):
             p.copy_(q)
@@ -401,6 +513,7 @@ def goals(s: Dict[str, dict], higher: bool) -> List[str]:
     """The issue's three goals for the best hybridcomm config, with the numbers."""
     ok = {c: r for c, r in s.items() if "error" not in r and r["seconds_to_target"] is not None}
     ours = [c for c in ok if c.startswith(("hybrid", "local-sgd", "diloco", "streaming"))]
+    # (torchft is a baseline, not ours)
     out = []
     if not ours:
         return ["no hybridcomm config reached the target on every seed"]
@@ -512,6 +625,8 @@ def _write(path: str, rows: List[dict], cfg: dict, describe: str) -> None:
         "workload": describe,
         "config": cfg,
         "machine": {
+            "python": sys.executable,
+            "hybridcomm": __import__("hybridcomm").__file__,
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "torch": torch.__version__,
