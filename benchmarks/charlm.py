@@ -96,7 +96,7 @@ def loss(model: nn.Module, x, y) -> torch.Tensor:
     return F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
 
 
-def validation_loss(model: nn.Module, valid: torch.Tensor, windows: int = 256) -> float:
+def validation_loss(model: nn.Module, valid: torch.Tensor, windows: int = 128) -> float:
     """Mean loss (nats per byte) over ``windows`` fixed, evenly spaced validation windows."""
     starts = torch.linspace(0, len(valid) - CONTEXT - 2, windows).long()
     x, y = batches(valid, starts)

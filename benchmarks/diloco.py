@@ -29,7 +29,8 @@ Configs (hyper-parameters after slashes, e.g. ``streaming/H=10/K=4/tau=2/q=int4`
 
 DiLoCo's options: ``H`` (sync_every), ``K`` (fragments), ``tau`` (delay), ``mix``
 (mixing), ``q`` (compression: fp16, bf16, int8, int4), ``olr`` / ``om`` (the outer
-Nesterov SGD's lr and momentum; om=0: plain SGD). Defaults: olr 0.7, om 0.9, mix 0.5.
+Nesterov SGD's lr and momentum; om=0: plain SGD), ``ilr`` (the inner optimizer's lr,
+instead of the workload's). Defaults: olr 0.7, om 0.9, mix 0.5.
 
 **What is measured.** Each rank's clock runs over its training steps and, for the
 strategies, the final ``synchronize()``; evaluations are off the clock (forward
@@ -82,6 +83,7 @@ OPTION_KEYS = {
     "q": str,
     "olr": float,
     "om": float,
+    "ilr": float,
 }
 DEFAULT_CONFIGS = {
     "digits": "compute,ddp,ddp-powersgd-r4-fp16,hybrid,hybrid-powersgd-r4-fp16,"
@@ -194,9 +196,10 @@ def parse_config(name: str):
     options = {}
     for part in parts:
         key, _, value = part.partition("=")
-        if key not in OPTION_KEYS or base not in STRATEGIES or not value:
+        if key not in OPTION_KEYS or (base not in STRATEGIES and key != "ilr") or not value:
             raise ValueError(
-                f"{name!r}: the strategies take KEY=VALUE, KEY one of {list(OPTION_KEYS)}"
+                f"{name!r}: the strategies take KEY=VALUE, KEY one of {list(OPTION_KEYS)}; "
+                "the synchronous configs ilr only"
             )
         options[key] = OPTION_KEYS[key](value)
     if base in STRATEGIES and "H" not in options:
@@ -207,6 +210,8 @@ def parse_config(name: str):
 def build(config: str, model, inner, total_steps: int):
     """(the module to call, the optimizer to step) for ``config``."""
     base, o = parse_config(config)
+    for group in inner.param_groups if "ilr" in o else ():
+        group["lr"] = o["ilr"]
     if base in SYNCHRONOUS:
         return compression._wrap(base, model, inner, total_steps)
     from hybridcomm.strategies import DiLoCo, LocalSGD
@@ -563,7 +568,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--target", type=float, default=None, help="digits 0.93 (accuracy), charlm 1.5 (loss)"
     )
-    ap.add_argument("--eval-every", type=int, default=None, help="steps (digits 2, charlm 10)")
+    ap.add_argument("--eval-every", type=int, default=None, help="steps (digits 2, charlm 20)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per training run")
     ap.add_argument("--quick", action="store_true", help="one seed, a short run (a smoke test)")
     ap.add_argument("--json", default=None)
@@ -583,7 +588,7 @@ def main(argv=None) -> int:
         "epochs": args.epochs,
         "steps": args.steps,
         "target": args.target,
-        "eval_every": args.eval_every or (2 if args.workload == "digits" else 10),
+        "eval_every": args.eval_every or (2 if args.workload == "digits" else 20),
         "timeout": args.timeout,
         "shape": shape,
         "seeds": seeds,

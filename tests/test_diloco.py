@@ -141,14 +141,21 @@ STREAMING = [  # (sync_every, fragments, delay, mixing, compression)
 STEPS = 9
 
 
-def _streaming(rank, world, cases, simulate=False):
+INNER = {  # (on the simulated GPU AdamW's step count is read by the host: a host sync
+    # there that a GPU, where it stays in host memory, does not make)
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+}
+
+
+def _streaming(rank, world, cases, simulate=False, inner="adamw"):
     if simulate:
         os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     out = []
     for H, K, tau, mixing, compression in cases:
         model = make_model()
         opt = DiLoCo(
-            torch.optim.AdamW(model.parameters(), lr=0.01),
+            INNER[inner](model.parameters()),
             model,
             _nesterov(model.parameters()),
             sync_every=H,
@@ -174,24 +181,29 @@ def _streaming(rank, world, cases, simulate=False):
             }
         )
         opt.close()
+    if simulate:  # every read ordered after the writes it needs; no host wait in a step
+        from hybridcomm.testing import simgpu
+
+        simgpu.check()
+        return out, simgpu.stats()
     return out
 
 
-def _reenact(world, H, K, tau, mixing, fragments):
+def _reenact(world, H, K, tau, mixing, fragments, inner="adamw"):
     """Streaming DiLoCo in one process, written from the papers' rule: ranks' models,
     a global copy, and per fragment a sync started at its offset, merged tau later.
     One thread, as the ranks: the same kernels, the same summation order."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reenacted(world, H, K, tau, mixing, fragments)
+        return _reenacted(world, H, K, tau, mixing, fragments, inner)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reenacted(world, H, K, tau, mixing, fragments):
+def _reenacted(world, H, K, tau, mixing, fragments, inner):
     models = [make_model() for _ in range(world)]
-    inners = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
+    inners = [INNER[inner](m.parameters()) for m in models]
     glob = make_model()
     outer = _nesterov(glob.parameters())
     offsets = [(k + 1) * H // K for k in range(K)]
@@ -249,11 +261,14 @@ def test_streaming_keeps_the_ranks_equal_and_follows_the_algorithm():
 
 def test_streaming_on_the_simulated_gpu_keeps_the_ranks_equal():
     cases = [(4, 2, 1, 0.5, None), (4, 2, 0, 0.5, "int4")]
-    results = run_ranks(2, _streaming, cases, True, timeout=240)
+    results = run_ranks(2, _streaming, cases, True, "sgd", timeout=240)
+    for _, stats in results:
+        assert stats["defects"] == 0 and stats["host_syncs"] == 0, stats
+    results = [r for r, _ in results]
     for case, mine, theirs in zip(cases, results[0], results[1]):
         assert all(torch.equal(a, b) for a, b in zip(mine["globals"], theirs["globals"])), case
         assert torch.equal(mine["synced"], theirs["synced"]), case
-    want = _reenact(2, 4, 2, 1, 0.5, results[0][0]["fragments"])
+    want = _reenact(2, 4, 2, 1, 0.5, results[0][0]["fragments"], "sgd")
     assert all(torch.equal(a, b) for a, b in zip(results[0][0]["globals"], want))
 
 
@@ -284,6 +299,7 @@ def _build(rank):
         fragments=2,
         delay=1,
         mixing=0.5,
+        global_device="cpu",  # (host memory: the same device here, pinned beside a GPU)
         timeout=60,
         cost_model="default",
     )

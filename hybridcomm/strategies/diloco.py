@@ -147,7 +147,7 @@ class DiLoCo:
         broadcast_parameters(model.state_dict(), process_group=group, timeout=self.timeout)
         with torch.no_grad():
             # θ_global: the same on every rank after every sync; Δ is taken against it
-            self._global = [p.detach().to(global_device, copy=True) for p in self._params]
+            self._global = [_global_copy(p, global_device) for p in self._params]
             # Δ, then Δ̄ (the averager's result lands here), per parameter
             self._deltas = [torch.zeros_like(p) for p in self._params]
         # A slow sync names the ranks that have not started it (their counts in the
@@ -365,6 +365,14 @@ class DiLoCo:
                     f"{theirs} or layers differ from rank {dist.get_rank(self.group)}'s "
                     f"{settings}: build the same model and DiLoCo on every rank"
                 )
+
+
+def _global_copy(p: torch.Tensor, device) -> torch.Tensor:
+    """θ_global's tensor for ``p`` on ``device`` (None: ``p``'s); host memory for a GPU
+    parameter is pinned, so its copies to and from the GPU run at full speed (they
+    stay synchronous: the host reads the copy, e.g. in ``state_dict``)."""
+    g = p.detach().to(device, copy=True)
+    return g.pin_memory() if p.is_cuda and g.device.type == "cpu" else g
 
 
 def _refusal(inner, model, outer, sync_every, fragments, delay, mixing, layers) -> Optional[str]:
