@@ -41,7 +41,8 @@ copy for DiLoCo (``global_parameters()``), the last average for local SGD; for
 ``compute``, rank 0's own model. ``seconds_to_target``/``steps_to_target``: the first
 evaluation at the target. ``wire_bytes``: bytes rank 0's interface sent (the
 kernel's count in its namespace, ``/proc/net/dev``: every config alike, headers
-included); ``bytes_sent``: what hybridcomm counted (its configs only).
+included); ``bytes_sent``: what hybridcomm counted (its configs only); ``wait_seconds``:
+how long DiLoCo's steps waited for a sync's result (the wire not hidden).
 
     python benchmarks/diloco.py --workload digits --json out.json
     python benchmarks/diloco.py --workload charlm --configs compute,ddp,diloco/H=20
@@ -365,7 +366,7 @@ def _rank(rank: int, world: int, config: str, seed: int, cfg: dict, data) -> dic
     base = parse_config(config)[0]
     probe = copy.deepcopy(model)  # the evaluated copy: the agreed parameters
     agreed = [p.detach().clone() for p in model.parameters()]  # local SGD's last average
-    curve, clock, step, sent = [], 0.0, 0, 0
+    curve, clock, step, sent, waited = [], 0.0, 0, 0, None
     wire0 = wire_bytes()
     for batch in task.batches(data, rank, world, seed):
         t0 = time.perf_counter()
@@ -387,6 +388,7 @@ def _rank(rank: int, world: int, config: str, seed: int, cfg: dict, data) -> dic
         opt.synchronize()
         clock += time.perf_counter() - t0
         sent = opt.bytes_sent
+    waited = getattr(opt, "wait_seconds", None)
     clock += compression.settle(model)
     curve.append((step, clock, task.quality(model, data)))
     wire = wire_bytes() - wire0
@@ -401,6 +403,7 @@ def _rank(rank: int, world: int, config: str, seed: int, cfg: dict, data) -> dic
         "steps": total,
         "bytes_sent": sent,
         "wire_bytes": wire,
+        "wait_seconds": waited,
     }
 
 
@@ -452,6 +455,7 @@ def run_one(config: str, seed: int, cfg: dict, data, setup=None) -> dict:
         steps=out["steps"],
         bytes_sent=out["bytes_sent"],
         wire_bytes=out["wire_bytes"],
+        wait_seconds=out["wait_seconds"],
         curve=out["curve"],
     )
     return row
@@ -483,6 +487,9 @@ def summarize(rows: List[dict]) -> Dict[str, dict]:
             "ms_per_step": statistics.median(1e3 * r["seconds"] / r["steps"] for r in mine),
             "wire_mb": statistics.median(r["wire_bytes"] for r in mine) / 1e6,
             "sent_mb": statistics.median(r["bytes_sent"] for r in mine) / 1e6,
+            "wait_s": statistics.median(r["wait_seconds"] for r in mine)
+            if mine[0].get("wait_seconds") is not None
+            else None,
         }
     return out
 
@@ -493,7 +500,7 @@ def report(rows: List[dict], cfg: dict, describe: str, higher: bool) -> str:
         f"{describe}; {WORLD} ranks, network {cfg['shape'] or 'loopback (unshaped)'}, "
         f"seeds {cfg['seeds']}: medians (spread = max - min over the seeds)",
         f"{'config':>36} {'s to target':>11} {'spread':>7} {'steps':>6} {'reached':>7} "
-        f"{'final':>7} {'spread':>7} {'ms/step':>8} {'wire MB':>8} {'lib MB':>7}",
+        f"{'final':>7} {'spread':>7} {'ms/step':>8} {'wire MB':>8} {'lib MB':>7} {'waited s':>8}",
     ]
     for config, r in s.items():
         if "error" in r:
@@ -505,10 +512,11 @@ def report(rows: List[dict], cfg: dict, describe: str, higher: bool) -> str:
         )
         st = "-" if r["steps_to_target"] is None else f"{r['steps_to_target']:.0f}"
         lib = f"{r['sent_mb']:.1f}" if r["sent_mb"] else "-"
+        waited = "-" if r["wait_s"] is None else f"{r['wait_s']:.2f}"
         lines.append(
             f"{config:>36} {t:>11} {ts:>7} {st:>6} {r['reached']:>3}/{r['seeds']:<3} "
             f"{r['final']:>7.3f} {r['final_spread']:>7.3f} {r['ms_per_step']:>8.1f} "
-            f"{r['wire_mb']:>8.1f} {lib:>7}"
+            f"{r['wire_mb']:>8.1f} {lib:>7} {waited:>8}"
         )
     lines += goals(s, higher)
     return "\n".join(lines)

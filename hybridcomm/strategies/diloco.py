@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set
 
@@ -88,7 +89,9 @@ class DiLoCo:
     ``synchronize()`` completes every fragment's sync now, so that every rank
     holds the same parameters (before an evaluation, a checkpoint, the end of
     training): fragments in flight are merged without mixing, and the others
-    are synced at once, an outer step each. ``bytes_sent`` counts this rank's.
+    are synced at once, an outer step each. ``bytes_sent`` counts this rank's;
+    ``wait_seconds`` the time ``step()`` and ``synchronize()`` waited for syncs'
+    results (the communication not hidden behind inner steps).
 
     Example::
 
@@ -166,6 +169,7 @@ class DiLoCo:
         self._fresh: Set[int] = set(range(fragments))  # fragments whose θ is θ_global now
         self.steps = 0
         self.bytes_sent = 0
+        self.wait_seconds = 0.0  # the trainer blocked on syncs' results (the wire not hidden)
         self._started = 0  # syncs started, in the same order on every rank
 
     # -- the optimizer's verbs ----------------------------------------------------------
@@ -216,6 +220,7 @@ class DiLoCo:
     def _finish_sync(self, k: int, *, mix: bool) -> None:
         """Wait for fragment ``k``'s Δ̄; step the global copy with it; merge."""
         sync = self._in_flight.pop(k)
+        t0 = time.perf_counter()
         try:
             sync.average.wait()
         except HybridCommError as e:
@@ -223,6 +228,7 @@ class DiLoCo:
                 f"DiLoCo: fragment {k}'s sync (started after inner step {sync.started_at}) "
                 f"failed: {e}"
             ) from e
+        self.wait_seconds += time.perf_counter() - t0
         idx = self.fragments[k].params
         params = [self._params[i] for i in idx]
         mixing = self.mixing if mix and self.delay > 0 else 0.0
