@@ -260,6 +260,11 @@ class TorchftDiLoCo:
                 ["ip", "-4", "-o", "addr", "show", "dev", ifname], text=True, capture_output=True
             )
             ip = out.stdout.split()[3].split("/")[0]
+        # torchft's checkpoint server advertises socket.gethostname(), which names the
+        # host's address, not this rank's namespace's: say this rank's own instead
+        import socket
+
+        socket.gethostname = lambda: ip
         rank, world = dist.get_rank(), dist.get_world_size()
         self.lighthouse = None
         where = [None]

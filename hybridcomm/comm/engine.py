@@ -115,8 +115,9 @@ class CommEngine:
             b.topk.select(b.grads, b.flags)
         if b.lowrank is not None and b.lowrank.active:  # its first message, likewise
             b.lowrank.compress(b.grads, b.flags)
-        elif b.quant is not None:  # its chunks quantized into its messages
-            b.quant.encode(b.grads)
+        elif b.quant is not None:  # on a stream, its messages now (the host path: in the op)
+            if self.channel.stream_ordered:
+                b.quant.encode(b.grads)
         else:  # sent whole (PowerSGD's exact steps too: "powersgd:4+fp16")
             b.to_wire()
         if self.channel.stream_ordered:
@@ -392,6 +393,9 @@ class CommEngine:
             return queued
 
         def hosted():  # host path
+            # quantized here, on the channel's thread: the trainer goes on meanwhile (the
+            # bucket's buffer is not written before its wait)
+            quant.encode(b.grads)
             execute(quant.exchange, quant.exchanged, self.transport, timeout=self.timeout)
             quant.reduce_own(scale)
             execute(quant.gather, quant.gathered, self.transport, timeout=self.timeout)
