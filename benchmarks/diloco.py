@@ -15,10 +15,12 @@ Configs (hyper-parameters after slashes, e.g. ``streaming/H=10/K=4/tau=2/q=int4`
 
 - ``compute``: no communication, each rank alone on its shard: the floor of a step
   and a model trained on a quarter of the data;
-- ``ddp``: DistributedDataParallel; ``ddp-powersgd-r4-fp16``: DDP's best hook
-  (PowerSGD rank 4 inside ``fp16_compress_wrapper``; benchmarks/compression.py);
+- ``ddp``: DistributedDataParallel; ``ddp-powersgd-r4-fp16``: DDP's best hook on
+  digits (PowerSGD rank 4 inside ``fp16_compress_wrapper``; benchmarks/compression.py);
+  ``ddp-fp16``: ``fp16_compress_hook`` (the charlm LM's best: PowerSGD rank 4 slows
+  its convergence); the goal compares with the fastest hook of those run;
 - ``hybrid``: ``hybridcomm.DistributedOptimizer`` (forward mode);
-  ``hybrid-powersgd-r4-fp16``: its best compression there;
+  ``hybrid-powersgd-r4-fp16``, ``hybrid-fp16``: its compressions there;
 - ``local-sgd/H=``: ``hybridcomm.strategies.LocalSGD(period=H)``;
 - ``diloco/H=``: ``hybridcomm.strategies.DiLoCo`` (``fragments=1, delay=0``);
 - ``streaming/H=/K=/tau=[/q=int4]``: Streaming DiLoCo, fp32 or quantized;
@@ -74,7 +76,16 @@ import charlm  # noqa: E402
 import compression  # noqa: E402
 
 WORLD = 4
-SYNCHRONOUS = ("compute", "ddp", "ddp-powersgd-r4-fp16", "hybrid", "hybrid-powersgd-r4-fp16")
+SYNCHRONOUS = (
+    "compute",
+    "ddp",
+    "ddp-fp16",
+    "ddp-powersgd-r4-fp16",
+    "hybrid",
+    "hybrid-fp16",
+    "hybrid-powersgd-r4-fp16",
+)
+HOOKS = ("ddp-powersgd-r4-fp16", "ddp-fp16")  # DDP's hooks: the goal's "best" of those run
 STRATEGIES = ("local-sgd", "diloco", "streaming", "torchft")
 OPTION_KEYS = {
     "H": int,
@@ -294,6 +305,12 @@ class TorchftDiLoCo:
         k = o.get("K", 1)
         cut = fragmenting.split(fragmenting.layers_of(model, params), k, o["H"])
         modules = dict(model.named_modules())
+        # layers_of names the model's own parameters (a position table on the root)
+        # "(root)": a holder module of just those, not the whole model
+        root = torch.nn.Module()
+        for n, p in model.named_parameters(recurse=False):
+            root.register_parameter(n, p)
+        modules["(root)"] = root
         parts = [torch.nn.ModuleList([modules[n] for n in f.layers]) for f in cut]
         # one outer optimizer a fragment, as torchft's streaming examples: with one on the
         # whole model its outer step would also step the other fragments' parameters
@@ -490,6 +507,7 @@ def summarize(rows: List[dict]) -> Dict[str, dict]:
             "final": statistics.median(finals),
             "final_spread": max(finals) - min(finals),
             "ms_per_step": statistics.median(1e3 * r["seconds"] / r["steps"] for r in mine),
+            "steps": statistics.median(r["steps"] for r in mine),
             "wire_mb": statistics.median(r["wire_bytes"] for r in mine) / 1e6,
             "sent_mb": statistics.median(r["bytes_sent"] for r in mine) / 1e6,
             "wait_s": statistics.median(r["wait_seconds"] for r in mine)
@@ -549,10 +567,22 @@ def goals(s: Dict[str, dict], higher: bool) -> List[str]:
             f"  vs the floor (compute's ms/step x ddp's {ok['ddp']['steps_to_target']:.0f} steps = "
             f"{floor:.1f} s): {t / floor:.2f}x"
         )
-    hook = "ddp-powersgd-r4-fp16"
-    if hook in ok:
-        h = ok[hook]["seconds_to_target"]
-        out.append(f"  vs {hook} {h:.1f} s: {t / h:.2f}x (goal <= 0.5x)")
+    # DDP's best hook: the fastest to the target of those run; a hook that never got
+    # there on every seed is named with its whole run's time (a bound, not a ratio)
+    hooks = [h for h in HOOKS if h in ok]
+    if hooks:
+        h = min(hooks, key=lambda c: ok[c]["seconds_to_target"])
+        out.append(
+            f"  vs DDP's best hook ({h}) {ok[h]['seconds_to_target']:.1f} s: "
+            f"{t / ok[h]['seconds_to_target']:.2f}x (goal <= 0.5x)"
+        )
+    for h in HOOKS:
+        if h in s and "error" not in s[h] and h not in ok:
+            whole = s[h]["ms_per_step"] * s[h].get("steps", 0) / 1e3
+            out.append(
+                f"  ({h} reached the target on {s[h]['reached']}/{s[h]['seeds']} seeds; "
+                f"its whole run {whole:.1f} s: ours {t / whole:.2f}x of that at most)"
+            )
     if "ddp" in s and "error" not in s["ddp"]:
         d, sp = s["ddp"]["final"], s["ddp"]["final_spread"]
         mine = s[best]["final"]
