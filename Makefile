@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.hybridcomm-setup
 TORCH_CPU := torch==2.13.0
 
-.PHONY: setup lint format test demo bench profile gpu-check gpu-bench mutation clean
+.PHONY: setup lint format test test-fast test-doctests test-host test-sim-a test-sim-b test-sim-loops demo bench profile gpu-check gpu-bench mutation clean
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile
@@ -31,22 +31,33 @@ $(STAMP): pyproject.toml setup.py Makefile
 	@$(PY) -c "import pytorch_lightning, accelerate, transformers" || { echo "[setup] the [integrations] extra failed to install"; exit 1; }
 	@touch $(STAMP)
 
-# The GPU path (CuPy NCCL transport, comm stream, the synchronizer, engine and
-# channel) runs on the simulated CUDA runtime in these suites (and in the training
-# loops' simgpu cases, which set it per rank); its stream-ordered code must stay
-# >= 90% covered there (tests/coverage_gpu_path.rc).
+# `make test` runs five lanes at once, each its own pytest process (make -j, each
+# lane's output printed whole when it ends): most tests wait on sockets, child
+# processes and deadlines, so one lane at a time left the 2 cores idle much of the
+# time. The doctests (with the tests that use the library in the test's own
+# process: RUN_LAST in tests/tiers.py); the host suite (every other test file on
+# the host path, the rest of the fast tier included) on TEST_WORKERS pytest-xdist
+# workers, a file per worker at a time (module fixtures made once; TEST_WORKERS=0:
+# one process); and the suites on the
+# simulated GPU in three lanes with coverage. The GPU path (CuPy NCCL transport, comm
+# stream, the synchronizer, engine and channel) runs on the simulated CUDA runtime
+# there (and in the training loops' simgpu cases, which set it per rank); its
+# stream-ordered code must stay >= 90% covered (tests/coverage_gpu_path.rc).
+SIM_ONLY := tests/test_gpu_path.py tests/test_simgpu.py tests/test_forward_mode.py \
+            tests/test_compression.py tests/test_one_device.py tests/test_powersgd.py
 SIM_TESTS := tests/test_gpu_path.py tests/test_simgpu.py tests/test_optimizer_equivalence.py \
              tests/test_optimizer_features.py tests/test_allreduce_multiprocess.py \
              tests/test_forward_mode.py tests/test_compression.py tests/test_checkpoint.py \
              tests/test_one_device.py tests/test_powersgd.py
+# (three lanes of about the same length with SIM_LOOPS)
+SIM_TESTS_A := tests/test_gpu_path.py tests/test_simgpu.py tests/test_forward_mode.py \
+               tests/test_checkpoint.py tests/test_one_device.py
+SIM_TESTS_B := $(filter-out $(SIM_TESTS_A),$(SIM_TESTS))
+SIM_LOOPS := tests/test_training_loops.py tests/test_model_reads.py tests/test_join.py \
+             tests/test_shard.py tests/test_shard_release.py tests/test_shard_granularity.py \
+             tests/test_shard_dcp.py
 COV := $(PY) -m coverage
 COVRC := --rcfile=tests/coverage_gpu_path.rc
-
-# The host suite runs on TEST_WORKERS pytest-xdist workers, a test file per worker
-# at a time (module fixtures are made once); TEST_WORKERS=0 runs it in one process.
-# Its tests wait on sockets and child processes much of the time, so 2 workers
-# on 2 cores cut its wall time by a third; the simulated-GPU suites keep the cores
-# busy on their own (2 workers there measured no faster), so they run in one.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
@@ -61,18 +72,43 @@ format: setup
 	$(PY) -m ruff check --fix .
 
 test: lint
-	$(PY) -m pytest -q --doctest-modules hybridcomm kernels
-	$(PY) -m pytest -q $(XDIST) tests --ignore=tests/test_gpu_path.py --ignore=tests/test_simgpu.py \
-	    --ignore=tests/test_forward_mode.py --ignore=tests/test_compression.py \
-	    --ignore=tests/test_one_device.py --ignore=tests/test_powersgd.py \
-	    -k "not ((test_training_loops or test_model_reads or test_join or test_shard) and simgpu)"
-	@echo "[test] the same suites on the simulated GPU (HYBRIDCOMM_SIMULATE_GPU=1), with coverage"
 	@rm -rf .coverage-data
-	HYBRIDCOMM_SIMULATE_GPU=1 $(COV) run $(COVRC) -m pytest -q $(SIM_TESTS)
-	$(COV) run $(COVRC) -m pytest -q tests/test_training_loops.py tests/test_model_reads.py \
-	    tests/test_join.py tests/test_shard.py tests/test_shard_release.py -k simgpu
+	@$(MAKE) --no-print-directory -j5 --output-sync=target \
+	    test-doctests test-host test-sim-a test-sim-b test-sim-loops
 	@$(COV) combine $(COVRC) -q
 	$(COV) report $(COVRC) --fail-under=90
+
+# The lanes of `make test` (each runs alone too; the coverage report needs the three sim lanes).
+# The doctests, and the test modules that use the library in the test's own process
+# (a group of one rank: RUN_LAST in tests/tiers.py), where no test forks ranks after them.
+IN_PROCESS := $(shell grep -l "^RUN_LAST = True" tests/test_*.py)
+
+test-doctests: setup
+	$(PY) -m pytest -q --doctest-modules hybridcomm kernels $(IN_PROCESS)
+
+test-host: setup
+	$(PY) -m pytest -q $(XDIST) tests $(addprefix --ignore=,$(SIM_ONLY) $(IN_PROCESS)) \
+	    -k "not ((test_training_loops or test_model_reads or test_join or test_shard) and simgpu)"
+
+test-sim-a: setup
+	HYBRIDCOMM_SIMULATE_GPU=1 $(COV) run $(COVRC) -m pytest -q $(SIM_TESTS_A)
+
+test-sim-b: setup
+	HYBRIDCOMM_SIMULATE_GPU=1 $(COV) run $(COVRC) -m pytest -q $(SIM_TESTS_B)
+
+test-sim-loops: setup
+	$(COV) run $(COVRC) -m pytest -q $(SIM_LOOPS) -k simgpu
+
+# The fast tier, for the edit-test loop: the tests marked `fast` (the planner, the cost
+# model, the schedules, the kernels at small sizes, the engine and the bucket lifecycle
+# over the fakes in tests/fakes, the hooks at one rank), in this one process: no rank
+# or subprocess is started, and tests/tiers.py refuses any that a test tries to start.
+# Under a minute on 2 cores. `make test` runs these too.
+# (Only the files that mark something fast are collected: other modules may start a
+# process as they import, e.g. to see whether network namespaces work.)
+FAST_FILES = $(shell grep -l "pytest.mark.fast" tests/test_*.py)
+test-fast: setup
+	HYBRIDCOMM_TEST_TIER=fast $(PY) -m pytest -q -m "fast and not slow" $(FAST_FILES)
 
 # The main job: the thesis experiment where it applies (root: 4 ranks on a shaped
 # 100 Mbit/s network, batch 256; otherwise loopback, and it says why), < 3 minutes.

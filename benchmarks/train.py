@@ -164,9 +164,37 @@ DEFAULT_CONFIGS = [
 ]
 LR, MOMENTUM, SEED, DATA_BATCHES = 0.01, 0.9, 1234, 4
 ADAM_LR = 1e-3
-OPTIMIZERS = {  # --optimizer: name -> (class, keywords)
-    "sgd": (torch.optim.SGD, {"lr": LR, "momentum": MOMENTUM}),
-    "adam": (torch.optim.Adam, {"lr": ADAM_LR}),
+ADAFACTOR_LR, MUON_LR = 1e-2, 2e-2
+
+
+def _every(model):
+    return list(model.parameters())
+
+
+def _hidden_matrices(model):
+    """Muon's share: the 2-D weights of the hidden layers (not an embedding or the head)."""
+    return [
+        p
+        for n, p in model.named_parameters()
+        if p.ndim == 2 and not n.startswith(("embed", "head", "fc", "classifier"))
+    ]
+
+
+def _all_but_hidden_matrices(model):
+    hidden = {id(p) for p in _hidden_matrices(model)}
+    return [p for p in model.parameters() if id(p) not in hidden]
+
+
+# --optimizer: name -> the optimizers a trainer steps, each (class, keywords, its parameters)
+OPTIMIZERS = {
+    "sgd": [(torch.optim.SGD, {"lr": LR, "momentum": MOMENTUM}, _every)],
+    "adam": [(torch.optim.Adam, {"lr": ADAM_LR}, _every)],
+    "adafactor": [(torch.optim.Adafactor, {"lr": ADAFACTOR_LR}, _every)],
+    # as Muon's users run it: Muon for the hidden matrices, AdamW for the rest
+    "muon": [
+        (torch.optim.Muon, {"lr": MUON_LR}, _hidden_matrices),
+        (torch.optim.AdamW, {"lr": ADAM_LR}, _all_but_hidden_matrices),
+    ],
 }
 DEFAULT_OPTIMIZER = "sgd"
 # Warm-up covers DistributedOptimizer's re-plan (after measure_iters=3 steps by default).
@@ -199,6 +227,7 @@ HYBRID_OPTIONS = {
     "measure_iters": int,
     "replan_every": int,
     "strategy": str,
+    "shard_by": str,
 }
 
 
@@ -397,18 +426,22 @@ class _Trainer:
     ):
         self.config, self.world = config, world
         self.model = build(model, SEED)
-        opt_class, opt_kwargs = OPTIMIZERS[optimizer]
         if config == "fsdp2":  # its parameters become DTensor shards: the optimizer takes those
             _fully_shard(self.model)
         self.params = list(self.model.parameters())
-        base = opt_class(self.params, **opt_kwargs)
-        self.net, self.opt, self.concurrent = self.model, base, None
+        parts = [(cls, kwargs, select(self.model)) for cls, kwargs, select in OPTIMIZERS[optimizer]]
+        bases = [cls(params, **kwargs) for cls, kwargs, params in parts if params]
+        self.net, self.opts, self.concurrent = self.model, bases, None
         kind, cap = config_kind(config)
         if config == "zero":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             self.net = torch.nn.parallel.DistributedDataParallel(self.model)
-            self.opt = ZeroRedundancyOptimizer(self.params, optimizer_class=opt_class, **opt_kwargs)
+            self.opts = [
+                ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+                for cls, kwargs, params in parts
+                if params
+            ]
         if config in ("comm", "limit"):  # every gradient's bytes in one buffer
             self.flat = torch.zeros(sum(p.numel() for p in self.params))
         if config == "limit":  # that all_reduce beside compute's step, in a persistent thread
@@ -422,14 +455,17 @@ class _Trainer:
             extra = {} if shard is None else {"shard": shard}
             if strategy is not None:
                 extra["strategy"] = strategy
-            self.opt = hybridcomm.DistributedOptimizer(
-                base,
-                model=self.model,
-                overlap=overlap,
-                op="avg",
-                trace=trace,
-                **{**extra, **options},
-            )
+            self.opts = [
+                hybridcomm.DistributedOptimizer(
+                    base,
+                    model=self.model,
+                    overlap=overlap,
+                    op="avg",
+                    trace=trace,
+                    **{**extra, **options},
+                )
+                for base in bases
+            ]
 
     def step(self, x, y):
         if self.config == "comm":
@@ -437,22 +473,26 @@ class _Trainer:
             return
         if self.concurrent is not None:  # limit: the all_reduce starts with the compute
             self.concurrent.start()
-        self.opt.zero_grad()
+        for opt in self.opts:
+            opt.zero_grad()
         F.cross_entropy(self.net(x), y).backward()
         if self.config == "stock":  # the plain PyTorch pattern, one all_reduce per gradient
             for p in self.params:
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
                     p.grad.div_(self.world)
-        self.opt.step()
+        for opt in self.opts:
+            opt.step()
         if self.concurrent is not None:  # ... and the step ends when both have
             self.concurrent.wait()
 
     def state_bytes(self) -> int:
         """The optimizer state this rank keeps, in bytes: ZeroRedundancyOptimizer's local
         optimizer's; FSDP2's DTensors' local shards; shard=: this rank's slices'."""
-        opt = self.opt.optim if self.config == "zero" else self.opt
-        return state_bytes(opt.state)
+        return sum(
+            state_bytes(opt.optim.state if self.config == "zero" else opt.state)
+            for opt in self.opts
+        )
 
     def flat_params(self) -> torch.Tensor:
         """Every parameter, flattened and concatenated, as this rank holds it whole (FSDP2:
@@ -465,26 +505,33 @@ class _Trainer:
 
     def plan(self):
         """hybridcomm's plan table as it stands now, or None."""
-        plan = (
-            getattr(self.opt, "plan", None) if CONFIGS.get(hybrid_options(self.config)[0]) else None
-        )
-        return None if plan is None else str(plan)
+        if not CONFIGS.get(hybrid_options(self.config)[0]):
+            return None
+        plans = [str(opt.plan) for opt in self.opts if getattr(opt, "plan", None) is not None]
+        return "\n".join(plans) or None
 
     def library_stats(self):
         """(exposed_comm_s, comm_busy_s) from hybridcomm's last step, None where absent."""
-        stats = getattr(self.opt, "last_step_stats", None) or {}
-        return stats.get("exposed_comm_s"), stats.get("comm_busy_s")
+        stats = [getattr(opt, "last_step_stats", None) or {} for opt in self.opts]
+        if not any(stats):
+            return None, None
+        # (several optimizers: their communication shares one wire, one after another)
+        return tuple(
+            sum(st.get(k) or 0.0 for st in stats) for k in ("exposed_comm_s", "comm_busy_s")
+        )
 
     def finish(self):
         """Complete all communication and pending updates (outside the timed steps)."""
-        if hasattr(self.opt, "synchronize"):
-            self.opt.synchronize()
+        for opt in self.opts:
+            if hasattr(opt, "synchronize"):
+                opt.synchronize()
 
     def close(self):
         if self.concurrent is not None:
             self.concurrent.close()
-        if hasattr(self.opt, "close"):
-            self.opt.close()
+        for opt in self.opts:
+            if hasattr(opt, "close"):
+                opt.close()
 
 
 def _flat_params(model):
@@ -724,8 +771,8 @@ def _run_batch_size(
             )
         if trace_dir is not None:
             for c, t in trainers.items():
-                if hasattr(t.opt, "export_trace"):
-                    t.opt.export_trace(
+                if hasattr(t.opts[0], "export_trace"):
+                    t.opts[0].export_trace(
                         os.path.join(
                             trace_dir,
                             f"{label}-b{batch_size}-{c.replace('/', '+')}-rank{rank}.json",
@@ -1062,7 +1109,11 @@ def parse_args(argv=None):
         choices=list(OPTIMIZERS),
         help=f"every config's optimizer (default {DEFAULT_OPTIMIZER}): sgd = "
         f"SGD(lr={LR}, momentum={MOMENTUM}); adam = Adam(lr={ADAM_LR}), whose "
-        "state (two moments) the sharded configs split: " + ",".join(SHARD_CONFIGS),
+        "state (two moments) the sharded configs split: "
+        + ",".join(SHARD_CONFIGS)
+        + f"; adafactor = Adafactor(lr={ADAFACTOR_LR}); muon = Muon(lr={MUON_LR}) on the "
+        "hidden matrices and AdamW on the rest (two optimizers; hybridcomm shards both, "
+        "each with its own granularity)",
     )
     ap.add_argument(
         "--batch-sizes", default=None, help="per rank, comma-separated (default 8,16,32,64)"
@@ -1242,7 +1293,12 @@ def header_line(args, model, where):
     )
 
 
-OPTIMIZER_LINES = {"sgd": f"SGD(lr={LR}, momentum={MOMENTUM})", "adam": f"Adam(lr={ADAM_LR})"}
+OPTIMIZER_LINES = {
+    "sgd": f"SGD(lr={LR}, momentum={MOMENTUM})",
+    "adam": f"Adam(lr={ADAM_LR})",
+    "adafactor": f"Adafactor(lr={ADAFACTOR_LR})",
+    "muon": f"Muon(lr={MUON_LR}) on the hidden matrices + AdamW(lr={ADAM_LR}) on the rest",
+}
 
 
 def can_shape() -> Optional[str]:

@@ -11,14 +11,9 @@ Example::
     >>> hybridcomm.all_reduce(torch.ones(3), op="avg")
     tensor([1., 1., 1.])
 
-The package is laid out by concept (docs/ARCHITECTURE.md): the fronts users
-call sit here (``optimizer``, ``ddp``, ``collectives``, ``broadcast``,
-``averager``); under them ``sync/`` (the synchronizer), ``comm/`` (the wire),
-``plan/`` (the cost model and planner), ``gpu/`` (the device runtime),
-``algorithms/`` (the schedules), ``config/`` and ``base/``; beside them
-``strategies/``, ``integrations/``, ``tools/`` and ``testing/``. The module paths
-of releases before that layout (``hybridcomm.ps``, ``hybridcomm.launch``,
-``hybridcomm.planner``, ...) still import: ``base.moved`` maps them.
+The fronts users call sit here, one subpackage per concept under them
+(docs/ARCHITECTURE.md); old module paths (``hybridcomm.ps``, ...) still import
+through ``base.moved``.
 """
 
 from .config import logs

@@ -194,7 +194,14 @@ class TensorAverager:
             )
             self._cost_model = calibration.resolve(self._cost_model, self.group, self.timeout)
         layers = [
-            Layer(f"tensor{i}", [i], t.numel(), t.element_size(), str(t.dtype), [t.numel()])
+            Layer(
+                f"tensor{i}",
+                [i],
+                t.numel(),
+                t.element_size(),
+                dtype=str(t.dtype),
+                sizes=[t.numel()],
+            )
             for i, t in enumerate(tensors)
         ][::-1]
         world = dist.get_world_size(self.group)
@@ -211,7 +218,9 @@ class TensorAverager:
         alloc = bucket_allocator(rt, device, self._transport.stream if rt is not None else None)
         wire = COMPRESSIONS.get(self.compression)
         buckets = [
-            GradBucket(b, [tensors[i] for i in b.params], tensors[b.params[0]].dtype, wire, alloc)
+            GradBucket(
+                b, [tensors[i] for i in b.params], tensors[b.params[0]].dtype, wire, alloc=alloc
+            )
             for b in plan.buckets
         ]
         bits = bits_of(self.compression)

@@ -1,38 +1,15 @@
 """hybridcomm's all-reduce as a DDP communication hook (backward overlap).
 
-For code that configures DDP rather than wrapping the optimizer (Lightning,
-Accelerate, most production trainers)::
+For code that configures DDP rather than wrapping the optimizer::
 
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     hybridcomm.ddp.register(ddp)        # register_comm_hook + the set-up, before training
 
-Each DDP bucket is all-reduced (averaged) with the algorithm the agreed cost
-model picks for its size (butterfly, ring, halving-doubling or ``native``;
-``HYBRIDCOMM_ALGO`` forces one), through the same one ordered channel as the
-optimizer: a gloo group of its own on CPU, the comm stream on GPUs. DDP
-launches buckets in index order on every rank, which is the order every rank
-issues them in. The numbers equal DDP's default all-reduce (up to summation
-order) and are bitwise identical on every rank.
-
-The set-up (agreeing on the cost model, a start-up probe unless one was
-saved, the NCCL communicator) is collective and slow; ``register`` (or
-``HybridState.prepare``) runs it at registration, so the first backward does
-not pay it. A state registered by hand with ``register_comm_hook`` sets up in
-its first hook call instead, and logs that it did.
-
-Forward overlap is not possible inside DDP: DDP waits for every hook's future
-at the end of backward, before ``optimizer.step()``. Use
-``hybridcomm.DistributedOptimizer(..., overlap="forward")`` for that.
-
-Lightning (not a dependency)::
-
-    from lightning.pytorch.strategies import DDPStrategy
-    strategy = DDPStrategy(ddp_comm_state=hybridcomm.ddp.HybridState(),
-                           ddp_comm_hook=hybridcomm.ddp.hybrid_hook)
-
-Accelerate (not a dependency): after ``accelerator.prepare(model, ...)``,
-``accelerator.unwrap_model`` is the module; register on the DDP wrapper it
-returned: ``model.register_comm_hook(HybridState(), hybrid_hook)``.
+Each DDP bucket is averaged with the cost model's algorithm for its size,
+through the optimizer's one ordered channel; the result equals DDP's (up to
+summation order), bitwise identical on every rank. No forward overlap: DDP
+waits for every hook before ``step()``. Details: docs/API.md, "hybridcomm.ddp";
+frameworks: docs/INTEGRATIONS.md.
 """
 
 import logging
@@ -125,7 +102,9 @@ class HybridState:
     def prepare(self, device) -> "HybridState":
         """Agree on the cost model and make the channel for ``device`` now
         (collective: every rank of the group calls it). Idempotent; ``register``
-        calls it, else the first hook call does."""
+        calls it, else the first hook call does (and logs it): the set-up (a
+        start-up probe unless one was saved, the NCCL communicator) is slow, and
+        the first backward should not pay it."""
         control.require_initialized("hybridcomm.ddp.HybridState.prepare")
         if self._world:
             return self
@@ -158,7 +137,8 @@ def hybrid_hook(state: HybridState, bucket) -> torch.futures.Future[torch.Tensor
     """DDP communication hook: average ``bucket``'s gradients with hybridcomm.
 
     Register with ``ddp_model.register_comm_hook(HybridState(), hybrid_hook)``.
-    The bucket goes through the same one ordered channel (and the same
+    DDP launches buckets in index order on every rank, so every rank issues them
+    in one order. The bucket goes through the same one ordered channel (and the same
     ``executor.reduce_operation``) as the optimizer's buckets. On a GPU the
     reduction waits for an event on the caller's current stream (where DDP wrote
     the bucket), whichever thread issues it. The future completes with the

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import warnings
 from contextlib import contextmanager
-from operator import attrgetter, is_
 from typing import Optional
 
 import torch
@@ -43,6 +42,7 @@ from .comm import servers as ps
 from .base.errors import HybridCommError
 from .config.config import SyncConfig
 from .plan.planner import forced_algorithm
+from .sync import grad_fields
 from .sync import shard as sharding
 from .sync.pending import drop_grads
 from .sync.registry import refuse_wrapped
@@ -52,6 +52,16 @@ from .sync.synchronizer import GradientSynchronizer
 # closure) or updates every parameter it holds (ZeroRedundancyOptimizer: its
 # shard, then it broadcasts): stepped whole, never per bucket.
 _WHOLE_MODEL_OPTIMIZERS = ("LBFGS", "ZeroRedundancyOptimizer")
+
+
+def _hyper_is_now(groups: list, hyper: list) -> bool:
+    """Whether ``hyper`` (each group's hyper-parameters, as ``_hc_hyper`` took them at a
+    ``step()``) is what ``groups`` hold now: the same keys, each value the same
+    object or equal."""
+    return all(
+        len(h) == len(g) - 1 and all(k in g and (g[k] is v or g[k] == v) for k, v in h.items())
+        for g, h in zip(groups, hyper)
+    )
 
 
 def evaluates_closure_once(base: type) -> bool:
@@ -162,7 +172,11 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         refuse_wrapped(model)  # (every rank alike: no collective has started)
         if options["shard"]:
             options = sharding.settle_options(
-                options, type(self).__name__, process_group, servers, self.param_groups
+                options,
+                optimizer_class=type(self).__bases__[1],
+                process_group=process_group,
+                servers=servers,
+                param_groups=self.param_groups,
             )
         overlap = options["overlap"]
         if overlap == "forward" and model is None:
@@ -331,20 +345,15 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             hyper = [dict(h, momentum=0.0) for h in hyper]
         # What would change nothing is skipped (the usual deferred update: every
         # parameter, its .grad the reduced view, the hyper-parameters of now)
-        saved_grads = (
-            None
-            if bound or all(map(is_, map(attrgetter("grad"), params), grads))
-            else [p.grad for p in params]
-        )
-        if saved_grads is not None:
+        swap_grads = not bound and not grad_fields.bound(params, grads)
+        if swap_grads:
+            saved_grads = [p.grad for p in params]
             for p, g in zip(params, grads):
                 p.grad = g
         saved_groups = self.param_groups
-        if len(params) != sum(len(g["params"]) for g in saved_groups) or any(
-            len(h) != len(g) - 1
-            or any(k not in g or (g[k] is not v and g[k] != v) for k, v in h.items())
-            for g, h in zip(saved_groups, hyper)
-        ):
+        every_param = len(params) == sum(len(g["params"]) for g in saved_groups)
+        if not (every_param and _hyper_is_now(saved_groups, hyper)):
+            # a step of these parameters alone, with the hyper-parameters of then
             chosen = {id(p) for p in params}
             groups = [
                 dict(h, params=[p for p in g["params"] if id(p) in chosen])
@@ -355,7 +364,7 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             super().step()
         finally:
             self.param_groups = saved_groups
-            if saved_grads is not None:
+            if swap_grads:
                 for p, g in zip(params, saved_grads):
                     p.grad = g
 
@@ -397,8 +406,8 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         elif not set_to_none:  # (a pending parameter's class need not see these calls)
             with torch._C.DisableTorchFunctionSubclass():
                 super().zero_grad(set_to_none=False)
-        elif not self._hc_sync.deferred.zero_grads(self.param_groups):  # (forward mode: a
-            # pending update's gradients go None once it took them); torch.optim's, in C
+        elif not self._hc_sync.zero_grads(self.param_groups):  # (forward mode: a pending
+            # update's gradients go None once it took them); torch.optim's, in C
             with torch.autograd.profiler.record_function(self._hc_zero_grad_name):
                 drop_grads(self.param_groups)
 
@@ -431,11 +440,12 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
             hybridcomm.broadcast_optimizer_state(opt, root_rank=0)
         """
         self._hc_sync.apply_pending()  # the state must include every update step() accepted
-        state = (
-            super().state_dict()
-            if self._hc_shards is None
-            else self._hc_sharded_state_dict(super().state_dict)
-        )
+        if self._hc_shards is None:
+            state = super().state_dict()
+        elif sharding.dcp.asked_by_dcp():  # (torch.distributed.checkpoint: each rank its part)
+            return self._hc_dcp_state_dict(super().state_dict)
+        else:
+            state = self._hc_sharded_state_dict(super().state_dict)
         state["hybridcomm"] = self._hc_sync.state_dict()
         return state
 
@@ -446,10 +456,21 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
         parameters is not adopted (the current one stays)."""
         state_dict = dict(state_dict)
         ours = state_dict.pop("hybridcomm", None)
+        groups = [dict(g) for g in state_dict.get("param_groups", [])]
+        in_group = [sharding.from_group(g.pop(sharding.DCP_GROUP_KEY, None)) for g in groups]
+        dcp_form = any(in_group)  # (a DCP state: hybridcomm's part rides in the first group)
+        if dcp_form:
+            ours = {k: v for k, v in next(filter(None, in_group)).items() if k != "form"}
+        state_dict["param_groups"] = groups
         self._hc_sync.drop()  # superseded by the loaded state
-        super().load_state_dict(state_dict)
-        if self._hc_shards is not None:
-            self._hc_unshard_loaded()
+        if self._hc_shards is not None:  # (their views would keep the buffers a new plan frees)
+            self._hc_shards.drop_grads()
+        if dcp_form and self._hc_shards is not None:
+            self._hc_load_dcp_state_dict(state_dict)
+        else:
+            super().load_state_dict(state_dict)
+            if self._hc_shards is not None:
+                self._hc_unshard_loaded()
         if ours is not None:  # each rank's own residuals come from hybridcomm's part
             for st in self.state.values():
                 st.pop("hc_topk_residual", None)
@@ -532,6 +553,7 @@ def DistributedOptimizer(
     servers=None,
     broadcast_parameters: bool = True,
     shard: Optional[str] = None,
+    shard_by: Optional[str] = None,
 ):
     """Wrap ``optimizer`` so each step's gradients are all-reduced across ranks.
 
@@ -615,7 +637,16 @@ def DistributedOptimizer(
             buckets' gradient memory is freed from ``step()`` to the next
             backward. ``.grad`` is released by ``step()``; clip with
             ``opt.clip_grad_norm_``; ``state_dict()`` is the plain optimizer's
-            (a collective). docs/API.md lists what is not combined with it yet.
+            (a collective; ``torch.distributed.checkpoint`` gets each rank's part
+            alone). docs/API.md lists what is not combined with it yet.
+        shard_by: how ``shard`` cuts the state. ``None`` (default): ``"elements"``
+            (each rank a 1/P slice of every bucket, stepped as a tensor) for
+            torch's element-wise optimizers (SGD, Adam, AdamW, Adamax, NAdam,
+            RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD), ``"parameters"``
+            (each parameter's state and step on one rank, balanced by size) for
+            every other (Adafactor, Muon, a LARS, any optimizer of your own).
+            Pass ``"elements"`` to declare your own optimizer element-wise;
+            ``print(opt.plan)`` says which was chosen and why.
 
     Raises:
         HybridCommError: on every rank, naming the parameters, if the ranks'
@@ -658,10 +689,10 @@ def DistributedOptimizer(
     opt.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     opt._hc_init(
         model,
-        broadcast_parameters,
-        named_parameters,
-        servers,
-        process_group,
+        agree=broadcast_parameters,
+        named_parameters=named_parameters,
+        servers=servers,
+        process_group=process_group,
         overlap=overlap,
         backward_passes_per_step=backward_passes_per_step,
         compression=compression,
@@ -677,5 +708,6 @@ def DistributedOptimizer(
         trace=trace,
         find_unused_parameters=find_unused_parameters,
         shard=shard,
+        shard_by=shard_by,
     )
     return opt

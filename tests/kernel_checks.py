@@ -19,7 +19,9 @@ import os
 import pytest
 import torch
 
-SIZES = [0, 1, 2, 7, 127, 1000, 4099]
+# The two large sizes are left out of the fast tier (tests/tiers.py: ``slow``): the
+# interpreter runs each program instance in Python, ~1 ms each.
+SIZES = [0, 1, 2, 7, 127] + [pytest.param(n, marks=pytest.mark.slow) for n in (1000, 4099)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # None: the launcher's block (one program per tensor in the interpreter);
 # 128: many programs plus a masked tail (4099 = 32 * 128 + 3).

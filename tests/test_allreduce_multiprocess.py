@@ -53,6 +53,7 @@ def _sweep(rank, world):
     return wrong, identical
 
 
+@pytest.mark.timeout(300)  # every algorithm and size at up to 8 ranks
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
 def test_exact_identical_and_like_torch(world):
     results = run_ranks(world, _sweep, timeout=300)
@@ -131,6 +132,7 @@ def _absent_peer(rank, world, check):
     return "no error"
 
 
+@pytest.mark.timeout(180)  # waits out a timeout
 @pytest.mark.parametrize("check", [True, False])
 def test_absent_peer_times_out(check):
     kind, elapsed, msg = run_ranks(2, _absent_peer, check, timeout=60)[0]

@@ -118,6 +118,7 @@ def _train(rank, world, compression, simulate_gpu, overlap):
     return out["acc"], out["sent"], out["params"], has_residuals
 
 
+@pytest.mark.timeout(180)  # two trainings
 def test_topk_trains_close_to_dense_at_a_tenth_of_the_bytes():
     dense = run_ranks(3, _train, None, False, "forward", timeout=300)
     sparse = run_ranks(3, _train, "topk:0.01", False, "forward", timeout=300)

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import compression  # noqa: E402
 
 
+@pytest.mark.timeout(180)  # a benchmark run
 def test_a_quick_run_writes_one_row_per_config_and_seed(tmp_path, capsys):
     out = tmp_path / "c.json"
     assert (

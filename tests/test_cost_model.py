@@ -7,6 +7,8 @@ import pytest
 
 from hybridcomm.plan.cost_model import MODELED, CostModel, coefficients, fit, rounded
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 
 @pytest.mark.parametrize("p", [2, 4, 8, 16])
 def test_coefficients_at_powers_of_two(p):

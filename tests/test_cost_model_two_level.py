@@ -16,6 +16,8 @@ from hybridcomm.plan.cost_model import (
     link_coefficients,
 )
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 N = 1 << 20
 
 

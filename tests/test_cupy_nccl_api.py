@@ -14,6 +14,8 @@ from hybridcomm.base.errors import HybridCommError
 from hybridcomm.comm.transport import cupy_nccl, select
 from hybridcomm.gpu import runtime
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 try:  # ImportError too, not only ModuleNotFoundError: a CuPy without its CUDA libraries
     from cupy.cuda import nccl
 except ImportError as e:

@@ -12,6 +12,8 @@ from hybridcomm.gpu import runtime
 from hybridcomm.gpu.runtime import CudaRuntime
 from hybridcomm.comm.transport import comm_thread, cupy_nccl, select
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 
 class _FakeCudaRuntime:
     simulated = False

@@ -75,6 +75,7 @@ def straight(tmp_path_factory):
     return out, torch.load(d / "params.pt", weights_only=True)
 
 
+@pytest.mark.timeout(360)  # torchrun restarts a killed worker
 def test_a_killed_worker_is_restarted_and_training_resumes_exactly(tmp_path, straight):
     straight, _ = straight
     crashed = _torchrun(tmp_path / "crashed", ["--max-restarts", "2"], ["--crash-at-step", "12"])
@@ -91,6 +92,7 @@ def test_a_killed_worker_is_restarted_and_training_resumes_exactly(tmp_path, str
     assert left.stdout.strip() == "", left.stdout
 
 
+@pytest.mark.timeout(360)  # two torchrun jobs, one restarting a killed worker
 def test_a_killed_diloco_worker_is_restarted_and_resumes_exactly(tmp_path):
     """Streaming DiLoCo (H=4, 2 fragments, delay 1): the checkpoint at step 10 is
     taken while fragment 0's sync (started after step 10) is in flight; the
@@ -105,6 +107,7 @@ def test_a_killed_diloco_worker_is_restarted_and_resumes_exactly(tmp_path):
     assert "ranks identical: True" in crashed and "ranks identical: True" in straight
 
 
+@pytest.mark.timeout(300)  # two torchrun jobs
 @pytest.mark.parametrize("nproc", [1])  # 4 (growing) passes too; left out for time
 def test_a_restart_with_another_world_size_continues_the_same_training(tmp_path, straight, nproc):
     """2 ranks die at step 12 (no restart left); the job is started again with

@@ -13,6 +13,8 @@ from hybridcomm.comm.engine import CommEngine
 from hybridcomm.base.errors import HybridCommError, HybridCommTimeout
 from hybridcomm.plan.planner import ALIGN_BYTES, Bucket, Plan
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 
 def test_host_channel_runs_in_submission_order_and_reports_failures():
     ch = HostChannel(timeout=5)

@@ -13,6 +13,8 @@ import hybridcomm.comm.servers
 import hybridcomm.strategies
 from hybridcomm.averager import TensorAverager
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 
 @pytest.fixture(autouse=True)
 def _no_group():

@@ -4,9 +4,12 @@ the test checks the line, never a time)."""
 
 import re
 
+import pytest
+
 from launch_script import run_script
 
 
+@pytest.mark.timeout(180)  # an example's every config
 def test_compare_prints_one_line_with_every_config():
     out = run_script(
         "examples/train.py", ["--compare", "--compare-steps", "2"], nprocs=2, timeout=180

@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_bench.py")
 
 
+@pytest.mark.timeout(420)  # every section of a script, dry
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for CPU machines")
 def test_the_dry_run_runs_every_section_and_reports_it(tmp_path):
     out = tmp_path / "bench.json"

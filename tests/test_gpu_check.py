@@ -45,6 +45,7 @@ def _main(tmp_path, *extra):
     return rc, json.loads(out.read_text())
 
 
+@pytest.mark.timeout(300)  # pytest over tests/gpu in a subprocess
 @cpu_only
 def test_dry_run_writes_the_report_and_exits_zero(tmp_path):
     p, out = _run(tmp_path)
@@ -92,6 +93,7 @@ def test_dry_run_writes_the_report_and_exits_zero(tmp_path):
     assert 0.9 <= r["summary"]["one_gpu_share"] < 1  # issue 29: at least 90% on one GPU
 
 
+@pytest.mark.timeout(180)  # pytest in a subprocess
 @cpu_only
 def test_pytest_not_finishing_exits_non_zero(tmp_path):
     rc, r = _main(tmp_path, "--", "--no-such-pytest-option")
@@ -99,6 +101,7 @@ def test_pytest_not_finishing_exits_non_zero(tmp_path):
     assert r["ok"] is False and r["pytest_exit_code"] not in (0, 5)
 
 
+@pytest.mark.timeout(180)  # pytest in a subprocess
 @cpu_only
 def test_nothing_collected_is_a_failure_not_a_dry_run(tmp_path):
     rc, r = _main(tmp_path, "--", "-k", "no_test_is_called_this")
@@ -107,6 +110,7 @@ def test_nothing_collected_is_a_failure_not_a_dry_run(tmp_path):
     assert any("exit 5" in why for why in r["problems"]), r["problems"]
 
 
+@pytest.mark.timeout(180)  # pytest in a subprocess
 @cpu_only
 def test_a_module_that_does_not_collect_is_a_failure(tmp_path):
     broken = tmp_path / "test_broken_module.py"

@@ -638,6 +638,7 @@ def _stalled_peer(rank, world, how):
     return "no error"
 
 
+@pytest.mark.timeout(180)  # waits out a stall
 @pytest.mark.parametrize("how", ["stall", "async_error"])
 def test_watchdog_turns_a_stalled_peer_or_an_nccl_error_into_our_error(how):
     results = run_ranks(2, _stalled_peer, how, timeout=120, allow_errors=True)

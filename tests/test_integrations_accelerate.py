@@ -60,6 +60,7 @@ def _line(out, pattern):
     return found[0]
 
 
+@pytest.mark.timeout(180)  # accelerate launches two processes
 def test_two_processes_equal_one_on_the_whole_batch(tmp_path):
     two = start(
         [

@@ -22,6 +22,9 @@ from launch_script import ROOT, run_script
 sys.path.insert(0, f"{ROOT}/examples")
 import lightning_train  # noqa: E402
 
+# The module's one launch of every run is made in the setup of whichever test comes first.
+pytestmark = pytest.mark.timeout(300)
+
 SCRIPT = "examples/lightning_train.py"
 TOL = dict(rtol=64 * torch.finfo(torch.float32).eps, atol=64 * torch.finfo(torch.float32).eps)
 # Every step defers (no re-plan after measuring, which could apply them at once here).

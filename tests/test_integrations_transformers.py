@@ -65,6 +65,7 @@ def _close(a, b, atol=ATOL):
     )
 
 
+@pytest.mark.timeout(300)  # three Trainer runs
 def test_trainer_with_hybridcomm_equals_stock_ddp_and_one_process(tmp_path):
     two = start(
         [

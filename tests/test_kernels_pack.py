@@ -30,7 +30,10 @@ from kernel_checks import (
 
 from hybridcomm import kernels as K
 
-pytestmark = pytest.mark.skipif(not K.triton_available, reason="triton is not installed")
+pytestmark = [
+    pytest.mark.skipif(not K.triton_available, reason="triton is not installed"),
+    pytest.mark.fast,
+]
 
 
 def _shapes(n):
@@ -323,6 +326,7 @@ def test_offsets_rejected_when_they_overlap_or_overrun(fn, impl):
     call(torch.zeros(8), [0, 4])  # a gap of one element, and room: fine
 
 
+@pytest.mark.slow  # (Triton runs ptxas for its version: a process, not in the fast tier)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("op", ["pack", "unpack"])
 def test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32(monkeypatch, op, dtype):

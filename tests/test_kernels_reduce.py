@@ -28,7 +28,10 @@ from kernel_checks import (
 from hybridcomm import kernels as K
 from hybridcomm.kernels._triton import use_triton
 
-pytestmark = pytest.mark.skipif(not K.triton_available, reason="triton is not installed")
+pytestmark = [
+    pytest.mark.skipif(not K.triton_available, reason="triton is not installed"),
+    pytest.mark.fast,
+]
 if K.triton_available:
     import triton.language as tl
 
@@ -182,6 +185,7 @@ def test_fp64_average_is_exact_fp64_arithmetic(world):
     assert torch.equal(got, exact)
 
 
+@pytest.mark.slow  # (Triton runs ptxas for its version: a process, not in the fast tier)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_on_a_gpu_the_scale_is_fp64_and_fp32_data_rounds_it_to_fp32(monkeypatch, dtype):
     """Issue 29, defect 1: a Python float kernel argument is an fp32 parameter on a

@@ -584,6 +584,7 @@ def _id(world, overlap, simulate, fusion_bytes, defer):
     )
 
 
+@pytest.mark.timeout(180)  # every read at up to 3 ranks
 @pytest.mark.parametrize(
     "world,overlap,simulate,fusion_bytes,defer", COMBOS, ids=[_id(*c) for c in COMBOS]
 )
@@ -628,6 +629,7 @@ def _sharded(rank, world, shard, simulate):
     )
 
 
+@pytest.mark.timeout(180)  # every read, sharded
 @pytest.mark.parametrize(
     "world,shard,simulate",
     SHARD_COMBOS,

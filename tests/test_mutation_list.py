@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 MUTATION_DIR = ROOT / "tests" / "mutation"
 

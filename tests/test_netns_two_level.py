@@ -45,6 +45,7 @@ def test_open_close_leaves_nothing():
     assert net.leftovers() == []
 
 
+@pytest.mark.timeout(180)  # a shaped network
 @pytest.mark.skipif(not _can_make_namespaces(), reason="needs root and network namespaces")
 def test_hierarchical_ahead_of_ring_across_a_slow_link(tmp_path):
     # 2 nodes of 2 joined at 100 Mbit/s: at 1 MiB the wire dominates, and ring

@@ -54,6 +54,7 @@ COMBOS = [
 ]
 
 
+@pytest.mark.timeout(180)  # every mode and algorithm
 @pytest.mark.parametrize("world", [2, 3])
 def test_same_parameters_as_one_process(world):
     results = run_ranks(world, _train, COMBOS, timeout=300)

@@ -12,6 +12,10 @@ counts as well.
 import ast
 import pathlib
 
+import pytest
+
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -288,6 +292,7 @@ def test_the_package_top_holds_few_modules_and_each_unit_says_its_job():
         )
 
 
+@pytest.mark.slow  # (a fresh interpreter: a process, not in the fast tier)
 def test_importing_the_package_leaves_dtensor_unimported_and_finds_it_once_it_is():
     """torch.distributed.tensor costs about a second of a process's start; a DTensor
     can exist only once it is imported, and is then recognized."""

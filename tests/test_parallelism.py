@@ -153,6 +153,7 @@ def test_a_tp_sharded_model_is_never_averaged_across_its_shards():
         assert status == "error" and "mesh['dp'].get_group()" in msg, msg
 
 
+@pytest.mark.timeout(180)  # a benchmark run
 def test_the_dp_x_pp_benchmark_runs_and_prints_every_config_against_ddp():
     import subprocess
 

@@ -16,6 +16,8 @@ from hybridcomm.plan.planner import (
     make_plan,
 )
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 GOOD = CostModel(1e-3, 1e-9, 1e-10)  # alpha/beta = 1 MB
 
 

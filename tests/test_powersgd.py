@@ -218,6 +218,7 @@ def test_powersgd_trains_close_to_dense_at_a_fifth_of_the_bytes():
     assert all(torch.equal(r[2], low[0][2]) for r in low)  # identical ranks
 
 
+@pytest.mark.timeout(180)  # training at 4 ranks
 def test_the_first_steps_are_the_exact_all_reduce():
     """With START = 4, four steps are the plain all-reduce: the same parameters as
     without compression, bit for bit; the fifth is compressed."""
@@ -230,6 +231,7 @@ def test_the_first_steps_are_the_exact_all_reduce():
     assert five[0][1] < five_exact[0][1]  # fewer bytes by the fifth step
 
 
+@pytest.mark.timeout(180)  # training at 4 ranks
 def test_with_a_wire_dtype_the_exact_steps_travel_in_it():
     """ "powersgd:4:4+fp16": its four exact steps are compression="fp16"'s, bit for
     bit and byte for byte; the fifth is compressed (and its messages fp32)."""

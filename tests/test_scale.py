@@ -12,6 +12,8 @@ from scale import Comm, LayerProfile, Network, simulate  # noqa: E402
 
 from hybridcomm.plan.cost_model import CostModel  # noqa: E402
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 
 def two_layers():
     return [LayerProfile("a", 1.0, 2.0, [4]), LayerProfile("b", 1.0, 2.0, [4])]

@@ -14,6 +14,8 @@ from hybridcomm.algorithms.schedule import Recv, Schedule, Send, Step
 from hybridcomm.algorithms.topology import most_square
 from hybridcomm.plan.cost_model import coefficients
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 WORLD_SIZES = range(1, 18)
 
 

@@ -8,6 +8,8 @@ import pytest
 from hybridcomm.algorithms import ALGORITHMS, ScheduleError, get_schedule, simulate
 from hybridcomm.algorithms.schedule import Recv, Schedule, Send, Step
 
+pytestmark = pytest.mark.fast  # in this process alone (tests/tiers.py)
+
 WORLD_SIZES = range(1, 18)
 
 

@@ -7,10 +7,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "shard_phases.py")
 
 
+@pytest.mark.timeout(180)  # a benchmark run
 def test_a_tiny_run_times_every_phase_of_every_algorithm_and_checks_them(tmp_path):
     out = tmp_path / "phases.json"
     proc = subprocess.run(

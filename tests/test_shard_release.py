@@ -199,6 +199,7 @@ def _ranks(rank, world, overlap, simulate):
     return flat, norms, seen, buckets
 
 
+@pytest.mark.timeout(180)  # training at 3 ranks
 @pytest.mark.parametrize(
     "overlap,simulate",
     [("backward", False), ("forward", False), ("backward", True), ("forward", True)],

@@ -8,6 +8,7 @@ import os
 import re
 import time
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -54,6 +55,7 @@ def _skipper(rank, world):
     return error, waited, [line for line in lines if "stall" in line]
 
 
+@pytest.mark.timeout(180)  # waits for the stall report
 def test_a_rank_that_skipped_a_backward_is_named_before_the_timeout():
     (error0, waited0, stalls0), (error1, _, _) = run_ranks(2, _skipper, timeout=120)
     assert error1 is None  # the rank behind never waits: it just runs a step late

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "sync_overhead.py")
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -13,6 +15,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import sync_overhead  # noqa: E402
 
 
+@pytest.mark.timeout(180)  # a benchmark run
 def test_a_tiny_quick_run_prints_every_config_and_verdict_and_writes_json(tmp_path):
     out = tmp_path / "overhead.json"
     tiny = [

@@ -87,11 +87,13 @@ def _check(doc, configs):
     assert rows["stock"]["speedup_vs_stock"] == pytest.approx(1.0)
 
 
+@pytest.mark.timeout(180)  # a benchmark run
 def test_hybridcomm_configs(tmp_path):
     doc, _ = _run(tmp_path, "--configs", ",".join(["stock"] + HYBRID))
     _check(doc, ["stock"] + HYBRID)
 
 
+@pytest.mark.timeout(180)  # a benchmark run
 def test_ddp_caps_comm_the_bound_and_the_limit(tmp_path):
     configs = ["comm", "limit", "stock", "ddp:0.5", "ddp:25", "hybrid-forward"]
     doc, stdout = _run(tmp_path, "--configs", ",".join(configs))
@@ -124,6 +126,7 @@ def test_ddp_caps_comm_the_bound_and_the_limit(tmp_path):
     assert "same" in stdout and "stock" in stdout
 
 
+@pytest.mark.timeout(360)  # a benchmark run of ResNet-18
 def test_a_real_model_resnet18(tmp_path):
     configs = ["stock", "hybrid-forward"]  # a smoke: batch 2, one timed step, one round
     doc, stdout = _run(
@@ -164,6 +167,7 @@ SHARD_KEYS = {
 }
 
 
+@pytest.mark.timeout(360)  # a benchmark run of six configs
 def test_sharded_optimizer_state_configs_with_adam_on_the_transformer(tmp_path):
     """Issue 40's comparison, tiny: DDP, ZeroRedundancyOptimizer, FSDP2 and hybridcomm's
     shard= configs train the transformer with Adam to DDP's parameters (2 ranks: every
@@ -329,6 +333,7 @@ def test_config_names_are_checked_before_anything_runs(capsys):
     assert proc.returncode == 2 and "nccl" in proc.stderr
 
 
+@pytest.mark.timeout(180)  # a benchmark run
 def test_a_hybridcomm_config_takes_optimizer_options(tmp_path, capsys):
     config = "hybrid-forward/fusion_bytes=32M/split_bytes=0"
     doc, _ = _run(tmp_path, "--configs", "stock," + config)

@@ -748,6 +748,7 @@ COMBOS = [
 ]
 
 
+@pytest.mark.timeout(180)  # every loop at up to 3 ranks
 @pytest.mark.parametrize(
     "world,overlap,simulate,fusion_bytes",
     COMBOS,
@@ -775,6 +776,7 @@ LEAN_COMBOS = [(2, overlap, False, None) for overlap in ("forward", "backward", 
 ]
 
 
+@pytest.mark.timeout(180)  # every loop at up to 3 ranks
 @pytest.mark.parametrize(
     "world,overlap,simulate,fusion_bytes",
     LEAN_COMBOS,
@@ -885,6 +887,7 @@ def _sharded_native(rank, world, overlap, shard, simulate):
 NATIVE_COMBOS = [("forward", "gradients", False), ("backward", "optimizer", True)]
 
 
+@pytest.mark.timeout(180)  # every loop, sharded
 @pytest.mark.parametrize(
     "overlap,shard,simulate",
     NATIVE_COMBOS,

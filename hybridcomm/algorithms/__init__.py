@@ -57,7 +57,7 @@ def get_schedule(
     if algorithm not in SCHEDULES:
         raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {ALGORITHMS}")
     topo = (topology or Topology()).resolve(world_size) if algorithm in TOPOLOGY_AWARE else None
-    return _cached(algorithm, rank, world_size, numel, topo)
+    return _cached(algorithm, rank, world_size, numel, topo=topo)
 
 
 @lru_cache(maxsize=4096)

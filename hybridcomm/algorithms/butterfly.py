@@ -31,4 +31,4 @@ def schedule(rank: int, world_size: int, numel: int) -> Schedule:
         >>> len(schedule(0, 8, 1000).steps)
         3
     """
-    return folded("butterfly", _core_steps, rank, world_size, numel)
+    return folded("butterfly", _core_steps, rank, world_size, numel=numel)

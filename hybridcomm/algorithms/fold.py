@@ -33,4 +33,4 @@ def folded(name: str, core_steps: CoreSteps, rank: int, world_size: int, numel: 
         steps += core_steps(rank, core, numel)
         if partner is not None:
             steps.append(step([Send(partner, *whole)]))
-    return build(name, rank, world_size, numel, steps)
+    return build(name, rank, world_size, numel, steps=steps)

@@ -1,19 +1,9 @@
 """Two-level all-reduce over groups of consecutive ranks (``hierarchical``, ``torus2d``).
 
-The ranks form groups of ``g`` consecutive ranks (nodes, or grid rows); the
-last group may be short. The buffer is cut into ``g`` chunks. Three phases:
-
-1. reduce-scatter inside each group (ring): in a full group local rank j
-   ends with the group's sum of chunk j; in a short group of ``s`` ranks,
-   local rank j owns a run of whole chunks (``g // s`` or one more);
-2. for each chunk, a ring all-reduce among its owners, one per group
-   (``ring.schedule`` over that chunk, mapped onto their global ranks); a rank
-   owning several chunks runs their rings side by side, step for step;
-3. all-gather inside each group (ring).
-
-Each element's final value is computed once (by its ring's reduce-scatter)
-and copied everywhere, so all ranks are bitwise identical. The final
-reduction is phase 2's, or phase 1's when there is a single group.
+Groups of ``g`` consecutive ranks (nodes, or grid rows; the last may be short)
+reduce-scatter inside, all-reduce each chunk across the groups among its owners,
+and all-gather inside (:func:`two_level`). Each element's final value is
+computed once and copied everywhere, so all ranks are bitwise identical.
 """
 
 from __future__ import annotations
@@ -34,7 +24,7 @@ def embed(steps: Sequence[Step], ranks: Sequence[int], offset: int = 0) -> List[
         else Step(
             tuple(Send(ranks[s.peer], s.start + offset, s.stop + offset) for s in st.sends),
             tuple(
-                Recv(ranks[r.peer], r.start + offset, r.stop + offset, r.reduce, r.final)
+                Recv(ranks[r.peer], r.start + offset, r.stop + offset, r.reduce, final=r.final)
                 for r in st.recvs
             ),
         )
@@ -49,7 +39,18 @@ def runs(g: int, s: int) -> List[int]:
 
 
 def two_level(name: str, rank: int, world_size: int, numel: int, g: int, topology=None) -> Schedule:
-    """Schedule of ``rank`` for groups of ``g`` consecutive ranks (see the module)."""
+    """Schedule of ``rank`` for groups of ``g`` consecutive ranks; the buffer is cut
+    into ``g`` chunks, in three phases:
+
+    1. reduce-scatter inside each group (ring): in a full group local rank j ends
+       with the group's sum of chunk j; in a short group of ``s`` ranks, local
+       rank j owns a run of whole chunks (``g // s`` or one more, :func:`runs`);
+    2. for each chunk, a ring all-reduce among its owners, one per group (mapped
+       onto their global ranks, :func:`embed`); a rank owning several chunks runs
+       their rings side by side, step for step;
+    3. all-gather inside each group (ring).
+
+    The final reduction is phase 2's, or phase 1's when there is a single group."""
     check_args(rank, world_size, numel)
     ngroups = -(-world_size // g)
     first = rank - rank % g
@@ -79,4 +80,4 @@ def two_level(name: str, rank: int, world_size: int, numel: int, g: int, topolog
         mine = [st for st in side_by_side if st is not None]
         steps.append(Step(sum((st.sends for st in mine), ()), sum((st.recvs for st in mine), ())))
     steps += embed(ring.all_gather(local, s, part), members)
-    return build(name, rank, world_size, numel, steps, topology)
+    return build(name, rank, world_size, numel, steps=steps, topology=topology)

@@ -65,7 +65,7 @@ def _all_gather(kept):  # the partner owns the given ranges
 
 
 def _core_steps(rank: int, p: int, numel: int):
-    kept = _with_tail(_halving(rank, p, numel)[0], rank, p, numel, 0)
+    kept = _with_tail(_halving(rank, p, numel)[0], rank, p, numel, tail=0)
     return _reduce_scatter(kept) + _all_gather(kept)
 
 
@@ -102,7 +102,7 @@ def reduce_scatter_schedule(rank: int, world_size: int, numel: int, tail: int = 
         rank,
         world_size,
         numel,
-        _reduce_scatter(_phase_steps(rank, world_size, numel, tail)),
+        steps=_reduce_scatter(_phase_steps(rank, world_size, numel, tail)),
     )
 
 
@@ -114,7 +114,7 @@ def all_gather_schedule(rank: int, world_size: int, numel: int, tail: int = 0) -
         rank,
         world_size,
         numel,
-        _all_gather(_phase_steps(rank, world_size, numel, tail)),
+        steps=_all_gather(_phase_steps(rank, world_size, numel, tail)),
     )
 
 
@@ -122,7 +122,7 @@ def _phase_steps(rank: int, world_size: int, numel: int, tail: int):
     check_args(rank, world_size, numel)
     _power_of_two(world_size)
     body = tail_body(world_size, numel, tail)
-    return _with_tail(_halving(rank, world_size, body)[0], rank, world_size, body, tail)
+    return _with_tail(_halving(rank, world_size, body)[0], rank, world_size, body, tail=tail)
 
 
 def schedule(rank: int, world_size: int, numel: int) -> Schedule:
@@ -133,4 +133,4 @@ def schedule(rank: int, world_size: int, numel: int) -> Schedule:
         >>> len(schedule(0, 8, 1000).steps)
         6
     """
-    return folded("halving_doubling", _core_steps, rank, world_size, numel)
+    return folded("halving_doubling", _core_steps, rank, world_size, numel=numel)

@@ -28,4 +28,4 @@ def schedule(rank: int, world_size: int, numel: int, topology: Topology | None =
         8
     """
     topo = (topology or Topology()).resolve(world_size)
-    return two_level("hierarchical", rank, world_size, numel, topo.node_size, topo)
+    return two_level("hierarchical", rank, world_size, numel, g=topo.node_size, topology=topo)

@@ -1,13 +1,9 @@
 """PowerSGD's sizes (Vogels et al. 2019): pure arithmetic the planner prices and
 comm/powersgd.py's :class:`~hybridcomm.comm.powersgd.PowerSGD` lays out.
 
-A gradient of two or more dimensions is a matrix of ``n`` rows (its first
-dimension) and ``m`` columns (the rest); it is compressed to rank ``r`` where
-that saves at least half (``2 r (n + m) <= n m``, the rule DDP's PowerSGD hook
-applies with its default ``min_compression_rate=2``). A bucket then sends two
-messages, each all-reduced: ``P`` (every compressed matrix's ``n x r`` factor,
-then every other gradient whole, then the usage flags) and ``Q`` (every
-compressed matrix's ``m x r`` factor).
+A gradient of two or more dimensions is an ``n x m`` matrix (its first
+dimension, the rest), compressed to rank ``r`` where that saves at least half;
+a bucket then sends two messages, ``P`` and ``Q`` (:func:`message_numels`).
 
 Example::
 
@@ -60,6 +56,7 @@ def compressed_shape(shape: Sequence[int], rank: int) -> Optional[Tuple[int, int
         return None
     n = int(shape[0])
     m = math.prod(int(d) for d in shape[1:])
+    # DDP's PowerSGD hook's rule with its default min_compression_rate=2
     return (n, m) if 2 * rank * (n + m) <= n * m else None
 
 

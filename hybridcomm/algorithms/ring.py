@@ -76,7 +76,7 @@ def schedule(rank: int, world_size: int, numel: int) -> Schedule:
         return chunk_bounds(numel, p, (i + 1) % p)
 
     steps = reduce_scatter(rank, p, part) + all_gather(rank, p, part)
-    return build("ring", rank, world_size, numel, steps)
+    return build("ring", rank, world_size, numel, steps=steps)
 
 
 def shard_bounds(rank: int, world_size: int, numel: int) -> Tuple[int, int]:
@@ -106,7 +106,7 @@ def reduce_scatter_schedule(rank: int, world_size: int, numel: int, tail: int = 
         rank,
         world_size,
         numel,
-        reduce_scatter(rank, world_size, *_phase_parts(rank, world_size, numel, tail)),
+        steps=reduce_scatter(rank, world_size, *_phase_parts(rank, world_size, numel, tail)),
     )
 
 
@@ -122,7 +122,7 @@ def all_gather_schedule(rank: int, world_size: int, numel: int, tail: int = 0) -
         rank,
         world_size,
         numel,
-        all_gather(rank, world_size, *_phase_parts(rank, world_size, numel, tail)),
+        steps=all_gather(rank, world_size, *_phase_parts(rank, world_size, numel, tail)),
     )
 
 

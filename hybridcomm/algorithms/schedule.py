@@ -175,5 +175,10 @@ def step(sends=(), recvs=()) -> Step | None:
 
 def build(algorithm: str, rank: int, world_size: int, numel: int, steps, topology=None) -> Schedule:
     return Schedule(
-        algorithm, rank, world_size, numel, tuple(s for s in steps if s is not None), topology
+        algorithm,
+        rank,
+        world_size,
+        numel,
+        steps=tuple(s for s in steps if s is not None),
+        topology=topology,
     )

@@ -50,4 +50,4 @@ def gather_schedule(rank: int, world: int, seg: int) -> Schedule:
     """Ring all-gather of ``world`` segments of ``seg`` elements, rank r owning
     segment r: P-1 steps of copies."""
     steps = all_gather(rank, world, lambda i: ((i % world) * seg, (i % world + 1) * seg))
-    return build("ring_allgather", rank, world, world * seg, steps)
+    return build("ring_allgather", rank, world, world * seg, steps=steps)

@@ -1,12 +1,10 @@
 """Where the ranks sit: ranks per node (``hierarchical``) and the grid (``torus2d``).
 
-Ranks are placed consecutively, as torchrun places them: node k holds ranks
-``[k * node_size, (k + 1) * node_size)``, and the last node may be short. A
-grid ``(rows, cols)`` puts rank r in row ``r // cols``, column ``r % cols``;
-its last row may be short too. The defaults come from here and nowhere else:
-``node_size`` from the argument, else ``LOCAL_WORLD_SIZE``, else one node;
-``grid`` from the argument, else the most square factorization of the world
-size (a prime P gives the degenerate ``(1, P)``: one row, the ring).
+Ranks are placed consecutively, as torchrun places them (node k holds ranks
+``[k * node_size, (k + 1) * node_size)``; a grid ``(rows, cols)`` puts rank r at
+``(r // cols, r % cols)``; the last node or row may be short). The defaults
+come from here alone: ``LOCAL_WORLD_SIZE`` else one node; the most square grid
+(a prime P: ``(1, P)``, the ring).
 
 Example::
 

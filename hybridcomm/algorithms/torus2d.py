@@ -28,4 +28,4 @@ def schedule(rank: int, world_size: int, numel: int, topology: Topology | None =
         12
     """
     topo = (topology or Topology()).resolve(world_size)
-    return two_level("torus2d", rank, world_size, numel, topo.grid[1], topo)
+    return two_level("torus2d", rank, world_size, numel, g=topo.grid[1], topology=topo)

@@ -1,15 +1,10 @@
 """Tensor-parallel parameters (``torch.distributed.tensor.DTensor``): each rank
-holds a shard, and data parallelism averages that shard with the ranks that
-hold the same shard in the other replicas: the data-parallel group of a 2-D
-mesh (``mesh["dp"].get_group()``).
+holds a shard, which data parallelism averages with the ranks holding the same
+shard in the other replicas (``mesh["dp"].get_group()``).
 
-hybridcomm reduces the local shards. A DTensor parameter's bucket view is its
-local shard in the bucket's buffer, wrapped as a DTensor with the parameter's
-mesh and placements, so ``.grad`` keeps the type autograd and the optimizer
-expect while backward accumulates straight into the buffer (zero-copy, as for
-plain tensors). The reduction group must hold no other rank of a parameter's
-mesh: averaging different shards (or the tensor-parallel replicas of one)
-would be silently wrong, so it is refused at construction.
+hybridcomm reduces the local shards: a DTensor parameter's bucket view is its
+local shard in the bucket's buffer, wrapped as a DTensor (:func:`grad_view`),
+so backward accumulates straight into the buffer.
 
 Example::
 
@@ -75,7 +70,9 @@ def grad_view(view: torch.Tensor, p) -> torch.Tensor:
 
 def group_problem(p, name: str, group) -> Optional[str]:
     """Why ``group`` must not reduce the DTensor ``p`` (None: it may, or ``p`` is
-    not a DTensor): it holds another rank of ``p``'s mesh."""
+    not a DTensor): it holds another rank of ``p``'s mesh. Averaging different
+    shards (or the tensor-parallel replicas of one) would be silently wrong, so
+    the optimizer refuses it at construction."""
     if not is_dtensor(p):
         return None
     mesh_ranks = set(p.device_mesh.mesh.flatten().tolist())

@@ -177,5 +177,6 @@ def bucket_range(bucket: int | str, algorithm: str, nbytes: int, world_size: int
 def step_range(algorithm: str, index: int, nsteps: int, step, itemsize: int):
     """The range around one schedule step (name: algorithm, step, bytes and peers)."""
     return _ranges(
-        lambda: step_range_name(algorithm, index, nsteps, step, itemsize), _COLORS.get(algorithm)
+        lambda: step_range_name(algorithm, index, nsteps, step, itemsize=itemsize),
+        _COLORS.get(algorithm),
     )

@@ -1,10 +1,8 @@
 """Which torch.distributed backend a group uses for which device.
 
-``init_process_group()`` without a backend makes a group with one backend per
-device type ("cpu:gloo,cuda:nccl"), and on torch 2.13 ``get_backend()`` then
-answers ``"undefined"``: reading that as "not NCCL" calibrated gloo on the CPU
-for a GPU job and refused the NCCL transport. Everything in hybridcomm that
-asks goes through here.
+``init_process_group()`` without a backend makes one backend per device type
+("cpu:gloo,cuda:nccl"), for which ``get_backend()`` answers ``"undefined"``;
+everything in hybridcomm that asks which backend goes through here.
 
 Example::
 

@@ -1,29 +1,12 @@
 """Where cost models come from: saved calibrations, the start-up probe, agreement.
 
-* A calibration (``hybridcomm-bench --calibrate``) is a JSON file at
-  :func:`default_path` (``HYBRIDCOMM_COST_MODEL``, else the user cache dir).
-  That file, the process's active model and ``auto``'s choice
-  (:func:`save`, :func:`load`, :func:`set_active`, :func:`active_model`,
-  :func:`choose_algorithm`) live in auto_model.py, below collectives.py,
-  and are importable from here.
-* Without one, :func:`probe` measures this job's network at start-up: the
-  reduction kernel alone (gamma, seconds per reduced byte), then the
-  butterfly, the ring and ``native`` at two sizes (median of several rounds),
-  and fits alpha and beta with gamma held (cost_model.fit).
-* The first probe of a job is kept (``probe-<world>-<backend>-<device>-...json``
-  beside the calibration file's place; ``HYBRIDCOMM_PROBE_CACHE=0``: not) and
-  later runs of the same job use it, so their plans repeat (one kept without
-  its uncertainty, by an older release, is probed again and replaced).
-* With summation servers (ps.py), :func:`with_ps` times ``ps`` at the probe's
-  sizes and adds its line, where the agreed model has none for that many
-  servers.
-* :func:`agree` makes every rank use rank 0's model (a plan must be the same
-  everywhere). Rank 0's fit is rounded to two significant digits, so that
-  the same job on the same machine gets the same model, and so the same
-  plan, run after run (a saved calibration makes that exact).
-
-Every collective here goes through the control plane (control.py): with a
-deadline, and raising our errors.
+A calibration (``hybridcomm-bench --calibrate``) is a JSON file at
+:func:`default_path` (saving, loading and ``auto``'s choice live in
+auto_model.py and are importable from here). Without one, :func:`probe`
+measures this job's network at start-up, and the first probe of a job is kept
+for its later runs. :func:`agree` makes every rank use rank 0's model, since a
+plan must be the same everywhere. Every collective here goes through the
+control plane (control.py): with a deadline, raising our errors.
 
 Example::
 
@@ -100,6 +83,7 @@ def agree(
                 why,
             )
             mine = None
+    # A job's first probe is kept, so that its later runs plan alike
     cache = probe_cache_path(group) if probe_if_uncalibrated else None
     if mine is None and cache is not None and dist.get_rank(group) == 0:
         mine = _load_probe_cache(cache, group)
@@ -257,7 +241,7 @@ def probe(
             (algo, nbytes, world, statistics.median(times[algo, nbytes])) for algo, nbytes in points
         ]
         model, report = fit(samples, gamma=gamma)
-        model = rounded(model)
+        model = rounded(model)  # two digits: the same job and machine, the same plan
     # (CostModel.uncertainty, rounded as the model is; one rank: nothing measured)
     meta = {
         "degenerate": bool(report and report.degenerate),

@@ -1,33 +1,12 @@
 """The one ordered channel all of a step's communication goes through.
 
 Every rank issues the same sequence of operations (the plan's fixed issue
-order, engine.py), whatever its local timing, so NCCL's tag-less matching
-pairs the right buffers and several communicators never deadlock. Two:
-
-* :class:`HostChannel` (CPU, gloo): one worker thread runs the operations in
-  order (gloo releases the GIL while it moves bytes); the trainer blocks on an
-  operation only where it needs the result, with the timeout.
-* :class:`StreamChannel` (CUDA, or the simulated GPU): each operation is
-  queued on the transport's comm stream; handles are done events, and the
-  trainer's stream waits on them. No host synchronization on the data path.
-  With ``issue_thread=True`` (the optimizer's channel) the transport's issuing
-  thread (:class:`Issuer`, bound to the rank's device) does the issuing: the NCCL group calls and
-  reduction launches of a bucket cost the backward (autograd's thread, which
-  runs the gradient hooks) only a queue append. The trainer's wait is then a
-  host wait for the issue (never for the device) and a stream wait.
-
-**The issuing thread** (:class:`Issuer`, the first half of this file):
-The thread that issues a transport's GPU work, in one order for every caller.
-
-NCCL matches operations by their order on a communicator, so everything a
-rank issues on one transport must be issued in the same order on every rank.
-Issuing from the gradient hooks (autograd's thread) puts each bucket's NCCL
-group calls and reduction launches on the thread that launches the next
-backward kernels; an :class:`Issuer` takes them off it. There is one per
-transport (``issuer_for``), shared by the optimizer's channels and, once it
-exists, by ``all_reduce``, the DDP hook and the averager (``issue_in_order``):
-two threads issuing on one communicator would interleave differently on
-each rank.
+order), whatever its local timing, so NCCL's tag-less matching pairs the right
+buffers and several communicators never deadlock. :class:`HostChannel` (gloo)
+runs them in order on a worker thread; :class:`StreamChannel` (CUDA, or the
+simulated GPU) queues them on the transport's comm stream, issued by the
+transport's :class:`Issuer` thread so that the backward pays only a queue
+append. Their place on a gradient's path: docs/ARCHITECTURE.md.
 
 Example (``queue`` queues work on the transport's comm stream and returns its
 done event)::
@@ -41,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from functools import partial
 from typing import Callable, Optional
 
 import torch.distributed as dist
@@ -172,7 +152,9 @@ def issue_in_order(transport, fn, what: str, timeout: float):
 
 
 class HostChannel:  # host path
-    """CPU: one worker thread runs the submitted operations in submission order.
+    """CPU: one worker thread runs the submitted operations in submission order
+    (gloo releases the GIL while it moves bytes); the trainer blocks on one only
+    where it needs the result, with the timeout.
     ``inline``: they run at once, in the caller (a group of one rank, whose
     operations communicate nothing: a thread would only cost a hand-off each).
 
@@ -471,11 +453,10 @@ class StreamChannel:
         returns the done event (inline) or a ticket (threaded). With a ``key``, its
         duration is kept for :meth:`take_ops`."""
         self._raise_failure()
+        issue = partial(self._issue, fn, what, key)  # (no frame of its own in a stack)
         if self._issuer is None:  # here, unless the transport has an issuing thread
-            return issue_in_order(
-                self.transport, lambda: self._issue(fn, what, key), what, self.timeout
-            )
-        return self._issuer.submit(lambda: self._issue(fn, what, key), what)
+            return issue_in_order(self.transport, issue, what, self.timeout)
+        return self._issuer.submit(issue, what)
 
     def _issue(self, fn, what: str, key):
         start, done = fn()

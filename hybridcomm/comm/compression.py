@@ -1,24 +1,12 @@
 """Top-k sparsification with error feedback (Lin et al. 2018, Deep Gradient
-Compression; Stich et al. 2018): ``DistributedOptimizer(..., compression="topk:RATIO")``.
+Compression, https://arxiv.org/abs/1712.01887; Stich et al. 2018):
+``DistributedOptimizer(..., compression="topk:RATIO")``.
 
-Per bucket and step, each rank keeps a residual ``v`` (what it has not sent
-yet) and, with DGC's momentum correction (the wrapped optimizer is SGD with
-momentum ``m``), a velocity ``u``::
-
-    u = m u + g ;  v = v + u          (momentum correction; without it: v = v + g)
-    send the k = ceil(RATIO n) entries of v largest in magnitude, as (index, value)
-    v[sent] = 0 ;  u[sent] = 0        (error feedback; momentum factor masking)
-
-Each rank's message is one fp32 segment ``[values(k) | indices as int32 bits(k)
-| usage flags(parameters)]``; the segments are all-gathered around a ring (a
-pure schedule: copies only) through the same ordered channel as every other
-bucket, and every rank sums them in rank order into the bucket: identical
-bits everywhere. With momentum correction the optimizer then steps those
-parameters with momentum 0 (it was applied before sparsifying). Residuals
-and velocities are per parameter in the optimizer's state (``state_dict``).
-
-The planner keeps a bucket dense where its sparse message would be larger
-(``(P-1) (2k + params) 4`` bytes sent against the dense algorithm's).
+Each rank sends the ``k`` entries of its residual largest in magnitude, with
+DGC's momentum correction under SGD with momentum (:class:`TopK`); the messages
+are all-gathered through the same ordered channel as every other bucket, and
+every rank sums them in rank order: identical bits everywhere. The planner
+keeps a bucket dense where its sparse message would be larger.
 
 Example::
 
@@ -44,6 +32,18 @@ class TopK:
     """One bucket's sparsifier: residual, velocity, the gathered message buffer.
 
     ``alloc(numel, dtype)`` makes device memory (the optimizer's allocator).
+
+    Per step, a residual ``v`` (what this rank has not sent yet) and, with
+    momentum ``m``, a velocity ``u``::
+
+        u = m u + g ;  v = v + u          (momentum correction; without it: v = v + g)
+        send the k = ceil(RATIO n) entries of v largest in magnitude
+        v[sent] = 0 ;  u[sent] = 0        (error feedback; momentum factor masking)
+
+    A rank's message is one fp32 segment ``[values(k) | indices as int32 bits(k)
+    | usage flags]``, all-gathered around a ring (copies only). With momentum
+    correction the optimizer then steps with momentum 0 (applied before
+    sparsifying). Residuals and velocities are in the optimizer's state.
     """
 
     def __init__(

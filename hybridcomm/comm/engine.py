@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 from typing import Callable, List, Optional
 
 from ..algorithms import ALL_REDUCE
@@ -152,7 +153,7 @@ class CommEngine:
             if last:
                 self._after[i] = None  # (in the operation now: it holds the buffer's views)
                 if self.channel.stream_ordered:
-                    op = self._noting_version(i, op, self.buckets[i].buffer)
+                    op = NotingVersion(op, i, self.buckets[i].buffer, self._versions)
             what, key = f"bucket {i} segment {s}", (self.plan, i, s) if self.timed_ops else None
             if self.waits_now or (self.round_end_waits and self.cursor + 1 == len(order)):
                 self._tickets[i][s] = self.channel.submit(op, what, key, **self._here(i))
@@ -185,21 +186,9 @@ class CommEngine:
         slow = self.on_slow
         return dict(
             here=True,
-            on_slow=None if slow is None else (lambda: slow(index)),
+            on_slow=None if slow is None else partial(slow, index),
             slow_after=self.slow_after,
         )
-
-    def _noting_version(self, index: int, op, buffer):
-        """``op``, then the buffer's version counter: our own writes are issued by then
-        (on whichever thread issues; the trainer reads it only after waiting). The
-        buffer as launched: the bucket may have released it since (shard.py)."""
-
-        def issue():
-            out = op()
-            self._versions[index] = buffer._version
-            return out
-
-        return issue
 
     def _operation(self, index: int, s: int, last: bool):
         b = self.buckets[index]
@@ -242,16 +231,13 @@ class CommEngine:
             # (on a stream nothing to do without a wire copy or a part to copy: no kernel)
             # The bucket's tensors, not the bucket or the engine: a kept operation makes no
             # reference cycle, so a re-plan's old buckets are freed at once.
-            buffer, wire, versions = b.buffer, b.wire, self._versions
-
-            def after():
-                if wire is not None:
-                    buffer.copy_(wire)  # (GradBucket.from_wire)
-                if extra is not None:
-                    extra()
-                if not ordered:
-                    versions[index] = buffer._version
-
+            after = BucketAfter(
+                index,
+                buffer=b.buffer,
+                wire=b.wire,
+                extra=extra,
+                versions=None if ordered else self._versions,
+            )
         op = reduce_operation(
             seg,
             self.transport,
@@ -276,34 +262,16 @@ class CommEngine:
         b = self.buckets[index]
         topk = b.topk
         self.bytes_sent += topk.bytes_sent
-        label = f"bucket {index} (topk, {topk.k} of {b.spec.numel}, {topk.bytes_sent} bytes sent)"
-
-        if self.channel.stream_ordered:
-
-            def queued():
-                start, _ = execute_async(
-                    topk.schedule,
-                    topk.gathered,
-                    self.transport,
-                    ready=self._ready[index],
-                    timed=True,
-                    reserved=True,
-                )
-                with self.transport.stream_context():
-                    topk.decode(b.grads, b.flags, self.scale)
-                done = self.transport.runtime.new_event(timing=True)
-                done.record(self.transport.stream)
-                self.transport.watch(done, self.timeout, label)
-                return start, done
-
-            return queued
-
-        def hosted():  # host path
-            execute(topk.schedule, topk.gathered, self.transport, timeout=self.timeout)
-            topk.decode(b.grads, b.flags, self.scale)
-            self._versions[index] = b.buffer._version
-
-        return hosted
+        op = TopkReduction(
+            index,
+            b,
+            self.transport,
+            scale=self.scale,
+            timeout=self.timeout,
+            ready=self._ready[index],
+            versions=self._versions,
+        )
+        return op.issue if self.channel.stream_ordered else op.run
 
     def _lowrank_operation(self, index: int):
         """A PowerSGD bucket: all-reduce P, project, all-reduce Q, decode (powersgd.py);
@@ -314,46 +282,19 @@ class CommEngine:
         self.bytes_sent += int(
             bytes_sent(algo, 4 * p_numel, world) + bytes_sent(algo, 4 * q_numel, world)
         )
-        label = f"bucket {index} (powersgd rank {lr.rank}, {algo}, {4 * (p_numel + q_numel)} bytes)"
-        ordered = self.channel.stream_ordered
-
-        def reduce(buf, ready=None, after=None):
-            return reduce_operation(
-                buf,
-                self.transport,
-                algo,
-                scale=None,
-                timeout=self.timeout,
-                label=label,
-                range_id=index,
-                ready=ready,
-                workspace=self._workspace,
-                stream_ordered=ordered,
-                after=after,
-                reserved=True,
-                servers=self.servers,
-            )
-
-        def decode():
-            lr.decode(b.grads, b.flags, self.scale)
-
-        if ordered:
-
-            def queued():
-                start, projected = reduce(lr.p, self._ready[index], lr.project)()
-                _, done = reduce(lr.q, projected, decode)()
-                return start, done
-
-            return queued
-
-        def hosted():  # host path
-            reduce(lr.p)()
-            lr.project()
-            reduce(lr.q)()
-            decode()
-            self._versions[index] = b.buffer._version
-
-        return hosted
+        op = LowRankReduction(
+            index,
+            b,
+            self.transport,
+            scale=self.scale,
+            timeout=self.timeout,
+            ready=self._ready[index],
+            versions=self._versions,
+            ordered=self.channel.stream_ordered,
+            workspace=self._workspace,
+            servers=self.servers,
+        )
+        return op.issue if self.channel.stream_ordered else op.run
 
     def _quantized_operation(self, index: int):
         """A quantized bucket: exchange the chunks, sum this rank's, gather the
@@ -422,7 +363,7 @@ class CommEngine:
         self.channel.wait(
             tickets[-1],
             f"bucket {index}",
-            on_slow=None if slow is None else (lambda: slow(index)),
+            on_slow=None if slow is None else partial(slow, index),
             slow_after=self.slow_after,
         )
         return time.perf_counter() - t0
@@ -456,3 +397,160 @@ class CommEngine:
 
     def close(self) -> None:
         self.channel.close()
+
+
+# A bucket's operations, as the channel runs (host) or issues (stream) them: objects whose
+# method is the step a stack trace shows. They hold the bucket's tensors and the engine's
+# version list, never the engine (nor, where kept in ``GradBucket.operations``, the bucket):
+# a kept operation makes no reference cycle, so a re-plan's old buckets are freed at once.
+class BucketAfter:
+    """What follows bucket ``index``'s last segment, where its reduction runs (the
+    channel's thread, or queued on the comm stream): the wire copy back into the
+    buffer, the launch's own ``extra`` (shard.py's part kept), and on the host path
+    (``versions``) the buffer's version noted: our own writes are done by then."""
+
+    __slots__ = ("index", "buffer", "wire", "extra", "versions")
+
+    def __init__(self, index: int, *, buffer, wire, extra, versions):
+        self.index, self.buffer, self.wire = index, buffer, wire
+        self.extra, self.versions = extra, versions
+
+    def run(self) -> None:
+        if self.wire is not None:
+            self.buffer.copy_(self.wire)  # (GradBucket.from_wire)
+        if self.extra is not None:
+            self.extra()
+        if self.versions is not None:
+            self.versions[self.index] = self.buffer._version
+
+    __call__ = run
+
+
+class NotingVersion:
+    """The stream path's last segment of bucket ``index``: ``operation`` issued, then the
+    buffer's version counter noted: our own writes are issued by then (on whichever
+    thread issues; the trainer reads it only after waiting). The buffer as launched:
+    the bucket may have released it since (shard.py)."""
+
+    __slots__ = ("operation", "index", "buffer", "versions")
+
+    def __init__(self, operation, index: int, buffer, versions: list):
+        self.operation, self.index, self.buffer, self.versions = operation, index, buffer, versions
+
+    def issue(self):
+        out = self.operation()
+        self.versions[self.index] = self.buffer._version
+        return out
+
+    __call__ = issue
+
+
+class TopkReduction:
+    """A top-k bucket's operation (made per launch): all-gather the ranks' messages
+    (compression.py's schedule), then sum them into the bucket (``decode``)."""
+
+    __slots__ = ("index", "bucket", "transport", "scale", "timeout", "ready", "versions")
+
+    def __init__(self, index: int, bucket, transport, *, scale, timeout, ready, versions):
+        self.index, self.bucket, self.transport = index, bucket, transport
+        self.scale, self.timeout, self.ready, self.versions = scale, timeout, ready, versions
+
+    def issue(self):  # stream path
+        b, transport = self.bucket, self.transport
+        topk = b.topk
+        start, _ = execute_async(
+            topk.schedule, topk.gathered, transport, ready=self.ready, timed=True, reserved=True
+        )
+        with transport.stream_context():
+            topk.decode(b.grads, b.flags, self.scale)
+        done = transport.runtime.new_event(timing=True)
+        done.record(transport.stream)
+        label = (
+            f"bucket {self.index} (topk, {topk.k} of {b.spec.numel}, {topk.bytes_sent} bytes sent)"
+        )
+        transport.watch(done, self.timeout, label)
+        return start, done
+
+    def run(self) -> None:  # host path
+        b = self.bucket
+        topk = b.topk
+        execute(topk.schedule, topk.gathered, self.transport, timeout=self.timeout)
+        topk.decode(b.grads, b.flags, self.scale)
+        self.versions[self.index] = b.buffer._version
+
+
+class LowRankReduction:
+    """A PowerSGD bucket's operation (made per launch): all-reduce P, project, all-reduce
+    Q, decode (powersgd.py), each all-reduce (a sum) by the bucket's algorithm, on
+    the stream (``ordered``) or on the host."""
+
+    __slots__ = (
+        "index",
+        "bucket",
+        "transport",
+        "scale",
+        "ready",
+        "versions",
+        "ordered",
+        "options",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        bucket,
+        transport,
+        *,
+        scale,
+        timeout,
+        ready,
+        versions,
+        ordered: bool,
+        workspace,
+        servers,
+    ):
+        self.index, self.bucket, self.transport = index, bucket, transport
+        self.scale, self.ready, self.versions, self.ordered = scale, ready, versions, ordered
+        lr, algo = bucket.lowrank, bucket.spec.algorithm
+        p_numel, q_numel = lr.bytes_sent_numel
+        label = f"bucket {index} (powersgd rank {lr.rank}, {algo}, {4 * (p_numel + q_numel)} bytes)"
+        # reduce_operation's options, the same for both factors
+        self.options = dict(
+            scale=None,
+            timeout=timeout,
+            label=label,
+            range_id=index,
+            workspace=workspace,
+            stream_ordered=ordered,
+            reserved=True,
+            servers=servers,
+        )
+
+    def _reduction(self, buf, ready=None, after=None):
+        """The all-reduce of one factor."""
+        return reduce_operation(
+            buf,
+            self.transport,
+            self.bucket.spec.algorithm,
+            ready=ready,
+            after=after,
+            **self.options,
+        )
+
+    def decode(self) -> None:
+        b = self.bucket
+        b.lowrank.decode(b.grads, b.flags, self.scale)
+
+    def issue(self):  # stream path
+        lr = self.bucket.lowrank
+        start, projected = self._reduction(lr.p, self.ready, lr.project)()
+        _, done = self._reduction(lr.q, projected, self.decode)()
+        return start, done
+
+    def run(self) -> None:  # host path
+        lr = self.bucket.lowrank
+        self._reduction(lr.p)()
+        lr.project()
+        self._reduction(lr.q)()
+        self.decode()
+        self.versions[self.index] = self.bucket.buffer._version

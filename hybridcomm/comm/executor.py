@@ -1,31 +1,12 @@
 """Run one rank's schedule over a transport, reducing with the kernels.
 
-Receives that are copies land directly in the caller's buffer; receives that
-are reductions land in a scratch buffer, reused across calls (no allocation
-per step), and are then added in with ``kernels.reduce``, which also applies
-the ``avg`` scale on the step that finalizes those elements.
-
-Large buffers are pipelined: the buffer is cut into ``K`` contiguous parts,
-each all-reduced by its own schedule of the same algorithm, and the parts run
-interleaved: all parts' first step is posted, then for each step and each
-part in turn, wait for that part, reduce it, and post its next step at once.
-While one part is being reduced the others' transfers are in flight, and a
-part's next send leaves as soon as its own reduction is done (no step-wide
-barrier). Every rank issues its messages in the same (step, part) order, and
-each part's messages to a peer keep the schedule's order, so pairs match in
-FIFO order without tags (NCCL) as well as with them (gloo). Each part is an
-exact all-reduce of its elements, bitwise identical on every rank.
-
-The index arithmetic of a (schedule, parts) pair is computed once and cached
-(plans hold integer ranges only, never tensors, so no user buffer is kept
-alive by the cache).
-
-**The one all-reduce dispatch** (the end of this file). Every all-reduce in hybridcomm goes through :func:`reduce_operation`: the
-engine's buckets, the DDP hook's, ``hybridcomm.all_reduce`` and the
-calibration probe (both through :func:`reduce_now`). It picks the transport's
-own all-reduce (``native``), the summation servers (``ps``) or an algorithm's
-schedule, and the side it runs on: blocking on the host (gloo) or queued on
-the comm stream (NCCL, the simulated GPU).
+:func:`execute` runs a schedule: copies land in the caller's buffer, reductions
+in a reused scratch buffer and are added in with ``kernels.reduce`` (which
+applies the ``avg`` scale on each element's final step); a large buffer is
+pipelined in parts. :func:`reduce_operation` (the end of this file) is the one
+all-reduce dispatch: every all-reduce in hybridcomm goes through it, and it
+picks ``native``, ``ps`` or a schedule, on the host or on the comm stream. Its
+place on a gradient's path: docs/ARCHITECTURE.md.
 
 Example::
 
@@ -142,7 +123,14 @@ def _plan_part(schedule: Schedule, base: int, slot0: int) -> Tuple[List[_PlanSte
 
 
 def num_parts(schedule: Schedule, element_size: int) -> int:  # host path
-    """How many pipelined parts ``execute`` cuts this schedule's buffer into."""
+    """How many pipelined parts ``execute`` cuts this schedule's buffer into.
+
+    Each part is all-reduced by its own schedule of the same algorithm, the parts
+    interleaved: every part's first step is posted, then per step and part, wait,
+    reduce, post its next step at once, so the others' transfers are in flight
+    while one part is reduced (no step-wide barrier). Every rank issues in the
+    same (step, part) order and each part's messages to a peer keep the
+    schedule's order, so pairs match without tags (NCCL) as with them (gloo)."""
     part_bytes = env.get("HYBRIDCOMM_PIPELINE_BYTES")
     if part_bytes <= 0 or schedule.algorithm not in SCHEDULES or schedule.world_size < 2:
         return 1
@@ -158,6 +146,8 @@ _PLAN_CACHE = 256
 
 
 def _plan(schedule: Schedule, parts: int) -> _Plan:
+    """The index arithmetic of (``schedule``, ``parts``), computed once and cached
+    (integer ranges only, never tensors: the cache keeps no user buffer alive)."""
     key = (id(schedule), parts)
     with _plans_lock:
         hit = _plans.get(key)
@@ -173,7 +163,11 @@ def _plan(schedule: Schedule, parts: int) -> _Plan:
             lo = k * schedule.numel // parts
             hi = (k + 1) * schedule.numel // parts
             sub = get_schedule(
-                schedule.algorithm, schedule.rank, schedule.world_size, hi - lo, schedule.topology
+                schedule.algorithm,
+                schedule.rank,
+                schedule.world_size,
+                hi - lo,
+                topology=schedule.topology,
             )
             steps, scratch = _plan_part(sub, lo, slot)
             out.append(steps)
@@ -239,10 +233,10 @@ def execute(
         done = execute_async(schedule, buf, transport, scale=scale, timeout=timeout)
         transport.runtime.current_stream().wait_event(done)
         return buf
-    return _execute_on_host(schedule, buf, transport, scale, scratch, timeout)
+    return _execute_on_host(schedule, buf, transport, scale=scale, scratch=scratch, timeout=timeout)
 
 
-def _execute_on_host(schedule, buf, transport, scale, scratch, timeout):  # host path
+def _execute_on_host(schedule, buf, transport, *, scale, scratch, timeout):  # host path
     """:func:`execute` over a host-ordered transport (gloo): blocks until done."""
     if schedule.world_size == 1:
         if scale is not None and scale != 1:
@@ -251,39 +245,47 @@ def _execute_on_host(schedule, buf, transport, scale, scratch, timeout):  # host
     plan = _plan(schedule, num_parts(schedule, buf.element_size()))
     scratch = _scratch(plan.scratch_numel, buf, scratch)
     exchange = transport.exchange
-
-    def post(step: _PlanStep):
-        sends, recvs, _ = step
-        return exchange(
-            [(p, buf[a:b]) for p, a, b in sends],
-            [(p, buf[a:b] if s < 0 else scratch[s : s + b - a]) for p, a, b, s in recvs],
-        )
-
-    def finish(step: _PlanStep, pending) -> None:
-        pending.wait(timeout)
-        for a, b, s, final in step[2]:
-            reduce(buf[a:b], scratch[s : s + b - a], scale=scale if final else None)
-
     parts = plan.parts
     if len(parts) == 1:
         for step in parts[0]:
-            finish(step, post(step))
+            pending = _post_step(step, buf, scratch, exchange)
+            _finish_step(step, pending, buf, scratch, scale=scale, timeout=timeout)
         return buf
     # Pipelined: (step, part) order on every rank; a part's next step is posted
     # as soon as its current one is reduced. Parts of one schedule have equal
     # step counts (the same algorithm at the same rank and world size).
-    pending = [post(steps[0]) if steps else None for steps in parts]
+    pending = [_post_step(steps[0], buf, scratch, exchange) if steps else None for steps in parts]
     nsteps = max(len(steps) for steps in parts)
     for i in range(nsteps):
         for k, steps in enumerate(parts):
             if i >= len(steps):
                 continue
-            finish(steps[i], pending[k])
-            pending[k] = post(steps[i + 1]) if i + 1 < len(steps) else None
+            _finish_step(steps[i], pending[k], buf, scratch, scale=scale, timeout=timeout)
+            pending[k] = (
+                _post_step(steps[i + 1], buf, scratch, exchange) if i + 1 < len(steps) else None
+            )
     return buf
 
 
-def _enter(transport, buf: torch.Tensor, ready, timed: bool, reserved: bool = False):
+def _post_step(step: _PlanStep, buf, scratch, exchange):  # host path
+    """One step's sends and receives, posted together (``exchange``: the transport's);
+    a receive that reduces lands in ``scratch``, a copy straight in ``buf``."""
+    sends, recvs, _ = step
+    return exchange(
+        [(p, buf[a:b]) for p, a, b in sends],
+        [(p, buf[a:b] if s < 0 else scratch[s : s + b - a]) for p, a, b, s in recvs],
+    )
+
+
+def _finish_step(step: _PlanStep, pending, buf, scratch, *, scale, timeout) -> None:  # host path
+    """Wait for one posted step (``pending``), then add what it received into ``buf``
+    (``scale`` applied where an element's value is final)."""
+    pending.wait(timeout)
+    for a, b, s, final in step[2]:
+        reduce(buf[a:b], scratch[s : s + b - a], scale=scale if final else None)
+
+
+def _enter(transport, buf: torch.Tensor, *, ready, timed: bool, reserved: bool = False):
     """The comm stream waits for ``ready`` (default: the caller's stream as it is
     now), and ``buf``'s memory stays reserved until the comm stream is done
     (``reserved``: it already is, recorded on the comm stream when allocated, as
@@ -303,7 +305,7 @@ def _enter(transport, buf: torch.Tensor, ready, timed: bool, reserved: bool = Fa
     return None
 
 
-def _leave(transport, start, what: str, timeout: float | None, after=None):
+def _leave(transport, start, *, what: str, timeout: float | None, after=None):
     """The done event (with ``start``: both), recorded behind ``after`` (queued on the
     comm stream first: one event covers both), its watchdog armed."""
     if after is not None:
@@ -347,14 +349,16 @@ def execute_async(
     """
     if schedule.numel != buf.numel():
         raise ValueError(f"schedule is for {schedule.numel} elements, buffer has {buf.numel()}")
-    start = _enter(transport, buf, ready, timed, reserved)
+    start = _enter(transport, buf, ready=ready, timed=timed, reserved=reserved)
     with transport.stream_context():
         if schedule.world_size > 1:
             plan = _plan(schedule, 1)  # one part: steps on one stream run in turn anyway
             scratch = comm_scratch(transport, plan.scratch_numel, buf.dtype)
             nsteps, itemsize, exchange = len(schedule.steps), buf.element_size(), transport.exchange
             for i, (sends, recvs, reds) in enumerate(plan.parts[0]):
-                with trace.step_range(schedule.algorithm, i, nsteps, schedule.steps[i], itemsize):
+                with trace.step_range(
+                    schedule.algorithm, i, nsteps=nsteps, step=schedule.steps[i], itemsize=itemsize
+                ):
                     exchange(
                         [(p, buf[a:b]) for p, a, b in sends],
                         [
@@ -370,9 +374,9 @@ def execute_async(
     return _leave(
         transport,
         start,
-        label or f"{schedule.algorithm} all-reduce of {buf.numel()} x {buf.dtype}",
-        timeout,
-        after,
+        what=label or f"{schedule.algorithm} all-reduce of {buf.numel()} x {buf.dtype}",
+        timeout=timeout,
+        after=after,
     )
 
 
@@ -400,17 +404,21 @@ def execute_native(
     returns its done event (``(start, done)`` with ``timed``), behind ``after``.
     """
     if not transport.stream_ordered:
-        _native_calls(buf, transport, average, phase, tail, timeout=timeout)
+        _native_calls(buf, transport, average=average, phase=phase, tail=tail, timeout=timeout)
         return None
-    start = _enter(transport, buf, ready, timed, reserved)
-    _native_calls(buf, transport, average, phase, tail)
+    start = _enter(transport, buf, ready=ready, timed=timed, reserved=reserved)
+    _native_calls(buf, transport, average=average, phase=phase, tail=tail)
     return _leave(
-        transport, start, label or f"native {phase} of {buf.numel()} x {buf.dtype}", timeout, after
+        transport,
+        start,
+        what=label or f"native {phase} of {buf.numel()} x {buf.dtype}",
+        timeout=timeout,
+        after=after,
     )
 
 
 def _native_calls(
-    buf: torch.Tensor, transport, average: bool, phase: str, tail: int, **timeout
+    buf: torch.Tensor, transport, *, average: bool, phase: str, tail: int, **timeout
 ) -> None:
     """The transport's own collective for ``phase`` (``timeout``: the host path's)."""
     if phase == ALL_REDUCE:
@@ -509,9 +517,10 @@ def reduce_operation(
 ) -> Callable:
     """A channel operation that all-reduces the flat ``buf`` in place with ``algorithm``.
 
-    Host channel: the returned function runs the reduction (blocking) on the
-    channel's thread. Stream channel: it queues the reduction on the comm stream
-    (after ``ready``) and returns ``(start, done)`` timing events. ``after`` (a
+    Host channel: the returned operation (:class:`HostReduction`) runs the reduction
+    (blocking) on the channel's thread. Stream channel: it (:class:`QueuedReduction`)
+    queues the reduction on the comm stream (after ``ready``) and returns
+    ``(start, done)`` timing events. ``after`` (a
     function) runs once the reduction is done, on the same side (thread or
     comm stream). ``scale``: 1/P for an average. ``range_id`` names the profiler
     range ("bucket <range_id> ...", None: no range). ``reserved``: ``buf`` was recorded on the
@@ -524,77 +533,230 @@ def reduce_operation(
     of ``buf`` that each rank gets whole (``algorithms.tail_body``: the usage
     flags' copies).
     """
-    world, rank = transport.world_size, transport.rank
-    nbytes = buf.numel() * buf.element_size()
     if algorithm == PS:
-        return _ps_operation(buf, servers, scale, after, range_id, world, nbytes)
+        return ServerReduction(
+            buf, transport, servers=servers, scale=scale, after=after, range_id=range_id
+        )
     if algorithm == NATIVE:
-
-        def native():
-            with _range(range_id, algorithm, nbytes, world):
-                out = execute_native(
-                    buf,
-                    transport,
-                    average=scale is not None,
-                    ready=ready,
-                    timeout=timeout,
-                    label=label,
-                    timed=stream_ordered and timed,
-                    reserved=reserved,
-                    phase=phase,
-                    tail=tail,
-                    after=after if stream_ordered else None,
-                )
-            if after is not None and not stream_ordered:
-                after()
-            return out
-
-        return native
+        return NativeReduction(
+            buf,
+            transport,
+            average=scale is not None,
+            ready=ready,
+            timeout=timeout,
+            label=label,
+            timed=stream_ordered and timed,
+            reserved=reserved,
+            phase=phase,
+            tail=tail,
+            stream_ordered=stream_ordered,
+            after=after,
+            range_id=range_id,
+        )
+    world, rank = transport.world_size, transport.rank
     schedule = (
-        get_schedule(algorithm, rank, world, buf.numel(), topology)
+        get_schedule(algorithm, rank, world, buf.numel(), topology=topology)
         if phase == ALL_REDUCE
-        else get_phase_schedule(phase, algorithm, rank, world, buf.numel(), tail)
+        else get_phase_schedule(phase, algorithm, rank, world, numel=buf.numel(), tail=tail)
     )
     if stream_ordered:
+        return QueuedReduction(
+            schedule,
+            buf,
+            transport,
+            scale=scale,
+            ready=ready,
+            timeout=timeout,
+            label=label,
+            timed=timed,
+            reserved=reserved,
+            after=after,
+            range_id=range_id,
+        )
+    return HostReduction(
+        schedule,
+        buf,
+        transport,
+        scale=scale,
+        timeout=timeout,
+        workspace=workspace,
+        after=after,
+        range_id=range_id,
+    )
 
-        def queued():
-            with _range(range_id, algorithm, nbytes, world):
-                return execute_async(
-                    schedule,
-                    buf,
-                    transport,
-                    scale=scale,
-                    ready=ready,
-                    timeout=timeout,
-                    label=label,
-                    timed=timed,
-                    reserved=reserved,
-                    after=after,
-                )
 
-        return queued
+# The operations reduce_operation returns: objects whose method is the step a stack trace
+# shows (``HostReduction.run``, ``QueuedReduction.issue``), called as functions by the
+# channel. What they need is worked out once, where they are made: the engine keeps a
+# host path's operation per bucket buffer and runs it every step.
+class _Reduction:
+    """An operation's buffer and transport, what runs after it (on the same side: the
+    channel's thread or the comm stream) and its profiler range ("bucket <range_id>
+    ...", none where ``range_id`` is None)."""
 
-    # (once per operation: an operation the engine keeps runs every step)
-    scratch_numel, dtype, device = schedule.scratch_numel, buf.dtype, buf.device
+    __slots__ = ("buf", "transport", "after", "range_id", "algorithm", "nbytes", "world")
 
-    def hosted():  # host path
-        scratch = workspace.get(scratch_numel, dtype, device) if workspace is not None else None
-        with _range(range_id, algorithm, nbytes, world):
-            execute(schedule, buf, transport, scale=scale, scratch=scratch, timeout=timeout)
-        if after is not None:
+    def __init__(self, buf, transport, algorithm: str, *, after, range_id):
+        self.buf, self.transport, self.algorithm = buf, transport, algorithm
+        self.after, self.range_id = after, range_id
+        self.nbytes = buf.numel() * buf.element_size()
+        self.world = transport.world_size
+
+
+class HostReduction(_Reduction):
+    """The host path's all-reduce (or phase) of ``buf`` by ``schedule``: run (blocking)
+    on the channel's thread, or in its caller; then ``after``."""
+
+    __slots__ = ("schedule", "scale", "timeout", "workspace", "scratch_numel", "dtype", "device")
+
+    def __init__(self, schedule, buf, transport, *, scale, timeout, workspace, after, range_id):
+        super().__init__(buf, transport, schedule.algorithm, after=after, range_id=range_id)
+        self.schedule, self.scale, self.timeout = schedule, scale, timeout
+        self.workspace = workspace
+        self.scratch_numel, self.dtype, self.device = schedule.scratch_numel, buf.dtype, buf.device
+
+    def run(self) -> None:
+        workspace = self.workspace
+        scratch = (
+            workspace.get(self.scratch_numel, self.dtype, self.device)
+            if workspace is not None
+            else None
+        )
+        with _range(self.range_id, self.algorithm, self.nbytes, self.world):
+            execute(
+                self.schedule,
+                self.buf,
+                self.transport,
+                scale=self.scale,
+                scratch=scratch,
+                timeout=self.timeout,
+            )
+        if self.after is not None:
+            self.after()
+
+    __call__ = run  # (the channel calls its operations)
+
+
+class QueuedReduction(_Reduction):
+    """The stream path's all-reduce (or phase) of ``buf`` by ``schedule``: issued on
+    the comm stream after ``ready``, ``after`` queued behind it; returns ``(start,
+    done)`` timing events (the done event alone unless ``timed``)."""
+
+    __slots__ = ("schedule", "scale", "ready", "timeout", "label", "timed", "reserved")
+
+    def __init__(
+        self,
+        schedule,
+        buf,
+        transport,
+        *,
+        scale,
+        ready,
+        timeout,
+        label,
+        timed,
+        reserved,
+        after,
+        range_id,
+    ):
+        super().__init__(buf, transport, schedule.algorithm, after=after, range_id=range_id)
+        self.schedule, self.scale, self.ready, self.timeout = schedule, scale, ready, timeout
+        self.label, self.timed, self.reserved = label, timed, reserved
+
+    def issue(self):
+        with _range(self.range_id, self.algorithm, self.nbytes, self.world):
+            return execute_async(
+                self.schedule,
+                self.buf,
+                self.transport,
+                scale=self.scale,
+                ready=self.ready,
+                timeout=self.timeout,
+                label=self.label,
+                timed=self.timed,
+                reserved=self.reserved,
+                after=self.after,
+            )
+
+    __call__ = issue  # (the channel calls its operations)
+
+
+class NativeReduction(_Reduction):
+    """``native``: the transport's own all-reduce (or reduce-scatter, all-gather) of
+    ``buf`` (:func:`execute_native`); on a stream ``after`` queued behind it, on the
+    host run after it."""
+
+    __slots__ = (
+        "average",
+        "ready",
+        "timeout",
+        "label",
+        "timed",
+        "reserved",
+        "phase",
+        "tail",
+        "stream_ordered",
+    )
+
+    def __init__(
+        self,
+        buf,
+        transport,
+        *,
+        average,
+        ready,
+        timeout,
+        label,
+        timed,
+        reserved,
+        phase,
+        tail,
+        stream_ordered,
+        after,
+        range_id,
+    ):
+        super().__init__(buf, transport, NATIVE, after=after, range_id=range_id)
+        self.average, self.ready, self.timeout, self.label = average, ready, timeout, label
+        self.timed, self.reserved, self.phase, self.tail = timed, reserved, phase, tail
+        self.stream_ordered = stream_ordered
+
+    def run(self):
+        ordered, after = self.stream_ordered, self.after
+        with _range(self.range_id, self.algorithm, self.nbytes, self.world):
+            out = execute_native(
+                self.buf,
+                self.transport,
+                average=self.average,
+                ready=self.ready,
+                timeout=self.timeout,
+                label=self.label,
+                timed=self.timed,
+                reserved=self.reserved,
+                phase=self.phase,
+                tail=self.tail,
+                after=after if ordered else None,
+            )
+        if after is not None and not ordered:
             after()
+        return out
 
-    return hosted
+    __call__ = run  # (the channel calls its operations)
 
 
-def _ps_operation(buf, servers, scale, after, range_id, world: int, nbytes: int):
-    """``ps``: the buffer through the summation servers, on the channel's thread
-    (host path only: :class:`CommEngine` refuses a ``ps`` plan elsewhere)."""
+class ServerReduction(_Reduction):
+    """``ps``: ``buf`` through the summation servers, on the channel's thread (host path
+    only: :class:`~hybridcomm.comm.engine.CommEngine` refuses a ``ps`` plan elsewhere)."""
 
-    def hosted():
-        with _range(range_id, PS, nbytes, world):
-            servers.all_reduce(buf, op="sum" if scale is None else "avg")
-        if after is not None:
-            after()
+    __slots__ = ("servers", "op")
 
-    return hosted
+    def __init__(self, buf, transport, *, servers, scale, after, range_id):
+        super().__init__(buf, transport, PS, after=after, range_id=range_id)
+        self.servers, self.op = servers, "sum" if scale is None else "avg"
+
+    def run(self) -> None:
+        with _range(self.range_id, self.algorithm, self.nbytes, self.world):
+            self.servers.all_reduce(self.buf, op=self.op)
+        if self.after is not None:
+            self.after()
+
+    __call__ = run  # (the channel calls its operations)

@@ -1,30 +1,12 @@
 """PowerSGD: low-rank gradient compression with error feedback (Vogels, Karimireddy
-and Jaggi 2019), ``DistributedOptimizer(..., compression="powersgd:RANK[:START]")``.
+and Jaggi 2019, https://arxiv.org/abs/1905.13727),
+``DistributedOptimizer(..., compression="powersgd:RANK[:START]")``.
 
-Per bucket and step, each gradient of two or more dimensions that rank ``r``
-compresses (algorithms/lowrank.py) is a matrix ``G`` (``n x m``), and each rank
-keeps its error feedback ``E`` and, shared by all ranks, a warm start ``Q``
-(``m x r``)::
-
-    X = G + E                         (this rank's, with what it has not sent yet)
-    P = X Q,   all-reduced (sum), then orthogonalized (the same bits everywhere)
-    Q = X^T P, all-reduced (sum), then divided by the world size
-    X' = P Q^T                        (the averaged gradient, to rank r)
-    E = X - X'                        (kept for the next step)
-
-Gradients the rank does not compress travel whole in ``P``'s message, with the
-usage flags; every sum and its division are those of a plain all-reduce, and
-the orthogonalization runs on identical inputs in the same order on every
-rank, so every rank ends with the same bits. The first ``START`` steps are
-plain all-reduces of the whole bucket (DDP's ``start_powerSGD_iter``: early
-gradients are large and compress badly), with no error feedback.
-
-This is the same arithmetic as PyTorch DDP's ``powerSGD_hook`` (its error is
-the local input minus the decompressed average, its ``Q`` the averaged sum),
-written here; what differs is where it runs: a bucket's two all-reduces go
-through hybridcomm's one ordered channel as soon as backward has produced the
-bucket, so in forward mode they overlap the rest of backward and the next
-forward, and any number of buckets is safe over gloo.
+The arithmetic of PyTorch DDP's ``powerSGD_hook`` (:class:`PowerSGD`); what
+differs is where it runs: a bucket's two all-reduces go through hybridcomm's
+one ordered channel as soon as backward has produced the bucket, so in forward
+mode they overlap the rest of backward and the next forward. The first
+``START`` steps are plain all-reduces (early gradients compress badly).
 
 Example::
 
@@ -67,6 +49,20 @@ class PowerSGD:
     parameter's index), which seeds its first ``Q``; ``alloc(numel, dtype)`` makes
     device memory (the optimizer's allocator). ``active`` is set per launch by the
     bucket group.
+
+    Each gradient of two or more dimensions that rank ``r`` compresses is a
+    matrix ``G`` (``n x m``); each rank keeps its error feedback ``E`` and, shared
+    by all ranks, a warm start ``Q`` (``m x r``)::
+
+        X = G + E                         (this rank's, with what it has not sent yet)
+        P = X Q,   all-reduced (sum), then orthogonalized (the same bits everywhere)
+        Q = X^T P, all-reduced (sum), then divided by the world size
+        X' = P Q^T                        (the averaged gradient, to rank r)
+        E = X - X'                        (kept for the next step)
+
+    The other gradients travel whole in ``P``'s message, with the usage flags.
+    Every sum is a plain all-reduce's and the orthogonalization runs on identical
+    inputs on every rank, so every rank ends with the same bits.
     """
 
     def __init__(

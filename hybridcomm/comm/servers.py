@@ -1,45 +1,12 @@
 """Parameter-server-assisted all-reduce, as BytePS does it: summation servers.
 
-The job has W workers and K extra CPU processes, the servers (the last K
-ranks of the world). A tensor is cut into K contiguous partitions; worker w
-pushes partition k to server k, server k sums the W partitions it gets (in
-worker order, fp32 accumulation for fp16/bf16: one result, sent to every
-worker, so every worker ends bitwise identical) and every worker pulls the
-sums back. Each worker's link carries each byte once out and once in,
-against ``2(W-1)/W`` each way for a ring; the servers' links carry the rest.
-It pays when the servers have links of their own (other machines' spare
-NICs, as BytePS uses them); on one shared link it cannot.
-
-Start: every rank calls :func:`split_world` (collective), servers then
-:func:`serve` until the workers close, workers use :class:`SummationServers`::
-
-    role = hybridcomm.comm.servers.split_world(num_servers=2)      # the last 2 ranks serve
-    if role.is_server:
-        hybridcomm.comm.servers.serve(role)                         # returns when workers close
-    else:
-        ps = hybridcomm.comm.servers.SummationServers(role, timeout=60)
-        ps.all_reduce(grad, op="avg")                     # over the workers only
-        ps.close()
-
-Under torchrun: ``torchrun --nproc-per-node W+K script.py`` with the
-script as above. The protocol is a header (element count, dtype, op, chunk)
-then the data, per partition, over torch.distributed point-to-point (gloo on
-CPU). A partition moves in chunks (``chunk_bytes``), pipelined: a server sums
-chunk j and sends it back while the workers' chunk j+1 is still arriving, so
-the push (out of a worker) and the pull (into it) overlap on a full-duplex
-link instead of taking turns. A worker keeps at most ``window`` chunks pushed
-to a server ahead of the sums it got back from it (credit-based flow
-control): a server sums chunk j only once every worker's is in, so a worker
-that ran ahead would only fill queues, and its flow would take link share
-from the slowest worker, the one every sum waits for (on tbf 100mbit links,
-16 MiB over 4 workers + 4 servers: 1.9 s without the window, 1.6 s with 4
-chunks of 64 KiB). The pulls travel on connections of their own
-(a second process group over the same ranks): each TCP connection then
-carries data one way only, as a ring's do. On one connection both ways, each
-side's acknowledgements ride behind its own data in the link's queue: ps's
-flows as plain point-to-point (16 MiB pushed and pulled per worker, tbf
-100mbit links) took 2.5 s on one connection per pair, 1.86 s on two
-(docs/PARALLELISM.md).
+The last K ranks of the world serve: each worker pushes partition k of a
+tensor to server k, which sums the W partitions in worker order (fp32 for
+fp16/bf16) and sends the one sum back to every worker, so every worker ends
+bitwise identical. Every rank calls :func:`split_world`; servers then
+:func:`serve`, workers use :class:`SummationServers`. When it pays and how the
+data moves (chunks, flow control, the pulls' own connections):
+docs/PARALLELISM.md, "Parameter-server-assisted all-reduce".
 """
 
 from __future__ import annotations
@@ -93,10 +60,12 @@ def split_world(num_servers: int) -> Role:
     workers = list(range(world - num_servers))
     servers = list(range(world - num_servers, world))
     group = dist.new_group(workers)
-    # New connections for the sums coming back (gloo makes one per pair and group).
+    # New connections for the sums coming back (gloo makes one per pair and group), so
+    # each TCP connection carries data one way only: on one connection both ways,
+    # each side's acknowledgements queue behind its own data.
     pulls = dist.new_group(list(range(world))) if num_servers else None
     is_server = rank in servers
-    return Role(is_server, workers, servers, None if is_server else group, pulls)
+    return Role(is_server, workers, servers, None if is_server else group, pull_group=pulls)
 
 
 def partitions(numel: int, k: int) -> List[tuple]:

@@ -1,10 +1,8 @@
 """The synchronizer's settings, read once from the arguments and the environment.
 
-``DistributedOptimizer`` (and LocalSGD) build one :class:`SyncConfig` from
-their keywords and the ``HYBRIDCOMM_*`` variables, and hand it down: the
-synchronizer and its parts read their settings here, never from the
-environment or a keyword threaded through three signatures. Values are
-checked once, at construction, with the message the user needs.
+``DistributedOptimizer`` (and LocalSGD) build one :class:`SyncConfig` from their
+keywords and the ``HYBRIDCOMM_*`` variables, checked once at construction, and
+hand it down: the synchronizer's parts read their settings here.
 
 Example::
 
@@ -101,6 +99,9 @@ class SyncConfig:
     issue_thread: bool = True
     lean_hooks: bool = True
     shard: Optional[str] = None  # None, "optimizer" or "gradients" (sync/shard.py)
+    # How shard= cuts the state: "elements" or "parameters" (sync/granularity.py), and why
+    shard_by: Optional[str] = None
+    shard_by_reason: str = ""
 
     def __post_init__(self):
         if self.overlap not in OVERLAPS:
@@ -111,6 +112,15 @@ class SyncConfig:
             raise ValueError("backward_passes_per_step must be >= 1 (or None: learned)")
         if self.shard not in (None, "optimizer", "gradients"):
             raise ValueError(f"shard must be None, 'optimizer' or 'gradients', got {self.shard!r}")
+        if self.shard_by not in (None, "elements", "parameters"):
+            raise ValueError(
+                f"shard_by must be None, 'elements' or 'parameters', got {self.shard_by!r}"
+            )
+        if self.shard_by is not None and self.shard is None:
+            raise ValueError(
+                f"shard_by={self.shard_by!r} needs shard='optimizer' or 'gradients' "
+                "(without shard= every rank keeps the whole state)"
+            )
         if self.lazy_bytes is not None and self.lazy_bytes <= 0:
             raise ValueError(f"lazy_bytes must be > 0 bytes, got {self.lazy_bytes}")
 

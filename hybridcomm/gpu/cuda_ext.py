@@ -1,21 +1,13 @@
 """The optional CUDA C++ extension (csrc/): pack / unpack / reduce without Triton.
 
-Built on first use with ``torch.utils.cpp_extension.load`` (nvcc and a CUDA
-build of torch needed; torch caches the build under
-``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``), only where CUDA is
-present. It is the fallback where Triton is missing and the baseline the
-Triton kernels are measured against on GPU. Same arguments and semantics as
-``hybridcomm.kernels`` (fp32 math, one rounding), CUDA tensors only; kernels
-go on the current CUDA stream.
-
-``HYBRIDCOMM_CSRC`` points at another csrc folder (the default is the one
-beside the package, as in a source checkout or an editable install).
-
-Optional by default: :func:`load` returns None where there is nothing to build
-with (no CUDA, no toolkit). A build that was tried and failed is not quiet: it
-is logged as a warning with the compiler's message, :func:`build_failed` says
-so, and ``load(required=True)`` raises :class:`CsrcBuildError` (what the GPU
-tests and ``make gpu-check`` use, so a compile error fails them, never skips).
+The fallback where Triton is missing and the baseline the Triton kernels are
+measured against: the arguments and semantics of ``hybridcomm.kernels`` (fp32
+math, one rounding), CUDA tensors only, on the current stream. Built on first
+use with ``torch.utils.cpp_extension.load`` (nvcc and a CUDA torch needed) from
+``HYBRIDCOMM_CSRC`` (default: the csrc/ beside the package). :func:`load`
+returns None where there is nothing to build with; a failed build is a warning,
+and ``load(required=True)`` raises :class:`CsrcBuildError` (the GPU tests: a
+compile error fails them, never skips).
 
 Example::
 

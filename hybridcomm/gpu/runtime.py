@@ -1,17 +1,12 @@
 """The device runtime: the one layer under the GPU path that is swapped for a simulator.
 
-Everything the stream-ordered code needs from CUDA goes through a runtime:
-streams, events, the current stream, device memory and ``record_stream``,
-binding a thread to the rank's device, and the NCCL module. Two exist:
-
-* :class:`CudaRuntime`: ``torch.cuda`` and ``cupy.cuda.nccl`` (production);
-* ``hybridcomm.testing.simgpu.SimRuntime``: a simulated CUDA runtime on CPU
-  tensors, selected with ``HYBRIDCOMM_SIMULATE_GPU=1`` (streams that run late,
-  events, a stream-tracking allocator, a race detector, NCCL over gloo).
-
-:func:`runtime_for` picks one for a tensor's device, or None for the host
-path (CPU tensors over gloo, no streams). Code above this layer never calls
-``torch.cuda`` directly, so the simulator runs exactly the production code.
+Everything the stream-ordered code needs from CUDA (streams, events, device
+memory, ``record_stream``, binding a thread to the device, the NCCL module)
+goes through a runtime: :class:`CudaRuntime` (``torch.cuda``, ``cupy.cuda.nccl``)
+or ``hybridcomm.testing.simgpu.SimRuntime`` (``HYBRIDCOMM_SIMULATE_GPU=1``).
+:func:`runtime_for` picks one for a device, or None for the host path. Code
+above this layer never calls ``torch.cuda``, so the simulator runs exactly the
+production code.
 """
 
 from __future__ import annotations

@@ -1,56 +1,12 @@
 """hybridcomm under Hugging Face Accelerate: the DDP hook, or the optimizer (forward overlap).
 
-Accelerate wraps the model in ``DistributedDataParallel`` inside
-``accelerator.prepare`` (multi-GPU, and multi-CPU under ``torchrun``); its own
-``DistributedDataParallelKwargs(comm_hook=...)`` knows only torch's built-in
-hooks. :func:`register` puts hybridcomm's hook (:mod:`hybridcomm.ddp`) on the
-DDP model ``prepare`` returned, before the first backward. Everything else
-stays Accelerate's: ``accelerator.backward``, ``accelerator.accumulate(model)``
-(its ``no_sync`` skips the hook on the accumulating passes; the last pass
-reduces the sum), ``accelerator.clip_grad_norm_`` (the gradients are already
-averaged when backward returns), mixed precision (the hook reduces what DDP's
-buckets hold, as DDP's own all-reduce would).
-
-The few lines::
-
-    accelerator = Accelerator(gradient_accumulation_steps=2)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    state = hybridcomm.integrations.accelerate.register(accelerator, model)
-    for x, y in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(loss_fn(model(x), y))
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-    print(state.algorithms)        # {DDP bucket: algorithm}, once buckets have run
-
-The hook overlaps communication with the backward pass. For forward overlap
-(each bucket's update applied just before its layer's first use in the next
-forward), :func:`prepare` stands in for ``accelerator.prepare``: the model is
-placed (and autocast) by Accelerate but not wrapped in DDP, and the optimizer
-is a ``hybridcomm.DistributedOptimizer``, which reduces the gradients itself::
-
-    model, optimizer, loader = hybridcomm.integrations.accelerate.prepare(
-        accelerator, model, optimizer, loader)             # overlap="forward"
-    for x, y in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(loss_fn(model(x), y))
-            if accelerator.sync_gradients:
-                hybridcomm.integrations.accelerate.synchronize(optimizer)  # before clipping
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-    hybridcomm.integrations.accelerate.synchronize(optimizer)  # before reading/saving weights
-
-fp16 is refused on this route (Accelerate's ``GradScaler`` step hides the
-scaler from the optimizer); bf16 works.
-
-On CPU, Accelerate runs several processes only under ``torchrun`` (or
-``accelerate launch --multi_gpu``, which calls it) with ``Accelerator(cpu=True)``;
-``accelerate launch --cpu --num_processes N`` starts one process unless mpirun
-is configured. In one process there is nothing to reduce: :func:`register`
-does nothing and returns None.
+:func:`register` puts hybridcomm's DDP hook (:mod:`hybridcomm.ddp`) on the DDP
+model ``accelerator.prepare`` returned (Accelerate's own ``comm_hook`` setting
+knows only torch's hooks); everything else stays Accelerate's. For forward
+overlap, :func:`prepare` stands in for ``accelerator.prepare``: no DDP, a
+``hybridcomm.DistributedOptimizer`` instead, and :func:`synchronize` before
+clipping or reading the weights. Usage, launching and what works:
+docs/INTEGRATIONS.md, "Accelerate".
 """
 
 from __future__ import annotations

@@ -1,31 +1,10 @@
 """PyTorch Lightning: hybridcomm's forward overlap under Lightning's own loop.
 
-Two routes (docs/INTEGRATIONS.md):
-
-- **The DDP hook** (backward overlap). On GPUs, Lightning's own::
-
-      from pytorch_lightning.strategies import DDPStrategy
-      strategy = DDPStrategy(ddp_comm_state=hybridcomm.ddp.HybridState(),
-                             ddp_comm_hook=hybridcomm.ddp.hybrid_hook)
-
-  Lightning registers a DDP hook only on CUDA devices (and ignores it on the
-  CPU without a word); ``HybridDDPStrategy()`` registers it on any device.
-
-- **HybridStrategy** (forward overlap: a layer's reduction runs on into the
-  next step's forward, until the layer's first use): the model is not wrapped
-  in DDP; every optimizer ``configure_optimizers`` returns is wrapped in
-  :func:`hybridcomm.DistributedOptimizer`, which reduces its gradients::
-
-      trainer = pl.Trainer(accelerator="cpu", devices=2,
-                           strategy=HybridStrategy(overlap="forward"))
-
-  Lightning's gradient clipping, a ``GradScaler`` (``precision="16-mixed"``)
-  and hooks that read gradients (``on_before_optimizer_step``) need the
-  reduced gradients before the step: the strategy then waits for them at the
-  end of the closure (``synchronize()``), so such a step overlaps the
-  backward but not the next forward. Accumulation (``accumulate_grad_batches``)
-  runs its early micro-batches under ``no_sync()``. Checkpoints hold
-  hybridcomm's state (the agreed plan) with the optimizer's.
+Two strategies: :class:`HybridStrategy` (forward overlap: no DDP, each optimizer
+wrapped in :func:`hybridcomm.DistributedOptimizer`) and
+:class:`HybridDDPStrategy` (backward overlap: Lightning's DDP with hybridcomm's
+hook, on any device). Usage and what works: docs/INTEGRATIONS.md, "PyTorch
+Lightning".
 """
 
 from __future__ import annotations
@@ -66,6 +45,8 @@ class HybridDDPStrategy(DDPStrategy):
         )
 
     def _register_ddp_hooks(self) -> None:
+        # Lightning registers a DDP hook on CUDA devices only (and drops it elsewhere
+        # without a word), so on other devices it is registered here
         if self.root_device.type == "cuda":  # Lightning's own registration
             super()._register_ddp_hooks()
         else:

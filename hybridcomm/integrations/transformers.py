@@ -1,27 +1,10 @@
 """hybridcomm under ``transformers.Trainer``: a callback that registers the DDP hook.
 
-The Trainer wraps the model in ``DistributedDataParallel`` through
-``accelerator.prepare`` inside ``train()``, after every user hook point but
-one: ``on_train_begin``, which runs after the wrap and before the first
-backward. Callbacks there receive the unwrapped model only, so
-:class:`HybridCommCallback` holds the Trainer and registers hybridcomm's hook
-(:mod:`hybridcomm.ddp`, through
-:func:`hybridcomm.integrations.accelerate.register`) on
-``trainer.model_wrapped``. The two lines::
-
-    trainer = Trainer(model=model, args=args, train_dataset=train_set)
-    callback = hybridcomm.integrations.transformers.enable(trainer)
-    trainer.train()
-    print(callback.state.algorithms)    # {DDP bucket: algorithm}
-
-The rest is the Trainer's: gradient accumulation (``gradient_accumulation_steps``:
-DDP's ``no_sync`` on the accumulating micro-batches, the hook on the last),
-clipping (``max_grad_norm``, on the averaged gradients), mixed precision
-(the hook reduces what DDP's buckets hold), checkpoints (the hook keeps no
-state to save: a resumed ``train()`` registers it again on the new DDP model).
-In one process the callback does nothing. Forward overlap
-(``hybridcomm.DistributedOptimizer``) is not offered: the Trainer always
+:class:`HybridCommCallback` (or :func:`enable`) registers hybridcomm's hook
+(:mod:`hybridcomm.ddp`) on ``trainer.model_wrapped`` at ``on_train_begin``;
+the rest is the Trainer's. Forward overlap is not offered: the Trainer always
 wraps a multi-process model in DDP, which would reduce the gradients too.
+Usage and what works: docs/INTEGRATIONS.md, "transformers.Trainer".
 """
 
 from __future__ import annotations
@@ -75,6 +58,8 @@ class HybridCommCallback(TrainerCallback):
         self._hooked = None  # the DDP model the hook is on
 
     def on_train_begin(self, args, state, control, **kwargs):
+        # The one hook point after train() wrapped the model in DDP and before the
+        # first backward; callbacks get the unwrapped model, so read the Trainer's
         wrapped = self.trainer.model_wrapped
         ddp = find_ddp(wrapped)
         if ddp is not None and ddp is self._hooked:

@@ -1,50 +1,11 @@
-"""The alpha-beta-gamma cost model: predicted all-reduce time, calibration, choice.
+"""The alpha-beta-gamma cost model: predicted all-reduce time, fit, choice.
 
-Each algorithm's time for ``n`` bytes over ``P`` ranks is a sum of three terms:
-``alpha`` seconds per message (latency, per step), ``beta`` seconds per byte
-sent (inverse bandwidth), ``gamma`` seconds per byte reduced. With
-``q = 2**floor(log2 P)`` and ``e = P - q`` (the ranks folded in and out)::
-
-    ring              2(P-1) a  +  2(P-1)/P n b  +  (P-1)/P n g
-    butterfly         log2(q) (a + n b + n g)                       + fold
-    halving_doubling  2 log2(q) a  +  2(q-1)/q n b  +  (q-1)/q n g  + fold
-    fold (e > 0)      2 a  +  2 n b  +  n g      (hand in + reduce, hand back)
-    hierarchical,     2(G-1) a + 2 w n/G b + w n/G g       (inside the groups)
-    torus2d           + 2(m-1) a + 2(m-1)/m k n/G b + (m-1)/m k n/G g   (across)
-
-For the two-level ones G is the group size (hierarchical: the node size;
-torus2d: the grid's columns), m = ceil(P/G) groups, s = P - (m-1)G the last
-group's size, k = ceil(G/s) the most chunks one rank of it owns, and
-w = (s-1)k + G-s (steps taken in lockstep: in s-1 of the G-1 steps inside,
-the short group's messages are k chunks). With full groups (s = G):
-2(G-1) + 2(m-1) messages and the ring's 2(P-1)/P n bytes.
-
-Two link classes. The formulas above are a flat network (every rank its own
-link). A model with ``inter_alpha`` / ``inter_beta`` describes nodes
-(``Topology.node_size`` consecutive ranks) whose ranks share one full-duplex
-link to the other nodes: a step in which any message crosses nodes costs
-``inter_alpha`` plus the bytes on the busiest node link times
-``inter_beta``; other steps cost ``alpha`` plus the busiest rank's bytes
-times ``beta`` (:func:`link_coefficients`). Left out, the inter-node values
-are the intra-node ones and the flat formulas apply, so an existing model
-predicts exactly what it did.
-
-(Thakur, Rabenseifner & Gropp 2005; the same formulas, with how to read them,
-are in docs/PERFORMANCE.md.) Besides, ``native`` (the process group's own
-all_reduce: gloo's or NCCL's, in C++) is modeled as a line ``a_n + n b_n``,
-fitted separately where it was measured (the start-up probe, or the sweep's
-``torch`` rows); an uncalibrated model does not offer it. ``ps`` (the
-summation servers of ps.py, extra processes on links of their own) is a
-line ``a_s + n b_s`` too, fitted from its own measurements with the number
-of servers it ran with (``ps_servers``): its traffic pattern (every worker
-to every server and back at once) is not the schedules' one, so the shared
-alpha and beta do not describe it. The butterfly sends the whole buffer every step
-but in the fewest steps, so it wins while ``alpha`` dominates; ring and
-halving-doubling send the least. The coefficients are fitted by least
-squares (:func:`fit`) from a benchmark sweep or the start-up probe; where
-calibrations are saved and loaded is auto_model.py; how they are probed and
-agreed across ranks, calibration.py.
-This module is formulas and fitting only: no I/O, no collectives.
+Each algorithm's time for ``n`` bytes over ``P`` ranks is ``alpha`` seconds per
+message step, ``beta`` per byte sent and ``gamma`` per byte reduced (Thakur,
+Rabenseifner & Gropp 2005; the formulas, with how to read them, are in
+docs/PERFORMANCE.md, "The cost model, in brief"); ``native`` and ``ps`` are
+lines fitted where measured. Formulas and fitting only: no I/O, no collectives
+(saving and loading: auto_model.py; probing and agreeing: calibration.py).
 
 Example::
 
@@ -93,6 +54,9 @@ def coefficients(
     if algorithm == "ring":
         return 2.0 * (p - 1), 2.0 * (p - 1) / p * n, (p - 1) / p * n
     if algorithm in TWO_LEVEL:
+        # g ranks a group (hierarchical: the node size; torus2d: the grid's columns),
+        # m groups, s ranks in the last one, k the most chunks one rank of it owns;
+        # inside, the groups step in lockstep. Full groups (s = g): the ring's bytes.
         g = _group_size(algorithm, _topology(topology, p))
         m = -(-p // g)
         s = p - (m - 1) * g
@@ -142,13 +106,13 @@ def link_coefficients(
         1.5
     """
     if world_size <= 1:
-        return LinkCoefficients(0.0, 0.0, 0.0, 0.0, 0.0)
+        return LinkCoefficients(0.0, 0.0, 0.0, 0.0, inter_bytes=0.0)
     if algorithm not in MODELED + TWO_LEVEL:
         raise ValueError(f"no cost formula for {algorithm!r}; modeled: {MODELED + TWO_LEVEL}")
     topo = _topology(topology, world_size)
     a, b, g, ae, be = _per_byte(algorithm, world_size, topo)
     n = float(nbytes)
-    return LinkCoefficients(a, b * n, g * n, ae, be * n)
+    return LinkCoefficients(a, b * n, g * n, ae, inter_bytes=be * n)
 
 
 @lru_cache(maxsize=1024)
@@ -241,7 +205,13 @@ class CostModel:
     native_alpha (s per call) and native_beta (s per byte) where measured;
     inter_alpha (s per step that crosses nodes) and inter_beta (s per byte on a
     node's shared link to the other nodes) for a two-level network (None: as
-    alpha / beta, a flat network)."""
+    alpha / beta, a flat network, and predictions as without them).
+
+    ``native`` (the process group's own all-reduce, in C++) and ``ps`` (the
+    summation servers, extra processes on links of their own) are lines
+    ``a + n b`` fitted from their own measurements: their traffic is not the
+    schedules', so alpha and beta do not describe it. Unmeasured, neither is
+    offered."""
 
     alpha: float
     beta: float
@@ -636,9 +606,9 @@ def fit(
         rms,
         float(np.max(np.abs(rel))),
         tuple((algo, n, p, t, t * (1 + e)) for (algo, n, p, t), e in zip(rows, rel)),
-        dropped,
-        "high" if rms < 0.15 else "medium" if rms < 0.35 else "low",
-        model.alpha <= 0 or model.beta <= 0,
+        dropped=dropped,
+        confidence="high" if rms < 0.15 else "medium" if rms < 0.35 else "low",
+        degenerate=model.alpha <= 0 or model.beta <= 0,
     )
     return model, report
 

@@ -1,66 +1,18 @@
 """Layers -> buckets -> (algorithm, issue order): the plan every rank follows.
 
-Inputs, all agreed across ranks (rank 0 plans, every rank follows): the
-trainable parameters grouped into layers (a module's own parameters), in
-the order backward produces them; the cost model; optionally measurements:
-each layer's overlap window (gradient ready -> needed by the next forward),
-when its gradient is ready, and the order the next forward needs the layers.
-
-- **Fusion**: consecutive layers of one dtype share a bucket while it stays
-  under ``fusion_bytes``: by default alpha/beta (the size below which a
-  message costs mostly its latency; with measurements, plus what each call
-  cost beyond the model in the training steps), clamped to [64 KiB, 32 MiB]; small
-  layers just before a layer over ``fusion_bytes`` in backward order (a
-  BatchNorm before its convolution) join its bucket rather than pay a message
-  of their own (``fusion_bytes=0``: one bucket per layer). A fit
-  with beta = 0 ("bytes are free") fuses up to the cap; alpha = 0 fuses to
-  the floor: a degenerate probe never makes hundreds of tiny buckets.
-- **Lazy all-reduce** (``lazy_bytes``): instead, gradients collect in a pool
-  that is all-reduced once it has passed ``lazy_bytes`` (the last pool when
-  backward ends); it pays where many tiny layers would each pay a message's
-  latency, and the plan's notes say by how much.
-- **Split**: a bucket over ``split_bytes`` is all-reduced in segments, so
-  an urgent small bucket can go between them. Default: where a segment's
-  extra messages cost under 10% of its transfer (10 P alpha/beta), at least
-  1 MiB; no split when beta = 0. Segments the issue order sends back to back
-  are merged again: a split stays only where another bucket goes between.
-  With measurements, a default split is also dropped where it cannot pay:
-  if, without it, the reductions still queued behind the bucket the next
-  forward needs first would outlast that forward's compute, the forward
-  overlaps them either way, and a split only adds collectives (and, on a
-  busy machine, rounds in which the ranks wait for each other mid-backward).
-- **Algorithm** (``strategy="hybrid"``, the thesis's pair): per bucket,
-  ``CostModel.choose`` with the bucket's window: among the candidates
-  predicted to finish within it, the one that sends the fewest bytes, else
-  the fastest. Small buckets with short windows get the butterfly, large
-  ones with long windows a ring (hybridcomm's, or ``native``, the process
-  group's own in C++, where the measured model predicts it faster by more
-  than its uncertainty); on several nodes, hierarchical too. ``"auto"``: all
-  compete; with ``servers`` (summation servers, ps.py) ``ps`` too, where the
-  model has its line. ``strategy`` naming an algorithm, or ``HYBRIDCOMM_ALGO``,
-  forces it for every bucket (``ps`` needs servers).
-- **Low rank** (``compression="powersgd:RANK[:START]"``): a bucket is
-  compressed (compressor ``powersgd``, comm/powersgd.py) where its two
-  messages, the low-rank factors (with its 1-D gradients and flags whole) and
-  the other factors, send fewer bytes with its algorithm than the bucket does
-  whole; it is never split, and fusion weighs the bytes these messages put on
-  the wire (a compressed layer's are a few per cent of its gradient's).
-- **Issue order**: every rank issues all of a step's communication through
-  one ordered channel (one communicator, one stream), in ``Plan.order``: a
-  fixed sequence of (bucket, segment). Without measurements it is backward
-  order. With them, it is what a priority queue would do under the model's
-  timings (ByteScheduler's idea, fixed ahead so that every rank issues the
-  same sequence whatever its local timing): whenever the channel is free,
-  the ready segment of the bucket the next forward needs first goes next.
-  The timings are the cost model's, scaled by ``comm_scale`` (measured steps).
-
-``print(plan)`` shows the table and the order; every default it chose is in
-``plan.notes``.
+Rank 0 plans, every rank follows. The inputs: the trainable parameters grouped
+into layers (a module's own parameters) in backward order, the cost model and,
+once measured, each layer's overlap window, ready time and place in the next
+forward. :func:`make_plan` fuses layers into buckets (or lazy pools), splits
+large buckets into segments, chooses each bucket's algorithm and compression,
+and fixes the issue order. ``print(plan)`` shows the table and the order, and
+``plan.notes`` says why each default was chosen. The rules: docs/ARCHITECTURE.md,
+"The plan".
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import env
@@ -68,8 +20,13 @@ from ..algorithms import ALGORITHMS, Topology
 from ..algorithms.lowrank import POWERSGD, message_numels
 from ..algorithms.topk import TOPK, segment_numel, sparse_bytes_sent
 from .cost_model import NATIVE, PS, CostModel, bytes_sent
-from .layout import ALIGN_BYTES, buffer_numel, equal_parts, flag_stride, layout
+from .layout import ALIGN_BYTES, buffer_numel, equal_parts, layout
 from .layout import segments as cut_segments
+from .order import drop_split_that_cannot_pay, issue_order, merge_adjacent
+from .ownership import WHOLE_BALANCE, assign, balanced, owner_layout
+from .records import Bucket, Layer, Plan, plan_from_dict
+
+__all__ = ["Bucket", "Layer", "Plan", "plan_from_dict", "make_plan", "forced_algorithm"]
 
 BUCKET_ALGORITHMS = ALGORITHMS + (NATIVE, PS)
 STRATEGY_CANDIDATES = {
@@ -83,147 +40,6 @@ MIN_FUSION, MAX_FUSION = 64 << 10, 32 << 20
 FUSION_BALANCE = 4  # a fused bucket's bytes cost >= 4x its fixed cost (<= 20% overhead)
 MIN_SPLIT, MAX_SPLIT = 1 << 20, 256 << 20
 SPLIT_BALANCE = 10  # a segment's bytes cost >= 10x its fixed cost (<= 10% overhead)
-
-
-@dataclass
-class Layer:
-    """A module's own trainable parameters (indices into the optimizer's list)."""
-
-    name: str
-    params: List[int]
-    numel: int
-    element_size: int = 4  # of the dtype its bucket carries on the wire
-    dtype: str = "torch.float32"
-    sizes: Optional[List[int]] = None  # each parameter's numel (for the bucket's layout)
-    shapes: Optional[List[Tuple[int, ...]]] = None  # each parameter's shape (low rank's)
-
-
-@dataclass
-class Bucket:
-    index: int
-    layers: List[str]
-    params: List[int]  # parameter indices, in buffer order
-    numel: int  # gradient elements (the buffer also holds one flag per parameter)
-    nbytes: int
-    algorithm: str
-    predicted_s: float
-    dtype: str = "torch.float32"
-    window_s: Optional[float] = None
-    segments: List[Tuple[int, int]] = field(default_factory=list)  # over the whole buffer
-    need: Optional[int] = None  # position in the next forward's order of need
-    offsets: Optional[List[int]] = None  # each gradient's start in the buffer (None: packed)
-    grad_numel: Optional[int] = None  # the gradient region, padding included (None: numel)
-    compressor: Optional[str] = None  # "powersgd": its messages go with ``algorithm``
-    # Usage flags: one copy, or (sharded: reduce-scattered) one a rank, each its own
-    # block of the last segment's tail, so that every rank ends with them summed
-    flag_copies: int = 1
-
-    @property
-    def flag_stride(self) -> int:
-        """Elements a copy of the usage flags takes (layout.py)."""
-        return flag_stride(len(self.params), self.flag_copies)
-
-    @property
-    def tail(self) -> int:
-        """The last segment's tail block a rank (``algorithms.tail_body``), or 0."""
-        return 0 if self.flag_copies == 1 else self.flag_stride
-
-    @property
-    def buffer_numel(self) -> int:
-        """Gradients (with padding), then the usage flags (one per parameter a copy)."""
-        return buffer_numel(
-            self.numel if self.grad_numel is None else self.grad_numel,
-            len(self.params),
-            self.flag_copies,
-        )
-
-
-# The footer of every printed plan (docs/API.md explains the same columns).
-COLUMNS = (
-    "columns: bytes = the bucket's gradient bytes; algorithm = how it is all-reduced "
-    "(ring, butterfly, ..., native = the process group's own); pred(us) = the cost "
-    "model's time for it; window(us) = measured time from its launch to the first use "
-    "of its parameters in the next forward ('-': not measured yet); need = its place "
-    "in the next forward's order of use; segs = the parts it is issued in (a large "
-    "bucket is split so an urgent one is not stuck behind it); issue order = the one "
-    "sequence every rank sends in"
-)
-
-
-@dataclass
-class Plan:
-    world_size: int
-    strategy: str
-    buckets: List[Bucket]
-    order: List[Tuple[int, int]]  # (bucket, segment): the one issue order of a step
-    fusion_bytes: int = 0
-    split_bytes: int = 0
-    notes: List[str] = field(default_factory=list)
-    # The step's learned structure: buckets are launched in the backward pass with
-    # this number (counted since the last step(), no_sync passes excluded).
-    launch_pass: int = 1
-    # Forward mode: updates wait for the first use of their parameters in the next
-    # forward (False: nothing was left to overlap with it; step() applies them).
-    defer_updates: bool = True
-
-    def to_dict(self) -> dict:
-        """Plain types (a checkpoint's): :func:`plan_from_dict` makes the plan again."""
-        return asdict(self)
-
-    def decisions(self):
-        """What the ranks must agree on (a re-plan that changes none of it is skipped)."""
-        return (
-            [(b.layers, b.algorithm, b.segments, b.compressor) for b in self.buckets],
-            self.order,
-            self.launch_pass,
-            self.defer_updates,
-        )
-
-    def __str__(self) -> str:
-        head = (
-            f"hybridcomm plan: {len(self.buckets)} buckets, world size {self.world_size}, "
-            f"strategy {self.strategy}, fusion {self.fusion_bytes} B, split "
-            f"{f'{self.split_bytes} B' if self.split_bytes else 'off'}, launched in backward pass {self.launch_pass} "
-            f"of a step" + ("" if self.defer_updates else ", updates in step()") + "\n"
-        )
-        cols = (
-            f"{'bucket':>6} {'bytes':>10} {'dtype':>8} {'algorithm':>17} {'pred(us)':>9} "
-            f"{'window(us)':>10} {'need':>4} {'segs':>4}  layers\n"
-        )
-        rows = []
-        for b in self.buckets:
-            win = "-" if b.window_s is None else f"{b.window_s * 1e6:.0f}"
-            need = "-" if b.need is None else str(b.need)
-            layers = ", ".join(b.layers)
-            layers = layers if len(layers) <= 60 else layers[:57] + "..."
-            algo = b.algorithm if b.compressor is None else f"{b.compressor}+{b.algorithm}"
-            rows.append(
-                f"{b.index:>6} {b.nbytes:>10} {b.dtype.replace('torch.', ''):>8} "
-                f"{algo:>17} {b.predicted_s * 1e6:>9.0f} {win:>10} {need:>4} "
-                f"{len(b.segments):>4}  {layers}"
-            )
-        order = " ".join(f"{b}.{s}" for b, s in self.order[:40]) + (
-            f" ... ({len(self.order)} in all)" if len(self.order) > 40 else ""
-        )
-        tail = f"\nissue order (bucket.segment): {order}"
-        if self.notes:
-            tail += "\nnotes: " + "; ".join(self.notes)
-        return head + cols + "\n".join(rows) + tail + "\n" + COLUMNS
-
-
-def plan_from_dict(d: dict) -> Plan:
-    """The plan :meth:`Plan.to_dict` wrote (a checkpoint's).
-
-    >>> p = Plan(2, "hybrid", [Bucket(0, ["fc"], [0], 3, 12, "ring", 1e-4, segments=[(0, 4)])],
-    ...          [(0, 0)])
-    >>> plan_from_dict(p.to_dict()) == p
-    True
-    """
-    d = dict(d)
-    buckets = [
-        Bucket(**{**b, "segments": [tuple(s) for s in b["segments"]]}) for b in d.pop("buckets")
-    ]
-    return Plan(buckets=buckets, order=[tuple(o) for o in d.pop("order")], **d)
 
 
 def forced_algorithm(strategy: str) -> Optional[str]:
@@ -390,122 +206,265 @@ def explain_lazy(
     )
 
 
-def issue_order(
-    buckets: Sequence[Bucket],
-    ready: Optional[Dict[int, float]] = None,
-    comm_scale: Optional[float] = None,
-) -> List[Tuple[int, int]]:
-    """The fixed (bucket, segment) sequence. Without ``ready`` (bucket -> seconds into
-    backward when its gradients are ready): backward order. With it: a priority
-    queue run under the buckets' predicted times (times ``comm_scale``: how much
-    slower the measured communication ran than predicted), the bucket needed first
-    going first."""
-    if not ready:
-        return [(b.index, s) for b in buckets for s in range(len(b.segments))]
-    todo = {b.index: 0 for b in buckets}
-    now, order = 0.0, []
-    by_index = {b.index: b for b in buckets}
-    while todo:
-        avail = [i for i in todo if ready.get(i, 0.0) <= now]
-        if not avail:
-            now = min(ready.get(i, 0.0) for i in todo)
-            continue
-        i = min(
-            avail,
-            key=lambda i: (
-                by_index[i].need if by_index[i].need is not None else len(buckets) + i,
-                i,
-            ),
+@dataclass
+class _Shape:
+    """Where a bucket's gradients and flags lie in its buffer (:func:`_lay_out`)."""
+
+    params: List[int]  # in buffer order
+    offsets: Optional[List[int]]
+    grad_numel: Optional[int]  # the gradient region, padding included (None: packed)
+    segments: List[Tuple[int, int]]
+    owners: Optional[List[int]] = None  # whole parameters: each one's rank, buffer order
+
+
+def _lay_out(
+    group: Sequence[Layer],
+    *,
+    world_size: int,
+    copies: int,
+    split_bytes: int,
+    totals: Optional[List[int]],
+) -> _Shape:
+    """A bucket's layout (layout.py): its gradients aligned, then the flags' copies;
+    with ``totals`` (whole-parameter shards) cut by owner (ownership.py: ``totals``
+    is every rank's share so far, updated), in one segment; else cut every
+    ``split_bytes`` into segments (0: not cut)."""
+    params = [p for layer in group for p in layer.params]
+    numel = sum(layer.numel for layer in group)
+    esize = group[0].element_size
+    sizes = [n for layer in group for n in (layer.sizes or [])]
+    if totals is not None:
+        if len(sizes) != len(params):
+            raise ValueError("whole-parameter shards need each parameter's size (Layer.sizes)")
+        owners = assign(sizes, world_size, totals)
+        order, offsets, part = owner_layout(sizes, owners, world=world_size, element_size=esize)
+        grad_numel = world_size * part
+        total = buffer_numel(grad_numel, len(params), copies)
+        return _Shape(
+            params=[params[i] for i in order],
+            offsets=offsets,
+            grad_numel=grad_numel,
+            segments=[(0, total)],
+            owners=[owners[i] for i in order],
         )
-        b, s = by_index[i], todo[i]
-        now += _share(b, s, comm_scale)
-        order.append((i, s))
-        todo[i] += 1
-        if todo[i] == len(b.segments):
-            del todo[i]
-    return order
+    offsets, grad_numel = layout(sizes, esize) if len(sizes) == len(params) else (None, None)
+    grads_end = numel if grad_numel is None else grad_numel
+    total = buffer_numel(grads_end, len(params), copies)  # the gradients, then the flags
+    # segments start aligned (so do their chunks); the flags' copies in the last's tail
+    align = max(1, ALIGN_BYTES // esize)
+    step = 0 if not split_bytes else max(align, split_bytes // esize // align * align)
+    segments = cut_segments(total, total if copies == 1 else grads_end, step)
+    return _Shape(params=params, offsets=offsets, grad_numel=grad_numel, segments=segments)
 
 
-def _share(b: Bucket, s: int, comm_scale: Optional[float]) -> float:
-    """Predicted seconds of segment ``s`` of ``b`` (times ``comm_scale``; 0 if unknown)."""
-    a, z = b.segments[s]
-    share = b.predicted_s * (z - a) / max(b.segments[-1][1], 1) * (comm_scale or 1.0)
-    return share if share == share else 0.0  # nan: the model cannot predict it
+def _choose_algorithm(
+    nbytes: int,
+    *,
+    window: Optional[float],
+    world_size: int,
+    candidates: Sequence[str],
+    model: CostModel,
+    topo: Topology,
+    shard: bool,
+) -> Tuple[str, bool]:
+    """The cost model's algorithm for a bucket of ``nbytes`` with overlap ``window``,
+    and whether native was predicted faster by less than its uncertainty (ours kept)."""
+    # At P <= 2 our algorithms are all one exchange of the same bytes.
+    pool = (
+        [a for a in candidates if a in ("butterfly", NATIVE, PS)]
+        if world_size <= 2 and not shard
+        else list(candidates)
+    )
+    algorithm = model.choose(nbytes, world_size, window, pool or candidates or ["butterfly"], topo)
+    kept_ours = model.native_was_faster(algorithm, pool, nbytes, world_size, topo)
+    if (
+        shard
+        and algorithm == "halving_doubling"
+        and model.predict(algorithm, nbytes, world_size, topo)
+        > (1 - SHARDED_HD_GAIN) * model.predict("ring", nbytes, world_size, topo)
+    ):
+        algorithm = "ring"
+    return algorithm, kept_ours
 
 
-def completion(
-    buckets: Sequence[Bucket],
-    order: Sequence[Tuple[int, int]],
-    ready: Dict[int, float],
-    comm_scale: Optional[float] = None,
-) -> Dict[int, float]:
-    """When each bucket's last segment is done, in seconds from the first gradient,
-    if the channel runs ``order`` as every rank does: each segment once the one
-    before it is done and its bucket is ready, at the predicted (scaled) speed.
-
-        >>> b = [Bucket(0, ["fc"], [0], 9, 36, "ring", 2.0, segments=[(0, 4), (4, 10)]),
-        ...      Bucket(1, ["conv"], [1], 1, 4, "ring", 1.0, segments=[(0, 2)])]
-        >>> completion(b, [(0, 0), (1, 0), (0, 1)], {0: 0.0, 1: 1.5})
-        {1: 2.5, 0: 3.7}
-    """
-    by_index = {b.index: b for b in buckets}
-    now, done = 0.0, {}
-    for i, s in order:
-        now = max(now, ready.get(i, 0.0)) + _share(by_index[i], s, comm_scale)
-        if s == len(by_index[i].segments) - 1:
-            done[i] = round(now, 9)
-    return done
-
-
-def merge_adjacent(
-    buckets: Sequence[Bucket], order: Sequence[Tuple[int, int]]
-) -> List[Tuple[int, int]]:
-    """Segments of a bucket that ``order`` issues back to back become one segment (and
-    ``buckets``' segments are rewritten to match): a split pays only where another
-    bucket goes between its parts; elsewhere it would only add calls.
-
-        >>> b = [Bucket(0, ["fc"], [0], 9, 36, "ring", 0.0, segments=[(0, 4), (4, 8), (8, 10)]),
-        ...      Bucket(1, ["conv"], [1], 1, 4, "ring", 0.0, segments=[(0, 2)])]
-        >>> merge_adjacent(b, [(0, 0), (0, 1), (1, 0), (0, 2)]), b[0].segments
-        ([(0, 0), (1, 0), (0, 1)], [(0, 8), (8, 10)])
-    """
-    runs: List[Tuple[int, int, int]] = []  # (bucket, first segment, last segment)
-    for b, seg in order:
-        if runs and runs[-1][0] == b and runs[-1][2] == seg - 1:
-            runs[-1] = (b, runs[-1][1], seg)
+def _fuse_whole(layers: Sequence[Layer], fusion_bytes: int, world_size: int) -> List[List[Layer]]:
+    """Whole-parameter shards: consecutive layers of one dtype in one bucket until it
+    holds ``fusion_bytes`` and its parts by owner are within WHOLE_BALANCE of equal
+    (ownership.py), so that no rank's part, to which every part is padded on the
+    wire, makes the bucket cost much more than its bytes."""
+    groups: List[List[Layer]] = []
+    for layer in layers:
+        if layer.numel == 0:
+            continue
+        last = groups[-1] if groups else None
+        closed = last is not None and (
+            sum(wire_bytes(x) for x in last) >= fusion_bytes
+            and balanced([n for x in last for n in (x.sizes or [x.numel])], world_size)
+        )
+        if last is not None and last[0].dtype == layer.dtype and not closed:
+            last.append(layer)
         else:
-            runs.append((b, seg, seg))
-    by_index = {b.index: b for b in buckets}
-    merged: Dict[int, List[Tuple[int, int]]] = {}
-    out = []
-    for b, first, last in runs:
-        segs = by_index[b].segments
-        merged.setdefault(b, []).append((segs[first][0], segs[last][1]))
-        out.append((b, len(merged[b]) - 1))
-    for b, segs in merged.items():
-        by_index[b].segments = segs
+            groups.append([layer])
+    return groups
+
+
+def _whole_notes(buckets: Sequence[Bucket], layers: Sequence[Layer], world: int) -> List[str]:
+    """What a plan of whole-parameter shards reports: each rank's share of the state,
+    the wire's padding, and any parameter larger than 1/P."""
+    sizes = {p: n for x in layers for p, n in zip(x.params, x.sizes or [])}
+    share = [0] * world
+    padded = grads = 0
+    for b in buckets:
+        for p, rank in zip(b.params, b.owners):
+            share[rank] += sizes[p]
+        padded += b.grad_numel
+        grads += b.numel
+    whole = sum(share) or 1
+    notes = [
+        "state sharded by whole parameters: ranks hold "
+        + ", ".join(f"{100 * s / whole:.1f}%" for s in share)
+        + f" of it (the largest {max(share) * world / whole:.2f}x an equal share); each "
+        f"bucket's parts by owner are padded to its largest, {padded / max(grads, 1):.3f}x "
+        "its gradients on the wire"
+    ]
+    big = [x.name for x in layers if any(n * world > whole for n in x.sizes or [])]
+    if big:
+        notes.append(
+            f"layer(s) {big[:3]} hold a parameter larger than 1/{world} of the state: "
+            "its owner holds more than an equal share"
+        )
+    return notes
+
+
+def _sizes(
+    layers: Sequence[Layer],
+    *,
+    fusion_bytes: Optional[int],
+    split_bytes: Optional[int],
+    world_size: int,
+    model: CostModel,
+    topo: Topology,
+    call_s: Optional[float],
+    notes: List[str],
+) -> Tuple[int, int]:
+    """The fusion and split sizes: the user's, or the defaults for this world and link."""
+    if fusion_bytes is None and world_size == 1:
+        # Nothing crosses a wire, so nothing overlaps: a bucket only costs host time
+        # per step (its launch, its events, its wait)
+        fusion_bytes = sum(layer.numel * layer.element_size for layer in layers)
+        notes.append(
+            "world size 1: nothing is communicated, so the layers share one bucket "
+            "per dtype (each bucket costs host time every step); fusion_bytes= "
+            "overrides"
+        )
+    elif fusion_bytes is None:
+        fusion_bytes = default_fusion(model, notes, world_size, topo, call_s)
+    if split_bytes is None:
+        split_bytes = 0 if world_size == 1 else default_split(model, world_size, notes, topo)
+    return fusion_bytes, split_bytes
+
+
+@dataclass
+class _Compression:
+    """A bucket's algorithm, segments and predicted time once compression is decided."""
+
+    algorithm: str
+    segments: List[Tuple[int, int]]
+    predicted_s: float
+    compressor: Optional[str] = None
+
+
+def _compression(
+    group: Sequence[Layer],
+    *,
+    algorithm: str,
+    segments: List[Tuple[int, int]],
+    total: int,
+    n_params: int,
+    esize: int,
+    world_size: int,
+    model: CostModel,
+    topo: Topology,
+    topk: Optional[float],
+    low_rank: Optional[Tuple[int, int]],
+) -> _Compression:
+    """Whether the bucket is sent compressed (PowerSGD, top-k) where that sends fewer
+    bytes than the bucket whole; a compressed bucket is never split (one segment of
+    ``total`` elements, the layout's)."""
+    numel = sum(layer.numel for layer in group)
+    nbytes = numel * esize
+
+    def predict(sizes) -> float:
+        if not model.offers(algorithm):
+            return float("nan")
+        return sum(model.predict(algorithm, n, world_size, topo) for n in sizes)
+
+    chosen = _Compression(algorithm, segments, predict([(b - a) * esize for a, b in segments]))
+    shapes = [s for layer in group for s in (layer.shapes or [])]
+    # PowerSGD where its two messages (the low-rank factors, with the 1-D
+    # gradients and flags whole, then the other factors) send fewer bytes with
+    # the bucket's algorithm than the bucket whole
+    if low_rank and world_size > 1 and len(shapes) == n_params:
+        p_numel, q_numel = message_numels(shapes, low_rank[0])
+        low_rank_bytes = bytes_sent(algorithm, 4 * p_numel, world_size, topo) + bytes_sent(
+            algorithm, 4 * q_numel, world_size, topo
+        )
+        if low_rank_bytes < bytes_sent(algorithm, nbytes, world_size, topo):
+            chosen = _Compression(
+                algorithm, [(0, total)], predict([4 * p_numel, 4 * q_numel]), POWERSGD
+            )
+    if (
+        topk
+        and world_size > 1
+        and sparse_bytes_sent(numel, n_params, topk, world_size)
+        < bytes_sent(chosen.algorithm, nbytes, world_size)
+    ):
+        seg_bytes = segment_numel(numel, n_params, topk) * 4
+        chosen = _Compression(
+            TOPK,
+            [(0, total)],
+            (world_size - 1) * (model.alpha + seg_bytes * model.beta),
+            chosen.compressor,
+        )
+    return chosen
+
+
+def _bucket_ready(
+    buckets: Sequence[Bucket], groups: Sequence[Sequence[Layer]], ready: Optional[dict]
+) -> Optional[Dict[int, float]]:
+    """When each bucket's gradients are ready (its last layer's), where measured."""
+    if not ready:
+        return None
+    out = {}
+    for b, group in zip(buckets, groups):
+        times = [ready[layer.name] for layer in group if layer.name in ready]
+        out[b.index] = max(times) if times else 0.0
     return out
 
 
-def _unsplit(buckets: Sequence[Bucket]) -> List[Bucket]:
-    """Copies of ``buckets``, each in one segment."""
-    return [Bucket(**{**asdict(b), "segments": [(0, b.segments[-1][1])]}) for b in buckets]
-
-
-def _queued_behind_first_need(
-    buckets: Sequence[Bucket],
-    order: Sequence[Tuple[int, int]],
-    ready: Dict[int, float],
-    comm_scale: Optional[float],
-) -> float:
-    """Predicted seconds of reduction still to run once the bucket the next forward
-    needs first is done: what that forward's compute can overlap."""
-    needed = [b for b in buckets if b.need is not None]
-    if not needed:
-        return 0.0
-    done = completion(buckets, order, ready, comm_scale)
-    first = min(needed, key=lambda b: b.need).index
-    return max(done.values()) - done[first]
+def _measured_notes(
+    *, comm_scale: Optional[float], kept_ours: List[int], model: CostModel, defer_pays
+) -> List[str]:
+    """What the measured steps changed in the plan, for ``print(plan)``."""
+    notes = []
+    if comm_scale is not None and comm_scale != 1.0:
+        notes.append(
+            f"in the measured steps communication took {comm_scale:.2f}x the time the "
+            "cost model predicts: the issue order is timed with the measured speed"
+        )
+    if kept_ours:
+        notes.append(
+            f"bucket(s) {kept_ours}: native predicted faster by less than its "
+            f"uncertainty ({model.uncertainty:.0%}): ours (strategy='native' forces it)"
+        )
+    if defer_pays is False:
+        notes.append(
+            "forward overlap cannot pay here: in the measured steps every bucket but "
+            "the one the next forward needs first was reduced before step(), so (in "
+            "forward mode) step() applies the updates at once, in one optimizer call, "
+            "as backward mode does"
+        )
+    return notes
 
 
 def make_plan(
@@ -530,6 +489,7 @@ def make_plan(
     low_rank: Optional[Tuple[int, int]] = None,
     call_s: Optional[float] = None,
     shard: bool = False,
+    whole_params: bool = False,
 ) -> Plan:
     """Group ``layers`` (in backward order) into buckets, choose for each, fix the order.
 
@@ -546,14 +506,17 @@ def make_plan(
     cannot pay, step() applies them); ``servers``: how many summation servers
     the job has (``ps`` a candidate, and allowed forced, only with some);
     ``forward_s``: the next forward's compute in seconds, measured or estimated
-    (with ``ready``, a default split is kept only where it can pay: module doc);
+    (with ``ready``, a default split is kept only where it can pay);
     ``low_rank``: PowerSGD's ``(rank, start)``: a bucket whose two low-rank
     messages send fewer bytes than it does whole is compressed (compressor
     ``powersgd``; its messages, and the whole bucket in the first ``start``
     steps, go with the bucket's algorithm); ``call_s``: seconds each all-reduce
     call cost beyond the model in the measured steps (the default fusion counts it);
     ``shard``: the buckets are reduce-scattered (sharded state): a copy of the usage
-    flags a rank in the last segment's tail (``Bucket.flag_copies``).
+    flags a rank in the last segment's tail (``Bucket.flag_copies``);
+    ``whole_params`` (with ``shard``): each parameter is owned whole by one rank
+    (``Bucket.owners``, ownership.py), each bucket's buffer cut by owner, one
+    segment a bucket; by default its layers are fused until its parts are even.
 
     Example::
 
@@ -566,178 +529,137 @@ def make_plan(
     notes: List[str] = []
     forced = forced_algorithm(strategy)
     topo = (topology or Topology()).resolve(world_size)
-    if fusion_bytes is None and world_size == 1:
-        # Nothing crosses a wire, so nothing overlaps: a bucket only costs host time
-        # per step (its launch, its events, its wait)
-        fusion_bytes = sum(layer.numel * layer.element_size for layer in layers)
-        notes.append(
-            "world size 1: nothing is communicated, so the layers share one bucket "
-            "per dtype (each bucket costs host time every step); fusion_bytes= "
-            "overrides"
-        )
-    elif fusion_bytes is None:
-        fusion_bytes = default_fusion(model, notes, world_size, topo, call_s)
-    split_default = split_bytes is None
-    if split_default:
-        split_bytes = 0 if world_size == 1 else default_split(model, world_size, notes, topo)
+    whole_params = whole_params and shard
+    fusion_default, split_default = fusion_bytes is None, split_bytes is None
+    fusion_bytes, split_bytes = _sizes(
+        layers,
+        fusion_bytes=fusion_bytes,
+        split_bytes=split_bytes,
+        world_size=world_size,
+        model=model,
+        topo=topo,
+        call_s=call_s,
+        notes=notes,
+    )
     candidates = [
         a
         for a in STRATEGY_CANDIDATES.get(strategy, ())
         if model.offers(a)
         and not (a == "halving_doubling" and shard and world_size & (world_size - 1))
     ]
-    groups = _fuse(layers, fusion_bytes, lazy_bytes, low_rank)
+    if whole_params and fusion_default:
+        groups = _fuse_whole(layers, fusion_bytes, world_size)
+        notes.append(
+            f"whole parameters: layers are fused until each bucket holds {fusion_bytes} B "
+            f"and its parts by owner are within {WHOLE_BALANCE - 1:.0%} of equal "
+            "(fusion_bytes= fuses by size alone)"
+        )
+    else:
+        groups = _fuse(layers, fusion_bytes, lazy_bytes, low_rank)
     if lazy_bytes is not None:
         notes.append(explain_lazy(layers, groups, model, world_size))
     if strategy == "hybrid" and 1 < topo.node_size < world_size:
         candidates.append("hierarchical")  # several nodes: reduce inside them first
     candidates = _with_ps(candidates, forced, servers, model, notes)
+    copies = world_size if shard and world_size > 1 else 1
+    totals = [0] * world_size if whole_params else None  # each rank's share so far
     buckets, kept_ours = [], []  # (kept_ours: native predicted faster, within uncertainty)
     for i, group in enumerate(groups):
-        params = [p for layer in group for p in layer.params]
         numel = sum(layer.numel for layer in group)
         esize = group[0].element_size
         nbytes = numel * esize
-        sizes = [n for layer in group for n in (layer.sizes or [])]
-        offsets, grad_numel = layout(sizes, esize) if len(sizes) == len(params) else (None, None)
-        copies = world_size if shard and world_size > 1 else 1
-        grads_end = numel if grad_numel is None else grad_numel
-        total = buffer_numel(grads_end, len(params), copies)  # the gradients, then the flags
-        # segments start aligned (so do their chunks); the flags' copies in the last's tail
-        align = max(1, ALIGN_BYTES // esize)
-        step = 0 if not split_bytes else max(align, split_bytes // esize // align * align)
-        segments = cut_segments(total, total if copies == 1 else grads_end, step)
+        shape = _lay_out(
+            group, world_size=world_size, copies=copies, split_bytes=split_bytes, totals=totals
+        )
+        offsets, grad_numel, segments = shape.offsets, shape.grad_numel, shape.segments
         window = min((windows[x.name] for x in group if x.name in (windows or {})), default=None)
         if forced:
             algorithm = forced
         else:
-            # At P <= 2 our algorithms are all one exchange of the same bytes.
-            pool = (
-                [a for a in candidates if a in ("butterfly", NATIVE, PS)]
-                if world_size <= 2 and not shard
-                else candidates
+            algorithm, kept = _choose_algorithm(
+                # (whole parameters: the parts are padded to the largest on the wire)
+                grad_numel * esize if whole_params else nbytes,
+                window=window,
+                world_size=world_size,
+                candidates=candidates,
+                model=model,
+                topo=topo,
+                shard=shard,
             )
-            algorithm = model.choose(
-                nbytes, world_size, window, pool or candidates or ["butterfly"], topo
-            )
-            if model.native_was_faster(algorithm, pool, nbytes, world_size, topo):
+            if kept:
                 kept_ours.append(i)
-            if (
-                shard
-                and algorithm == "halving_doubling"
-                and model.predict(algorithm, nbytes, world_size, topo)
-                > (1 - SHARDED_HD_GAIN) * model.predict("ring", nbytes, world_size, topo)
-            ):
-                algorithm = "ring"
         if copies > 1 and algorithm == NATIVE and offsets is None:
             algorithm = "ring"  # (no sizes: no layout of ours to pad into equal parts)
         elif copies > 1 and algorithm == NATIVE:  # the collective's own: one call, equal parts
-            grad_numel, segments = equal_parts(grads_end, len(params), world_size)
-        pred = (
-            sum(model.predict(algorithm, (b - a) * esize, world_size, topo) for a, b in segments)
-            if model.offers(algorithm)
-            else float("nan")
+            grads_end = numel if grad_numel is None else grad_numel
+            grad_numel, segments = equal_parts(grads_end, len(shape.params), world_size)
+        compression = _compression(
+            group,
+            algorithm=algorithm,
+            segments=segments,
+            total=shape.segments[-1][1],
+            n_params=len(shape.params),
+            esize=esize,
+            world_size=world_size,
+            model=model,
+            topo=topo,
+            topk=topk,
+            low_rank=low_rank,
         )
-        compressor = None
-        shapes = [s for layer in group for s in (layer.shapes or [])]
-        if low_rank and world_size > 1 and len(shapes) == len(params):
-            p_numel, q_numel = message_numels(shapes, low_rank[0])
-            if bytes_sent(algorithm, 4 * p_numel, world_size, topo) + bytes_sent(
-                algorithm, 4 * q_numel, world_size, topo
-            ) < bytes_sent(algorithm, nbytes, world_size, topo):
-                compressor, segments = POWERSGD, [(0, total)]
-                pred = (
-                    sum(
-                        model.predict(algorithm, 4 * n, world_size, topo)
-                        for n in (p_numel, q_numel)
-                    )
-                    if model.offers(algorithm)
-                    else float("nan")
-                )
-        if (
-            topk
-            and world_size > 1
-            and sparse_bytes_sent(numel, len(params), topk, world_size)
-            < bytes_sent(algorithm, nbytes, world_size)
-        ):
-            algorithm, segments = TOPK, [(0, total)]
-            seg_bytes = segment_numel(numel, len(params), topk) * 4
-            pred = (world_size - 1) * (model.alpha + seg_bytes * model.beta)
         needs = [need[layer.name] for layer in group if need and layer.name in need]
         buckets.append(
             Bucket(
-                i,
-                [layer.name for layer in group],
-                params,
-                numel,
-                nbytes,
-                algorithm,
-                pred,
-                group[0].dtype,
-                window,
-                segments,
-                min(needs) if needs else None,
-                offsets,
-                grad_numel,
-                compressor,
-                copies,
+                index=i,
+                layers=[layer.name for layer in group],
+                params=shape.params,
+                numel=numel,
+                nbytes=nbytes,
+                algorithm=compression.algorithm,
+                predicted_s=compression.predicted_s,
+                dtype=group[0].dtype,
+                window_s=window,
+                segments=compression.segments,
+                need=min(needs) if needs else None,
+                offsets=offsets,
+                grad_numel=grad_numel,
+                compressor=compression.compressor,
+                flag_copies=copies,
+                owners=shape.owners,
             )
         )
-    bucket_ready = None
-    if ready:
-        bucket_ready = {}
-        for b, group in zip(buckets, groups):
-            times = [ready[layer.name] for layer in group if layer.name in ready]
-            bucket_ready[b.index] = max(times) if times else 0.0
+    if whole_params:
+        notes.extend(_whole_notes(buckets, layers, world_size))
+    bucket_ready = _bucket_ready(buckets, groups, ready)
     order = merge_adjacent(buckets, issue_order(buckets, bucket_ready, comm_scale))
-    if (
-        split_default
-        and bucket_ready
-        and forward_s is not None
-        and any(len(b.segments) > 1 for b in buckets)
-    ):
-        whole = _unsplit(buckets)
-        whole_order = issue_order(whole, bucket_ready, comm_scale)
-        behind = _queued_behind_first_need(whole, whole_order, bucket_ready, comm_scale)
-        if behind >= forward_s:
-            buckets, order, split_bytes = whole, whole_order, 0
-            notes.append(
-                f"no split: without one, {behind * 1e3:.0f} ms of reductions are "
-                "still queued behind the bucket the next forward needs first, more "
-                f"than that forward's ~{forward_s * 1e3:.0f} ms of compute, so it "
-                "overlaps them either way and a split would only add collectives"
-            )
+    if split_default and bucket_ready and forward_s is not None:
+        buckets, order, split_bytes = drop_split_that_cannot_pay(
+            buckets,
+            order=order,
+            split_bytes=split_bytes,
+            bucket_ready=bucket_ready,
+            comm_scale=comm_scale,
+            forward_s=forward_s,
+            notes=notes,
+        )
     for b in buckets:  # fewer segments after the merge: fewer fixed costs
         if b.algorithm not in (TOPK,) and b.compressor is None and model.offers(b.algorithm):
             b.predicted_s = sum(
                 model.predict(b.algorithm, (z - a) * b.nbytes // max(b.numel, 1), world_size, topo)
                 for a, z in b.segments
             )
-    if comm_scale is not None and comm_scale != 1.0:
-        notes.append(
-            f"in the measured steps communication took {comm_scale:.2f}x the time the "
-            "cost model predicts: the issue order is timed with the measured speed"
+    notes.extend(
+        _measured_notes(
+            comm_scale=comm_scale, kept_ours=kept_ours, model=model, defer_pays=defer_pays
         )
-    if kept_ours:
-        notes.append(
-            f"bucket(s) {kept_ours}: native predicted faster by less than its "
-            f"uncertainty ({model.uncertainty:.0%}): ours (strategy='native' forces it)"
-        )
-    if defer_pays is False:
-        notes.append(
-            "forward overlap cannot pay here: in the measured steps every bucket but "
-            "the one the next forward needs first was reduced before step(), so (in "
-            "forward mode) step() applies the updates at once, in one optimizer call, "
-            "as backward mode does"
-        )
+    )
     return Plan(
-        world_size,
-        strategy,
-        buckets,
-        order,
-        fusion_bytes,
-        split_bytes,
-        notes,
-        launch_pass,
-        defer_pays is not False,
+        world_size=world_size,
+        strategy=strategy,
+        buckets=buckets,
+        order=order,
+        fusion_bytes=fusion_bytes,
+        split_bytes=split_bytes,
+        notes=notes,
+        launch_pass=launch_pass,
+        defer_updates=defer_pays is not False,
     )

@@ -1,23 +1,10 @@
 """The buckets of one plan: their memory, their phases, their engine.
 
 Each parameter's ``.grad`` is a view of its bucket's contiguous buffer
-(buckets.py); backward accumulates into it in place, the all-reduce runs in
-place, and the optimizer reads it: no copy on the data path. A bucket's
-host-side state (:class:`BucketState`) moves through these phases, and only
-:meth:`BucketGroup.to` writes one (it refuses an edge not drawn here)::
-
-    IDLE --first gradient of a round--> ACCUMULATING --launch--> LAUNCHED
-    LAUNCHED --the issue order reaches it (engine)--> IN_FLIGHT
-    IN_FLIGHT --finish (step, synchronize)--> IDLE      .grad: the reduced gradients
-    IN_FLIGHT --defer (forward-mode step)--> PENDING --first read--> IDLE
-    IN_FLIGHT --another gradient (late pass, or dropped)--> ACCUMULATING
-    IDLE --defer (reduced by synchronize(), then step())--> PENDING
-    ACCUMULATING --finish with nothing added (a no-op round)--> IDLE
-
-A LAUNCHED bucket is never written: its launch waits for its turn in the plan's
-fixed issue order (every rank issues the same sequence), so a gradient that
-comes meanwhile goes into a tensor of autograd's own (``detached``) and is
-folded in when the bucket next opens.
+(buckets.py): backward accumulates into it in place, the all-reduce runs in
+place, and the optimizer reads it. A bucket's host-side state
+(:class:`BucketState`) moves through the phases of ``EDGES``, written only by
+:meth:`BucketGroup.to`. A bucket's path and phases: docs/ARCHITECTURE.md.
 
 Example::
 
@@ -68,7 +55,19 @@ class Phase(enum.Enum):
     __hash__ = object.__hash__
 
 
-# the diagram above, as data: the edges BucketGroup.to accepts
+# The edges BucketGroup.to accepts:
+#
+#   IDLE --first gradient of a round--> ACCUMULATING --launch--> LAUNCHED
+#   LAUNCHED --the issue order reaches it (engine)--> IN_FLIGHT
+#   IN_FLIGHT --finish (step, synchronize)--> IDLE      .grad: the reduced gradients
+#   IN_FLIGHT --defer (forward-mode step)--> PENDING --first read--> IDLE
+#   IN_FLIGHT --another gradient (late pass, or dropped)--> ACCUMULATING
+#   IDLE --defer (reduced by synchronize(), then step())--> PENDING
+#   ACCUMULATING --finish with nothing added (a no-op round)--> IDLE
+#
+# A LAUNCHED bucket is never written: its launch waits for its turn in the plan's
+# fixed issue order, so a gradient that comes meanwhile goes into a tensor of
+# autograd's own (``detached``), folded in when the bucket next opens.
 EDGES = {
     Phase.IDLE: {Phase.IDLE, Phase.ACCUMULATING, Phase.PENDING},
     Phase.ACCUMULATING: {Phase.ACCUMULATING, Phase.LAUNCHED, Phase.IDLE},
@@ -246,16 +245,18 @@ def _carry(s: BucketState, pos: int, old: BucketState, old_pos: int) -> None:
         b.bind(pos)
         if old_pos in old.content:
             s.content.add(pos)
-    carried = b.topk and old.bucket.topk_state(old_pos)
-    if carried:  # top-k's error feedback survives a re-plan
+    # top-k's error feedback survives a re-plan (topk_state: None without top-k)
+    carried = old.bucket.topk_state(old_pos) if b.topk is not None else None
+    if carried is not None:
         for new_view, old_view in zip(b.topk_state(pos), carried):
             if new_view is not None and old_view is not None:
                 new_view.copy_(old_view)
-    mine = b.lowrank and b.lowrank.state(pos)
-    theirs = old.bucket.lowrank and old.bucket.lowrank.state(old_pos)
-    if mine and theirs:  # so do PowerSGD's error feedback and warm start
-        for new_view, old_view in zip(mine, theirs):
-            new_view.copy_(old_view)
+    # so do PowerSGD's error feedback and warm start (state: None where sent whole)
+    if b.lowrank is not None and old.bucket.lowrank is not None:
+        mine, theirs = b.lowrank.state(pos), old.bucket.lowrank.state(old_pos)
+        if mine is not None and theirs is not None:
+            for new_view, old_view in zip(mine, theirs):
+                new_view.copy_(old_view)
 
 
 class BucketGroup:
@@ -288,27 +289,27 @@ class BucketGroup:
         for b in plan.buckets:
             ps = [params[i] for i in b.params]
             dtype = getattr(torch, b.dtype.replace("torch.", ""))
-            bucket = GradBucket(b, ps, dtype, config.wire_dtype, links.alloc)
+            bucket = GradBucket(b, ps, dtype, wire_dtype=config.wire_dtype, alloc=links.alloc)
             if b.algorithm == TOPK:
                 bucket.topk = TopK(
                     bucket.grads.numel(),
-                    len(ps),
-                    config.topk,
-                    links.rank,
-                    links.world,
-                    config.correction_momentum,
-                    links.alloc,
+                    params=len(ps),
+                    ratio=config.topk,
+                    rank=links.rank,
+                    world=links.world,
+                    momentum=config.correction_momentum,
+                    alloc=links.alloc,
                 )
             if b.compressor == POWERSGD:
                 rank, start = config.low_rank
                 bucket.lowrank = PowerSGD(
                     [v.shape for v in bucket.views],
-                    bucket.offsets,
-                    b.params,
-                    rank,
-                    start,
-                    links.world,
-                    links.alloc,
+                    offsets=bucket.offsets,
+                    ids=b.params,
+                    rank=rank,
+                    start=start,
+                    world=links.world,
+                    alloc=links.alloc,
                 )
             s = BucketState(b.index, bucket)
             for pos, p in enumerate(ps):
@@ -334,9 +335,14 @@ class BucketGroup:
         if links.on_slow is not None:
             self.engine.on_slow, self.engine.slow_after = links.on_slow, links.slow_after
         if links.used.on_host:
-            self.engine.on_issue = lambda i: links.used.post(self.states[i])
+            self.engine.on_issue = self._issuing
         self.engine.on_issued = self._issued
         self.in_flight_release = None  # shard="gradients" on a GPU (shard.py: reserve, drop)
+
+    def _issuing(self, index: int) -> None:
+        """Bucket ``index``'s launch is being issued: its used-parameter agreement is
+        posted (``find_unused_parameters`` on a GPU: a host collective, in plan order)."""
+        self.links.used.post(self.states[index])
 
     def _issued(self, index: int) -> None:
         s = self.states[index]
@@ -346,7 +352,7 @@ class BucketGroup:
 
     # ---- the one writer of a phase -------------------------------------------------------
     def to(self, s: BucketState, phase: Phase) -> None:
-        """Move bucket ``s`` to ``phase`` along an edge of the diagram (module doc)."""
+        """Move bucket ``s`` to ``phase`` along an edge of ``EDGES``."""
         if phase not in EDGES[s.phase]:
             raise HybridCommError(
                 f"internal error: bucket {s.index} cannot go from {s.phase.value} to {phase.value}"
@@ -397,7 +403,8 @@ class BucketGroup:
         nothing of this round: it is zeroed (it is summed with the other ranks')
         and bound, so that what other ranks send lands in ``.grad``."""
         b = s.bucket
-        grads, s.kept = s.kept or kept_apart(b), None
+        grads = s.kept or kept_apart(b)  # (the closer's hook may have found them)
+        s.kept = None
         if grads is not None:  # (the usual step)
             try:
                 copy_into(b.views, grads)
@@ -457,7 +464,9 @@ class BucketGroup:
         # A stamp only where the next forward's use is measured (an event each on a GPU)
         s.launched_at = self.links.clock.stamp() if self._measuring_next() else None
         self.state.launches += 1
-        keep = self.in_flight_release and self.in_flight_release.reserve(s)
+        keep = None  # shard="gradients" on a GPU: the part kept, copied behind the reduction
+        if self.in_flight_release is not None:
+            keep = self.in_flight_release.reserve(s)
         self.engine.launch(s.index, keep)  # issued now if its turn came: then IN_FLIGHT
 
     def launch_rest(self, open_: Callable[[BucketState], bool], pass_id: int) -> None:
@@ -640,6 +649,20 @@ class BucketGroup:
 
     def topk_param_ids(self) -> set:
         return {id(p) for s in self.states if s.bucket.topk is not None for p in s.bucket.params}
+
+    def release_unheld(self) -> None:
+        """Before a re-plan's buckets are made: the buffer of every bucket that holds
+        nothing to carry (no ``.grad`` bound to it, no reduced content, no error
+        feedback: a loaded checkpoint superseded it, or no gradient came since
+        ``zero_grad()``) goes first, so that the old buffers and the new never
+        take memory together."""
+        for s in self.states:
+            b = s.bucket
+            if b.released or b.topk is not None or b.spec.compressor is not None:
+                continue
+            if s.content or s.scattered or any(map(b.holds, range(len(b.params)))):
+                continue
+            b.release()
 
     def retire(self) -> None:
         """A re-plan replaced this group: the engine's callbacks hold it, and with it

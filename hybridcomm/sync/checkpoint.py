@@ -1,13 +1,10 @@
 """The synchronizer's part of ``opt.state_dict()``: the agreed plan, the step
 count, and this rank's error feedback (top-k's; PowerSGD's, with its warm start).
 
-No collective either way: one rank alone may save (``if rank == 0:
-torch.save(opt.state_dict(), f)``) or load (Horovod's resume, followed by
-``broadcast_optimizer_state``). Every rank that loads the same checkpoint
-adopts the same plan; a checkpoint made for another world size or other
-parameters keeps the current plan (logged). Error feedback is per rank: a
-checkpoint holds the saving rank's (format 1 held every rank's top-k
-residuals, still read).
+No collective either way: one rank alone may save or load (Horovod's resume,
+then ``broadcast_optimizer_state``). Every rank that loads the same checkpoint
+adopts the same plan; one made for another world size or other parameters
+keeps the current plan (logged). Error feedback is the saving rank's.
 
 Example::
 
@@ -71,6 +68,9 @@ def mismatch(sync, state: dict) -> Optional[str]:
     copies = sync.world if sync.config.shard and sync.world > 1 else 1
     if any(b.flag_copies != copies for b in saved.buckets):
         return "it was made with another shard= (the buckets' layout differs)"
+    whole = sync.config.shard_by == "parameters"
+    if any((b.owners is not None) != whole for b in saved.buckets):
+        return "it was made with another shard_by= (the buckets' layout differs)"
     return None
 
 
@@ -81,7 +81,7 @@ def load_residuals(sync, state: dict) -> None:
         if not views:
             continue
         mine = None
-        if key == "topk" and "topk_per_rank" in state:  # format 1
+        if key == "topk" and "topk_per_rank" in state:  # format 1: every rank's, still read
             per_rank = state["topk_per_rank"]
             mine = per_rank[sync.rank] if per_rank and len(per_rank) == sync.world else None
         elif key in state:

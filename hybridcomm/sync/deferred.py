@@ -1,19 +1,16 @@
 """Forward mode's deferred updates: a bucket's update waits for the first read of
 one of its parameters.
 
-``step()`` in forward mode launches what is left and returns; each bucket
-becomes PENDING with the step's hyper-parameters, and its parameters are
-marked (pending.py): whatever reads one first (the next forward's layer, an
-EMA, a checkpoint) applies the bucket's update before the read, with the
-reduced gradients. After the measured steps a bucket's update is applied
-together with every other deferred bucket whose reduction is done by then, in
-one optimizer call (the multi-tensor path): on the host path those already
-finished, on a GPU those issued before it on the one comm stream (the stream
-waits for them anyway).
+``step()`` in forward mode launches what is left and returns; each bucket goes
+PENDING with the step's hyper-parameters, and whatever reads one of its
+parameters first (the next forward's layer, an EMA, a checkpoint; pending.py)
+applies its update before the read. How: docs/ARCHITECTURE.md, the
+``overlap="forward"`` section.
 
 Example::
 
-    deferred = DeferredUpdates(group_of, update, measure, state, clock, timeline, rt, momentum=0.0)
+    deferred = DeferredUpdates(group_of, update, measure=measure, state=state,
+                               clock=clock, timeline=timeline, rt=rt, momentum=0.0)
     deferred.defer(hyper)                # step(): every reduced bucket PENDING
     model(x)                             # each bucket applied before its first read
     deferred.apply_pending()             # or all now
@@ -214,8 +211,11 @@ class DeferredUpdates:
                 self.apply(s)
 
     def apply(self, s: BucketState) -> None:
-        """Apply bucket ``s``'s deferred update with its reduced gradients (with it,
-        the others done by then, after the measured steps: module doc). A plan that
+        """Apply bucket ``s``'s deferred update with its reduced gradients. After the
+        measured steps, with it every other PENDING bucket whose reduction is done by
+        then, in one optimizer call (the multi-tensor path): on the host path those
+        already finished, on a GPU those issued before it on the one comm stream
+        (the stream waits for them anyway). A plan that
         issues buckets in their order of need takes one call per step; one that
         issues an early-needed bucket sooner takes one more per such break."""
         if s.gathered is not None:  # sharded: the parameters' all-gather (shard.py)
@@ -262,7 +262,7 @@ class DeferredUpdates:
             bound = not any(o.rebound for o in together)
             for free, (params, grads, hyper) in groups.items():
                 if params:
-                    self.update(params, grads, hyper, free, bound)
+                    self.update(params, grads, hyper, free, bound)  # (an Update: positional)
         for o in together:
             self._zero_taken(o)
         self.timeline.add(

@@ -1,20 +1,12 @@
-"""The host C++ extension (csrc/host_ops.cpp): built once per machine, loaded in a millisecond.
+"""The host C++ extension (csrc/host_ops.cpp): built once per machine, then imported.
 
-What it holds is grad_fields.py's per-parameter loops (``.grad`` reads, writes and
-copies) in C++; every one has a Python twin there, so this is speed, never
-meaning. It is compiled with the system C++ compiler (``CXX``, else ``c++``)
-against the running torch's headers, into ``TORCH_EXTENSIONS_DIR`` (else
-``~/.cache/torch_extensions``) under a key of the source, torch's version and
-Python's: a changed source or a new torch builds again; otherwise a process
-imports the built file directly (no compiler, no ninja, no torch.utils.cpp_extension
-import). Processes that start together build it once (a file lock). ``make setup``
-builds it, so no test and no training job waits for the compiler (~25 s).
-
-``HYBRIDCOMM_HOST_EXT=0`` turns it off (the Python twins run). Where it cannot be
-had (no compiler, no sources), :func:`load` returns None and :func:`why_not` says
-why; a failed build is logged once per process as a warning, never raised, and
-not tried again for the same source and torch (its error is kept beside it, in
-``hybridcomm_host.failed``: delete it to retry).
+It holds grad_fields.py's per-parameter loops (``.grad`` reads, writes and
+copies) in C++; each has a Python twin there, so this is speed, never meaning.
+Compiled with the system C++ compiler against the running torch, keyed by the
+source, torch's version and Python's (``make setup`` builds it);
+``HYBRIDCOMM_HOST_EXT=0`` turns it off. Where it cannot be had, :func:`load`
+returns None and :func:`why_not` says why; a failed build is a warning, not
+retried for the same source and torch (delete ``hybridcomm_host.failed`` to retry).
 
 Example::
 
@@ -125,6 +117,7 @@ def _build(source: Path, target: Path) -> None:
 
 
 def _import(path: Path):
+    # The built file directly: no compiler, no ninja, no torch.utils.cpp_extension import
     spec = importlib.util.spec_from_file_location(NAME, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

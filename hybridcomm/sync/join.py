@@ -1,29 +1,12 @@
 """Uneven inputs: torch's join protocol (``torch.distributed.algorithms.join``)
 for the synchronizer, so that ranks that run out of data shadow the others.
 
-Inside ``with opt.join():`` (or ``with Join([opt]):``), a rank still training
-tells the ranks that are not, before each *round* (the first launch of a
-round of buckets: in backward, or in ``step()``/``synchronize()``) and at each
-step's end (before ``end_step``'s re-plan agreement). Each time it does
-torch's ``Join.notify_join_context`` and then one all-reduce of
-``[1, what]`` on a gloo group of its own; a rank that has joined sits in
-``Join.__exit__`` and, for each notice, its hook (:class:`ShadowHook`)
-receives ``what`` and does the same with nothing of its own: a round of every
-bucket holding zeros with no position used, or a step's end (wait, count the
-step, re-plan if due). So every rank issues the same sequence of operations
-and agreements, and nothing waits for a rank that stopped. A notice comes
-before any operation of its round is issued, so a rank that waits on a
-reduction (a late pass, ``synchronize()``) never waits for a joined rank that
-has not heard of it.
-
-The average divides by the initial world size, as DDP's join does by default;
-``divide_by_initial_world_size=False`` divides by the ranks still training
-(the count each notice carries). ``throw_on_early_termination=True`` raises
-torch's error on every rank at the first notice after a rank joined, before
-any operation of the round is issued. Once every rank has joined, the model's
-parameters and buffers and the optimizer's state are copied from a rank that
-joined last (DDP copies the parameters and buffers), so every rank goes on
-from the same state.
+A rank still training notifies before each round of buckets and each step's
+end; a joined rank's :class:`ShadowHook` answers each notice with zeros (or the
+step's end), so every rank issues the same operations. The average divides by
+the initial world size unless ``divide_by_initial_world_size=False``; once all
+have joined, every rank takes the state of a rank that joined last. How:
+docs/ARCHITECTURE.md, "Uneven inputs".
 
 Example::
 
@@ -101,7 +84,9 @@ class JoinState:
 
     # ---- a rank still training ---------------------------------------------------------
     def notify(self, what: int) -> None:
-        """Tell the joined ranks what comes next (``ROUND`` or ``STEP_END``)."""
+        """Tell the joined ranks what comes next (``ROUND`` or ``STEP_END``), before
+        any operation of it is issued: a rank that waits on a reduction then never
+        waits for a joined rank that has not heard of it."""
         work = Join.notify_join_context(self.joinable)  # raises on every rank if told to throw
         both = torch.tensor([1, what], dtype=torch.int64)
         self._all_reduce(both)

@@ -1,19 +1,12 @@
 """What the measured steps teach the planner, and when it learns it.
 
 Steps 1..``measure_iters`` of every ``replan_every`` steps are measured (only
-the first cycle when ``replan_every`` is 0); the plan is re-made after them
-(the first time always, later only if the measurements change a decision).
-Measured on the planning rank, per layer: when its gradient is ready (seconds
-into the backward pass that launches it), its overlap window (launch to the
-update's application, forward mode) and the order the next forward needs the
-layers in, and how fast the communication ran against the cost model's
-prediction (it times the issue order), and what each all-reduce costs beyond
-that prediction, per call (fusion weighs it); on every rank and every step: how
-many backward passes it had
-(``no_sync`` passes and the passes inside ``step(closure)`` excluded), whose
-largest value since the last plan is the pass the buckets are launched in.
-Times are stamps of the device's clock (:mod:`hybridcomm.gpu.clock`): on a GPU,
-timing events on the trainer's stream, read when the plan is re-made.
+the first cycle when ``replan_every`` is 0), and the plan is re-made after them
+(the first time always, later only if a decision changes). Measured per layer:
+when its gradient is ready, its overlap window and the order the next forward
+needs it; per step: the communication's speed against the cost model, each
+call's cost beyond it, and how many backward passes counted. Times are stamps of
+the device's clock (:mod:`hybridcomm.gpu.clock`).
 """
 
 from __future__ import annotations
@@ -224,7 +217,7 @@ class StepMeasurements:
             ready,
             need,
             launch_pass,
-            comm_scale,
-            defer_pays,
-            None if call_s is None else quantize(call_s),
+            comm_scale=comm_scale,
+            defer_pays=defer_pays,
+            call_s=None if call_s is None else quantize(call_s),
         )

@@ -1,21 +1,12 @@
 """Backward passes since the last step, and what each one is for.
 
 The step's structure is learned, never assumed: passes are counted since the
-last step, and the buckets are launched in the plan's ``launch_pass`` (1 at
-first, then the most passes a measured step had). A pass is
-
-- ``"launch"``: the launching pass (or any pass inside ``step(closure)``):
-  buckets launch as their gradients complete, the pass's end launches the rest;
-- ``"late"``: a pass after the launching one: its end launches every bucket
-  again (the gradients it added must be reduced too);
-- ``"local"``: before the launching pass, under ``no_sync()``, or with
-  ``overlap="none"``: gradients accumulate locally.
-
-Every rank counts the same passes (the same structure, as DDP requires), so
-every rank launches the same sequence. A pass begins with its first gradient
-(a post-accumulate hook) and ends in autograd's end-of-backward callback,
-unless it runs inside a backward started by another backward's node
-(reentrant checkpointing): that inner end is not the pass's end.
+last step, and buckets launch in the plan's ``launch_pass`` (1 at first, then
+the most passes a measured step had). A pass is ``"launch"`` (buckets launch as
+their gradients complete; also any pass inside ``step(closure)``), ``"late"``
+(after the launching one: its end launches every bucket again) or ``"local"``
+(before it, under ``no_sync()``, or with ``overlap="none"``). Every rank counts
+the same passes (as DDP requires), so every rank launches the same sequence.
 
 Example::
 
@@ -55,7 +46,9 @@ def in_nested_backward() -> bool:
 
 
 class PassTracker:
-    """Counts the backward passes of a step and classifies each (module doc).
+    """Counts the backward passes of a step and classifies each. A pass begins with
+    its first gradient (a post-accumulate hook) and ends in autograd's
+    end-of-backward callback (not a nested backward's, :func:`in_nested_backward`).
 
     ``on_end(kind)`` runs at each pass's end. ``no_sync`` (``opt.no_sync()``)
     and ``closure_depth`` (inside ``step(closure)``) are set by the synchronizer.

@@ -1,12 +1,10 @@
 """The synchronizer's plan: made by rank 0, followed by all, re-made from measurements.
 
-Rank 0 makes the plan from its cost model, the registry's layers and, after
-the measured steps, what they measured (:class:`~hybridcomm.sync.measure.Measured`);
-every rank follows it (``control.rank0_decides``). The first re-plan always
-happens (the windows are measured now); a later one only if it decides
-something differently. The plan is logged at INFO on rank 0 when it decides
-something new, at DEBUG otherwise, and after the first measured steps rank 0
-logs the one-line verdict (plan/verdict.py).
+Rank 0 plans from its cost model, the registry's layers and, after the measured
+steps, what they measured; every rank follows (``control.rank0_decides``). The
+first re-plan always happens, a later one only if it decides something
+differently; after the first measured steps rank 0 logs the verdict
+(plan/verdict.py).
 
 Example::
 
@@ -41,7 +39,8 @@ def forward_estimate(measured: Measured) -> Optional[float]:
 
 
 class Planning:
-    """Makes and agrees the bucket plan (module doc)."""
+    """Makes and agrees the bucket plan; logs it at INFO on rank 0 when it decides
+    something new, at DEBUG otherwise."""
 
     def __init__(
         self, config: SyncConfig, cost_model, *, world: int, rank: int, group, servers: int
@@ -89,7 +88,10 @@ class Planning:
                 low_rank=cfg.low_rank,
                 call_s=m.call_s,
                 shard=bool(cfg.shard),
+                whole_params=cfg.shard_by == "parameters",
             )
+            if cfg.shard_by_reason:
+                plan.notes.insert(0, f"state sharded by {cfg.shard_by}: {cfg.shard_by_reason}")
             return None if keep is not None and plan.decisions() == keep.decisions() else plan
 
         return control.rank0_decides(

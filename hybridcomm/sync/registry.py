@@ -96,7 +96,7 @@ class ParamRegistry:
         self._ids = [id(p) for p in params]
         self._listed = [p for g in param_groups for p in g["params"]]  # for trainable_changed
         self._requires = [p.requires_grad for p in self._listed]
-        self._check(params, names, group, timeout, device_path)
+        self._check(params, names, group, timeout, device_path=device_path)
         sparse = sparse_owned(model)
         self.sparse: List[Tuple[torch.nn.Parameter, str]] = [
             (p, n) for p, n in zip(params, names) if id(p) in sparse
@@ -237,9 +237,9 @@ class ParamRegistry:
             list(idx),
             sum(sizes),
             torch.empty((), dtype=wire).element_size(),
-            str(p.dtype),
-            sizes,
-            [tuple(local_shape(self.params[i])) for i in idx],
+            dtype=str(p.dtype),
+            sizes=sizes,
+            shapes=[tuple(local_shape(self.params[i])) for i in idx],
         )
 
 

@@ -1,22 +1,11 @@
 """How every rank slices a bucket under ``shard=`` (shard.py), and a re-plan's move
 of the optimizer state from the old slicing to the new one.
 
-A rank's slices of a parameter follow from where the plan puts it: the bucket's
-segments and algorithm (whose reduce-scatter gives each rank a part of each
-segment) and the parameter's offset and size in the bucket, its *placement*.
-Every rank knows every placement (the plans are agreed), so every rank knows
-how every rank slices every parameter, before a re-plan and after (:func:`cut`).
-
-:func:`move_state`, at a re-plan: a parameter every rank slices as before keeps
-its state as it is, only re-keyed to the new slice (no copy, nothing sent). For
-the others, each rank sends every other rank the part of its old slices' state
-that the other's new slices cover, in one all-to-all of bytes per run of
-parameters (``run_bytes``) after a small exchange of what each rank holds
-(keys, dtypes, step counts): what crosses is what changes owner, and a rank
-holds one run's send and receive buffers beside its state, never a
-parameter's state whole. A parameter that left the trainable set (frozen) is
-cut whole on every rank: each gets its whole state, as frozen parameters keep
-it.
+A rank's slices of a parameter follow from its *placement* (the bucket's
+segments and algorithm, the parameter's offset and size); the plans are
+agreed, so every rank knows how every rank slices every parameter, before a
+re-plan and after (:func:`cut`). :func:`move_state` moves only what changes
+owner. How: docs/ARCHITECTURE.md, "Sharded optimizer state".
 
 Example::
 
@@ -89,7 +78,7 @@ def _bucket_parts(bucket: tuple, world: int) -> Tuple[list, list]:
     return _spans(
         (lo, hi, r)
         for r in range(world)
-        for lo, hi in owned_ranges(segments, r, world, algorithm, tail)
+        for lo, hi in owned_ranges(segments, r, world, algorithm, tail=tail)
     )
 
 
@@ -99,8 +88,15 @@ def _per_element(v, sl) -> bool:
 
 def move_state(old, new, state: dict, group, timeout: float, run_bytes: int) -> None:
     """``state`` (the optimizer's) from ``old``'s slices (a ``Shards``) to ``new``'s:
-    a collective where some parameter's slicing changed (module doc); a parameter
-    of ``old`` that ``new`` lacks gets its whole state, keyed by itself."""
+    a collective where some parameter's slicing changed; a parameter of ``old``
+    that ``new`` lacks (frozen) gets its whole state on every rank, keyed by itself.
+
+    A parameter every rank slices as before keeps its state, re-keyed (no copy,
+    nothing sent). For the others, each rank sends every other the part of its
+    old slices' state that the other's new slices cover, in one all-to-all of
+    bytes per run of ``run_bytes`` (after a small exchange of keys, dtypes and
+    step counts): a rank holds one run's buffers beside its state, never a
+    parameter's state whole."""
     world = new.world
     todo, size, kept, moved = [], 0, 0, 0
     for p in old.params:
@@ -113,10 +109,10 @@ def move_state(old, new, state: dict, group, timeout: float, run_bytes: int) -> 
         moved += 1
         size += p.numel() * p.element_size()
         if size >= run_bytes:
-            _exchange(old, new, todo, state, group, timeout)
+            _exchange(old, new, todo, state, group=group, timeout=timeout)
             todo, size = [], 0
     if todo:
-        _exchange(old, new, todo, state, group, timeout)
+        _exchange(old, new, todo, state, group=group, timeout=timeout)
     log.debug(
         "hybridcomm re-plan: %d parameters keep their slices' state, %d have it "
         "moved to their new owners (runs of %d bytes)",
@@ -159,7 +155,7 @@ def _exchange(old, new, params: Sequence, state: dict, group, timeout: float) ->
                         [
                             (k, True, v.dtype)
                             if _per_element(v, sl)
-                            else (k, False, v.detach().cpu() if torch.is_tensor(v) else v)
+                            else (k, False, _kept(v) if torch.is_tensor(v) else v)
                             for k, v in st.items()
                         ],
                     )
@@ -254,14 +250,30 @@ def _exchange(old, new, params: Sequence, state: dict, group, timeout: float) ->
         )
         for key_tensor, rng in targets:
             got_here = made.get((j, rng), {})
-            state[key_tensor] = {  # (a frozen parameter's step count on its device, too)
-                k: (got_here[k].view(p.shape) if left else got_here[k]).to(p.device)
+            state[key_tensor] = {
+                k: got_here[k].view(key_tensor.shape).to(p.device)
                 if elements
-                else v.to(p.device)
-                if left and torch.is_tensor(v)
+                # (a frozen parameter's step count on its device, too)
+                else _restored(v, p.device if left else None)
+                if _is_kept(v)
                 else v
                 for k, elements, v in entries
             }
+
+
+def _kept(v: torch.Tensor) -> tuple:
+    """A state tensor that is not per element (a step count, Adafactor's factored
+    moments) as sent: on the CPU, with the device it goes back to (plain types, so
+    the peers' safe unpickling takes it)."""
+    return ("hybridcomm-kept", v.detach().cpu(), str(v.device))
+
+
+def _is_kept(v) -> bool:
+    return isinstance(v, tuple) and len(v) == 3 and v[0] == "hybridcomm-kept"
+
+
+def _restored(v: tuple, device: Optional[torch.device]) -> torch.Tensor:
+    return v[1].to(device or torch.device(v[2]))
 
 
 def _spans(items) -> Tuple[list, list]:

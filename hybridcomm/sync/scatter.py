@@ -1,24 +1,11 @@
 """A reduce-scattered bucket (``shard``, shard.py): made whole again, its parameters
 all-gathered, and under ``shard="gradients"`` released in backward.
 
-After its reduce-scatter each rank holds the reduced gradient of its own part of
-the bucket's buffer only; the rest holds partial sums. To read or add to the
-whole gradient (``synchronize()``, a late backward pass) :func:`unscatter`
-all-gathers every rank's part. The step's gather sends the updated parameters
-the same way (:func:`all_gather`).
-
-**Released in backward** (``shard="gradients"``, ZeRO-2): on the host path,
-once a bucket's reduce-scatter is done, before backward ends, :func:`keep_part`
-copies this rank's part out and frees the buffer, so backward holds whole only
-the buckets still being reduced. On a GPU, where the host runs ahead, the copy
-is queued on the comm stream behind the reduce-scatter and the buffer dropped
-as the launch is issued (``reserved``; the allocator reuses the memory once
-the comm stream is past it). Each ``.grad`` that was a view of it is then a
-:class:`ReleasedGrad`: the parameter's shape, dtype and device, no memory, and
-any use raises, naming ``opt.synchronize()`` (which all-gathers) and
-``opt.clip_grad_norm_``. Anything that must add to it (a later backward pass)
-first makes the bucket whole (``BucketGroup.open``, through the pre-hook that
-is armed on a reduce-scattered bucket).
+After its reduce-scatter each rank holds the reduced gradient of its own part
+only. :func:`unscatter` all-gathers the parts where the whole gradient is read
+or added to, :func:`all_gather` sends the step's updated parameters the same
+way, and :func:`keep_part` keeps this rank's part and frees the buffer
+(ZeRO-2). How: docs/ARCHITECTURE.md, "Sharded optimizer state".
 
 Example::
 
@@ -39,7 +26,10 @@ from ..comm.executor import reduce_operation
 
 class ReleasedGrad(torch.Tensor):
     """``.grad`` of a parameter whose bucket kept only this rank's part of the
-    reduced gradient (module doc). No memory; any operation on it raises.
+    reduced gradient: the parameter's shape, dtype and device, no memory; any
+    operation on it raises, naming ``opt.synchronize()``. Whatever must add to it
+    (a later backward pass) first makes the bucket whole (``BucketGroup.open``,
+    through the pre-hook armed on a reduce-scattered bucket).
 
     >>> p = torch.nn.Parameter(torch.zeros(2, 3)); p.grad = ReleasedGrad(p)
     >>> p.grad.shape, is_released(p.grad)
@@ -85,7 +75,9 @@ def keep_part(
     ``ranges`` (this rank's part) kept, the rest freed; each ``.grad`` bound to it
     becomes its placeholder (``placeholders``: id(param) -> its :class:`ReleasedGrad`).
     ``reserved``: the part was reserved at the launch, and its copy queued behind the
-    reduce-scatter (a GPU)."""
+    reduce-scatter (a GPU, where the host runs ahead; the allocator reuses the memory
+    once the comm stream is past it). Called before backward ends, so backward holds
+    whole only the buckets still being reduced."""
     b = s.bucket
     for p, view in zip(b.params, b.views):
         if p.grad is view:

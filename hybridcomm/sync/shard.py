@@ -27,13 +27,14 @@ Then ``step()``:
    this rank's part (scatter.py).
 
 The per-element state (momentum, Adam's moments) is sliced as the
-parameters are; anything else (a step count) is kept per slice as it is. An
-optimizer whose step needs whole tensors (a norm per tensor, a factored
-second moment) steps slices as if they were tensors: refused by name where
-known (LBFGS, ZeroRedundancyOptimizer). ``full_state()`` /
-``slice_state()`` turn the state into the plain optimizer's and back (a
-consolidated checkpoint, collectively; a loaded one); a re-plan moves only
-what changes owner, straight to its new owner (reshard.py).
+parameters are; anything else (a step count) is kept per slice as it is. Only
+an optimizer known to be element-wise is sliced: every other gets whole
+parameters (``shard_by``, granularity.py; the plan lays each bucket out by
+owner, plan/ownership.py), and then a slice is a whole parameter, stepped in
+its own shape. ``full_state()`` / ``slice_state()`` turn the state into the
+plain optimizer's and back (a consolidated checkpoint, collectively; a loaded
+one); DCP gets each rank's part alone (dcp.py); a re-plan moves only what
+changes owner, straight to its new owner (reshard.py).
 
 Example::
 
@@ -45,8 +46,9 @@ Example::
 from __future__ import annotations
 
 import functools
+import json
 import math
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -58,7 +60,7 @@ from ..base.errors import HybridCommError
 from ..comm import control
 from ..config import env
 from ..gpu.runtime import runtime_for
-from . import grad_fields, pending
+from . import dcp, grad_fields, granularity, pending
 from .bucket_group import Phase
 from .buckets import copy_into
 from .reshard import move_state, owned_ranges, placement
@@ -67,13 +69,16 @@ from .scatter import ReleasedGrad, all_gather, is_released, keep_part, unscatter
 
 class Slice:
     """The part ``[start, stop)`` of ``param`` (flattened) in this rank's shard: at
-    ``[at, at + stop - start)`` of the buffer of the bucket ``state`` keeps."""
+    ``[at, at + stop - start)`` of the buffer of the bucket ``state`` keeps. A
+    whole parameter's (``shard_by="parameters"``) has the parameter's shape, and so
+    does its gradient: the optimizer steps it as the tensor it is."""
 
     __slots__ = ("param", "index", "start", "stop", "tensor", "state", "at", "_grad", "_of")
 
-    def __init__(self, param, index: int, start: int, stop: int, state, at: int):
+    def __init__(self, param, index: int, start: int, stop: int, state, at: int, whole: bool):
         self.param, self.index, self.start, self.stop = param, index, start, stop
-        self.tensor = param.detach().view(-1)[start:stop]  # the parameter's own memory
+        # the parameter's own memory, so that the optimizer's update lands in it
+        self.tensor = param.detach() if whole else param.detach().view(-1)[start:stop]
         self.state, self.at = state, at
         self._grad, self._of = None, None  # the view, and id() of the buffer it views
 
@@ -85,7 +90,8 @@ class Slice:
         b = self.state.bucket
         memory = b.buffer if b.buffer is not None else b.part
         if self._of != id(memory):  # (the cached view keeps its memory, and so its id)
-            self._grad, self._of = b.region(self.at, self.stop - self.start), id(memory)
+            view = b.region(self.at, self.stop - self.start).view(self.tensor.shape)
+            self._grad, self._of = view, id(memory)
         return self._grad
 
     def drop_grad(self) -> None:
@@ -115,16 +121,27 @@ class Shards:
         for s in group.states:
             b = s.bucket
             self.owned[s.index] = owned_ranges(
-                b.spec.segments, rank, world, b.spec.algorithm, b.spec.tail
+                b.spec.segments, rank, world, b.spec.algorithm, tail=b.spec.tail
             )
             for pos, p in enumerate(b.params):
                 self.placement[id(p)] = placement(b.spec, b.offsets[pos], b.views[pos].numel())
+            whole = b.spec.owners is not None
             for lo, hi in self.owned[s.index]:
                 for pos, p in enumerate(b.params):
                     o, n = b.offsets[pos], b.views[pos].numel()
                     start, stop = max(lo, o), min(hi, o + n)
-                    if start < stop:
-                        self.slices.append(Slice(p, index[id(p)], start - o, stop - o, s, start))
+                    if start >= stop:
+                        continue
+                    if whole and (start, stop, b.spec.owners[pos]) != (o, o + n, rank):
+                        raise HybridCommError(
+                            f"bucket {s.index}: rank {rank}'s part [{lo}, {hi}) cuts parameter "
+                            f"{index[id(p)]} at [{o}, {o + n}) (owner {b.spec.owners[pos]}), "
+                            "but its state is sharded by whole parameters: the plan's layout "
+                            "and the reduce-scatter's parts disagree"
+                        )
+                    self.slices.append(
+                        Slice(p, index[id(p)], start - o, stop - o, state=s, at=start, whole=whole)
+                    )
         self.by_param: Dict[int, List[Slice]] = {}
         self.by_bucket: Dict[int, List[Slice]] = {s.index: [] for s in group.states}
         for sl in self.slices:
@@ -138,6 +155,11 @@ class Shards:
         )
         # "gradients": each parameter's .grad while its bucket keeps only this rank's part
         self.placeholders = {id(p): ReleasedGrad(p) for p in params} if release else {}
+
+    def drop_grads(self) -> None:
+        """Every slice's cached view of its bucket's memory (the buckets are replaced)."""
+        for sl in self.slices:
+            sl.drop_grad()
 
     def release_reduced(self) -> None:  # host path
         """``shard="gradients"``, in backward (after a bucket's launch, and at the
@@ -318,7 +340,10 @@ class Shards:
             for sl in self.by_param.get(id(p), []):
                 state[sl.tensor] = {
                     k: (
-                        v.reshape(-1)[sl.start : sl.stop].to(sl.tensor.device).clone()
+                        v.reshape(-1)[sl.start : sl.stop]
+                        .reshape(sl.tensor.shape)
+                        .to(sl.tensor.device)
+                        .clone()
                         if torch.is_tensor(v) and v.dim() > 0 and v.shape == p.shape
                         else v
                     )
@@ -354,15 +379,18 @@ def assemble(parts, shapes) -> Dict[int, dict]:
 
 
 def settle_options(
-    options: dict, optimizer_name: str, process_group, servers, param_groups
+    options: dict, optimizer_class: type, process_group, servers, param_groups
 ) -> dict:
     """``DistributedOptimizer``'s options with ``shard`` on: what cannot be combined
     with it yet is refused on every rank alike (before any collective), naming the
     option; every bucket is reduce-scattered with an algorithm that has a phase of
     its own (``algorithms.SHARDABLE``), chosen per bucket by the cost model unless
     forced: on the host path not gloo's own (``native``: with it a transformer's
-    step took 1.23x the ring's at 100 Mbit/s, docs/PERFORMANCE.md)."""
+    step took 1.23x the ring's at 100 Mbit/s, docs/PERFORMANCE.md). The state is
+    cut into element slices or whole parameters (granularity.py)."""
     shard, why = options["shard"], []
+    optimizer_name = optimizer_class.__name__
+    shard_by, reason = granularity.choose(optimizer_class, options.get("shard_by"))
     if options.get("compression") is not None:
         why.append(f"compression={options['compression']!r} (leave it None)")
     if options.get("lazy_bytes"):
@@ -389,7 +417,21 @@ def settle_options(
         )
     if why:
         raise HybridCommError(f"shard={shard!r} cannot be combined with " + "; ".join(why))
-    return dict(options, strategy=chosen)
+    return dict(options, strategy=chosen, shard_by=shard_by, shard_by_reason=reason)
+
+
+# The key of hybridcomm's own state (JSON) in the first parameter group of a DCP state
+DCP_GROUP_KEY = "hybridcomm"
+
+
+def from_group(value) -> Optional[dict]:
+    """hybridcomm's own state as :meth:`ShardedOptimizer._hc_dcp_state_dict` put it in
+    a parameter group, or None for anything else."""
+    try:
+        ours = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+    return ours if isinstance(ours, dict) and ours.get("form") == "dcp" else None
 
 
 class ShardedOptimizer:
@@ -472,8 +514,8 @@ class ShardedOptimizer:
                 new,
                 self.state,
                 sync.process_group,
-                sync.timeout,
-                env.get("HYBRIDCOMM_RESHARD_BYTES"),
+                timeout=sync.timeout,
+                run_bytes=env.get("HYBRIDCOMM_RESHARD_BYTES"),
             )
         self._hc_shards = new
 
@@ -524,6 +566,58 @@ class ShardedOptimizer:
             return base_state_dict()
         finally:
             self.state = saved
+
+    def _hc_dcp_state_dict(self, base_state_dict: Callable[[], dict]) -> dict:
+        """This rank's part of the state, for ``torch.distributed.checkpoint`` (dcp.py):
+        no collective, nothing gathered; hybridcomm's own state rides in the first
+        parameter group (DCP's ``get_state_dict`` keeps the groups, not other keys), as
+        JSON."""
+        sync, shards = self._hc_sync, self._hc_shards
+        entries = dcp.save_entries(shards, self.state)
+        slices = {id(sl.tensor) for sl in shards.slices}
+        saved = self.state
+        self.state = {p: st for p, st in saved.items() if id(p) not in slices}  # frozen, whole
+        self.state.update(entries)
+        try:
+            state = base_state_dict()
+        finally:
+            self.state = saved
+        if state["param_groups"]:
+            # one string: DCP stores it whole (a nested plan would be a key per field,
+            # which a job whose plan differs could not load); plain types only under shard
+            ours = json.dumps(dict(sync.state_dict(), form="dcp"))
+            state["param_groups"][0][DCP_GROUP_KEY] = ours
+        return state
+
+    def _hc_load_dcp_state_dict(self, state_dict: dict) -> None:
+        """Load what :meth:`_hc_dcp_state_dict` gave DCP, once DCP filled it in (or a
+        consolidated state in that form): the hyper-parameters and a frozen
+        parameter's whole state through the plain optimizer, each slice's from its
+        pieces (dcp.py). No collective."""
+        shards = self._hc_shards
+        saved_keys = [k for g in state_dict["param_groups"] for k in g["params"]]
+        mine = [p for g in self.param_groups for p in g["params"]]
+        if len(saved_keys) != len(mine):
+            raise HybridCommError(
+                f"load_state_dict: the checkpoint has {len(saved_keys)} parameters, "
+                f"this optimizer {len(mine)}"
+            )
+        by_key = dict(zip(saved_keys, mine))
+        sharded = {id(p) for p in shards.params}
+        loaded = {by_key[k]: v for k, v in state_dict["state"].items()}
+        kept = self.state
+        super().load_state_dict(
+            {
+                "state": {
+                    k: v for k, v in state_dict["state"].items() if id(by_key[k]) not in sharded
+                },
+                "param_groups": state_dict["param_groups"],
+            }
+        )
+        for sl in shards.slices:  # (the plain optimizer's load replaced the state)
+            if sl.tensor in kept:
+                self.state[sl.tensor] = kept[sl.tensor]
+        dcp.load_entries(shards, self.state, {p: v for p, v in loaded.items() if id(p) in sharded})
 
     def sharded_state_dict(self) -> dict:
         """This rank's part of the optimizer state, with no collective (each rank

@@ -140,7 +140,7 @@ class GradientSynchronizer:
         )
         cost_model = calibration.resolve(cfg.cost_model, process_group, cfg.timeout, servers)
         self.stall = StallInspector(process_group, cfg.timeout)
-        self._links = _links(self, cfg, servers)
+        self._links = self._make_links(servers)
         self.planning = Planning(
             cfg,
             cost_model,
@@ -158,12 +158,12 @@ class GradientSynchronizer:
         self.deferred = DeferredUpdates(
             lambda: self.group,
             update,
-            self.measure,
-            self.state,
-            self.clock,
-            self.timeline,
-            self.rt,
-            cfg.correction_momentum,
+            measure=self.measure,
+            state=self.state,
+            clock=self.clock,
+            timeline=self.timeline,
+            rt=self.rt,
+            momentum=cfg.correction_momentum,
         )
         self._build(self.planning.agree(self.registry.layers))
         # The only hook on the model (a plain object: it deep-copies and pickles)
@@ -200,22 +200,71 @@ class GradientSynchronizer:
         return self.registry.params + [p for p, _ in self.registry.sparse]
 
     def _take_params(self) -> ParamRegistry:
-        return _take_params(
-            self._param_groups, self.model, self._named, self.config, self.process_group, self
+        """The registry of the optimizer's trainable parameters, claimed for this
+        synchronizer (a parameter another one reduces is refused)."""
+        groups = self._param_groups
+        device = next((p.device for g in groups for p in g["params"]), torch.device("cpu"))
+        reg = ParamRegistry(
+            groups,
+            self.model,
+            self._named,
+            wire_dtype=self.config.wire_dtype,
+            group=self.process_group,
+            timeout=self.config.timeout,
+            device_path=runtime_for(device) is not None,
+        )
+        ownership.claim(
+            reg.params + [p for p, _ in reg.sparse],
+            self,
+            list(reg.names) + [name for _, name in reg.sparse],
+        )
+        return reg
+
+    def _make_links(self, servers) -> Links:
+        """What the bucket groups talk to."""
+        cfg, rt = self.config, self.rt
+        # Device path: which parameters some rank has a gradient for is agreed on the
+        # host (gloo, posted at issue), not read back from the reduced flags (a host
+        # sync). Costs a small host collective per bucket and step, hence opt-in.
+        # (under shard each rank reads its own copy of the flags: plan/layout.py)
+        used = UsedAgreement(
+            cfg.find_unused_parameters and rt is not None,
+            self.rank,
+            self.process_group,
+            cfg.timeout,
+        )
+        return Links(
+            channel=self.channel,
+            transport=self.transport,
+            used=used,
+            clock=self.clock,
+            alloc=bucket_allocator(
+                rt, self.registry.device, self.transport.stream if rt is not None else None
+            ),
+            timeline=self.timeline,
+            rank=self.rank,
+            world=self.world,
+            scale=1.0 / self.world if cfg.op == "avg" else None,
+            servers=servers,
+            on_device=rt is not None,
+            on_slow=self._stalled if self.stall.enabled else None,
+            slow_after=self.stall.warn_s,
         )
 
     def _build(self, plan: Plan) -> None:
         """Buckets for ``plan``, taking over the current ones' gradients."""
+        if self.group is not None:
+            self.group.release_unheld()
         old, self.group = (
             self.group,
             BucketGroup(
                 plan,
                 self.params,
-                self.registry.names,
-                self._links,
-                self.config,
-                self.state,
-                lambda: self.measure.measuring(self.state.steps + 1),
+                names=self.registry.names,
+                links=self._links,
+                config=self.config,
+                state=self.state,
+                measuring_next=lambda: self.measure.measuring(self.state.steps + 1),
                 carry=self.group,
             ),
         )
@@ -243,7 +292,8 @@ class GradientSynchronizer:
         with self.watched():
             if kind == LAUNCH:
                 self.group.launch_rest(self.open, self.passes.id)
-                self.after_launch and self.after_launch()  # host path (the reduced: their part)
+                if self.after_launch is not None:  # host path (the reduced: their part)
+                    self.after_launch()
             elif kind == LATE:
                 self.group.launch_round(self.open, self.passes.id)
 
@@ -370,6 +420,12 @@ class GradientSynchronizer:
 
         return reduced
 
+    def zero_grads(self, param_groups) -> bool:
+        """``zero_grad()`` (``set_to_none=True``, torch's own) of ``param_groups`` where
+        forward mode's updates are pending (deferred.py); False, nothing done, where
+        none is."""
+        return self.deferred.zero_grads(param_groups)
+
     def prepare_zero(self) -> None:
         """Before ``zero_grad(set_to_none=False)``: updates applied, reductions waited for."""
         self.apply_pending()
@@ -480,54 +536,3 @@ class GradientSynchronizer:
             if self._compiled_hook is not None:
                 self._compiled_hook.remove()
             ownership.release(self._all_params(), self)
-
-
-def _take_params(
-    param_groups, model, named, config: SyncConfig, process_group, owner
-) -> ParamRegistry:
-    """The registry of ``param_groups``' trainable parameters, claimed for ``owner``."""
-    device = next((p.device for g in param_groups for p in g["params"]), torch.device("cpu"))
-    reg = ParamRegistry(
-        param_groups,
-        model,
-        named,
-        wire_dtype=config.wire_dtype,
-        group=process_group,
-        timeout=config.timeout,
-        device_path=runtime_for(device) is not None,
-    )
-    ownership.claim(
-        reg.params + [p for p, _ in reg.sparse],
-        owner,
-        list(reg.names) + [name for _, name in reg.sparse],
-    )
-    return reg
-
-
-def _links(sync: GradientSynchronizer, cfg: SyncConfig, servers) -> Links:
-    """What ``sync``'s bucket groups talk to."""
-    rt = sync.rt
-    # Device path: which parameters some rank has a gradient for is agreed on the
-    # host (gloo, posted at issue), not read back from the reduced flags (a host
-    # sync). Costs a small host collective per bucket and step, hence opt-in.
-    # (under shard each rank reads its own copy of the flags: plan/layout.py)
-    used = UsedAgreement(
-        cfg.find_unused_parameters and rt is not None, sync.rank, sync.process_group, cfg.timeout
-    )
-    return Links(
-        channel=sync.channel,
-        transport=sync.transport,
-        used=used,
-        clock=sync.clock,
-        alloc=bucket_allocator(
-            rt, sync.registry.device, sync.transport.stream if rt is not None else None
-        ),
-        timeline=sync.timeline,
-        rank=sync.rank,
-        world=sync.world,
-        scale=1.0 / sync.world if cfg.op == "avg" else None,
-        servers=servers,
-        on_device=rt is not None,
-        on_slow=sync._stalled if sync.stall.enabled else None,
-        slow_after=sync.stall.warn_s,
-    )

@@ -1,19 +1,12 @@
 """Which parameters of a bucket some rank has a gradient for.
 
-A parameter no rank produced a gradient for keeps ``.grad`` None after the
-step (as one process on the whole batch would leave it); one that any rank
-produced is reduced. Two ways to learn which, per launch of an incomplete
-bucket (a complete one needs neither):
-
-- the usage flags reduced with the bucket (``GradBucket.used()``): on a device
-  that reads them back, a host sync per such bucket and step (warned once);
-- with ``find_unused_parameters=True`` on a device: a small max-reduction over
-  the host's control group (:class:`~hybridcomm.comm.control.HostMax`), posted
-  as the engine issues the bucket, read when its result is consumed.
-
-Under ``shard`` the flags are reduce-scattered with the gradients, each rank's
-own copy in its block of the buffer's tail (``plan/layout.py``), so each rank
-reads its own row (the same ways apply).
+A parameter no rank produced a gradient for keeps ``.grad`` None after the step
+(as one process on the whole batch would leave it). For an incomplete bucket
+this is learnt from the usage flags reduced with the bucket (a host sync per
+such bucket and step on a device, warned once), or, with
+``find_unused_parameters=True`` on a device, from a small max-reduction on the
+host (:class:`~hybridcomm.comm.control.HostMax`). Under ``shard`` each rank
+reads its own row of the reduce-scattered flags (``plan/layout.py``).
 
 Example::
 
@@ -34,7 +27,8 @@ log = logging.getLogger("hybridcomm")
 
 
 class UsedAgreement:
-    """Answers "which positions of this bucket did some rank use" (module doc)."""
+    """Answers "which positions of this bucket did some rank use" (a complete
+    bucket needs no answer)."""
 
     def __init__(self, on_host: bool, rank: int, group, timeout: float):
         self.on_host = on_host  # agree on the host (else read the reduced flags)

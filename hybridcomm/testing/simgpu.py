@@ -749,7 +749,7 @@ class _Device:
                         and (a.stream is stream or _ordered(a.stream.id, a.seq, vc))
                     )
                 ]
-            block.accesses.append(_Access(lo, hi, write, stream, seq, name))
+            block.accesses.append(_Access(lo, hi, write, stream, seq=seq, op=name))
 
     def host_op(self, name: str, tensors: list, written: list) -> None:
         """A torch call on the host: appended to the thread's current stream (it
@@ -777,7 +777,7 @@ class _Device:
             if any(self.allocator.block_of(lo) for lo, _, _ in ranges):
                 stream._seq += 1
                 stream._done = stream._seq
-                self._record(ranges, stream, stream._seq, vc, f"host {name}()")
+                self._record(ranges, stream, stream._seq, vc, name=f"host {name}()")
 
     # -- executing operations (worker threads) --------------------------------------------
     def execute(self, op: _Op) -> None:
@@ -803,7 +803,7 @@ class _Device:
         (caller holds ``cv``); returns the clashes found."""
         op.started = True
         clashes = self._conflicts(op.ranges, op.stream, op.vc, op.describe())
-        self._record(op.ranges, op.stream, op.seq, op.vc, op.describe())
+        self._record(op.ranges, op.stream, op.seq, op.vc, name=op.describe())
         return clashes
 
     def _report_race(self, clashes: list) -> None:
@@ -960,7 +960,7 @@ def _detach_arg(a, allocator: _Allocator):
     if isinstance(a, torch.Tensor) and a.numel() > 0:
         block = allocator.block_of(a.data_ptr())
         if block is not None:
-            return _Held(block, a.data_ptr() - block.lo, tuple(a.shape), a.stride(), a.dtype)
+            return _Held(block, a.data_ptr() - block.lo, tuple(a.shape), a.stride(), dtype=a.dtype)
     if isinstance(a, (list, tuple)):
         return type(a)(_detach_arg(x, allocator) for x in a)
     return a
@@ -1051,7 +1051,7 @@ def _transfer(device: _Device, op: _Op, label: str) -> None:
     _wait_works(works)
     for comm, kind, ptr, count, dtype, peer, extra in op.calls:
         if kind in COLLECTIVES and not comm.aborted:
-            _collective(comm, kind, ptr, extra[0], count, dtype, extra[1])
+            _collective(comm, kind, ptr, extra[0], count=count, dtype=dtype, redop=extra[1])
 
 
 def _receive(device, recvs) -> None:
@@ -1243,8 +1243,8 @@ class SimNcclCommunicator:
             sendbuf,
             count,
             datatype,
-            peer,
-            stream,
+            peer=peer,
+            stream=stream,
             ranges=[(sendbuf, sendbuf + n, False)] if n else [],
         )
 
@@ -1255,8 +1255,8 @@ class SimNcclCommunicator:
             recvbuf,
             count,
             datatype,
-            peer,
-            stream,
+            peer=peer,
+            stream=stream,
             ranges=[(recvbuf, recvbuf + n, True)] if n else [],
         )
 
@@ -1266,7 +1266,14 @@ class SimNcclCommunicator:
         n = count * _TORCH_OF[datatype].itemsize
         ranges = [(sendbuf, sendbuf + n, False), (recvbuf, recvbuf + n, True)] if n else []
         self._call(
-            "allreduce", sendbuf, count, datatype, -1, stream, extra=(recvbuf, op), ranges=ranges
+            "allreduce",
+            sendbuf,
+            count,
+            datatype,
+            peer=-1,
+            stream=stream,
+            extra=(recvbuf, op),
+            ranges=ranges,
         )
 
     def reduceScatter(
@@ -1281,8 +1288,8 @@ class SimNcclCommunicator:
             sendbuf,
             recvcount,
             datatype,
-            -1,
-            stream,
+            peer=-1,
+            stream=stream,
             extra=(recvbuf, op),
             ranges=ranges,
         )
@@ -1293,7 +1300,14 @@ class SimNcclCommunicator:
             [(sendbuf, sendbuf + n, False), (recvbuf, recvbuf + n * self.size_, True)] if n else []
         )
         self._call(
-            "allgather", sendbuf, count, datatype, -1, stream, extra=(recvbuf, None), ranges=ranges
+            "allgather",
+            sendbuf,
+            count,
+            datatype,
+            peer=-1,
+            stream=stream,
+            extra=(recvbuf, None),
+            ranges=ranges,
         )
 
     # -- state ----------------------------------------------------------------------------
@@ -1786,7 +1800,7 @@ class SimRuntime:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """A device-to-device copy queued on the current stream (run late, as a
         ``cudaMemcpyAsync`` would; its reads and writes race-checked)."""
-        self._dev.launch("copy", lambda d, s: d.copy_(s), (dst, src), {}, [src], [dst])
+        self._dev.launch("copy", lambda d, s: d.copy_(s), (dst, src), {}, reads=[src], writes=[dst])
 
     def ipc(self):
         """Memory and events shared with the other rank processes (CUDA IPC, below)."""
@@ -1860,7 +1874,7 @@ def _launch_hook(name, fn, args, kwargs, reads, writes) -> bool:
     """kernels' launch seam: simulated on threads that use the simulated runtime."""
     if _device is None or not _tls.active:
         return False
-    _device.launch(name, fn, args, kwargs, reads, writes)
+    _device.launch(name, fn, args, kwargs, reads=reads, writes=writes)
     return True
 
 

@@ -101,7 +101,7 @@ def parse_layers(text: str, element_size: int = 4, dtype: str = "torch.float32")
         if not sep or not name:
             raise ValueError(f"layer {item!r}: expected NAME:NUMEL (e.g. fc:4096000)")
         n = parse_size(numel)  # parameter count; 4M style accepted
-        layers.append(Layer(name.strip(), [i], n, element_size, dtype, [n]))
+        layers.append(Layer(name.strip(), [i], n, element_size, dtype=dtype, sizes=[n]))
     if not layers:
         raise ValueError("--layers lists no layer")
     return layers[::-1]

@@ -87,7 +87,18 @@ def _worker_from_server(environ, rank, payload, results):
     os.environ.clear()
     os.environ.update(environ)
     fn, world_size, store_path, backend, setup, args, pg_timeout, one_device = pickle.loads(payload)
-    _worker(fn, rank, world_size, store_path, backend, setup, args, results, pg_timeout, one_device)
+    _worker(
+        fn,
+        rank,
+        world_size,
+        store_path,
+        backend=backend,
+        setup=setup,
+        args=args,
+        results=results,
+        pg_timeout=pg_timeout,
+        one_device=one_device,
+    )
 
 
 _UP = "hybridcomm/launch/up"  # ranks whose process group is made
@@ -194,12 +205,12 @@ def launch(
                 results,
                 fn,
                 nprocs,
-                store,
-                backend,
-                setup,
-                args,
-                pg_timeout,
-                one_device,
+                store=store,
+                backend=backend,
+                setup=setup,
+                args=args,
+                pg_timeout=pg_timeout,
+                one_device=one_device,
             )
         ]
         for p in procs:

@@ -1,25 +1,11 @@
 """A shaped network on one machine: one network namespace per rank, veth pairs
 to a bridge, and a ``tbf`` qdisc of a given rate on each rank's link.
 
-Two levels (``node_size``): one bridge per node of ``node_size`` consecutive
-ranks, their rank links fast (shaped by ``spec``, or not at all), and each
-node bridge joined to a core bridge by one veth pair shaped by
-``inter_spec`` in both directions: the node's uplink, shared by its ranks,
-as one NIC per node would be. All addresses stay on one subnet (layer 2
-across the bridges), so gloo needs nothing more than its interface name.
-
-The kernel on the development machines has ``tbf`` but no ``netem``, so this
-shapes bandwidth only (latency is emulated in the transport instead, see
-transport/latency.py). Each rank's link is shaped in both directions (the
-veth end inside the namespace for what it sends, the bridge end for what it
-receives), like a full-duplex NIC of that rate. Addresses come from a private
-subnet that exists only inside these namespaces. Everything is removed on
-every exit path: ``close()``, the ``with`` block, ``atexit``, SIGINT/SIGTERM.
-
-Needs root (CAP_NET_ADMIN) and iproute2. Ranks enter their namespace in the
-launcher's ``setup`` hook (``setns`` on /var/run/netns/NAME) and point gloo at
-their interface with ``GLOO_SOCKET_IFNAME``; the FileStore rendezvous works
-across namespaces because the filesystem is shared.
+With ``node_size``, one bridge per node and each node's uplink to a core bridge
+shaped by ``inter_spec``, as one NIC per node. Bandwidth only: the development
+kernels have ``tbf`` but no ``netem`` (latency is emulated in the transport,
+transport/latency.py). Needs root (CAP_NET_ADMIN) and iproute2; everything is
+removed on every exit path (``close()``, ``with``, ``atexit``, SIGINT/SIGTERM).
 
 Usage (needs root)::
 
@@ -85,8 +71,10 @@ def _quiet(*cmd: str) -> None:
 
 
 class EnterNamespace:
-    """The launcher's ``setup`` hook: put rank r in its namespace and point gloo
-    at its interface. Picklable, so it also works with spawn."""
+    """The launcher's ``setup`` hook: put rank r in its namespace (``setns``) and
+    point gloo at its interface (``GLOO_SOCKET_IFNAME``). Picklable, so it also
+    works with spawn; the FileStore rendezvous works across namespaces because
+    the filesystem is shared."""
 
     def __init__(self, namespaces: List[str], ifnames: List[str]):
         self.namespaces, self.ifnames = namespaces, ifnames
@@ -128,7 +116,9 @@ class ShapedNetwork:
         self.inter_spec = " ".join(self.inter_tbf) if self.inter_tbf else None
         tag = f"hc{os.getpid() % 100000}"
         # One node: the single bridge of before; several: a bridge per node,
-        # uplink veth pairs (node side u, core side d) to a core bridge.
+        # uplink veth pairs (node side u, core side d) to a core bridge. All
+        # addresses on one subnet (layer 2 across the bridges): gloo needs only
+        # its interface name.
         self.node_bridges = (
             [f"{tag}b"] if self.nodes == 1 else [f"{tag}b{k}" for k in range(self.nodes)]
         )
@@ -185,7 +175,7 @@ class ShapedNetwork:
                 _run("ip", "-n", ns, "addr", "add", f"{self.addresses[r]}/24", "dev", inner)
                 _run("ip", "-n", ns, "link", "set", inner, "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
-                if self.tbf:
+                if self.tbf:  # both directions, as a full-duplex NIC: sent, received
                     _run("tc", "-n", ns, "qdisc", "add", "dev", inner, "root", "tbf", *self.tbf)
                     _run("tc", "qdisc", "add", "dev", host, "root", "tbf", *self.tbf)
         except BaseException:

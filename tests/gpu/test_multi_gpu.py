@@ -11,7 +11,8 @@ launches (``hybridcomm.tools.launch``, spawn, NCCL, a deadline on every launch);
 world is 4 (12 samples split evenly; with 2-3 GPUs, one per GPU), 8 ranks for the 8-rank
 case.
 
-Written on a machine without a GPU: NOT run on a GPU yet (docs/GPU.md).
+Written on a machine without a GPU. At 33fac8d every case but the ``gpus(2)`` ones passed
+on one H200, all ranks on the one GPU (docs/GPU.md); later cases have not run on a GPU.
 Run: TRITON_INTERPRET=0 pytest tests/gpu/test_multi_gpu.py   (or make gpu-check)
 """
 

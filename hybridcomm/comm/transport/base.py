@@ -27,14 +27,15 @@ _ALREADY = contextlib.nullcontext()
 
 class OrderedTask:
     """Work run in a transport's issue order by the thread that issues for it: its
-    ``result`` once ``issued`` (or the ``error`` running it raised)."""
+    ``result`` once ``issued`` (or the ``error`` running it raised). ``ordered``: a
+    whole operation in the issue order, whose failure fails the transport."""
 
-    __slots__ = ("fn", "what", "result", "error", "issued")
+    __slots__ = ("fn", "what", "result", "error", "issued", "ordered")
 
     def __init__(self, fn, what: str = ""):
         self.fn, self.what = fn, what
         self.result = self.error = None
-        self.issued = False
+        self.issued = self.ordered = False
 
 
 class Pending(Protocol):

@@ -1,16 +1,11 @@
 """The one thread that calls a CuPy NCCL transport's communicator.
 
-NCCL calls on one communicator must not overlap from several threads, and
-CuPy makes only blocking communicators, whose ``groupEnd`` can block the host
-on a peer (a first-use connection, a full work queue). So one thread per
-transport (``hybridcomm-nccl-r<rank>``) makes every call: the NCCL groups and
-all-reduces other threads hand it (they wait, under the transport's issue
-deadline), whole operations run in the transport's issue order
-(:meth:`CommThread.submit_ordered`: a bucket's NCCL groups and reduction
-launches, queued by the channel's issuer, one hand-off per operation and none
-per NCCL call), NCCL's async-error query while idle, and at the end the
-communicator's last call, abort or destroy. Its current stream is the comm
-stream for its whole life, so what it launches queues there.
+One thread per transport (``hybridcomm-nccl-r<rank>``) makes every call on the
+communicator (why: :class:`~.cupy_nccl.CupyNcclTransport`): the NCCL groups and
+all-reduces other threads hand it, whole operations in the transport's issue
+order (:meth:`CommThread.submit_ordered`: one hand-off per operation, none per
+NCCL call), the async-error query while idle, and the last call, abort or
+destroy. Its current stream is the comm stream for its whole life.
 
 Example (``transport`` a ``CupyNcclTransport``, which makes its thread)::
 
@@ -33,7 +28,7 @@ log = logging.getLogger("hybridcomm")
 
 
 class CommThread:
-    """The one thread that calls a transport's communicator (module doc).
+    """The one thread that calls a transport's communicator.
 
     It runs the submitted tasks in turn, polls NCCL's async error while idle, and
     once the transport has failed or is closed it makes the communicator's last
@@ -58,30 +53,17 @@ class CommThread:
 
     def submit_ordered(self, fn, what: str) -> OrderedTask:
         """Queue a whole operation ``fn``, run after everything submitted before. A failure
-        running it fails the transport: nothing is issued after it, or the ranks'
-        orders would part."""
+        running it fails the transport (:meth:`_execute`): nothing is issued after it,
+        or the ranks' orders would part."""
         t = self.t
-
-        def run():
-            try:
-                return fn()
-            except BaseException as e:
-                t._fail(
-                    e
-                    if isinstance(e, HybridCommError)
-                    else HybridCommError(
-                        f"rank {t.rank}: issuing {what} failed ({type(e).__name__}: {e}); "
-                        "nothing more is issued on this communicator"
-                    )
-                )
-                raise
-
         with t._cv:
             if t._aborted:
                 task = OrderedTask(fn, what)
                 task.error, task.issued = t._failure or t._aborted_error(), True
                 return task
-            return self.submit(run, what)
+            task = self.submit(fn, what)
+            task.ordered = True
+            return task
 
     def wait_ordered(self, task: OrderedTask, what: str, limit: float) -> None:
         """Until ``task`` has run; raises once the transport failed (the watchdog flags
@@ -145,6 +127,16 @@ class CommThread:
         try:
             task.result = fn()
         except BaseException as e:  # noqa: BLE001 - the waiting caller raises it (NcclError too)
+            if task.ordered:  # a whole operation: nothing is issued after it
+                t = self.t
+                t._fail(
+                    e
+                    if isinstance(e, HybridCommError)
+                    else HybridCommError(
+                        f"rank {t.rank}: issuing {task.what} failed ({type(e).__name__}: {e}); "
+                        "nothing more is issued on this communicator"
+                    )
+                )
             task.error = e
 
     def _poll(self) -> None:

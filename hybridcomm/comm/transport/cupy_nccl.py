@@ -1,39 +1,12 @@
 """Point-to-point and all-reduce over NCCL through CuPy, on one dedicated stream.
 
-One communicator per (process group, device): rank 0 of the group makes the
-unique id and shares it through the torch.distributed store. Everything a
-transport issues goes on its one comm stream, in the order issued, so all of
-a rank's NCCL work (our schedules and ``native`` all-reduce alike) is one
-ordered channel: no second communicator can race the first.
-
-* A schedule step's sends and receives are one ``groupStart``/``groupEnd``
-  group, by data pointer and element count (a view's ``data_ptr()`` carries
-  its offset: nothing is copied). Pairs match in issue order, with no tags.
-* Ordering is by events, never by host waits: the caller makes the comm
-  stream wait for its data (:meth:`wait_event`), queues the steps and the
-  reduction kernels under :meth:`stream_context`, and records one done event
-  (:meth:`record_event`) that consumers' streams wait on.
-* One thread per transport (``hybridcomm-nccl-r<rank>``) makes every call on
-  the communicator: groups, all-reduce, the async-error query, abort, destroy.
-  NCCL calls on one communicator must not overlap from several threads, and
-  CuPy makes only blocking communicators (no ``ncclConfig_t.blocking``), whose
-  ``groupEnd`` (and a collective, a group of one) can block the host: it sets
-  up a connection on first use and waits there for the peer to post its side,
-  or waits for room in a full work queue. Other threads hand it the calls and
-  wait, up to an issue deadline (:attr:`issue_timeout`).
-* A watchdog thread (bound to the rank's device, in thread-local capture
-  mode) flags watched work that misses its deadline and issues past theirs; it
-  never calls the communicator. A flagged failure makes every wait and the
-  next call on any thread raise :class:`HybridCommTimeout` /
-  :class:`HybridCommError` naming the rank and the work, and the
-  communicator's thread aborts as soon as it is free: at once when idle (a
-  GPU-side hang), or when its blocked call returns. A call blocked on a peer
-  that never posts stays blocked (only a concurrent abort could end it, and
-  that is the race this design avoids): its caller has had the timeout.
-
-The CUDA layer comes from a runtime (``hybridcomm.gpu.runtime``): ``CudaRuntime``
-in production, the simulator's ``SimRuntime`` in tests, which runs this exact
-code over a simulated ``cupy.cuda.nccl``.
+One communicator per (process group, device), its unique id shared through the
+torch.distributed store. Everything a transport issues goes on its one comm
+stream in issue order, ordered against the trainer by events, never by host
+waits; one thread makes every call on the communicator, and a watchdog turns a
+hang into an error naming the rank and the work. The CUDA layer comes from
+``hybridcomm.gpu.runtime`` (the simulator's in tests, over a simulated
+``cupy.cuda.nccl``). Its place on a gradient's path: docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -166,6 +139,15 @@ class CupyNcclTransport(CommStream):
     Creating one is collective over the group: every rank creates its
     transports for a group in the same order.
 
+    One thread (``hybridcomm-nccl-r<rank>``) makes every call on the communicator:
+    NCCL calls on one communicator must not overlap from several threads, and
+    CuPy makes only blocking communicators, whose ``groupEnd`` can block the host
+    (a first-use connection waits for the peer, or a full work queue for room).
+    Other threads hand it the calls and wait up to :attr:`issue_timeout`. The
+    watchdog thread never calls the communicator; a call blocked on a peer that
+    never posts stays blocked (only an abort racing it could end it), and its
+    caller has had the timeout.
+
     Usage (on a GPU)::
 
         t = CupyNcclTransport(runtime=runtime_for(grad))
@@ -223,7 +205,9 @@ class CupyNcclTransport(CommStream):
         self._watched: collections.deque = collections.deque()
         self._watchdog: threading.Thread | None = None
         self.runtime = runtime
-        self.comm = open_communicator(self.nccl, runtime, store, ranks, rank, world_size)
+        self.comm = open_communicator(
+            self.nccl, runtime, store, ranks, rank=rank, world_size=world_size
+        )
         self._init_stream(runtime, priority)
         self._handle = runtime.handle(self.stream)
         # from here on the only thread calling self.comm; it runs whole operations too
@@ -248,6 +232,8 @@ class CupyNcclTransport(CommStream):
         def group():
             nccl.groupStart()
             try:
+                # by data pointer and count (a view's data_ptr() carries its offset:
+                # no copy); pairs match in issue order, no tags
                 for op, ptr, count, dtype, peer in calls:
                     getattr(comm, op)(ptr, count, dtype, peer, stream)
             finally:

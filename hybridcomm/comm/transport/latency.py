@@ -1,15 +1,10 @@
 """An emulated high-latency network: a fixed delay added to every step's messages.
 
-The kernel on the development machines has no ``netem``, so latency cannot be
-added to real links (``tbf`` shapes bandwidth only). :class:`LatencyTransport`
-wraps another transport instead: a step's transfers are posted at once, and
-the step does not complete until ``delay`` seconds after it was posted (or
-later, if the real transfers take longer). Transfers in one step travel in
-parallel, so they share the delay, as messages on a real network do: each
-step costs ``max(delay, real time)``, which is ``alpha + delay`` for small
-messages. It is an emulation: results taken with it must say so, and
-``torch.distributed``'s own collectives cannot be wrapped (they do not go
-through a transport).
+The development kernels have no ``netem`` (``tbf`` shapes bandwidth only), so
+:class:`LatencyTransport` wraps another transport: a step completes no sooner
+than ``delay`` seconds after it was posted, its transfers sharing the delay, so
+a step costs ``max(delay, real time)``. An emulation: results taken with it must
+say so, and torch.distributed's own collectives cannot be wrapped.
 
 Example::
 

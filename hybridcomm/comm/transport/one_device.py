@@ -1,40 +1,11 @@
 """NCCL's point-to-point and all-reduce for several rank processes on one GPU.
 
-NCCL refuses two ranks of a communicator on one device, so a machine with one
-GPU could not run the multi-rank GPU path at all. :class:`OneDeviceNccl`
+NCCL refuses two ranks of a communicator on one device. :class:`OneDeviceNccl`
 stands in for ``cupy.cuda.nccl`` (the part ``CupyNcclTransport`` uses), so the
-transport with its communicator thread and watchdog, the executor, the Triton
-kernels and the synchronizer run unchanged, P processes sharing GPU 0
-(``HYBRIDCOMM_TRANSPORT=one-device``). It is a proving ground, not a fast path.
-
-How bytes move. For each ordered pair of ranks (s, d), d owns a mailbox of
-``HYBRIDCOMM_ONE_DEVICE_MAILBOX`` bytes that s maps (CUDA IPC), and two
-shared events order it: *filled* (recorded by s) and *consumed* (recorded by
-d). A message moves in pieces of at most the mailbox's size; piece k::
-
-    s, on its stream:  wait consumed (piece k-1 read out)   copy piece -> mailbox   record filled
-    d, on its stream:  wait filled                          copy mailbox -> buffer  record consumed
-
-Only device-to-device copies ordered by events: no host waits for the GPU. A
-stream waits for an event's latest record *at the time of the wait call*, so
-the host must know the record it needs has been made: two counters per pair
-in host shared memory say how many pieces were filled and consumed (recorded,
-not finished). s fills piece k once d has recorded consumed for k-1, and d
-reads it once s has recorded filled for k; each event is re-recorded only
-after the peer's wait on its previous record was issued. So a call blocks the
-*host* until the peer posts its side, as NCCL's first-use connection does
-(every time here), never the GPU.
-
-A group's operations progress together (pieces of different peers
-interleave, messages to one peer go in posting order), so a schedule step's
-sends and receives cannot deadlock one another. ``allReduce`` is a group that
-sends the buffer to every peer, then sums the P buffers in rank order (fp32,
-fp64 for fp64, int64 for integers) on the stream: every rank gets the same
-bits. ``abort`` marks the rank aborted in shared memory: peers blocked on it
-and their async-error queries then fail (NCCL's remote error).
-
-Not modelled: CUDA graph capture of a step (the host hand-shakes are not
-captured), and speed (copies through a mailbox, a host round trip per piece).
+whole GPU path runs unchanged with P processes sharing GPU 0
+(``HYBRIDCOMM_TRANSPORT=one-device``). A proving ground, not a fast path: bytes
+go through mailboxes (:class:`OneDeviceCommunicator`) with a host round trip
+per piece, and CUDA graph capture of a step is not modelled.
 """
 
 from __future__ import annotations
@@ -100,7 +71,19 @@ class _Op:
 
 
 class OneDeviceCommunicator:
-    """One rank's side: ``cupy.cuda.nccl.NcclCommunicator``'s calls, on one GPU."""
+    """One rank's side: ``cupy.cuda.nccl.NcclCommunicator``'s calls, on one GPU.
+
+    For each ordered pair (s, d), d owns a mailbox of
+    ``HYBRIDCOMM_ONE_DEVICE_MAILBOX`` bytes that s maps (CUDA IPC), ordered by two
+    shared events, *filled* (recorded by s) and *consumed* (by d); a message moves
+    in mailbox-sized pieces, device-to-device copies only, no host waits for the
+    GPU. A stream waits for an event's latest record *at the time of the wait
+    call*, so two counters per pair in host shared memory say how many pieces
+    were filled and consumed (recorded): s fills piece k once d has recorded
+    consumed for k-1, d reads it once s has recorded filled for k. A call thus
+    blocks the host until the peer posts its side (as NCCL's first-use
+    connection does), never the GPU.
+    """
 
     def __init__(self, module: "OneDeviceNccl", ndev: int, commId, rank: int):
         import torch.distributed as dist
@@ -147,21 +130,28 @@ class OneDeviceCommunicator:
             raise OneDeviceNcclError(ERROR_INVALID_USAGE, f"invalid peer {peer}")
         nbytes = count * TORCH_OF[datatype].itemsize
         op = _Op(
-            kind, peer, self.rt.at(ptr, nbytes), datatype, self.rt.stream_of(stream), self.mailbox
+            kind,
+            peer,
+            self.rt.at(ptr, nbytes),
+            datatype,
+            stream=self.rt.stream_of(stream),
+            mailbox=self.mailbox,
         )
         self.module.post(self, op)
 
     def send(self, sendbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        self._post("send", sendbuf, count, datatype, peer, stream)
+        self._post("send", sendbuf, count, datatype, peer=peer, stream=stream)
 
     def recv(self, recvbuf: int, count: int, datatype: int, peer: int, stream: int) -> None:
-        self._post("recv", recvbuf, count, datatype, peer, stream)
+        self._post("recv", recvbuf, count, datatype, peer=peer, stream=stream)
 
     def allReduce(
         self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int
     ) -> None:
         """Everyone's buffer to everyone, then a sum in rank order on ``stream``."""
-        self._reduce(sendbuf, recvbuf, count, 0, count, datatype, op, stream)
+        self._reduce(
+            sendbuf, recvbuf, count, 0, kept=count, datatype=datatype, op=op, stream=stream
+        )
 
     def reduceScatter(
         self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int, stream: int
@@ -172,10 +162,10 @@ class OneDeviceCommunicator:
             recvbuf,
             recvcount * self.size_,
             self.rank * recvcount,
-            recvcount,
-            datatype,
-            op,
-            stream,
+            kept=recvcount,
+            datatype=datatype,
+            op=op,
+            stream=stream,
         )
 
     def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: int) -> None:
@@ -204,7 +194,8 @@ class OneDeviceCommunicator:
         stream: int,
     ) -> None:
         """The sum of everyone's ``count`` elements; ``[start, start + kept)`` of it
-        into ``recvbuf``."""
+        into ``recvbuf``. Summed in rank order (fp32, fp64 for fp64, int64 for
+        integers) on the stream: every rank gets the same bits."""
         dtype = TORCH_OF[datatype]
         s, mine, theirs = self._everyones(sendbuf, count * dtype.itemsize, datatype, stream)
         if not count:
@@ -237,8 +228,12 @@ class OneDeviceCommunicator:
         with self.module.group():
             for i, q in enumerate(q for q in range(self.size_) if q != self.rank):
                 theirs[q] = parts[i * nbytes : (i + 1) * nbytes]
-                self.module.post(self, _Op("send", q, mine, datatype, s, self.mailbox))
-                self.module.post(self, _Op("recv", q, theirs[q], datatype, s, self.mailbox))
+                self.module.post(
+                    self, _Op("send", q, mine, datatype, stream=s, mailbox=self.mailbox)
+                )
+                self.module.post(
+                    self, _Op("recv", q, theirs[q], datatype, stream=s, mailbox=self.mailbox)
+                )
         return s, mine, theirs
 
     # -- one piece (the group's progress loop calls these) --------------------------------
@@ -304,6 +299,8 @@ class OneDeviceCommunicator:
             raise OneDeviceNcclError(ERROR_REMOTE, f"rank {q} aborted its communicator")
 
     def abort(self) -> None:
+        # Marked in shared memory: peers blocked on this rank, and their async-error
+        # queries, then fail (NCCL's remote error)
         if not (self.aborted or self.destroyed):
             self.aborted = True
             self._host.set_aborted(self.rank)
@@ -428,7 +425,9 @@ class OneDeviceNccl:
 
     def _progress(self, ops: List[tuple]) -> None:
         """Issue every piece of the group's operations, each as soon as its peer is
-        ready; messages on one (direction, peer) in posting order."""
+        ready; messages on one (direction, peer) in posting order. Pieces of
+        different peers interleave, so a schedule step's sends and receives cannot
+        deadlock one another."""
         idle = 0
         while ops:
             moved, blocked = False, set()

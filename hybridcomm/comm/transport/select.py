@@ -1,24 +1,12 @@
 """Choosing the transport for a tensor.
 
-Host path (CPU tensors): :class:`TorchDistTransport` over the group (gloo).
-Device path (CUDA tensors, or CPU tensors under ``HYBRIDCOMM_SIMULATE_GPU=1``),
-by ``transport`` (argument, else ``HYBRIDCOMM_TRANSPORT``, else ``"auto"``):
-
-* ``"auto"``: :class:`CupyNcclTransport` when CuPy with NCCL imports, else
-  :class:`TorchNcclTransport`;
-* ``"cupy"`` / ``"torch"``: that one, or an error saying why not (a transport
-  asked for by name never falls back);
-* ``"one-device"``: :class:`CupyNcclTransport` over
-  :class:`~.one_device.OneDeviceNccl`, for rank processes that share one GPU
-  (NCCL refuses them): the proving ground on a single GPU, and in the
-  simulator. Needs neither CuPy nor an NCCL group (gloo is enough).
-
-Device transports are made once per (group, device) and shared by everything
-in the process (the optimizer and ``all_reduce``): one communicator and one
-comm stream per group, so all NCCL work of a rank keeps one issue order.
-Making one is collective. The choice is logged at DEBUG; every rank must make
-the same one (install the same packages everywhere, or set
-``HYBRIDCOMM_TRANSPORT``).
+Host path (CPU tensors): :class:`TorchDistTransport` (gloo). Device path (CUDA
+tensors, or CPU under ``HYBRIDCOMM_SIMULATE_GPU=1``), by ``transport`` (else
+``HYBRIDCOMM_TRANSPORT``, else ``"auto"``): ``"auto"`` is
+:class:`CupyNcclTransport` where CuPy with NCCL imports, else
+:class:`TorchNcclTransport`; ``"cupy"`` / ``"torch"`` that one or an error (a
+transport named never falls back); ``"one-device"`` ranks sharing one GPU
+(:mod:`.one_device`). Every rank must make the same choice (logged at DEBUG).
 """
 
 from __future__ import annotations
@@ -40,6 +28,9 @@ log = logging.getLogger("hybridcomm")
 TRANSPORTS = ("auto", "cupy", "torch", "one-device")
 ENV_VAR = "HYBRIDCOMM_TRANSPORT"
 
+# One per (group, device), shared by everything in the process (the optimizer,
+# all_reduce): one communicator and comm stream per group, so all of a rank's NCCL
+# work keeps one issue order
 _device_transports: Dict[Tuple[int, str, str], object] = {}
 _lock = threading.Lock()
 

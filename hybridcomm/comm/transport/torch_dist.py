@@ -2,16 +2,10 @@
 (stream-ordered, the fallback when CuPy is not installed).
 
 One step's sends and receives go out in one ``batch_isend_irecv`` (a single
-NCCL group on CUDA). Messages between a pair are matched in issue order.
-
-* gloo: ``exchange`` returns a pending handle; ``wait(timeout)`` blocks the
-  host, and a dead or stalled peer is a :class:`HybridCommTimeout` /
-  :class:`HybridCommError` naming the transfer.
-* NCCL: issued under the transport's comm stream; ``work.wait()`` with no
-  timeout only makes that stream wait (a timeout would busy-wait on the host,
-  a host sync per step). Hangs are caught by torch's own NCCL watchdog (the
-  process group's timeout); this path is not covered by the GPU simulator,
-  which models CuPy's NCCL (docs/GPU.md).
+NCCL group on CUDA), matched between a pair in issue order. On gloo a dead or
+stalled peer is a :class:`HybridCommTimeout` / :class:`HybridCommError` naming
+the transfer; on NCCL hangs are left to torch's own watchdog (the process
+group's timeout), and the GPU simulator does not cover this path (docs/GPU.md).
 """
 
 from __future__ import annotations
@@ -138,9 +132,9 @@ class TorchDistTransport:
         """One ``batch_isend_irecv`` (a single NCCL group on CUDA)."""
         ops: List[dist.P2POp] = []
         for peer, t in sends:
-            ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group, self.tag))
+            ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group, tag=self.tag))
         for peer, t in recvs:
-            ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group, self.tag))
+            ops.append(dist.P2POp(dist.irecv, t, self._global[peer], self.group, tag=self.tag))
         return (
             posted(lambda: dist.batch_isend_irecv(ops), self.rank, lambda: _labels(sends, recvs))
             if ops
@@ -225,7 +219,9 @@ class TorchNcclTransport(TorchDistTransport, CommStream):
         with self.stream_context():
             works = self._post(sends, recvs)
             for w in works:
-                w.wait()  # the comm stream waits; the host does not
+                # the comm stream waits; the host does not (a timeout would busy-wait
+                # on the host: a host sync per step)
+                w.wait()
 
     def all_reduce(self, t, *, average: bool, timeout: float | None = None) -> None:
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM

@@ -1,42 +1,11 @@
 """Downpour SGD (Dean et al. 2012): asynchronous SGD with a sharded parameter server.
 
-The parameters are split across S server processes (shards, balanced by
-bytes); each model replica (a worker process) fetches them every ``n_fetch``
-steps and pushes its accumulated gradients every ``n_push`` steps, with no
-barrier: a slow worker delays nobody. Each shard applies what arrives on its
-own (SGD or Adagrad), one push at a time under a lock, so no update is lost.
-
-Servers and workers talk over a small framed TCP protocol (:mod:`.ps_wire`:
-JSON headers and raw tensor bytes, nothing pickled); servers listen on
-loopback unless told otherwise. Every request has a deadline. A shard
-checkpoints itself every ``checkpoint_every`` pushes (:mod:`.ps_server`);
-killed and started again with the same index, it resumes from the
-checkpoint, and the workers reconnect (bounded retries within their timeout)
-and replay from their logs the pushes the checkpoint missed
-(:mod:`.ps_link`). ``replayed``, ``lost`` and ``reconnects`` on the
-optimizer count what happened; a server that stays away is a
-:class:`HybridCommError` naming it.
-
-Model-parallel replicas (the paper's: a replica split over several
-processes, each exchanging only its own parameters with the shards) are
-:class:`~.downpour_pipeline.DownpourStage`: each stage process is a
-``DownpourSGD`` with ``part="stage{k}"``; the shards hold every part's
-parameters.
-
-Usage::
-
-    role, name = init_downpour(rank, workers=4, servers=2, init_method="file:///tmp/rdv")
-    if role == "server":
-        serve()                 # until every worker has closed; run it again to restart
-    else:
-        opt = DownpourSGD(model, servers=["server0", "server1"], lr=0.05)
-        for x, y in loader:
-            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
-        opt.close()
-
-Without ``init_downpour`` (servers on other machines): ``serve(index=0,
-workers=4, host="10.0.0.5", port=7000, checkpoint_dir=...)`` there, and
-``DownpourSGD(model, ["10.0.0.5:7000", ...], lr, worker=rank)`` on the workers.
+Each worker (:class:`DownpourSGD`) fetches the parameters from the shards every
+``n_fetch`` steps and pushes its accumulated gradients every ``n_push`` steps,
+with no barrier; each shard applies pushes as they come (:mod:`.server`) over a
+framed TCP protocol (:mod:`.wire`), and a killed shard resumes from its
+checkpoint while the workers replay what it missed (:mod:`.link`). Usage,
+recovery and what is covered: docs/STRATEGIES.md, "Downpour".
 """
 
 from __future__ import annotations
@@ -101,7 +70,7 @@ def init_downpour(
     if os.path.exists(path) and not os.path.isdir(path):
         raise HybridCommError(f"init_downpour: {path} exists and is not a directory")
     os.makedirs(path, exist_ok=True)
-    _job = _Job(rank, workers, servers, path, timeout)
+    _job = _Job(rank, workers, servers, path, timeout=timeout)
     role = "worker" if rank < workers else "server"
     return role, f"worker{rank}" if role == "worker" else f"server{rank - workers}"
 

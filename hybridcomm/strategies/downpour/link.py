@@ -1,16 +1,10 @@
 """A Downpour worker's link to one server shard: requests with a deadline,
 reconnection with bounded retries, and a log of the pushes to replay.
 
-Each push carries ``(worker, session, seq)``. The server's ack says up to which
-``seq`` of this worker its last checkpoint reaches; the link keeps the pushes
-after that (at most ``log_limit``; by default the server's
-``checkpoint_every`` + 1, which covers every push a crash can take). When the
-connection breaks, the link reconnects (backing off from 50 ms to 1 s, for at
-most ``timeout`` seconds, re-reading the server's published address each time:
-a restarted server has a new port), asks which of its pushes the server has,
-and replays the logged ones it lacks. A push the server lacks that is no
-longer in the log is counted in ``lost``; ``replayed``, ``reconnects`` and
-``reconnect_seconds`` count the rest.
+Each push carries ``(worker, session, seq)``; the link keeps those the server's
+last checkpoint lacks, and after a broken connection reconnects (backing off
+from 50 ms to 1 s, re-reading the published address) and replays what the
+server lacks. How: docs/STRATEGIES.md, "A killed server comes back".
 
 Example (a server that never started: a clear error once the retries end)::
 
@@ -254,7 +248,7 @@ class ServerLink:
             timeout=self.timeout,
         )
         reply = self._recv("saying hello")[0]
-        if self.log_limit is None:
+        if self.log_limit is None:  # every push a crash can take from the checkpoint
             self.log_limit = int(reply["checkpoint_every"]) + 1
         self._hello = reply
         return bool(reply["ready"])

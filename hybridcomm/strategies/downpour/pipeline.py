@@ -1,43 +1,12 @@
 """Downpour SGD with model-parallel replicas (Dean et al. 2012, the paper's setting).
 
-Each model replica is a pipeline of K stage processes; each stage holds one
-slice of the model (an ``nn.Module``). Within a replica the activations go
-forward stage by stage and their gradients come back, one mini-batch at a time,
-as torch.distributed point-to-point messages (the default group: the peers are
-global ranks). Towards the parameter servers each stage is a Downpour worker
-for its own parameters only: a :class:`~.downpour.DownpourSGD` with
-``part="stage{k}"``, whose names carry the prefix ``stage{k}.`` so that they
-are unique across the stages. Each stage spreads its parameters over all the
-shards, fetches every ``n_fetch`` of its steps and pushes every ``n_push``,
-with no barrier across replicas; a shard holds every stage's parameters and
-applies each push as it comes. Checkpoints, reconnects and replay work per
-stage process as in data-parallel Downpour.
-
-::
-
-    rank:         stage 0          stage 1
-    replica 0:    rank 0  -acts->  rank 1       grads of acts <- back
-    replica 1:    rank 2  -acts->  rank 3
-                    |  ^              |  ^
-          push stage0.* grads   push stage1.* grads      (every n_push steps)
-          fetch stage0.*        fetch stage1.*           (every n_fetch steps)
-                    v  |              v  |
-                  server0, server1 (ranks 4, 5): each holds part of stage0.* and of stage1.*
-
-Usage (ranks ``replica * 2 + stage``, then the servers; every process in one
-torch.distributed group, for the activations)::
-
-    role, name = init_downpour(rank, workers=4, servers=2, init_method="file:///tmp/rdv")
-    if role == "server":
-        serve()
-    else:
-        replica, stage = divmod(rank, 2)
-        module = [first_half, second_half][stage]
-        pipe = DownpourStage(module, ["server0", "server1"], lr=0.05, stage=stage,
-                             peers=[2 * replica, 2 * replica + 1], loss_fn=F.cross_entropy)
-        for x, y in loader:   # the first stage passes the inputs, the last the targets
-            loss = pipe.step(x) if stage == 0 else pipe.step(y=y)   # the last: the loss
-        pipe.close()
+Each replica is a pipeline of stage processes that pass activations forward
+and their gradients back over torch.distributed point-to-point, one
+mini-batch at a time. Towards the shards each stage is a Downpour worker for
+its own parameters only (:class:`~.client.DownpourSGD` with ``part="stage{k}"``,
+names prefixed ``stage{k}.``); a shard holds every stage's parameters. The
+picture, usage and measurements: docs/PARALLELISM.md, "Downpour with
+model-parallel replicas".
 """
 
 from __future__ import annotations

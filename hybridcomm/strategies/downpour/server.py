@@ -1,26 +1,12 @@
 """A Downpour parameter-server shard that survives being killed.
 
-:class:`ParameterShard` holds one server's share of the parameters, applies
-pushes one at a time under a lock (SGD or Adagrad), and remembers per worker
-the session and the sequence number of the last push it applied, so that a
-push sent twice is applied once. Every ``checkpoint_every`` pushes, at every
-worker's close and when the server stops, it writes ``server{index}.pt``
-(temporary file, fsync, rename: a crash leaves the old checkpoint or the new
-one), which ``torch.load(path, weights_only=True)`` reads back.
-
-A shard may hold several *parts*: in a job whose replicas are split over
-several processes (model-parallel replicas, :mod:`.downpour_pipeline`), each
-process sets up, fetches and pushes only its own part's parameters, and the
-shard holds the union. Every part tells every shard all of its parameter
-names (not only the ones that shard holds), so a name two parts claim is
-refused wherever they meet first. Data-parallel workers are all part ``""``.
-
-:class:`ShardServer` serves one shard over :mod:`.ps_wire`: it listens on the
-host the user names (loopback by default, a free port unless told), publishes
-the address in the rendezvous directory, and serves each connection on a
-thread of its own. Started again with the same index and checkpoint
-directory, it resumes from the checkpoint; each worker then replays from its
-log the pushes the checkpoint missed (:mod:`.ps_link`).
+:class:`ParameterShard` holds one server's share of the parameters (of every
+*part* of a model-parallel replica), applies pushes one at a time under a lock
+(SGD or Adagrad), applies a push sent twice once, and checkpoints itself.
+:class:`ShardServer` serves it over :mod:`.wire`, a thread a connection, and
+started again with the same index resumes from the checkpoint (the workers
+replay the rest, :mod:`.link`). Details: docs/STRATEGIES.md, "A killed server
+comes back".
 
 Example (one worker, in one process)::
 
@@ -93,7 +79,9 @@ class ParameterShard:
 
     def add_part(self, part: str, tensors: Dict[str, torch.Tensor], names: List[str]) -> None:
         """Hold ``tensors``, part ``part``'s share here; ``names`` are all of the
-        part's parameters (on every shard), each of which no other part may claim."""
+        part's parameters (on every shard), each of which no other part may claim:
+        every part tells every shard all its names, so a name two parts claim is
+        refused wherever they meet first."""
         with self.lock:
             if part in self.parts:
                 raise HybridCommError(f"part {part!r} is set up already")
@@ -187,6 +175,7 @@ class ParameterShard:
             "workers": {w: list(v) for w, v in self.workers.items()},
             "closed": sorted(self.closed),
         }
+        # temporary file, fsync, rename: a crash leaves the old checkpoint or the new one
         tmp = f"{self.path}.tmp"
         with open(tmp, "wb") as f:
             torch.save(state, f)
@@ -202,7 +191,14 @@ class ParameterShard:
             state = torch.load(path, weights_only=True)
             if state.get("format") not in (1, FORMAT):
                 raise ValueError(f"format {state.get('format')!r}, expected 1 or {FORMAT}")
-            shard = cls({}, state["rule"], state["lr"], state["eps"], path, checkpoint_every)
+            shard = cls(
+                {},
+                state["rule"],
+                state["lr"],
+                state["eps"],
+                path=path,
+                checkpoint_every=checkpoint_every,
+            )
             shard.params = {k: v.clone() for k, v in state["params"].items()}
             # format 1 knew one part, ""
             shard.parts = {

@@ -1,19 +1,10 @@
 """The Downpour parameter servers' wire format and how peers find each other.
 
-A message is a 16-byte prefix (magic ``HCP1``, header length, payload
-length), a JSON header (an object: ``op``, plain fields, and ``tensors`` as
-``[[name, dtype, shape], ...]``), then the tensors' raw bytes, each padded to
-8 bytes. Nothing is unpickled: a peer can only send JSON and bytes, and the
-receiver checks every dtype, shape and length against the payload before it
-makes a tensor of them.
-
-Every call has a deadline. A closed, reset or refused connection is
-:class:`ConnectionLost` (worth a reconnect), silence past the deadline
-:class:`HybridCommTimeout`, a malformed message :class:`HybridCommError`.
-
-A server publishes ``host:port`` in a rendezvous directory as
-``server{index}.addr`` (written to a temporary file, then renamed: a reader
-sees the old address or the new one, never half of one).
+A message is a 16-byte prefix (magic ``HCP1``, header length, payload length),
+a JSON header, then the tensors' raw bytes, each padded to 8 bytes. Nothing is
+unpickled: the receiver checks every dtype, shape and length before it makes a
+tensor. Every call has a deadline. A server publishes ``host:port`` in a
+rendezvous directory as ``server{index}.addr``.
 
 Example::
 
@@ -239,7 +230,8 @@ def address_file(rendezvous: str, name: str) -> str:
 
 
 def publish(rendezvous: str, name: str, address: str) -> None:
-    """Write ``address`` as ``name``'s in ``rendezvous`` (atomically)."""
+    """Write ``address`` as ``name``'s in ``rendezvous`` (atomically: a temporary
+    file, then a rename, so a reader sees the old address or the new one)."""
     path = address_file(rendezvous, name)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:

@@ -525,7 +525,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     parse_shape(spec)
             except NetnsError as e:
                 raise SystemExit(f"hybridcomm-bench: {e}")
-        doc = _local(cfg, nprocs, backend, args.shape, args.inter_shape)
+        doc = _local(cfg, nprocs, backend, args.shape, inter_shape=args.inter_shape)
     world = doc["world_size"]
     from ..netns import parse_shape as parse
 

@@ -2,18 +2,10 @@
 
 One harness for every algorithm, ``torch.distributed.all_reduce`` included (the
 baseline, in the same process group and the same run). Per (size, algorithm):
-``warmup`` untimed calls, then ``iters`` timed ones, each from a barrier, on
-a buffer refilled from the input outside the timed region; the rank keeps the
-median, and the 20th and 80th percentiles of its iterations (the spread the
-report's noise warning reads). After timing, one more call checks the data:
-inputs are small integers, so the sum is exact in any order and in any dtype,
-and ``#wrong`` is the number of elements that differ from it (for ``avg``, more
-than the one rounding the scale allows). Rank 0 gathers every rank's medians; the reported
-time is their mean.
-
-With ``servers`` K > 0 the last K processes are summation servers
-(hybridcomm/comm/servers.py): they serve, and the others (the workers) run the sweep
-over their own group, ``ps`` (through the servers) beside the rest.
+``warmup`` untimed calls, then ``iters`` timed ones, each from a barrier; rank
+0 gathers every rank's median (and 20th and 80th percentiles), and one more call
+checks the data (``#wrong``). With ``servers`` K > 0 the last K processes are
+summation servers (comm/servers.py) and the workers sweep ``ps`` beside the rest.
 """
 
 from __future__ import annotations
@@ -67,6 +59,9 @@ def expected_sum(world: int, count: int, device) -> torch.Tensor:
 
 
 def count_wrong(got: torch.Tensor, total: torch.Tensor, op: str, world: int) -> int:
+    """Elements of ``got`` that differ from the exact sum ``total`` (the inputs are
+    small integers: exact in any order and dtype), or, for ``avg``, by more than
+    the scale's one rounding."""
     g = got.to(torch.float64)
     if op == "sum":
         return int((g != total).sum())
@@ -128,7 +123,7 @@ class _Runners:
         from ...algorithms import get_schedule
         from ...comm.executor import execute
 
-        schedule = get_schedule(algo, self.rank, self.world, buf.numel(), self.topology)
+        schedule = get_schedule(algo, self.rank, self.world, buf.numel(), topology=self.topology)
         scratch = self.workspace.get(schedule.scratch_numel, buf.dtype, buf.device)
         transport, scale, timeout = self.transport, self.scale, self.cfg.timeout_s
         return lambda: execute(
@@ -211,7 +206,7 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
     With ``cfg.servers``, the last K ranks serve (and return None) and the
     workers sweep over their own group."""
     if not cfg.servers:
-        return _sweep(rank, world, cfg, None, None)
+        return _sweep(rank, world, cfg, None, servers=None)
     from ...comm import servers as ps
 
     role = ps.split_world(cfg.servers)
@@ -221,7 +216,11 @@ def run_rank(rank: int, world: int, cfg: Config) -> Optional[dict]:
     servers = ps.SummationServers(role, timeout=cfg.timeout_s)
     try:
         return _sweep(
-            dist.get_rank(role.worker_group), len(role.workers), cfg, role.worker_group, servers
+            dist.get_rank(role.worker_group),
+            len(role.workers),
+            cfg,
+            role.worker_group,
+            servers=servers,
         )
     finally:
         servers.close()  # the servers stop once every worker has closed
@@ -238,7 +237,7 @@ def _sweep(rank: int, world: int, cfg: Config, group, servers) -> Optional[dict]
     if cfg.latency_s > 0:  # the emulated network is slower per message: auto knows it
         model = model.with_latency(cfg.latency_s)
         calibration.set_active(model)
-    runners = _Runners(world, rank, cfg, device, group, servers)
+    runners = _Runners(world, rank, cfg, device, group=group, servers=servers)
 
     rows = []
     start = time.perf_counter()
@@ -249,7 +248,9 @@ def _sweep(rank: int, world: int, cfg: Config, group, servers) -> Optional[dict]
         for algo in cfg.algos:
             runners.make(runners.resolve(algo, n * esize), buf)()
     if cfg.live and rank == 0:
-        for line in report.header(_header_doc(world, device, cfg, model, runners.topology)):
+        for line in report.header(
+            _header_doc(world, device, cfg, model, topology=runners.topology)
+        ):
             print(line, flush=True)
     for k, nbytes in enumerate(cfg.sizes):
         count = max(nbytes // esize, 1)
@@ -260,7 +261,7 @@ def _sweep(rank: int, world: int, cfg: Config, group, servers) -> Optional[dict]
         for algo in cfg.algos:
             chosen = runners.resolve(algo, count * esize)
             run = runners.make(chosen, buf)
-            p20, t, p80 = _time_one(run, buf, inp, cfg, device, group)
+            p20, t, p80 = _time_one(run, buf, inp, cfg, device=device, group=group)
             wrong = -1
             if cfg.check:
                 buf.copy_(inp)
