@@ -12,7 +12,9 @@ end that every rank holds the same parameters.
 Flags: ``--epochs``, ``--batch-size`` (per rank), ``--dtype float32|float64``,
 ``--overlap forward|backward|none``,
 ``--strategy hybrid|auto|ring|butterfly|halving_doubling|native``, ``--compression``
-(e.g. ``topk:0.1``), ``--local-sgd H`` (local SGD averaging every H steps instead).
+(e.g. ``topk:0.1``), ``--local-sgd H`` (local SGD averaging every H steps instead),
+``--diloco H`` (DiLoCo: an outer Nesterov step every H steps instead; with
+``--diloco-fragments K`` and ``--diloco-delay T``, Streaming DiLoCo).
 
 Did it help? ``--compare`` times stock PyTorch (an all-reduce per gradient
 after backward), DDP and hybridcomm side by side on this machine, from the
@@ -218,6 +220,16 @@ def main() -> None:
         help="local SGD: average the parameters every H steps (0: synchronous)",
     )
     ap.add_argument(
+        "--diloco",
+        type=int,
+        default=0,
+        metavar="H",
+        help="DiLoCo: the inner steps' pseudo-gradient through an outer Nesterov SGD every "
+        "H steps (0: synchronous)",
+    )
+    ap.add_argument("--diloco-fragments", type=int, default=1, metavar="K")
+    ap.add_argument("--diloco-delay", type=int, default=0, metavar="T")
+    ap.add_argument(
         "--crash-at-step",
         type=int,
         default=None,
@@ -268,6 +280,16 @@ def main() -> None:
     if args.local_sgd:
         hybridcomm.broadcast_parameters(model.state_dict(), root_rank=0)
         opt = hybridcomm.strategies.LocalSGD(sgd, model, period=args.local_sgd)
+    elif args.diloco:  # (it starts every rank from rank 0's parameters)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        opt = hybridcomm.strategies.DiLoCo(
+            sgd,
+            model,
+            outer,
+            sync_every=args.diloco,
+            fragments=args.diloco_fragments,
+            delay=args.diloco_delay,
+        )
     else:  # the one-line change (it starts every rank from rank 0's parameters)
         opt = hybridcomm.DistributedOptimizer(
             sgd,
@@ -316,6 +338,8 @@ def main() -> None:
             )
     if rank == 0 and hasattr(opt, "plan"):
         print(opt.plan)
+    if args.diloco:
+        opt.synchronize()  # every fragment synced: the ranks' parameters equal
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     everyone = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat.to(device) if cuda else flat)

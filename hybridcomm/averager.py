@@ -10,6 +10,11 @@ aligned offsets), reduces, and unpacks the averages back. A bucket's pack and
 unpack are prepared once (``pack_plan``/``unpack_plan``: checked once, no
 per-tensor work in the launch) and prepared again only when a tensor or the
 bucket's buffer has moved.
+
+``start_average_`` returns at once with the reduction in flight (the channel's
+thread, or the comm stream, runs it) and its handle's ``wait`` unpacks the
+averages: DiLoCo trains on meanwhile. ``compression`` sends fp16 or bf16 (a
+wire copy of each bucket, engine.py) or 8- or 4-bit codes (comm/quantized.py).
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from .comm import calibration, control
 from .config import env
 from .sync.buckets import GradBucket
 from .sync.memory import bucket_allocator
+from .algorithms.quantized import QUANTIZED, bits_of
 from .comm.channel import open_channel
 from .comm.engine import CommEngine
+from .comm.quantized import QuantizedReduce
+from .config.config import COMPRESSIONS
 from .base.errors import HybridCommError
 from .kernels import pack_plan, unpack_plan
 from .plan.planner import Layer, make_plan
@@ -42,6 +50,13 @@ class TensorAverager:
             else a probe), agreed on first use.
         strategy: ``"hybrid"`` (butterfly or ring per bucket), ``"auto"`` or one
             algorithm.
+        compression: None, ``"fp16"`` or ``"bf16"`` (the wire dtype: the sums in
+            it), or ``"int8"`` / ``"int4"`` (blockwise-scaled integers, summed in
+            fp32 between an exchange and a gather: comm/quantized.py, whose
+            docstring states the error).
+        on_slow: called once with what is waited for (``"bucket 0"``) when a wait
+            takes over ``slow_after`` seconds; what it returns (who the wait is
+            for: the stall inspector's answer) ends the timeout's message.
 
     Example::
 
@@ -49,6 +64,9 @@ class TensorAverager:
         >>> w = torch.ones(3)
         >>> avg.average_([w]), w                   # one rank: nothing to send
         (0, tensor([1., 1., 1.]))
+        >>> pending = avg.start_average_([w])      # returns at once; the sums in flight
+        >>> pending.wait()                         # the averages unpacked into w
+        0
     """
 
     def __init__(
@@ -58,38 +76,74 @@ class TensorAverager:
         timeout: Optional[float] = None,
         cost_model=None,
         strategy: str = "hybrid",
+        compression=None,
+        on_slow: Optional[Callable[[str], Optional[str]]] = None,
+        slow_after: float = 0.0,
     ):
+        if compression not in COMPRESSIONS and compression not in QUANTIZED:
+            raise ValueError(
+                f"compression must be None, 'fp16', 'bf16', 'int8' or 'int4', got {compression!r}"
+            )
         self.group, self.timeout, self.strategy = group, env.timeout(timeout), strategy
+        self.compression = compression
+        self.on_slow, self.slow_after = on_slow, slow_after
         self._cost_model = cost_model
         self._transport = self._channel = None
         self._made: Dict[Tuple, Tuple[List[GradBucket], CommEngine]] = {}
         # (op, buffer address) -> (where its tensors are, the prepared copy)
         self._plans: Dict[Tuple, Tuple[Tuple, Callable]] = {}
+        self._in_flight: Dict[Tuple, "PendingAverage"] = {}  # signature -> not waited for
 
     def average_(self, tensors: Iterable[torch.Tensor]) -> int:
         """Average ``tensors`` in place; the bytes this rank sent."""
-        control.require_initialized("TensorAverager.average_")
+        return self.start_average_(tensors).wait()
+
+    def start_average_(self, tensors: Iterable[torch.Tensor]) -> "PendingAverage":
+        """Start averaging ``tensors`` (a collective, in the same order on every
+        rank) and return at once; the returned handle's ``wait()`` puts the
+        averages into ``tensors``. Until then the tensors may change: what was
+        sent is what they held now. One average per set of tensors at a time."""
+        control.require_initialized("TensorAverager.start_average_")
         tensors = [t for t in tensors if t.numel()]
         if dist.get_world_size(self.group) == 1 or not tensors:
-            return 0
+            return PendingAverage(self, None, tensors, None, 0)
         signature = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+        if signature in self._in_flight:
+            raise HybridCommError(
+                "start_average_: these tensors' last average was not waited for; call "
+                "its wait() first"
+            )
         made = self._made.get(signature)
         if made is None:
             made = self._made[signature] = self._make(tensors)
         buckets, engine = made
-        rt = runtime_for(tensors[0].device)
-        pack, unpack = self._pack, self._unpack
-        with torch.no_grad(), rt.watched() if rt is not None else contextlib.nullcontext():
+        with torch.no_grad(), self._watched(tensors):
             for b in buckets:  # one pack kernel per bucket on a GPU
-                pack([tensors[i] for i in b.spec.params], b.grads, offsets=b.offsets)
+                self._pack([tensors[i] for i in b.spec.params], b.grads, offsets=b.offsets)
                 b.set_flags(set(range(len(b.params))))
-            for i in range(len(buckets)):
+            for i in range(len(buckets)):  # issued in the plan's order, on every rank
                 engine.launch(i)
-            for i, b in enumerate(buckets):
-                engine.wait(i)
-                unpack(b.grads, [tensors[j] for j in b.spec.params], offsets=b.offsets)
         sent, engine.bytes_sent = engine.bytes_sent, 0
-        return sent
+        pending = self._in_flight[signature] = PendingAverage(self, signature, tensors, made, sent)
+        return pending
+
+    @staticmethod
+    def _watched(tensors: List[torch.Tensor]):
+        rt = runtime_for(tensors[0].device)
+        return contextlib.nullcontext() if rt is None else rt.watched()
+
+    def _finish(self, pending: "PendingAverage") -> None:
+        """Wait for each bucket in turn and unpack it (the next one's reduction
+        goes on meanwhile)."""
+        buckets, engine = pending.made
+        tensors = pending.tensors
+        try:
+            with torch.no_grad(), self._watched(tensors):
+                for i, b in enumerate(buckets):
+                    engine.wait(i)
+                    self._unpack(b.grads, [tensors[j] for j in b.spec.params], offsets=b.offsets)
+        finally:
+            self._in_flight.pop(pending.signature, None)
 
     def _pack(self, tensors: List[torch.Tensor], flat: torch.Tensor, *, offsets=None) -> None:
         """kernels.pack, through a plan kept per buffer (its layout repeats)."""
@@ -162,15 +216,24 @@ class TensorAverager:
         device = tensors[0].device
         rt = runtime_for(device)
         alloc = bucket_allocator(rt, device, self._transport.stream if rt is not None else None)
+        wire = COMPRESSIONS.get(self.compression)
         buckets = [
             GradBucket(
-                b, [tensors[i] for i in b.params], tensors[b.params[0]].dtype, None, alloc=alloc
+                b, [tensors[i] for i in b.params], tensors[b.params[0]].dtype, wire, alloc=alloc
             )
             for b in plan.buckets
         ]
+        bits = bits_of(self.compression)
+        for b in buckets if bits else ():
+            b.quant = QuantizedReduce(
+                b.grads.numel(), bits=bits, rank=dist.get_rank(self.group), world=world, alloc=alloc
+            )
         engine = CommEngine(
             plan, buckets, self._channel, self._transport, scale=1.0 / world, timeout=self.timeout
         )
+        if self.on_slow is not None:
+            on_slow = self.on_slow
+            engine.on_slow, engine.slow_after = (lambda i: on_slow(f"bucket {i}")), self.slow_after
         return buckets, engine
 
     def close(self) -> None:
@@ -179,3 +242,32 @@ class TensorAverager:
             self._channel = None
         self._made = {}
         self._plans = {}
+        self._in_flight = {}
+
+
+class PendingAverage:
+    """An average in flight (:meth:`TensorAverager.start_average_`): ``done()``
+    never blocks; ``wait()`` blocks until every bucket is reduced (within the
+    averager's timeout), unpacks the averages into the tensors and returns the
+    bytes this rank sent. Waiting again returns at once."""
+
+    __slots__ = ("averager", "signature", "tensors", "made", "bytes_sent", "_waited")
+
+    def __init__(self, averager, signature, tensors, made, bytes_sent: int):
+        self.averager, self.signature, self.tensors = averager, signature, tensors
+        self.made, self.bytes_sent = made, bytes_sent
+        self._waited = made is None
+
+    def done(self) -> bool:
+        """Whether every bucket's reduction has finished (the averages may still
+        need ``wait()`` to be unpacked)."""
+        if self._waited:
+            return True
+        buckets, engine = self.made
+        return all(engine.done(i) for i in range(len(buckets)))
+
+    def wait(self) -> int:
+        if not self._waited:
+            self._waited = True
+            self.averager._finish(self)
+        return self.bytes_sent

@@ -1,4 +1,5 @@
-"""Triton kernels and their plain-torch references (installed as hybridcomm.kernels).
+"""Triton kernels and their plain-torch references (installed as hybridcomm.kernels):
+pack, unpack, reduce, and quantize / dequantize (8 or 4 bits a value).
 
 Each op has a launcher (validates, then runs the Triton kernel for CUDA tensors
 or the reference otherwise) and a ``*_ref`` in plain torch. None communicates.
@@ -14,14 +15,19 @@ every launch on Triton's own path.
 
 from ._triton import SUPPORTED_DTYPES, triton_available
 from .pack import pack, pack_plan, pack_ref
+from .quantize import dequantize, dequantize_ref, quantize, quantize_ref
 from .reduce import reduce, reduce_ref
 from .unpack import unpack, unpack_plan, unpack_ref
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "dequantize",
+    "dequantize_ref",
     "pack",
     "pack_plan",
     "pack_ref",
+    "quantize",
+    "quantize_ref",
     "reduce",
     "reduce_ref",
     "triton_available",

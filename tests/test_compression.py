@@ -153,3 +153,30 @@ def _resume(rank, world):
 def test_residuals_round_trip_through_the_state_dict():
     for same, total in run_ranks(2, _resume):
         assert same and total > 0
+
+
+def _quantized_average(rank, world, compression):
+    from hybridcomm.averager import TensorAverager
+    from hybridcomm.gpu.runtime import runtime_for
+
+    avg = TensorAverager(timeout=60, cost_model="default", compression=compression)
+    g = torch.Generator().manual_seed(rank)
+    t = torch.randn(1000, generator=g) * (rank + 1)
+    half = torch.randn(300, generator=g).to(torch.float16)  # its own bucket: cast back after
+    sent = avg.average_([t, half])
+    rt = runtime_for(t.device)
+    if rt is not None:
+        rt.synchronize()
+    avg.close()
+    return t, half, sent
+
+
+@pytest.mark.parametrize("compression", ["int8", "int4"])
+def test_quantized_averages_are_identical_on_every_rank(compression):
+    """The averager's 8- and 4-bit all-reduce (exchange, the owner's sum, gather) on the
+    stream path when simulated (this file runs under HYBRIDCOMM_SIMULATE_GPU=1 in
+    `make test`), the host path otherwise; its error: tests/test_averager_compression.py."""
+    results = run_ranks(3, _quantized_average, compression, timeout=180)
+    for t, half, sent in results:
+        assert torch.equal(t, results[0][0]) and torch.equal(half, results[0][1])
+        assert sent == results[0][2] > 0

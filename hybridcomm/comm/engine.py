@@ -15,7 +15,8 @@ all-gather) on the bucket's buffer, in
 place; under compression the wire buffer is cast back into the gradients when
 the last segment is done. A PowerSGD bucket (powersgd.py) is one operation of
 two all-reduces with the algorithm, its factors computed between them on the
-same side (thread or comm stream).
+same side (thread or comm stream); a quantized one (quantized.py), likewise,
+an exchange and a gather of 8- or 4-bit messages with the owner's sum between.
 
 The operation itself (which all-reduce, on which side) is executor.py's
 :func:`~hybridcomm.comm.executor.reduce_operation`, shared with ``all_reduce`` and
@@ -115,6 +116,9 @@ class CommEngine:
             b.topk.select(b.grads, b.flags)
         if b.lowrank is not None and b.lowrank.active:  # its first message, likewise
             b.lowrank.compress(b.grads, b.flags)
+        elif b.quant is not None:  # on a stream, its messages now (the host path: in the op)
+            if self.channel.stream_ordered:
+                b.quant.encode(b.grads)
         else:  # sent whole (PowerSGD's exact steps too: "powersgd:4+fp16")
             b.to_wire()
         if self.channel.stream_ordered:
@@ -192,6 +196,8 @@ class CommEngine:
             return self._sparse_operation(index)
         if b.lowrank is not None and b.lowrank.active:
             return self._lowrank_operation(index)
+        if b.quant is not None:
+            return self._quantized_operation(index)
         if self.channel.stream_ordered:  # (it waits for this launch's own ready event)
             op, sent = self._dense_operation(index, s, last)
         elif self._after[index] is not None and last:  # (this launch's own)
@@ -289,6 +295,55 @@ class CommEngine:
             servers=self.servers,
         )
         return op.issue if self.channel.stream_ordered else op.run
+
+    def _quantized_operation(self, index: int):
+        """A quantized bucket: exchange the chunks, sum this rank's, gather the
+        averages, decode them into the bucket (quantized.py)."""
+        b = self.buckets[index]
+        quant, scale = b.quant, self.scale
+        self.bytes_sent += quant.bytes_sent
+        label = f"bucket {index} ({quant.bits}-bit, {quant.bytes_sent} bytes sent)"
+
+        if self.channel.stream_ordered:
+
+            def queued():
+                start, _ = execute_async(
+                    quant.exchange,
+                    quant.exchanged,
+                    self.transport,
+                    ready=self._ready[index],
+                    timed=True,
+                    reserved=True,
+                )
+                with self.transport.stream_context():
+                    quant.reduce_own(scale)
+                execute_async(  # (behind the sum: it is on the comm stream too)
+                    quant.gather,
+                    quant.gathered,
+                    self.transport,
+                    ready=self.transport.record_event(),
+                    reserved=True,
+                )
+                with self.transport.stream_context():
+                    quant.decode(b.grads)
+                done = self.transport.runtime.new_event(timing=True)
+                done.record(self.transport.stream)
+                self.transport.watch(done, self.timeout, label)
+                return start, done
+
+            return queued
+
+        def hosted():  # host path
+            # quantized here, on the channel's thread: the trainer goes on meanwhile (the
+            # bucket's buffer is not written before its wait)
+            quant.encode(b.grads)
+            execute(quant.exchange, quant.exchanged, self.transport, timeout=self.timeout)
+            quant.reduce_own(scale)
+            execute(quant.gather, quant.gathered, self.transport, timeout=self.timeout)
+            quant.decode(b.grads)
+            self._versions[index] = b.buffer._version
+
+        return hosted
 
     # -- waiting -----------------------------------------------------------------------
     def wait(self, index: int) -> float:

@@ -5,6 +5,9 @@
   models averaged every epoch or once at the end.
 - :class:`LocalSGD`: H local steps, then the parameters (and optionally the
   optimizer state) averaged; H = 1 is synchronous SGD; a synchronous warm-up.
+- :class:`DiLoCo` (Douillard et al. 2023, 2025): H inner steps, then the averaged
+  pseudo-gradient through an outer optimizer; Streaming DiLoCo's fragments,
+  delayed merges and quantized syncs.
 - :class:`ADMM`: consensus ADMM (Boyd et al. 2011): local steps on the loss plus
   the augmented Lagrangian, the consensus as an all-reduced average.
 - :class:`DownpourSGD` (Dean et al. 2012): asynchronous, a parameter server
@@ -22,6 +25,7 @@ and everything below them; not ``integrations`` or ``tools``.
 """
 
 from .admm import ADMM
+from .diloco import DiLoCo
 from .downpour.client import DownpourSGD, init_downpour, serve
 from .downpour.pipeline import DownpourStage
 from .local_sgd import LocalSGD
@@ -29,6 +33,7 @@ from .parallel_sgd import ParallelSGD
 
 __all__ = [
     "ADMM",
+    "DiLoCo",
     "DownpourSGD",
     "DownpourStage",
     "LocalSGD",

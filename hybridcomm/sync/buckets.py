@@ -90,6 +90,7 @@ class GradBucket:
         "wire",
         "topk",
         "lowrank",
+        "quant",
         "released",
         "operations",
         "part",
@@ -122,6 +123,7 @@ class GradBucket:
             self.wire.zero_()
         self.topk = None  # compression.TopK when the plan sparsifies this bucket
         self.lowrank = None  # powersgd.PowerSGD when the plan compresses it to low rank
+        self.quant = None  # quantized.QuantizedReduce: 8 or 4 bits a value (the averager's)
         self.released = False  # its memory freed between steps (shard="gradients")
         self.part, self._part_at = None, []  # released: the part kept, and where it was
 

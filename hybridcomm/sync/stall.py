@@ -149,8 +149,17 @@ class StallInspector:
                 out[r] = [int(launches), int(steps), float(when)]
         return out
 
-    def explain(self, what: str, launches: int, steps: int) -> Optional[str]:
-        """Why ``what`` waits: the ranks behind this one, or None if none is."""
+    def explain(
+        self,
+        what: str,
+        launches: int,
+        steps: int,
+        unit: str = "buckets",
+        hint: str = "A rank behind skipped a backward, left the training loop early, or runs "
+        "a model whose graph differs; it must launch the same buckets",
+    ) -> Optional[str]:
+        """Why ``what`` waits: the ranks behind this one, or None if none is. ``unit``
+        names what ``launches`` counts; ``hint`` says what a rank behind may have done."""
         if self.store is None:
             return None
         self.publish(launches, steps, force=True)
@@ -161,18 +170,16 @@ class StallInspector:
         if not behind and not silent:
             return None
         parts = [
-            f"rank {r} has launched {p[0]} buckets in all after {p[1]} steps "
+            f"rank {r} has launched {p[0]} {unit} in all after {p[1]} steps "
             f"(last heard {now - p[2]:.0f}s ago)"
             for r, p in sorted(behind.items())
         ]
         parts += [f"rank {r} has not reported any step" for r in silent]
         return (
             f"hybridcomm stall: {what} has waited over {self.warn_s:g}s; this rank "
-            f"(rank {self.rank}) has launched {launches} buckets after {steps} steps; "
+            f"(rank {self.rank}) has launched {launches} {unit} after {steps} steps; "
             + "; ".join(parts)
-            + ". A rank behind skipped a backward, left the training "
-            "loop early, or runs a model whose graph differs; it must launch the same "
-            "buckets (or this wait ends in a timeout)"
+            + f". {hint} (or this wait ends in a timeout)"
         )
 
     def bucket_is_slow(self, plan, index: int, launches: int, steps: int) -> Optional[str]:

@@ -44,6 +44,7 @@ PSGD_FILE = "hybridcomm/comm/powersgd.py"
 OD = "tests/test_one_device.py::"
 OD_EXACT = OD + "test_every_algorithm_is_exact_over_one_device[3-float32]"
 OD_FILE = "hybridcomm/comm/transport/one_device.py"
+DILOCO = "tests/test_diloco.py::"
 GRAN = "tests/test_shard_granularity.py::"
 COMPILE = "tests/test_compile.py::"
 
@@ -171,9 +172,9 @@ MUTATIONS = [
         "averager-pack-per-tensor",
         "old 8",
         "hybridcomm/averager.py",
-        old="                pack([tensors[i] for i in b.spec.params], b.grads, offsets=b.offsets)\n",
+        old="                self._pack([tensors[i] for i in b.spec.params], b.grads, offsets=b.offsets)\n",
         new="                for i, o in zip(b.spec.params, b.offsets):\n"
-        "                    pack([tensors[i]], b.grads[o : o + tensors[i].numel()])\n",
+        "                    self._pack([tensors[i]], b.grads[o : o + tensors[i].numel()])\n",
         guards=("tests/test_averager.py::test_every_rank_gets_the_exact_mean[simgpu]",),
         what="TensorAverager packs each tensor with its own launch",
     ),
@@ -181,9 +182,10 @@ MUTATIONS = [
         "averager-unpack-per-tensor",
         "old 8",
         "hybridcomm/averager.py",
-        old="                unpack(b.grads, [tensors[j] for j in b.spec.params], offsets=b.offsets)\n",
-        new="                for j, o in zip(b.spec.params, b.offsets):\n"
-        "                    unpack(b.grads[o : o + tensors[j].numel()], [tensors[j]])\n",
+        old="                    self._unpack(b.grads, [tensors[j] for j in b.spec.params], "
+        "offsets=b.offsets)\n",
+        new="                    for j, o in zip(b.spec.params, b.offsets):\n"
+        "                        self._unpack(b.grads[o : o + tensors[j].numel()], [tensors[j]])\n",
         guards=("tests/test_averager.py::test_every_rank_gets_the_exact_mean[simgpu]",),
         what="TensorAverager unpacks each tensor with its own launch",
     ),
@@ -1724,6 +1726,47 @@ MUTATIONS = [
         guards=(COMPILE + "test_every_compile_pattern_gives_one_process_numbers[backward-simgpu]",),
         what="the simulated GPU's torch-function mode is traced into compiled code: dynamo "
         "meets its locks and condition variables",
+    ),
+    # ---- DiLoCo / Streaming DiLoCo ---------------------------------------------------------
+    Mutation(
+        "diloco-fragment-synced-at-wrong-step",
+        "i69 diloco",
+        "hybridcomm/strategies/fragments.py",
+        old="        phase = step % self.sync_every\n",
+        new="        phase = (step + 1) % self.sync_every\n",
+        guards=(
+            DILOCO + "test_streaming_keeps_the_ranks_equal_and_follows_the_algorithm",
+            "tests/test_diloco_schedule.py::test_every_fragment_starts_once_a_period_at_its_offset",
+        ),
+        what="every fragment starts its sync one inner step early (at offset - 1)",
+    ),
+    Mutation(
+        "diloco-delayed-update-on-wrong-base",
+        "i69 diloco",
+        "hybridcomm/strategies/diloco.py",
+        old="                p.copy_(self._global[i])\n",
+        new="                pass\n",
+        guards=(DILOCO + "test_streaming_keeps_the_ranks_equal_and_follows_the_algorithm",),
+        what="a fragment's outer update is applied to the local parameters it has now (tau "
+        "inner steps after its sync started) instead of to the global copy",
+    ),
+    Mutation(
+        "diloco-delta-against-local-copy",
+        "i69 diloco",
+        "hybridcomm/strategies/diloco.py",
+        old="            for p, i in zip(params, idx):\n"
+        "                self._global[i].copy_(p)  # the outer step's result: the same on every "
+        "rank\n"
+        "            if mixing:\n"
+        "                torch._foreach_lerp_(params, local, mixing)\n",
+        new="            if mixing:\n"
+        "                torch._foreach_lerp_(params, local, mixing)\n"
+        "            for p, i in zip(params, idx):\n"
+        "                self._global[i].copy_(p)  # the outer step's result: the same on every "
+        "rank\n",
+        guards=(DILOCO + "test_streaming_keeps_the_ranks_equal_and_follows_the_algorithm",),
+        what="the copy Δ is taken against holds the rank's own merged (mixed) parameters: "
+        "the next Δ is taken against this rank's local parameters, not the global ones",
     ),
     # ---- sharding by whole parameters and DCP checkpoints ---------------------------------
     Mutation(
