@@ -1,36 +1,14 @@
 """Forward mode under torch.compile: compiled code reads every update, per bucket.
 
 Forward mode applies a bucket's update at the first read of one of its
-parameters (pending.py), through the parameter's class; compiled code runs no
+parameters, through the parameter's class (pending.py); compiled code runs no
 ``__torch_function__``, so each way a compiled region can read a parameter is
-covered here, per bucket (docs/ARCHITECTURE.md, "torch.compile"):
-
-- **A block compiled alone** (``torch.compile(block)`` in the model's tree,
-  torchtitan's pattern, ``fullgraph=True`` or not): the block's
-  ``OptimizedModule`` runs its own forward pre-hooks eagerly, before its graph.
-  :class:`ApplyAtCompiledEntry` there applies the pending updates of the
-  block's parameters: the graph sees plain, current parameters (one graph, no
-  recompile), and the overlap with the forward before the block is kept.
-- **The whole forward compiled** (``torch.compile(model)``, ``model.compile()``,
-  a compiled training step; the model's pre-hook is traced:
-  ``pending.ApplyBeforeCompiledForward``), or a module compiled with
-  ``module.compile()``, whose hooks are inside its graph: there is no eager
-  point before the reads, so those buckets' updates are applied in ``step()``,
-  as in backward mode.
-- **Anything else** (a compiled function handed a parameter, a block compiled
-  after the optimizer was made): dynamo traces the pending class, which makes
-  each read a call of the operator ``hybridcomm::apply_pending_`` registered
-  below (``torch.library``), in the graph, ``fullgraph=True`` included. At run
-  time it waits for the bucket and applies its update before the read (on
-  torch 2.13 at trace time already: dynamo's own look at the real parameter,
-  its storage, calls the operator eagerly; docs/ARCHITECTURE.md). That
-  costs an operator call per read (0.2-0.6 ms on CPU:
-  benchmarks/results/compile/in_graph_read_cost.txt) and a recompile (the
-  class is part of dynamo's guards); the read is noted, and from the next
-  ``step()`` on the model is searched again for compiled blocks, and a bucket
-  still read that way is applied in ``step()``.
-
+covered here: a block compiled alone gets its updates applied as it begins
+(:class:`ApplyAtCompiledEntry`); a whole compiled forward gets them in
+``step()``; any other read calls the operator ``hybridcomm::apply_pending_``
+in the graph, and its bucket moves to one of the first two from the next step.
 Each fallback is said once in the plan's notes and logged at INFO.
+docs/ARCHITECTURE.md ("torch.compile") has the details.
 
 Example::
 
@@ -70,7 +48,10 @@ def stats() -> Dict[str, int]:
 def _apply_pending(param: torch.Tensor, key: int) -> None:
     """The operator's body, at run time: apply the pending update of the parameter
     registered under ``key``, then make ``param`` (the graph's value of it: the
-    parameter itself, or a copy functionalization made before this call) hold it."""
+    parameter itself, or a copy functionalization made before this call) hold it.
+    Costly (an operator call per read, and a recompile: the pending class is in
+    dynamo's guards), so the read is noted and ``CompiledReads.review`` moves the
+    bucket to a block's entry or to ``step()``."""
     p = pending.registered(key)
     if p is None:
         return

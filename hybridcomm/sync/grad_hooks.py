@@ -1,62 +1,12 @@
 """The two autograd hooks on every reduced parameter: where a gradient enters.
 
 Per parameter and backward pass these are the library's only Python work, so
-each is a look-up and a counter in the usual case; what costs more is done
-once per bucket (bucket_group.py).
-
-1. **Before autograd adds it**, armed only while its bucket is launched, in
-   flight or PENDING, and under ``shard`` while its buffer is reduce-scattered
-   (``BucketGroup.rearm`` says when). With the host extension it is a pre-hook
-   of C++ on the parameter's gradient accumulator (``grad_fields.add_guard``):
-   off, autograd's call costs a load; arming a bucket is a store per
-   parameter. Without it, torch's Python pre-hook, on and off through the
-   tensor's ``_backward_hooks`` (a hook object made and freed, ~0.3 us per
-   parameter each way; kept off, since an armed one costs autograd a call
-   into Python, ~1 us per parameter and pass). Compiled autograd, which traces
-   no hook of C++, gets a guard that is on as a Python call in its graph
-   (grad_fields.add_guard), one that is off not at all. A
-   ``.grad`` that is None (``zero_grad()``, the default ``set_to_none=True``)
-   needs nothing: autograd puts the gradient in a tensor of its own, as in
-   plain PyTorch (no zeroing, no in-place add), and the bucket takes it in once
-   per bucket (below). Only a ``.grad`` that is its bucket's view is written in
-   place, so then the bucket must be writable: a reduction in flight is waited
-   for (a *late* gradient: the result is kept and the addition reduced again,
-   all-reduce being linear), a deferred forward-mode update is applied first,
-   and a bucket whose launch the issue order has not reached yet is never
-   written: the gradient goes into a tensor of autograd's own and is added in
-   when the bucket next opens. An accumulating or idle bucket's view may be
-   added into as it is, so there the hook is off (under ``shard`` too once the
-   step's all-gather took the buffer: ``.grad`` is None then). It stays armed
-   throughout on the simulated GPU (it reports each in-place add to the
-   simulator's race checks).
-2. **After autograd added it** (a post-accumulate hook): the bucket is opened
-   if it was not accumulating, and the parameter counted. Once all of a
-   bucket's parameters are in, the bucket takes every gradient autograd kept
-   apart into its views in one multi-tensor copy (``BucketGroup.absorb``), and
-   in the step's launching pass (passes.py) it is launched; the end of the pass
-   launches the rest.
-
-Both run as they are under compiled autograd: dynamo, which traces the hooks
-compiled autograd puts in its graph, calls them eagerly (``eager_only``, a call
-more per hook: ~1 us, paid by the closers only in a steady step).
-
-**One post-accumulate hook per bucket in a steady step** (``lean``): the
-parameter whose gradient completed a bucket (its *closer*) is the same in
-every pass of a fixed graph. So after two steps in which one backward pass
-(its end reported by autograd) completed every bucket at the same closer, and
-unless the next step is measured (each arrival is timed then), only the
-closers keep their hook: ~1 us per parameter and pass less (the hook's body
-and part of its floor; torch keeps an emptied hook's C++ object, the
-``emptied`` column of ``benchmarks/hook_cost.py``). A closer launches its
-bucket only if every gradient of the bucket is a tensor autograd made in this
-step (``kept_apart``: none None, none its view, as after ``zero_grad()``);
-otherwise (the graph changed, a gradient accumulated in place, a parameter
-unused) every hook is back on at once and the pass's end launches that
-bucket: correct, a step slower. A pass that reached no closer adds either
-into tensors of autograd's own (reduced at the step, as gradients set by
-hand) or into a view in place (``gradients_came``; a bucket released under
-``shard="gradients"`` holds no view). Off under ``find_unused_parameters``
-and with ``HYBRIDCOMM_LEAN_HOOKS=0``; each switch is logged at DEBUG.
+each is a look-up and a counter in the usual case; what costs more is done once
+per bucket (bucket_group.py). The pre-hook (before autograd adds) is armed only
+while its bucket must not be added into unchecked; the post-accumulate hook
+counts the parameter in and launches a completed bucket. In a steady step only
+each bucket's closer keeps its post-accumulate hook (``lean``). The steps, in
+order, are in docs/ARCHITECTURE.md ("A gradient's path", overlap="backward").
 
 Example::
 
@@ -143,6 +93,7 @@ class GradientHooks:
                 self._post[pid] = (handle, p._post_accumulate_grad_hooks, handle.id, hook)
                 self._pre[pid] = self._new_pre(p)
         sync = self.sync
+        # (the simulated GPU sees each in-place add: its race checks want every one)
         self.always_armed = getattr(sync.rt, "reports_writes", False) or (
             not self.native and not hooks_toggle()
         )
@@ -155,8 +106,12 @@ class GradientHooks:
 
     def set_lean(self, on: bool) -> None:
         """Only each bucket's closer keeps its post-accumulate hook (``on``), or every
-        parameter has it (module doc). The hooks leave and rejoin torch's dict in
-        place: a user's own hooks in it stay."""
+        parameter has it. The closer (the parameter whose gradient completed the
+        bucket) is the same in every pass of a fixed graph, so lean saves a call
+        into Python per parameter and pass; a closer whose bucket's gradients are
+        not all autograd's own of this step turns every hook back on
+        (``after_grad``). The hooks leave and rejoin torch's dict in place: a
+        user's own hooks in it stay."""
         if on == self.lean:
             return
         self.lean = on
@@ -227,7 +182,9 @@ class GradientHooks:
 
     def guard(self, s, on: bool) -> None:
         """Bucket ``s`` entered (``on``) or left the phases where autograd must not add
-        into its views unchecked (``BucketGroup.to``)."""
+        into its views unchecked (``BucketGroup.to``). Kept off otherwise: an armed
+        Python pre-hook costs autograd a call into Python per parameter and pass;
+        a guard of C++ costs a load."""
         if not self.always_armed:
             self._set(s.guards, on)
 
@@ -274,7 +231,9 @@ class GradientHooks:
 
     def before_grad(self, p) -> None:
         """Autograd is about to add a gradient into ``p.grad`` (not None): if that is
-        the bucket's view, make the in-place add safe."""
+        the bucket's view, make the in-place add safe. A reduction in flight is
+        waited for (a late gradient: the result is kept and the addition reduced
+        again, all-reduce being linear), a deferred update applied first."""
         sync = self.sync
         where = sync.group.where.get(id(p))
         if where is None:

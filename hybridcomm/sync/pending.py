@@ -1,34 +1,15 @@
 """Forward mode's deferred updates, invisible by construction.
 
-Forward mode's ``step()`` returns before a parameter's update is applied: the
-update waits for the parameter's first use in the next iteration, so that its
-all-reduce overlaps the next forward. Whatever reads the parameter in between
-must still see what one process would. So while its update is pending, a
-parameter carries a class of its own (a subclass of its class, as
-``torch.nn.UninitializedParameter`` does before it is materialized), whose
+Forward mode's ``step()`` returns before a parameter's update is applied, so
+that its all-reduce overlaps the next forward; the update waits for the
+parameter's first read. While pending, a parameter carries a subclass of its
+class (as ``torch.nn.UninitializedParameter`` does) whose
 ``__torch_function__`` applies the update before any call that reads or
-aliases the parameter's data runs: ``F.linear(x, w)`` in any module (the owner,
-a parent reading ``self.head.weight``, a module swapped in around the same
-parameters), ``p.data``, ``p.detach()``, ``model.state_dict()``, an EMA, a
-``no_grad`` evaluation, an optimizer of the user's own, ``copy.deepcopy`` and
-``pickle`` / ``torch.save``. The update is applied once, its class restored,
-and nothing is left on the module or the parameter: a copy is a plain model.
-Calls that touch no element data (``p.grad``, ``p.shape``, ``p.requires_grad``,
-hooks) leave it pending, so ``zero_grad()`` before the forward costs nothing.
-
-What this cannot see: a tensor that already aliased the parameter's memory
-before ``step()`` (``w = p.data`` kept from an earlier step) is no parameter;
-read the parameter itself.
-
-``torch.compile``: compiled code runs no ``__torch_function__``; dynamo traces
-it instead. Traced, the class makes each read of a pending parameter a call of
-the registered operator ``hybridcomm::apply_pending_`` (compiled.py) before the
-read, in the graph, fullgraph or not: at run time it applies the update first,
-as the eager read would. That costs an operator call per read, so the
-synchronizer keeps pending parameters out of compiled code where it can
-(compiled.py: each compiled block's update applied as the block begins, or in
-``step()``); the model's forward pre-hook here tells it when the whole
-forward is compiled.
+aliases its data (a module's forward, ``.data``, ``state_dict()``, an EMA,
+``torch.save``...); calls that touch no element data (``p.grad``, ``p.shape``)
+leave it pending. Under ``torch.compile`` the read becomes an operator call in
+the graph (compiled.py). docs/ARCHITECTURE.md (overlap="forward") has the path;
+docs/TROUBLESHOOTING.md the one read it cannot see.
 
 Example::
 
@@ -162,7 +143,9 @@ _DISABLED = DISABLED = torch._C.DisableTorchFunctionSubclass  # calls see no pen
 
 
 class _Pending:
-    """Mixed in front of a parameter's class while its update is pending."""
+    """Mixed in front of a parameter's class while its update is pending. The update
+    is applied once, the class restored, and nothing is left on the module or the
+    parameter: a copy (``copy.deepcopy``, ``pickle``) is a plain model."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -246,6 +229,8 @@ def _read_in_graph(func, args, kwargs):
     registers it: ``apply_in_graph_with``), then ``func`` on the updated values.
     Without the operator (torch < 2.4) the update is applied eagerly, at a graph
     break. Calls that read no element data (``p.shape``, ``p.grad``) apply nothing.
+    An operator call per read: so the synchronizer keeps pending parameters out of
+    compiled code where it can (compiled.py).
     (Every torch-function override is off for the call, modes too: a graph's
     operators see none at run time, and dynamo re-enters a mode's override here.)"""
     with torch._C.DisableTorchFunction():

@@ -1,40 +1,15 @@
 """Sharded optimizer state (``DistributedOptimizer(shard="optimizer" | "gradients")``):
 each rank keeps and steps the optimizer state of its part of every bucket.
 
-With ``shard`` on, the engine reduce-scatters each bucket as backward fills it
-(``CommEngine.phase``: the first half of the bucket's algorithm, the ring's or
-halving-doubling's, ``algorithms.PHASED``, or the process group's own
-``reduce_scatter``, ``native``), so a rank ends the backward
-holding the average of its own part of each bucket's buffer (each segment's
-``SHARD_BOUNDS``; the rest of the buffer holds partial sums).
-Then ``step()``:
-
-1. the wrapped optimizer steps this rank's *slices*: for each parameter, the
-   part of it in this rank's parts, a view of the parameter's own memory (so
-   the update lands in the parameter), its ``.grad`` the matching view of the
-   bucket (``None`` where no rank had a gradient). Its ``param_groups`` are
-   swapped for groups of slices with the live hyper-parameters for the call,
-   so LR schedulers and ``add_param_group`` keep working; its ``state`` holds
-   one entry per slice, 1/P of the plain optimizer's;
-2. each bucket's buffer takes the updated slices and is all-gathered (the
-   ring's second half); every parameter is copied from its view, and its
-   ``.grad`` is released (the buffer holds parameters; ``zero_grad`` would
-   drop it anyway). In forward mode the all-gathers are queued on the channel
-   and each bucket's parameters are pending (pending.py) until their first
-   read, which waits for it: the gather overlaps the next forward. With
-   ``"gradients"`` the buffer's memory is freed until the bucket's first
-   gradient of the next backward, and from backward on each bucket keeps only
-   this rank's part (scatter.py).
-
-The per-element state (momentum, Adam's moments) is sliced as the
-parameters are; anything else (a step count) is kept per slice as it is. Only
-an optimizer known to be element-wise is sliced: every other gets whole
-parameters (``shard_by``, granularity.py; the plan lays each bucket out by
-owner, plan/ownership.py), and then a slice is a whole parameter, stepped in
-its own shape. ``full_state()`` / ``slice_state()`` turn the state into the
-plain optimizer's and back (a consolidated checkpoint, collectively; a loaded
-one); DCP gets each rank's part alone (dcp.py); a re-plan moves only what
-changes owner, straight to its new owner (reshard.py).
+Backward reduce-scatters each bucket (the first half of its algorithm), so a
+rank holds the average of its own part; ``step()`` runs the wrapped optimizer
+on this rank's slices (views of the parameters, 1/P of the state), then
+all-gathers each bucket into the parameters (in forward mode, pending until
+their first read). Only an element-wise optimizer is sliced by element; every
+other gets whole parameters (granularity.py). ``full_state()`` /
+``slice_state()`` convert to and from the plain optimizer's state; DCP gets
+each rank's part (dcp.py); a re-plan moves what changes owner (reshard.py).
+docs/ARCHITECTURE.md ("Sharded optimizer state") has the path.
 
 Example::
 
@@ -202,7 +177,7 @@ class Shards:
             self._members = (key, members)
         for sl in self.slices:
             sl.tensor.grad = sl.grad if sl.param.grad is not None else None  # None: unused
-        # the live hyper-parameters (an LR schedule's), this rank's slices
+        # the live hyper-parameters (an LR schedule's, add_param_group's), this rank's slices
         opt.param_groups = [dict(g, params=m) for g, m in zip(saved, self._members[1])]
         try:
             loss = base_step()
