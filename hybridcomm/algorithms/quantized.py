@@ -2,22 +2,12 @@
 comm/quantized.py's :class:`~hybridcomm.comm.quantized.QuantizedReduce` runs
 and the strategies price.
 
-Integers of 8 or 4 bits cannot be summed on the wire, so the all-reduce is a
-reduce-scatter by exchange followed by a ring all-gather, both of copies only
-(Streaming DiLoCo's and torchft's shape):
-
-1. each rank quantizes its buffer cut into P chunks (chunk j for rank j) and
-   sends chunk j to rank j (:func:`exchange_schedule`: one step, P - 1 sends
-   and P - 1 receives);
-2. rank j dequantizes the P versions of its chunk, sums them in rank order,
-   scales, and quantizes the result into its segment of the gathered buffer;
-3. the segments go around the ring (:func:`gather_schedule`, top-k's ring
-   all-gather), and every rank dequantizes every segment: the same bytes through the same
-   operations, so every rank holds the same bits.
-
-A chunk's message is one fp32 segment, ``[scales | codes as bytes]`` (the wire
-carries fp32 everywhere; the codes are bytes viewed as fp32 words). Chunks
-are whole quantization groups, so each chunk's groups are the buffer's.
+Integers of 8 or 4 bits cannot be summed on the wire, so the all-reduce is an
+exchange of quantized chunks (:func:`exchange_schedule`: rank j gets every
+rank's chunk j, sums them in rank order and quantizes the result) followed by
+a ring all-gather of the results (:func:`gather_schedule`): copies only, and
+every rank decodes the same bytes, so all hold the same bits (Streaming
+DiLoCo's and torchft's shape).
 
 Example::
 
@@ -48,7 +38,9 @@ def chunk_numel(numel: int, world: int, group: int) -> int:
 
 
 def segment_numel(chunk: int, bits: int, group: int) -> int:
-    """fp32 words of one chunk's message: its scales, then its codes."""
+    """fp32 words of one chunk's message, ``[scales | codes as bytes]`` (the wire
+    carries fp32 everywhere; the codes are bytes viewed as fp32 words). Chunks
+    are whole quantization groups, so each chunk's groups are the buffer's."""
     scales = -(-chunk // group)
     code_bytes = (chunk * bits + 7) // 8
     return scales + -(-code_bytes // 4)

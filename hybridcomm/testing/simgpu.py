@@ -2,57 +2,15 @@
 
 With ``HYBRIDCOMM_SIMULATE_GPU=1``, ``hybridcomm.gpu.runtime.runtime_for`` gives
 CPU tensors :class:`SimRuntime`, and everything above it (the CuPy NCCL
-transport, the executor's stream-ordered path, the optimizer's channel, the
-Triton launch path) runs unchanged. Only the bottom layer is simulated, and
-it is simulated with the semantics that make GPU bugs show:
-
-* **Streams** are FIFO queues run by worker threads, each operation after a
-  seeded random delay (``HYBRIDCOMM_SIM_DELAY_US``, ``HYBRIDCOMM_SIM_SEED``):
-  work completes late and out of step with the host. Host torch ops on the
-  trainer thread (seen through a ``TorchFunctionMode``) are appended to that
-  thread's current stream: they run once it has drained, as a kernel would.
-* **Events** record a position in a stream; ``stream.wait_event`` orders a
-  stream after it. Ordering is tracked with vector clocks (happens-before),
-  so a missing wait is found whatever the timing happened to be.
-* **Race detector**: every device operation declares what it reads and
-  writes (kernels through the launch hook, NCCL calls by pointer and count);
-  host ops are read from their arguments. Two accesses to overlapping memory,
-  one a write, neither ordered before the other, is a :class:`SimError`
-  naming both operations and their streams. Memory the allocator did not hand
-  out (a DDP bucket) is tracked once a write to it is declared
-  (``expect_write``); ``stream_future`` gives such a buffer the stream-bound
-  future CUDA tensors get.
-* **Caching allocator** (``SimRuntime.empty``): blocks are pooled per
-  allocation stream; ``record_stream`` defers reuse until the other stream's
-  work is done. A block handed out again while work of a stream it was used
-  on without ``record_stream`` is not ordered before is reported.
-* **NCCL** (:class:`SimNccl`, in place of ``cupy.cuda.nccl``): communicators
-  from unique ids (CuPy 14's ``bytes`` or CuPy 13's ``tuple``), send/recv and
-  groups, all-reduce; an operation completes only when the peer posts its
-  match, bytes moving between the rank processes over gloo, matched per pair
-  in FIFO order without tags (an order mismatch shows as a size mismatch or
-  a hang). At most ``HYBRIDCOMM_SIM_NCCL_KERNELS`` NCCL kernels run at once
-  per device (1 models ``CUDA_DEVICE_MAX_CONNECTIONS=1``), so opposite issue
-  orders on two communicators deadlock as on a GPU and are reported, naming
-  the communicators. NCCL connects on first use: the ``groupEnd`` (or lone
-  call) that first uses a connection to a peer blocks the host until that peer
-  posts its side, and returns an error once the communicator is aborted from
-  another thread (as ``ncclCommAbort`` unblocks NCCL's set-up). ``abort``,
-  async errors and injected errors work. Calls on one communicator from two
-  threads at once (an abort during another thread's ``groupEnd``) are reported.
-* **CUDA IPC** (``SimRuntime.ipc()``): memory and events shared by the rank
-  processes of one device, for the one-device transport (below).
-* **Host syncs** are counted: ``tolist``/``item``/``bool``/... on device
-  tensors, ``Event.synchronize``, ``Stream.synchronize``, device sync, and a
-  ``copy_`` between device memory and host memory (a tensor a watched thread
-  made without a device), ATen's ``memcpy_and_sync`` unless ``non_blocking``
-  with the host side pinned.
-* **Devices**: a per-thread current device and stream, as in torch; a thread
-  that uses the runtime without binding to the rank's device creates a
-  "context" on another device, which is reported.
-
-Defects found on worker threads are raised on the trainer thread at its next
-host operation (or by :func:`check`). :func:`stats` returns the counters.
+transport, the executor's stream-ordered path, the channel, the Triton launch
+path) runs unchanged. Only the bottom layer is simulated, with the semantics
+that make GPU bugs show: streams that run late on worker threads, events
+ordered by vector clocks, a race detector, a caching allocator, NCCL
+(:class:`SimNccl`) with matched sends and a kernel limit, CUDA IPC, counted
+host syncs, per-thread devices. A defect is a :class:`SimError`, raised on the
+trainer thread at its next host operation (or by :func:`check`); :func:`stats`
+returns the counters. docs/GPU.md ("The simulated CUDA runtime") says what it
+models and what not.
 
 Usage (in each rank process: the simulator watches that process for good)::
 
@@ -368,7 +326,10 @@ class _ForeignBlock(_Block):
 
 
 class _Allocator:
-    """Blocks pooled per allocation stream, as torch's CUDA caching allocator."""
+    """Blocks pooled per allocation stream, as torch's CUDA caching allocator:
+    ``record_stream`` defers reuse until the other stream's work is done; a block
+    handed out again before work of a stream it was used on without
+    ``record_stream`` is reported."""
 
     ROUND = 512
 
@@ -526,7 +487,9 @@ _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or 
 
 
 class _HostMode(TorchFunctionMode):
-    """Sees the trainer thread's torch calls: counts host syncs, checks races."""
+    """Sees the trainer thread's torch calls: counts host syncs, checks races. A host
+    op is appended to the thread's current stream: it runs once the stream has
+    drained, as a kernel would."""
 
     def __init__(self, device: "_Device"):
         super().__init__()
@@ -630,7 +593,9 @@ _tls = _TLS()
 
 
 class _Device:
-    """One simulated GPU: this process's device (rank ``index``)."""
+    """One simulated GPU: this process's device (rank ``index``). A thread that uses
+    the runtime without binding to it creates a "context" on another device,
+    which is reported."""
 
     def __init__(
         self,
@@ -1191,7 +1156,11 @@ class _CommUsers:
 
 
 class SimNcclCommunicator:
-    """``cupy.cuda.nccl.NcclCommunicator``, simulated (one rank's side)."""
+    """``cupy.cuda.nccl.NcclCommunicator``, simulated (one rank's side; unique ids as
+    CuPy 14's ``bytes`` or CuPy 13's ``tuple``). NCCL connects on first use: the
+    ``groupEnd`` (or lone call) that first uses a connection to a peer blocks the
+    host until the peer posts its side, and fails once the communicator is
+    aborted from another thread (as ``ncclCommAbort`` unblocks NCCL's set-up)."""
 
     def __init__(self, module: "SimNccl", ndev: int, commId, rank: int):
         dev = module.device
