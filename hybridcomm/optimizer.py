@@ -2,28 +2,10 @@
 
 A thin front over the gradient synchronizer (sync/synchronizer.py), which wires
 the buckets, the hooks, forward mode's deferred updates, measurement,
-re-planning and the engine. This module maps the optimizer API onto it:
-
-- ``step()``: backward and none modes: the gradients are reduced in ``.grad``
-  (views of the buckets), then the wrapped optimizer steps. Forward mode (the
-  thesis's layer overlap): ``step()`` returns at once; each bucket's update is
-  applied before the first use of its parameters in the next iteration, with
-  the hyper-parameters as they were at ``step()``.
-- ``step(closure)``: torch.optim's optimizers that evaluate a closure once,
-  first thing (SGD, Adam, ...: not LBFGS), have it evaluated before the step,
-  which then goes on as without one (forward mode still defers: frameworks
-  such as Lightning always pass a closure). Otherwise every backward pass the
-  closure runs is reduced before the optimizer reads ``.grad`` (LBFGS
-  re-evaluates it many times).
-- ``synchronize()``: ``.grad`` holds the reduced gradients now (to clip
-  them); the next ``step()`` uses ``.grad`` as it is.
-- ``zero_grad()``: gradients not yet used by a step are dropped, in flight or
-  not; an update forward mode deferred is kept.
-- ``add_param_group()`` and parameters whose ``requires_grad`` changed between
-  steps join the reduction (every rank re-plans together).
-- ``torch.amp.GradScaler``: ``scaler.step(opt)`` hands the scaler to
-  ``step()``; its inf check runs on the reduced gradients, identically on every
-  rank, and a user's ``scaler.unscale_(opt)`` (to clip) is honoured.
+re-planning and the engine. This module maps the optimizer API onto it
+(``step``, ``synchronize``, ``zero_grad``, ``add_param_group``, GradScaler,
+closures): docs/API.md has each verb's meaning, docs/ARCHITECTURE.md the path
+under each.
 """
 
 from __future__ import annotations
@@ -289,7 +271,8 @@ class _DistributedOptimizer(_JoinableOptimizer, sharding.ShardedOptimizer):
 
         A ``closure`` that the wrapped optimizer evaluates once, first thing
         (torch.optim's but LBFGS), is evaluated first, and the step goes on as
-        without one; with any other optimizer, each backward pass the closure
+        without one (forward mode still defers: Lightning always passes a
+        closure); with any other optimizer, each backward pass the closure
         runs is reduced before the optimizer reads ``.grad``. With ``torch.amp.GradScaler``,
         ``scaler.step(opt)`` passes itself here: the inf check runs on the
         reduced gradients, identically on every rank, and the update is applied

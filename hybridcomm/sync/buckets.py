@@ -5,23 +5,11 @@ every rank::
 
     [ grad p0 | pad | grad p1 | pad | ... | flag p0 | flag p1 | ... ]
 
-Backward accumulates straight into the views (autograd adds in place into an
-existing ``.grad``), the all-reduce runs in place on the buffer, and the
-optimizer reads the same views: nothing is packed or unpacked on the data
-path. Gradients start at aligned offsets; the padding stays zero. The flags
-travel with the gradients: 1 where this rank's buffer holds a gradient for the
-parameter, so after the sum a flag is > 0 exactly where some rank had one (a
-parameter no rank used is left alone, as a single process would). A
-reduce-scattered bucket (``shard``) has a copy of the flags a rank, each in
-the block of the buffer's tail that its rank ends with (``self.flags`` is then
-a row a rank).
-
-With a wire dtype (``compression="fp16"``/``"bf16"``) the reduction runs on a
-second buffer of that dtype: one cast in at launch, one cast back when done.
-That is the only copy, and only under compression.
-
-This module holds data only; when a bucket may be written, launched or read
-is the bucket group's (bucket_group.py).
+Backward accumulates straight into the views, the all-reduce runs in place on
+the buffer, and the optimizer reads the same views: nothing is packed or
+unpacked on the data path. The flags travel with the gradients (``used``).
+This module holds data only; when a bucket may be written, launched or read is
+the bucket group's (bucket_group.py; docs/ARCHITECTURE.md, "A gradient's path").
 """
 
 from __future__ import annotations
@@ -250,12 +238,17 @@ class GradBucket:
 
     def used(self, rank: int = 0) -> List[int]:
         """Positions some rank had a gradient for, read from the reduced flags (a host
-        sync on a GPU: the synchronizer asks only when this rank lacked one): from
-        ``rank``'s copy where each rank has one (its reduce-scattered tail block)."""
+        sync on a GPU: the synchronizer asks only when this rank lacked one): after
+        the sum a flag is > 0 exactly where some rank had one, and a parameter no
+        rank used is left alone, as a single process would. From ``rank``'s copy
+        where each rank has one (``shard``: the block of the buffer's tail its
+        part ends with; ``self.flags`` is then a row a rank)."""
         flags = self.flags if self.flags.dim() == 1 else self.flags[rank]
         return [i for i, f in enumerate(flags.tolist()) if f > 0]
 
     def to_wire(self) -> None:
+        # With a wire dtype (compression="fp16"/"bf16") the reduction runs on a second
+        # buffer: one cast in at launch, one back when done; the only copy on the path
         if self.wire is not None:
             self.wire.copy_(self.buffer)
 

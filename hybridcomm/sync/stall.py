@@ -2,22 +2,12 @@
 longer than a warning threshold (well under the timeout), say which ranks it
 waits for, instead of timing out anonymously.
 
-Every rank publishes its progress to the process group's key-value store (how
-many buckets it has launched in all, and its step count: one write of a short
-string) as of the end of its last step. The write is a round trip to the store
-(tens of microseconds on one host, more across hosts, and every rank's load on
-one server), so the step only leaves its numbers; a thread of the inspector's
-writes the newest of them, at most every ``PUBLISH_EVERY_S``, and
-what a report names is current: a rank that stopped stepping has its last
-step's numbers in the store within that time. A rank whose
-wait turns slow publishes its own at once and reads everyone's: a rank that
-has launched fewer buckets is behind this one (it skipped a backward, left the
-loop early, or its model's graph differs), and the warning names it with its
-numbers. The store is torch.distributed's own (the rendezvous), so this works
-while the data-plane connections are stuck.
-
-``HYBRIDCOMM_STALL_WARN`` sets the threshold in seconds (default: a fifth of
-the timeout, at most 60 s; 0 turns the inspector off).
+Every rank publishes its progress (buckets launched, steps) to the process
+group's key-value store; a rank whose wait turns slow reads everyone's and
+names the ranks that launched fewer buckets. The store is torch.distributed's
+own (the rendezvous), so this works while the data-plane connections are
+stuck. docs/TROUBLESHOOTING.md explains the warning; ``HYBRIDCOMM_STALL_WARN``
+sets the threshold (docs/API.md).
 
 Example::
 
@@ -94,8 +84,10 @@ class StallInspector:
 
     def publish(self, launches: int, steps: int, force: bool = False) -> None:
         """This rank's progress, at every step's end (left for the publishing thread:
-        no store round trip in the step) and before it reports a stall (``force``:
-        written now). A store that fails (its host gone) is left alone: the next
+        a write is a store round trip, with every rank's load on one server, so
+        not in the step; the newest numbers reach the store within
+        ``PUBLISH_EVERY_S``) and before it reports a stall (``force``: written
+        now). A store that fails (its host gone) is left alone: the next
         collective reports the peer."""
         if self.store is None:
             return

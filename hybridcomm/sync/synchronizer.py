@@ -1,27 +1,12 @@
 """The gradient synchronizer: the wiring of its parts and the verbs the fronts call.
 
-A gradient's way, file by file (docs/ARCHITECTURE.md draws it whole):
-
-1. grad_hooks.py: autograd's hooks put it into its bucket's view, in place,
-   and launch the bucket once all its gradients are in (passes.py says which
-   backward pass launches);
-2. bucket_group.py: the bucket's phase, its launch to the engine, the wait;
-3. comm/engine.py: issues buckets in the plan's fixed order through the channel;
-4. ``finish()`` (backward and none modes, ``synchronize()``, a closure's
-   backward) launches what is left and waits: ``.grad`` holds the reduced
-   gradients. ``defer()`` (forward mode) launches what is left and returns;
-   each bucket's update is applied before the first read of one of its
-   parameters (deferred.py, pending.py), with the hyper-parameters of the step.
-
-**The step's structure is learned, never assumed** (passes.py): the
-synchronization point is the step (or a parameter's first read in forward
-mode), not a count of backward passes. How often a bucket is launched depends
-only on what every rank does alike (the pass count, the agreed plan, the
-structure of the backward graph, as DDP requires), never on which gradients
-this rank happened to produce, and a bucket is launched again only in a round
-that launches them all: every rank issues the same sequence.
-``backward_passes_per_step`` fixes the launching pass instead; ``no_sync()``
-passes accumulate locally.
+The hooks (grad_hooks.py) put each gradient into its bucket's view and launch
+a full bucket; the bucket group (bucket_group.py) holds the phases; the engine
+(comm/engine.py) issues buckets in the plan's order. ``finish()`` launches what
+is left and waits (``.grad`` holds the reduced gradients); ``defer()`` (forward
+mode) launches what is left and returns, each update applied at its
+parameters' first read (deferred.py, pending.py). The step's structure is
+learned, never assumed (passes.py). docs/ARCHITECTURE.md draws the path whole.
 """
 
 from __future__ import annotations
