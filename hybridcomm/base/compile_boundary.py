@@ -2,17 +2,10 @@
 
 Dynamo traces the Python a compiled region calls, and compiled autograd puts
 the gradient hooks in its graph, which dynamo then traces too. The library's
-verbs and hooks (threads, locks, a channel, per-bucket state) must run as
-they are, eagerly: :func:`eager_only` gives a function as dynamo sees it
-then, a call it does not trace (a graph break; under ``fullgraph=True`` an
-error, which is why the forward's reads go through a registered operator
-instead: docs/ARCHITECTURE.md, "torch.compile"). Outside compiled code the
-wrapper costs a call (~1 us), so it goes on per-step verbs and per-bucket
-hooks, not on per-parameter work.
-
-``torch._dynamo`` is imported by the first torch optimizer made in a process
-(its constructor reads dynamo's flags), so wrapping costs no import where an
-optimizer exists; elsewhere the first wrap imports it (~1 s).
+verbs and hooks (threads, locks, a channel, per-bucket state) must run as they
+are: :func:`eager_only` makes a function a call dynamo does not trace (a graph
+break; under ``fullgraph=True`` an error, which is why the forward's reads go
+through a registered operator instead: docs/ARCHITECTURE.md, "torch.compile").
 
 Example::
 
@@ -33,6 +26,8 @@ F = TypeVar("F", bound=Callable)
 
 @functools.lru_cache(maxsize=None)
 def _disable() -> Callable:
+    # (the first torch optimizer made in a process imports dynamo already; elsewhere
+    # the first wrap pays the import)
     import torch._dynamo
 
     return torch._dynamo.disable
@@ -41,7 +36,9 @@ def _disable() -> Callable:
 def eager_only(fn: F, why: str = "") -> F:
     """``fn`` as a call dynamo never traces: it runs eagerly, with nothing it calls
     compiled (torch._dynamo.disable, recursive). ``why``: what dynamo's error says
-    where it cannot break the graph there (``fullgraph=True``), after "hybridcomm: "."""
+    where it cannot break the graph there (``fullgraph=True``), after "hybridcomm: ".
+    Outside compiled code the wrapper costs a call, so it goes on per-step verbs
+    and per-bucket hooks, not on per-parameter work."""
     disable = _disable()
     if not why:
         return disable(fn)

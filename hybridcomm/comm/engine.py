@@ -1,26 +1,13 @@
 """Runs buckets' all-reduces through the one ordered channel, in the plan's issue order.
 
-The synchronizer's bucket group (sync/bucket_group.py) decides *when* a bucket
-is ready to go (``launch``); the engine decides *when it is issued*: a bucket's segments are
-submitted to the channel only when the plan's fixed sequence of (bucket,
-segment) reaches them, so every rank issues the same sequence whatever its
-local timing. A launch that the order has not reached yet waits in the engine
-(``issued`` tells); ``wait`` makes the trainer (host or stream) wait for a
-bucket's result. Every round of the order launches every bucket once: a
-bucket is launched again only in a round that launches them all.
-
-Per bucket and operation: the algorithm's schedule (or the transport's own
-all-reduce for ``native``, the summation servers' for ``ps``, or top-k's
-all-gather) on the bucket's buffer, in
-place; under compression the wire buffer is cast back into the gradients when
-the last segment is done. A PowerSGD bucket (powersgd.py) is one operation of
-two all-reduces with the algorithm, its factors computed between them on the
-same side (thread or comm stream); a quantized one (quantized.py), likewise,
-an exchange and a gather of 8- or 4-bit messages with the owner's sum between.
-
-The operation itself (which all-reduce, on which side) is executor.py's
-:func:`~hybridcomm.comm.executor.reduce_operation`, shared with ``all_reduce`` and
-the DDP hook.
+The bucket group (sync/bucket_group.py) decides when a bucket is ready
+(``launch``); the engine submits its segments to the channel only when the
+plan's fixed sequence of (bucket, segment) reaches them, so every rank issues
+the same sequence whatever its local timing, and ``wait`` makes the trainer
+(host or stream) wait for a result. Each operation (which all-reduce, on which
+side) is executor.py's :func:`~hybridcomm.comm.executor.reduce_operation`;
+top-k, PowerSGD and quantized buckets get one operation of their own here.
+docs/ARCHITECTURE.md ("A gradient's path", steps 5-8) has the path.
 """
 
 from __future__ import annotations
@@ -110,7 +97,9 @@ class CommEngine:
     def launch(self, index: int, after: Optional[Callable[[], None]] = None) -> None:
         """Bucket ``index`` is ready (its flags set): issue it when the order reaches it.
         ``after``: run behind this launch's reduction, where it runs (the comm stream,
-        or the channel's thread), before the launch counts as done."""
+        or the channel's thread), before the launch counts as done. A launch the
+        order has not reached waits here (``issued`` tells); every round of the
+        order launches every bucket once."""
         b = self.buckets[index]
         if b.topk is not None:  # this rank's message, from the gradients
             b.topk.select(b.grads, b.flags)

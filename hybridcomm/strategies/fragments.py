@@ -2,16 +2,11 @@
 together, and at which inner step each fragment starts its sync and merges it.
 Pure bookkeeping, no communication (diloco.py runs it).
 
-A *layer* is a module that owns parameters itself (``recurse=False``), in the
-model's module order (its forward order for a plain stack). ``fragments=K``
-cuts the layers into K runs of consecutive layers of about equal bytes
-(Douillard et al. 2025 syncs "groups of layers"; equal bytes give every
-fragment's sync about the same time on the wire). Fragment ``k`` starts its
-sync after inner step ``t`` when ``t % H == offset_k % H``, with
-``offset_k = floor((k + 1) H / K)``: one fragment every H/K steps, the last at
-the period's end, so with K = 1 the whole model syncs every H steps as in
-DiLoCo. Its outer update is merged ``delay`` (tau) steps later, before the
-fragment's next sync (``delay < H``).
+``fragments=K`` cuts the model's layers (modules owning parameters, in module
+order) into K runs of about equal bytes (:func:`split`); fragment ``k`` syncs
+once per period of H inner steps, at its offset (:func:`offsets`), and its
+outer update is merged ``delay`` steps later (Douillard et al. 2025).
+docs/STRATEGIES.md has the options.
 
 Example::
 
@@ -92,12 +87,15 @@ def cut(sizes: Sequence[int], parts: int) -> List[int]:
 
 def offsets(sync_every: int, fragments: int) -> Tuple[int, ...]:
     """Each fragment's step within the period, ``floor((k + 1) H / K)``: distinct
-    when ``H >= K``, the last one ``H``."""
+    when ``H >= K``, the last one ``H``. One fragment every H/K steps, so with
+    K = 1 the whole model syncs every H steps as in DiLoCo."""
     return tuple((k + 1) * sync_every // fragments for k in range(fragments))
 
 
 def split(layers: Sequence[Layer], fragments: int, sync_every: int) -> List[Fragment]:
-    """``fragments`` runs of consecutive layers of about equal bytes, each with its offset."""
+    """``fragments`` runs of consecutive layers of about equal bytes, each with its offset
+    (the paper syncs "groups of layers"; equal bytes give every fragment's sync
+    about the same time on the wire)."""
     bounds = cut([layer.nbytes for layer in layers], fragments)
     at = offsets(sync_every, fragments)
     out = []
@@ -132,7 +130,8 @@ class SyncSchedule:
         return [k for k, o in enumerate(self.offsets) if o % self.sync_every == phase]
 
     def merge_step(self, launch_step: int) -> int:
-        """The inner step after which a sync started after ``launch_step`` is merged."""
+        """The inner step after which a sync started after ``launch_step`` is merged:
+        before the fragment's next sync (``delay < H``)."""
         return launch_step + self.delay
 
 

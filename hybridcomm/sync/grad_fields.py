@@ -1,16 +1,12 @@
 """Many parameters' ``.grad`` fields and pre-hooks read, written and copied in one call per bucket.
 
-The per-parameter loops of a step (is each ``.grad`` its bucket's view, bind
-them, drop them, copy autograd's gradients in, read ``requires_grad``, the
-pre-hooks on and off: grad_hooks.py) cost
-Python about a thousand instructions per field access; DDP makes the same
-accesses in C++. Here each loop is one call into the host C++ extension
-(csrc/host_ops.cpp, host_ext.py) where it loads, and its Python twin below
-where it does not (``HYBRIDCOMM_HOST_EXT=0``, no compiler) or where the
-extension declines: a tensor subclass (a pending parameter of forward mode,
-which watches its ``.grad``), or a torch function or dispatch mode (the GPU
-simulator's checks) that must see each access. Either way the result is the
-same; the tests run both.
+The per-parameter loops of a step (is each ``.grad`` its bucket's view, bind,
+drop, copy in, ``requires_grad``, the pre-hooks on and off) are each one call
+into the host C++ extension (csrc/host_ops.cpp, host_ext.py), as DDP makes
+these accesses in C++; the Python twin below runs where it does not load
+(``HYBRIDCOMM_HOST_EXT=0``, no compiler) or declines: a tensor subclass (a
+pending parameter) or a torch function or dispatch mode (the GPU simulator)
+that must see each access. The result is the same; the tests run both.
 
 Example::
 
