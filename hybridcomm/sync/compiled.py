@@ -57,9 +57,10 @@ def _apply_pending(param: torch.Tensor, key: int) -> None:
         return
     if pending.is_pending(p):
         _counts["in_graph"] += 1
-        if key not in _read_in_graph:
-            _read_in_graph.add(key)
-            _counts["version"] += 1
+        _read_in_graph.add(key)
+        # (every read moves the version, not only a key's first: a key is an id, and a
+        # parameter freed earlier in the process may have had the same one)
+        _counts["version"] += 1
         pending.resolve(p)
     if param.data_ptr() != p.data_ptr():  # (aot_eager: the graph reads its copy from here on;
         # on torch 2.13 the update lands at trace time, before any copy is made)
