@@ -1659,7 +1659,7 @@ MUTATIONS = [
         "in-graph-read-unnoted",
         "i71 compile",
         "hybridcomm/sync/compiled.py",
-        old="        _read_in_graph.add(key)\n",
+        old='        _counts["version"] += 1\n',
         new="        pass\n",
         guards=(COMPILE + "test_every_compile_pattern_gives_one_process_numbers[forward-host]",),
         what="a pending parameter read inside a graph is applied but not noted: the blocks "
