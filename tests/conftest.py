@@ -6,6 +6,7 @@ is set here, before the test modules (and through them the kernels) import.
 The ``fast`` mark and its check (a fast test starts no process): tests/tiers.py.
 """
 
+import contextlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -52,42 +53,32 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _phase(item):
+    """The guard a test's phase runs under: the spawn log's watch, the fast tier's
+    refusal of processes, or none."""
     if _spawn_log is not None:
         return tiers.watching(_spawn_log.started.append)
     if tiers.in_fast_tier(item) and _session_guard is None:
         return tiers.refusing(item.nodeid)
-    return None
+    return contextlib.nullcontext()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     if _spawn_log is not None:
         _spawn_log.begin()
-    guard = _phase(item)
-    if guard is None:
-        yield
-        return
-    with guard:
+    with _phase(item):
         yield
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    guard = _phase(item)
-    if guard is None:
-        yield
-        return
-    with guard:
+    with _phase(item):
         yield
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    guard = _phase(item)
-    if guard is None:
+    with _phase(item):
         yield
-    else:
-        with guard:
-            yield
     if _spawn_log is not None:
         _spawn_log.end(item.nodeid, tiers.in_fast_tier(item))

@@ -81,8 +81,9 @@ def _sgd(model):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def _reference():
-    model = _model()
+def _reference(build=None):
+    """One process's parameters after STEPS steps of the model ``build`` makes."""
+    model = (build or _model)()
     opt = _sgd(model)
     for s in range(STEPS):
         x, y = _batch(s)
@@ -270,17 +271,6 @@ def _small():
     return Small()
 
 
-def _accumulated_reference():
-    model = _small()
-    opt = _sgd(model)
-    for s in range(STEPS):
-        x, y = _batch(s)
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        opt.step()
-    return flat(model.parameters())
-
-
 LOOPS = ("one_pass", "no_sync", "accumulate")
 
 
@@ -333,7 +323,7 @@ def test_compiled_autograd_in_every_loop(mode, simulate):
     one pass a step, micro-batches accumulated under ``no_sync()`` (reduced once, at
     the last), or each reduced in its own backward pass (a late pass re-reduces the
     sum)."""
-    ref = _accumulated_reference()
+    ref = _reference(_small)
     results = run_ranks(2, _accumulating, mode, simulate, timeout=280)
     for loop in LOOPS:
         got = results[0][loop]
