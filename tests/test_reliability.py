@@ -378,3 +378,37 @@ def test_agreements_load_only_safe_types_from_peers():
     an object that would run code when loaded is refused by name."""
     for same, refused in run_ranks(2, _unsafe_agreement):
         assert same and refused
+
+
+# --- the end of a run ------------------------------------------------------------------
+
+_END_OF_RUN = """
+import gc, weakref
+import torch, torch.distributed as dist, hybridcomm
+
+dist.init_process_group("gloo")
+world = weakref.ref(dist.group.WORLD)
+model = torch.nn.Linear(4, 2)
+opt = hybridcomm.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+opt.zero_grad()
+model(torch.ones(3, 4)).sum().backward()
+opt.step()
+opt.close()
+dist.destroy_process_group()
+gc.collect()
+print("RELEASED", world() is None, flush=True)
+"""
+
+
+def test_destroy_process_group_releases_the_default_group(tmp_path):
+    """A user's script: hybridcomm imported first, a torch optimizer built after
+    init_process_group (torch then imports dynamo). destroy_process_group() releases
+    the default group, so its gloo threads end there: one left running into the
+    interpreter's exit, still releasing the last collective's tensors, can abort a
+    finished run (pytorch/pytorch#190489)."""
+    from launch_script import run_script
+
+    script = tmp_path / "end_of_run.py"
+    script.write_text(_END_OF_RUN)
+    for out in run_script(str(script), [], nprocs=2, timeout=120):
+        assert "RELEASED True" in out, out[-2000:]

@@ -30,6 +30,16 @@ from ..base.errors import HybridCommError, HybridCommTimeout
 from ..gpu.runtime import simulating
 from .transport.torch_dist import looks_like_timeout
 
+if dist.is_available() and not dist.is_initialized():
+    # Imported now, before init_process_group, torch.distributed.nn.functional binds
+    # its ``group=group.WORLD`` defaults to None. Imported after it (dynamo imports
+    # it, and torch's first optimizer imports dynamo), they hold the default group
+    # for good: destroy_process_group() then leaves its gloo threads running into the
+    # interpreter's exit, where one still releasing the last collective's tensors
+    # needs the GIL and aborts the process ("terminate called without an active
+    # exception"; pytorch/pytorch#190489).
+    import torch.distributed.nn.functional  # noqa: F401
+
 _groups: Dict[Any, Any] = {}
 _lock = threading.Lock()
 
