@@ -1,5 +1,6 @@
 """Where cost models come from: saved calibrations, the probe, rank 0's model for all."""
 
+import dataclasses
 import json
 import os
 
@@ -185,3 +186,43 @@ def test_the_first_run_keeps_its_probe_and_the_next_run_plans_from_it(tmp_path):
         assert second[0].startswith("probe saved at") and second[1:] == first[1:]
     saved = list((tmp_path / "hybridcomm").glob("probe-w2-gloo-cpu-*.json"))
     assert len(saved) == 1 and json.loads(saved[0].read_text())["world_size"] == 2
+
+
+def _a_kept_probe_the_steps_contradict(rank, world, tmp):
+    """A job whose kept probe predicts communication 1000x faster than it runs."""
+    import torch
+
+    import hybridcomm
+
+    os.environ.pop("HYBRIDCOMM_COST_MODEL", None)
+    os.environ["XDG_CACHE_HOME"] = tmp
+    os.environ["HYBRIDCOMM_PROBE_CACHE"] = "1"
+    path = calibration.probe_cache_path()
+    if rank == 0:
+        fast = CostModel(1e-9, 1e-15, 1e-15, native_alpha=1e-9, native_beta=1e-15)
+        fast = dataclasses.replace(fast, meta={"fit": {"rms_rel_err": 0.1, "spread": 0.1}})
+        calibration.save(fast, path, world_size=world, device="cpu", backend="gloo")
+    calibration.set_active(None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    opt = hybridcomm.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, timeout=60
+    )
+    for _ in range(6):
+        opt.zero_grad()
+        model(torch.randn(8, 64)).sum().backward()
+        opt.step()
+    opt.close()
+    # another network, another job: MASTER_ADDR and the socket interface are in the key
+    os.environ["GLOO_SOCKET_IFNAME"] = "eth-elsewhere"
+    elsewhere = calibration.probe_cache_path()
+    return os.path.exists(path), path != elsewhere
+
+
+def test_a_kept_probe_the_measured_steps_contradict_is_removed(tmp_path):
+    """Planned from a probe kept by an earlier run (on another network, say) and
+    measured 1000x slower than it predicts: the kept probe is removed after the
+    first measured steps, so the job's next run probes again."""
+    for kept, distinct in run_ranks(2, _a_kept_probe_the_steps_contradict, str(tmp_path)):
+        assert not kept  # (a fresh probe, had it been taken, would be kept there)
+        assert distinct

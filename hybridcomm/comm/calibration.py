@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 import statistics
 import time
 from typing import Optional, Sequence
@@ -105,16 +107,21 @@ def agree(
 
 def probe_cache_path(group=None) -> Optional[str]:
     """Where the start-up probe of a job like this one (world size, backend, device,
-    ranks per host) is kept for the next run, beside the saved calibration's
-    place; None when ``HYBRIDCOMM_PROBE_CACHE`` is off."""
+    ranks per host, rendezvous address and socket interface) is kept for the next
+    run, beside the saved calibration's place; None when ``HYBRIDCOMM_PROBE_CACHE``
+    is off."""
     if not env.get("HYBRIDCOMM_PROBE_CACHE"):
         return None
-    import os
-
     key = (
         f"w{dist.get_world_size(group)}-{dist.get_backend(group)}-{comm_device(group).type}"
         f"-local{os.environ.get('LOCAL_WORLD_SIZE', 'na')}"
-    ).replace(":", "_")
+    )
+    # The network is part of the job: a probe taken over loopback is no plan for a
+    # run between hosts, nor over another interface
+    network = ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    network = [os.environ.get(name) for name in network]
+    key += "".join(f"-{part}" for part in network if part)
+    key = re.sub(r"[^A-Za-z0-9._-]", "_", key)
     return os.path.join(os.path.dirname(os.path.abspath(default_path())), f"probe-{key}.json")
 
 
@@ -139,7 +146,9 @@ def _load_probe_cache(path: str, group) -> Optional[CostModel]:
         "properly",
         path,
     )
-    return dataclasses.replace(model, source=f"probe saved at {path}")
+    return dataclasses.replace(
+        model, source=f"probe saved at {path}", meta={**model.meta, "saved_at": path}
+    )
 
 
 def _save_probe_cache(model: CostModel, path: str, group) -> None:
@@ -153,6 +162,20 @@ def _save_probe_cache(model: CostModel, path: str, group) -> None:
         )
     except OSError as e:  # a read-only home: probe again next time
         log.debug("hybridcomm: the start-up probe was not saved at %s: %s", path, e)
+
+
+def forget_saved_probe(model: CostModel) -> Optional[str]:
+    """Remove the kept start-up probe ``model`` was read from (rank 0's call, when the
+    measured steps contradict it), so that the job's next run probes again; the
+    path removed, or None (``model`` is no kept probe, or it is gone already)."""
+    path = model.meta.get("saved_at")
+    if not path:
+        return None
+    try:
+        os.remove(path)
+    except OSError:
+        return None
+    return path
 
 
 def _not_for_this_job(model: CostModel, group) -> Optional[str]:

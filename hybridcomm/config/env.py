@@ -103,7 +103,8 @@ VARIABLES = {
             parse_bool,
             True,
             "keep the start-up probe's cost model for the next run of the same job "
-            "(world size, backend, device) beside the calibration file, so plans repeat",
+            "(world size, backend, device, rendezvous address and interface) beside the "
+            "calibration file, so plans repeat; removed when the measured steps contradict it",
         ),
         Variable(
             "HYBRIDCOMM_TIMEOUT",

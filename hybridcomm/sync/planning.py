@@ -18,13 +18,18 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence
 
-from ..comm import control
+from ..comm import calibration, control
 from ..config.config import SyncConfig
 from ..plan.planner import Layer, Plan, make_plan
 from ..plan.verdict import verdict
 from .measure import Measured
 
 log = logging.getLogger("hybridcomm")
+
+# The measured steps' communication against the prediction beyond which a kept
+# start-up probe is removed. Well above verdict.py's "poor fit" (2x): a step's
+# communication shares the cores with the backward, which moves it by up to 2x.
+FORGET_PROBE_OFF_BY = 4.0
 
 
 def forward_estimate(measured: Measured) -> Optional[float]:
@@ -110,15 +115,20 @@ class Planning:
         if self.rank != 0:
             return
         ready = measured.ready
-        log.info(
-            "hybridcomm: %s",
-            verdict(
-                total_bytes=sum(b.nbytes for b in plan.buckets),
-                world=self.world,
-                model=self.cost_model,
-                busy_s=stats.get("comm_busy_s", 0.0),
-                exposed_s=stats.get("exposed_comm_s", 0.0),
-                backward_s=max(ready.values()) if ready else 0.0,
-                comm_scale=measured.comm_scale,
-            ),
+        line = verdict(
+            total_bytes=sum(b.nbytes for b in plan.buckets),
+            world=self.world,
+            model=self.cost_model,
+            busy_s=stats.get("comm_busy_s", 0.0),
+            exposed_s=stats.get("exposed_comm_s", 0.0),
+            backward_s=max(ready.values()) if ready else 0.0,
+            comm_scale=measured.comm_scale,
         )
+        # A kept probe this far from the measured steps was taken on another network
+        # or a machine that changed since: kept, it would mislead every later run
+        scale = measured.comm_scale
+        if scale and not 1 / FORGET_PROBE_OFF_BY <= scale <= FORGET_PROBE_OFF_BY:
+            removed = calibration.forget_saved_probe(self.cost_model)
+            if removed:
+                line += f"; the start-up probe kept at {removed} is removed: the next run probes"
+        log.info("hybridcomm: %s", line)
