@@ -105,6 +105,10 @@ def agree(
     return agreed
 
 
+# What names the network a job runs over, in the kept probe's key
+NETWORK_VARIABLES = ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
 def probe_cache_path(group=None) -> Optional[str]:
     """Where the start-up probe of a job like this one (world size, backend, device,
     ranks per host, rendezvous address and socket interface) is kept for the next
@@ -118,8 +122,7 @@ def probe_cache_path(group=None) -> Optional[str]:
     )
     # The network is part of the job: a probe taken over loopback is no plan for a
     # run between hosts, nor over another interface
-    network = ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-    network = [os.environ.get(name) for name in network]
+    network = [os.environ.get(name) for name in NETWORK_VARIABLES]
     key += "".join(f"-{part}" for part in network if part)
     key = re.sub(r"[^A-Za-z0-9._-]", "_", key)
     return os.path.join(os.path.dirname(os.path.abspath(default_path())), f"probe-{key}.json")
