@@ -559,7 +559,7 @@ def goals(s: Dict[str, dict], higher: bool) -> List[str]:
     if "compute" in ok:
         c = ok["compute"]["seconds_to_target"]
         out.append(
-            f"  vs compute alone's own time to the target {c:.1f} s: {t / c:.2f}x (goal <= 1.2x)"
+            f"  vs compute alone's own time to the target {c:.1f} s: {t / c:.3f}x (goal <= 1.2x)"
         )
     # the floor: compute alone's ms/step x the steps synchronous SGD needs (DDP's;
     # without DDP in the run, its fp16 hook's, which rounds the gradients only)
@@ -568,7 +568,7 @@ def goals(s: Dict[str, dict], higher: bool) -> List[str]:
         floor = s["compute"]["ms_per_step"] * ok[exact]["steps_to_target"] / 1e3
         out.append(
             f"  vs the floor (compute's ms/step x {exact}'s "
-            f"{ok[exact]['steps_to_target']:.0f} steps = {floor:.1f} s): {t / floor:.2f}x"
+            f"{ok[exact]['steps_to_target']:.0f} steps = {floor:.1f} s): {t / floor:.3f}x"
             " (goal <= 1.2x)"
         )
     # DDP's best hook: the fastest to the target of those run; a hook that never got
@@ -578,7 +578,7 @@ def goals(s: Dict[str, dict], higher: bool) -> List[str]:
         h = min(hooks, key=lambda c: ok[c]["seconds_to_target"])
         out.append(
             f"  vs DDP's best hook ({h}) {ok[h]['seconds_to_target']:.1f} s: "
-            f"{t / ok[h]['seconds_to_target']:.2f}x (goal <= 0.5x)"
+            f"{t / ok[h]['seconds_to_target']:.3f}x (goal <= 0.5x)"
         )
     for h in HOOKS:
         if h in s and "error" not in s[h] and h not in ok:
