@@ -11,7 +11,9 @@ not measured here.
 
     python benchmarks/results/diloco/sensitivity_sim.py out.jsonl '{"seed": 0, "H": 5}' ...
 
-Each argument is one setting (JSON): seed, H, and optionally K, tau, mix, ilr, olr, om.
+Each argument is one setting (JSON): seed, H, and optionally K, tau, mix (a weight, or
+"carry": the global parameters plus the rank's own progress since the sync
+started), ilr, olr, om.
 """
 
 import copy
@@ -61,19 +63,26 @@ def run(seed, H, K=1, tau=0, mix=0.5, ilr=0.006, olr=1.0, om=0.0):
                 for i in frags[k]:
                     mine = [g[i].detach() - list(m.parameters())[i].detach() for m in models]
                     deltas.append(sum(mine[1:], mine[0]) * (1.0 / WORLD))
-                in_flight[k] = (t + tau, deltas)
-        for k in [k for k, (at, _) in in_flight.items() if at == t]:
-            _, deltas = in_flight.pop(k)
+                # (mix="carry": each model's θ at the start, to carry its progress over)
+                starts_at = [
+                    [list(m.parameters())[i].detach().clone() for i in frags[k]] for m in models
+                ]
+                in_flight[k] = (t + tau, deltas, starts_at)
+        for k in [k for k, (at, _, _) in in_flight.items() if at == t]:
+            _, deltas, starts_at = in_flight.pop(k)
             for p in g:
                 p.grad = None
             for i, d in zip(frags[k], deltas):
                 g[i].grad = d
             outer.step()
             with torch.no_grad():
-                for m in models:
+                for m, started in zip(models, starts_at):
                     mp = list(m.parameters())
-                    for i in frags[k]:
-                        mp[i].copy_(torch.lerp(g[i], mp[i], mix) if tau else g[i])
+                    for i, s0 in zip(frags[k], started):
+                        if tau and mix == "carry":
+                            mp[i].copy_(g[i] + (mp[i] - s0))
+                        else:
+                            mp[i].copy_(torch.lerp(g[i], mp[i], mix) if tau else g[i])
         if t % 20 == 0 or t == STEPS:
             v = charlm.validation_loss(glob, valid)
             curve.append((t, round(v, 4)))
