@@ -30,7 +30,7 @@ Configs (hyper-parameters after slashes, e.g. ``streaming/H=10/K=4/tau=2/q=int4`
   inner and outer optimizers, fragments cut the same way.
 
 DiLoCo's options: ``H`` (sync_every), ``K`` (fragments), ``tau`` (delay), ``mix``
-(mixing), ``q`` (compression: fp16, bf16, int8, int4), ``olr`` / ``om`` (the outer
+(mixing: a weight, or ``carry``), ``q`` (compression: fp16, bf16, int8, int4), ``olr`` / ``om`` (the outer
 Nesterov SGD's lr and momentum; om=0: plain SGD), ``ilr`` (the inner optimizer's lr,
 instead of the workload's). Defaults: olr 0.7, om 0.9, mix 0.5.
 
@@ -91,7 +91,7 @@ OPTION_KEYS = {
     "H": int,
     "K": int,
     "tau": int,
-    "mix": float,
+    "mix": lambda v: v if v == "carry" else float(v),
     "q": str,
     "olr": float,
     "om": float,

@@ -137,6 +137,8 @@ STREAMING = [  # (sync_every, fragments, delay, mixing, compression)
     (4, 3, 2, 0.0, None),
     (3, 2, 2, 1.0, None),
     (4, 2, 1, 0.5, "fp16"),
+    (4, 2, 1, "carry", None),
+    (4, 1, 3, "carry", None),
 ]
 STEPS = 9
 
@@ -221,19 +223,25 @@ def _reenacted(world, H, K, tau, mixing, fragments, inner):
                 for i in fragments[k]:
                     mine = [g[i].detach() - list(m.parameters())[i].detach() for m in models]
                     deltas.append(sum(mine[1:], mine[0]) * (1.0 / world))
-                in_flight[k] = (t + tau, deltas)
-        for k in [k for k, (at, _) in in_flight.items() if at == t]:
-            _, deltas = in_flight.pop(k)
+                starts = [
+                    [list(m.parameters())[i].detach().clone() for i in fragments[k]] for m in models
+                ]
+                in_flight[k] = (t + tau, deltas, starts)
+        for k in [k for k, (at, _, _) in in_flight.items() if at == t]:
+            _, deltas, starts = in_flight.pop(k)
             for p in g:
                 p.grad = None
             for i, d in zip(fragments[k], deltas):
                 g[i].grad = d
             outer.step()
             with torch.no_grad():
-                for m in models:
+                for m, started in zip(models, starts):
                     mp = list(m.parameters())
-                    for i in fragments[k]:
-                        mp[i].copy_(torch.lerp(g[i], mp[i], mixing) if tau else g[i])
+                    for i, s0 in zip(fragments[k], started):
+                        if tau and mixing == "carry":  # θ_global + the progress since the start
+                            mp[i].copy_(g[i] + (mp[i] - s0))
+                        else:
+                            mp[i].copy_(torch.lerp(g[i], mp[i], mixing) if tau else g[i])
         globals_.append(flat(g))
     return globals_
 
@@ -289,7 +297,7 @@ def test_three_ranks_quantized_keep_the_same_global_copy():
 AT, END = 4, 9  # H=4, K=2, tau=1: fragment 1 started after step 4 is in flight at AT
 
 
-def _build(rank):
+def _build(rank, mixing):
     model = make_model(seed=rank)
     opt = DiLoCo(
         torch.optim.AdamW(model.parameters(), lr=0.01),
@@ -298,7 +306,7 @@ def _build(rank):
         sync_every=4,
         fragments=2,
         delay=1,
-        mixing=0.5,
+        mixing=mixing,
         global_device="cpu",  # (host memory: the same device here, pinned beside a GPU)
         timeout=60,
         cost_model="default",
@@ -314,8 +322,8 @@ def _run(model, opt, rank, world, first, last):
         opt.step()
 
 
-def _straight(rank, world, path):
-    model, opt = _build(rank)
+def _straight(rank, world, path, mixing):
+    model, opt = _build(rank, mixing)
     _run(model, opt, rank, world, 0, AT)
     assert list(opt._in_flight) == [1]  # (the case this test is about)
     state = {"model": model.state_dict(), "opt": opt.state_dict()}
@@ -329,8 +337,8 @@ def _straight(rank, world, path):
     return out
 
 
-def _resumed(rank, world, path):
-    model, opt = _build(rank)
+def _resumed(rank, world, path, mixing):
+    model, opt = _build(rank, mixing)
     state = torch.load(path, weights_only=True)
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
@@ -340,10 +348,11 @@ def _resumed(rank, world, path):
     return out
 
 
-def test_resume_from_a_checkpoint_with_a_sync_in_flight_is_bitwise(tmp_path):
+@pytest.mark.parametrize("mixing", [0.5, "carry"])
+def test_resume_from_a_checkpoint_with_a_sync_in_flight_is_bitwise(tmp_path, mixing):
     path = str(tmp_path / "ckpt.pt")
-    want = run_ranks(3, _straight, path, timeout=180)
-    got = run_ranks(3, _resumed, path, timeout=180)
+    want = run_ranks(3, _straight, path, mixing, timeout=180)
+    got = run_ranks(3, _resumed, path, mixing, timeout=180)
     for rank, (g, w) in enumerate(zip(got, want)):
         assert torch.equal(g[0], w[0]), f"rank {rank}: parameters differ"
         assert torch.equal(g[1], w[1]), f"rank {rank}: global copies differ"

@@ -70,10 +70,13 @@ class DiLoCo:
             synced at its own step of the period (fragments.py); ``K <= H``.
         delay: tau, inner steps a fragment's all-reduce runs behind before its
             update is merged (``0 <= tau < H``).
-        mixing: with ``delay > 0``, the weight of the local parameters when an
-            update is merged: θ ← mixing·θ_local + (1 − mixing)·θ_global (the
-            Streaming DiLoCo paper's rule; 0 drops the tau steps' local progress).
-            With ``delay=0`` the parameters become the global ones.
+        mixing: with ``delay > 0``, how an update is merged. A weight in [0, 1]:
+            θ ← mixing·θ_local + (1 − mixing)·θ_global (the Streaming DiLoCo
+            paper's rule; 0 drops the tau steps' local progress). ``"carry"``:
+            θ ← θ_global + (θ_local − θ_local at the sync's start), the new global
+            parameters plus the rank's own progress while the sync was in flight
+            (a copy of the fragment's parameters per sync in flight). With
+            ``delay=0`` the parameters become the global ones.
         compression: what Δ travels as: None (its dtype), ``"fp16"``,
             ``"bf16"``, ``"int8"`` or ``"int4"`` (blockwise-scaled integers:
             comm/quantized.py states the error).
@@ -153,6 +156,9 @@ class DiLoCo:
             self._global = [_global_copy(p, global_device) for p in self._params]
             # Δ, then Δ̄ (the averager's result lands here), per parameter
             self._deltas = [torch.zeros_like(p) for p in self._params]
+            # mixing="carry": θ_local at each in-flight sync's start, per parameter
+            carries = mixing == "carry" and delay > 0
+            self._started_from = [torch.zeros_like(p) for p in self._params] if carries else None
         # A slow sync names the ranks that have not started it (their counts in the
         # rendezvous store, which answers while the data connections hang)
         self._stall = StallInspector(group, self.timeout)
@@ -209,6 +215,8 @@ class DiLoCo:
                 # differs between ranks after a mixed merge
                 g = self._global[i]
                 torch.sub(g.to(self._deltas[i].device), self._params[i], out=self._deltas[i])
+                if self._started_from is not None:
+                    self._started_from[i].copy_(self._params[i])
         self._started += 1
         self._stall.publish(self._started, self.steps)
         average = self._averager.start_average_([self._deltas[i] for i in idx])
@@ -231,9 +239,14 @@ class DiLoCo:
         self.wait_seconds += time.perf_counter() - t0
         idx = self.fragments[k].params
         params = [self._params[i] for i in idx]
-        mixing = self.mixing if mix and self.delay > 0 else 0.0
+        merged = mix and self.delay > 0  # (else θ becomes θ_global)
+        carry = merged and self.mixing == "carry"
+        mixing = self.mixing if merged and not carry else 0.0
         with torch.no_grad(), self._device_work():
             local = [p.detach().clone() for p in params] if mixing else None
+            if carry:  # θ at the start − θ now: minus the progress since
+                progress_back = [self._started_from[i] for i in idx]
+                torch._foreach_sub_(progress_back, params)
             for p, i in zip(params, idx):
                 # the update applies to the global copy, not to the τ steps' local θ
                 p.copy_(self._global[i])
@@ -242,7 +255,9 @@ class DiLoCo:
                 self._global[i].copy_(p)  # the outer step's result: the same on every rank
             if mixing:
                 torch._foreach_lerp_(params, local, mixing)
-        if not mixing:
+            if carry:
+                torch._foreach_sub_(params, progress_back)
+        if not (mixing or carry):
             self._fresh.add(k)
 
     def _outer_step(self, params: List[torch.nn.Parameter], grads: List[torch.Tensor]) -> None:
@@ -330,6 +345,8 @@ class DiLoCo:
             if not load_own(self._own(), state["per_rank"], self.group):
                 for p, g in zip(self._params, self._global):
                     p.copy_(g)  # another world size: every rank from the global copy
+                if self._started_from is not None:  # (its progress counts from here)
+                    torch._foreach_copy_(self._started_from, self._params)
                 self._fresh = {f.index for f in self.fragments if f.index not in self._in_flight}
 
     def global_parameters(self) -> List[torch.Tensor]:
@@ -351,7 +368,10 @@ class DiLoCo:
         return (self.sync_every, len(self.fragments), self.delay)
 
     def _own(self) -> List[torch.Tensor]:
-        return list(self._params) + state_tensors(self.inner_optimizer)
+        """This rank's own state: its parameters, its inner optimizer's, and with
+        ``mixing="carry"`` its parameters at the start of each sync."""
+        carried = self._started_from or []
+        return list(self._params) + state_tensors(self.inner_optimizer) + carried
 
     def _agree(self, problem: Optional[str], settings: tuple, layers) -> None:
         """Every rank raises the same error if any rank's input is wrong or the ranks'
@@ -425,8 +445,8 @@ def _refusal(inner, model, outer, sync_every, fragments, delay, mixing, layers) 
             f"delay={delay} reaches each fragment's own next sync (sync_every={sync_every} "
             f"steps later): its update must be merged before; use delay <= {sync_every - 1}"
         )
-    if not 0.0 <= mixing <= 1.0:
-        return f"mixing must be in [0, 1], got {mixing!r}"
+    if mixing != "carry" and not (isinstance(mixing, (int, float)) and 0.0 <= mixing <= 1.0):
+        return f"mixing must be a weight in [0, 1] or 'carry', got {mixing!r}"
     return None
 
 

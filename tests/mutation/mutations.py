@@ -1768,6 +1768,16 @@ MUTATIONS = [
         what="the copy Δ is taken against holds the rank's own merged (mixed) parameters: "
         "the next Δ is taken against this rank's local parameters, not the global ones",
     ),
+    Mutation(
+        "diloco-carry-progress-dropped",
+        "i69 diloco",
+        "hybridcomm/strategies/diloco.py",
+        old="            if carry:\n                torch._foreach_sub_(params, progress_back)\n",
+        new="            if carry:\n                pass\n",
+        guards=(DILOCO + "test_streaming_keeps_the_ranks_equal_and_follows_the_algorithm",),
+        what="mixing='carry' merges the new global parameters alone: the rank's progress "
+        "while the sync was in flight is dropped",
+    ),
     # ---- sharding by whole parameters and DCP checkpoints ---------------------------------
     Mutation(
         "unknown-optimizer-sliced",
