@@ -107,15 +107,13 @@ class TensorAverager:
         tensors = [t for t in tensors if t.numel()]
         if dist.get_world_size(self.group) == 1 or not tensors:
             return PendingAverage(self, None, tensors, None, 0)
-        signature = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+        signature = _signature(tensors)
         if signature in self._in_flight:
             raise HybridCommError(
                 "start_average_: these tensors' last average was not waited for; call "
                 "its wait() first"
             )
-        made = self._made.get(signature)
-        if made is None:
-            made = self._made[signature] = self._make(tensors)
+        made = self._made_for(tensors, signature)
         buckets, engine = made
         with torch.no_grad(), self._watched(tensors):
             for b in buckets:  # one pack kernel per bucket on a GPU
@@ -126,6 +124,22 @@ class TensorAverager:
         sent, engine.bytes_sent = engine.bytes_sent, 0
         pending = self._in_flight[signature] = PendingAverage(self, signature, tensors, made, sent)
         return pending
+
+    def prepare(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Make now what averaging tensors like ``tensors`` needs (a collective, as
+        their first average would be): the cost model's agreement (a start-up probe
+        where none is kept: seconds on a slow link), the plan, the buffers. The
+        first average then costs what every later one does."""
+        control.require_initialized("TensorAverager.prepare")
+        tensors = [t for t in tensors if t.numel()]
+        if dist.get_world_size(self.group) > 1 and tensors:
+            self._made_for(tensors, _signature(tensors))
+
+    def _made_for(self, tensors: List[torch.Tensor], signature: Tuple):
+        made = self._made.get(signature)
+        if made is None:
+            made = self._made[signature] = self._make(tensors)
+        return made
 
     @staticmethod
     def _watched(tensors: List[torch.Tensor]):
@@ -243,6 +257,11 @@ class TensorAverager:
         self._made = {}
         self._plans = {}
         self._in_flight = {}
+
+
+def _signature(tensors: List[torch.Tensor]) -> Tuple:
+    """What a set of tensors' buckets are made for: shapes, dtypes, devices, in order."""
+    return tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
 
 
 class PendingAverage:

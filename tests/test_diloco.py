@@ -292,6 +292,44 @@ def test_three_ranks_quantized_keep_the_same_global_copy():
             assert torch.equal(results[0][i]["synced"], results[r][i]["synced"]), case
 
 
+# -- set-up at construction ---------------------------------------------------------------
+
+
+def _set_up_when(rank, world, tmp):
+    """With no cost model saved or kept: is the start-up probe kept (rank 0) right
+    after construction, before any sync?"""
+    os.environ.pop("HYBRIDCOMM_COST_MODEL", None)
+    os.environ["XDG_CACHE_HOME"] = tmp
+    os.environ["HYBRIDCOMM_PROBE_CACHE"] = "1"
+    from hybridcomm.comm import calibration
+
+    calibration.set_active(None)
+    model = make_model()
+    opt = DiLoCo(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        model,
+        _sgd(model.parameters(), lr=1.0),
+        sync_every=2,
+        fragments=2,
+        compression="int4",
+        timeout=60,
+    )
+    kept = [
+        name for name in os.listdir(os.path.join(tmp, "hybridcomm")) if name.startswith("probe")
+    ]
+    _train(model, opt, rank, world, 4)
+    opt.close()
+    return kept
+
+
+def test_the_cost_model_and_buckets_are_made_at_construction(tmp_path):
+    """The averager's set-up (the cost model's agreement: a probe where none is kept,
+    seconds on a slow link; each fragment's plan and buffers) happens in the
+    constructor, a collective already, not inside the first syncs' waits."""
+    kept = run_ranks(2, _set_up_when, str(tmp_path))
+    assert kept[0], "rank 0 kept no start-up probe at construction"
+
+
 # -- checkpoints ----------------------------------------------------------------------------
 
 AT, END = 4, 9  # H=4, K=2, tau=1: fragment 1 started after step 4 is in flight at AT

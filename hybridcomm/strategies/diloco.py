@@ -171,6 +171,8 @@ class DiLoCo:
             on_slow=self._stalled if self._stall.enabled else None,
             slow_after=self._stall.warn_s,
         )
+        for f in self.fragments:  # (the set-up off the training clock: a collective)
+            self._averager.prepare([self._deltas[i] for i in f.params])
         self._in_flight: Dict[int, _InFlight] = {}  # by fragment, in start order
         self._fresh: Set[int] = set(range(fragments))  # fragments whose θ is θ_global now
         self.steps = 0
