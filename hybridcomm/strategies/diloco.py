@@ -75,7 +75,7 @@ class DiLoCo:
             paper's rule; 0 drops the tau steps' local progress). ``"carry"``:
             θ ← θ_global + (θ_local − θ_local at the sync's start), the new global
             parameters plus the rank's own progress while the sync was in flight
-            (a copy of the fragment's parameters per sync in flight). With
+            (one more copy of the parameters, kept in ``state_dict()``). With
             ``delay=0`` the parameters become the global ones.
         compression: what Δ travels as: None (its dtype), ``"fp16"``,
             ``"bf16"``, ``"int8"`` or ``"int4"`` (blockwise-scaled integers:
