@@ -136,11 +136,16 @@ def test_a_calibration_for_this_world_is_used(tmp_path):
         assert "model.json" in source and not warnings
 
 
-def _agree_over_an_old_cache(rank, world, tmp):
-    """A job whose kept probe an older release wrote: no uncertainty in it."""
+def _probes_kept_in(tmp):
+    """This rank's process: no calibration saved, start-up probes kept under ``tmp``."""
     os.environ.pop("HYBRIDCOMM_COST_MODEL", None)
     os.environ["XDG_CACHE_HOME"] = tmp
     os.environ["HYBRIDCOMM_PROBE_CACHE"] = "1"
+
+
+def _agree_over_an_old_cache(rank, world, tmp):
+    """A job whose kept probe an older release wrote: no uncertainty in it."""
+    _probes_kept_in(tmp)
     import torch.distributed as dist  # noqa: F401 - (the group is up: run_ranks)
 
     path = calibration.probe_cache_path()
@@ -169,9 +174,7 @@ def test_a_probe_an_older_release_kept_is_probed_again_and_replaced(tmp_path):
 
 def _agree_twice_with_the_cache(rank, world, tmp):
     """Two runs of one job in a fresh cache directory, no calibration saved."""
-    os.environ.pop("HYBRIDCOMM_COST_MODEL", None)
-    os.environ["XDG_CACHE_HOME"] = tmp
-    os.environ["HYBRIDCOMM_PROBE_CACHE"] = "1"
+    _probes_kept_in(tmp)
     out = []
     for _ in range(2):
         calibration.set_active(None)
@@ -194,9 +197,7 @@ def _a_kept_probe_the_steps_contradict(rank, world, tmp):
 
     import hybridcomm
 
-    os.environ.pop("HYBRIDCOMM_COST_MODEL", None)
-    os.environ["XDG_CACHE_HOME"] = tmp
-    os.environ["HYBRIDCOMM_PROBE_CACHE"] = "1"
+    _probes_kept_in(tmp)
     path = calibration.probe_cache_path()
     if rank == 0:
         fast = CostModel(1e-9, 1e-15, 1e-15, native_alpha=1e-9, native_beta=1e-15)
