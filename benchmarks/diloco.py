@@ -388,14 +388,15 @@ def _rank(rank: int, world: int, config: str, seed: int, cfg: dict, data) -> dic
     base = parse_config(config)[0]
     probe = copy.deepcopy(model)  # the evaluated copy: the agreed parameters
     agreed = [p.detach().clone() for p in model.parameters()]  # local SGD's last average
-    curve, clock, step, sent, waited = [], 0.0, 0, 0, None
+    curve, clock, cpu, step, sent, waited = [], 0.0, 0.0, 0, 0, None
     wire0 = wire_bytes()
     for batch in task.batches(data, rank, world, seed):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         task.loss(net, batch).backward()
         opt.step()
         clock += time.perf_counter() - t0
+        cpu += time.process_time() - c0  # every thread of this rank's process
         step += 1
         sent += getattr(opt, "last_step_stats", {}).get("bytes_sent", 0)
         if base == "local-sgd" and step % opt.period == 0:
@@ -406,9 +407,10 @@ def _rank(rank: int, world: int, config: str, seed: int, cfg: dict, data) -> dic
                 (step, clock, task.quality(_agreed(base, opt, model, probe, agreed), data))
             )
     if base in STRATEGIES:  # every rank the same parameters: the trained model
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.synchronize()
         clock += time.perf_counter() - t0
+        cpu += time.process_time() - c0
         sent = opt.bytes_sent
     waited = getattr(opt, "wait_seconds", None)
     clock += compression.settle(model)
@@ -422,6 +424,7 @@ def _rank(rank: int, world: int, config: str, seed: int, cfg: dict, data) -> dic
     return {
         "curve": curve,
         "seconds": clock,
+        "cpu_seconds": cpu,
         "steps": total,
         "bytes_sent": sent,
         "wire_bytes": wire,
@@ -454,7 +457,7 @@ def run_one(config: str, seed: int, cfg: dict, data, setup=None) -> dict:
     task = workload(cfg)
     row = {"config": config, "seed": seed}
     try:
-        out = launch(
+        ranks = launch(
             _rank,
             WORLD,
             config,
@@ -464,7 +467,8 @@ def run_one(config: str, seed: int, cfg: dict, data, setup=None) -> dict:
             setup=setup,
             timeout=cfg["timeout"],
             start_method="forkserver",
-        )[0]
+        )
+        out = ranks[0]
     except HybridCommError as e:
         row.update(error=str(e).strip().splitlines()[-1], curve=[])
         return row
@@ -474,6 +478,9 @@ def run_one(config: str, seed: int, cfg: dict, data, setup=None) -> dict:
         seconds_to_target=seconds,
         final=out["curve"][-1][2],
         seconds=out["seconds"],
+        # the CPU time of all ranks' processes together while their clocks ran: with
+        # more ranks than cores it, not the wire, may set a step's time
+        cpu_seconds=sum(r["cpu_seconds"] for r in ranks),
         steps=out["steps"],
         bytes_sent=out["bytes_sent"],
         wire_bytes=out["wire_bytes"],
@@ -507,6 +514,11 @@ def summarize(rows: List[dict]) -> Dict[str, dict]:
             "final": statistics.median(finals),
             "final_spread": max(finals) - min(finals),
             "ms_per_step": statistics.median(1e3 * r["seconds"] / r["steps"] for r in mine),
+            "cpu_ms_per_step": statistics.median(
+                1e3 * r["cpu_seconds"] / r["steps"] for r in mine if "cpu_seconds" in r
+            )
+            if all("cpu_seconds" in r for r in mine)
+            else None,
             "steps": statistics.median(r["steps"] for r in mine),
             "wire_mb": statistics.median(r["wire_bytes"] for r in mine) / 1e6,
             "sent_mb": statistics.median(r["bytes_sent"] for r in mine) / 1e6,
@@ -523,7 +535,8 @@ def report(rows: List[dict], cfg: dict, describe: str, higher: bool) -> str:
         f"{describe}; {WORLD} ranks, network {cfg['shape'] or 'loopback (unshaped)'}, "
         f"seeds {cfg['seeds']}: medians (spread = max - min over the seeds)",
         f"{'config':>36} {'s to target':>11} {'spread':>7} {'steps':>6} {'reached':>7} "
-        f"{'final':>7} {'spread':>7} {'ms/step':>8} {'wire MB':>8} {'lib MB':>7} {'waited s':>8}",
+        f"{'final':>7} {'spread':>7} {'ms/step':>8} {'cpu ms':>7} {'wire MB':>8} {'lib MB':>7} "
+        f"{'waited s':>8}",
     ]
     for config, r in s.items():
         if "error" in r:
@@ -536,9 +549,10 @@ def report(rows: List[dict], cfg: dict, describe: str, higher: bool) -> str:
         st = "-" if r["steps_to_target"] is None else f"{r['steps_to_target']:.0f}"
         lib = f"{r['sent_mb']:.1f}" if r["sent_mb"] else "-"
         waited = "-" if r["wait_s"] is None else f"{r['wait_s']:.2f}"
+        cpu = "-" if r.get("cpu_ms_per_step") is None else f"{r['cpu_ms_per_step']:.1f}"
         lines.append(
             f"{config:>36} {t:>11} {ts:>7} {st:>6} {r['reached']:>3}/{r['seeds']:<3} "
-            f"{r['final']:>7.3f} {r['final_spread']:>7.3f} {r['ms_per_step']:>8.1f} "
+            f"{r['final']:>7.3f} {r['final_spread']:>7.3f} {r['ms_per_step']:>8.1f} {cpu:>7} "
             f"{r['wire_mb']:>8.1f} {lib:>7} {waited:>8}"
         )
     lines += goals(s, higher)

@@ -36,7 +36,9 @@ from .comm.quantized import QuantizedReduce
 from .config.config import COMPRESSIONS
 from .base.errors import HybridCommError
 from .kernels import pack_plan, unpack_plan
-from .plan.planner import Layer, make_plan
+from .kernels.quantize import GROUP as QUANTIZE_GROUP
+from .plan.planner import MAX_FUSION, Layer, make_plan
+from .plan.records import Plan
 from .gpu.runtime import runtime_for
 
 
@@ -57,6 +59,10 @@ class TensorAverager:
         on_slow: called once with what is waited for (``"bucket 0"``) when a wait
             takes over ``slow_after`` seconds; what it returns (who the wait is
             for: the stall inspector's answer) ends the timeout's message.
+        fusion_bytes: tensor bytes fused into one bucket (None: as many as the
+            planner's largest bucket sends on the wire, ``MAX_FUSION`` = 32 MiB:
+            a compressed bucket holds as many more values as it sends fewer bytes
+            for each).
 
     Example::
 
@@ -79,6 +85,7 @@ class TensorAverager:
         compression=None,
         on_slow: Optional[Callable[[str], Optional[str]]] = None,
         slow_after: float = 0.0,
+        fusion_bytes: Optional[int] = None,
     ):
         if compression not in COMPRESSIONS and compression not in QUANTIZED:
             raise ValueError(
@@ -87,6 +94,7 @@ class TensorAverager:
         self.group, self.timeout, self.strategy = group, env.timeout(timeout), strategy
         self.compression = compression
         self.on_slow, self.slow_after = on_slow, slow_after
+        self.fusion_bytes = fusion_bytes
         self._cost_model = cost_model
         self._transport = self._channel = None
         self._made: Dict[Tuple, Tuple[List[GradBucket], CommEngine]] = {}
@@ -125,15 +133,17 @@ class TensorAverager:
         pending = self._in_flight[signature] = PendingAverage(self, signature, tensors, made, sent)
         return pending
 
-    def prepare(self, tensors: Iterable[torch.Tensor]) -> None:
+    def prepare(self, tensors: Iterable[torch.Tensor]) -> Optional[Plan]:
         """Make now what averaging tensors like ``tensors`` needs (a collective, as
         their first average would be): the cost model's agreement (a start-up probe
         where none is kept: seconds on a slow link), the plan, the buffers. The
-        first average then costs what every later one does."""
+        first average then costs what every later one does. Returns the plan (its
+        buckets and their algorithms; None with one rank: nothing is sent)."""
         control.require_initialized("TensorAverager.prepare")
         tensors = [t for t in tensors if t.numel()]
-        if dist.get_world_size(self.group) > 1 and tensors:
-            self._made_for(tensors, _signature(tensors))
+        if dist.get_world_size(self.group) == 1 or not tensors:
+            return None
+        return self._made_for(tensors, _signature(tensors))[1].plan
 
     def _made_for(self, tensors: List[torch.Tensor], signature: Tuple):
         made = self._made.get(signature)
@@ -221,7 +231,11 @@ class TensorAverager:
         world = dist.get_world_size(self.group)
         plan = control.rank0_decides(
             lambda: make_plan(
-                layers, world_size=world, model=self._cost_model, strategy=self.strategy
+                layers,
+                world_size=world,
+                model=self._cost_model,
+                strategy=self.strategy,
+                fusion_bytes=self._fusion_bytes(tensors[0].element_size()),
             ),
             group=self.group,
             timeout=self.timeout,
@@ -250,6 +264,18 @@ class TensorAverager:
             engine.on_slow, engine.slow_after = (lambda i: on_slow(f"bucket {i}")), self.slow_after
         return buckets, engine
 
+    def _fusion_bytes(self, element_size: int) -> int:
+        """The user's ``fusion_bytes``, else the planner's largest bucket in bytes on
+        the wire. Every tensor is ready at once here, so a small bucket starts
+        nothing earlier, and each one costs its messages (on gloo a rendezvous each,
+        and with more ranks than cores, gloo's loop thread spinning on its lock) and
+        its host work: charlm's 0.47M values as 11 buckets of int4 cost 35 ms of CPU
+        a rank per average, as one bucket 11 ms."""
+        if self.fusion_bytes is not None:
+            return self.fusion_bytes
+        per_value = wire_bytes_per_value(self.compression, element_size)
+        return int(MAX_FUSION * element_size / per_value)
+
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
@@ -257,6 +283,16 @@ class TensorAverager:
         self._made = {}
         self._plans = {}
         self._in_flight = {}
+
+
+def wire_bytes_per_value(compression, element_size: int) -> float:
+    """Bytes a value costs on the wire under ``compression`` (a quantized value's
+    share of its group's fp32 scale included)."""
+    bits = bits_of(compression)
+    if bits:
+        return bits / 8 + 4 / QUANTIZE_GROUP
+    wire = COMPRESSIONS.get(compression)
+    return element_size if wire is None else torch.finfo(wire).bits / 8
 
 
 def _signature(tensors: List[torch.Tensor]) -> Tuple:

@@ -119,3 +119,36 @@ def test_averaging_often_keeps_no_more_events_than_averaging_once():
     # collected vary by a few, independent of the rounds
     for f, m in zip(few, many):
         assert m < f + (40 - 3), (few, many)
+
+
+def _plans(rank, world):
+    """The buckets the averager plans for 12 tensors of 1.2 MB in all, larger than the
+    default cost model's fused bucket (444 KB): by default, with 4-bit codes, and with
+    a user's fusion_bytes; and the averages those plans give."""
+    tensors = [torch.full((25_000,), float(rank + i)) for i in range(12)]
+    out = {}
+    for name, options in {
+        "default": {},
+        "int4": {"compression": "int4"},
+        "fused 200 KB": {"fusion_bytes": 200_000},
+    }.items():
+        avg = TensorAverager(timeout=60, cost_model="default", **options)
+        plan = avg.prepare(tensors)
+        averaged = [t.clone() for t in tensors]
+        avg.average_(averaged)
+        avg.close()
+        out[name] = ([len(b.params) for b in plan.buckets], averaged)
+    return out
+
+
+def test_an_average_fuses_its_tensors_into_few_buckets_unless_told_otherwise():
+    """Every tensor is ready at once, so a small bucket starts nothing earlier and
+    only adds messages: the tensors share one bucket, whatever the link's model
+    would fuse for gradients; ``fusion_bytes`` cuts them, and the averages agree."""
+    for out in run_ranks(2, _plans, timeout=120):
+        assert out["default"][0] == [12] and out["int4"][0] == [12]
+        fused = out["fused 200 KB"][0]
+        assert len(fused) == 6 and sum(fused) == 12, fused  # two 100 KB tensors a bucket
+        for i, t in enumerate(out["fused 200 KB"][1]):
+            assert torch.equal(t, torch.full_like(t, i + 0.5))  # the mean of rank + i
+            assert torch.equal(out["default"][1][i], t)

@@ -86,7 +86,9 @@ class DiLoCo:
         timeout: seconds any wait may take (default ``HYBRIDCOMM_TIMEOUT``): a
             dead or stalled peer is a ``HybridCommError`` (``HybridCommTimeout``
             when it did not answer in time) naming the ranks, never a hang.
-        cost_model, strategy: the averager's (``TensorAverager``).
+        cost_model, strategy, fusion_bytes: the averager's (``TensorAverager``:
+            by default a fragment's Δ travels in as few buckets as 32 MiB on the
+            wire each allows).
         shard: not supported (sharded optimizer state); leave it None.
 
     ``synchronize()`` completes every fragment's sync now, so that every rank
@@ -124,6 +126,7 @@ class DiLoCo:
         timeout: Optional[float] = None,
         cost_model=None,
         strategy: str = "hybrid",
+        fusion_bytes: Optional[int] = None,
         shard=None,
     ):
         control.require_initialized("hybridcomm.strategies.DiLoCo")
@@ -170,6 +173,7 @@ class DiLoCo:
             compression=compression,
             on_slow=self._stalled if self._stall.enabled else None,
             slow_after=self._stall.warn_s,
+            fusion_bytes=fusion_bytes,
         )
         for f in self.fragments:  # (the set-up off the training clock: a collective)
             self._averager.prepare([self._deltas[i] for i in f.params])
