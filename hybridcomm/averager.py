@@ -37,7 +37,7 @@ from .config.config import COMPRESSIONS
 from .base.errors import HybridCommError
 from .kernels import pack_plan, unpack_plan
 from .kernels.quantize import GROUP as QUANTIZE_GROUP
-from .plan.planner import MAX_FUSION, Layer, make_plan
+from .plan.planner import MAX_FUSION, Layer, default_fusion, make_plan
 from .plan.records import Plan
 from .gpu.runtime import runtime_for
 
@@ -59,10 +59,10 @@ class TensorAverager:
         on_slow: called once with what is waited for (``"bucket 0"``) when a wait
             takes over ``slow_after`` seconds; what it returns (who the wait is
             for: the stall inspector's answer) ends the timeout's message.
-        fusion_bytes: tensor bytes fused into one bucket (None: as many as the
-            planner's largest bucket sends on the wire, ``MAX_FUSION`` = 32 MiB:
-            a compressed bucket holds as many more values as it sends fewer bytes
-            for each).
+        fusion_bytes: tensor bytes fused into one bucket. None: with int8 or
+            int4, as many as 32 MiB on the wire (``MAX_FUSION``: one bucket for
+            most models); else the planner's default for the link, counted on
+            the wire (an fp16 bucket holds twice fp32's values).
 
     Example::
 
@@ -235,7 +235,7 @@ class TensorAverager:
                 world_size=world,
                 model=self._cost_model,
                 strategy=self.strategy,
-                fusion_bytes=self._fusion_bytes(tensors[0].element_size()),
+                fusion_bytes=self._fusion_bytes(tensors[0].element_size(), world),
             ),
             group=self.group,
             timeout=self.timeout,
@@ -264,17 +264,30 @@ class TensorAverager:
             engine.on_slow, engine.slow_after = (lambda i: on_slow(f"bucket {i}")), self.slow_after
         return buckets, engine
 
-    def _fusion_bytes(self, element_size: int) -> int:
-        """The user's ``fusion_bytes``, else the planner's largest bucket in bytes on
-        the wire. Every tensor is ready at once here, so a small bucket starts
-        nothing earlier, and each one costs its messages (on gloo a rendezvous each,
-        and with more ranks than cores, gloo's loop thread spinning on its lock) and
-        its host work: charlm's 0.47M values as 11 buckets of int4 cost 35 ms of CPU
-        a rank per average, as one bucket 11 ms."""
+    def _fusion_bytes(self, element_size: int, world: int) -> int:
+        """The user's ``fusion_bytes``, else by what a bucket travels as.
+
+        Quantized (int8, int4): up to the planner's largest bucket on the wire. Such
+        a bucket always goes through the exchange and the gather (comm/quantized.py),
+        2 (P - 1) messages whatever its size, and every tensor is ready at once, so
+        a small bucket starts nothing earlier. Sized like fp32 values, charlm's int4
+        Δ was 11 buckets of 8.8 KB messages (on gloo a rendezvous each, and with more
+        ranks than cores its loop thread spinning on their locks): 35 ms of CPU a
+        rank an average, against 12 ms as one bucket.
+
+        Otherwise the planner's default for the link, counted on the wire (fp16
+        buckets hold twice fp32's values): a whole bucket's algorithm may be the
+        process group's own all-reduce, which the cost model extrapolates from
+        small probes, and one 4 MB bucket flipped between it and the ring from
+        launch to launch (digits' local SGD, 4.5 s and 10.7 s to the target)."""
         if self.fusion_bytes is not None:
             return self.fusion_bytes
         per_value = wire_bytes_per_value(self.compression, element_size)
-        return int(MAX_FUSION * element_size / per_value)
+        if bits_of(self.compression):
+            wire = MAX_FUSION
+        else:
+            wire = default_fusion(self._cost_model, [], world_size=world)
+        return int(wire * element_size / per_value)
 
     def close(self) -> None:
         if self._channel is not None:

@@ -237,32 +237,52 @@ def dequantize_ref(codes, scales, out, *, bits: int, group: int = GROUP, accumul
     return _dequantize_torch(codes, scales, out, bits, group, accumulate) if out.numel() else out
 
 
-def _quantize_torch(x, codes, scales, bits, group):
-    n, q = x.numel(), qmax(bits)
+def _rows(x, group):
+    """``x`` as fp32 rows of ``group`` values: ``x`` itself where it is fp32 and whole
+    groups (no copy: a sync's buckets are), else a copy padded with zeros."""
+    n = x.numel()
+    flat = x.reshape(-1)
+    if n % group == 0 and flat.dtype == torch.float32:
+        return flat.view(-1, group)
     padded = torch.zeros(groups(n, group) * group, dtype=torch.float32, device=x.device)
-    padded[:n] = x.reshape(-1)
-    rows = padded.view(-1, group)
+    padded[:n] = flat
+    return padded.view(-1, group)
+
+
+def _quantize_torch(x, codes, scales, bits, group):
+    q = qmax(bits)
+    rows = _rows(x, group)
     scale = rows.abs().amax(1).div_(q)  # (IEEE divisions, as the kernel's div_rn)
     scales.copy_(scale)
-    y = rows.div_(torch.where(scale > 0, scale, 1.0)[:, None]).view(-1)
+    y = (rows / torch.where(scale > 0, scale, 1.0)[:, None]).view(-1)  # (x is not written)
     # floor(|y| + 1/2) with y's sign: the same numbers as the kernel's where(y < 0, -r, r)
     code = y.abs().add_(0.5).floor_().clamp_(max=q).copysign_(y).add_(q + 1).to(torch.uint8)
-    if bits == 4:
-        pairs = code.view(-1, 2)
-        code = pairs[:, 1].mul(16).add_(pairs[:, 0])
-    codes.copy_(code[: codes.numel()])
+    if bits == 4:  # two codes a byte, even elements low: written into codes directly
+        pairs = code.view(-1, 2)[: codes.numel()]
+        torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=codes)
+    else:
+        codes.copy_(code[: codes.numel()])
 
 
 def _dequantize_torch(codes, scales, out, bits, group, accumulate):
     n, q = out.numel(), qmax(bits)
-    if bits == 4:
-        codes = torch.stack([codes & 15, codes >> 4], dim=1).view(-1)
     size = groups(n, group) * group
-    value = torch.zeros(size, dtype=torch.float32, device=out.device)
-    value[: min(n, codes.numel())] = codes[:n]
-    value = value.sub_(q + 1).view(-1, group).mul_(scales[:, None]).view(-1)[:n]
-    if accumulate:
-        out.view(-1).add_(value)
+    direct = not accumulate and size == n and out.is_contiguous()
+    value = out.view(-1) if direct else torch.empty(size, dtype=torch.float32, device=out.device)
+    if bits == 4:  # low nibbles to the even elements, high to the odd
+        pairs = value.view(-1, 2)
+        pairs[: codes.numel(), 0] = codes & 15
+        pairs[: codes.numel(), 1] = codes >> 4
+        filled = 2 * codes.numel()
     else:
-        out.view(-1).copy_(value)
+        value[: codes.numel()] = codes
+        filled = codes.numel()
+    value[filled:].zero_()  # (the last group's padding: no codes)
+    value.sub_(q + 1).view(-1, group).mul_(scales[:, None])
+    if direct:
+        return out
+    if accumulate:
+        out.view(-1).add_(value[:n])
+    else:
+        out.view(-1).copy_(value[:n])
     return out

@@ -122,13 +122,14 @@ def test_averaging_often_keeps_no_more_events_than_averaging_once():
 
 
 def _plans(rank, world):
-    """The buckets the averager plans for 12 tensors of 1.2 MB in all, larger than the
-    default cost model's fused bucket (444 KB): by default, with 4-bit codes, and with
-    a user's fusion_bytes; and the averages those plans give."""
+    """The buckets the averager plans for 12 tensors of 100 KB, 1.2 MB in all (the
+    default cost model fuses 444 KB on the wire), by compression and with a user's
+    fusion_bytes; and the averages those plans give."""
     tensors = [torch.full((25_000,), float(rank + i)) for i in range(12)]
     out = {}
     for name, options in {
-        "default": {},
+        "fp32": {},
+        "fp16": {"compression": "fp16"},
         "int4": {"compression": "int4"},
         "fused 200 KB": {"fusion_bytes": 200_000},
     }.items():
@@ -141,14 +142,16 @@ def _plans(rank, world):
     return out
 
 
-def test_an_average_fuses_its_tensors_into_few_buckets_unless_told_otherwise():
-    """Every tensor is ready at once, so a small bucket starts nothing earlier and
-    only adds messages: the tensors share one bucket, whatever the link's model
-    would fuse for gradients; ``fusion_bytes`` cuts them, and the averages agree."""
+def test_an_average_is_fused_by_its_bytes_on_the_wire_unless_told_otherwise():
+    """A quantized average is one bucket (its messages are per bucket, whatever its
+    size); fp16 fuses on the wire, so twice fp32's values a bucket; ``fusion_bytes``
+    cuts them as told; and the averages agree."""
     for out in run_ranks(2, _plans, timeout=120):
-        assert out["default"][0] == [12] and out["int4"][0] == [12]
+        assert out["int4"][0] == [12]
+        fp32, fp16 = out["fp32"][0], out["fp16"][0]
+        assert len(fp32) > 1 and len(fp16) < len(fp32) and sum(fp16) == 12, (fp32, fp16)
         fused = out["fused 200 KB"][0]
         assert len(fused) == 6 and sum(fused) == 12, fused  # two 100 KB tensors a bucket
         for i, t in enumerate(out["fused 200 KB"][1]):
             assert torch.equal(t, torch.full_like(t, i + 0.5))  # the mean of rank + i
-            assert torch.equal(out["default"][1][i], t)
+            assert torch.equal(out["fp32"][1][i], t)
