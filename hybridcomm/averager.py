@@ -270,16 +270,16 @@ class TensorAverager:
         Quantized (int8, int4): up to the planner's largest bucket on the wire. Such
         a bucket always goes through the exchange and the gather (comm/quantized.py),
         2 (P - 1) messages whatever its size, and every tensor is ready at once, so
-        a small bucket starts nothing earlier. Sized like fp32 values, charlm's int4
-        Δ was 11 buckets of 8.8 KB messages (on gloo a rendezvous each, and with more
-        ranks than cores its loop thread spinning on their locks): 35 ms of CPU a
-        rank an average, against 12 ms as one bucket.
+        a small bucket starts nothing earlier. Fused like fp32 values, charlm's int4
+        Δ was 8-11 buckets of 9 KB messages (on gloo a rendezvous each, and with more
+        ranks than cores gloo's loop thread spinning on their locks): 35 ms of CPU a
+        rank an average at 4 ranks over tbf 100mbit, against 11 ms as one bucket
+        (benchmarks/average_cost.py).
 
-        Otherwise the planner's default for the link, counted on the wire (fp16
-        buckets hold twice fp32's values): a whole bucket's algorithm may be the
-        process group's own all-reduce, which the cost model extrapolates from
-        small probes, and one 4 MB bucket flipped between it and the ring from
-        launch to launch (digits' local SGD, 4.5 s and 10.7 s to the target)."""
+        Otherwise the planner's default for the link, counted on the wire (an fp16
+        bucket holds twice fp32's values), so the plan still picks an algorithm per
+        bucket: there one bucket saved little CPU (fp16: 18 ms a rank an average as
+        8 buckets, 17 ms as one)."""
         if self.fusion_bytes is not None:
             return self.fusion_bytes
         per_value = wire_bytes_per_value(self.compression, element_size)

@@ -221,3 +221,26 @@ def test_a_killed_server_is_a_clear_error_on_every_worker_within_its_timeout():
         kind, elapsed, msg = outcome
         assert kind in ("HybridCommError", "HybridCommTimeout")
         assert "server0" in msg and elapsed < 2 + 3 + 5  # dies at ~2 s; a 3 s timeout
+
+
+def _local_sgd_set_up_when(rank, world, tmp):
+    """With no cost model saved or kept: is the start-up probe kept (rank 0) right
+    after LocalSGD's construction, before its first average?"""
+    os.environ.pop("HYBRIDCOMM_COST_MODEL", None)
+    os.environ["XDG_CACHE_HOME"] = tmp
+    os.environ["HYBRIDCOMM_PROBE_CACHE"] = "1"
+    from hybridcomm.comm import calibration
+
+    calibration.set_active(None)
+    model = nn.Linear(8, 4)
+    opt = LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, period=2, timeout=60)
+    kept = [n for n in os.listdir(os.path.join(tmp, "hybridcomm")) if n.startswith("probe")]
+    opt.synchronize()
+    return kept
+
+
+def test_local_sgd_makes_its_cost_model_at_construction(tmp_path):
+    """The start-up probe (seconds on a slow link) runs in the constructor, a
+    collective already, not inside the first average's step."""
+    kept = run_ranks(2, _local_sgd_set_up_when, str(tmp_path))
+    assert kept[0], "rank 0 kept no start-up probe at construction"

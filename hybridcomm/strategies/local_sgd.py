@@ -52,6 +52,10 @@ class LocalSGD:
         self.bytes_sent = 0
         broadcast_parameters(model.state_dict(), process_group=group, timeout=self.timeout)
         self._averager = TensorAverager(group, timeout=self.timeout)
+        # The cost model's agreement (a start-up probe where none is kept: 9 s at 100
+        # Mbit/s) and the parameters' plan now, not in the first average's step; with
+        # average_state the state's tensors come later, and only their plan with them
+        self._averager.prepare(list(model.parameters()))
         # The synchronous warm-up: the gradient synchronizer, closed when it ends.
         self._sync = (
             GradientSynchronizer(
