@@ -87,8 +87,8 @@ class DiLoCo:
             dead or stalled peer is a ``HybridCommError`` (``HybridCommTimeout``
             when it did not answer in time) naming the ranks, never a hang.
         cost_model, strategy, fusion_bytes: the averager's (``TensorAverager``:
-            by default a fragment's Δ travels in as few buckets as 32 MiB on the
-            wire each allows).
+            by default, quantized, a fragment's Δ travels in as few buckets as 32
+            MiB on the wire each allows; otherwise as the link's fusion cuts it).
         shard: not supported (sharded optimizer state); leave it None.
 
     ``synchronize()`` completes every fragment's sync now, so that every rank
