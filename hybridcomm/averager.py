@@ -62,7 +62,8 @@ class TensorAverager:
         fusion_bytes: tensor bytes fused into one bucket. None: with int8 or
             int4, as many as 32 MiB on the wire (``MAX_FUSION``: one bucket for
             most models); else the planner's default for the link, counted on
-            the wire (an fp16 bucket holds twice fp32's values).
+            the wire (an fp16 bucket holds twice fp32's values). Converted to
+            tensor bytes at the first tensor's dtype.
 
     Example::
 

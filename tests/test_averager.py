@@ -121,10 +121,12 @@ def test_averaging_often_keeps_no_more_events_than_averaging_once():
         assert m < f + (40 - 3), (few, many)
 
 
-def _plans(rank, world):
+def _plans(rank, world, simulate):
     """The buckets the averager plans for 12 tensors of 100 KB, 1.2 MB in all (the
     default cost model fuses 444 KB on the wire), by compression and with a user's
     fusion_bytes; and the averages those plans give."""
+    if simulate:
+        os.environ["HYBRIDCOMM_SIMULATE_GPU"] = "1"
     tensors = [torch.full((25_000,), float(rank + i)) for i in range(12)]
     out = {}
     for name, options in {
@@ -137,16 +139,20 @@ def _plans(rank, world):
         plan = avg.prepare(tensors)
         averaged = [t.clone() for t in tensors]
         avg.average_(averaged)
+        rt = runtime_for(averaged[0].device)
+        if rt is not None:  # the host reads the results: as .cpu() would on a GPU
+            rt.synchronize()
         avg.close()
         out[name] = ([len(b.params) for b in plan.buckets], averaged)
     return out
 
 
-def test_an_average_is_fused_by_its_bytes_on_the_wire_unless_told_otherwise():
+@pytest.mark.parametrize("simulate", [False, True], ids=["host", "simgpu"])
+def test_an_average_is_fused_by_its_bytes_on_the_wire_unless_told_otherwise(simulate):
     """A quantized average is one bucket (its messages are per bucket, whatever its
     size); fp16 fuses on the wire, so twice fp32's values a bucket; ``fusion_bytes``
     cuts them as told; and the averages agree."""
-    for out in run_ranks(2, _plans, timeout=120):
+    for out in run_ranks(2, _plans, simulate, timeout=120):
         assert out["int4"][0] == [12]
         fp32, fp16 = out["fp32"][0], out["fp16"][0]
         assert len(fp32) > 1 and len(fp16) < len(fp32) and sum(fp16) == 12, (fp32, fp16)
