@@ -250,13 +250,19 @@ def _rows(x, group):
 
 
 def _quantize_torch(x, codes, scales, bits, group):
+    # The kernel's numbers in few passes over the values: this is the CPU production
+    # path, and each pass of eager torch reads or writes 4 bytes a value.
     q = qmax(bits)
     rows = _rows(x, group)
-    scale = rows.abs().amax(1).div_(q)  # (IEEE divisions, as the kernel's div_rn)
-    scales.copy_(scale)
+    # |x|'s largest without a copy of |x|; abs_ makes a group of zeros' scale +0.0
+    scale = torch.maximum(rows.amax(1), rows.amin(1).neg_()).abs_().div_(q)
+    scales.copy_(scale)  # (IEEE divisions, as the kernel's div_rn)
     y = (rows / torch.where(scale > 0, scale, 1.0)[:, None]).view(-1)  # (x is not written)
-    # floor(|y| + 1/2) with y's sign: the same numbers as the kernel's where(y < 0, -r, r)
-    code = y.abs().add_(0.5).floor_().clamp_(max=q).copysign_(y).add_(q + 1).to(torch.uint8)
+    negative = torch.signbit(y).view(torch.uint8)
+    # min(floor(|y| + 1/2), q), the kernel's r: the truncation of min(|y| + 1/2, q)
+    r = y.abs_().add_(0.5).clamp_(max=q).to(torch.uint8)
+    # r's sign as bytes, mod 256: r * 255 is -r, and q + 1 - r is never below 1
+    code = r.mul_(negative.mul(254).add_(1)).add_(q + 1)
     if bits == 4:  # two codes a byte, even elements low: written into codes directly
         pairs = code.view(-1, 2)[: codes.numel()]
         torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=codes)

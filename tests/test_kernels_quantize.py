@@ -97,6 +97,24 @@ def test_multiples_of_the_scale_and_zeros_are_exact(bits):
     assert torch.equal(K.dequantize(codes, scales, torch.ones(300), bits=bits), zeros)
 
 
+@pytest.mark.parametrize("bits", Q.BITS)
+def test_halves_round_away_from_zero_in_both_signs(bits):
+    q = Q.qmax(bits)
+    halves = torch.arange(min(q, 62), dtype=torch.float32) + 0.5  # 0.5, 1.5, ...: one group
+    y = torch.cat([torch.tensor([float(q), -0.0, 0.0]), halves, -halves])  # its scale 1
+    want = torch.cat([torch.tensor([q, 0, 0]), halves.ceil(), -halves.ceil()]) + q + 1
+    for impl in ("torch", "triton"):
+        x = y * 0.25  # every value exact; the group's scale 0.25
+        codes, scales = _buffers(x.numel(), bits)
+        K.quantize(x, codes, scales, bits=bits, impl=impl)
+        assert scales.tolist() == [0.25], impl
+        if bits == 4:
+            got = torch.stack([codes & 15, codes >> 4], 1).view(-1)[: x.numel()]
+        else:
+            got = codes
+        assert got.tolist() == want.to(torch.uint8).tolist(), impl
+
+
 def test_four_bits_pack_two_codes_a_byte_low_nibble_first():
     x = torch.tensor([7.0, -7.0, 0.0])  # scale 1: codes 7+8, -7+8, 0+8 (and the pad's 0+8)
     for impl in ("torch", "triton"):
