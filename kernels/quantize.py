@@ -254,9 +254,10 @@ def _quantize_torch(x, codes, scales, bits, group):
     # path, and each pass of eager torch reads or writes 4 bytes a value.
     q = qmax(bits)
     rows = _rows(x, group)
-    # |x|'s largest without a copy of |x|; abs_ makes a group of zeros' scale +0.0
+    # |x|'s largest without a copy of |x|; abs_ makes a group of zeros' scale +0.0.
+    # Both divisions are IEEE, as the kernel's div_rn.
     scale = torch.maximum(rows.amax(1), rows.amin(1).neg_()).abs_().div_(q)
-    scales.copy_(scale)  # (IEEE divisions, as the kernel's div_rn)
+    scales.copy_(scale)
     y = (rows / torch.where(scale > 0, scale, 1.0)[:, None]).view(-1)  # (x is not written)
     negative = torch.signbit(y).view(torch.uint8)
     # min(floor(|y| + 1/2), q), the kernel's r: the truncation of min(|y| + 1/2, q)

@@ -103,8 +103,8 @@ def test_halves_round_away_from_zero_in_both_signs(bits):
     halves = torch.arange(min(q, 62), dtype=torch.float32) + 0.5  # 0.5, 1.5, ...: one group
     y = torch.cat([torch.tensor([float(q), -0.0, 0.0]), halves, -halves])  # its scale 1
     want = torch.cat([torch.tensor([q, 0, 0]), halves.ceil(), -halves.ceil()]) + q + 1
+    x = y * 0.25  # every value exact; the group's scale 0.25
     for impl in ("torch", "triton"):
-        x = y * 0.25  # every value exact; the group's scale 0.25
         codes, scales = _buffers(x.numel(), bits)
         K.quantize(x, codes, scales, bits=bits, impl=impl)
         assert scales.tolist() == [0.25], impl
